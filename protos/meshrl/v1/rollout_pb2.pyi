@@ -1,0 +1,60 @@
+from meshrl.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RolloutInitRequest(_message.Message):
+    __slots__ = ("run_id", "model_path", "dtype")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    model_path: str
+    dtype: str
+    def __init__(self, run_id: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("n", "temperature", "top_p", "max_new_tokens", "seed", "first_index", "stop_token_ids")
+    N_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    first_index: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., first_index: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("params", "chunks")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    params: SamplingParams
+    chunks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorChunk]
+    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("chunks", "weight_version")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorChunk]
+    weight_version: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class ReceiveWeightsRequest(_message.Message):
+    __slots__ = ("channel_id", "timeout_s")
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    timeout_s: float
+    def __init__(self, channel_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,118 @@
+"""The tensor plane: a small ``TensorChannel`` interface and its gloo implementation.
+
+A channel is a fixed group of ranks; rank 0 (the trainer) sends, the others
+(rollout engines) receive. The coordinator arranges it: the root's
+``prepare_gloo_rendezvous`` opens a store and returns its address, every
+member (root included) is then told to join with its rank, concurrently,
+since joining blocks until all have arrived. On GPU the same interface sits
+on NCCL through cupy.
+
+Every collective has a deadline: a member that does not show up makes the
+call fail with ``TimeoutError`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class TensorChannel(Protocol):
+    """A broadcast group for moving weights, outside gRPC.
+
+    Calls are blocking; services make them from a worker thread.
+    """
+
+    rank: int
+    world_size: int
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        """Send ``tensor`` from ``root`` into the same-shaped tensor of every other rank."""
+
+    def close(self) -> None:
+        """Leave the group and release its resources."""
+
+
+def prepare_gloo_rendezvous(host: str, timeout_s: float) -> tuple[dist.TCPStore, bytes]:
+    """Open the store that a gloo channel meets at, on a free port of ``host``.
+
+    Returns the store (keep it alive until the channel is joined) and its
+    address as the rendezvous bytes that members pass to ``GlooChannel``.
+    """
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return store, f"{host}:{store.port}".encode()
+
+
+class GlooChannel:
+    """A torch.distributed gloo group of its own (not the process's default group)."""
+
+    def __init__(self, channel_id: str, rendezvous: bytes, rank: int, world_size: int, timeout_s: float):
+        host, _, port = rendezvous.decode().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"gloo rendezvous must be host:port, got {rendezvous!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        store = dist.PrefixStore(f"channel/{channel_id}/", dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        try:
+            self._group = dist.ProcessGroupGloo(store, rank, world_size, options)
+        except dist.DistStoreError as error:
+            raise TimeoutError(
+                f"channel {channel_id}: not all {world_size} members joined within {timeout_s} s ({error})"
+            ) from error
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        try:
+            self._group.broadcast([tensor], options).wait(self.timeout)
+        except RuntimeError as error:
+            raise TimeoutError(
+                f"broadcast from rank {root} did not finish within {self.timeout.total_seconds()} s ({error})"
+            ) from error
+
+    def close(self) -> None:
+        self._group = None
+
+
+class ChannelTable:
+    """The channels a service has joined, by id. Joining an id again replaces the old channel."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, TensorChannel] = {}
+
+    async def join(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
+                   timeout_s: float) -> None:
+        """Join (blocks, on a thread of its own, until every member has joined or the deadline passes)."""
+        import asyncio
+
+        if backend != "gloo":
+            raise ValueError(f"channel backend {backend!r} is not available here (gloo only)")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        channel = await asyncio.to_thread(GlooChannel, channel_id, rendezvous, rank, world_size, timeout_s)
+        old = self._channels.pop(channel_id, None)
+        if old is not None:
+            old.close()
+        self._channels[channel_id] = channel
+
+    def get(self, channel_id: str) -> TensorChannel:
+        from services.common.errors import NotFound
+
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            raise NotFound(f"channel {channel_id!r} not joined")
+        return channel
+
+    def close_all(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()

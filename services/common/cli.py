@@ -1,0 +1,34 @@
+"""The command line every service shares: ``python -m services.<kind> --config FILE key=value ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TypeVar
+
+from services.common.config import ConfigError, ServeConfig, load_config, to_yaml
+
+Config = TypeVar("Config", bound=ServeConfig)
+
+
+def parse_service_config(kind: str, model: type[Config], argv: list[str] | None = None) -> Config:
+    """Read ``--config`` plus overrides; exit with the message naming the field on a bad config."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{kind}", description=f"Run a meshrl {kind} service.")
+    parser.add_argument("--config", help="YAML file with this service's settings")
+    parser.add_argument("--port", type=int, help="shorthand for port=N")
+    parser.add_argument("--coordinator", help="shorthand for coordinator=host:port")
+    parser.add_argument("overrides", nargs="*", help="key=value settings, applied after the file")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.port is not None:
+        overrides.append(f"port={args.port}")
+    if args.coordinator is not None:
+        overrides.append(f"coordinator={args.coordinator}")
+    try:
+        return load_config(model, args.config, overrides)
+    except ConfigError as error:
+        sys.exit(f"{kind}: bad config: {error}")
+
+
+def log_config(log, config: ServeConfig) -> None:
+    log.info("config", config=to_yaml(config))

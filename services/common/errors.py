@@ -1,0 +1,109 @@
+"""Exceptions that mean a status code, and the one interceptor that maps them.
+
+Servicers and domain code raise plain exceptions; the interceptor turns them
+into gRPC status codes at the edge:
+
+| exception                         | status              |
+| --------------------------------- | ------------------- |
+| ValueError, KeyError, TypeError   | INVALID_ARGUMENT    |
+| FailedPrecondition                | FAILED_PRECONDITION |
+| NotFound                          | NOT_FOUND           |
+| Unavailable, ConnectionError,     | UNAVAILABLE         |
+| a failed call to another service  |                     |
+| TimeoutError                      | DEADLINE_EXCEEDED   |
+| anything else                     | INTERNAL (logged)   |
+"""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+
+log = structlog.get_logger()
+
+
+class FailedPrecondition(RuntimeError):
+    """The service is not in a state to do this (no run loaded, channel not joined, ...)."""
+
+
+class NotFound(LookupError):
+    """The named thing (run, channel) does not exist."""
+
+
+class Unavailable(RuntimeError):
+    """A dependency is down; the caller may retry, elsewhere or later."""
+
+
+def status_for(error: BaseException) -> grpc.StatusCode:
+    if isinstance(error, (ValueError, KeyError, TypeError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(error, NotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, (Unavailable, ConnectionError, grpc.aio.AioRpcError)):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.INTERNAL
+
+
+def _message(error: BaseException) -> str:
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    return f"{type(error).__name__}: {text}"
+
+
+async def _abort(context, method: str, error: BaseException) -> None:
+    code = status_for(error)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("rpc_failed", method=method)
+    else:
+        log.warning("rpc_refused", method=method, code=code.name, error=_message(error))
+    await context.abort(code, _message(error))
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every handler so that an exception becomes the status code above."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        kinds = {
+            "unary_unary": grpc.unary_unary_rpc_method_handler,
+            "stream_unary": grpc.stream_unary_rpc_method_handler,
+            "unary_stream": grpc.unary_stream_rpc_method_handler,
+            "stream_stream": grpc.stream_stream_rpc_method_handler,
+        }
+        for attribute, make in kinds.items():
+            behaviour = getattr(handler, attribute)
+            if behaviour is not None:
+                wrapped = _wrap_stream(behaviour, method) if attribute.endswith("_stream") else _wrap(behaviour, method)
+                return make(wrapped, handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+def _wrap(behaviour, method: str):
+    async def call(request, context):
+        try:
+            return await behaviour(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the point of this interceptor
+            await _abort(context, method, error)
+
+    return call
+
+
+def _wrap_stream(behaviour, method: str):
+    async def call(request, context):
+        try:
+            async for response in behaviour(request, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            await _abort(context, method, error)
+
+    return call

@@ -1,0 +1,88 @@
+"""Padding-free batches of prompt + response token sequences.
+
+A batch of B sequences is stored flat: all prompt tokens concatenated with
+their lengths, all response tokens concatenated with theirs. Token-level
+values (logprobs, advantages) are flat tensors aligned with ``response_ids``.
+This is the form batches travel in, between every service.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def split_ragged(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Cut a flat tensor into B pieces of the given lengths."""
+    return list(torch.split(flat, lengths.tolist()))
+
+
+def join_ragged(pieces: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate pieces into (flat, lengths)."""
+    lengths = torch.tensor([len(p) for p in pieces], dtype=torch.int64)
+    flat = torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces]) if pieces else torch.zeros(0, dtype=dtype)
+    return flat, lengths
+
+
+def ragged_select(flat: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The flat tokens of the given rows, in the order given."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    pieces = [flat[starts[r] : starts[r] + lengths[r]] for r in rows.tolist()]
+    return torch.cat(pieces) if pieces else flat[:0]
+
+
+@dataclass(frozen=True)
+class Padded:
+    """A right-padded view of a SequenceBatch for a causal LM forward pass."""
+
+    input_ids: torch.Tensor  # [B, L] int64, prompt then response then pad
+    attention_mask: torch.Tensor  # [B, L] int64
+    response_mask: torch.Tensor  # [B, L-1] bool: position t predicts a response token at t+1
+
+    def to(self, device: torch.device | str) -> Padded:
+        return Padded(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device))
+
+    def gather_response(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[B, L-1] values at predicting positions -> flat [T] aligned with response_ids."""
+        return per_position[self.response_mask]
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    prompt_ids: torch.Tensor  # [P] int64
+    prompt_lens: torch.Tensor  # [B] int64
+    response_ids: torch.Tensor  # [T] int64
+    response_lens: torch.Tensor  # [B] int64
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_lens.sum())
+
+    def select(self, rows: torch.Tensor) -> SequenceBatch:
+        """The sub-batch of the given rows (indices), in that order."""
+        return SequenceBatch(
+            ragged_select(self.prompt_ids, self.prompt_lens, rows),
+            self.prompt_lens[rows],
+            ragged_select(self.response_ids, self.response_lens, rows),
+            self.response_lens[rows],
+        )
+
+    def padded(self, pad_id: int = 0) -> Padded:
+        """Right-padded prompt+response rows and the mask of response predictions."""
+        prompts = split_ragged(self.prompt_ids, self.prompt_lens)
+        responses = split_ragged(self.response_ids, self.response_lens)
+        total = (self.prompt_lens + self.response_lens).tolist()
+        width = max(total, default=1)
+        input_ids = torch.full((len(self), width), pad_id, dtype=torch.int64)
+        attention_mask = torch.zeros((len(self), width), dtype=torch.int64)
+        response_mask = torch.zeros((len(self), max(width - 1, 0)), dtype=torch.bool)
+        for row, (prompt, response) in enumerate(zip(prompts, responses)):
+            sequence = torch.cat([prompt, response])
+            input_ids[row, : len(sequence)] = sequence
+            attention_mask[row, : len(sequence)] = 1
+            response_mask[row, len(prompt) - 1 : len(sequence) - 1] = True
+        return Padded(input_ids, attention_mask, response_mask)

@@ -1,0 +1,144 @@
+"""Running a service process: the gRPC server, health, registration, SIGTERM.
+
+Every service's ``__main__`` builds its servicer and calls ``run_service``,
+which:
+1. starts a grpc.aio server (on uvloop) with the error interceptor and the
+   standard health service, on the configured host and port (0 = any free port);
+2. registers with the coordinator and heartbeats, registering again whenever
+   the coordinator has forgotten it (it restarted);
+3. on SIGTERM or SIGINT, marks itself NOT_SERVING, deregisters, lets the
+   calls in flight finish within the grace period and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Callable, Protocol, TypeVar
+
+import grpc
+import structlog
+import uvloop
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.common.cli import log_config, parse_service_config
+from services.common.config import ServeConfig
+from services.common.errors import ErrorInterceptor
+from services.common.logging import configure_logging
+from services.common.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS
+
+PROTOCOL_VERSION = 1
+Config = TypeVar("Config", bound=ServeConfig)
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a service listens and whom it reports to."""
+
+    kind: str
+    host: str
+    port: int
+    group: str
+    coordinator: str  # host:port, or "" for the coordinator itself
+    grace_s: float = 10.0
+
+
+def identity_for(endpoint: Endpoint, port: int) -> common_pb2.ServiceIdentity:
+    hostname = socket.gethostname()
+    host = endpoint.host if endpoint.host not in ("0.0.0.0", "::", "[::]") else hostname
+    return common_pb2.ServiceIdentity(
+        service_id=f"{endpoint.kind}-{hostname}-{port}-{os.getpid()}",
+        kind=endpoint.kind,
+        address=f"{host}:{port}",
+        group=endpoint.group,
+        protocol_version=PROTOCOL_VERSION,
+        pid=os.getpid(),
+        hostname=hostname,
+    )
+
+
+async def keep_registered(identity: common_pb2.ServiceIdentity, coordinator: str, stop: asyncio.Event) -> None:
+    """Register, then heartbeat until ``stop``; re-register when forgotten or after an outage."""
+    channel = grpc.aio.insecure_channel(coordinator, options=CHANNEL_OPTIONS)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    interval, registered = 1.0, False
+    try:
+        while not stop.is_set():
+            try:
+                if not registered:
+                    reply = await stub.Register(coordinator_pb2.RegisterRequest(identity=identity), timeout=5)
+                    interval, registered = reply.heartbeat_interval_s, True
+                    log.info("registered", coordinator=coordinator, service_id=identity.service_id)
+                else:
+                    beat = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(service_id=identity.service_id), timeout=5)
+                    registered = beat.known
+            except grpc.aio.AioRpcError as error:
+                registered = False
+                log.warning("coordinator_unreachable", coordinator=coordinator, code=error.code().name)
+            with _suppress_timeout():
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+        with _suppress_timeout():
+            await stub.Deregister(coordinator_pb2.HeartbeatRequest(service_id=identity.service_id), timeout=2)
+    finally:
+        await channel.close()
+
+
+class _suppress_timeout:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace):
+        return kind is not None and issubclass(kind, (asyncio.TimeoutError, grpc.aio.AioRpcError))
+
+
+class Attached(Protocol):
+    async def close(self) -> None:
+        """Release what the servicer holds (channels, engines) after the server stopped."""
+
+
+async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb2.ServiceIdentity], Attached]) -> None:
+    """Serve until SIGTERM/SIGINT. ``attach`` adds the servicer to the server and returns it."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    port = server.add_insecure_port(f"{endpoint.host}:{endpoint.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {endpoint.host}:{endpoint.port}")
+    identity = identity_for(endpoint, port)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    servicer = attach(server, identity)
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    structlog.contextvars.bind_contextvars(service_id=identity.service_id)
+    log.info("serving", address=identity.address, kind=endpoint.kind, pid=os.getpid())
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    heartbeat = asyncio.create_task(keep_registered(identity, endpoint.coordinator, stop)) if endpoint.coordinator else None
+    await stop.wait()
+    log.info("stopping", grace_s=endpoint.grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    if heartbeat is not None:
+        await heartbeat
+    await server.stop(endpoint.grace_s)
+    await servicer.close()
+    log.info("stopped")
+
+
+def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.aio.Server, Config, common_pb2.ServiceIdentity], Attached]) -> None:
+    """The whole ``__main__`` of a service: parse the config, log it, serve on uvloop."""
+    config = parse_service_config(kind, config_model)
+    log_config(configure_logging(kind, config.log_level), config)
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+        torch.set_num_interop_threads(config.torch_threads)
+    endpoint = Endpoint(kind, config.host, config.port, config.group, config.coordinator, config.grace_s)
+    uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))

@@ -1,0 +1,137 @@
+"""Weights over a TensorChannel, in buckets, each verified by a checksum.
+
+Protocol (rank 0 sends, every other rank receives the same broadcasts):
+1. the manifest's length (int64 [1]) then the manifest (uint8, JSON): the
+   weight version and, per bucket, its size and the name, dtype, shape and
+   byte offset of each tensor in it;
+2. per bucket: the bucket (uint8 [size], tensors packed at 16-byte aligned
+   offsets), then its checksum (int64 [1]), which the receiver recomputes
+   before loading the bucket.
+
+The receiver hands each verified bucket to ``load`` as (name, tensor) pairs
+while the next bucket is on its way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from services.common.channel import TensorChannel
+from services.common.wire import DTYPE_NAMES, DTYPES
+
+ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class Bucket:
+    size: int
+    entries: tuple[Entry, ...]
+
+
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
+    """Pack tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor gets one alone)."""
+    buckets: list[Bucket] = []
+    entries: list[Entry] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if entries and size + nbytes > bucket_bytes:
+            buckets.append(Bucket(size, tuple(entries)))
+            entries, size = [], 0
+        entries.append(Entry(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), size))
+        size += -(-nbytes // ALIGN) * ALIGN
+    if entries:
+        buckets.append(Bucket(size, tuple(entries)))
+    return buckets
+
+
+def checksum(buffer: torch.Tensor) -> int:
+    """Sum of the bucket's 32-bit words, each weighted by (position mod 251) + 1, in int64."""
+    words = buffer.view(torch.int32).to(torch.int64)
+    weights = torch.arange(words.numel(), device=buffer.device, dtype=torch.int64) % 251 + 1
+    return int((words * weights).sum())
+
+
+def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    buffer = torch.zeros(bucket.size, dtype=torch.uint8, device=device)
+    for entry in bucket.entries:
+        source = tensors[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[entry.offset : entry.offset + entry.nbytes].copy_(source)
+    return buffer
+
+
+def unpack(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [
+        (e.name, buffer[e.offset : e.offset + e.nbytes].view(DTYPES[e.dtype]).reshape(e.shape)) for e in bucket.entries
+    ]
+
+
+def _manifest_json(version: int, buckets: list[Bucket]) -> bytes:
+    return json.dumps({
+        "version": version,
+        "buckets": [{"size": b.size, "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in b.entries]}
+                    for b in buckets],
+    }).encode()
+
+
+def _manifest_from_json(data: bytes) -> tuple[int, list[Bucket]]:
+    manifest = json.loads(data)
+    buckets = [
+        Bucket(b["size"], tuple(Entry(name, dtype, tuple(shape), offset) for name, dtype, shape, offset in b["entries"]))
+        for b in manifest["buckets"]
+    ]
+    return manifest["version"], buckets
+
+
+def send_weights(
+    channel: TensorChannel, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
+    device: torch.device | str = "cpu",
+) -> tuple[int, int]:
+    """Broadcast the tensors from rank 0; returns (total bytes, bucket count)."""
+    buckets = plan_buckets(named, bucket_bytes)
+    manifest = _manifest_json(version, buckets)
+    channel.broadcast(torch.tensor([len(manifest)], dtype=torch.int64, device=device))
+    channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
+    tensors = dict(named)
+    for bucket in buckets:
+        buffer = pack(bucket, tensors, device)
+        channel.broadcast(buffer)
+        channel.broadcast(torch.tensor([checksum(buffer)], dtype=torch.int64, device=device))
+    return sum(b.size for b in buckets), len(buckets)
+
+
+def receive_weights(
+    channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None], device: torch.device | str = "cpu"
+) -> int:
+    """Receive one broadcast, verify each bucket and ``load`` it; returns the weight version."""
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    channel.broadcast(length)
+    manifest = torch.zeros(int(length), dtype=torch.uint8, device=device)
+    channel.broadcast(manifest)
+    version, buckets = _manifest_from_json(manifest.cpu().numpy().tobytes())
+    for index, bucket in enumerate(buckets):
+        buffer = torch.zeros(bucket.size, dtype=torch.uint8, device=device)
+        channel.broadcast(buffer)
+        expected = torch.zeros(1, dtype=torch.int64, device=device)
+        channel.broadcast(expected)
+        if checksum(buffer) != int(expected):
+            raise ValueError(f"weight bucket {index} of version {version} failed its checksum")
+        load(unpack(bucket, buffer))
+    return version

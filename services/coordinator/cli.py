@@ -1,0 +1,217 @@
+"""coordctl: start, watch and stop runs; list services.
+
+    coordctl start-run --local                       # the embedded default, all on this machine
+    coordctl start-run run.yaml data.train_batch_size=64 --coordinator host:7070
+    coordctl runs | status RUN | watch RUN | stop RUN | services
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.resources
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import grpc
+import typer
+from tqdm import tqdm
+
+from services.common.config import ConfigError, apply_overrides, read_yaml, to_yaml, validate
+from services.common.run_config import RunConfig
+from services.coordinator.control import CoordinatorClient, RunStatus
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Control a meshrl coordinator.")
+COORDINATOR = typer.Option(os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:7070"), "--coordinator", "-c",
+                           help="host:port of the coordinator (env MESHRL_COORDINATOR)")
+FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
+
+
+def default_config() -> dict:
+    text = importlib.resources.files("services.coordinator").joinpath("defaults/local.yaml").read_text()
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def resolve_config(args: list[str], local: bool) -> RunConfig:
+    """The run config from an optional YAML file and key=value overrides; exits naming the field if bad."""
+    files = [a for a in args if "=" not in a]
+    overrides = [a for a in args if "=" in a]
+    if len(files) > 1:
+        raise typer.BadParameter(f"one config file at most, got {files}")
+    if files:
+        data = read_yaml(files[0])
+    elif local:
+        data = default_config()
+    else:
+        raise typer.BadParameter("give a run config file, or --local for the embedded default")
+    config = validate(RunConfig, apply_overrides(data, overrides))
+    if local:
+        from services.coordinator.local import cache_dir, prepare_assets
+
+        assets = prepare_assets(config, cache_dir())
+        config = validate(RunConfig, apply_overrides(config.model_dump(mode="json"), assets))
+    config.require_paths()
+    return config
+
+
+async def follow(client: CoordinatorClient, run: RunStatus) -> RunStatus:
+    """Show the run's progress (step, reward, step time) until it ends; return its final status."""
+    with tqdm(total=run.total_steps, desc=run.run_id, unit="step", dynamic_ncols=True) as bar:
+        async for update in client.watch(run.run_id):
+            if update.kind == "step":
+                bar.update(update.step - bar.n)
+                bar.set_postfix(reward=f"{update.metrics.get('critic/score/mean', float('nan')):.3f}",
+                                step_s=f"{update.metrics.get('timing_s/step', float('nan')):.2f}")
+            elif update.kind == "log":
+                bar.write(update.message)
+            elif update.kind == "state":
+                bar.write(f"run {update.state}" + (f": {update.message}" if update.message else ""))
+    return await client.get_run(run.run_id)
+
+
+def print_summary(client_status: RunStatus, rewards: list[float], seconds: float, state_dir: Path | None) -> None:
+    typer.echo("")
+    typer.echo(f"run        {client_status.run_id}  ({client_status.state}, {client_status.step}/"
+               f"{client_status.total_steps} steps in {seconds:.0f} s)")
+    if rewards:
+        head, tail = rewards[: min(5, len(rewards))], rewards[-min(5, len(rewards)):]
+        typer.echo(f"reward     first steps {sum(head) / len(head):.3f} -> last steps {sum(tail) / len(tail):.3f}"
+                   f" (best step {max(rewards):.3f})")
+    run_dir = Path(client_status.run_dir)
+    typer.echo(f"run folder {run_dir}")
+    typer.echo(f"  metrics  {run_dir / 'metrics.jsonl'}")
+    typer.echo(f"  config   {run_dir / 'config.yaml'}")
+    typer.echo(f"  plot     {run_dir / 'reward.png'}")
+    if state_dir is not None:
+        typer.echo(f"  run DB   {state_dir / 'meshrl.db'}")
+        typer.echo(f"  logs     {state_dir / 'logs'}")
+    if client_status.error:
+        typer.echo(f"error      {client_status.error}")
+
+
+def read_rewards(run_dir: str) -> list[float]:
+    import json
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line).get("critic/score/mean", 0.0) for line in path.read_text().splitlines() if line]
+
+
+async def start_and_follow(config: RunConfig, coordinator: str, detach: bool) -> RunStatus:
+    client = CoordinatorClient(coordinator)
+    try:
+        run = await client.start_run(to_yaml(config))
+        typer.echo(f"started run {run.run_id}")
+        return run if detach else await follow(client, run)
+    finally:
+        await client.close()
+
+
+async def run_local(config: RunConfig, state_dir: Path) -> RunStatus:
+    from services.coordinator.local import LocalCluster
+
+    cluster = LocalCluster(state_dir)
+    try:
+        typer.echo(f"starting the local services (logs in {cluster.log_dir})")
+        await cluster.start()
+        return await start_and_follow(config, cluster.coordinator, detach=False)
+    finally:
+        cluster.stop()
+
+
+@app.command("start-run")
+def start_run(
+    args: Optional[list[str]] = typer.Argument(None, help="[CONFIG.yaml] [key.path=value ...]"),
+    local: bool = typer.Option(False, "--local", help="start every service on this machine and run there"),
+    coordinator: str = COORDINATOR,
+    detach: bool = typer.Option(False, "--detach", help="return once the run has started"),
+    state_dir: Optional[Path] = typer.Option(None, help="--local: folder for the run DB, runs and logs"),
+) -> None:
+    """Start a run (the embedded default with --local) and follow it to the end."""
+    started = time.monotonic()
+    try:
+        config = resolve_config(list(args or []), local)
+    except (ConfigError, ValueError) as error:
+        typer.echo(f"bad config: {error}", err=True)
+        raise typer.Exit(2)
+    try:
+        if local:
+            state_dir = state_dir or Path("meshrl-runs") / time.strftime("local-%Y%m%d-%H%M%S")
+            final = asyncio.run(run_local(config, state_dir.resolve()))
+        else:
+            final = asyncio.run(start_and_follow(config, coordinator, detach))
+    except grpc.aio.AioRpcError as error:
+        typer.echo(f"coordinator refused: {error.code().name}: {error.details()}", err=True)
+        raise typer.Exit(1)
+    if detach:
+        return
+    print_summary(final, read_rewards(final.run_dir), time.monotonic() - started, state_dir if local else None)
+    if final.state != "finished":
+        raise typer.Exit(1)
+
+
+def call(coordinator: str, method: str, *args):
+    async def go():
+        client = CoordinatorClient(coordinator)
+        try:
+            return await getattr(client, method)(*args)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(go())
+    except grpc.aio.AioRpcError as error:
+        typer.echo(f"{error.code().name}: {error.details()}", err=True)
+        raise typer.Exit(1)
+
+
+@app.command("runs")
+def list_runs(coordinator: str = COORDINATOR) -> None:
+    """List the coordinator's runs."""
+    for run in call(coordinator, "list_runs"):
+        reward = run.metrics.get("critic/score/mean")
+        typer.echo(f"{run.run_id}  {run.state:<11} step {run.step}/{run.total_steps}"
+                   + (f"  reward {reward:.3f}" if reward is not None else ""))
+
+
+@app.command("status")
+def status(run_id: str, coordinator: str = COORDINATOR) -> None:
+    """One run's state and last metrics."""
+    run = call(coordinator, "get_run", run_id)
+    typer.echo(f"{run.run_id}  {run.state}  step {run.step}/{run.total_steps}  {run.run_dir}")
+    if run.error:
+        typer.echo(f"error: {run.error}")
+    for key in sorted(run.metrics):
+        typer.echo(f"  {key:<40} {run.metrics[key]:.6g}")
+
+
+@app.command("watch")
+def watch(run_id: str, coordinator: str = COORDINATOR) -> None:
+    """Follow a run's progress until it ends."""
+
+    async def go():
+        client = CoordinatorClient(coordinator)
+        try:
+            return await follow(client, await client.get_run(run_id))
+        finally:
+            await client.close()
+
+    typer.echo(asyncio.run(go()).state)
+
+
+@app.command("stop")
+def stop(run_id: str, coordinator: str = COORDINATOR) -> None:
+    """Stop a run at its next step boundary."""
+    typer.echo(call(coordinator, "stop_run", run_id).state)
+
+
+@app.command("services")
+def services(coordinator: str = COORDINATOR) -> None:
+    """The coordinator's service registry."""
+    for entry in call(coordinator, "list_services"):
+        typer.echo(f"{entry.kind:<8} {entry.address:<22} {entry.group:<10} {entry.state:<5} "
+                   f"seen {entry.last_seen_s:.1f} s ago  {entry.service_id}")

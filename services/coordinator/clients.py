@@ -1,0 +1,190 @@
+"""The coordinator's clients of the other services: domain values in, domain values out.
+
+Protobuf stops here: the loop sees SequenceBatch, tensors and dicts.
+Every call has a deadline; batches are streamed in chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.common.rpc import Connection
+from services.common.sequences import SequenceBatch
+from services.common.wire import BatchAssembler, batch_to_chunks
+
+CONTROL_TIMEOUT_S = 30.0
+
+
+def sequence_tensors(batch: SequenceBatch) -> dict[str, torch.Tensor]:
+    return {"prompt_ids": batch.prompt_ids, "prompt_lens": batch.prompt_lens,
+            "response_ids": batch.response_ids, "response_lens": batch.response_lens}
+
+
+@dataclass(frozen=True)
+class Generated:
+    """Responses of one Generate call: row i*n+j is sample j of prompt i."""
+
+    response_ids: torch.Tensor  # [T] int64
+    response_lens: torch.Tensor  # [B*n] int64
+    logprobs: torch.Tensor  # [T] float32, the rollout engine's
+    truncated: torch.Tensor  # [B*n] bool
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class ScoredSample:
+    score: float
+    valid: bool
+    error: str
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    weight_version: int
+    total_bytes: int
+    buckets: int
+    seconds: float
+
+
+class RolloutClient:
+    def __init__(self, address: str):
+        self.address = address
+        self._conn = Connection(address)
+        self._stub = rollout_pb2_grpc.RolloutStub(self._conn.channel)
+
+    async def init_run(self, run_id: str, model_path: str, dtype: str, timeout: float) -> None:
+        async with self._conn.slot():
+            await self._stub.InitRun(rollout_pb2.RolloutInitRequest(run_id=run_id, model_path=model_path, dtype=dtype),
+                                     timeout=timeout)
+
+    async def generate(
+        self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
+        seed: int, first_index: int, stop_token_ids: list[int], timeout: float,
+    ) -> Generated:
+        params = rollout_pb2.SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+            first_index=first_index, stop_token_ids=stop_token_ids,
+        )
+        flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+
+        def requests():
+            for index, chunks in enumerate(batch_to_chunks({"prompt_ids": flat, "prompt_lens": lens})):
+                yield rollout_pb2.GenerateRequest(params=params if index == 0 else None, chunks=chunks)
+
+        assembler, version = BatchAssembler(), -1
+        async with self._conn.slot():
+            async for reply in self._stub.Generate(requests(), timeout=timeout):
+                assembler.add(reply.chunks)
+                version = reply.weight_version
+        out = assembler.result(required=("response_ids", "response_lens", "logprobs", "truncated"))
+        if len(out["response_lens"]) != len(prompts) * n:
+            raise ValueError(f"rollout {self.address} returned {len(out['response_lens'])} responses, not {len(prompts) * n}")
+        return Generated(out["response_ids"], out["response_lens"], out["logprobs"], out["truncated"], version)
+
+    async def join_channel(self, channel_id: str, rendezvous: bytes, rank: int, world_size: int, timeout: float) -> None:
+        async with self._conn.slot():
+            await self._stub.JoinChannel(join_request(channel_id, rendezvous, rank, world_size, timeout),
+                                         timeout=timeout + 5)
+
+    async def receive_weights(self, channel_id: str, timeout: float) -> int:
+        async with self._conn.slot():
+            reply = await self._stub.ReceiveWeights(
+                rollout_pb2.ReceiveWeightsRequest(channel_id=channel_id, timeout_s=timeout), timeout=timeout + 5)
+        return reply.version
+
+    async def weight_version(self) -> int:
+        async with self._conn.slot():
+            return (await self._stub.Info(common_pb2.InfoRequest(), timeout=CONTROL_TIMEOUT_S)).weight_version
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+class TrainerClient:
+    def __init__(self, address: str):
+        self.address = address
+        self._conn = Connection(address)
+        self._stub = trainer_pb2_grpc.TrainerStub(self._conn.channel)
+
+    async def init_run(self, run_id: str, run_config_yaml: str, seed: int, timeout: float) -> None:
+        async with self._conn.slot():
+            await self._stub.InitRun(
+                trainer_pb2.TrainerInitRequest(run_id=run_id, run_config_yaml=run_config_yaml, seed=seed), timeout=timeout)
+
+    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float) -> torch.Tensor:
+        assembler = BatchAssembler()
+        async with self._conn.slot():
+            async for reply in self._stub.ComputeLogProbs(batch_requests(sequence_tensors(batch), step), timeout=timeout):
+                assembler.add(reply.chunks)
+        return assembler.result(required=("logprobs",))["logprobs"]
+
+    async def update_actor(
+        self, batch: SequenceBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor, step: int, timeout: float
+    ) -> tuple[dict[str, float], int]:
+        tensors = {**sequence_tensors(batch), "old_logprobs": old_logprobs, "advantages": advantages}
+        async with self._conn.slot():
+            reply = await self._stub.UpdateActor(batch_requests(tensors, step), timeout=timeout)
+        return dict(reply.metrics), reply.weight_version
+
+    async def train_supervised(self, batch: SequenceBatch, step: int, timeout: float) -> tuple[dict[str, float], int]:
+        async with self._conn.slot():
+            reply = await self._stub.TrainSupervised(batch_requests(sequence_tensors(batch), step), timeout=timeout)
+        return dict(reply.metrics), reply.weight_version
+
+    async def prepare_channel(self, channel_id: str, world_size: int) -> bytes:
+        async with self._conn.slot():
+            reply = await self._stub.PrepareChannel(
+                trainer_pb2.PrepareChannelRequest(channel_id=channel_id, backend="gloo", world_size=world_size),
+                timeout=CONTROL_TIMEOUT_S)
+        return reply.rendezvous
+
+    async def join_channel(self, channel_id: str, rendezvous: bytes, world_size: int, timeout: float) -> None:
+        async with self._conn.slot():
+            await self._stub.JoinChannel(join_request(channel_id, rendezvous, 0, world_size, timeout), timeout=timeout + 5)
+
+    async def broadcast_weights(self, channel_id: str, bucket_bytes: int, timeout: float) -> SyncResult:
+        async with self._conn.slot():
+            reply = await self._stub.BroadcastWeights(
+                trainer_pb2.BroadcastWeightsRequest(channel_id=channel_id, bucket_bytes=bucket_bytes, timeout_s=timeout),
+                timeout=timeout + 5)
+        return SyncResult(reply.weight_version, reply.total_bytes, reply.buckets, reply.seconds)
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+class RewardClient:
+    def __init__(self, address: str):
+        self.address = address
+        self._conn = Connection(address)
+        self._stub = reward_pb2_grpc.RewardStub(self._conn.channel)
+
+    async def score(self, samples: list[tuple[str, str, str, dict]], timeout: float) -> tuple[list[ScoredSample], str]:
+        """Score (data_source, response, ground_truth, extra_info) samples; returns scores and the replica's id."""
+        request = reward_pb2.ScoreRequest(samples=[
+            reward_pb2.Sample(data_source=source, response=response, ground_truth=truth, extra_info_json=json.dumps(extra))
+            for source, response, truth, extra in samples
+        ])
+        async with self._conn.slot():
+            reply = await self._stub.Score(request, timeout=timeout)
+        if len(reply.scores) != len(samples):
+            raise ValueError(f"reward {self.address} returned {len(reply.scores)} scores for {len(samples)} samples")
+        return [ScoredSample(s.score, s.valid, s.error) for s in reply.scores], reply.service_id
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+def join_request(channel_id: str, rendezvous: bytes, rank: int, world_size: int, timeout: float):
+    return common_pb2.JoinChannelRequest(channel_id=channel_id, backend="gloo", rank=rank, world_size=world_size,
+                                         rendezvous=rendezvous, timeout_s=timeout)
+
+
+def batch_requests(tensors: dict[str, torch.Tensor], step: int):
+    for chunks in batch_to_chunks(tensors):
+        yield trainer_pb2.BatchRequest(step=step, chunks=chunks)

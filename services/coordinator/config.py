@@ -1,0 +1,16 @@
+"""Settings of the coordinator process."""
+
+from __future__ import annotations
+
+from pydantic import PositiveFloat, PositiveInt
+
+from services.common.config import ServeConfig
+
+
+class CoordinatorServiceConfig(ServeConfig):
+    state_dir: str = "meshrl-state"
+    """Folder of the run DB (meshrl.db) and of each run's folder (runs/<run_id>/)."""
+    heartbeat_interval_s: PositiveFloat = 1.0
+    """How often services heartbeat."""
+    heartbeat_misses: PositiveInt = 5
+    """Heartbeats a service may miss before it is marked down."""

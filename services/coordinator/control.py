@@ -1,0 +1,90 @@
+"""A client of the coordinator for coordctl and tests: plain values in and out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services.common.rpc import CHANNEL_OPTIONS
+
+TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run_id: str
+    name: str
+    state: str
+    step: int
+    total_steps: int
+    run_dir: str
+    error: str
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class RunUpdate:
+    kind: str  # step, state or log
+    step: int
+    state: str
+    message: str
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ServiceEntry:
+    kind: str
+    address: str
+    group: str
+    state: str
+    last_seen_s: float
+    service_id: str
+
+
+def status_from_pb(info: coordinator_pb2.RunInfo) -> RunStatus:
+    return RunStatus(info.run_id, info.name, info.state, info.step, info.total_steps, info.run_dir, info.error,
+                     dict(info.metrics))
+
+
+class CoordinatorClient:
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the coordinator answers its health check as SERVING."""
+        health = health_pb2_grpc.HealthStub(self._channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, wait_for_ready=True)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise ConnectionError(f"coordinator at {self.address} is not serving")
+
+    async def start_run(self, config_yaml: str) -> RunStatus:
+        reply = await self._stub.StartRun(coordinator_pb2.StartRunRequest(config_yaml=config_yaml), timeout=TIMEOUT_S)
+        return status_from_pb(reply)
+
+    async def get_run(self, run_id: str) -> RunStatus:
+        return status_from_pb(await self._stub.GetRun(coordinator_pb2.GetRunRequest(run_id=run_id), timeout=TIMEOUT_S))
+
+    async def list_runs(self) -> list[RunStatus]:
+        reply = await self._stub.ListRuns(coordinator_pb2.ListRunsRequest(), timeout=TIMEOUT_S)
+        return [status_from_pb(info) for info in reply.runs]
+
+    async def stop_run(self, run_id: str) -> RunStatus:
+        return status_from_pb(await self._stub.StopRun(coordinator_pb2.GetRunRequest(run_id=run_id), timeout=TIMEOUT_S))
+
+    async def watch(self, run_id: str) -> AsyncIterator[RunUpdate]:
+        async for event in self._stub.WatchRun(coordinator_pb2.GetRunRequest(run_id=run_id)):
+            yield RunUpdate(event.kind, event.step, event.state, event.message, dict(event.metrics))
+
+    async def list_services(self) -> list[ServiceEntry]:
+        reply = await self._stub.ListServices(coordinator_pb2.ListServicesRequest(), timeout=TIMEOUT_S)
+        return [ServiceEntry(s.identity.kind, s.identity.address, s.identity.group, s.state, s.last_seen_s,
+                             s.identity.service_id) for s in reply.services]
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,138 @@
+"""``coordctl start-run --local``: the whole mesh on this machine.
+
+1. Build, once into the cache folder, the tiny model and the synthetic data
+   that the run config's ``local`` section describes.
+2. Start the coordinator, then one trainer, one rollout and one reward
+   service, as subprocesses on loopback ports, each with one torch thread
+   (on 2 cores, several torch processes with 2 threads each slow each other
+   3-20x), each logging to ``<state_dir>/logs/<kind>.log``.
+3. Stop them all on the way out (SIGTERM, then SIGKILL after a grace
+   period); a child also gets SIGTERM if coordctl itself dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.common.run_config import RunConfig
+from services.coordinator.control import CoordinatorClient
+from services.coordinator.synthetic import reverse_task_rows, write_jsonl
+from services.coordinator.tiny_model import build_tiny_model
+
+SERVICE_KINDS = ("trainer", "rollout", "reward")
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+             "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MESHRL_CACHE", Path.home() / ".cache" / "meshrl"))
+
+
+def prepare_assets(config: RunConfig, cache: Path) -> list[str]:
+    """Build the tiny model and synthetic data if missing; overrides that point the run at them."""
+    overrides = []
+    tiny = config.local.tiny_model
+    if not config.actor_rollout_ref.model.path:
+        folder = cache / "models" / f"tiny-qwen2-char-h{tiny.hidden_size}-l{tiny.num_layers}-a{tiny.num_heads}-s{tiny.seed}"
+        if not (folder / "config.json").exists():
+            build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed)
+        overrides.append(f"actor_rollout_ref.model.path={folder}")
+    task = config.local.synthetic_task
+    if not config.data.train_files:
+        path = cache / "data" / f"reverse-{task.rows}-d{task.min_digits}-{task.max_digits}-s{task.seed}.jsonl"
+        if not path.exists():
+            write_jsonl(reverse_task_rows(task.rows, task.min_digits, task.max_digits, task.seed), path)
+        overrides.append(f"data.train_files=[{path}]")
+    return overrides
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalCluster:
+    """The four services as subprocesses; use as a context manager."""
+
+    def __init__(self, state_dir: Path, log_level: str = "info"):
+        self.state_dir = state_dir
+        self.log_dir = state_dir / "logs"
+        self.log_level = log_level
+        self.coordinator = f"127.0.0.1:{free_port()}"
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def _spawn(self, kind: str, *settings: str) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.log_dir / f"{kind}.log").open("ab")
+        command = [sys.executable, "-m", f"services.{kind}", "host=127.0.0.1", f"log_level={self.log_level}", *settings]
+        self.processes[kind] = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **CHILD_ENV}, preexec_fn=_die_with_parent,
+        )
+
+    async def start(self, timeout_s: float = 60.0) -> None:
+        """Start all four (before this process makes any gRPC object: gRPC and fork do not mix), wait for them."""
+        port = self.coordinator.rpartition(":")[2]
+        self._spawn("coordinator", f"port={port}", f"state_dir={self.state_dir}")
+        for kind in SERVICE_KINDS:  # they retry registering until the coordinator is up
+            self._spawn(kind, "port=0", f"coordinator={self.coordinator}", "torch_threads=1")
+        client = CoordinatorClient(self.coordinator)
+        try:
+            await asyncio.wait_for(self._wait(client.wait_ready(timeout_s)), timeout_s)
+            await asyncio.wait_for(self._wait(self._registered(client)), timeout_s)
+        finally:
+            await client.close()
+
+    async def _wait(self, ready):
+        """Await ``ready`` while checking that no child has died."""
+        task = asyncio.ensure_future(ready)
+        while not task.done():
+            self.check_alive()
+            await asyncio.wait({task}, timeout=0.2)
+        return task.result()
+
+    async def _registered(self, client: CoordinatorClient) -> None:
+        while {s.kind for s in await client.list_services() if s.state == "up"} < set(SERVICE_KINDS):
+            await asyncio.sleep(0.2)
+
+    def check_alive(self) -> None:
+        for kind, process in self.processes.items():
+            if process.poll() is not None:
+                tail = (self.log_dir / f"{kind}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the local {kind} exited with code {process.returncode}; its log ends:\n{tail}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the services, then the coordinator; SIGKILL whatever outlives the grace period."""
+        services = [p for kind, p in self.processes.items() if kind != "coordinator"]
+        terminate(services, grace_s)
+        terminate([p for kind, p in self.processes.items() if kind == "coordinator"], grace_s)
+
+
+def terminate(processes: list[subprocess.Popen], grace_s: float) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

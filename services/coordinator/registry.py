@@ -1,0 +1,51 @@
+"""The service registry: who is up, of which kind and group, at which address."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ServiceRecord:
+    service_id: str
+    kind: str
+    address: str
+    group: str
+    protocol_version: int
+    last_seen: float  # time.monotonic() of the last Register or Heartbeat
+
+
+class Registry:
+    def __init__(self, heartbeat_interval_s: float, misses: int):
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.down_after_s = heartbeat_interval_s * misses
+        self._records: dict[str, ServiceRecord] = {}
+
+    def register(self, record: ServiceRecord) -> None:
+        """Add or refresh a service; an older entry at the same address is replaced (a restart)."""
+        for service_id, old in list(self._records.items()):
+            if old.address == record.address and service_id != record.service_id:
+                del self._records[service_id]
+        self._records[record.service_id] = replace(record, last_seen=time.monotonic())
+
+    def heartbeat(self, service_id: str) -> bool:
+        """Refresh a service's last-seen time; False if it is unknown (it must register again)."""
+        record = self._records.get(service_id)
+        if record is None:
+            return False
+        self._records[service_id] = replace(record, last_seen=time.monotonic())
+        return True
+
+    def deregister(self, service_id: str) -> None:
+        self._records.pop(service_id, None)
+
+    def is_up(self, record: ServiceRecord) -> bool:
+        return time.monotonic() - record.last_seen < self.down_after_s
+
+    def all(self) -> list[ServiceRecord]:
+        return sorted(self._records.values(), key=lambda r: (r.kind, r.address))
+
+    def up(self, kind: str, group: str | None = None) -> list[ServiceRecord]:
+        """Services of ``kind`` (and ``group``) that are up now, in a stable order."""
+        return [r for r in self.all() if r.kind == kind and (group is None or r.group == group) and self.is_up(r)]

@@ -1,0 +1,187 @@
+"""Runs: start, stop, watch, and the task that drives each one's loop.
+
+A run is refused before anything starts when its config or data is bad
+(ValueError naming the field, or the file and row). Its state moves
+pending -> running -> finished | stopped | failed; each change, each step's
+metrics and each log line is an event in the run DB, which WatchRun streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import structlog
+import yaml
+
+from services.common.config import to_yaml, validate
+from services.common.errors import FailedPrecondition, NotFound
+from services.common.models import load_tokenizer
+from services.common.run_config import RunConfig
+from services.coordinator.clients import RewardClient, RolloutClient, TrainerClient
+from services.coordinator.data import Prompt, load_prompts
+from services.coordinator.loop import GRPOLoop, RunServices
+from services.coordinator.plot import plot_reward
+from services.coordinator.registry import Registry
+from services.coordinator.store import Event, RunRow, RunStore
+
+log = structlog.get_logger()
+FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
+
+
+def parse_run_config(config_yaml: str) -> RunConfig:
+    try:
+        data = yaml.safe_load(config_yaml) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"run config is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError("run config must be a mapping")
+    config = validate(RunConfig, data)
+    config.require_paths()
+    return config
+
+
+class RunReporter:
+    """Where a run's loop reports: the run DB, metrics.jsonl, the log, and the watchers."""
+
+    def __init__(self, manager: RunManager, run_id: str, run_dir: Path):
+        self.manager, self.run_id = manager, run_id
+        self.metrics_file = run_dir / "metrics.jsonl"
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        self.manager.store.record_step(self.run_id, step, metrics)
+        with self.metrics_file.open("a") as out:
+            out.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        log.info("step_done", run_id=self.run_id, step=step, reward=metrics.get("critic/score/mean"),
+                 step_s=metrics.get("timing_s/step"))
+        self.manager.notify()
+
+    def log(self, message: str) -> None:
+        self.manager.store.add_event(self.run_id, "log", self.manager.store.get_run(self.run_id).step, "", message, {})
+        log.info("run_log", run_id=self.run_id, message=message)
+        self.manager.notify()
+
+
+class RunManager:
+    def __init__(self, store: RunStore, registry: Registry, state_dir: Path):
+        self.store, self.registry, self.state_dir = store, registry, state_dir
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._stop_requested: set[str] = set()
+        self._changed = asyncio.Condition()
+        for row in store.list_runs():
+            if row.state not in FINAL_STATES:
+                store.set_state(row.run_id, "interrupted", "the coordinator restarted while the run was active")
+
+    def notify(self) -> None:
+        async def wake():
+            async with self._changed:
+                self._changed.notify_all()
+
+        asyncio.get_running_loop().create_task(wake())
+
+    async def start_run(self, config_yaml: str) -> RunRow:
+        config = parse_run_config(config_yaml)
+        model = config.actor_rollout_ref.model.path
+        tokenizer = await asyncio.to_thread(load_tokenizer, model)
+        data = config.data
+        prompts = await asyncio.to_thread(
+            load_prompts, data.train_files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length)
+        if len(prompts) < data.train_batch_size:
+            raise ValueError(f"data.train_batch_size ({data.train_batch_size}) is larger than the data "
+                             f"({len(prompts)} prompts in {data.train_files})")
+        run_id = f"{config.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        run_dir = self.state_dir / "runs" / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = to_yaml(config)
+        (run_dir / "config.yaml").write_text(resolved)
+        self.store.create_run(run_id, config.trainer.experiment_name, resolved, str(run_dir),
+                              config.trainer.total_training_steps)
+        self._tasks[run_id] = asyncio.create_task(self._execute(run_id, config, resolved, tokenizer, prompts, run_dir))
+        log.info("run_started", run_id=run_id, run_dir=str(run_dir))
+        return self.store.get_run(run_id)
+
+    async def _execute(self, run_id: str, config: RunConfig, config_yaml: str, tokenizer, prompts: list[Prompt],
+                       run_dir: Path) -> None:
+        services = None
+        with structlog.contextvars.bound_contextvars(run_id=run_id):
+            try:
+                self._set_state(run_id, "running")
+                services = await self._connect(config)
+                reporter = RunReporter(self, run_id, run_dir)
+                loop = GRPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
+                                lambda: run_id in self._stop_requested)
+                completed = await loop.run()
+                self._set_state(run_id, "finished" if completed else "stopped")
+            except asyncio.CancelledError:
+                self._set_state(run_id, "stopped", "the coordinator shut down")
+                raise
+            except Exception as error:  # noqa: BLE001 - a run's failure is recorded, not raised
+                log.exception("run_failed", run_id=run_id)
+                self._set_state(run_id, "failed", f"{type(error).__name__}: {error}")
+            finally:
+                if services is not None:
+                    await asyncio.gather(*(c.close() for c in [services.trainer, *services.rollouts, *services.rewards]))
+                await asyncio.to_thread(plot_reward, self.store.step_metrics(run_id), run_dir / "reward.png", run_id)
+
+    async def _connect(self, config: RunConfig) -> RunServices:
+        """Clients for the trainer and every rollout and reward service that is up (waits for them)."""
+        deadline = time.monotonic() + config.trainer.services_wait_s
+        while True:
+            trainers, rollouts, rewards = (self.registry.up(kind) for kind in ("trainer", "rollout", "reward"))
+            if trainers and rollouts and rewards:
+                break
+            if time.monotonic() > deadline:
+                missing = [k for k, up in (("trainer", trainers), ("rollout", rollouts), ("reward", rewards)) if not up]
+                raise FailedPrecondition(f"no {', '.join(missing)} service registered within "
+                                         f"trainer.services_wait_s={config.trainer.services_wait_s}")
+            await asyncio.sleep(0.2)
+        return RunServices(
+            TrainerClient(trainers[0].address),
+            [RolloutClient(r.address) for r in rollouts],
+            [RewardClient(r.address) for r in rewards],
+        )
+
+    def _set_state(self, run_id: str, state: str, error: str = "") -> None:
+        self.store.set_state(run_id, state, error)
+        log.info("run_state", run_id=run_id, state=state, error=error or None)
+        self.notify()
+
+    def get_run(self, run_id: str) -> RunRow:
+        try:
+            return self.store.get_run(run_id)
+        except LookupError:
+            raise NotFound(f"no run {run_id!r}") from None
+
+    def stop_run(self, run_id: str) -> RunRow:
+        row = self.get_run(run_id)
+        if row.state not in FINAL_STATES:
+            self._stop_requested.add(run_id)
+            self.store.add_event(run_id, "log", row.step, "", "stop requested: stopping at the next step boundary", {})
+            self.notify()
+        return self.get_run(run_id)
+
+    async def watch(self, run_id: str) -> AsyncIterator[Event]:
+        """Every event of the run from its start, then live ones, until the run ends."""
+        self.get_run(run_id)
+        last = 0
+        while True:
+            events = self.store.events_after(run_id, last)
+            for event in events:
+                last = event.id
+                yield event
+            if not events and self.store.get_run(run_id).state in FINAL_STATES:
+                return
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -1,0 +1,97 @@
+"""The coordinator servicer: wire <-> registry and runs, nothing else."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.common.service import PROTOCOL_VERSION
+from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.registry import Registry, ServiceRecord
+from services.coordinator.runs import RunManager
+from services.coordinator.store import Event, RunRow, RunStore
+
+
+def run_to_pb(row: RunRow, metrics: dict[str, float]) -> coordinator_pb2.RunInfo:
+    return coordinator_pb2.RunInfo(
+        run_id=row.run_id, name=row.name, state=row.state, step=row.step, total_steps=row.total_steps,
+        run_dir=row.run_dir, error=row.error, created_at=row.created_at, metrics=metrics,
+    )
+
+
+def event_to_pb(event: Event) -> coordinator_pb2.RunEvent:
+    return coordinator_pb2.RunEvent(
+        run_id=event.run_id, kind=event.kind, step=event.step, state=event.state, metrics=event.metrics,
+        message=event.message, time=event.time,
+    )
+
+
+def record_from_pb(identity: common_pb2.ServiceIdentity) -> ServiceRecord:
+    if identity.kind not in ("rollout", "trainer", "reward"):
+        raise ValueError(f"identity.kind must be rollout, trainer or reward, got {identity.kind!r}")
+    if not identity.service_id or ":" not in identity.address:
+        raise ValueError("identity needs a service_id and an address host:port")
+    if identity.protocol_version != PROTOCOL_VERSION:
+        raise ValueError(f"protocol_version {identity.protocol_version} is not {PROTOCOL_VERSION}, which this "
+                         f"coordinator speaks")
+    return ServiceRecord(identity.service_id, identity.kind, identity.address, identity.group or "default",
+                         identity.protocol_version, 0.0)
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, config: CoordinatorServiceConfig):
+        state_dir = Path(config.state_dir)
+        self.registry = Registry(config.heartbeat_interval_s, config.heartbeat_misses)
+        self.store = RunStore(state_dir / "meshrl.db")
+        self.runs = RunManager(self.store, self.registry, state_dir)
+
+    async def Register(self, request, context):
+        self.registry.register(record_from_pb(request.identity))
+        return coordinator_pb2.RegisterResponse(heartbeat_interval_s=self.registry.heartbeat_interval_s)
+
+    async def Heartbeat(self, request, context):
+        return coordinator_pb2.HeartbeatResponse(known=self.registry.heartbeat(request.service_id))
+
+    async def Deregister(self, request, context):
+        self.registry.deregister(request.service_id)
+        return coordinator_pb2.HeartbeatResponse(known=False)
+
+    async def ListServices(self, request, context):
+        now = time.monotonic()
+        return coordinator_pb2.ListServicesResponse(services=[
+            coordinator_pb2.ServiceStatus(
+                identity=common_pb2.ServiceIdentity(service_id=r.service_id, kind=r.kind, address=r.address,
+                                                    group=r.group, protocol_version=r.protocol_version),
+                state="up" if self.registry.is_up(r) else "down", last_seen_s=now - r.last_seen)
+            for r in self.registry.all()
+        ])
+
+    async def StartRun(self, request, context):
+        return self._info(await self.runs.start_run(request.config_yaml))
+
+    async def GetRun(self, request, context):
+        return self._info(self.runs.get_run(request.run_id))
+
+    async def ListRuns(self, request, context):
+        return coordinator_pb2.ListRunsResponse(runs=[self._info(row) for row in self.store.list_runs()])
+
+    async def StopRun(self, request, context):
+        return self._info(self.runs.stop_run(request.run_id))
+
+    async def WatchRun(self, request, context):
+        async for event in self.runs.watch(request.run_id):
+            yield event_to_pb(event)
+
+    def _info(self, row: RunRow) -> coordinator_pb2.RunInfo:
+        return run_to_pb(row, self.store.last_step_metrics(row.run_id))
+
+    async def close(self) -> None:
+        await self.runs.close()
+        self.store.close()
+
+
+def attach(server, config: CoordinatorServiceConfig, identity: common_pb2.ServiceIdentity) -> CoordinatorServicer:
+    servicer = CoordinatorServicer(config)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    return servicer

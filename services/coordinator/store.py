@@ -1,0 +1,144 @@
+"""Run state in SQLite: runs, the metrics of each step, and events.
+
+The coordinator is the only writer. Each write is its own transaction, so a
+crash loses at most the write in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    state TEXT NOT NULL,
+    config_yaml TEXT NOT NULL,
+    run_dir TEXT NOT NULL,
+    step INTEGER NOT NULL DEFAULT 0,
+    total_steps INTEGER NOT NULL,
+    error TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS steps (
+    run_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    time REAL NOT NULL,
+    metrics_json TEXT NOT NULL,
+    PRIMARY KEY (run_id, step)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    message TEXT NOT NULL,
+    metrics_json TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, id);
+"""
+
+
+@dataclass(frozen=True)
+class RunRow:
+    run_id: str
+    name: str
+    state: str
+    config_yaml: str
+    run_dir: str
+    step: int
+    total_steps: int
+    error: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    run_id: str
+    time: float
+    kind: str  # step, state or log
+    step: int
+    state: str
+    message: str
+    metrics: dict[str, float]
+
+
+class RunStore:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(SCHEMA)
+
+    def create_run(self, run_id: str, name: str, config_yaml: str, run_dir: str, total_steps: int) -> None:
+        now = time.time()
+        self._db.execute(
+            "INSERT INTO runs (run_id, name, state, config_yaml, run_dir, total_steps, created_at, updated_at)"
+            " VALUES (?, ?, 'pending', ?, ?, ?, ?, ?)",
+            (run_id, name, config_yaml, run_dir, total_steps, now, now),
+        )
+
+    def set_state(self, run_id: str, state: str, error: str = "") -> Event:
+        self._db.execute("UPDATE runs SET state = ?, error = ?, updated_at = ? WHERE run_id = ?",
+                         (state, error, time.time(), run_id))
+        return self.add_event(run_id, "state", self.get_run(run_id).step, state, error, {})
+
+    def record_step(self, run_id: str, step: int, metrics: dict[str, float]) -> Event:
+        now = time.time()
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("INSERT OR REPLACE INTO steps (run_id, step, time, metrics_json) VALUES (?, ?, ?, ?)",
+                             (run_id, step, now, json.dumps(metrics)))
+            self._db.execute("UPDATE runs SET step = ?, updated_at = ? WHERE run_id = ?", (step, now, run_id))
+        return self.add_event(run_id, "step", step, "", "", metrics)
+
+    def add_event(self, run_id: str, kind: str, step: int, state: str, message: str, metrics: dict[str, float]) -> Event:
+        now = time.time()
+        cursor = self._db.execute(
+            "INSERT INTO events (run_id, time, kind, step, state, message, metrics_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (run_id, now, kind, step, state, message, json.dumps(metrics)),
+        )
+        return Event(cursor.lastrowid, run_id, now, kind, step, state, message, metrics)
+
+    def get_run(self, run_id: str) -> RunRow:
+        row = self._db.execute(
+            "SELECT run_id, name, state, config_yaml, run_dir, step, total_steps, error, created_at FROM runs"
+            " WHERE run_id = ?", (run_id,),
+        ).fetchone()
+        if row is None:
+            raise LookupError(run_id)
+        return RunRow(*row)
+
+    def list_runs(self) -> list[RunRow]:
+        rows = self._db.execute(
+            "SELECT run_id, name, state, config_yaml, run_dir, step, total_steps, error, created_at FROM runs"
+            " ORDER BY created_at"
+        ).fetchall()
+        return [RunRow(*row) for row in rows]
+
+    def step_metrics(self, run_id: str) -> list[tuple[int, dict[str, float]]]:
+        rows = self._db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ? ORDER BY step", (run_id,))
+        return [(step, json.loads(metrics)) for step, metrics in rows]
+
+    def last_step_metrics(self, run_id: str) -> dict[str, float]:
+        row = self._db.execute("SELECT metrics_json FROM steps WHERE run_id = ? ORDER BY step DESC LIMIT 1", (run_id,))
+        found = row.fetchone()
+        return json.loads(found[0]) if found else {}
+
+    def events_after(self, run_id: str, after_id: int) -> list[Event]:
+        rows = self._db.execute(
+            "SELECT id, run_id, time, kind, step, state, message, metrics_json FROM events"
+            " WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id),
+        )
+        return [Event(*row[:7], json.loads(row[7])) for row in rows]
+
+    def close(self) -> None:
+        self._db.close()

@@ -1,0 +1,127 @@
+"""A transformers causal-LM engine for the rollout service (CPU, or GPU without vLLM).
+
+Sampling is done here, token by token with the model's KV cache, so that every
+choice is under our control and reproducible: each sequence draws from its own
+``torch.Generator`` seeded from (request seed, sequence index), so a prompt
+gets the same samples whichever replica or batch it lands in.
+
+The reported logprob of a sampled token is taken from the temperature-scaled
+distribution before top-p truncation, the same quantity the trainer computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services import algos
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail of each row outside the smallest set whose mass reaches top_p. [N, V] -> [N, V]."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = torch.where(mass_before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row, each row with its own generator (exponential race). [N, V] -> [N]."""
+    noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])
+    return torch.argmax(probs / noise, dim=-1)
+
+
+class HFEngine:
+    def __init__(self, model: torch.nn.Module, pad_id: int, eos_ids: tuple[int, ...], batch_size: int):
+        self.model = model.eval()
+        self.pad_id = pad_id
+        self.eos_ids = eos_ids
+        self.batch_size = batch_size
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, first_index: int = 0) -> list[list[Completion]]:
+        """``sampling.n`` completions for each prompt; prompt i seeds from ``first_index + i``."""
+        rows = [(i, k) for i in range(len(prompts)) for k in range(sampling.n)]
+        done: dict[tuple[int, int], Completion] = {}
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start : start + self.batch_size]
+            generators = [
+                torch.Generator().manual_seed(hash_seed(sampling.seed, first_index + i, k)) for i, k in chunk
+            ]
+            outputs = self._generate_rows([prompts[i] for i, _ in chunk], generators, sampling)
+            done.update(zip(chunk, outputs))
+        return [[done[(i, k)] for k in range(sampling.n)] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def _generate_rows(
+        self, prompts: list[list[int]], generators: list[torch.Generator], sampling: SamplingSettings
+    ) -> list[Completion]:
+        stops = torch.tensor(sorted(set(self.eos_ids) | set(sampling.stop_token_ids)), dtype=torch.int64)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.int64)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, prompt in enumerate(prompts):  # left padding, so every row's next token is at the end
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        finished = torch.zeros(len(prompts), dtype=torch.bool)
+        past = None
+        step_ids = input_ids
+        for _ in range(sampling.max_new_tokens):
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+            out = self.model(
+                input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
+                past_key_values=past, use_cache=True,
+            )
+            past = out.past_key_values
+            logits = out.logits[:, -1].float()
+            probs = torch.softmax(logits / sampling.temperature, dim=-1)
+            chosen = sample_rows(top_p_filter(probs, sampling.top_p), generators)
+            chosen_logprobs = algos.token_logprobs(logits, chosen, sampling.temperature)
+            for row in torch.nonzero(~finished).flatten().tolist():
+                tokens[row].append(int(chosen[row]))
+                logprobs[row].append(float(chosen_logprobs[row]))
+            finished |= torch.isin(chosen, stops)
+            if bool(finished.all()):
+                break
+            step_ids = torch.where(finished, torch.full_like(chosen, self.pad_id), chosen).unsqueeze(-1)
+            attention_mask = torch.cat([attention_mask, (~finished).long().unsqueeze(-1)], dim=-1)
+        return [
+            Completion(t, lp, "stop" if t and t[-1] in stops.tolist() else "length") for t, lp in zip(tokens, logprobs)
+        ]
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy received tensors into the model's parameters and buffers, by name."""
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in named:
+                if name not in state:
+                    raise KeyError(f"received weight {name!r} is not in the rollout model")
+                state[name].copy_(tensor)
+
+
+def hash_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A per-sequence seed that does not depend on batching (64-bit mix of the three)."""
+    value = (seed * 1_000_003 + prompt_index) * 1_000_033 + sample_index
+    value ^= value >> 29
+    return (value * 0xBF58476D1CE4E5B9) & 0x7FFFFFFFFFFFFFFF

@@ -1,0 +1,173 @@
+"""The trainer servicer: wire <-> actor, nothing else.
+
+Model work runs on one worker thread, one call at a time; joining a channel
+(which blocks until every member has joined) runs on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+import torch
+
+from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.channel import ChannelTable, prepare_gloo_rendezvous
+from services.common.config import validate
+from services.common.errors import FailedPrecondition
+from services.common.run_config import RunConfig
+from services.common.sequences import SequenceBatch
+from services.common.weight_sync import send_weights
+from services.common.wire import BatchAssembler, batch_to_chunks
+from services.trainer.actor import Actor
+from services.trainer.config import TrainerServiceConfig
+from services.trainer.setup import build_actor, ppo_settings
+
+log = structlog.get_logger()
+SEQUENCE_KEYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
+
+
+async def read_batch(request_iterator, extra: tuple[str, ...] = ()) -> tuple[int, dict[str, torch.Tensor]]:
+    """Assemble a streamed BatchRequest into (step, tensors), checking the sequence tensors agree."""
+    assembler, step = BatchAssembler(), None
+    async for message in request_iterator:
+        step = message.step if step is None else step
+        assembler.add(message.chunks)
+    batch = assembler.result(required=SEQUENCE_KEYS + extra)
+    for key in SEQUENCE_KEYS:
+        if batch[key].dtype != torch.int64 or batch[key].dim() != 1:
+            raise ValueError(f"{key} must be a 1-D int64 tensor")
+    for ids, lens, least in (("prompt_ids", "prompt_lens", 1), ("response_ids", "response_lens", 0)):
+        if (batch[lens] < least).any() or int(batch[lens].sum()) != batch[ids].numel():
+            raise ValueError(f"{lens} must be >= {least} each and sum to len({ids})")
+    if len(batch["prompt_lens"]) != len(batch["response_lens"]):
+        raise ValueError("prompt_lens and response_lens must have one entry per sequence")
+    tokens = batch["response_ids"].numel()
+    for key in extra:
+        if batch[key].shape != (tokens,):
+            raise ValueError(f"{key} must have one value per response token ({tokens}), got {list(batch[key].shape)}")
+    return step or 0, batch
+
+
+def sequences(batch: dict[str, torch.Tensor], vocab_size: int) -> SequenceBatch:
+    for key in ("prompt_ids", "response_ids"):
+        ids = batch[key]
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"{key} must lie in [0, {vocab_size})")
+    return SequenceBatch(*(batch[key] for key in SEQUENCE_KEYS))
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, config: TrainerServiceConfig, identity: common_pb2.ServiceIdentity):
+        self.config = config
+        self.identity = identity
+        self.actor: Actor | None = None
+        self.run_config: RunConfig | None = None
+        self.run_id = ""
+        self.weight_version = 0
+        self.channels = ChannelTable()
+        self.stores: dict[str, object] = {}
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def _on_model(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, function, *args)
+
+    def _require_actor(self) -> tuple[Actor, RunConfig]:
+        if self.actor is None or self.run_config is None:
+            raise FailedPrecondition("no run loaded: call InitRun first")
+        return self.actor, self.run_config
+
+    async def InitRun(self, request, context):
+        import yaml
+
+        run_config = validate(RunConfig, yaml.safe_load(request.run_config_yaml) or {})
+        self.actor = await self._on_model(build_actor, run_config, request.seed, self.config.device)
+        self.run_config, self.run_id, self.weight_version = run_config, request.run_id, 0
+        log.info("actor_loaded", run_id=request.run_id, model_path=run_config.actor_rollout_ref.model.path)
+        return self._info()
+
+    async def ComputeLogProbs(self, request_iterator, context):
+        actor, run_config = self._require_actor()
+        _, batch = await read_batch(request_iterator)
+        micro = run_config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        temperature = run_config.actor_rollout_ref.rollout.temperature
+        logprobs = await self._on_model(actor.compute_log_probs, sequences(batch, actor.vocab_size), temperature, micro)
+        for chunks in batch_to_chunks({"logprobs": logprobs}):
+            yield trainer_pb2.BatchResponse(chunks=chunks)
+
+    async def UpdateActor(self, request_iterator, context):
+        actor, run_config = self._require_actor()
+        step, batch = await read_batch(request_iterator, extra=("old_logprobs", "advantages"))
+        for key in ("old_logprobs", "advantages"):
+            if not torch.isfinite(batch[key]).all():
+                raise ValueError(f"{key} holds NaN or infinite values")
+        metrics = await self._on_model(
+            actor.update, sequences(batch, actor.vocab_size), batch["old_logprobs"].float(),
+            batch["advantages"].float(), ppo_settings(run_config),
+        )
+        self.weight_version += 1
+        log.info("actor_updated", step=step, weight_version=self.weight_version)
+        return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
+
+    async def TrainSupervised(self, request_iterator, context):
+        actor, run_config = self._require_actor()
+        _, batch = await read_batch(request_iterator)
+        micro = run_config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        metrics = await self._on_model(actor.train_supervised, sequences(batch, actor.vocab_size), micro)
+        self.weight_version += 1
+        return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
+
+    async def PrepareChannel(self, request, context):
+        if request.backend != "gloo":
+            raise ValueError(f"backend {request.backend!r} is not available on this trainer (gloo only)")
+        host = self.identity.address.rpartition(":")[0] or socket.gethostname()
+        store, rendezvous = await asyncio.to_thread(prepare_gloo_rendezvous, host, 60.0)
+        self.stores[request.channel_id] = store
+        return trainer_pb2.PrepareChannelResponse(rendezvous=rendezvous)
+
+    async def JoinChannel(self, request, context):
+        if request.rank != 0:
+            raise ValueError(f"the trainer is the channel's root and joins as rank 0, not {request.rank}")
+        await self.channels.join(
+            request.channel_id, request.backend, request.rendezvous, request.rank, request.world_size, request.timeout_s
+        )
+        log.info("channel_joined", channel_id=request.channel_id, rank=request.rank, world_size=request.world_size)
+        return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
+
+    async def BroadcastWeights(self, request, context):
+        actor, _ = self._require_actor()
+        channel = self.channels.get(request.channel_id)
+        if request.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {request.bucket_bytes}")
+        started = time.perf_counter()
+        total, buckets = await self._on_model(
+            send_weights, channel, actor.named_weights(), self.weight_version, request.bucket_bytes
+        )
+        seconds = time.perf_counter() - started
+        log.info("weights_sent", weight_version=self.weight_version, bytes=total, buckets=buckets, seconds=seconds)
+        return trainer_pb2.BroadcastWeightsResponse(
+            weight_version=self.weight_version, total_bytes=total, buckets=buckets, seconds=seconds
+        )
+
+    async def Info(self, request, context):
+        return self._info()
+
+    def _info(self) -> common_pb2.ServiceInfo:
+        path = self.run_config.actor_rollout_ref.model.path if self.run_config else ""
+        return common_pb2.ServiceInfo(
+            identity=self.identity, weight_version=self.weight_version, run_id=self.run_id,
+            details={"model_path": path, "device": self.config.device, "roles": "actor"},
+        )
+
+    async def close(self) -> None:
+        self.channels.close_all()
+        self._model_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def attach(server, config: TrainerServiceConfig, identity: common_pb2.ServiceIdentity) -> TrainerServicer:
+    servicer = TrainerServicer(config, identity)
+    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
+    return servicer

@@ -1,0 +1,212 @@
+"""CPU tests of services/rollout/hf_engine.py: sampling helpers and generation on a tiny model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from services.common.models import load_causal_lm, load_tokenizer
+from services.coordinator.tiny_model import build_char_tokenizer, build_tiny_model, check_round_trip
+from services.rollout.hf_engine import (
+    Completion,
+    HFEngine,
+    SamplingSettings,
+    hash_seed,
+    sample_rows,
+    top_p_filter,
+)
+
+# ---------------------------------------------------------------------------
+# sampling helpers
+
+
+def test_top_p_filter_by_hand():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.5, 0.3]])
+    # sorted mass before each token: 0, 0.5, 0.8 -> with top_p 0.6 the first two (0.5, 0.3) stay
+    got = top_p_filter(probs, 0.6)
+    torch.testing.assert_close(got, torch.tensor([[0.5, 0.3, 0.0], [0.0, 0.5, 0.3]]))
+    # top_p 0.4: the most likely token alone already reaches it
+    torch.testing.assert_close(top_p_filter(probs, 0.4), torch.tensor([[0.5, 0.0, 0.0], [0.0, 0.5, 0.0]]))
+    # mass exactly reaching top_p: [0.5, 0.25, 0.25] with top_p 0.5 keeps the first token only
+    # (dyadic numbers, so the sums are exact)
+    torch.testing.assert_close(
+        top_p_filter(torch.tensor([[0.25, 0.5, 0.25]]), 0.5), torch.tensor([[0.0, 0.5, 0.0]])
+    )
+    # top_p 1.0 leaves the rows unchanged
+    assert torch.equal(top_p_filter(probs, 1.0), probs)
+
+
+def test_sample_rows_reproducible_per_generator():
+    probs = torch.full((4, 1000), 1 / 1000)
+
+    def draw(seeds: list[int]) -> list[int]:
+        return sample_rows(probs, [torch.Generator().manual_seed(s) for s in seeds]).tolist()
+
+    assert draw([1, 2, 3, 4]) == draw([1, 2, 3, 4])
+    assert draw([1, 2, 3, 4]) != draw([5, 6, 7, 8])
+    # a row's draw depends only on its own generator, not on its neighbours
+    assert draw([1, 2, 3, 4])[0] == draw([1, 9, 9, 9])[0]
+
+
+def test_sample_rows_respects_zero_probabilities_and_distribution():
+    one_hot = torch.tensor([[0.0, 0.0, 1.0, 0.0]] * 8)
+    assert sample_rows(one_hot, [torch.Generator().manual_seed(s) for s in range(8)]).tolist() == [2] * 8
+    # exponential race samples from probs: 4000 independent draws of [0.5, 0.3, 0.2, 0]
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).expand(4000, 4)
+    chosen = sample_rows(probs, [torch.Generator().manual_seed(s) for s in range(4000)])
+    freq = torch.bincount(chosen, minlength=4).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.03, rtol=0)
+
+
+def test_hash_seed_deterministic_and_distinct():
+    assert hash_seed(7, 3, 1) == hash_seed(7, 3, 1)
+    grid = list(itertools.product(range(10), range(20), range(8)))
+    seeds = [hash_seed(*args) for args in grid]
+    assert len(set(seeds)) == len(grid)
+    assert all(0 <= s < 2**63 for s in seeds)
+    # swapping roles of the arguments does not collide
+    assert hash_seed(1, 2, 3) != hash_seed(3, 2, 1) != hash_seed(2, 1, 3)
+
+
+# ---------------------------------------------------------------------------
+# character tokenizer
+
+
+def test_char_tokenizer_round_trip(tiny):
+    _, tokenizer = tiny
+    check_round_trip(tokenizer)  # the whole alphabet
+    text = "  12 + 30 = 42 ,  two  spaces "
+    check_round_trip(tokenizer, text)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)
+    assert tokenizer.decode(ids) == text
+
+
+def test_check_round_trip_refuses_a_lossy_text():
+    # "é" is outside the alphabet: it becomes <unk> and does not come back
+    with pytest.raises(RuntimeError, match="round-trip"):
+        check_round_trip(build_char_tokenizer(), "café")
+
+
+# ---------------------------------------------------------------------------
+# engine on a tiny model
+
+SETTINGS = SamplingSettings(n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=7, stop_token_ids=())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    return load_causal_lm(folder), load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    _, tokenizer = tiny
+    texts = ["12+3=", "a", "reverse: hello world"]  # lengths 5, 1, 20: left padding in every batch
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def _engine(tiny, batch_size: int) -> HFEngine:
+    model, tokenizer = tiny
+    return HFEngine(model, tokenizer.pad_token_id, (tokenizer.eos_token_id,), batch_size=batch_size)
+
+
+def _reference_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+    """log_softmax of a plain forward over the unpadded prompt + response, at each response token."""
+    full = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=full).logits[0].float()
+    predicting = logits[len(prompt) - 1 : len(prompt) + len(tokens) - 1] / temperature
+    return torch.log_softmax(predicting, -1).gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def _check_shapes(results, prompts, sampling: SamplingSettings, stops: set[int]):
+    assert len(results) == len(prompts)
+    for completions in results:
+        assert len(completions) == sampling.n
+        for c in completions:
+            assert isinstance(c, Completion)
+            assert 1 <= len(c.token_ids) <= sampling.max_new_tokens
+            assert len(c.logprobs) == len(c.token_ids)
+            assert not stops & set(c.token_ids[:-1])  # nothing is generated after a stop token
+            if c.token_ids[-1] in stops:
+                assert c.finish_reason == "stop"
+            else:
+                assert c.finish_reason == "length" and len(c.token_ids) == sampling.max_new_tokens
+
+
+def test_generate_shapes_and_finish_reasons(tiny, prompts):
+    _, tokenizer = tiny
+    results = _engine(tiny, batch_size=4).generate(prompts, SETTINGS)
+    _check_shapes(results, prompts, SETTINGS, {tokenizer.eos_token_id})
+    # three samples of one prompt are not all the same
+    assert len({tuple(c.token_ids) for c in results[2]}) > 1
+
+
+def test_generate_stop_tokens(tiny, prompts):
+    _, tokenizer = tiny
+    stops = tuple(range(0, len(tokenizer), 2))  # half the vocabulary stops: both outcomes occur
+    sampling = SamplingSettings(n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=3, stop_token_ids=stops)
+    results = _engine(tiny, batch_size=4).generate(prompts, sampling)
+    _check_shapes(results, prompts, sampling, set(stops) | {tokenizer.eos_token_id})
+    reasons = {c.finish_reason for completions in results for c in completions}
+    assert "stop" in reasons
+    assert any(len(c.token_ids) < 6 for completions in results for c in completions)
+
+
+def _as_tuples(results):
+    return [[(tuple(c.token_ids), c.finish_reason) for c in completions] for completions in results]
+
+
+def test_same_seed_same_completions_whatever_the_batching(tiny, prompts):
+    by_size = {size: _engine(tiny, batch_size=size).generate(prompts, SETTINGS) for size in (1, 4, 9)}
+    reference = by_size[4]
+    for results in by_size.values():
+        assert _as_tuples(results) == _as_tuples(reference)
+        for got, want in zip(results, reference):
+            for c, d in zip(got, want):
+                torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(d.logprobs), atol=1e-5, rtol=0)
+    # a different seed gives different completions
+    other = _engine(tiny, batch_size=4).generate(
+        prompts, SamplingSettings(n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=8, stop_token_ids=())
+    )
+    assert _as_tuples(other) != _as_tuples(reference)
+
+
+def test_first_index_offsets_are_consistent(tiny, prompts):
+    whole = _engine(tiny, batch_size=4).generate(prompts, SETTINGS)
+    # prompts 1.. sent alone, as another replica would get them, seeded from their global index
+    tail = _engine(tiny, batch_size=2).generate(prompts[1:], SETTINGS, first_index=1)
+    assert _as_tuples(tail) == _as_tuples(whole[1:])
+    # without the offset the same prompt draws other samples
+    shifted = _engine(tiny, batch_size=4).generate(prompts[2:], SETTINGS)
+    assert _as_tuples(shifted) != _as_tuples(whole[2:])
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_logprobs_match_an_unpadded_forward(tiny, prompts, temperature, top_p):
+    model, _ = tiny
+    sampling = SamplingSettings(
+        n=3, temperature=temperature, top_p=top_p, max_new_tokens=6, seed=11, stop_token_ids=()
+    )
+    results = _engine(tiny, batch_size=4).generate(prompts, sampling)
+    for prompt, completions in zip(prompts, results):
+        for c in completions:
+            want = _reference_logprobs(model, prompt, c.token_ids, temperature)
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(want), atol=1e-5, rtol=0)
+
+
+def test_tiny_top_p_is_greedy(tiny, prompts):
+    model, _ = tiny
+    sampling = SamplingSettings(n=2, temperature=1.0, top_p=1e-6, max_new_tokens=6, seed=5, stop_token_ids=())
+    results = _engine(tiny, batch_size=4).generate(prompts, sampling)
+    for prompt, completions in zip(prompts, results):
+        assert completions[0].token_ids == completions[1].token_ids  # only the top token survives
+        c = completions[0]
+        full = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=full).logits[0, len(prompt) - 1 : -1]
+        assert c.token_ids == logits.argmax(-1).tolist()
