@@ -1,0 +1,120 @@
+"""Three GRPO steps through the four services as real processes, over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import yaml
+
+from services.coordinator.clients import RolloutClient, TrainerClient
+from services.coordinator.control import CoordinatorClient
+from services.coordinator.loop import make_batch
+
+
+def run_config(model: Path, data: Path, **changes) -> str:
+    config = {
+        "data": {"train_files": [str(data)], "train_batch_size": 8, "max_prompt_length": 16, "max_response_length": 6},
+        "actor_rollout_ref": {
+            "model": {"path": str(model)},
+            "actor": {"optim": {"lr": 1e-3}, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8},
+            "rollout": {"n": 4},
+        },
+        "trainer": {"total_training_steps": 3, "experiment_name": "it"},
+    }
+    for dotted, value in changes.items():
+        node = config
+        *parents, last = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return yaml.safe_dump(config)
+
+
+async def run_to_end(coordinator: str, config_yaml: str):
+    client = CoordinatorClient(coordinator)
+    try:
+        run = await client.start_run(config_yaml)
+        updates = [u async for u in client.watch(run.run_id)]
+        return await client.get_run(run.run_id), updates, await client.list_services()
+    finally:
+        await client.close()
+
+
+async def logprobs_both_ways(rollout_address: str, trainer_address: str, prompt: list[int]):
+    """Sample from the rollout, then score the same sequences on the trainer."""
+    rollout, trainer = RolloutClient(rollout_address), TrainerClient(trainer_address)
+    try:
+        generated = await rollout.generate([prompt], 4, 1.0, 1.0, 6, seed=11, first_index=0, stop_token_ids=[],
+                                           timeout=60)
+        responses = [r.tolist() for r in torch.split(generated.response_ids, generated.response_lens.tolist())]
+        batch = make_batch([prompt] * 4, responses)
+        trainer_logprobs = await trainer.compute_log_probs(batch, step=0, timeout=60)
+        return generated, trainer_logprobs, await rollout.weight_version()
+    finally:
+        await rollout.close()
+        await trainer.close()
+
+
+def test_three_grpo_steps(cluster, tiny_model, reverse_data):
+    final, updates, services = asyncio.run(run_to_end(cluster.coordinator, run_config(tiny_model, reverse_data)))
+    assert final.state == "finished", final.error
+    assert final.step == 3
+
+    # (a) a metrics row per step in the run DB, with the verl-named metrics
+    db = sqlite3.connect(Path(cluster.state_dir) / "meshrl.db")
+    rows = db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ? ORDER BY step", (final.run_id,)).fetchall()
+    assert [step for step, _ in rows] == [1, 2, 3]
+    metrics = yaml.safe_load(rows[-1][1])
+    for name in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean",
+                 "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights", "perf/throughput"):
+        assert name in metrics
+    assert [u.step for u in updates if u.kind == "step"] == [1, 2, 3]
+    run_dir = Path(final.run_dir)
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    assert (run_dir / "reward.png").stat().st_size > 0
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["total_training_steps"] == 3
+
+    # (b) the rollout serves weight version 3, and (c) its logprobs equal the trainer's on the same weights
+    address = {s.kind: s.address for s in services}
+    generated, trainer_logprobs, version = asyncio.run(
+        logprobs_both_ways(address["rollout"], address["trainer"], [5, 6, 7, 16]))
+    assert version == 3 and generated.weight_version == 3
+    assert generated.logprobs.shape == trainer_logprobs.shape
+    assert torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
+
+    # (d) shutdown leaves no process behind
+    pids = [p.pid for p in cluster.processes.values()]
+    cluster.stop()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_bad_config_and_bad_data_are_refused_before_anything_starts(cluster, tiny_model, reverse_data, tmp_path):
+    async def start(config_yaml: str):
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.start_run(config_yaml)
+            return refused.value, await client.list_runs()
+        finally:
+            await client.close()
+
+    error, runs = asyncio.run(start(run_config(tiny_model, reverse_data, actor_rollout_ref__actor__ppo_mini_batch_size=3)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size" in error.details()
+
+    bad = tmp_path / "bad.jsonl"
+    lines = reverse_data.read_text().splitlines()
+    lines[4] = '{"data_source": "meshrl/reverse", "prompt": [{"role": "user", "content": "12="}]}'
+    bad.write_text("\n".join(lines) + "\n")
+    error, runs = asyncio.run(start(run_config(tiny_model, bad)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{bad} row 5" in error.details() and "reward_model" in error.details()
+    assert runs == []
