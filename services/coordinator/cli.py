@@ -215,3 +215,7 @@ def services(coordinator: str = COORDINATOR) -> None:
     for entry in call(coordinator, "list_services"):
         typer.echo(f"{entry.kind:<8} {entry.address:<22} {entry.group:<10} {entry.state:<5} "
                    f"seen {entry.last_seen_s:.1f} s ago  {entry.service_id}")
+
+
+if __name__ == "__main__":
+    app()

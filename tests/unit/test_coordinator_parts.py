@@ -1,0 +1,301 @@
+"""CPU tests of the coordinator's parts: registry, run store, shard dispatch and step metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sqlite3
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from services.common.errors import Unavailable
+from services.coordinator.dispatch import ReplicaPool, shard_bounds
+from services.coordinator.metrics import StageTimer, rollout_metrics, summary
+from services.coordinator.registry import Registry, ServiceRecord
+from services.coordinator.store import RunStore
+
+# ---------------------------------------------------------------------------
+# registry
+
+
+def record(service_id: str, kind: str = "rollout", address: str = "", group: str = "default") -> ServiceRecord:
+    return ServiceRecord(service_id, kind, address or f"host:{service_id}", group, protocol_version=1, last_seen=0.0)
+
+
+def test_register_then_up_and_heartbeat_of_unknown_is_false():
+    registry = Registry(heartbeat_interval_s=10, misses=3)
+    registry.register(record("r1"))
+    (up,) = registry.up("rollout")
+    assert up.service_id == "r1" and up.last_seen > 0  # last_seen is set by the registry, not the caller
+    assert registry.heartbeat("r1") is True
+    assert registry.heartbeat("nobody") is False
+    registry.deregister("r1")
+    registry.deregister("r1")  # twice is harmless
+    assert registry.up("rollout") == [] and registry.heartbeat("r1") is False
+
+
+def test_service_is_down_after_interval_times_misses_and_back_after_a_heartbeat():
+    registry = Registry(heartbeat_interval_s=0.05, misses=2)  # down after 0.1 s
+    registry.register(record("r1"))
+    registry.register(record("r2"))
+    assert registry.down_after_s == pytest.approx(0.1)
+    time.sleep(0.06)
+    registry.heartbeat("r2")
+    assert [r.service_id for r in registry.up("rollout")] == ["r1", "r2"]
+    time.sleep(0.06)  # r1 last seen 0.12 s ago, r2 0.06 s ago
+    assert [r.service_id for r in registry.up("rollout")] == ["r2"]
+    assert len(registry.all()) == 2  # down is not forgotten
+    assert registry.heartbeat("r1") is True
+    assert [r.service_id for r in registry.up("rollout")] == ["r1", "r2"]
+    time.sleep(0.12)
+    assert registry.up("rollout") == []
+
+
+def test_re_register_at_same_address_replaces_the_old_id():
+    registry = Registry(heartbeat_interval_s=10, misses=3)
+    registry.register(record("old", address="10.0.0.1:5000"))
+    registry.register(record("other", address="10.0.0.2:5000"))
+    registry.register(record("new", address="10.0.0.1:5000"))  # the service restarted
+    assert sorted(r.service_id for r in registry.all()) == ["new", "other"]
+    assert registry.heartbeat("old") is False
+    registry.register(record("new", address="10.0.0.3:5000"))  # same id, moved: one entry
+    assert sorted((r.service_id, r.address) for r in registry.all()) == [("new", "10.0.0.3:5000"),
+                                                                         ("other", "10.0.0.2:5000")]
+
+
+def test_up_filters_kind_and_group_in_a_stable_order():
+    registry = Registry(heartbeat_interval_s=10, misses=3)
+    for service in [record("b", "rollout", "h:2", "g1"), record("a", "rollout", "h:1", "g2"),
+                    record("t", "trainer", "h:3", "g1"), record("c", "rollout", "h:0", "g1")]:
+        registry.register(service)
+    assert [r.service_id for r in registry.up("rollout")] == ["c", "a", "b"]  # by address
+    assert [r.service_id for r in registry.up("rollout", "g1")] == ["c", "b"]
+    assert [r.service_id for r in registry.up("trainer", "g2")] == []
+    assert [r.service_id for r in registry.up("reward")] == []
+
+
+# ---------------------------------------------------------------------------
+# store
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return tmp_path / "state" / "runs.sqlite"  # the folder does not exist yet
+
+
+def test_create_and_get_run(db_path):
+    store = RunStore(db_path)
+    store.create_run("r1", "first", "data: {}\n", "/runs/r1", total_steps=10)
+    run = store.get_run("r1")
+    assert (run.run_id, run.name, run.state, run.config_yaml, run.run_dir, run.step, run.total_steps, run.error) == (
+        "r1", "first", "pending", "data: {}\n", "/runs/r1", 0, 10, "")
+    with pytest.raises(LookupError):
+        store.get_run("nope")
+    store.close()
+
+
+def test_set_state_emits_an_event(db_path):
+    store = RunStore(db_path)
+    store.create_run("r1", "first", "", "/d", 10)
+    store.record_step("r1", 3, {"loss": 0.5})
+    event = store.set_state("r1", "failed", "trainer down")
+    assert (event.run_id, event.kind, event.step, event.state, event.message, event.metrics) == (
+        "r1", "state", 3, "failed", "trainer down", {})
+    run = store.get_run("r1")
+    assert (run.state, run.error) == ("failed", "trainer down")
+    assert store.events_after("r1", 0)[-1] == event
+    with pytest.raises(LookupError):
+        store.set_state("ghost", "running")
+    store.close()
+
+
+def test_steps_metrics_and_events_in_order(db_path):
+    store = RunStore(db_path)
+    store.create_run("r1", "first", "", "/d", 10)
+    store.create_run("r2", "second", "", "/d", 10)
+    assert store.last_step_metrics("r1") == {} and store.step_metrics("r1") == []
+    e1 = store.set_state("r1", "running")
+    e2 = store.record_step("r1", 2, {"loss": 2.0})
+    store.record_step("r2", 1, {"loss": 9.0})
+    e3 = store.record_step("r1", 1, {"loss": 1.0, "score": 0.25})
+    e4 = store.add_event("r1", "log", 1, "", "hello", {})
+    store.record_step("r1", 2, {"loss": 1.5})  # a redone step replaces the old metrics
+
+    assert store.step_metrics("r1") == [(1, {"loss": 1.0, "score": 0.25}), (2, {"loss": 1.5})]
+    assert store.last_step_metrics("r1") == {"loss": 1.5}
+    assert store.get_run("r1").step == 2
+    events = store.events_after("r1", 0)
+    assert [e.id for e in events] == sorted(e.id for e in events)
+    assert events[:4] == [e1, e2, e3, e4]
+    assert [(e.kind, e.step) for e in events] == [("state", 0), ("step", 2), ("step", 1), ("log", 1), ("step", 2)]
+    assert store.events_after("r1", e3.id) == events[3:]
+    assert store.events_after("r1", events[-1].id) == []
+    assert [e.kind for e in store.events_after("r2", 0)] == ["step"]
+    store.close()
+
+
+def test_data_survives_closing_and_reopening(db_path):
+    store = RunStore(db_path)
+    store.create_run("r1", "first", "cfg", "/d", 10)
+    store.set_state("r1", "running")
+    store.record_step("r1", 1, {"loss": 1.0})
+    before = store.events_after("r1", 0)
+    store.close()
+
+    store = RunStore(db_path)
+    assert store.get_run("r1").state == "running" and store.get_run("r1").step == 1
+    assert store.step_metrics("r1") == [(1, {"loss": 1.0})]
+    assert store.events_after("r1", 0) == before
+    assert store.add_event("r1", "log", 1, "", "again", {}).id > before[-1].id  # ids keep growing
+    assert [r.run_id for r in store.list_runs()] == ["r1"]
+    store.close()
+
+
+def test_list_runs_in_creation_order(db_path):
+    store = RunStore(db_path)
+    for run_id in ("b", "a", "c"):
+        store.create_run(run_id, run_id, "", "/d", 1)
+    assert [r.run_id for r in store.list_runs()] == ["b", "a", "c"]
+    with pytest.raises(sqlite3.IntegrityError):  # run ids are unique
+        store.create_run("a", "again", "", "/d", 1)
+    store.close()
+
+
+# ---------------------------------------------------------------------------
+# dispatch
+
+
+@pytest.mark.parametrize(("count", "shards", "bounds"), [
+    (10, 3, [(0, 4), (4, 7), (7, 10)]),
+    (9, 3, [(0, 3), (3, 6), (6, 9)]),
+    (7, 1, [(0, 7)]),
+    (2, 5, [(0, 1), (1, 2)]),
+    (1, 4, [(0, 1)]),
+    (5, 0, [(0, 5)]),
+    (11, 4, [(0, 3), (3, 6), (6, 9), (9, 11)]),
+])
+def test_shard_bounds_by_hand(count, shards, bounds):
+    assert shard_bounds(count, shards) == bounds
+
+
+@dataclass
+class FakeReplica:
+    address: str
+    fail_with: type[BaseException] | None = None
+    calls: list[tuple[int, int]] = field(default_factory=list)
+
+
+def make_call(processed: list[int]):
+    async def call(replica: FakeReplica, lo: int, hi: int):
+        replica.calls.append((lo, hi))
+        await asyncio.sleep(0.001 * (3 - lo % 3))  # shards finish out of order
+        if replica.fail_with is not None:
+            raise replica.fail_with(f"{replica.address} is down")
+        processed.extend(range(lo, hi))
+        return [f"{replica.address}:{i}" for i in range(lo, hi)]
+
+    return call
+
+
+async def test_map_shards_all_healthy_in_shard_order():
+    replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+    processed: list[int] = []
+    results = await ReplicaPool("rollout", replicas).map_shards(8, make_call(processed))
+    assert [r.address for _, r in results] == ["a", "b", "c"]
+    assert [item for items, _ in results for item in items] == [
+        "a:0", "a:1", "a:2", "b:3", "b:4", "b:5", "c:6", "c:7"]
+    assert sorted(processed) == list(range(8))
+
+
+async def test_failed_shard_is_redone_on_the_next_replica():
+    replicas = [FakeReplica("a"), FakeReplica("b", fail_with=ConnectionError), FakeReplica("c")]
+    processed: list[int] = []
+    results = await ReplicaPool("rollout", replicas).map_shards(9, make_call(processed))
+    assert [r.address for _, r in results] == ["a", "c", "c"]  # b's shard went to c
+    assert [item for items, _ in results for item in items] == [
+        "a:0", "a:1", "a:2", "c:3", "c:4", "c:5", "c:6", "c:7", "c:8"]
+    assert sorted(processed) == list(range(9))  # every item exactly once
+    assert replicas[1].calls == [(3, 6)]
+    assert sorted(replicas[2].calls) == [(3, 6), (6, 9)]
+
+
+async def test_timeout_is_retried_too_and_wraps_around():
+    replicas = [FakeReplica("a"), FakeReplica("b", fail_with=TimeoutError), FakeReplica("c", fail_with=TimeoutError)]
+    processed: list[int] = []
+    results = await ReplicaPool("rollout", replicas).map_shards(3, make_call(processed))
+    assert [r.address for _, r in results] == ["a", "a", "a"]  # c's shard goes to a (wrapping), b's to c then a
+    assert sorted(processed) == [0, 1, 2]
+
+
+async def test_non_retryable_error_propagates():
+    replicas = [FakeReplica("a"), FakeReplica("b", fail_with=ValueError)]
+    with pytest.raises(ValueError, match=r"b is down"):
+        await ReplicaPool("rollout", replicas).map_shards(4, make_call([]))
+    await asyncio.sleep(0.01)  # let a's shard finish
+    assert replicas[0].calls == [(0, 2)]  # b's shard is not retried elsewhere
+
+
+async def test_all_replicas_failing_raises_unavailable():
+    replicas = [FakeReplica(name, fail_with=ConnectionError) for name in "ab"]
+    with pytest.raises(Unavailable, match=r"^rollout shard \[[02], [24]\) failed on 3 attempts: [ab] is down$"):
+        await ReplicaPool("rollout", replicas).map_shards(4, make_call([]))
+
+
+def test_empty_replica_list_raises_unavailable():
+    with pytest.raises(Unavailable, match=r"no reward replica is up"):
+        ReplicaPool("reward", [])
+
+
+# ---------------------------------------------------------------------------
+# metrics
+
+
+def test_summary_by_hand():
+    assert summary("x", torch.tensor([1, 2, 6])) == {"x/mean": 3.0, "x/max": 6.0, "x/min": 1.0}
+    assert summary("x", torch.tensor([], dtype=torch.int64)) == {"x/mean": 0.0, "x/max": 0.0, "x/min": 0.0}
+    assert summary("y", torch.tensor([True, False, False, True])) == {"y/mean": 0.5, "y/max": 1.0, "y/min": 0.0}
+
+
+def test_rollout_metrics_by_hand():
+    metrics = rollout_metrics(
+        scores=torch.tensor([1.0, 0.0, 0.5, 0.5]),
+        advantages=torch.tensor([0.5, -1.5, 1.0]),
+        response_lens=torch.tensor([3, 6, 6, 1]),
+        truncated=torch.tensor([False, True, True, False]),
+        rollout_logprobs=torch.log(torch.tensor([0.5, 0.25, 0.9])),
+        old_logprobs=torch.log(torch.tensor([0.4, 0.25, 0.6])),
+    )
+    expected = {
+        "critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0,
+        "critic/rewards/mean": 0.5, "critic/rewards/max": 1.0, "critic/rewards/min": 0.0,
+        "critic/advantages/mean": 0.0, "critic/advantages/max": 1.0, "critic/advantages/min": -1.5,
+        "response_length/mean": 4.0, "response_length/max": 6.0, "response_length/min": 1.0,
+        "response_length/clip_ratio": 0.5,
+        # |0.5 - 0.4| = 0.1, |0.25 - 0.25| = 0, |0.9 - 0.6| = 0.3
+        "training/rollout_probs_diff_mean": (0.1 + 0.0 + 0.3) / 3,
+        "training/rollout_probs_diff_max": 0.3,
+    }
+    assert metrics.keys() == expected.keys()
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_rollout_metrics_of_an_empty_step_are_zero():
+    empty = torch.tensor([])
+    metrics = rollout_metrics(empty, empty, empty, torch.tensor([], dtype=torch.bool), empty, empty)
+    assert all(value == 0.0 and not math.isnan(value) for value in metrics.values())
+
+
+def test_stage_timer_adds_up_repeated_stages():
+    timer = StageTimer()
+    for _ in range(2):
+        with timer("gen"):
+            time.sleep(0.01)
+    with pytest.raises(RuntimeError), timer("train"):
+        raise RuntimeError("the stage fails; its time still counts")
+    metrics = timer.metrics()
+    assert metrics.keys() == {"timing_s/gen", "timing_s/train", "timing_s/step"}
+    assert 0.02 <= metrics["timing_s/gen"] <= metrics["timing_s/step"]

@@ -1,0 +1,288 @@
+"""CPU tests of services/common/weight_sync.py and the gloo channel of services/common/channel.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.common.channel import ChannelTable, GlooChannel, prepare_gloo_rendezvous
+from services.common.errors import NotFound
+from services.common.weight_sync import ALIGN, checksum, pack, plan_buckets, receive_weights, send_weights, unpack
+
+
+def weights() -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        ("embed.weight", torch.randn(10, 7, generator=generator)),                       # 280 bytes
+        ("norm.weight", torch.randn(5, generator=generator).to(torch.bfloat16)),         # 10 bytes
+        ("step", torch.tensor(123456789012, dtype=torch.int64)),                         # 0-dim, 8 bytes
+        ("layer.0.w", torch.randn(3, 3, generator=generator).to(torch.float16)),         # 18 bytes
+        ("mask", torch.tensor([True, False, True])),                                      # 3 bytes
+        ("empty", torch.zeros(0, 4)),                                                     # 0 bytes
+        ("ids", torch.randint(-(1 << 40), 1 << 40, (6,), generator=generator)),          # int64, 48 bytes
+        ("head.weight", torch.randn(4, 16, generator=generator).to(torch.bfloat16)),     # 128 bytes
+        ("bias", torch.randn(3, generator=generator, dtype=torch.float64)),               # 24 bytes
+    ]
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------
+# plan_buckets
+
+
+def check_plan(named, bucket_bytes):
+    buckets = plan_buckets(named, bucket_bytes)
+    entries = [e for b in buckets for e in b.entries]
+    assert [e.name for e in entries] == [name for name, _ in named]  # order kept, nothing lost
+    for bucket in buckets:
+        assert bucket.entries
+        assert bucket.size % ALIGN == 0
+        end = 0
+        for entry in bucket.entries:
+            assert entry.offset % ALIGN == 0
+            assert entry.offset >= end  # no overlap
+            end = entry.offset + entry.nbytes
+        assert end <= bucket.size
+        if len(bucket.entries) > 1:
+            assert bucket.size <= bucket_bytes
+    return buckets
+
+
+def test_plan_by_hand():
+    named = [("a", torch.zeros(10)), ("b", torch.zeros(5)), ("c", torch.zeros(30)), ("d", torch.zeros(1)),
+             ("e", torch.zeros(2, dtype=torch.int64))]
+    # 40 -> 48, 20 -> 32 ... a + b = 80 <= 96; c (120 bytes) is larger than 96 so it goes alone; d + e fit together.
+    buckets = check_plan(named, 96)
+    assert [[(e.name, e.offset) for e in b.entries] for b in buckets] == [
+        [("a", 0), ("b", 48)], [("c", 0)], [("d", 0), ("e", 16)]
+    ]
+    assert [b.size for b in buckets] == [80, 128, 32]
+
+
+def test_tensor_larger_than_the_limit_goes_alone():
+    named = [("small", torch.zeros(4)), ("huge", torch.zeros(1000)), ("small2", torch.zeros(4))]
+    buckets = check_plan(named, 64)
+    assert [[e.name for e in b.entries] for b in buckets] == [["small"], ["huge"], ["small2"]]
+    assert buckets[1].size == 4000
+
+
+def test_each_tensor_of_the_model_lands_in_some_bucket():
+    named = weights()
+    for bucket_bytes in (16, 64, 128, 4096):
+        buckets = check_plan(named, bucket_bytes)
+        assert (len(buckets) == 1) == (bucket_bytes == 4096)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from([torch.uint8, torch.bfloat16, torch.float32,
+                                                                torch.int64])), max_size=12),
+       st.integers(1, 20).map(lambda n: n * ALIGN))
+def test_fuzz_plan_respects_limit_alignment_and_order(sizes, bucket_bytes):
+    named = [(f"t{i}", torch.zeros(n, dtype=dtype)) for i, (n, dtype) in enumerate(sizes)]
+    check_plan(named, bucket_bytes)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: the fit test adds the next tensor's unpadded size but the bucket grows by "
+                                       "the padded size, so with a limit that is not a multiple of 16 two 4-byte "
+                                       "tensors make a 32-byte bucket under a 20-byte limit")
+def test_limit_that_is_not_a_multiple_of_the_alignment_is_respected():
+    buckets = plan_buckets([("a", torch.zeros(1)), ("b", torch.zeros(1))], bucket_bytes=20)
+    assert all(b.size <= 20 for b in buckets if len(b.entries) > 1)
+
+
+# ---------------------------------------------------------------------------
+# pack / unpack / checksum
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1 << 20])
+def test_pack_unpack_round_trip(bucket_bytes):
+    named = weights()
+    named[0] = ("embed.weight", named[0][1].t())  # a non-contiguous source
+    tensors = dict(named)
+    got = {}
+    for bucket in plan_buckets(named, bucket_bytes):
+        buffer = pack(bucket, tensors, "cpu")
+        assert buffer.dtype == torch.uint8 and buffer.numel() == bucket.size
+        got.update(unpack(bucket, buffer))
+    assert list(got) == list(tensors)
+    for name, tensor in tensors.items():
+        assert_same(got[name], tensor.contiguous())
+
+
+def test_pack_puts_bytes_at_the_offsets_and_zero_padding_between():
+    a, b = torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([-1], dtype=torch.int64)
+    (bucket,) = plan_buckets([("a", a), ("b", b)], 64)
+    buffer = pack(bucket, {"a": a, "b": b}, "cpu")
+    assert buffer.tolist() == [1, 2, 3] + [0] * 13 + [255] * 8 + [0] * 8
+
+
+def random_buffer(size=4096, seed=0) -> torch.Tensor:
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_checksum_by_hand():
+    words = torch.tensor([1, -2, 3, 7], dtype=torch.int32)
+    assert checksum(words.view(torch.uint8)) == 1 * 1 + (-2) * 2 + 3 * 3 + 7 * 4
+    big = torch.full((300,), 2, dtype=torch.int32)  # weights 1..251, then 1..49 again
+    assert checksum(big.view(torch.uint8)) == 2 * (sum(range(1, 252)) + sum(range(1, 50)))
+
+
+@pytest.mark.parametrize("position", [0, 1, 2, 3, 1000, 4095])
+@pytest.mark.parametrize("delta", [1, 128, 255])
+def test_checksum_changes_when_one_byte_changes(position, delta):
+    buffer = random_buffer()
+    changed = buffer.clone()
+    changed[position] = (int(changed[position]) + delta) % 256
+    assert checksum(changed) != checksum(buffer)
+
+
+@pytest.mark.parametrize(("i", "j"), [(0, 1), (10, 11), (0, 250), (5, 700), (1023, 1022)])
+def test_checksum_changes_when_two_words_are_swapped(i, j):
+    buffer = random_buffer()
+    words = buffer.clone().view(torch.int32)
+    assert words[i] != words[j]
+    words[[i, j]] = words[[j, i]]
+    assert checksum(words.view(torch.uint8)) != checksum(buffer)
+
+
+def test_checksum_of_an_empty_bucket_is_zero():
+    assert checksum(torch.zeros(0, dtype=torch.uint8)) == 0
+
+
+# ---------------------------------------------------------------------------
+# over a real gloo channel, ranks in threads
+
+
+def run_ranks(world_size: int, target, timeout_s: float = 20.0) -> dict[int, object]:
+    """Run ``target(rank)`` in one thread per rank; the outcome (result or exception) of each rank."""
+    outcomes: dict[int, object] = {}
+
+    def run(rank):
+        try:
+            outcomes[rank] = target(rank)
+        except BaseException as error:  # noqa: BLE001 - handed back to the test
+            outcomes[rank] = error
+
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    return outcomes
+
+
+def test_weights_over_gloo_to_two_receivers_in_several_buckets():
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+    named = weights()
+    expected_buckets = len(plan_buckets(named, 64))
+    assert expected_buckets >= 4
+
+    def rank_main(rank):
+        channel = GlooChannel("weights", rendezvous, rank, 3, timeout_s=10)
+        assert (channel.rank, channel.world_size) == (rank, 3)
+        try:
+            if rank == 0:
+                return send_weights(channel, named, version=42, bucket_bytes=64)
+            loaded: list[list[tuple[str, torch.Tensor]]] = []
+            version = receive_weights(channel, lambda pairs: loaded.append([(n, t.clone()) for n, t in pairs]))
+            return version, loaded
+        finally:
+            channel.close()
+
+    outcomes = run_ranks(3, rank_main)
+    for outcome in outcomes.values():
+        if isinstance(outcome, BaseException):
+            raise outcome
+    total, buckets = outcomes[0]
+    assert buckets == expected_buckets
+    assert total == sum(b.size for b in plan_buckets(named, 64))
+    for rank in (1, 2):
+        version, loaded = outcomes[rank]
+        assert version == 42
+        assert len(loaded) == expected_buckets  # load is called once per bucket
+        got = [pair for bucket in loaded for pair in bucket]
+        assert [name for name, _ in got] == [name for name, _ in named]
+        for (_, tensor), (_, want) in zip(got, named):
+            assert_same(tensor, want)
+    del store
+
+
+def test_join_where_a_rank_never_comes_times_out():
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+    started = time.monotonic()
+    outcomes = run_ranks(2, lambda rank: GlooChannel("lonely", rendezvous, rank, 3, timeout_s=2))  # rank 2 never joins
+    elapsed = time.monotonic() - started
+    for rank in (0, 1):
+        assert isinstance(outcomes[rank], TimeoutError), outcomes[rank]
+        assert "channel lonely: not all 3 members joined within 2" in str(outcomes[rank])
+    assert 1.5 < elapsed < 6
+    del store
+
+
+def test_receive_with_no_sender_times_out():
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+    channels = run_ranks(2, lambda rank: GlooChannel("quiet", rendezvous, rank, 2, timeout_s=1))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"broadcast from rank 0 did not finish within 1.0 s"):
+        receive_weights(channels[1], lambda pairs: None)
+    assert time.monotonic() - started < 5
+    del store
+
+
+@pytest.mark.parametrize(("rendezvous", "rank", "message"), [
+    (b"no-port", 0, "gloo rendezvous must be host:port"),
+    (b"127.0.0.1:http", 0, "gloo rendezvous must be host:port"),
+    (b"127.0.0.1:1", 3, "rank 3 is outside world_size 3"),
+    (b"127.0.0.1:1", -1, "rank -1 is outside world_size 3"),
+])
+def test_bad_join_arguments_are_refused_at_once(rendezvous, rank, message):
+    with pytest.raises(ValueError, match=message):
+        GlooChannel("x", rendezvous, rank, 3, timeout_s=1)
+
+
+async def test_channel_table_joins_gets_and_replaces():
+    tables = [ChannelTable(), ChannelTable()]
+
+    async def join_both(channel_id):
+        store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+        await asyncio.gather(*(t.join(channel_id, "gloo", rendezvous, rank, 2, 5) for rank, t in enumerate(tables)))
+        return store
+
+    first = await join_both("c")
+    old = tables[1].get("c")
+    assert old.rank == 1
+    second = await join_both("c")  # joining again (fresh rendezvous) replaces the old channel
+    assert tables[1].get("c") is not old and old._group is None
+    for table in tables:
+        table.close_all()
+        with pytest.raises(NotFound, match=r"channel 'c' not joined"):
+            table.get("c")
+    del first, second
+
+
+def test_channel_table_get_unknown_raises_not_found():
+    with pytest.raises(NotFound, match=r"channel 'missing' not joined"):
+        ChannelTable().get("missing")
+
+
+async def test_channel_table_refuses_other_backends_and_bad_timeouts():
+    table = ChannelTable()
+    with pytest.raises(ValueError, match=r"channel backend 'nccl' is not available here"):
+        await table.join("c", "nccl", b"127.0.0.1:1", 0, 2, 5)
+    with pytest.raises(ValueError, match=r"timeout_s must be positive"):
+        await table.join("c", "gloo", b"127.0.0.1:1", 0, 2, 0)
