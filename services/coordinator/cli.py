@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -101,14 +102,44 @@ def read_rewards(run_dir: str) -> list[float]:
     return [json.loads(line).get("critic/score/mean", 0.0) for line in path.read_text().splitlines() if line]
 
 
-async def start_and_follow(config: RunConfig, coordinator: str, detach: bool) -> RunStatus:
+async def start_and_follow(config: RunConfig, coordinator: str, detach: bool, stop_on_interrupt: bool) -> RunStatus:
+    """Start the run and follow it. Ctrl-C (or SIGTERM): with ``stop_on_interrupt`` the run is stopped at
+    its next step boundary (a second Ctrl-C stops following at once); otherwise coordctl just detaches."""
     client = CoordinatorClient(coordinator)
     try:
         run = await client.start_run(to_yaml(config))
         typer.echo(f"started run {run.run_id}")
-        return run if detach else await follow(client, run)
+        if detach:
+            return run
+        watching = asyncio.ensure_future(follow(client, run))
+        if not await until_done_or_interrupted(watching):
+            if not stop_on_interrupt:
+                watching.cancel()
+                typer.echo(f"\ndetached; the run goes on (coordctl stop {run.run_id} stops it)")
+                return await client.get_run(run.run_id)
+            typer.echo("\nstopping the run at its next step boundary (Ctrl-C again to stop now)")
+            await client.stop_run(run.run_id)
+            if not await until_done_or_interrupted(watching):
+                watching.cancel()
+        return await client.get_run(run.run_id)
     finally:
         await client.close()
+
+
+async def until_done_or_interrupted(task: asyncio.Future) -> bool:
+    """Wait for ``task``; False if SIGINT or SIGTERM came first."""
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, interrupted.set)
+    waiter = asyncio.ensure_future(interrupted.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        return task.done()
+    finally:
+        waiter.cancel()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
 
 
 async def run_local(config: RunConfig, state_dir: Path) -> RunStatus:
@@ -118,7 +149,7 @@ async def run_local(config: RunConfig, state_dir: Path) -> RunStatus:
     try:
         typer.echo(f"starting the local services (logs in {cluster.log_dir})")
         await cluster.start()
-        return await start_and_follow(config, cluster.coordinator, detach=False)
+        return await start_and_follow(config, cluster.coordinator, detach=False, stop_on_interrupt=True)
     finally:
         cluster.stop()
 
@@ -143,7 +174,7 @@ def start_run(
             state_dir = state_dir or Path("meshrl-runs") / time.strftime("local-%Y%m%d-%H%M%S")
             final = asyncio.run(run_local(config, state_dir.resolve()))
         else:
-            final = asyncio.run(start_and_follow(config, coordinator, detach))
+            final = asyncio.run(start_and_follow(config, coordinator, detach, stop_on_interrupt=False))
     except grpc.aio.AioRpcError as error:
         typer.echo(f"coordinator refused: {error.code().name}: {error.details()}", err=True)
         raise typer.Exit(1)

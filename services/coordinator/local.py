@@ -7,7 +7,9 @@
    (on 2 cores, several torch processes with 2 threads each slow each other
    3-20x), each logging to ``<state_dir>/logs/<kind>.log``.
 3. Stop them all on the way out (SIGTERM, then SIGKILL after a grace
-   period); a child also gets SIGTERM if coordctl itself dies.
+   period); a child also gets SIGTERM if coordctl itself dies. The children
+   run in their own session, so Ctrl-C in the terminal reaches coordctl
+   alone, which first stops the run at a step boundary.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class LocalCluster:
         self.processes[kind] = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **CHILD_ENV}, preexec_fn=_die_with_parent,
+            start_new_session=True,  # a terminal's Ctrl-C reaches coordctl only, which stops the run first
         )
 
     async def start(self, timeout_s: float = 60.0) -> None:

@@ -87,7 +87,7 @@ def test_each_tensor_of_the_model_lands_in_some_bucket():
         assert (len(buckets) == 1) == (bucket_bytes == 4096)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from([torch.uint8, torch.bfloat16, torch.float32,
                                                                 torch.int64])), max_size=12),
        st.integers(1, 20).map(lambda n: n * ALIGN))

@@ -23,7 +23,7 @@ from services.common.wire import (
     tensor_to_pb,
 )
 
-FUZZ = settings(max_examples=200, deadline=None)
+FUZZ = settings(max_examples=200, deadline=None, database=None)
 
 
 def sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
