@@ -68,6 +68,8 @@ class GlooChannel:
             raise TimeoutError(
                 f"channel {channel_id}: not all {world_size} members joined within {timeout_s} s ({error})"
             ) from error
+        except RuntimeError as error:
+            raise ConnectionError(f"channel {channel_id}: rank {rank} could not connect ({error})") from error
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
         options = dist.BroadcastOptions()

@@ -9,12 +9,16 @@ problem raises ``ConfigError`` whose message names the field:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pydantic
 import yaml
 from pydantic import Field
+
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)")
 
 
 class ConfigError(ValueError):
@@ -35,6 +39,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError as error:
         raise ConfigError(f"config file {path} does not exist") from error
+    except OSError as error:
+        raise ConfigError(f"config file {path} cannot be read: {error.strerror}") from error
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
     if not isinstance(data, dict):
@@ -57,10 +63,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(f"override {override!r}: {part} is not a section")
             node = child
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+            node[parts[-1]] = parse_value(raw)
         except yaml.YAMLError as error:
             raise ConfigError(f"override {override!r}: value is not valid YAML ({error})") from error
     return result
+
+
+def parse_value(raw: str) -> Any:
+    """A command-line value as YAML, except that 1e-3 is a number (YAML 1.1 wants 1.0e-3)."""
+    if not raw.strip():
+        return ""
+    value = yaml.safe_load(raw)
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
 
 
 def describe_errors(error: pydantic.ValidationError) -> str:

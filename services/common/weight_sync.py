@@ -46,17 +46,19 @@ class Bucket:
 
 
 def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
-    """Pack tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor gets one alone)."""
+    """Pack tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor gets one alone).
+
+    Each tensor takes its size rounded up to 16 bytes."""
     buckets: list[Bucket] = []
     entries: list[Entry] = []
     size = 0
     for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if entries and size + nbytes > bucket_bytes:
+        padded = -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        if entries and size + padded > bucket_bytes:
             buckets.append(Bucket(size, tuple(entries)))
             entries, size = [], 0
         entries.append(Entry(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), size))
-        size += -(-nbytes // ALIGN) * ALIGN
+        size += padded
     if entries:
         buckets.append(Bucket(size, tuple(entries)))
     return buckets

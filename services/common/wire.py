@@ -35,6 +35,18 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
+def check_shape(name: str, dtype_name: str, shape: list[int] | tuple[int, ...]) -> torch.dtype:
+    """The dtype, once the dtype name and shape are known to be sendable; ValueError naming the tensor if not."""
+    dtype = DTYPES.get(dtype_name)
+    if dtype is None:
+        raise ValueError(f"{name}: unknown dtype {dtype_name!r}; expected one of {sorted(DTYPES)}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{name}: negative dimension in shape {list(shape)}")
+    if math.prod(max(d, 1) for d in shape) * dtype.itemsize > MAX_TENSOR_BYTES:
+        raise ValueError(f"{name}: shape {list(shape)} is over the {MAX_TENSOR_BYTES}-byte limit")
+    return dtype
+
+
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """The raw bytes of a CPU tensor, C-contiguous (any dtype, bfloat16 included)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -42,11 +54,7 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def tensor_from_bytes(data: bytes | bytearray, dtype_name: str, shape: list[int], name: str = "tensor") -> torch.Tensor:
-    dtype = DTYPES.get(dtype_name)
-    if dtype is None:
-        raise ValueError(f"{name}: unknown dtype {dtype_name!r}; expected one of {sorted(DTYPES)}")
-    if any(d < 0 for d in shape):
-        raise ValueError(f"{name}: negative dimension in shape {list(shape)}")
+    dtype = check_shape(name, dtype_name, shape)
     expected = math.prod(shape) * dtype.itemsize
     if expected != len(data):
         raise ValueError(f"{name}: {len(data)} bytes for shape {list(shape)} {dtype_name} (expected {expected})")
@@ -56,6 +64,8 @@ def tensor_from_bytes(data: bytes | bytearray, dtype_name: str, shape: list[int]
 
 
 def tensor_to_pb(tensor: torch.Tensor) -> common_pb2.Tensor:
+    if tensor.dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype {tensor.dtype} cannot be sent")
     return common_pb2.Tensor(dtype=DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape), data=tensor_bytes(tensor))
 
 
@@ -102,14 +112,7 @@ class BatchAssembler:
         name = chunk.name or "<unnamed>"
         shape = tuple(chunk.shape)
         if name not in self._meta:
-            dtype = DTYPES.get(chunk.dtype)
-            if dtype is None:
-                raise ValueError(f"{name}: unknown dtype {chunk.dtype!r}; expected one of {sorted(DTYPES)}")
-            if any(d < 0 for d in shape):
-                raise ValueError(f"{name}: negative dimension in shape {list(shape)}")
-            total = math.prod(shape) * dtype.itemsize
-            if total > MAX_TENSOR_BYTES:
-                raise ValueError(f"{name}: {total} bytes is over the {MAX_TENSOR_BYTES}-byte limit")
+            total = math.prod(shape) * check_shape(name, chunk.dtype, shape).itemsize
             self._meta[name] = (chunk.dtype, shape, total)
             self._buffers[name] = bytearray()
         dtype_name, known_shape, total = self._meta[name]

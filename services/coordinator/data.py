@@ -25,20 +25,21 @@ class Prompt:
     extra_info: dict[str, Any]
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[tuple[int, Any]]:
+    """(row number, row) pairs: the 1-based line of a JSONL file (blank lines skipped), or parquet row."""
     if not path.exists():
         raise ValueError(f"data file {path} does not exist")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return list(enumerate(pq.read_table(path).to_pylist(), start=1))
     if path.suffix in (".jsonl", ".json"):
         rows = []
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append((number, json.loads(line)))
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path} row {number}: not valid JSON ({error.msg})") from None
         return rows
@@ -54,8 +55,10 @@ def render_prompt(prompt: Any, tokenizer) -> str:
     return "".join(message["content"] for message in messages)
 
 
-def prompt_from_row(row: dict[str, Any], prompt_key: str, source_key: str, tokenizer, max_len: int) -> Prompt:
+def prompt_from_row(row: Any, prompt_key: str, source_key: str, tokenizer, max_len: int) -> Prompt:
     """One validated, tokenised prompt; ValueError names what is wrong with the row."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be a JSON object, not {type(row).__name__}")
     for key in (source_key, prompt_key, "reward_model"):
         if row.get(key) in (None, ""):
             raise ValueError(f"missing field {key!r}")
@@ -80,7 +83,7 @@ def load_prompts(files: list[str], prompt_key: str, source_key: str, tokenizer, 
     prompts = []
     for name in files:
         path = Path(name)
-        for number, row in enumerate(read_rows(path), start=1):
+        for number, row in read_rows(path):
             try:
                 prompts.append(prompt_from_row(row, prompt_key, source_key, tokenizer, max_len))
             except ValueError as error:

@@ -16,7 +16,9 @@ Result = TypeVar("Result")
 
 
 def shard_bounds(count: int, shards: int) -> list[tuple[int, int]]:
-    """Split range(count) into ``shards`` contiguous, near-equal, non-empty [lo, hi) ranges."""
+    """Split range(count) into ``shards`` contiguous, near-equal, non-empty [lo, hi) ranges (none if count is 0)."""
+    if count <= 0:
+        return []
     shards = max(1, min(shards, count))
     base, extra = divmod(count, shards)
     bounds, lo = [], 0

@@ -42,8 +42,6 @@ def test_override_value_is_parsed_as_yaml(raw, value):
     assert apply_overrides({}, [f"k={raw}"])["k"] == value
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: PyYAML (YAML 1.1) reads '1e-3' as the string '1e-3', not a float, "
-                                       "although the module docstring promises 1e-3 means what it says")
 @pytest.mark.parametrize("raw", ["1e-3", "1E-3", "1e+3"])
 def test_override_exponent_without_dot_is_a_float(raw):
     value = apply_overrides({}, [f"actor_rollout_ref.actor.optim.lr={raw}"])["actor_rollout_ref"]["actor"]["optim"]["lr"]
@@ -193,8 +191,6 @@ def test_yaml_that_is_not_a_mapping_names_the_file(tmp_path):
         read_yaml(path)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: read_yaml catches only FileNotFoundError, so a directory (or an "
-                                       "unreadable file) escapes as IsADirectoryError/PermissionError, not ConfigError")
 def test_directory_as_config_file_raises_config_error(tmp_path):
     with pytest.raises(ConfigError, match=str(tmp_path)):
         load_config(RunConfig, tmp_path)

@@ -96,9 +96,6 @@ def test_fuzz_plan_respects_limit_alignment_and_order(sizes, bucket_bytes):
     check_plan(named, bucket_bytes)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the fit test adds the next tensor's unpadded size but the bucket grows by "
-                                       "the padded size, so with a limit that is not a multiple of 16 two 4-byte "
-                                       "tensors make a 32-byte bucket under a 20-byte limit")
 def test_limit_that_is_not_a_multiple_of_the_alignment_is_respected():
     buckets = plan_buckets([("a", torch.zeros(1)), ("b", torch.zeros(1))], bucket_bytes=20)
     assert all(b.size <= 20 for b in buckets if len(b.entries) > 1)
