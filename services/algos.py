@@ -3,66 +3,292 @@
 Choices, stated before the code:
 
 - Sequences travel padding-free: a batch of B responses is one flat tensor of
-  all response tokens plus ``lengths`` [B]. Token-level tensors in this module
-  are therefore flat ``[T]`` with ``T = lengths.sum()``; per-sequence tensors are
-  ``[B]``.
-- GRPO's advantage is the sequence's score minus its group's mean score,
-  divided by the group's standard deviation (unbiased, as ``torch.std``, the
-  way verl computes it) plus ``eps``; a group of one gets advantage 0. Every
-  token of a response carries its sequence's advantage.
-- The PPO policy loss is the clipped surrogate with separate lower and upper
-  clip ranges; losses are aggregated as ``token-mean`` over the tokens of the
-  whole mini-batch, so micro-batches pass the mini-batch token count as
-  ``num_tokens`` and their gradients sum to the full mini-batch gradient.
+  all response tokens plus ``lengths`` [B]. Token-level tensors here are flat
+  ``[T]`` with ``T = lengths.sum()``; per-sequence tensors are ``[B]``.
+- Rewards are outcome rewards: a response's score sits on its last token
+  (``token_rewards``), minus ``kl_coef * kl`` on every token when the KL
+  penalty goes into the reward.
+- Estimators follow verl's definitions (core_algos.py): GAE with whitened
+  advantages and returns = advantages + values; GRPO = (score - group mean) /
+  (group std + eps) (std unbiased) or without the division (Dr. GRPO); RLOO =
+  score - mean of the other samples of the prompt; REINFORCE++ = whitened
+  discounted returns; REINFORCE++-baseline = whitened (score - group mean).
+  One deliberate difference: a prompt with a single sample has no baseline,
+  and its advantage is 0 (verl passes its raw score through).
+- Whitening is over all response tokens of the batch: (x - mean) /
+  sqrt(unbiased var + 1e-8).
+- Losses are aggregated by ``aggregate`` in verl's four modes. Every divisor
+  comes from a ``LossScale`` that describes the whole mini-batch, so the
+  losses of its micro-batches add up to the mini-batch loss, and their
+  gradients to its gradient.
 
 No config objects, no I/O: everything arrives as plain arguments.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+WHITEN_EPS = 1e-8
+
+
+# ---------------------------------------------------------------- helpers
+
 
 def expand_per_token(per_sequence: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Repeat a per-sequence value over that sequence's tokens.
-
-    per_sequence: [B]; lengths: [B] int -> [lengths.sum()].
-    """
+    """Repeat a per-sequence value over that sequence's tokens. [B], [B] -> [T]."""
     return torch.repeat_interleave(per_sequence, lengths)
 
 
-def grpo_advantages(
-    scores: torch.Tensor,
-    group_ids: torch.Tensor,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Group-normalised advantage of each sequence (GRPO).
+def sequence_sums(per_token: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sum of each sequence's tokens. [T], [B] -> [B]."""
+    index = torch.repeat_interleave(torch.arange(len(lengths), device=per_token.device), lengths.to(per_token.device))
+    return torch.zeros(len(lengths), dtype=per_token.dtype, device=per_token.device).index_add_(0, index, per_token)
 
-    scores: [B] float, one scalar reward per sequence.
-    group_ids: [B] int, sequences sampled from the same prompt share an id.
-    Returns [B]: (score - group mean) / (group std + eps), or without the
-    division when ``norm_by_std`` is False (Dr. GRPO). Groups of size 1 get 0.
-    """
-    scores = scores.to(torch.float64)
+
+def last_token_index(lengths: torch.Tensor) -> torch.Tensor:
+    """Flat index of each sequence's last token (sequences of length 0 are not listed). [B] -> [B']."""
+    ends = torch.cumsum(lengths, 0) - 1
+    return ends[lengths > 0]
+
+
+def whiten(values: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / sqrt(unbiased var + 1e-8) over all tokens. [T] -> [T]."""
+    if values.numel() < 2:
+        return values - values.mean() if values.numel() else values
+    mean = values.mean()
+    var = values.var(unbiased=True)
+    return (values - mean) * torch.rsqrt(var + WHITEN_EPS)
+
+
+def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
+    """Per-sequence group sum, count and unbiased std of the float64 scores."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores)
     means = sums / counts
-    centred = scores - means[inverse]
-    squares = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, centred**2)
+    squares = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, (scores - means[inverse]) ** 2)
     std = torch.sqrt(squares / (counts - 1).clamp(min=1))
-    advantages = centred / (std[inverse] + eps) if norm_by_std else centred
-    advantages = torch.where(counts[inverse] > 1, advantages, torch.zeros_like(advantages))
-    return advantages.to(torch.float32)
+    return sums[inverse], counts[inverse], std[inverse]
+
+
+# ---------------------------------------------------------------- rewards and KL
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimate of the policy from the reference. [T], [T] -> [T].
+
+    kl/k1: logp - ref; abs: |logp - ref|; mse/k2: 0.5 (logp - ref)^2;
+    low_var_kl/k3: exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10].
+    """
+    if estimator in ("kl", "k1"):
+        return logprobs - ref_logprobs
+    if estimator == "abs":
+        return (logprobs - ref_logprobs).abs()
+    if estimator in ("mse", "k2"):
+        return 0.5 * (logprobs - ref_logprobs).square()
+    if estimator in ("low_var_kl", "k3"):
+        log_ratio = torch.clamp(ref_logprobs - logprobs, -20, 20)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, -10, 10)
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+def token_rewards(scores: torch.Tensor, lengths: torch.Tensor, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """Score on each response's last token, minus kl_coef * kl on every token. [B], [B], [T] -> [T]."""
+    rewards = torch.zeros(int(lengths.sum()), dtype=torch.float32)
+    rewards[last_token_index(lengths)] = scores[lengths > 0].float()
+    if kl is not None:
+        rewards = rewards - kl_coef * kl.float()
+    return rewards
+
+
+def adaptive_kl_coef(coef: float, current_kl: float, n_steps: int, target: float, horizon: int) -> float:
+    """The adaptive KL controller's next coefficient (Ziegler et al.): proportional error clipped to +-0.2."""
+    error = min(max(current_kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_steps / horizon)
+
+
+# ---------------------------------------------------------------- advantage estimators
+
+
+class Advantages(NamedTuple):
+    advantages: torch.Tensor  # [T]
+    returns: torch.Tensor  # [T]
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamma: float, lam: float) -> Advantages:
+    """Generalised advantage estimation, per sequence, then advantages whitened over the batch.
+
+    rewards, values: [T]; delta_t = r_t + gamma V_{t+1} - V_t (V after the last token is 0),
+    A_t = delta_t + gamma lam A_{t+1}; returns = A + V (before whitening).
+    """
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    start = 0
+    for length in lengths.tolist():
+        running, next_value = 0.0, 0.0
+        for t in range(start + length - 1, start - 1, -1):
+            delta = float(rewards[t]) + gamma * next_value - float(values[t])
+            running = delta + gamma * lam * running
+            advantages[t] = running
+            next_value = float(values[t])
+        start += length
+    returns = advantages + values.float()
+    return Advantages(whiten(advantages), returns)
+
+
+def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantage of each sequence (GRPO). [B], [B] -> [B].
+
+    (score - group mean) / (group std + eps), or without the division when
+    ``norm_by_std`` is False (Dr. GRPO). Groups of one get 0.
+    """
+    scores = scores.to(torch.float64)
+    sums, counts, std = _group_stats(scores, group_ids)
+    centred = scores - sums / counts
+    advantages = centred / (std + eps) if norm_by_std else centred
+    return torch.where(counts > 1, advantages, torch.zeros_like(advantages)).to(torch.float32)
+
+
+def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out: score minus the mean of the prompt's other samples. [B], [B] -> [B]."""
+    scores = scores.to(torch.float64)
+    sums, counts, _ = _group_stats(scores, group_ids)
+    others = (sums - scores) / (counts - 1).clamp(min=1)
+    return torch.where(counts > 1, scores - others, torch.zeros_like(scores)).to(torch.float32)
+
+
+def discounted_returns(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma G_{t+1} within each sequence. [T], [B] -> [T]."""
+    returns = torch.zeros_like(rewards, dtype=torch.float32)
+    start = 0
+    for length in lengths.tolist():
+        running = 0.0
+        for t in range(start + length - 1, start - 1, -1):
+            running = float(rewards[t]) + gamma * running
+            returns[t] = running
+        start += length
+    return returns
+
+
+def reinforce_plus_plus(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float) -> Advantages:
+    """REINFORCE++: discounted returns, whitened over the batch, are the advantages. [T] -> [T]."""
+    returns = discounted_returns(rewards, lengths, gamma)
+    return Advantages(whiten(returns), returns)
+
+
+def reinforce_plus_plus_baseline(scores: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor) -> Advantages:
+    """REINFORCE++ with the group mean as baseline, on every token, whitened over the batch. [B] -> [T]."""
+    scores = scores.to(torch.float64)
+    sums, counts, _ = _group_stats(scores, group_ids)
+    centred = torch.where(counts > 1, scores - sums / counts, torch.zeros_like(scores)).to(torch.float32)
+    per_token = expand_per_token(centred, lengths)
+    return Advantages(whiten(per_token), per_token)
+
+
+# ---------------------------------------------------------------- losses
+
+
+class LossScale(NamedTuple):
+    """The divisors of a mini-batch's loss, so that micro-batch losses add up to it."""
+
+    num_tokens: int  # response tokens in the mini-batch (token-mean)
+    num_sequences: int  # sequences in the mini-batch (seq-mean-*)
+    max_response_length: int  # the constant divisor of seq-mean-token-sum-norm (Dr. GRPO)
+
+    @classmethod
+    def of(cls, lengths: torch.Tensor, max_response_length: int) -> LossScale:
+        return cls(int(lengths.sum()), len(lengths), max_response_length)
+
+
+def aggregate(per_token: torch.Tensor, lengths: torch.Tensor, mode: str, scale: LossScale) -> torch.Tensor:
+    """Reduce per-token losses [T] of sequences with ``lengths`` [B] to a scalar, verl's way.
+
+    token-mean: sum / tokens; seq-mean-token-sum: sum of sequence sums / sequences;
+    seq-mean-token-mean: sum of sequence means / sequences;
+    seq-mean-token-sum-norm: sum of sequence sums / max_response_length.
+    """
+    if mode == "token-mean":
+        return per_token.sum() / max(scale.num_tokens, 1)
+    sums = sequence_sums(per_token, lengths)
+    if mode == "seq-mean-token-sum":
+        return sums.sum() / max(scale.num_sequences, 1)
+    if mode == "seq-mean-token-mean":
+        return (sums / lengths.to(sums.device).clamp(min=1)).sum() / max(scale.num_sequences, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return sums.sum() / scale.max_response_length
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+
+
+class PolicyLoss(NamedTuple):
+    loss: torch.Tensor  # scalar, aggregated
+    clipfrac: torch.Tensor  # share of tokens whose ratio was clipped (actor/pg_clipfrac)
+    clipfrac_lower: torch.Tensor  # share of negative-advantage tokens capped by dual-clip
+    approx_kl: torch.Tensor  # token mean of old_logprob - logprob (actor/ppo_kl)
+
+
+def policy_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, lengths: torch.Tensor,
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, mode: str, scale: LossScale,
+) -> PolicyLoss:
+    """PPO clipped surrogate with clip-higher and dual-clip. Token tensors [T], lengths [B].
+
+    l_t = max(-A r, -A clip(r, 1 - low, 1 + high)), r = exp(logp - old_logp) (log-ratio clamped to +-20);
+    where A < 0 and clip_ratio_c is set: l_t = min(l_t, -A c).
+    The statistics are token means over the mini-batch (``scale.num_tokens``).
+    """
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    capped = torch.zeros_like(per_token, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        bound = -advantages * clip_ratio_c
+        capped = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
+    tokens = max(scale.num_tokens, 1)
+    with torch.no_grad():
+        clipfrac = (clipped > unclipped).float().sum() / tokens
+        clipfrac_lower = capped.float().sum() / tokens
+        approx_kl = (-log_ratio).sum() / tokens
+    return PolicyLoss(aggregate(per_token, lengths, mode, scale), clipfrac, clipfrac_lower, approx_kl)
+
+
+class ValueLoss(NamedTuple):
+    loss: torch.Tensor  # scalar: 0.5 * aggregated clipped squared error
+    clipfrac: torch.Tensor  # share of tokens where the clipped error was the larger (critic/vf_clipfrac)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, lengths: torch.Tensor,
+               cliprange_value: float, mode: str, scale: LossScale) -> ValueLoss:
+    """Clipped value loss: 0.5 * agg(max((V - R)^2, (clip(V, V_old +- c) - R)^2)). Token tensors [T]."""
+    clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    unclipped_error = (values - returns).square()
+    clipped_error = (clipped_values - returns).square()
+    per_token = torch.maximum(unclipped_error, clipped_error)
+    with torch.no_grad():
+        clipfrac = (clipped_error > unclipped_error).float().sum() / max(scale.num_tokens, 1)
+    return ValueLoss(0.5 * aggregate(per_token, lengths, mode, scale), clipfrac)
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns), over all tokens (unbiased variances)."""
+    if returns.numel() < 2:
+        return 0.0
+    return float(1.0 - (returns - values).var() / (returns.var() + WHITEN_EPS))
+
+
+# ---------------------------------------------------------------- per-token model outputs
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of each token under temperature-scaled logits, in fp32.
-
-    logits: [..., V]; tokens: [...] int -> [...] float32.
-    """
+    """Log-probability of each token under temperature-scaled logits, in fp32. [..., V], [...] -> [...]."""
     scaled = logits.float() / temperature
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -73,40 +299,36 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return -(log_probs.exp() * log_probs).sum(-1)
 
 
-class PolicyLoss(NamedTuple):
-    loss: torch.Tensor  # scalar, token-mean over num_tokens
-    clipfrac: torch.Tensor  # share of tokens whose surrogate was clipped
-    approx_kl: torch.Tensor  # mean of (old_logprob - logprob), verl's actor/ppo_kl
-
-
-def ppo_clip_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    num_tokens: int | None = None,
-) -> PolicyLoss:
-    """PPO clipped surrogate loss, aggregated as token-mean.
-
-    logprobs, old_logprobs, advantages: [T] (flat response tokens).
-    num_tokens: the divisor of the sum; pass the mini-batch's token count when
-    this is one micro-batch of it (defaults to T).
-    loss_t = max(-A_t * r_t, -A_t * clip(r_t, 1 - low, 1 + high)), r_t = exp(logp - old_logp).
-    """
-    divisor = num_tokens if num_tokens is not None else logprobs.numel()
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    per_token = torch.maximum(unclipped, clipped)
-    with torch.no_grad():
-        clipfrac = (clipped > unclipped).float().sum() / divisor
-        approx_kl = (-log_ratio).sum() / divisor
-    return PolicyLoss(per_token.sum() / divisor, clipfrac, approx_kl)
-
-
 def sequence_nll(logprobs: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
     """Supervised loss: mean negative log-likelihood of the target tokens. [T] -> scalar."""
     divisor = num_tokens if num_tokens is not None else logprobs.numel()
     return -logprobs.sum() / divisor
+
+
+# ---------------------------------------------------------------- optimisation
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, style: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak learning rate after ``step`` scheduler steps (0-based).
+
+    Linear warmup over ``warmup_steps``, then constant, or a cosine decay to
+    ``min_lr_ratio`` at ``total_steps``.
+    """
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if style == "constant":
+        return 1.0
+    if style == "cosine":
+        span = max(total_steps - warmup_steps, 1)
+        progress = min(max(step - warmup_steps, 0) / span, 1.0)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr schedule {style!r}; expected constant or cosine")
+
+
+def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """DAPO dynamic sampling: True for sequences whose group's scores are not all equal. [B] -> [B] bool."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    groups = int(inverse.max()) + 1 if len(inverse) else 0
+    high = torch.full((groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, inverse, scores.double(), "amax")
+    low = torch.full((groups,), math.inf, dtype=torch.float64).scatter_reduce(0, inverse, scores.double(), "amin")
+    return (high > low)[inverse]
