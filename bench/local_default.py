@@ -55,7 +55,8 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     from services.coordinator.loop import make_batch
     from services.reward.rules import score_sample
     from services.rollout.hf_engine import HFEngine, SamplingSettings
-    from services.trainer.setup import build_actor, ppo_settings
+    from services.trainer.actor import UpdateInputs
+    from services.trainer.setup import actor_settings, build_actor
 
     torch.set_num_threads(1)
     config = validate(RunConfig, yaml.safe_load(config_path.read_text()))
@@ -78,7 +79,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
         old = actor.compute_log_probs(batch, rollout.temperature, 256)
         groups = torch.arange(len(chosen)).repeat_interleave(rollout.n)
         advantages = algos.expand_per_token(algos.grpo_advantages(scores, groups), batch.response_lens)
-        actor.update(batch, old, advantages, ppo_settings(config))
+        actor.update(batch, UpdateInputs(old, advantages, None), actor_settings(config))
         engine.load_weights(actor.named_weights())
         times.append(time.perf_counter() - started)
     return sum(times[1:]) / len(times[1:])

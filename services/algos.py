@@ -332,3 +332,38 @@ def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.T
     high = torch.full((groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, inverse, scores.double(), "amax")
     low = torch.full((groups,), math.inf, dtype=torch.float64).scatter_reduce(0, inverse, scores.double(), "amin")
     return (high > low)[inverse]
+
+
+def compute_advantages(
+    estimator: str, rewards: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor,
+    values: torch.Tensor | None, gamma: float, lam: float, norm_by_std: bool,
+) -> Advantages:
+    """Advantages and returns [T] of the named estimator from token rewards [T].
+
+    Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline) use each
+    sequence's summed reward; gae needs ``values`` [T]. For grpo and rloo the
+    returns are the advantages, as in verl.
+    """
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("the gae estimator needs values from a critic")
+        return gae(rewards, values, lengths, gamma, lam)
+    if estimator == "reinforce_plus_plus":
+        return reinforce_plus_plus(rewards, lengths, gamma)
+    scores = sequence_sums(rewards, lengths)
+    if estimator == "reinforce_plus_plus_baseline":
+        return reinforce_plus_plus_baseline(scores, group_ids, lengths)
+    if estimator == "grpo":
+        per_token = expand_per_token(grpo_advantages(scores, group_ids, norm_by_std), lengths)
+    elif estimator == "rloo":
+        per_token = expand_per_token(rloo_advantages(scores, group_ids), lengths)
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    return Advantages(per_token, per_token)
+
+
+def mean_sequence_kl(kl: torch.Tensor, lengths: torch.Tensor) -> float:
+    """Batch mean of each sequence's token-mean KL (the adaptive controller's measurement)."""
+    if len(lengths) == 0:
+        return 0.0
+    return float((sequence_sums(kl, lengths) / lengths.clamp(min=1)).mean())

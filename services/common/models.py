@@ -32,3 +32,20 @@ def load_causal_lm(path: str | Path, dtype: str = "float32"):
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"no config.json in model folder {folder}")
     return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+
+
+def load_value_model(path: str | Path, dtype: str = "float32"):
+    """A causal LM's body with a one-output token head (a value per position), from a local folder.
+
+    The head is freshly initialised when the folder holds a plain causal LM. Dropout in the head is off,
+    so values in training equal values in evaluation.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    folder = Path(path)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in model folder {folder}")
+    config = AutoConfig.from_pretrained(folder, num_labels=1)
+    config.classifier_dropout = 0.0
+    return AutoModelForTokenClassification.from_pretrained(folder, config=config, dtype=getattr(torch, dtype))

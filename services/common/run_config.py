@@ -15,6 +15,9 @@ from pydantic import Field, PositiveFloat, PositiveInt
 from services.common.config import Section
 
 
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
 class DataConfig(Section):
     train_files: list[str] = []
     """Local parquet or JSONL files in verl's schema (data_source, prompt, reward_model.ground_truth, ...)."""
@@ -45,7 +48,11 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     lr_warmup_steps: int = Field(0, ge=0)
-    """Optimizer steps of linear warmup, then constant."""
+    """Training steps of linear warmup (the schedule advances once per update call, as in verl)."""
+    warmup_style: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to min_lr_ratio at trainer.total_training_steps."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Floor of the cosine schedule, as a fraction of lr."""
 
 
 class WarmStartConfig(Section):
@@ -68,6 +75,18 @@ class ActorConfig(Section):
     """PPO clip range below 1."""
     clip_ratio_high: float = Field(0.2, gt=0)
     """PPO clip range above 1 (raise it for DAPO's clip-higher)."""
+    clip_ratio_c: float | None = Field(3.0, gt=1)
+    """Dual-clip bound for negative advantages (null disables dual-clip)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    """How per-token losses become one number; seq-mean-token-sum-norm is Dr. GRPO."""
+    entropy_coeff: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * KL(actor || reference) to the loss (GRPO's way); needs a reference."""
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    """KL estimator of the loss term."""
     grad_clip: PositiveFloat = 1.0
     """Max global gradient norm."""
     warm_start: WarmStartConfig = WarmStartConfig()
@@ -90,15 +109,76 @@ class ActorRolloutRefConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
 
 
+class CriticModelConfig(Section):
+    path: str = ""
+    """Local model folder of the critic's body; empty = the actor's model (a value head is added)."""
+
+
+class CriticConfig(Section):
+    enable: bool | None = None
+    """Use a critic: null = only when algorithm.adv_estimator is gae."""
+    model: CriticModelConfig = CriticModelConfig()
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+    ppo_mini_batch_size: PositiveInt | None = None
+    """Prompts per critic optimizer step; null = the actor's."""
+    ppo_micro_batch_size_per_gpu: PositiveInt = 64
+    ppo_epochs: PositiveInt | None = None
+    """Null = the actor's."""
+    cliprange_value: float = Field(0.5, gt=0)
+    """Clip range of the new value around the old one."""
+    vf_coef: float = Field(1.0, gt=0)
+    """Weight of the value loss."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    grad_clip: PositiveFloat = 1.0
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: kl_coef stays; adaptive: moves kl_coef toward target_kl over horizon samples."""
+    kl_coef: float = Field(0.001, ge=0)
+    target_kl: PositiveFloat = 0.1
+    horizon: PositiveInt = 10000
+
+
+class FilterGroupsConfig(Section):
+    enable: bool = False
+    """DAPO dynamic sampling: drop prompts whose responses all scored the same, generate more to refill."""
+    max_num_gen_batches: PositiveInt = 4
+    """Most generation rounds per step (the first included); the step trains on what it has then."""
+
+
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["grpo"] = "grpo"
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     """Advantage estimator."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount (gae, reinforce_plus_plus)."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE lambda."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide by the group's std (GRPO) or only subtract its mean (Dr. GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_ctrl.kl_coef * KL(old policy || reference) from every token's reward; needs a reference."""
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    """KL estimator of the reward penalty."""
+    kl_ctrl: KLControlConfig = KLControlConfig()
+    filter_groups: FilterGroupsConfig = FilterGroupsConfig()
+
+
+class PlacementConfig(Section):
+    """Which service group hosts each role; roles placed in the same trainer group share one trainer service."""
+
+    actor: str = "default"
+    critic: str = "default"
+    ref: str = "default"
+    rollout: str = "default"
+    reward: str = "default"
 
 
 class TrainerConfig(Section):
     total_training_steps: PositiveInt = 100
+    critic_warmup: int = Field(0, ge=0)
+    """Steps that update only the critic before the actor starts updating."""
     project_name: str = "meshrl"
     experiment_name: str = "run"
     seed: int = 0
@@ -135,9 +215,19 @@ class LocalConfig(Section):
 class RunConfig(Section):
     data: DataConfig = DataConfig()
     actor_rollout_ref: ActorRolloutRefConfig = ActorRolloutRefConfig()
+    critic: CriticConfig = CriticConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    placement: PlacementConfig = PlacementConfig()
     local: LocalConfig = LocalConfig()
+
+    @property
+    def use_critic(self) -> bool:
+        return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @pydantic.model_validator(mode="after")
     def _batch_sizes_agree(self) -> RunConfig:
@@ -148,8 +238,16 @@ class RunConfig(Section):
                 f"data.train_batch_size ({batch}) must be a multiple of "
                 f"actor_rollout_ref.actor.ppo_mini_batch_size ({mini})"
             )
-        if self.algorithm.adv_estimator == "grpo" and self.actor_rollout_ref.rollout.n < 2:
-            raise ValueError("algorithm.adv_estimator=grpo needs actor_rollout_ref.rollout.n >= 2 (groups of responses)")
+        critic_mini = self.critic.ppo_mini_batch_size
+        if critic_mini is not None and batch % critic_mini:
+            raise ValueError(f"data.train_batch_size ({batch}) must be a multiple of critic.ppo_mini_batch_size "
+                             f"({critic_mini})")
+        estimator = self.algorithm.adv_estimator
+        if estimator in GROUP_ESTIMATORS and self.actor_rollout_ref.rollout.n < 2:
+            raise ValueError(f"algorithm.adv_estimator={estimator} needs actor_rollout_ref.rollout.n >= 2 "
+                             "(groups of responses)")
+        if estimator == "gae" and self.critic.enable is False:
+            raise ValueError("algorithm.adv_estimator=gae needs a critic, but critic.enable is false")
         return self
 
     def require_paths(self) -> None:

@@ -62,6 +62,12 @@ class SequenceBatch:
     def num_response_tokens(self) -> int:
         return int(self.response_lens.sum())
 
+    def token_index(self, rows: torch.Tensor) -> torch.Tensor:
+        """Flat indices (into response_ids and token-aligned tensors) of the given rows' tokens, in order."""
+        starts = torch.cumsum(self.response_lens, 0) - self.response_lens
+        pieces = [torch.arange(starts[r], starts[r] + self.response_lens[r]) for r in rows.tolist()]
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
     def select(self, rows: torch.Tensor) -> SequenceBatch:
         """The sub-batch of the given rows (indices), in that order."""
         return SequenceBatch(
@@ -70,6 +76,11 @@ class SequenceBatch:
             ragged_select(self.response_ids, self.response_lens, rows),
             self.response_lens[rows],
         )
+
+    @staticmethod
+    def concat(batches: list[SequenceBatch]) -> SequenceBatch:
+        return SequenceBatch(*(torch.cat([getattr(b, field) for b in batches])
+                               for field in ("prompt_ids", "prompt_lens", "response_ids", "response_lens")))
 
     def padded(self, pad_id: int = 0) -> Padded:
         """Right-padded prompt+response rows and the mask of response predictions."""

@@ -36,18 +36,25 @@ def default_config() -> dict:
     return yaml.safe_load(text)
 
 
+def merge(base: dict, top: dict) -> dict:
+    """``top`` laid over ``base``, section by section."""
+    merged = dict(base)
+    for key, value in top.items():
+        merged[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return merged
+
+
 def resolve_config(args: list[str], local: bool) -> RunConfig:
     """The run config from an optional YAML file and key=value overrides; exits naming the field if bad."""
     files = [a for a in args if "=" not in a]
     overrides = [a for a in args if "=" in a]
     if len(files) > 1:
         raise typer.BadParameter(f"one config file at most, got {files}")
-    if files:
-        data = read_yaml(files[0])
-    elif local:
-        data = default_config()
-    else:
+    if not files and not local:
         raise typer.BadParameter("give a run config file, or --local for the embedded default")
+    data = read_yaml(files[0]) if files else {}
+    if local:  # a file given with --local is laid over the embedded default
+        data = merge(default_config(), data)
     config = validate(RunConfig, apply_overrides(data, overrides))
     if local:
         from services.coordinator.local import cache_dir, prepare_assets
@@ -162,7 +169,8 @@ def start_run(
     detach: bool = typer.Option(False, "--detach", help="return once the run has started"),
     state_dir: Optional[Path] = typer.Option(None, help="--local: folder for the run DB, runs and logs"),
 ) -> None:
-    """Start a run (the embedded default with --local) and follow it to the end."""
+    """Start a run and follow it to the end. With --local: on this machine, from the embedded default
+    (a CONFIG.yaml given too is laid over it)."""
     started = time.monotonic()
     try:
         config = resolve_config(list(args or []), local)

@@ -111,30 +111,46 @@ class TrainerClient:
         self._conn = Connection(address)
         self._stub = trainer_pb2_grpc.TrainerStub(self._conn.channel)
 
-    async def init_run(self, run_id: str, run_config_yaml: str, seed: int, timeout: float) -> None:
+    async def init_run(self, run_id: str, run_config_yaml: str, roles: list[str], seed: int, timeout: float) -> None:
         async with self._conn.slot():
-            await self._stub.InitRun(
-                trainer_pb2.TrainerInitRequest(run_id=run_id, run_config_yaml=run_config_yaml, seed=seed), timeout=timeout)
+            await self._stub.InitRun(trainer_pb2.TrainerInitRequest(
+                run_id=run_id, run_config_yaml=run_config_yaml, roles=roles, seed=seed), timeout=timeout)
 
-    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float) -> torch.Tensor:
+    async def _stream_out(self, method, tensors: dict[str, torch.Tensor], step: int, role: str, name: str,
+                          timeout: float) -> torch.Tensor:
         assembler = BatchAssembler()
         async with self._conn.slot():
-            async for reply in self._stub.ComputeLogProbs(batch_requests(sequence_tensors(batch), step), timeout=timeout):
+            async for reply in method(batch_requests(tensors, step, role), timeout=timeout):
                 assembler.add(reply.chunks)
-        return assembler.result(required=("logprobs",))["logprobs"]
+        return assembler.result(required=(name,))[name]
 
-    async def update_actor(
-        self, batch: SequenceBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor, step: int, timeout: float
-    ) -> tuple[dict[str, float], int]:
-        tensors = {**sequence_tensors(batch), "old_logprobs": old_logprobs, "advantages": advantages}
+    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float, role: str = "actor") -> torch.Tensor:
+        """Logprobs [T] of the response tokens under the actor (role actor) or the reference (role ref)."""
+        return await self._stream_out(self._stub.ComputeLogProbs, sequence_tensors(batch), step, role, "logprobs",
+                                      timeout)
+
+    async def compute_values(self, batch: SequenceBatch, step: int, timeout: float) -> torch.Tensor:
+        return await self._stream_out(self._stub.ComputeValues, sequence_tensors(batch), step, "", "values", timeout)
+
+    async def _update(self, method, tensors: dict[str, torch.Tensor], step: int, timeout: float):
         async with self._conn.slot():
-            reply = await self._stub.UpdateActor(batch_requests(tensors, step), timeout=timeout)
+            reply = await method(batch_requests(tensors, step), timeout=timeout)
         return dict(reply.metrics), reply.weight_version
+
+    async def update_actor(self, batch: SequenceBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                           ref_logprobs: torch.Tensor | None, step: int, timeout: float) -> tuple[dict[str, float], int]:
+        tensors = {**sequence_tensors(batch), "old_logprobs": old_logprobs, "advantages": advantages}
+        if ref_logprobs is not None:
+            tensors["ref_logprobs"] = ref_logprobs
+        return await self._update(self._stub.UpdateActor, tensors, step, timeout)
+
+    async def update_critic(self, batch: SequenceBatch, values: torch.Tensor, returns: torch.Tensor, step: int,
+                            timeout: float) -> dict[str, float]:
+        tensors = {**sequence_tensors(batch), "values": values, "returns": returns}
+        return (await self._update(self._stub.UpdateCritic, tensors, step, timeout))[0]
 
     async def train_supervised(self, batch: SequenceBatch, step: int, timeout: float) -> tuple[dict[str, float], int]:
-        async with self._conn.slot():
-            reply = await self._stub.TrainSupervised(batch_requests(sequence_tensors(batch), step), timeout=timeout)
-        return dict(reply.metrics), reply.weight_version
+        return await self._update(self._stub.TrainSupervised, sequence_tensors(batch), step, timeout)
 
     async def prepare_channel(self, channel_id: str, world_size: int) -> bytes:
         async with self._conn.slot():
@@ -185,6 +201,6 @@ def join_request(channel_id: str, rendezvous: bytes, rank: int, world_size: int,
                                          rendezvous=rendezvous, timeout_s=timeout)
 
 
-def batch_requests(tensors: dict[str, torch.Tensor], step: int):
+def batch_requests(tensors: dict[str, torch.Tensor], step: int, role: str = ""):
     for chunks in batch_to_chunks(tensors):
-        yield trainer_pb2.BatchRequest(step=step, chunks=chunks)
+        yield trainer_pb2.BatchRequest(step=step, chunks=chunks, role=role)

@@ -1,17 +1,21 @@
-"""The GRPO loop of one run, driven by the coordinator.
+"""The PPO loop of one run (GAE with a critic, GRPO, RLOO, REINFORCE++), driven by the coordinator.
 
 Choices:
-- The rollout engines, the trainer and the reward services are remote; this
-  loop only moves batches between them and records what happened.
+- The rollout engines, the trainer roles (actor, critic, reference) and the
+  reward services are remote; this loop only moves batches between them and
+  records what happened.
 - A step: prompts -> n responses each (spread over the rollout replicas) ->
-  scores (spread over the reward replicas) -> old logprobs (trainer) ->
-  group-normalised advantages -> one PPO update -> weight sync trainer ->
-  every rollout -> metrics. The rollouts then serve the updated weights.
-- Before the first step the run loads its model everywhere, opens the weight
+  scores (spread over the reward replicas; with DAPO dynamic sampling, groups
+  whose scores are all equal are dropped and more prompts generated) -> old
+  logprobs, reference logprobs and values, concurrently -> token rewards
+  (minus the KL penalty when it goes into the reward) -> advantages ->
+  critic and actor updates, concurrently -> weight sync trainer -> every
+  rollout -> metrics.
+- Before the first step the run loads its roles everywhere, opens the weight
   channel, runs the optional supervised warm start, and syncs, so every
   rollout serves exactly the trainer's weights from step 1 on.
-- Sampling seeds come from (trainer.seed, step, prompt index), so a prompt's
-  samples do not depend on which replica served it.
+- Sampling seeds come from (trainer.seed, step, round, prompt index), so a
+  prompt's samples do not depend on which replica served it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from services.common.sequences import SequenceBatch, join_ragged
 from services.coordinator.clients import Generated, RewardClient, RolloutClient, TrainerClient
 from services.coordinator.data import Prompt, PromptSampler
 from services.coordinator.dispatch import ReplicaPool
-from services.coordinator.metrics import StageTimer, rollout_metrics
+from services.coordinator.metrics import StageTimer, data_metrics
 
 CHANNEL_TIMEOUT_S = 120.0
 
@@ -43,27 +47,55 @@ class Reporter(Protocol):
 
 @dataclass
 class RunServices:
-    trainer: TrainerClient
+    """The run's services; roles placed on the same trainer share one client."""
+
+    actor: TrainerClient
+    critic: TrainerClient | None
+    ref: TrainerClient | None
     rollouts: list[RolloutClient]
     rewards: list[RewardClient]
+
+    def trainer_roles(self) -> dict[TrainerClient, list[str]]:
+        roles: dict[TrainerClient, list[str]] = {}
+        for role, client in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref)):
+            if client is not None:
+                roles.setdefault(client, []).append(role)
+        return roles
+
+    def clients(self) -> list:
+        return [*self.trainer_roles(), *self.rollouts, *self.rewards]
 
 
 @dataclass(frozen=True)
 class Rollouts:
-    """The responses of one step: n per prompt, sequence i*n+j is sample j of prompt i."""
+    """Scored responses of one step: n per prompt, sequence i*n+j is sample j of prompt i."""
 
     batch: SequenceBatch
     logprobs: torch.Tensor  # [T], from the rollout engine
     truncated: torch.Tensor  # [B*n] bool
-    group_ids: torch.Tensor  # [B*n], the prompt each sequence answers
+    scores: torch.Tensor  # [B*n] float32
     prompts: list[Prompt]  # [B]
+    n: int
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.prompts)).repeat_interleave(self.n)
+
+    def keep_prompts(self, keep: list[int]) -> Rollouts:
+        rows = torch.tensor([i * self.n + j for i in keep for j in range(self.n)], dtype=torch.int64)
+        return Rollouts(self.batch.select(rows), self.logprobs[self.batch.token_index(rows)], self.truncated[rows],
+                        self.scores[rows], [self.prompts[i] for i in keep], self.n)
+
+    @staticmethod
+    def concat(parts: list[Rollouts]) -> Rollouts:
+        return Rollouts(SequenceBatch.concat([p.batch for p in parts]), torch.cat([p.logprobs for p in parts]),
+                        torch.cat([p.truncated for p in parts]), torch.cat([p.scores for p in parts]),
+                        [prompt for p in parts for prompt in p.prompts], parts[0].n)
 
 
-class GRPOLoop:
-    def __init__(
-        self, run_id: str, config: RunConfig, config_yaml: str, services: RunServices, prompts: list[Prompt],
-        tokenizer, reporter: Reporter, should_stop: Callable[[], bool],
-    ):
+class PPOLoop:
+    def __init__(self, run_id: str, config: RunConfig, config_yaml: str, services: RunServices,
+                 prompts: list[Prompt], tokenizer, reporter: Reporter, should_stop: Callable[[], bool]):
         self.run_id, self.config, self.config_yaml = run_id, config, config_yaml
         self.services, self.prompts, self.tokenizer = services, prompts, tokenizer
         self.reporter, self.should_stop = reporter, should_stop
@@ -73,6 +105,7 @@ class GRPOLoop:
         self.reward_pool = ReplicaPool("reward", services.rewards)
         self.timeout = config.trainer.rpc_timeout_s
         self.channel_id = f"{run_id}-weights"
+        self.kl_coef = config.algorithm.kl_ctrl.kl_coef
 
     async def run(self) -> bool:
         """Set up, then train until the last step or a stop request; True if every step ran."""
@@ -84,45 +117,50 @@ class GRPOLoop:
         return True
 
     async def step(self, step: int) -> dict[str, float]:
-        timer = StageTimer()
-        with timer("gen"):
-            rollouts = await self.generate(step)
-        with timer("reward"):
-            scores = await self.score(rollouts)
-        with timer("old_log_prob"):
-            old_logprobs = await self.services.trainer.compute_log_probs(rollouts.batch, step, self.timeout)
-        with timer("adv"):
-            per_sequence = algos.grpo_advantages(scores, rollouts.group_ids, self.config.algorithm.norm_adv_by_std_in_grpo)
-            advantages = algos.expand_per_token(per_sequence, rollouts.batch.response_lens)
-        with timer("update_actor"):
-            actor_metrics, version = await self.services.trainer.update_actor(
-                rollouts.batch, old_logprobs, advantages, step, self.timeout)
-        with timer("update_weights"):
-            await self.sync_weights(version)
-        metrics = {
-            **actor_metrics,
-            **rollout_metrics(scores, advantages, rollouts.batch.response_lens, rollouts.truncated,
-                              rollouts.logprobs, old_logprobs),
-            **timer.metrics(),
-            "weight_version": float(version),
-        }
-        tokens = rollouts.batch.num_response_tokens + int(rollouts.batch.prompt_lens.sum())
-        metrics["perf/total_num_tokens"] = float(tokens)
-        metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
+        timer, config, trainers = StageTimer(), self.config, self.services
+        rollouts, filter_metrics = await self.generate_and_score(step, timer)   # 1. responses and scores
+        batch, timeout = rollouts.batch, self.timeout
+        old_logprobs, ref_logprobs, values = await asyncio.gather(               # 2. what the update needs
+            timer.timed("old_log_prob", trainers.actor.compute_log_probs(batch, step, timeout)),
+            timer.timed("ref", trainers.ref.compute_log_probs(batch, step, timeout, role="ref")) if trainers.ref else none(),
+            timer.timed("values", trainers.critic.compute_values(batch, step, timeout)) if trainers.critic else none())
+        with timer("adv"):                                                       # 3. rewards and advantages
+            rewards, kl_metrics = self.token_rewards(rollouts, old_logprobs, ref_logprobs)
+            estimate = algos.compute_advantages(
+                config.algorithm.adv_estimator, rewards, batch.response_lens, rollouts.group_ids, values,
+                config.algorithm.gamma, config.algorithm.lam, config.algorithm.norm_adv_by_std_in_grpo)
+        update_actor = step > config.trainer.critic_warmup                       # 4. updates
+        critic_metrics, (actor_metrics, version) = await asyncio.gather(
+            timer.timed("update_critic", trainers.critic.update_critic(batch, values, estimate.returns, step, timeout))
+            if trainers.critic else none({}),
+            timer.timed("update_actor", trainers.actor.update_actor(
+                batch, old_logprobs, estimate.advantages, ref_logprobs, step, timeout)) if update_actor else none(({}, -1)))
+        if update_actor:                                                         # 5. rollouts serve the new weights
+            with timer("update_weights"):
+                await self.sync_weights(version)
+        metrics = {**actor_metrics, **critic_metrics, **kl_metrics, **filter_metrics, **timer.metrics(),
+                   **data_metrics(rollouts.scores, rewards, estimate.advantages, estimate.returns, values,
+                                  batch.response_lens, batch.prompt_lens, rollouts.truncated, rollouts.logprobs,
+                                  old_logprobs)}
+        tokens = batch.num_response_tokens + int(batch.prompt_lens.sum())
+        metrics.update({"perf/total_num_tokens": float(tokens), "perf/throughput": tokens / metrics["timing_s/step"],
+                        "training/weight_version": float(version if update_actor else -1)})
         return metrics
 
     async def set_up(self) -> None:
-        """Load the model everywhere, open the weight channel, warm start, and sync."""
+        """Load the roles and models everywhere, open the weight channel, warm start, and sync."""
         model = self.config.actor_rollout_ref.model
         seed = self.config.trainer.seed
         await asyncio.gather(
-            self.services.trainer.init_run(self.run_id, self.config_yaml, seed, self.timeout),
+            *(trainer.init_run(self.run_id, self.config_yaml, roles, seed, self.timeout)
+              for trainer, roles in self.services.trainer_roles().items()),
             *(r.init_run(self.run_id, model.path, model.dtype, self.timeout) for r in self.services.rollouts),
         )
+        actor = self.services.actor
         world_size = 1 + len(self.services.rollouts)
-        rendezvous = await self.services.trainer.prepare_channel(self.channel_id, world_size)
+        rendezvous = await actor.prepare_channel(self.channel_id, world_size)
         await asyncio.gather(
-            self.services.trainer.join_channel(self.channel_id, rendezvous, world_size, CHANNEL_TIMEOUT_S),
+            actor.join_channel(self.channel_id, rendezvous, world_size, CHANNEL_TIMEOUT_S),
             *(r.join_channel(self.channel_id, rendezvous, rank, world_size, CHANNEL_TIMEOUT_S)
               for rank, r in enumerate(self.services.rollouts, start=1)),
         )
@@ -133,12 +171,11 @@ class GRPOLoop:
         """Supervised steps on the ground-truth responses; returns the trainer's weight version."""
         settings = self.config.actor_rollout_ref.actor.warm_start
         sampler = PromptSampler(len(self.prompts), settings.batch_size, True, self.config.trainer.seed + 1)
-        version, metrics = 0, {}
+        version = 0
         for index in range(settings.steps):
             chosen = [self.prompts[i] for i in sampler.next_batch()]
-            responses = [self.encode_target(p) for p in chosen]
-            batch = make_batch([p.token_ids for p in chosen], responses)
-            metrics, version = await self.services.trainer.train_supervised(batch, 0, self.timeout)
+            batch = make_batch([p.token_ids for p in chosen], [self.encode_target(p) for p in chosen])
+            metrics, version = await self.services.actor.train_supervised(batch, 0, self.timeout)
             if (index + 1) % max(1, settings.steps // 5) == 0:
                 self.reporter.log(f"warm start {index + 1}/{settings.steps}: loss {metrics['warm_start/loss']:.3f}")
         return version
@@ -148,12 +185,34 @@ class GRPOLoop:
         ids = self.tokenizer(prompt.ground_truth, add_special_tokens=False)["input_ids"]
         return ids + [self.tokenizer.eos_token_id]
 
-    async def generate(self, step: int) -> Rollouts:
-        """n responses per prompt of the next batch, spread over the rollout replicas."""
+    async def generate_and_score(self, step: int, timer: StageTimer) -> tuple[Rollouts, dict[str, float]]:
+        """The step's scored responses. With DAPO dynamic sampling, groups whose scores are all equal are
+        dropped and further batches generated, up to filter_groups.max_num_gen_batches rounds."""
+        settings, wanted = self.config.algorithm.filter_groups, self.config.data.train_batch_size
+        kept: list[Rollouts] = []
+        rounds = settings.max_num_gen_batches if settings.enable else 1
+        for round_index in range(rounds):
+            with timer("gen"):
+                rollouts = await self.generate(step, round_index)
+            with timer("reward"):
+                rollouts = await self.score(rollouts)
+            if not settings.enable:
+                return rollouts, {}
+            signal = algos.groups_with_signal(rollouts.scores, rollouts.group_ids)
+            keep = [i for i in range(len(rollouts.prompts)) if bool(signal[i * rollouts.n])]
+            kept.append(rollouts.keep_prompts(keep))
+            if sum(len(part.prompts) for part in kept) >= wanted:
+                break
+        merged = Rollouts.concat(kept) if any(part.prompts for part in kept) else rollouts
+        merged = merged.keep_prompts(list(range(min(wanted, len(merged.prompts)))))
+        return merged, {"training/filter_groups/kept_prompts": float(len(merged.prompts)),
+                        "training/filter_groups/gen_rounds": float(round_index + 1)}
+
+    async def generate(self, step: int, round_index: int) -> Rollouts:
+        """n responses per prompt of the next batch, spread over the rollout replicas (not yet scored)."""
         rollout = self.config.actor_rollout_ref.rollout
-        indices = self.sampler.next_batch()
-        chosen = [self.prompts[i] for i in indices]
-        seed = self.config.trainer.seed * 1_000_003 + step
+        chosen = [self.prompts[i] for i in self.sampler.next_batch()]
+        seed = (self.config.trainer.seed * 1_000_003 + step) * 101 + round_index
 
         async def call(replica: RolloutClient, lo: int, hi: int) -> Generated:
             return await replica.generate(
@@ -161,23 +220,19 @@ class GRPOLoop:
                 self.config.data.max_response_length, seed, lo, rollout.stop_token_ids, self.timeout)
 
         shards = [result for result, _ in await self.rollout_pool.map_shards(len(chosen), call)]
-        n = rollout.n
         prompt_ids, prompt_lens = join_ragged(
-            [torch.tensor(p.token_ids) for p in chosen for _ in range(n)], torch.int64)
-        batch = SequenceBatch(
-            prompt_ids, prompt_lens,
-            torch.cat([s.response_ids for s in shards]), torch.cat([s.response_lens for s in shards]))
-        return Rollouts(
-            batch, torch.cat([s.logprobs for s in shards]), torch.cat([s.truncated for s in shards]),
-            torch.arange(len(chosen)).repeat_interleave(n), chosen)
+            [torch.tensor(p.token_ids) for p in chosen for _ in range(rollout.n)], torch.int64)
+        batch = SequenceBatch(prompt_ids, prompt_lens, torch.cat([s.response_ids for s in shards]),
+                              torch.cat([s.response_lens for s in shards]))
+        return Rollouts(batch, torch.cat([s.logprobs for s in shards]), torch.cat([s.truncated for s in shards]),
+                        torch.zeros(len(batch)), chosen, rollout.n)
 
-    async def score(self, rollouts: Rollouts) -> torch.Tensor:
-        """One score per response, spread over the reward replicas; [B*n] float32."""
-        n = self.config.actor_rollout_ref.rollout.n
+    async def score(self, rollouts: Rollouts) -> Rollouts:
+        """The same rollouts with one score per response, spread over the reward replicas."""
         responses = torch.split(rollouts.batch.response_ids, rollouts.batch.response_lens.tolist())
         samples = []
         for row, response in enumerate(responses):
-            prompt = rollouts.prompts[row // n]
+            prompt = rollouts.prompts[row // rollouts.n]
             text = self.tokenizer.decode(response.tolist(), skip_special_tokens=True)
             samples.append((prompt.data_source, text, prompt.ground_truth, prompt.extra_info))
 
@@ -189,20 +244,41 @@ class GRPOLoop:
         invalid = [s.error for s in scored if not s.valid]
         if invalid:
             self.reporter.log(f"{len(invalid)} samples could not be scored (scored 0), first: {invalid[0]}")
-        return torch.tensor([s.score for s in scored], dtype=torch.float32)
+        scores = torch.tensor([s.score for s in scored], dtype=torch.float32)
+        return Rollouts(rollouts.batch, rollouts.logprobs, rollouts.truncated, scores, rollouts.prompts, rollouts.n)
+
+    def token_rewards(self, rollouts: Rollouts, old_logprobs: torch.Tensor,
+                      ref_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scores on the last tokens, minus the KL penalty when it goes into the reward (and its controller)."""
+        algorithm, lengths = self.config.algorithm, rollouts.batch.response_lens
+        if not algorithm.use_kl_in_reward:
+            return algos.token_rewards(rollouts.scores, lengths), {}
+        kl = algos.kl_penalty(old_logprobs, ref_logprobs, algorithm.kl_penalty)
+        rewards = algos.token_rewards(rollouts.scores, lengths, kl, self.kl_coef)
+        current_kl = algos.mean_sequence_kl(kl, lengths)
+        metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_coef}
+        control = algorithm.kl_ctrl
+        if control.type == "adaptive":
+            self.kl_coef = algos.adaptive_kl_coef(self.kl_coef, current_kl, len(lengths), control.target_kl,
+                                                  control.horizon)
+        return rewards, metrics
 
     async def sync_weights(self, version: int) -> None:
         """Broadcast the actor's weights to every rollout; each must then serve ``version``."""
-        timeout = CHANNEL_TIMEOUT_S
         bucket = self.config.trainer.weight_sync_bucket_mb << 20
         sent, *received = await asyncio.gather(
-            self.services.trainer.broadcast_weights(self.channel_id, bucket, timeout),
-            *(r.receive_weights(self.channel_id, timeout) for r in self.services.rollouts),
+            self.services.actor.broadcast_weights(self.channel_id, bucket, CHANNEL_TIMEOUT_S),
+            *(r.receive_weights(self.channel_id, CHANNEL_TIMEOUT_S) for r in self.services.rollouts),
         )
         stale = [r.address for r, v in zip(self.services.rollouts, received) if v != sent.weight_version]
         if sent.weight_version != version or stale:
             raise RuntimeError(f"weight sync to version {version} failed: trainer sent {sent.weight_version}, "
                                f"rollouts not serving it: {stale}")
+
+
+async def none(value=None):
+    """An awaitable of ``value``, for a stage a run does not have."""
+    return value
 
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]]) -> SequenceBatch:

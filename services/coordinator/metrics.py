@@ -7,6 +7,8 @@ from contextlib import contextmanager
 
 import torch
 
+from services import algos
+
 
 def summary(prefix: str, values: torch.Tensor) -> dict[str, float]:
     """{prefix}/mean, /max, /min of a tensor (zeros when it is empty)."""
@@ -16,24 +18,33 @@ def summary(prefix: str, values: torch.Tensor) -> dict[str, float]:
     return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()), f"{prefix}/min": float(values.min())}
 
 
-def rollout_metrics(
-    scores: torch.Tensor, advantages: torch.Tensor, response_lens: torch.Tensor, truncated: torch.Tensor,
+def data_metrics(
+    scores: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
+    values: torch.Tensor | None, response_lens: torch.Tensor, prompt_lens: torch.Tensor, truncated: torch.Tensor,
     rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
 ) -> dict[str, float]:
-    """Scores, advantages, lengths and the rollout/trainer probability gap of one step.
+    """One step's data under verl's names.
 
-    scores [B], response_lens [B], truncated [B]; advantages, rollout_logprobs, old_logprobs [T].
+    Per sequence [B]: scores (critic/score), response and prompt lengths, truncated.
+    Per token [T]: rewards (summed per sequence for critic/rewards), advantages,
+    returns, values, and the rollout's and the trainer's logprobs of the same tokens.
     """
     probs_diff = (rollout_logprobs.exp() - old_logprobs.exp()).abs()
-    return {
+    metrics = {
         **summary("critic/score", scores),
-        **summary("critic/rewards", scores),
+        **summary("critic/rewards", algos.sequence_sums(rewards, response_lens)),
         **summary("critic/advantages", advantages),
+        **summary("critic/returns", returns),
         **summary("response_length", response_lens),
         "response_length/clip_ratio": float(truncated.float().mean()) if truncated.numel() else 0.0,
+        **summary("prompt_length", prompt_lens),
         "training/rollout_probs_diff_mean": float(probs_diff.mean()) if probs_diff.numel() else 0.0,
         "training/rollout_probs_diff_max": float(probs_diff.max()) if probs_diff.numel() else 0.0,
     }
+    if values is not None:
+        metrics.update(summary("critic/values", values))
+        metrics["critic/vf_explained_var"] = algos.explained_variance(returns, values)
+    return metrics
 
 
 class StageTimer:
@@ -50,6 +61,11 @@ class StageTimer:
             yield
         finally:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started
+
+    async def timed(self, stage: str, awaitable):
+        """Await ``awaitable``, recording its time as ``stage`` (for stages that run concurrently)."""
+        with self(stage):
+            return await awaitable
 
     def metrics(self) -> dict[str, float]:
         total = time.perf_counter() - self._started

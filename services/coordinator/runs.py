@@ -24,7 +24,7 @@ from services.common.models import load_tokenizer
 from services.common.run_config import RunConfig
 from services.coordinator.clients import RewardClient, RolloutClient, TrainerClient
 from services.coordinator.data import Prompt, load_prompts
-from services.coordinator.loop import GRPOLoop, RunServices
+from services.coordinator.loop import PPOLoop, RunServices
 from services.coordinator.plot import plot_reward
 from services.coordinator.registry import Registry
 from services.coordinator.store import Event, RunRow, RunStore
@@ -112,8 +112,8 @@ class RunManager:
                 self._set_state(run_id, "running")
                 services = await self._connect(config)
                 reporter = RunReporter(self, run_id, run_dir)
-                loop = GRPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
-                                lambda: run_id in self._stop_requested)
+                loop = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
+                               lambda: run_id in self._stop_requested)
                 completed = await loop.run()
                 self._set_state(run_id, "finished" if completed else "stopped")
             except asyncio.CancelledError:
@@ -124,25 +124,36 @@ class RunManager:
                 self._set_state(run_id, "failed", f"{type(error).__name__}: {error}")
             finally:
                 if services is not None:
-                    await asyncio.gather(*(c.close() for c in [services.trainer, *services.rollouts, *services.rewards]))
+                    await asyncio.gather(*(client.close() for client in services.clients()))
                 await asyncio.to_thread(plot_reward, self.store.step_metrics(run_id), run_dir / "reward.png", run_id)
 
     async def _connect(self, config: RunConfig) -> RunServices:
-        """Clients for the trainer and every rollout and reward service that is up (waits for them)."""
+        """Clients for the services of the run's placement: one trainer per role (roles placed in the same
+        group share it), every rollout and reward service of their groups. Waits for them to be up."""
+        place = config.placement
+        roles = ["actor"] + (["critic"] if config.use_critic else []) + (["ref"] if config.use_reference else [])
+        wanted = {f"trainer for {role} (group {getattr(place, role)})": ("trainer", getattr(place, role))
+                  for role in roles}
+        wanted |= {f"rollout (group {place.rollout})": ("rollout", place.rollout),
+                   f"reward (group {place.reward})": ("reward", place.reward)}
         deadline = time.monotonic() + config.trainer.services_wait_s
         while True:
-            trainers, rollouts, rewards = (self.registry.up(kind) for kind in ("trainer", "rollout", "reward"))
-            if trainers and rollouts and rewards:
+            found = {name: self.registry.up(kind, group) for name, (kind, group) in wanted.items()}
+            missing = [name for name, records in found.items() if not records]
+            if not missing:
                 break
             if time.monotonic() > deadline:
-                missing = [k for k, up in (("trainer", trainers), ("rollout", rollouts), ("reward", rewards)) if not up]
-                raise FailedPrecondition(f"no {', '.join(missing)} service registered within "
+                raise FailedPrecondition(f"no {', '.join(missing)} registered within "
                                          f"trainer.services_wait_s={config.trainer.services_wait_s}")
             await asyncio.sleep(0.2)
+        trainers = {group: TrainerClient(self.registry.up("trainer", group)[0].address)
+                    for group in {getattr(place, role) for role in roles}}
         return RunServices(
-            TrainerClient(trainers[0].address),
-            [RolloutClient(r.address) for r in rollouts],
-            [RewardClient(r.address) for r in rewards],
+            trainers[place.actor],
+            trainers[place.critic] if config.use_critic else None,
+            trainers[place.ref] if config.use_reference else None,
+            [RolloutClient(r.address) for r in self.registry.up("rollout", place.rollout)],
+            [RewardClient(r.address) for r in self.registry.up("reward", place.reward)],
         )
 
     def _set_state(self, run_id: str, state: str, error: str = "") -> None:

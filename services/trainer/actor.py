@@ -1,4 +1,4 @@
-"""The actor: a causal LM with its optimizer, on one rank.
+"""The actor: the policy model and its optimizer, on one rank.
 
 Called from the trainer's worker thread, one call at a time:
 ``compute_log_probs`` for the old-policy logprobs, ``update`` for one PPO
@@ -9,37 +9,39 @@ update over a batch, ``train_supervised`` for the warm start, and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 from services import algos
 from services.common.sequences import SequenceBatch
+from services.trainer.forward import batched_logprobs, response_logprobs
+from services.trainer.optim import Optimizer, OptimSettings, chunks, mean_metrics, shuffled_mini_batches
 
 
 @dataclass(frozen=True)
-class OptimSettings:
-    lr: float
-    weight_decay: float
-    betas: tuple[float, float]
-    grad_clip: float
-    warmup_steps: int
-
-
-@dataclass(frozen=True)
-class PPOSettings:
+class ActorSettings:
     mini_batch_size: int  # sequences per optimizer step
     micro_batch_size: int  # sequences per forward/backward
     epochs: int
     clip_ratio_low: float
     clip_ratio_high: float
+    clip_ratio_c: float | None
+    loss_agg_mode: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
     temperature: float
+    max_response_length: int  # the constant of seq-mean-token-sum-norm
 
 
-def micro_batches(rows: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
-    """Consecutive slices of ``rows`` holding at most ``size`` rows each."""
-    for start in range(0, len(rows), size):
-        yield rows[start : start + size]
+@dataclass(frozen=True)
+class UpdateInputs:
+    """Token-aligned tensors an actor update needs besides the sequences, flat [T]."""
+
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    ref_logprobs: torch.Tensor | None  # needed when use_kl_loss
 
 
 class Actor:
@@ -47,92 +49,57 @@ class Actor:
         self.model = model
         self.pad_id = pad_id
         self.vocab_size = model.config.vocab_size
-        self.device = next(model.parameters()).device
-        self.warm_start_lr = warm_start_lr
-        self._warm_start_optimizer: torch.optim.Optimizer | None = None
-        self.grad_clip = optim.grad_clip
-        self.betas = optim.betas
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas
-        )
-        warmup = max(optim.warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-        )
+        self.optimizer = Optimizer(model.parameters(), optim)
+        self.warm_start = Optimizer(model.parameters(), OptimSettings(
+            warm_start_lr, 0.0, optim.betas, optim.grad_clip, 0, "constant", 0.0, 1))
         self.shuffle = torch.Generator().manual_seed(seed)
 
-    def _forward_logprobs(self, batch: SequenceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs and entropies of the response tokens, flat [T] each."""
-        padded = batch.padded(self.pad_id).to(self.device)
-        logits = self.model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits[:, :-1]
-        targets = padded.input_ids[:, 1:]
-        logprobs = algos.token_logprobs(logits, targets, temperature)
-        entropy = algos.token_entropy(logits.detach(), temperature)
-        return padded.gather_response(logprobs), padded.gather_response(entropy)
-
-    @torch.no_grad()
     def compute_log_probs(self, batch: SequenceBatch, temperature: float, micro_batch_size: int) -> torch.Tensor:
         """Logprob of every response token under the current weights, flat [T]."""
-        self.model.eval()
-        rows = torch.arange(len(batch))
-        parts = [self._forward_logprobs(batch.select(r), temperature)[0] for r in micro_batches(rows, micro_batch_size)]
-        return torch.cat(parts).cpu() if parts else torch.zeros(0)
+        return batched_logprobs(self.model, batch, self.pad_id, temperature, micro_batch_size)
 
-    def _optimizer_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
-
-    def _warm_start_step(self) -> float:
-        """A step of the warm start's own AdamW, which leaves the RL optimizer's state untouched."""
-        if self._warm_start_optimizer is None:
-            self._warm_start_optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=self.warm_start_lr, betas=self.betas, weight_decay=0.0)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self._warm_start_optimizer.step()
-        self._warm_start_optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
-
-    def update(
-        self, batch: SequenceBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor, ppo: PPOSettings
-    ) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches; returns verl-named metrics averaged over mini-batches.
-
-        old_logprobs, advantages: flat [T] aligned with batch.response_ids.
-        """
+    def update(self, batch: SequenceBatch, inputs: UpdateInputs, settings: ActorSettings) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches; verl-named metrics averaged over mini-batches."""
+        if settings.use_kl_loss and inputs.ref_logprobs is None:
+            raise ValueError("use_kl_loss needs ref_logprobs")
         self.model.train()
-        starts = torch.cumsum(batch.response_lens, 0) - batch.response_lens
-        sums: dict[str, float] = {}
-        count = 0
-        for _ in range(ppo.epochs):
-            order = torch.randperm(len(batch), generator=self.shuffle)
-            for mini in micro_batches(order, ppo.mini_batch_size):
-                stats = self._update_mini_batch(batch, starts, mini, old_logprobs, advantages, ppo)
-                for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                count += 1
-        metrics = {key: value / max(count, 1) for key, value in sums.items()}
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        return metrics
+        reports = [self._update_mini_batch(batch, rows, inputs, settings)
+                   for rows in shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
+        self.optimizer.advance_schedule()
+        return {**mean_metrics(reports), "actor/lr": self.optimizer.lr}
 
-    def _update_mini_batch(self, batch, starts, mini, old_logprobs, advantages, ppo: PPOSettings) -> dict[str, float]:
-        num_tokens = int(batch.response_lens[mini].sum())
-        stats = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/entropy": 0.0}
-        for micro in micro_batches(mini, ppo.micro_batch_size):
-            token_index = torch.cat([torch.arange(starts[r], starts[r] + batch.response_lens[r]) for r in micro.tolist()])
-            logprobs, entropy = self._forward_logprobs(batch.select(micro), ppo.temperature)
-            result = algos.ppo_clip_loss(
-                logprobs, old_logprobs[token_index].to(self.device), advantages[token_index].to(self.device),
-                ppo.clip_ratio_low, ppo.clip_ratio_high, num_tokens,
-            )
-            result.loss.backward()
-            stats["actor/pg_loss"] += float(result.loss.detach())
-            stats["actor/pg_clipfrac"] += float(result.clipfrac)
-            stats["actor/ppo_kl"] += float(result.approx_kl)
-            stats["actor/entropy"] += float(entropy.sum()) / num_tokens
-        stats["actor/grad_norm"] = self._optimizer_step()
+    def _update_mini_batch(self, batch: SequenceBatch, rows: torch.Tensor, inputs: UpdateInputs,
+                           settings: ActorSettings) -> dict[str, float]:
+        scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length)
+        stats: dict[str, float] = {}
+        for micro in chunks(rows, settings.micro_batch_size):
+            for key, value in self._micro_batch_loss(batch, micro, inputs, settings, scale).items():
+                stats[key] = stats.get(key, 0.0) + value
+        stats["actor/grad_norm"] = self.optimizer.step()
+        return stats
+
+    def _micro_batch_loss(self, batch, micro, inputs: UpdateInputs, settings: ActorSettings,
+                          scale: algos.LossScale) -> dict[str, float]:
+        """Backpropagate one micro-batch's share of the mini-batch loss; return its share of the metrics."""
+        part = batch.select(micro)
+        tokens = batch.token_index(micro)
+        device = next(self.model.parameters()).device
+        logprobs, entropy = response_logprobs(self.model, part, self.pad_id, settings.temperature, True)
+        lengths = part.response_lens
+        pg = algos.policy_loss(
+            logprobs, inputs.old_logprobs[tokens].to(device), inputs.advantages[tokens].to(device), lengths,
+            settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c, settings.loss_agg_mode, scale)
+        entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale)
+        loss = pg.loss - settings.entropy_coeff * entropy_loss
+        stats = {"actor/pg_loss": float(pg.loss.detach()), "actor/pg_clipfrac": float(pg.clipfrac),
+                 "actor/pg_clipfrac_lower": float(pg.clipfrac_lower), "actor/ppo_kl": float(pg.approx_kl),
+                 "actor/entropy": float(entropy_loss.detach())}
+        if settings.use_kl_loss:
+            kl = algos.kl_penalty(logprobs, inputs.ref_logprobs[tokens].to(device), settings.kl_loss_type)
+            kl_loss = algos.aggregate(kl, lengths, settings.loss_agg_mode, scale)
+            loss = loss + settings.kl_loss_coef * kl_loss
+            stats["actor/kl_loss"] = float(kl_loss.detach())
+        loss.backward()
         return stats
 
     def train_supervised(self, batch: SequenceBatch, micro_batch_size: int) -> dict[str, float]:
@@ -140,12 +107,12 @@ class Actor:
         self.model.train()
         num_tokens = batch.num_response_tokens
         total = 0.0
-        for micro in micro_batches(torch.arange(len(batch)), micro_batch_size):
-            logprobs, _ = self._forward_logprobs(batch.select(micro), 1.0)
+        for rows in torch.arange(len(batch)).split(micro_batch_size):
+            logprobs, _ = response_logprobs(self.model, batch.select(rows), self.pad_id, 1.0, False)
             loss = algos.sequence_nll(logprobs, num_tokens)
             loss.backward()
             total += float(loss.detach())
-        return {"warm_start/loss": total, "warm_start/grad_norm": self._warm_start_step()}
+        return {"warm_start/loss": total, "warm_start/grad_norm": self.warm_start.step()}
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The model's tensors under their Hugging Face names, in a fixed order."""

@@ -10,6 +10,7 @@ import asyncio
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -22,19 +23,22 @@ from services.common.run_config import RunConfig
 from services.common.sequences import SequenceBatch
 from services.common.weight_sync import send_weights
 from services.common.wire import BatchAssembler, batch_to_chunks
-from services.trainer.actor import Actor
+from services.trainer.actor import Actor, UpdateInputs
 from services.trainer.config import TrainerServiceConfig
-from services.trainer.setup import build_actor, ppo_settings
+from services.trainer.critic import Critic
+from services.trainer.forward import batched_logprobs
+from services.trainer.setup import (ROLES, actor_settings, build_actor, build_critic, build_reference,
+                                    critic_settings, pad_id_of)
 
 log = structlog.get_logger()
 SEQUENCE_KEYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
 
 
-async def read_batch(request_iterator, extra: tuple[str, ...] = ()) -> tuple[int, dict[str, torch.Tensor]]:
-    """Assemble a streamed BatchRequest into (step, tensors), checking the sequence tensors agree."""
-    assembler, step = BatchAssembler(), None
+async def read_batch(request_iterator, extra: tuple[str, ...] = ()) -> tuple[int, str, dict[str, torch.Tensor]]:
+    """Assemble a streamed BatchRequest into (step, role, tensors), checking the tensors agree."""
+    assembler, first = BatchAssembler(), None
     async for message in request_iterator:
-        step = message.step if step is None else step
+        first = first or message
         assembler.add(message.chunks)
     batch = assembler.result(required=SEQUENCE_KEYS + extra)
     for key in SEQUENCE_KEYS:
@@ -49,7 +53,9 @@ async def read_batch(request_iterator, extra: tuple[str, ...] = ()) -> tuple[int
     for key in extra:
         if batch[key].shape != (tokens,):
             raise ValueError(f"{key} must have one value per response token ({tokens}), got {list(batch[key].shape)}")
-    return step or 0, batch
+        if not torch.isfinite(batch[key]).all():
+            raise ValueError(f"{key} holds NaN or infinite values")
+    return (first.step, first.role, batch) if first else (0, "", batch)
 
 
 def sequences(batch: dict[str, torch.Tensor], vocab_size: int) -> SequenceBatch:
@@ -60,13 +66,46 @@ def sequences(batch: dict[str, torch.Tensor], vocab_size: int) -> SequenceBatch:
     return SequenceBatch(*(batch[key] for key in SEQUENCE_KEYS))
 
 
+@dataclass
+class Roles:
+    """What this trainer hosts for the current run."""
+
+    run_id: str
+    config: RunConfig
+    actor: Actor | None
+    critic: Critic | None
+    reference: torch.nn.Module | None
+    pad_id: int
+
+    def hosted(self) -> dict[str, object]:
+        return {name: model for name, model in
+                (("actor", self.actor), ("critic", self.critic), ("ref", self.reference)) if model is not None}
+
+    def need(self, role: str):
+        hosted = self.hosted().get(role)
+        if hosted is None:
+            raise FailedPrecondition(f"this trainer does not host the {role!r} role of run {self.run_id}")
+        return hosted
+
+
+def build_roles(run_id: str, config: RunConfig, roles: list[str], seed: int, device: str) -> Roles:
+    unknown = sorted(set(roles) - set(ROLES))
+    if unknown or not roles:
+        raise ValueError(f"roles must be a non-empty subset of {list(ROLES)}, got {list(roles)}")
+    return Roles(
+        run_id, config,
+        build_actor(config, seed, device) if "actor" in roles else None,
+        build_critic(config, seed, device) if "critic" in roles else None,
+        build_reference(config, device) if "ref" in roles else None,
+        pad_id_of(config.actor_rollout_ref.model.path),
+    )
+
+
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, config: TrainerServiceConfig, identity: common_pb2.ServiceIdentity):
         self.config = config
         self.identity = identity
-        self.actor: Actor | None = None
-        self.run_config: RunConfig | None = None
-        self.run_id = ""
+        self.roles: Roles | None = None
         self.weight_version = 0
         self.channels = ChannelTable()
         self.stores: dict[str, object] = {}
@@ -75,47 +114,72 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def _on_model(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, function, *args)
 
-    def _require_actor(self) -> tuple[Actor, RunConfig]:
-        if self.actor is None or self.run_config is None:
+    def _roles(self) -> Roles:
+        if self.roles is None:
             raise FailedPrecondition("no run loaded: call InitRun first")
-        return self.actor, self.run_config
+        return self.roles
 
     async def InitRun(self, request, context):
         import yaml
 
         run_config = validate(RunConfig, yaml.safe_load(request.run_config_yaml) or {})
-        self.actor = await self._on_model(build_actor, run_config, request.seed, self.config.device)
-        self.run_config, self.run_id, self.weight_version = run_config, request.run_id, 0
-        log.info("actor_loaded", run_id=request.run_id, model_path=run_config.actor_rollout_ref.model.path)
+        self.roles = await self._on_model(
+            build_roles, request.run_id, run_config, list(request.roles), request.seed, self.config.device)
+        self.weight_version = 0
+        log.info("run_loaded", run_id=request.run_id, roles=list(request.roles),
+                 model_path=run_config.actor_rollout_ref.model.path)
         return self._info()
 
     async def ComputeLogProbs(self, request_iterator, context):
-        actor, run_config = self._require_actor()
-        _, batch = await read_batch(request_iterator)
-        micro = run_config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-        temperature = run_config.actor_rollout_ref.rollout.temperature
-        logprobs = await self._on_model(actor.compute_log_probs, sequences(batch, actor.vocab_size), temperature, micro)
+        roles = self._roles()
+        step, role, batch = await read_batch(request_iterator)
+        role = role or "actor"
+        if role not in ("actor", "ref"):
+            raise ValueError(f"ComputeLogProbs role must be actor or ref, got {role!r}")
+        model = roles.need(role).model if role == "actor" else roles.need("ref")
+        actor_config = roles.config.actor_rollout_ref
+        logprobs = await self._on_model(
+            batched_logprobs, model, sequences(batch, model.config.vocab_size), roles.pad_id,
+            actor_config.rollout.temperature, actor_config.actor.ppo_micro_batch_size_per_gpu)
         for chunks in batch_to_chunks({"logprobs": logprobs}):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
+    async def ComputeValues(self, request_iterator, context):
+        roles = self._roles()
+        critic = roles.need("critic")
+        _, _, batch = await read_batch(request_iterator)
+        values = await self._on_model(critic.compute_values, sequences(batch, critic.model.config.vocab_size),
+                                      roles.config.critic.ppo_micro_batch_size_per_gpu)
+        for chunks in batch_to_chunks({"values": values}):
+            yield trainer_pb2.BatchResponse(chunks=chunks)
+
     async def UpdateActor(self, request_iterator, context):
-        actor, run_config = self._require_actor()
-        step, batch = await read_batch(request_iterator, extra=("old_logprobs", "advantages"))
-        for key in ("old_logprobs", "advantages"):
-            if not torch.isfinite(batch[key]).all():
-                raise ValueError(f"{key} holds NaN or infinite values")
-        metrics = await self._on_model(
-            actor.update, sequences(batch, actor.vocab_size), batch["old_logprobs"].float(),
-            batch["advantages"].float(), ppo_settings(run_config),
-        )
+        roles = self._roles()
+        actor = roles.need("actor")
+        settings = actor_settings(roles.config)
+        extra = ("old_logprobs", "advantages") + (("ref_logprobs",) if settings.use_kl_loss else ())
+        step, _, batch = await read_batch(request_iterator, extra=extra)
+        inputs = UpdateInputs(batch["old_logprobs"].float(), batch["advantages"].float(),
+                              batch["ref_logprobs"].float() if settings.use_kl_loss else None)
+        metrics = await self._on_model(actor.update, sequences(batch, actor.vocab_size), inputs, settings)
         self.weight_version += 1
-        log.info("actor_updated", step=step, weight_version=self.weight_version)
+        log.info("actor_updated", run_id=roles.run_id, step=step, weight_version=self.weight_version)
+        return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
+
+    async def UpdateCritic(self, request_iterator, context):
+        roles = self._roles()
+        critic = roles.need("critic")
+        step, _, batch = await read_batch(request_iterator, extra=("values", "returns"))
+        metrics = await self._on_model(critic.update, sequences(batch, critic.model.config.vocab_size),
+                                       batch["values"].float(), batch["returns"].float(), critic_settings(roles.config))
+        log.info("critic_updated", run_id=roles.run_id, step=step)
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
 
     async def TrainSupervised(self, request_iterator, context):
-        actor, run_config = self._require_actor()
-        _, batch = await read_batch(request_iterator)
-        micro = run_config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        roles = self._roles()
+        actor = roles.need("actor")
+        _, _, batch = await read_batch(request_iterator)
+        micro = roles.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
         metrics = await self._on_model(actor.train_supervised, sequences(batch, actor.vocab_size), micro)
         self.weight_version += 1
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
@@ -138,7 +202,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 
     async def BroadcastWeights(self, request, context):
-        actor, _ = self._require_actor()
+        actor = self._roles().need("actor")
         channel = self.channels.get(request.channel_id)
         if request.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {request.bucket_bytes}")
@@ -156,10 +220,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self._info()
 
     def _info(self) -> common_pb2.ServiceInfo:
-        path = self.run_config.actor_rollout_ref.model.path if self.run_config else ""
+        roles = self.roles
         return common_pb2.ServiceInfo(
-            identity=self.identity, weight_version=self.weight_version, run_id=self.run_id,
-            details={"model_path": path, "device": self.config.device, "roles": "actor"},
+            identity=self.identity, weight_version=self.weight_version, run_id=roles.run_id if roles else "",
+            details={"model_path": roles.config.actor_rollout_ref.model.path if roles else "",
+                     "device": self.config.device, "roles": ",".join(roles.hosted()) if roles else ""},
         )
 
     async def close(self) -> None:

@@ -8,24 +8,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TrainerInitRequest(_message.Message):
-    __slots__ = ("run_id", "run_config_yaml", "model_path", "seed")
+    __slots__ = ("run_id", "run_config_yaml", "seed", "roles")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
-    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     run_config_yaml: str
-    model_path: str
     seed: int
-    def __init__(self, run_id: _Optional[str] = ..., run_config_yaml: _Optional[str] = ..., model_path: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    roles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., run_config_yaml: _Optional[str] = ..., seed: _Optional[int] = ..., roles: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("step", "chunks")
+    __slots__ = ("step", "chunks", "role")
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     step: int
     chunks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorChunk]
-    def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ...) -> None: ...
+    role: str
+    def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class BatchResponse(_message.Message):
     __slots__ = ("chunks",)

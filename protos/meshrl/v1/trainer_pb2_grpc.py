@@ -45,8 +45,18 @@ class TrainerStub:
                 request_serializer=meshrl_dot_v1_dot_trainer__pb2.BatchRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_trainer__pb2.BatchResponse.FromString,
                 _registered_method=True)
+        self.ComputeValues = channel.stream_stream(
+                '/meshrl.v1.Trainer/ComputeValues',
+                request_serializer=meshrl_dot_v1_dot_trainer__pb2.BatchRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_trainer__pb2.BatchResponse.FromString,
+                _registered_method=True)
         self.UpdateActor = channel.stream_unary(
                 '/meshrl.v1.Trainer/UpdateActor',
+                request_serializer=meshrl_dot_v1_dot_trainer__pb2.BatchRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_trainer__pb2.UpdateResponse.FromString,
+                _registered_method=True)
+        self.UpdateCritic = channel.stream_unary(
+                '/meshrl.v1.Trainer/UpdateCritic',
                 request_serializer=meshrl_dot_v1_dot_trainer__pb2.BatchRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_trainer__pb2.UpdateResponse.FromString,
                 _registered_method=True)
@@ -81,14 +91,15 @@ class TrainerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def InitRun(self, request, context):
-        """Builds the actor from the run config's model and optimizer sections.
+        """Builds the roles this service hosts for a run, from the run config.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ComputeLogProbs(self, request_iterator, context):
-        """Logprobs of the response tokens under the current actor weights.
+        """Logprobs of the response tokens under the actor's current weights
+        (role "actor") or the frozen reference's (role "ref").
         Request chunks: prompt_ids, prompt_lens, response_ids, response_lens.
         Response chunks: logprobs [T] float32.
         """
@@ -96,9 +107,26 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ComputeValues(self, request_iterator, context):
+        """The critic's value before each response token. Request chunks: the four
+        sequence tensors. Response chunks: values [T] float32.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UpdateActor(self, request_iterator, context):
         """One PPO update of the actor over a batch. Request chunks: the four
-        sequence tensors plus old_logprobs [T] and advantages [T].
+        sequence tensors plus old_logprobs [T] and advantages [T], and
+        ref_logprobs [T] when the run uses a KL loss.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateCritic(self, request_iterator, context):
+        """One update of the critic. Request chunks: the four sequence tensors plus
+        values [T] (the old values) and returns [T].
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,8 +180,18 @@ def add_TrainerServicer_to_server(servicer, server):
                     request_deserializer=meshrl_dot_v1_dot_trainer__pb2.BatchRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_trainer__pb2.BatchResponse.SerializeToString,
             ),
+            'ComputeValues': grpc.stream_stream_rpc_method_handler(
+                    servicer.ComputeValues,
+                    request_deserializer=meshrl_dot_v1_dot_trainer__pb2.BatchRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_trainer__pb2.BatchResponse.SerializeToString,
+            ),
             'UpdateActor': grpc.stream_unary_rpc_method_handler(
                     servicer.UpdateActor,
+                    request_deserializer=meshrl_dot_v1_dot_trainer__pb2.BatchRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_trainer__pb2.UpdateResponse.SerializeToString,
+            ),
+            'UpdateCritic': grpc.stream_unary_rpc_method_handler(
+                    servicer.UpdateCritic,
                     request_deserializer=meshrl_dot_v1_dot_trainer__pb2.BatchRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_trainer__pb2.UpdateResponse.SerializeToString,
             ),
@@ -248,6 +286,33 @@ class Trainer:
             _registered_method=True)
 
     @staticmethod
+    def ComputeValues(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/meshrl.v1.Trainer/ComputeValues',
+            meshrl_dot_v1_dot_trainer__pb2.BatchRequest.SerializeToString,
+            meshrl_dot_v1_dot_trainer__pb2.BatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def UpdateActor(request_iterator,
             target,
             options=(),
@@ -262,6 +327,33 @@ class Trainer:
             request_iterator,
             target,
             '/meshrl.v1.Trainer/UpdateActor',
+            meshrl_dot_v1_dot_trainer__pb2.BatchRequest.SerializeToString,
+            meshrl_dot_v1_dot_trainer__pb2.UpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateCritic(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/meshrl.v1.Trainer/UpdateCritic',
             meshrl_dot_v1_dot_trainer__pb2.BatchRequest.SerializeToString,
             meshrl_dot_v1_dot_trainer__pb2.UpdateResponse.FromString,
             options,
