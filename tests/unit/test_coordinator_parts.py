@@ -13,7 +13,7 @@ import torch
 
 from services.common.errors import Unavailable
 from services.coordinator.dispatch import ReplicaPool, shard_bounds
-from services.coordinator.metrics import StageTimer, rollout_metrics, summary
+from services.coordinator.metrics import StageTimer, data_metrics, summary
 from services.coordinator.registry import Registry, ServiceRecord
 from services.coordinator.store import RunStore
 
@@ -259,21 +259,31 @@ def test_summary_by_hand():
     assert summary("y", torch.tensor([True, False, False, True])) == {"y/mean": 0.5, "y/max": 1.0, "y/min": 0.0}
 
 
-def test_rollout_metrics_by_hand():
-    metrics = rollout_metrics(
-        scores=torch.tensor([1.0, 0.0, 0.5, 0.5]),
+def test_data_metrics_by_hand():
+    # two sequences: 2 tokens and 1 token
+    metrics = data_metrics(
+        scores=torch.tensor([1.0, 0.0]),
+        rewards=torch.tensor([0.0, 1.0, -0.5]),  # sequence sums: 1.0 and -0.5
         advantages=torch.tensor([0.5, -1.5, 1.0]),
-        response_lens=torch.tensor([3, 6, 6, 1]),
-        truncated=torch.tensor([False, True, True, False]),
+        returns=torch.tensor([2.0, 1.0, 0.0]),
+        values=torch.tensor([1.0, 1.0, 0.0]),
+        response_lens=torch.tensor([2, 1]),
+        prompt_lens=torch.tensor([4, 6]),
+        truncated=torch.tensor([False, True]),
         rollout_logprobs=torch.log(torch.tensor([0.5, 0.25, 0.9])),
         old_logprobs=torch.log(torch.tensor([0.4, 0.25, 0.6])),
     )
     expected = {
         "critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0,
-        "critic/rewards/mean": 0.5, "critic/rewards/max": 1.0, "critic/rewards/min": 0.0,
+        "critic/rewards/mean": 0.25, "critic/rewards/max": 1.0, "critic/rewards/min": -0.5,
         "critic/advantages/mean": 0.0, "critic/advantages/max": 1.0, "critic/advantages/min": -1.5,
-        "response_length/mean": 4.0, "response_length/max": 6.0, "response_length/min": 1.0,
+        "critic/returns/mean": 1.0, "critic/returns/max": 2.0, "critic/returns/min": 0.0,
+        "critic/values/mean": 2 / 3, "critic/values/max": 1.0, "critic/values/min": 0.0,
+        # returns - values = [1, 0, 0]: unbiased var 1/3; var(returns) = 1 -> 1 - (1/3) / 1
+        "critic/vf_explained_var": 2 / 3,
+        "response_length/mean": 1.5, "response_length/max": 2.0, "response_length/min": 1.0,
         "response_length/clip_ratio": 0.5,
+        "prompt_length/mean": 5.0, "prompt_length/max": 6.0, "prompt_length/min": 4.0,
         # |0.5 - 0.4| = 0.1, |0.25 - 0.25| = 0, |0.9 - 0.6| = 0.3
         "training/rollout_probs_diff_mean": (0.1 + 0.0 + 0.3) / 3,
         "training/rollout_probs_diff_max": 0.3,
@@ -283,9 +293,10 @@ def test_rollout_metrics_by_hand():
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
 
 
-def test_rollout_metrics_of_an_empty_step_are_zero():
-    empty = torch.tensor([])
-    metrics = rollout_metrics(empty, empty, empty, torch.tensor([], dtype=torch.bool), empty, empty)
+def test_data_metrics_of_an_empty_step_are_zero():
+    empty, lengths = torch.tensor([]), torch.tensor([], dtype=torch.int64)
+    metrics = data_metrics(empty, empty, empty, empty, None, lengths, lengths, torch.tensor([], dtype=torch.bool),
+                           empty, empty)
     assert all(value == 0.0 and not math.isnan(value) for value in metrics.values())
 
 
