@@ -29,7 +29,7 @@ from services.coordinator.control import CoordinatorClient
 from services.coordinator.synthetic import reverse_task_rows, write_jsonl
 from services.coordinator.tiny_model import build_tiny_model
 
-SERVICE_KINDS = ("trainer", "rollout", "reward")
+ONE_OF_EACH = (("trainer", "default"), ("rollout", "default"), ("reward", "default"))
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
              "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -73,29 +73,32 @@ def _die_with_parent() -> None:
 class LocalCluster:
     """The four services as subprocesses; use as a context manager."""
 
-    def __init__(self, state_dir: Path, log_level: str = "info"):
+    def __init__(self, state_dir: Path, services: tuple[tuple[str, str], ...] = ONE_OF_EACH, log_level: str = "info"):
+        """``services``: (kind, group) of each service to start besides the coordinator."""
+        self.services = services
         self.state_dir = state_dir
         self.log_dir = state_dir / "logs"
         self.log_level = log_level
         self.coordinator = f"127.0.0.1:{free_port()}"
         self.processes: dict[str, subprocess.Popen] = {}
 
-    def _spawn(self, kind: str, *settings: str) -> None:
+    def _spawn(self, name: str, kind: str, *settings: str) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.log_dir / f"{kind}.log").open("ab")
+        log = (self.log_dir / f"{name}.log").open("ab")
         command = [sys.executable, "-m", f"services.{kind}", "host=127.0.0.1", f"log_level={self.log_level}", *settings]
-        self.processes[kind] = subprocess.Popen(
+        self.processes[name] = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **CHILD_ENV}, preexec_fn=_die_with_parent,
             start_new_session=True,  # a terminal's Ctrl-C reaches coordctl only, which stops the run first
         )
 
     async def start(self, timeout_s: float = 60.0) -> None:
-        """Start all four (before this process makes any gRPC object: gRPC and fork do not mix), wait for them."""
+        """Start them all (before this process makes any gRPC object: gRPC and fork do not mix), wait for them."""
         port = self.coordinator.rpartition(":")[2]
-        self._spawn("coordinator", f"port={port}", f"state_dir={self.state_dir}")
-        for kind in SERVICE_KINDS:  # they retry registering until the coordinator is up
-            self._spawn(kind, "port=0", f"coordinator={self.coordinator}", "torch_threads=1")
+        self._spawn("coordinator", "coordinator", f"port={port}", f"state_dir={self.state_dir}")
+        for index, (kind, group) in enumerate(self.services):  # they retry registering until the coordinator is up
+            name = kind if [k for k, _ in self.services].count(kind) == 1 else f"{kind}-{index}"
+            self._spawn(name, kind, "port=0", f"coordinator={self.coordinator}", f"group={group}", "torch_threads=1")
         client = CoordinatorClient(self.coordinator)
         try:
             await asyncio.wait_for(self._wait(client.wait_ready(timeout_s)), timeout_s)
@@ -112,14 +115,14 @@ class LocalCluster:
         return task.result()
 
     async def _registered(self, client: CoordinatorClient) -> None:
-        while {s.kind for s in await client.list_services() if s.state == "up"} < set(SERVICE_KINDS):
+        while len([s for s in await client.list_services() if s.state == "up"]) < len(self.services):
             await asyncio.sleep(0.2)
 
     def check_alive(self) -> None:
-        for kind, process in self.processes.items():
+        for name, process in self.processes.items():
             if process.poll() is not None:
-                tail = (self.log_dir / f"{kind}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"the local {kind} exited with code {process.returncode}; its log ends:\n{tail}")
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the local {name} exited with code {process.returncode}; its log ends:\n{tail}")
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the services, then the coordinator; SIGKILL whatever outlives the grace period."""
