@@ -28,6 +28,7 @@ class TensorChannel(Protocol):
 
     rank: int
     world_size: int
+    device: torch.device  # where the tensors it moves must live
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
         """Send ``tensor`` from ``root`` into the same-shaped tensor of every other rank."""
@@ -58,6 +59,7 @@ class GlooChannel:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.device = torch.device("cpu")
         store = dist.PrefixStore(f"channel/{channel_id}/", dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
@@ -85,10 +87,30 @@ class GlooChannel:
         self._group = None
 
 
+def open_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int, timeout_s: float,
+                 device: str) -> TensorChannel:
+    """Join a channel (blocking until every member has joined or the deadline passes).
+
+    gloo works on any device (tensors on CPU); nccl needs ``device`` to be a CUDA device.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if backend == "gloo":
+        return GlooChannel(channel_id, rendezvous, rank, world_size, timeout_s)
+    if backend == "nccl":
+        if not device.startswith("cuda"):
+            raise ValueError(f"channel backend nccl needs a CUDA device, this service runs on {device!r}")
+        from services.common.nccl_channel import NcclChannel
+
+        return NcclChannel(channel_id, rendezvous, rank, world_size, timeout_s, device)
+    raise ValueError(f"channel backend must be gloo or nccl, got {backend!r}")
+
+
 class ChannelTable:
     """The channels a service has joined, by id. Joining an id again replaces the old channel."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
         self._channels: dict[str, TensorChannel] = {}
 
     async def join(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
@@ -96,11 +118,8 @@ class ChannelTable:
         """Join (blocks, on a thread of its own, until every member has joined or the deadline passes)."""
         import asyncio
 
-        if backend != "gloo":
-            raise ValueError(f"channel backend {backend!r} is not available here (gloo only)")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        channel = await asyncio.to_thread(GlooChannel, channel_id, rendezvous, rank, world_size, timeout_s)
+        channel = await asyncio.to_thread(open_channel, channel_id, backend, rendezvous, rank, world_size, timeout_s,
+                                          self.device)
         old = self._channels.pop(channel_id, None)
         if old is not None:
             old.close()

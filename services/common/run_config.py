@@ -185,6 +185,8 @@ class TrainerConfig(Section):
     """Seeds data order, sampling and initialisation of optimizer state."""
     weight_sync_bucket_mb: PositiveInt = 1024
     """Bucket size of the trainer -> rollout weight broadcast."""
+    weight_sync_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Collective of the weight channel: auto = nccl when the actor's trainer is on a GPU, else gloo."""
     rpc_timeout_s: PositiveFloat = 600.0
     """Deadline of each training or generation call."""
     services_wait_s: PositiveFloat = 60.0

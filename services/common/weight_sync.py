@@ -104,9 +104,9 @@ def _manifest_from_json(data: bytes) -> tuple[int, list[Bucket]]:
 
 def send_weights(
     channel: TensorChannel, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
-    device: torch.device | str = "cpu",
 ) -> tuple[int, int]:
-    """Broadcast the tensors from rank 0; returns (total bytes, bucket count)."""
+    """Broadcast the tensors from rank 0 (each bucket packed on the channel's device); returns (bytes, buckets)."""
+    device = channel.device
     buckets = plan_buckets(named, bucket_bytes)
     manifest = _manifest_json(version, buckets)
     channel.broadcast(torch.tensor([len(manifest)], dtype=torch.int64, device=device))
@@ -119,10 +119,9 @@ def send_weights(
     return sum(b.size for b in buckets), len(buckets)
 
 
-def receive_weights(
-    channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None], device: torch.device | str = "cpu"
-) -> int:
+def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
     """Receive one broadcast, verify each bucket and ``load`` it; returns the weight version."""
+    device = channel.device
     length = torch.zeros(1, dtype=torch.int64, device=device)
     channel.broadcast(length)
     manifest = torch.zeros(int(length), dtype=torch.uint8, device=device)
@@ -137,3 +136,12 @@ def receive_weights(
             raise ValueError(f"weight bucket {index} of version {version} failed its checksum")
         load(unpack(bucket, buffer))
     return version
+
+
+def tensor_checksum(tensor: torch.Tensor) -> int:
+    """``checksum`` of one tensor's bytes (zero-padded to whole 32-bit words)."""
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+    padding = (-raw.numel()) % 4
+    if padding:
+        raw = torch.cat([raw, torch.zeros(padding, dtype=torch.uint8, device=raw.device)])
+    return checksum(raw)

@@ -56,10 +56,12 @@ class RolloutClient:
         self._conn = Connection(address)
         self._stub = rollout_pb2_grpc.RolloutStub(self._conn.channel)
 
-    async def init_run(self, run_id: str, model_path: str, dtype: str, timeout: float) -> None:
+    async def init_run(self, run_id: str, model_path: str, dtype: str, timeout: float) -> int:
+        """Load the run's model; returns how many ranks the engine takes in a weight channel."""
         async with self._conn.slot():
-            await self._stub.InitRun(rollout_pb2.RolloutInitRequest(run_id=run_id, model_path=model_path, dtype=dtype),
-                                     timeout=timeout)
+            info = await self._stub.InitRun(
+                rollout_pb2.RolloutInitRequest(run_id=run_id, model_path=model_path, dtype=dtype), timeout=timeout)
+        return int(info.details.get("channel_ranks", "1"))
 
     async def generate(
         self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
@@ -86,10 +88,11 @@ class RolloutClient:
             raise ValueError(f"rollout {self.address} returned {len(out['response_lens'])} responses, not {len(prompts) * n}")
         return Generated(out["response_ids"], out["response_lens"], out["logprobs"], out["truncated"], version)
 
-    async def join_channel(self, channel_id: str, rendezvous: bytes, rank: int, world_size: int, timeout: float) -> None:
+    async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
+                           timeout: float) -> None:
         async with self._conn.slot():
-            await self._stub.JoinChannel(join_request(channel_id, rendezvous, rank, world_size, timeout),
-                                         timeout=timeout + 5)
+            await self._stub.JoinChannel(join_request(channel_id, backend, rendezvous, rank, world_size, timeout),
+                                         timeout=timeout + 15)
 
     async def receive_weights(self, channel_id: str, timeout: float) -> int:
         async with self._conn.slot():
@@ -152,16 +155,23 @@ class TrainerClient:
     async def train_supervised(self, batch: SequenceBatch, step: int, timeout: float) -> tuple[dict[str, float], int]:
         return await self._update(self._stub.TrainSupervised, sequence_tensors(batch), step, timeout)
 
-    async def prepare_channel(self, channel_id: str, world_size: int) -> bytes:
+    async def device(self) -> str:
+        async with self._conn.slot():
+            info = await self._stub.Info(common_pb2.InfoRequest(), timeout=CONTROL_TIMEOUT_S)
+        return info.details.get("device", "cpu")
+
+    async def prepare_channel(self, channel_id: str, backend: str, world_size: int) -> bytes:
         async with self._conn.slot():
             reply = await self._stub.PrepareChannel(
-                trainer_pb2.PrepareChannelRequest(channel_id=channel_id, backend="gloo", world_size=world_size),
+                trainer_pb2.PrepareChannelRequest(channel_id=channel_id, backend=backend, world_size=world_size),
                 timeout=CONTROL_TIMEOUT_S)
         return reply.rendezvous
 
-    async def join_channel(self, channel_id: str, rendezvous: bytes, world_size: int, timeout: float) -> None:
+    async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, world_size: int,
+                           timeout: float) -> None:
         async with self._conn.slot():
-            await self._stub.JoinChannel(join_request(channel_id, rendezvous, 0, world_size, timeout), timeout=timeout + 5)
+            await self._stub.JoinChannel(join_request(channel_id, backend, rendezvous, 0, world_size, timeout),
+                                         timeout=timeout + 15)
 
     async def broadcast_weights(self, channel_id: str, bucket_bytes: int, timeout: float) -> SyncResult:
         async with self._conn.slot():
@@ -196,8 +206,8 @@ class RewardClient:
         await self._conn.close()
 
 
-def join_request(channel_id: str, rendezvous: bytes, rank: int, world_size: int, timeout: float):
-    return common_pb2.JoinChannelRequest(channel_id=channel_id, backend="gloo", rank=rank, world_size=world_size,
+def join_request(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int, timeout: float):
+    return common_pb2.JoinChannelRequest(channel_id=channel_id, backend=backend, rank=rank, world_size=world_size,
                                          rendezvous=rendezvous, timeout_s=timeout)
 
 

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.run_config import RunConfig
@@ -29,7 +30,17 @@ from services.coordinator.control import CoordinatorClient
 from services.coordinator.synthetic import reverse_task_rows, write_jsonl
 from services.coordinator.tiny_model import build_tiny_model
 
-ONE_OF_EACH = (("trainer", "default"), ("rollout", "default"), ("reward", "default"))
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One service process to start: its kind, group, extra key=value settings and environment."""
+
+    kind: str
+    group: str = "default"
+    settings: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+ONE_OF_EACH = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"))
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
              "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -73,8 +84,8 @@ def _die_with_parent() -> None:
 class LocalCluster:
     """The four services as subprocesses; use as a context manager."""
 
-    def __init__(self, state_dir: Path, services: tuple[tuple[str, str], ...] = ONE_OF_EACH, log_level: str = "info"):
-        """``services``: (kind, group) of each service to start besides the coordinator."""
+    def __init__(self, state_dir: Path, services: tuple[ServiceSpec, ...] = ONE_OF_EACH, log_level: str = "info"):
+        """``services``: each service to start besides the coordinator."""
         self.services = services
         self.state_dir = state_dir
         self.log_dir = state_dir / "logs"
@@ -82,13 +93,13 @@ class LocalCluster:
         self.coordinator = f"127.0.0.1:{free_port()}"
         self.processes: dict[str, subprocess.Popen] = {}
 
-    def _spawn(self, name: str, kind: str, *settings: str) -> None:
+    def _spawn(self, name: str, kind: str, *settings: str, env: tuple[tuple[str, str], ...] = ()) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.log_dir / f"{name}.log").open("ab")
         command = [sys.executable, "-m", f"services.{kind}", "host=127.0.0.1", f"log_level={self.log_level}", *settings]
         self.processes[name] = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **CHILD_ENV}, preexec_fn=_die_with_parent,
+            env={**os.environ, **CHILD_ENV, **dict(env)}, preexec_fn=_die_with_parent,
             start_new_session=True,  # a terminal's Ctrl-C reaches coordctl only, which stops the run first
         )
 
@@ -96,9 +107,11 @@ class LocalCluster:
         """Start them all (before this process makes any gRPC object: gRPC and fork do not mix), wait for them."""
         port = self.coordinator.rpartition(":")[2]
         self._spawn("coordinator", "coordinator", f"port={port}", f"state_dir={self.state_dir}")
-        for index, (kind, group) in enumerate(self.services):  # they retry registering until the coordinator is up
-            name = kind if [k for k, _ in self.services].count(kind) == 1 else f"{kind}-{index}"
-            self._spawn(name, kind, "port=0", f"coordinator={self.coordinator}", f"group={group}", "torch_threads=1")
+        kinds = [spec.kind for spec in self.services]
+        for index, spec in enumerate(self.services):  # they retry registering until the coordinator is up
+            name = spec.kind if kinds.count(spec.kind) == 1 else f"{spec.kind}-{index}"
+            self._spawn(name, spec.kind, "port=0", f"coordinator={self.coordinator}", f"group={spec.group}",
+                        "torch_threads=1", *spec.settings, env=spec.env)
         client = CoordinatorClient(self.coordinator)
         try:
             await asyncio.wait_for(self._wait(client.wait_ready(timeout_s)), timeout_s)

@@ -151,18 +151,23 @@ class PPOLoop:
         """Load the roles and models everywhere, open the weight channel, warm start, and sync."""
         model = self.config.actor_rollout_ref.model
         seed = self.config.trainer.seed
-        await asyncio.gather(
-            *(trainer.init_run(self.run_id, self.config_yaml, roles, seed, self.timeout)
-              for trainer, roles in self.services.trainer_roles().items()),
-            *(r.init_run(self.run_id, model.path, model.dtype, self.timeout) for r in self.services.rollouts),
+        _, ranks = await asyncio.gather(
+            asyncio.gather(*(trainer.init_run(self.run_id, self.config_yaml, roles, seed, self.timeout)
+                             for trainer, roles in self.services.trainer_roles().items())),
+            asyncio.gather(*(r.init_run(self.run_id, model.path, model.dtype, self.timeout)
+                             for r in self.services.rollouts)),
         )
         actor = self.services.actor
-        world_size = 1 + len(self.services.rollouts)
-        rendezvous = await actor.prepare_channel(self.channel_id, world_size)
+        backend = self.config.trainer.weight_sync_backend
+        if backend == "auto":
+            backend = "nccl" if (await actor.device()).startswith("cuda") else "gloo"
+        world_size = 1 + sum(ranks)
+        first_ranks = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        rendezvous = await actor.prepare_channel(self.channel_id, backend, world_size)
         await asyncio.gather(
-            actor.join_channel(self.channel_id, rendezvous, world_size, CHANNEL_TIMEOUT_S),
-            *(r.join_channel(self.channel_id, rendezvous, rank, world_size, CHANNEL_TIMEOUT_S)
-              for rank, r in enumerate(self.services.rollouts, start=1)),
+            actor.join_channel(self.channel_id, backend, rendezvous, world_size, CHANNEL_TIMEOUT_S),
+            *(r.join_channel(self.channel_id, backend, rendezvous, rank, world_size, CHANNEL_TIMEOUT_S)
+              for rank, r in zip(first_ranks, self.services.rollouts)),
         )
         version = await self.warm_start()
         await self.sync_weights(version)

@@ -125,7 +125,10 @@ class RunManager:
             finally:
                 if services is not None:
                     await asyncio.gather(*(client.close() for client in services.clients()))
-                await asyncio.to_thread(plot_reward, self.store.step_metrics(run_id), run_dir / "reward.png", run_id)
+                try:
+                    await asyncio.to_thread(plot_reward, self.store.step_metrics(run_id), run_dir / "reward.png", run_id)
+                except ImportError as error:  # a node without matplotlib still keeps the metrics
+                    log.warning("plot_skipped", run_id=run_id, error=str(error))
 
     async def _connect(self, config: RunConfig) -> RunServices:
         """Clients for the services of the run's placement: one trainer per role (roles placed in the same

@@ -1,27 +1,17 @@
-"""The rollout servicer: wire <-> engine, nothing else.
-
-Engine work (generation, weight loading) runs on one worker thread, so a
-weight swap never interleaves with a generation; joining a channel (which
-blocks until every member has joined) runs on a thread of its own.
-"""
+"""The rollout servicer: wire <-> engine, nothing else."""
 
 from __future__ import annotations
-
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.common.channel import ChannelTable
 from services.common.errors import FailedPrecondition
-from services.common.models import load_causal_lm, load_tokenizer
 from services.common.sequences import join_ragged
-from services.common.weight_sync import receive_weights
 from services.common.wire import BatchAssembler, batch_to_chunks
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.hf_engine import HFEngine, SamplingSettings
+from services.rollout.engines import Engine, load_engine
+from services.rollout.hf_engine import SamplingSettings
 
 log = structlog.get_logger()
 
@@ -44,33 +34,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, config: RolloutServiceConfig, identity: common_pb2.ServiceIdentity):
         self.config = config
         self.identity = identity
-        self.engine: HFEngine | None = None
-        self.vocab_size = 0
+        self.engine: Engine | None = None
         self.run_id = ""
         self.model_path = ""
         self.weight_version = 0
-        self.channels = ChannelTable()
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.asleep = False
 
-    async def _on_engine(self, function, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, function, *args)
-
-    def _require_engine(self) -> HFEngine:
+    def _require_engine(self) -> Engine:
         if self.engine is None:
             raise FailedPrecondition("no model loaded: call InitRun first")
+        if self.asleep:
+            raise FailedPrecondition("the engine is asleep: call WakeUp first")
         return self.engine
 
     async def InitRun(self, request, context):
-        def load():
-            tokenizer = load_tokenizer(request.model_path)
-            model = load_causal_lm(request.model_path, request.dtype or "float32").to(self.config.device)
-            eos = tokenizer.eos_token_id
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-            return HFEngine(model, pad, (eos,), self.config.batch_size), model.config.vocab_size
-
-        self.engine, self.vocab_size = await self._on_engine(load)
-        self.run_id, self.model_path, self.weight_version = request.run_id, request.model_path, 0
-        log.info("model_loaded", run_id=request.run_id, model_path=request.model_path)
+        if self.engine is not None:
+            await self.engine.close()
+            self.engine = None
+        self.engine = await load_engine(self.config, request.model_path, request.dtype or "float32")
+        self.run_id, self.model_path, self.weight_version, self.asleep = request.run_id, request.model_path, 0, False
+        log.info("model_loaded", run_id=request.run_id, model_path=request.model_path, engine=self.config.engine)
         return self._info()
 
     async def Generate(self, request_iterator, context):
@@ -84,8 +67,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             raise ValueError("empty Generate stream")
         sampling = sampling_from_pb(params)
         batch = assembler.result(required=("prompt_ids", "prompt_lens"))
-        prompts = self._prompts(batch["prompt_ids"], batch["prompt_lens"])
-        completions, version = await self._on_engine(self._generate, engine, prompts, sampling, params.first_index)
+        prompts = prompt_lists(batch["prompt_ids"], batch["prompt_lens"], engine.vocab_size)
+        version = self.weight_version
+        completions = await engine.generate(prompts, sampling, params.first_index)
         flat = [c for group in completions for c in group]
         response_ids, response_lens = join_ragged([c.token_ids for c in flat], torch.int64)
         logprobs, _ = join_ragged([c.logprobs for c in flat], torch.float32)
@@ -94,44 +78,53 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         for chunks in batch_to_chunks(out):
             yield rollout_pb2.GenerateResponse(chunks=chunks, weight_version=version)
 
-    def _generate(self, engine, prompts, sampling, first_index):
-        return engine.generate(prompts, sampling, first_index), self.weight_version
-
-    def _prompts(self, prompt_ids: torch.Tensor, prompt_lens: torch.Tensor) -> list[list[int]]:
-        if prompt_ids.dtype != torch.int64 or prompt_lens.dtype != torch.int64:
-            raise ValueError("prompt_ids and prompt_lens must be int64")
-        if prompt_lens.dim() != 1 or (prompt_lens < 1).any() or int(prompt_lens.sum()) != prompt_ids.numel():
-            raise ValueError("prompt_lens must be positive and sum to len(prompt_ids)")
-        if prompt_ids.numel() and (prompt_ids.min() < 0 or prompt_ids.max() >= self.vocab_size):
-            raise ValueError(f"prompt_ids must lie in [0, {self.vocab_size})")
-        return [p.tolist() for p in torch.split(prompt_ids, prompt_lens.tolist())]
-
     async def JoinChannel(self, request, context):
-        await self.channels.join(
-            request.channel_id, request.backend, request.rendezvous, request.rank, request.world_size, request.timeout_s
-        )
+        await self._require_engine().join_channel(
+            request.channel_id, request.backend, request.rendezvous, request.rank, request.world_size, request.timeout_s)
         log.info("channel_joined", channel_id=request.channel_id, rank=request.rank, world_size=request.world_size)
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 
     async def ReceiveWeights(self, request, context):
-        engine = self._require_engine()
-        channel = self.channels.get(request.channel_id)
-        self.weight_version = await self._on_engine(receive_weights, channel, engine.load_weights)
+        self.weight_version = await self._require_engine().receive_weights(request.channel_id, request.timeout_s)
         log.info("weights_received", weight_version=self.weight_version)
         return common_pb2.WeightVersion(version=self.weight_version)
+
+    async def Sleep(self, request, context):
+        await self._require_engine().sleep()
+        self.asleep = True
+        return self._info()
+
+    async def WakeUp(self, request, context):
+        if self.engine is None:
+            raise FailedPrecondition("no model loaded: call InitRun first")
+        await self.engine.wake_up()
+        self.asleep = False
+        return self._info()
 
     async def Info(self, request, context):
         return self._info()
 
     def _info(self) -> common_pb2.ServiceInfo:
-        return common_pb2.ServiceInfo(
-            identity=self.identity, weight_version=self.weight_version, run_id=self.run_id,
-            details={"engine": self.config.engine, "model_path": self.model_path, "device": self.config.device},
-        )
+        details = {"engine": self.config.engine, "model_path": self.model_path, "device": self.config.device,
+                   "asleep": str(self.asleep).lower()}
+        if self.engine is not None:
+            details["channel_ranks"] = str(self.engine.channel_ranks)
+        return common_pb2.ServiceInfo(identity=self.identity, weight_version=self.weight_version, run_id=self.run_id,
+                                      details=details)
 
     async def close(self) -> None:
-        self.channels.close_all()
-        self._engine_thread.shutdown(wait=False, cancel_futures=True)
+        if self.engine is not None:
+            await self.engine.close()
+
+
+def prompt_lists(prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, vocab_size: int) -> list[list[int]]:
+    if prompt_ids.dtype != torch.int64 or prompt_lens.dtype != torch.int64:
+        raise ValueError("prompt_ids and prompt_lens must be int64")
+    if prompt_lens.dim() != 1 or (prompt_lens < 1).any() or int(prompt_lens.sum()) != prompt_ids.numel():
+        raise ValueError("prompt_lens must be positive and sum to len(prompt_ids)")
+    if prompt_ids.numel() and (prompt_ids.min() < 0 or prompt_ids.max() >= vocab_size):
+        raise ValueError(f"prompt_ids must lie in [0, {vocab_size})")
+    return [p.tolist() for p in torch.split(prompt_ids, prompt_lens.tolist())]
 
 
 def attach(server, config: RolloutServiceConfig, identity: common_pb2.ServiceIdentity) -> RolloutServicer:

@@ -18,6 +18,7 @@ import torch
 from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.channel import ChannelTable, prepare_gloo_rendezvous
 from services.common.config import validate
+from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
 from services.common.run_config import RunConfig
 from services.common.sequences import SequenceBatch
@@ -107,7 +108,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.identity = identity
         self.roles: Roles | None = None
         self.weight_version = 0
-        self.channels = ChannelTable()
+        self.channels = ChannelTable(config.device)
         self.stores: dict[str, object] = {}
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
@@ -185,8 +186,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
 
     async def PrepareChannel(self, request, context):
+        if request.backend == "nccl":
+            return trainer_pb2.PrepareChannelResponse(rendezvous=await asyncio.to_thread(new_unique_id))
         if request.backend != "gloo":
-            raise ValueError(f"backend {request.backend!r} is not available on this trainer (gloo only)")
+            raise ValueError(f"backend must be gloo or nccl, got {request.backend!r}")
         host = self.identity.address.rpartition(":")[0] or socket.gethostname()
         store, rendezvous = await asyncio.to_thread(prepare_gloo_rendezvous, host, 60.0)
         self.stores[request.channel_id] = store

@@ -16,7 +16,7 @@ import pytest
 from services.common.config import to_yaml
 from services.coordinator.cli import resolve_config
 from services.coordinator.control import CoordinatorClient
-from services.coordinator.local import LocalCluster
+from services.coordinator.local import LocalCluster, ServiceSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 40
@@ -24,7 +24,7 @@ STEPS = 40
 
 @pytest.fixture
 def cluster_with_two_trainers(tmp_path):
-    services = (("trainer", "default"), ("trainer", "critics"), ("rollout", "default"), ("reward", "default"))
+    services = (ServiceSpec("trainer"), ServiceSpec("trainer", "critics"), ServiceSpec("rollout"), ServiceSpec("reward"))
     local = LocalCluster(tmp_path / "state", services)
     asyncio.run(local.start(timeout_s=120))
     yield local

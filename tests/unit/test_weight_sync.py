@@ -278,8 +278,10 @@ def test_channel_table_get_unknown_raises_not_found():
 
 
 async def test_channel_table_refuses_other_backends_and_bad_timeouts():
-    table = ChannelTable()
-    with pytest.raises(ValueError, match=r"channel backend 'nccl' is not available here"):
+    table = ChannelTable()  # on the CPU
+    with pytest.raises(ValueError, match=r"channel backend nccl needs a CUDA device, this service runs on 'cpu'"):
         await table.join("c", "nccl", b"127.0.0.1:1", 0, 2, 5)
+    with pytest.raises(ValueError, match=r"channel backend must be gloo or nccl, got 'mpi'"):
+        await table.join("c", "mpi", b"127.0.0.1:1", 0, 2, 5)
     with pytest.raises(ValueError, match=r"timeout_s must be positive"):
         await table.join("c", "gloo", b"127.0.0.1:1", 0, 2, 0)

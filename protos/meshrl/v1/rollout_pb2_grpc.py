@@ -55,6 +55,16 @@ class RolloutStub:
                 request_serializer=meshrl_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_common__pb2.WeightVersion.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/meshrl.v1.Rollout/Sleep',
+                request_serializer=meshrl_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_common__pb2.ServiceInfo.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/meshrl.v1.Rollout/WakeUp',
+                request_serializer=meshrl_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_common__pb2.ServiceInfo.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/meshrl.v1.Rollout/Info',
                 request_serializer=meshrl_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
@@ -95,6 +105,21 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Frees the engine's GPU memory (weights and KV cache) so that a trainer
+        on the same GPU can update; Generate is refused until WakeUp.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Takes the memory back after Sleep.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -123,6 +148,16 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.ReceiveWeights,
                     request_deserializer=meshrl_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_common__pb2.WeightVersion.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=meshrl_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_common__pb2.ServiceInfo.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=meshrl_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_common__pb2.ServiceInfo.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -238,6 +273,60 @@ class Rollout:
             '/meshrl.v1.Rollout/ReceiveWeights',
             meshrl_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.SerializeToString,
             meshrl_dot_v1_dot_common__pb2.WeightVersion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Rollout/Sleep',
+            meshrl_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            meshrl_dot_v1_dot_common__pb2.ServiceInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Rollout/WakeUp',
+            meshrl_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            meshrl_dot_v1_dot_common__pb2.ServiceInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,134 @@
+"""Weight sync trainer -> vLLM on two GPUs, against a raw NCCL broadcast of the same bytes.
+
+The trainer side (this process, GPU 0) holds the model's HF tensors and is
+rank 0 of an NCCL channel; a vLLM engine (AsyncLLM, spawned onto GPU 1)
+joins it through the rollout's worker extension. Measured in the same run:
+- our sync: send_weights (bucketed, checksummed) until vLLM serves the new
+  weights (loaded, prefix cache cleared, generation resumed);
+- the reference: one plain broadcast of the same number of bytes on the same
+  channel into a buffer in the vLLM worker.
+Also checks that every vLLM parameter equals the trainer's (checksums), and
+measures the rollout/trainer logprob gap of sampled tokens.
+
+    python bench/weight_sync.py --size 0.5b [--size 1.5b]   (needs 2 GPUs and vllm)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.common.models import load_causal_lm, load_tokenizer
+from services.common.nccl_channel import NcclChannel, new_unique_id
+from services.common.sequences import SequenceBatch, join_ragged
+from services.common.weight_sync import send_weights, tensor_checksum
+from services.coordinator.tiny_model import QWEN25_SHAPES, build_random_model
+from services.rollout.config import RolloutServiceConfig
+from services.rollout.hf_engine import SamplingSettings
+from services.rollout.vllm_engine import VLLMEngine, receive_raw, vllm_layout
+from services.trainer.forward import batched_logprobs
+
+BUCKET_BYTES = 1 << 30
+TIMEOUT_S = 120.0
+
+
+@dataclass
+class SyncReport:
+    total_bytes: int
+    sync_s: list[float]  # each timed sync, until vLLM serves the weights
+    raw_s: list[float]  # each raw broadcast of the same bytes
+    mismatched: list[str]  # vLLM parameters whose checksum differs from the trainer's
+    unmatched: list[str]  # vLLM parameters with no trainer counterpart
+    logprob_diff_mean: float
+    logprob_diff_max: float
+
+
+async def start_engine(model_path: Path, gpu: str) -> VLLMEngine:
+    """A vLLM engine whose workers see only ``gpu`` (spawned with that CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    try:
+        config = RolloutServiceConfig(engine="vllm", enforce_eager=True, gpu_memory_utilization=0.4)
+        return await VLLMEngine.create(str(model_path), "bfloat16", config)
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+async def measure(model_path: Path, repeats: int = 3) -> SyncReport:
+    model = load_causal_lm(model_path, "bfloat16").to("cuda:0")
+    named = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+    engine = await start_engine(model_path, "1")
+    try:
+        unique_id, channel_id = new_unique_id(), "bench-weights"
+        join = asyncio.create_task(engine.join_channel(channel_id, "nccl", unique_id, 1, 2, TIMEOUT_S))
+        channel = await asyncio.to_thread(NcclChannel, channel_id, unique_id, 0, 2, TIMEOUT_S, "cuda:0")
+        await join
+        sync_s, raw_s, total = [], [], 0
+        for version in range(1, repeats + 2):  # the first round warms the communicator up; not timed
+            started = time.perf_counter()
+            receiving = asyncio.create_task(engine.receive_weights(channel_id, TIMEOUT_S))
+            total, _ = await asyncio.to_thread(send_weights, channel, named, version, BUCKET_BYTES)
+            assert await receiving == version
+            sync_s.append(time.perf_counter() - started)
+            buffer = torch.empty(total, dtype=torch.uint8, device="cuda:0")
+            started = time.perf_counter()
+            receiving = asyncio.create_task(receive_raw(engine, channel_id, total, TIMEOUT_S))
+            await asyncio.to_thread(channel.broadcast, buffer)
+            await receiving
+            raw_s.append(time.perf_counter() - started)
+        expected = {name: tensor_checksum(t) for name, t in vllm_layout(dict(named)).items()}
+        [held] = await engine.checksums()
+        mismatched = sorted(n for n, c in held.items() if n in expected and expected[n] != c)
+        unmatched = sorted(n for n in held if n not in expected)
+        diff_mean, diff_max = await logprob_gap(engine, model, model_path)
+        channel.close()
+        return SyncReport(total, sync_s[1:], raw_s[1:], mismatched, unmatched, diff_mean, diff_max)
+    finally:
+        await engine.close()
+
+
+async def logprob_gap(engine: VLLMEngine, model, model_path: Path) -> tuple[float, float]:
+    """Mean and max |logp_vllm - logp_trainer| over the tokens vLLM sampled (temperature 1)."""
+    tokenizer = load_tokenizer(model_path)
+    prompts = [tokenizer(f"{i * 7919 % 100000}=", add_special_tokens=False)["input_ids"] for i in range(32)]
+    completions = await engine.generate(prompts, SamplingSettings(4, 1.0, 1.0, 64, 1234, ()), 0)
+    flat = [(p, c) for p, group in zip(prompts, completions) for c in group]
+    prompt_ids, prompt_lens = join_ragged([torch.tensor(p) for p, _ in flat], torch.int64)
+    response_ids, response_lens = join_ragged([torch.tensor(c.token_ids) for _, c in flat], torch.int64)
+    batch = SequenceBatch(prompt_ids, prompt_lens, response_ids, response_lens)
+    trainer = batched_logprobs(model, batch, tokenizer.pad_token_id, 1.0, 32)
+    rollout = torch.tensor([lp for _, c in flat for lp in c.logprobs])
+    gap = (rollout - trainer).abs()
+    return float(gap.mean()), float(gap.max())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", action="append", choices=sorted(QWEN25_SHAPES), help="model size(s)")
+    args = parser.parse_args()
+    for size in args.size or ["0.5b"]:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = build_random_model(Path(tmp) / size, QWEN25_SHAPES[size], "bfloat16", seed=0)
+            report = asyncio.run(measure(path))
+        sync, raw = statistics.median(report.sync_s), statistics.median(report.raw_s)
+        print(f"[{size}] {report.total_bytes / 1e9:.2f} GB; vLLM parameters equal to the trainer's: "
+              f"{not report.mismatched and not report.unmatched} (mismatched {len(report.mismatched)}, "
+              f"unmatched {len(report.unmatched)}); |logp_vllm - logp_trainer| mean {report.logprob_diff_mean:.4f} "
+              f"max {report.logprob_diff_max:.4f}")
+        print(f"[{size}] raw NCCL broadcast {raw * 1e3:.1f} ms ({report.total_bytes / raw / 1e9:.0f} GB/s); "
+              f"sync until vLLM serves {sync * 1e3:.1f} ms; ratio {sync / raw:.2f}x the raw broadcast")
+
+
+if __name__ == "__main__":
+    main()

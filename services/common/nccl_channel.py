@@ -1,0 +1,96 @@
+"""The tensor plane on GPUs: a TensorChannel on NCCL through cupy (``cupy.cuda.nccl``).
+
+cupy 14's unique id is 128 raw bytes; the root makes it (``new_unique_id``)
+and the coordinator hands it to every member in JoinChannel, whose protobuf
+field is ``bytes``. Tensors are sent as flat uint8 views, so any dtype goes.
+
+NCCL itself never times out. Here:
+- joining runs ``ncclCommInitRank`` on a helper thread and waits at most the
+  deadline; a member that never comes makes the join fail with TimeoutError
+  (the helper thread stays blocked in NCCL: the caller should treat the
+  process as damaged, as a supervisor restart does);
+- every broadcast is enqueued on the channel's own stream and waited for by
+  polling an event up to the deadline; past it the communicator is aborted
+  and TimeoutError raised, so a stopped peer is an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+POLL_S = 0.0005
+
+
+def new_unique_id() -> bytes:
+    """A fresh NCCL unique id (128 bytes) for a new channel's root."""
+    from cupy.cuda import nccl
+
+    return bytes(nccl.get_unique_id())
+
+
+class NcclChannel:
+    def __init__(self, channel_id: str, unique_id: bytes, rank: int, world_size: int, timeout_s: float,
+                 device: torch.device | str):
+        from cupy.cuda import nccl
+
+        if len(unique_id) != 128:
+            raise ValueError(f"an NCCL unique id is 128 bytes, got {len(unique_id)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.channel_id, self.rank, self.world_size, self.timeout_s = channel_id, rank, world_size, timeout_s
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        result: dict = {}
+
+        def init() -> None:
+            try:
+                torch.cuda.set_device(self.device)
+                result["comm"] = nccl.NcclCommunicator(world_size, unique_id, rank)
+            except Exception as error:  # noqa: BLE001 - handed to the waiting thread
+                result["error"] = error
+
+        worker = threading.Thread(target=init, name=f"nccl-init-{channel_id}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise TimeoutError(f"channel {channel_id}: not all {world_size} members joined within {timeout_s} s "
+                               f"(rank {rank} waited)")
+        if "error" in result:
+            raise ConnectionError(f"channel {channel_id}: rank {rank} could not join: {result['error']}")
+        self._comm = result["comm"]
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        """Broadcast ``tensor`` (contiguous, on this channel's device) from ``root``, in place elsewhere."""
+        from cupy.cuda import nccl
+
+        if self._comm is None:
+            raise ConnectionError(f"channel {self.channel_id} was aborted")
+        if not tensor.is_contiguous() or tensor.device != self.device:
+            raise ValueError(f"channel {self.channel_id}: tensor must be contiguous on {self.device}")
+        flat = tensor.view(-1).view(torch.uint8)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self._comm.bcast(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8, root, self.stream.cuda_stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        deadline = time.monotonic() + self.timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise TimeoutError(f"channel {self.channel_id}: broadcast from rank {root} did not finish within "
+                                   f"{self.timeout_s} s; channel aborted")
+            time.sleep(POLL_S)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def abort(self) -> None:
+        if self._comm is not None:
+            self._comm.abort()
+            self._comm = None
+
+    def close(self) -> None:
+        if self._comm is not None:
+            self._comm.destroy()
+            self._comm = None

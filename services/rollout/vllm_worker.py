@@ -1,0 +1,51 @@
+"""Runs inside each vLLM worker process: the receiving end of the weight channel.
+
+vLLM adds this class to its GPU worker's bases (``worker_extension_cls``);
+its methods are called through ``collective_rpc`` and see the worker as
+``self``. Names start with ``meshrl_`` so they never clash with the worker's
+own (vLLM refuses an extension that would).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.nccl_channel import NcclChannel
+from services.common.weight_sync import receive_weights, tensor_checksum
+
+
+class MeshrlWorkerExtension:
+    def meshrl_join_channel(self, channel_id: str, unique_id: bytes, first_rank: int, world_size: int,
+                            timeout_s: float) -> int:
+        """Join as rank first_rank + this worker's tensor-parallel rank; returns that rank."""
+        channels = self.__dict__.setdefault("_meshrl_channels", {})
+        rank = first_rank + self.parallel_config.rank
+        old = channels.pop(channel_id, None)
+        if old is not None:
+            old.close()
+        channels[channel_id] = NcclChannel(channel_id, bytes(unique_id), rank, world_size, timeout_s, self.device)
+        return rank
+
+    def meshrl_receive_weights(self, channel_id: str, timeout_s: float) -> int:
+        """Receive one weight broadcast, loading each verified bucket as it lands; returns the version."""
+        channel = self.__dict__.get("_meshrl_channels", {}).get(channel_id)
+        if channel is None:
+            raise KeyError(f"channel {channel_id!r} not joined by this worker")
+        channel.timeout_s = timeout_s
+        model = self.model_runner.model
+        version = receive_weights(channel, lambda named: model.load_weights(weights=named))
+        torch.cuda.synchronize(self.device)
+        return version
+
+    def meshrl_weight_checksums(self) -> dict[str, int]:
+        """Checksum of each of the model's parameters as this worker holds them (its TP shard)."""
+        return {name: tensor_checksum(p.detach()) for name, p in self.model_runner.model.named_parameters()}
+
+    def meshrl_receive_raw(self, channel_id: str, nbytes: int, timeout_s: float) -> int:
+        """Receive one plain broadcast of ``nbytes`` (the wire-speed reference of the benchmarks)."""
+        channel = self.__dict__["_meshrl_channels"][channel_id]
+        channel.timeout_s = timeout_s
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        channel.broadcast(buffer)
+        torch.cuda.synchronize(self.device)
+        return nbytes

@@ -1,0 +1,30 @@
+"""GPU tests: run on the device machine (one or two H200s), skipped where no GPU is present."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from services.coordinator.tiny_model import QWEN25_SHAPES, build_random_model
+
+
+def gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def needs(gpu_count: int, vllm: bool = True):
+    reasons = []
+    if gpus() < gpu_count:
+        reasons.append(f"needs {gpu_count} CUDA GPU(s), found {gpus()}")
+    if vllm and importlib.util.find_spec("vllm") is None:
+        reasons.append("needs vllm installed")
+    return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons))
+
+
+@pytest.fixture(scope="session")
+def qwen_05b(tmp_path_factory):
+    """A random-init bf16 model of Qwen2.5-0.5B's shape, with the character tokenizer."""
+    return build_random_model(tmp_path_factory.mktemp("qwen") / "qwen2.5-0.5b-random", QWEN25_SHAPES["0.5b"],
+                              "bfloat16", seed=0)
