@@ -65,15 +65,20 @@ async def start_engine(model_path: Path, gpu: str) -> VLLMEngine:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
+def stage(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
 async def measure(model_path: Path, repeats: int = 3) -> SyncReport:
     model = load_causal_lm(model_path, "bfloat16").to("cuda:0")
-    named = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+    named = [(name, tensor.detach()) for name, tensor in model.named_parameters()]
     engine = await start_engine(model_path, "1")
     try:
         unique_id, channel_id = new_unique_id(), "bench-weights"
         join = asyncio.create_task(engine.join_channel(channel_id, "nccl", unique_id, 1, 2, TIMEOUT_S))
         channel = await asyncio.to_thread(NcclChannel, channel_id, unique_id, 0, 2, TIMEOUT_S, "cuda:0")
         await join
+        stage("channel joined")
         sync_s, raw_s, total = [], [], 0
         for version in range(1, repeats + 2):  # the first round warms the communicator up; not timed
             started = time.perf_counter()
@@ -87,11 +92,14 @@ async def measure(model_path: Path, repeats: int = 3) -> SyncReport:
             await asyncio.to_thread(channel.broadcast, buffer)
             await receiving
             raw_s.append(time.perf_counter() - started)
+            stage(f"round {version}: sync {sync_s[-1] * 1e3:.1f} ms, raw {raw_s[-1] * 1e3:.1f} ms")
         expected = {name: tensor_checksum(t) for name, t in vllm_layout(dict(named)).items()}
         [held] = await engine.checksums()
+        stage("checksums read")
         mismatched = sorted(n for n, c in held.items() if n in expected and expected[n] != c)
         unmatched = sorted(n for n in held if n not in expected)
         diff_mean, diff_max = await logprob_gap(engine, model, model_path)
+        stage("logprobs compared")
         channel.close()
         return SyncReport(total, sync_s[1:], raw_s[1:], mismatched, unmatched, diff_mean, diff_max)
     finally:
@@ -102,7 +110,8 @@ async def logprob_gap(engine: VLLMEngine, model, model_path: Path) -> tuple[floa
     """Mean and max |logp_vllm - logp_trainer| over the tokens vLLM sampled (temperature 1)."""
     tokenizer = load_tokenizer(model_path)
     prompts = [tokenizer(f"{i * 7919 % 100000}=", add_special_tokens=False)["input_ids"] for i in range(32)]
-    completions = await engine.generate(prompts, SamplingSettings(4, 1.0, 1.0, 64, 1234, ()), 0)
+    completions = await asyncio.wait_for(engine.generate(prompts, SamplingSettings(4, 1.0, 1.0, 64, 1234, ()), 0), 60)
+    stage("generated")
     flat = [(p, c) for p, group in zip(prompts, completions) for c in group]
     prompt_ids, prompt_lens = join_ragged([torch.tensor(p) for p, _ in flat], torch.int64)
     response_ids, response_lens = join_ragged([torch.tensor(c.token_ids) for _, c in flat], torch.int64)

@@ -42,6 +42,8 @@ class NcclChannel:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.channel_id, self.rank, self.world_size, self.timeout_s = channel_id, rank, world_size, timeout_s
         self.device = torch.device(device)
+        if self.device.index is None:  # "cuda" means the current device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device)
         result: dict = {}
 
@@ -91,6 +93,5 @@ class NcclChannel:
             self._comm = None
 
     def close(self) -> None:
-        if self._comm is not None:
-            self._comm.destroy()
-            self._comm = None
+        """Leave the channel. ncclCommAbort, not Destroy: destroy waits for the peers to destroy too."""
+        self.abort()

@@ -115,5 +115,5 @@ class Actor:
         return {"warm_start/loss": total, "warm_start/grad_norm": self.warm_start.step()}
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The model's tensors under their Hugging Face names, in a fixed order."""
-        return [(name, tensor.detach()) for name, tensor in self.model.state_dict().items()]
+        """The model's parameters under their Hugging Face names, in a fixed order (a tied lm_head once)."""
+        return [(name, tensor.detach()) for name, tensor in self.model.named_parameters()]

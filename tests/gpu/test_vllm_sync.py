@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 from pathlib import Path
 
 from tests.gpu.conftest import needs
@@ -14,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "weight_sync.py"
 def load_bench():
     spec = importlib.util.spec_from_file_location("weight_sync_bench", BENCH)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
