@@ -118,3 +118,17 @@ def test_bad_config_and_bad_data_are_refused_before_anything_starts(cluster, tin
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"{bad} row 5" in error.details() and "reward_model" in error.details()
     assert runs == []
+
+
+def test_dapo_group_filtering_keeps_only_groups_with_signal(cluster, tiny_model, reverse_data):
+    config = run_config(tiny_model, reverse_data, algorithm__filter_groups={"enable": True, "max_num_gen_batches": 3},
+                        trainer__total_training_steps=2)
+    final, updates, _ = asyncio.run(run_to_end(cluster.coordinator, config))
+    assert final.state == "finished", final.error
+    db = sqlite3.connect(Path(cluster.state_dir) / "meshrl.db")
+    for (metrics_json,) in db.execute("SELECT metrics_json FROM steps WHERE run_id = ?", (final.run_id,)):
+        metrics = yaml.safe_load(metrics_json)
+        assert 1 <= metrics["training/filter_groups/gen_rounds"] <= 3
+        assert 1 <= metrics["training/filter_groups/kept_prompts"] <= 8
+        if metrics["training/filter_groups/kept_prompts"] < 8:  # it only stops short after the last round
+            assert metrics["training/filter_groups/gen_rounds"] == 3
