@@ -256,5 +256,30 @@ def services(coordinator: str = COORDINATOR) -> None:
                    f"seen {entry.last_seen_s:.1f} s ago  {entry.service_id}")
 
 
+@app.command("data")
+def data_convert(
+    fmt: str = typer.Argument(..., metavar="FORMAT", help="gsm8k | math"),
+    input_path: Path = typer.Argument(..., metavar="INPUT",
+                                      help="raw JSONL: {question, answer} (gsm8k) or {problem, solution} (math)"),
+    output: Path = typer.Argument(..., metavar="OUTPUT", help="the .parquet file to write"),
+    split: str = typer.Option("train", help="extra_info.split of every row"),
+    data_source: Optional[str] = typer.Option(None, help="default: openai/gsm8k (gsm8k), lighteval/MATH (math)"),
+    instruction: Optional[str] = typer.Option(None, help="appended to each question; default: the format's, "
+                                                         "as in verl's preprocessing"),
+) -> None:
+    """Convert GSM8K / MATH JSONL into verl-schema parquet (prompt, reward_model.ground_truth, extra_info)."""
+    from services.coordinator.convert import Format, convert_file, write_parquet
+
+    try:
+        if fmt not in Format.__members__:
+            raise ValueError(f"FORMAT must be one of {list(Format.__members__)}, got {fmt!r}")
+        rows = convert_file(input_path, Format(fmt), split, data_source, instruction)
+        write_parquet(rows, Format(fmt), output)
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {len(rows)} rows to {output}")
+
+
 if __name__ == "__main__":
     app()

@@ -70,6 +70,7 @@ class RunManager:
     def __init__(self, store: RunStore, registry: Registry, state_dir: Path):
         self.store, self.registry, self.state_dir = store, registry, state_dir
         self._tasks: dict[str, asyncio.Task] = {}
+        self._loops: dict[str, PPOLoop] = {}
         self._stop_requested: set[str] = set()
         self._changed = asyncio.Condition()
         for row in store.list_runs():
@@ -106,29 +107,30 @@ class RunManager:
 
     async def _execute(self, run_id: str, config: RunConfig, config_yaml: str, tokenizer, prompts: list[Prompt],
                        run_dir: Path) -> None:
-        services = None
+        services, state, error = None, "failed", ""
         with structlog.contextvars.bound_contextvars(run_id=run_id):
             try:
                 self._set_state(run_id, "running")
                 services = await self._connect(config)
                 reporter = RunReporter(self, run_id, run_dir)
-                loop = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
-                               lambda: run_id in self._stop_requested)
-                completed = await loop.run()
-                self._set_state(run_id, "finished" if completed else "stopped")
+                self._loops[run_id] = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
+                                              lambda: run_id in self._stop_requested)
+                state = "finished" if await self._loops[run_id].run() else "stopped"
             except asyncio.CancelledError:
-                self._set_state(run_id, "stopped", "the coordinator shut down")
+                state, error = "stopped", "the coordinator shut down"
                 raise
-            except Exception as error:  # noqa: BLE001 - a run's failure is recorded, not raised
+            except Exception as failure:  # noqa: BLE001 - a run's failure is recorded, not raised
                 log.exception("run_failed", run_id=run_id)
-                self._set_state(run_id, "failed", f"{type(error).__name__}: {error}")
+                error = f"{type(failure).__name__}: {failure}"
             finally:
+                self._loops.pop(run_id, None)
                 if services is not None:
                     await asyncio.gather(*(client.close() for client in services.clients()))
-                try:
+                try:  # before the final state, so that whoever sees the run end finds its plot
                     await asyncio.to_thread(plot_reward, self.store.step_metrics(run_id), run_dir / "reward.png", run_id)
-                except ImportError as error:  # a node without matplotlib still keeps the metrics
-                    log.warning("plot_skipped", run_id=run_id, error=str(error))
+                except ImportError as missing:  # a node without matplotlib still keeps the metrics
+                    log.warning("plot_skipped", run_id=run_id, error=str(missing))
+                self._set_state(run_id, state, error)
 
     async def _connect(self, config: RunConfig) -> RunServices:
         """Clients for the services of the run's placement: one trainer per role (roles placed in the same

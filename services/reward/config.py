@@ -1,9 +1,39 @@
-"""Settings of a reward service process."""
+"""Settings of a reward service process: what it scores with, and its limits."""
 
 from __future__ import annotations
 
-from services.common.config import ServeConfig
+import pydantic
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from services.common.config import Section, ServeConfig
+
+
+class ComponentConfig(Section):
+    """One part of a data_source's score: a built-in rule or a user's function, and its weight."""
+
+    rule: str | None = None
+    """Name of a built-in rule (services/reward/rules.py SCORERS): openai/gsm8k, lighteval/MATH, ..."""
+    function: str | None = None
+    """A user's function with verl's signature: path/to/file.py:name or package.module:name."""
+    weight: float = 1.0
+
+    @pydantic.model_validator(mode="after")
+    def _one_kind(self) -> ComponentConfig:
+        if (self.rule is None) == (self.function is None):
+            raise ValueError("a scorer component names exactly one of rule or function")
+        return self
 
 
 class RewardServiceConfig(ServeConfig):
-    pass
+    scorers: dict[str, list[ComponentConfig]] = {}
+    """Per data_source, the components whose weighted sum is the score."""
+    default: list[ComponentConfig] | None = None
+    """Components for a data_source not in scorers (null: the built-in rule of that name, else an error)."""
+    sample_timeout_s: PositiveFloat = 10.0
+    """Longest a user function may take on one sample; past it the sample is invalid and its worker replaced."""
+    function_workers: PositiveInt = Field(2, le=64)
+    """Worker processes per user function."""
+    max_concurrent_batches: PositiveInt = 4
+    """Score calls served at once; more wait their turn."""
+    score_threads: PositiveInt = 4
+    """Samples of a batch scored at once (each user-function sample holds a worker process)."""

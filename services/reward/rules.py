@@ -10,6 +10,19 @@ Each scorer has verl's signature ``(solution_str, ground_truth) -> float``.
 - ``meshrl/reverse`` (the synthetic task of the local default) gives partial
   credit: the share of positions where the response matches the expected
   string, over the longer of the two lengths.
+- MATH (``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,
+  ``HuggingFaceH4/MATH-500``, ``math``) follows verl's rule: the answer is the
+  last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; also ``\\boxed 5``)
+  in the response; it and the ground truth (with or without ``\\boxed{}``) go
+  through the Hendrycks / lm-eval-harness string normalisation and must be
+  equal: 1.0, else 0.0 (an unbalanced, missing or empty box scores 0.0).
+  This is string equivalence only: symbolic equivalence would need
+  ``math-verify``, which is not installed here.
+- ``exact_match``: 1.0 if response and ground truth are equal after stripping
+  and collapsing whitespace runs to one space (case-sensitive), else 0.0.
+- ``format``: 1.0 if the response matches a regex (default: ends with a GSM8K
+  ``#### N`` line) and is at most ``max_chars`` long, else 0.0; the ground
+  truth is unused.
 """
 
 from __future__ import annotations
@@ -55,10 +68,154 @@ def reverse_score(solution_str: str, ground_truth: str) -> float:
     return matches / longest
 
 
+# ---------------------------------------------------------------------------
+# MATH: last boxed answer, Hendrycks / lm-eval-harness normalisation, string equality
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+def last_boxed_only_string(text: str) -> str | None:
+    """The last ``\\boxed{...}`` or ``\\fbox{...}`` of ``text``, wrapper included, or None.
+
+    Braces are matched by counting, so nested groups (``\\boxed{\\frac{1}{2}}``)
+    stay whole. The unbraced form ``\\boxed 5`` yields ``"\\boxed 5"`` (the
+    run of characters up to whitespace or ``$``, a final period dropped). When
+    the last box is unclosed (a truncated response) or an unbraced box has no
+    token, the answer is None: earlier boxes are not consulted.
+    """
+    start = max(text.rfind(command) for command in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    command = next(c for c in _BOX_COMMANDS if text.startswith(c, start))
+    i = start + len(command)
+    rest = text[i:]
+    stripped = rest.lstrip()
+    if stripped.startswith("{"):
+        i += len(rest) - len(stripped)
+        depth = 0
+        for j in range(i, len(text)):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    return command + text[i : j + 1]
+        return None
+    if command != "\\boxed" or stripped == rest:  # "\fbox 5" is not a form; "\boxedx" is another command
+        return None
+    token = re.match(r"[^\s$]*", stripped).group(0).rstrip(".")
+    return f"\\boxed {token}" if token else None
+
+
+def remove_boxed(s: str) -> str:
+    """The content of ``\\boxed{X}``, ``\\fbox{X}`` or ``\\boxed X``: X. ValueError for anything else."""
+    if s.startswith("\\boxed "):
+        return s[len("\\boxed ") :]
+    for command in _BOX_COMMANDS:
+        if s.startswith(command + "{") and s.endswith("}"):
+            return s[len(command) + 1 : -1]
+    raise ValueError(f"not a boxed answer: {s[:80]!r}")
+
+
+_TRAILING_TEXT = re.compile(r"\\(?:text|mbox)\{[^{}]*\}$")
+_WHOLE_TEXT = re.compile(r"^\\(?:text|mbox)\{([^{}]*)\}$")
+_FRAC_NUMERATOR = re.compile(r"\\frac([^{\\])")  # \frac12 -> \frac{1}2
+_FRAC_DENOMINATOR = re.compile(r"\\frac\{([^{}]*)\}([^{\\])")  # \frac{1}2 -> \frac{1}{2}
+_SQRT = re.compile(r"\\sqrt([^{\[\\])")  # \sqrt3 -> \sqrt{3}; \sqrt[3]{x} is left alone
+_SIMPLE_SLASH = re.compile(r"^(-?)(\d+)/(\d+)$")  # 3/4 -> \frac{3}{4}
+
+
+def normalize_math_answer(s: str) -> str:
+    """Hendrycks MATH / lm-eval-harness string normalisation of one answer, in order:
+
+    1. drop line breaks and ``\\!``; ``\\\\`` -> ``\\``; ``\\dfrac``/``\\tfrac`` -> ``\\frac``;
+       drop ``\\left``, ``\\right``, degrees (``^{\\circ}``, ``^\\circ``) and ``\\$``;
+    2. units: a trailing ``\\text{...}`` (or ``\\mbox``) after other content is
+       dropped (``10\\text{ cm}`` -> ``10``); a whole ``\\text{X}`` becomes X;
+    3. drop ``\\%`` and ``%``; ``" ."`` -> ``" 0."``, ``"{."`` -> ``"{0."``, leading ``.`` -> ``0.``;
+    4. a one-variable equation prefix goes when its left side is at most two
+       characters (``x = 3`` -> ``3``, ``k=-2`` -> ``-2``);
+    5. remove all spaces; then ``\\sqrt3`` -> ``\\sqrt{3}``, ``\\frac12`` ->
+       ``\\frac{1}{2}``, ``\\frac1{72}`` -> ``\\frac{1}{72}``, ``\\frac{1}2`` -> ``\\frac{1}{2}``;
+    6. a plain integer ratio ``a/b`` (``-a/b``) -> ``\\frac{a}{b}`` (``-\\frac{a}{b}``).
+
+    Decimals are left alone: ``0.5`` is not ``\\frac{1}{2}`` and ``0.50`` is not
+    ``0.5`` (``.5`` becomes ``0.5``).
+    """
+    s = s.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = s.replace("\\left", "").replace("\\right", "")
+    s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("\\$", "")
+    s = s.strip()
+    whole = _WHOLE_TEXT.match(s)
+    if whole:
+        s = whole.group(1)
+    else:
+        s = _TRAILING_TEXT.sub("", s)
+    s = s.replace("\\%", "").replace("%", "")
+    s = s.replace(" .", " 0.").replace("{.", "{0.")
+    s = s.strip()
+    if s.startswith("."):
+        s = "0" + s
+    sides = s.split("=")
+    if len(sides) == 2 and len(sides[0].strip()) <= 2:
+        s = sides[1]
+    s = s.replace(" ", "")
+    s = _SQRT.sub(r"\\sqrt{\1}", s)
+    s = _FRAC_NUMERATOR.sub(r"\\frac{\1}", s)
+    s = _FRAC_DENOMINATOR.sub(r"\\frac{\1}{\2}", s)
+    return _SIMPLE_SLASH.sub(r"\1\\frac{\2}{\3}", s)
+
+
+def math_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 if the normalised last boxed answer equals the normalised ground truth, else 0.0.
+
+    The ground truth may be bare (``"\\frac{1}{2}"``) or boxed. No box, an
+    unclosed box or an answer that normalises to "" scores 0.0. Equivalence is
+    by string only; symbolic equivalence (``1/2`` vs ``0.5``) would need
+    math-verify, which is not installed here.
+    """
+    boxed = last_boxed_only_string(solution_str)
+    if boxed is None:
+        return 0.0
+    answer = normalize_math_answer(remove_boxed(boxed))
+    truth_box = last_boxed_only_string(ground_truth)
+    truth = normalize_math_answer(remove_boxed(truth_box) if truth_box is not None else ground_truth)
+    return 1.0 if answer and answer == truth else 0.0
+
+
+# ---------------------------------------------------------------------------
+# exact match and format
+
+
+def exact_match_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 if equal after stripping and collapsing whitespace runs to one space (case-sensitive), else 0.0."""
+    return 1.0 if " ".join(solution_str.split()) == " ".join(ground_truth.split()) else 0.0
+
+
+def format_score(
+    solution_str: str, ground_truth: str, pattern: str = r"#### -?[0-9.,]+\s*$", max_chars: int = 2000
+) -> float:
+    """1.0 if the response is at most max_chars long and ``re.search(pattern, DOTALL)`` finds it, else 0.0.
+
+    ground_truth is unused (verl's signature). The default pattern wants a
+    GSM8K-style ``#### N`` as the last line.
+    """
+    if len(solution_str) > max_chars:
+        return 0.0
+    return 1.0 if re.search(pattern, solution_str, re.DOTALL) else 0.0
+
+
 SCORERS: dict[str, Callable[[str, str], float]] = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
     "meshrl/reverse": reverse_score,
+    "lighteval/MATH": math_score,
+    "DigitalLearningGmbH/MATH-lighteval": math_score,
+    "HuggingFaceH4/MATH-500": math_score,
+    "math": math_score,
+    "exact_match": exact_match_score,
+    "format": format_score,
 }
 
 

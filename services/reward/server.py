@@ -1,46 +1,67 @@
-"""The reward servicer: wire <-> scorers, nothing else.
+"""The reward servicer: wire <-> scorer, nothing else.
 
 A sample whose scoring fails is reported invalid with its error; the others
-in the batch are scored as usual.
+in the batch are scored as usual. Samples are scored on a thread pool (user
+functions run in worker processes behind it); at most
+``max_concurrent_batches`` Score calls run at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
 from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward.config import RewardServiceConfig
-from services.reward.rules import score_sample
+from services.reward.scoring import Scorer
 
 log = structlog.get_logger()
 
 
-def score_one(sample: reward_pb2.Sample) -> reward_pb2.SampleScore:
+def extra_info_of(sample: reward_pb2.Sample, index: int) -> dict:
+    if not sample.extra_info_json:
+        return {}
     try:
-        return reward_pb2.SampleScore(score=score_sample(sample.data_source, sample.response, sample.ground_truth), valid=True)
-    except Exception as error:  # noqa: BLE001 - one bad sample must not fail the batch
-        return reward_pb2.SampleScore(score=0.0, valid=False, error=f"{type(error).__name__}: {error}")
+        extra = json.loads(sample.extra_info_json)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"samples[{index}].extra_info_json is not valid JSON: {error.msg}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"samples[{index}].extra_info_json must be a JSON object")
+    return extra
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
     def __init__(self, config: RewardServiceConfig, identity: common_pb2.ServiceIdentity):
         self.config = config
         self.identity = identity
+        self.scorer = Scorer(config)
+        self._threads = ThreadPoolExecutor(max_workers=config.score_threads, thread_name_prefix="score")
+        self._batches = asyncio.Semaphore(config.max_concurrent_batches)
 
     async def Score(self, request, context):
-        scores = await asyncio.to_thread(lambda: [score_one(s) for s in request.samples])
-        invalid = sum(not s.valid for s in scores)
+        extras = [extra_info_of(sample, i) for i, sample in enumerate(request.samples)]
+        loop = asyncio.get_running_loop()
+        async with self._batches:
+            results = await asyncio.gather(*(
+                loop.run_in_executor(self._threads, self.scorer.score, s.data_source, s.response, s.ground_truth, extra)
+                for s, extra in zip(request.samples, extras)))
+        invalid = [r.error for r in results if not r.valid]
         if invalid:
-            log.warning("samples_not_scored", count=invalid, first_error=next(s.error for s in scores if not s.valid))
-        return reward_pb2.ScoreResponse(scores=scores, service_id=self.identity.service_id)
+            log.warning("samples_not_scored", count=len(invalid), first_error=invalid[0][:300])
+        return reward_pb2.ScoreResponse(service_id=self.identity.service_id, scores=[
+            reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds) for r in results])
 
     async def Info(self, request, context):
-        return common_pb2.ServiceInfo(identity=self.identity, details={"scorers": "rules"})
+        scorers = {source: [c.rule or c.function for c in components] for source, components in self.config.scorers.items()}
+        return common_pb2.ServiceInfo(identity=self.identity, details={
+            "scorers": json.dumps(scorers), "default": json.dumps([c.rule or c.function for c in self.config.default or []])})
 
     async def close(self) -> None:
-        pass
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.scorer.close)
 
 
 def attach(server, config: RewardServiceConfig, identity: common_pb2.ServiceIdentity) -> RewardServicer:
