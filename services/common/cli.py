@@ -18,7 +18,7 @@ def parse_service_config(kind: str, model: type[Config], argv: list[str] | None 
     parser.add_argument("--port", type=int, help="shorthand for port=N")
     parser.add_argument("--coordinator", help="shorthand for coordinator=host:port")
     parser.add_argument("overrides", nargs="*", help="key=value settings, applied after the file")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     overrides = list(args.overrides)
     if args.port is not None:
         overrides.append(f"port={args.port}")

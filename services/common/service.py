@@ -16,6 +16,7 @@ import asyncio
 import os
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Callable, Protocol, TypeVar
 
@@ -141,4 +142,7 @@ def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.ai
         torch.set_num_threads(config.torch_threads)
         torch.set_num_interop_threads(config.torch_threads)
     endpoint = Endpoint(kind, config.host, config.port, config.group, config.coordinator, config.grace_s)
-    uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))
+    try:
+        uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))
+    except ValueError as error:  # what the servicer refuses to start with (a plugin that fails to import, ...)
+        sys.exit(f"{kind}: cannot start: {error}")

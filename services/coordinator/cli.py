@@ -73,7 +73,7 @@ async def follow(client: CoordinatorClient, run: RunStatus) -> RunStatus:
                 bar.update(update.step - bar.n)
                 bar.set_postfix(reward=f"{update.metrics.get('critic/score/mean', float('nan')):.3f}",
                                 step_s=f"{update.metrics.get('timing_s/step', float('nan')):.2f}")
-            elif update.kind == "log":
+            elif update.kind in ("log", "reward"):
                 bar.write(update.message)
             elif update.kind == "state":
                 bar.write(f"run {update.state}" + (f": {update.message}" if update.message else ""))
@@ -246,6 +246,24 @@ def watch(run_id: str, coordinator: str = COORDINATOR) -> None:
 def stop(run_id: str, coordinator: str = COORDINATOR) -> None:
     """Stop a run at its next step boundary."""
     typer.echo(call(coordinator, "stop_run", run_id).state)
+
+
+reward_app = typer.Typer(no_args_is_help=True, help="The reward services of a running run.")
+app.add_typer(reward_app, name="reward")
+
+
+@reward_app.command("set")
+def reward_set(
+    run_id: str,
+    group: str = typer.Option("", "--group", help="switch to every reward service up in this group"),
+    address: str = typer.Option("", "--address", help="switch to the reward service at host:port"),
+    coordinator: str = COORDINATOR,
+) -> None:
+    """Switch a running run to other reward services at its next step boundary (after a probe batch)."""
+    if bool(group) == bool(address):
+        raise typer.BadParameter("give exactly one of --group or --address")
+    run = call(coordinator, "set_reward", run_id, group, address)
+    typer.echo(f"run {run.run_id}: reward swap accepted; it applies at the next step boundary")
 
 
 @app.command("services")

@@ -77,6 +77,10 @@ class CoordinatorClient:
     async def stop_run(self, run_id: str) -> RunStatus:
         return status_from_pb(await self._stub.StopRun(coordinator_pb2.GetRunRequest(run_id=run_id), timeout=TIMEOUT_S))
 
+    async def set_reward(self, run_id: str, group: str = "", address: str = "") -> RunStatus:
+        request = coordinator_pb2.SetRewardRequest(run_id=run_id, group=group, address=address)
+        return status_from_pb(await self._stub.SetReward(request, timeout=TIMEOUT_S))
+
     async def watch(self, run_id: str) -> AsyncIterator[RunUpdate]:
         async for event in self._stub.WatchRun(coordinator_pb2.GetRunRequest(run_id=run_id)):
             yield RunUpdate(event.kind, event.step, event.state, event.message, dict(event.metrics))

@@ -41,8 +41,8 @@ class Reporter(Protocol):
     def step(self, step: int, metrics: dict[str, float]) -> None:
         """A step finished with these metrics."""
 
-    def log(self, message: str) -> None:
-        """Something a person watching the run should see."""
+    def log(self, message: str, kind: str = "log") -> None:
+        """Something a person watching the run should see (kind: log, or reward for reward swaps)."""
 
 
 @dataclass
@@ -106,6 +106,7 @@ class PPOLoop:
         self.timeout = config.trainer.rpc_timeout_s
         self.channel_id = f"{run_id}-weights"
         self.kl_coef = config.algorithm.kl_ctrl.kl_coef
+        self.next_rewards: tuple[list[RewardClient], str] | None = None  # a swap waiting for the step boundary
 
     async def run(self) -> bool:
         """Set up, then train until the last step or a stop request; True if every step ran."""
@@ -113,11 +114,26 @@ class PPOLoop:
         for step in range(1, self.config.trainer.total_training_steps + 1):
             if self.should_stop():
                 return False
+            await self.apply_reward_swap(step)
             self.reporter.step(step, await self.step(step))
         return True
 
+    def swap_rewards(self, clients: list[RewardClient], description: str) -> None:
+        """Use these reward services from the next step on (the coordinator has probed them)."""
+        self.next_rewards = (clients, description)
+
+    async def apply_reward_swap(self, step: int) -> None:
+        if self.next_rewards is None:
+            return
+        (clients, description), self.next_rewards = self.next_rewards, None
+        old = self.services.rewards
+        self.services.rewards, self.reward_pool = clients, ReplicaPool("reward", clients)
+        await asyncio.gather(*(client.close() for client in old))
+        self.reporter.log(f"reward services switched to {description} from step {step}", kind="reward")
+
     async def step(self, step: int) -> dict[str, float]:
         timer, config, trainers = StageTimer(), self.config, self.services
+        self.replica_counts: dict[str, int] = {}
         rollouts, filter_metrics = await self.generate_and_score(step, timer)   # 1. responses and scores
         batch, timeout = rollouts.batch, self.timeout
         old_logprobs, ref_logprobs, values = await asyncio.gather(               # 2. what the update needs
@@ -139,6 +155,7 @@ class PPOLoop:
             with timer("update_weights"):
                 await self.sync_weights(version)
         metrics = {**actor_metrics, **critic_metrics, **kl_metrics, **filter_metrics, **timer.metrics(),
+                   **{f"reward/samples_by/{replica}": float(n) for replica, n in self.replica_counts.items()},
                    **data_metrics(rollouts.scores, rewards, estimate.advantages, estimate.returns, values,
                                   batch.response_lens, batch.prompt_lens, rollouts.truncated, rollouts.logprobs,
                                   old_logprobs)}
@@ -246,6 +263,8 @@ class PPOLoop:
 
         shards = await self.reward_pool.map_shards(len(samples), call)
         scored = [s for (scores, _), _ in shards for s in scores]
+        for (scores, service_id), _ in shards:  # who scored what
+            self.replica_counts[service_id] = self.replica_counts.get(service_id, 0) + len(scores)
         invalid = [s.error for s in scored if not s.valid]
         if invalid:
             self.reporter.log(f"{len(invalid)} samples could not be scored (scored 0), first: {invalid[0]}")

@@ -31,6 +31,17 @@ from services.coordinator.store import Event, RunRow, RunStore
 
 log = structlog.get_logger()
 FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
+PROBE_SAMPLES = 4
+PROBE_TIMEOUT_S = 15.0
+
+
+async def probe(client: RewardClient, prompts: list[Prompt]) -> None:
+    """Score each prompt's ground truth as the response; every score must come back valid."""
+    samples = [(p.data_source, p.ground_truth, p.ground_truth, p.extra_info) for p in prompts]
+    scores, _ = await client.score(samples, PROBE_TIMEOUT_S)
+    invalid = [s.error for s in scores if not s.valid]
+    if invalid:
+        raise ValueError(f"{client.address} could not score the probe: {invalid[0]}")
 
 
 def parse_run_config(config_yaml: str) -> RunConfig:
@@ -60,9 +71,9 @@ class RunReporter:
                  step_s=metrics.get("timing_s/step"))
         self.manager.notify()
 
-    def log(self, message: str) -> None:
-        self.manager.store.add_event(self.run_id, "log", self.manager.store.get_run(self.run_id).step, "", message, {})
-        log.info("run_log", run_id=self.run_id, message=message)
+    def log(self, message: str, kind: str = "log") -> None:
+        self.manager.store.add_event(self.run_id, kind, self.manager.store.get_run(self.run_id).step, "", message, {})
+        log.info("run_log", run_id=self.run_id, kind=kind, message=message)
         self.manager.notify()
 
 
@@ -178,6 +189,38 @@ class RunManager:
             self._stop_requested.add(run_id)
             self.store.add_event(run_id, "log", row.step, "", "stop requested: stopping at the next step boundary", {})
             self.notify()
+        return self.get_run(run_id)
+
+    async def set_reward(self, run_id: str, group: str, address: str) -> RunRow:
+        """Probe the named reward services, then have the run switch to them at its next step boundary.
+
+        Refused (FailedPrecondition, recorded as a reward event) when the run is not running, or when a
+        service does not answer the probe with valid scores; the run then keeps the services it has.
+        """
+        row, loop = self.get_run(run_id), self._loops.get(run_id)
+        if (group == "") == (address == ""):
+            raise ValueError("name exactly one of group or address")
+        target = f"group {group}" if group else f"address {address}"
+        if row.state != "running" or loop is None:
+            raise FailedPrecondition(f"run {run_id} is {row.state}, not running")
+        addresses = [address] if address else [r.address for r in self.registry.up("reward", group)]
+        clients = [RewardClient(a) for a in addresses]
+        try:
+            if not clients:
+                raise FailedPrecondition(f"no reward service is up in group {group!r}")
+            await asyncio.gather(*(probe(client, loop.prompts[:PROBE_SAMPLES]) for client in clients))
+        except Exception as error:  # noqa: BLE001 - any failure refuses the swap
+            await asyncio.gather(*(client.close() for client in clients))
+            message = f"reward swap to {target} refused: {error}"
+            self.store.add_event(run_id, "reward", row.step, "", message, {})
+            log.warning("reward_swap_refused", run_id=run_id, target=target, error=str(error))
+            self.notify()
+            raise FailedPrecondition(message) from None
+        loop.swap_rewards(clients, f"{target} ({', '.join(addresses)})")
+        self.store.add_event(run_id, "reward", row.step, "", f"reward swap to {target} accepted; applies at the "
+                             "next step boundary", {})
+        log.info("reward_swap_accepted", run_id=run_id, target=target, addresses=addresses)
+        self.notify()
         return self.get_run(run_id)
 
     async def watch(self, run_id: str) -> AsyncIterator[Event]:

@@ -1,8 +1,8 @@
 """The reward servicer: wire <-> scorer, nothing else.
 
 A sample whose scoring fails is reported invalid with its error; the others
-in the batch are scored as usual. Samples are scored on a thread pool (user
-functions run in worker processes behind it); at most
+in the batch are scored as usual. A batch is cut into one slice per scoring
+thread (user functions run in worker processes behind them); at most
 ``max_concurrent_batches`` Score calls run at once.
 """
 
@@ -42,17 +42,23 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self._batches = asyncio.Semaphore(config.max_concurrent_batches)
 
     async def Score(self, request, context):
-        extras = [extra_info_of(sample, i) for i, sample in enumerate(request.samples)]
+        samples = [(s.data_source, s.response, s.ground_truth, extra_info_of(s, i))
+                   for i, s in enumerate(request.samples)]
         loop = asyncio.get_running_loop()
+        size = max(1, -(-len(samples) // self.config.score_threads))  # one slice of the batch per thread
         async with self._batches:
-            results = await asyncio.gather(*(
-                loop.run_in_executor(self._threads, self.scorer.score, s.data_source, s.response, s.ground_truth, extra)
-                for s, extra in zip(request.samples, extras)))
+            parts = await asyncio.gather(*(
+                loop.run_in_executor(self._threads, self.score_all, samples[start:start + size])
+                for start in range(0, len(samples), size)))
+        results = [result for part in parts for result in part]
         invalid = [r.error for r in results if not r.valid]
         if invalid:
             log.warning("samples_not_scored", count=len(invalid), first_error=invalid[0][:300])
         return reward_pb2.ScoreResponse(service_id=self.identity.service_id, scores=[
             reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds) for r in results])
+
+    def score_all(self, samples: list[tuple[str, str, str, dict]]):
+        return [self.scorer.score(*sample) for sample in samples]
 
     async def Info(self, request, context):
         scorers = {source: [c.rule or c.function for c in components] for source, components in self.config.scorers.items()}

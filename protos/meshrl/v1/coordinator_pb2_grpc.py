@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=meshrl_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_coordinator__pb2.RunEvent.FromString,
                 _registered_method=True)
+        self.SetReward = channel.unary_unary(
+                '/meshrl.v1.Coordinator/SetReward',
+                request_serializer=meshrl_dot_v1_dot_coordinator__pb2.SetRewardRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -147,6 +152,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetReward(self, request, context):
+        """Switches a running run to other reward services at its next step
+        boundary, once they answered a probe batch; refused (FAILED_PRECONDITION)
+        otherwise, and the run goes on with the services it has.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +208,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.WatchRun,
                     request_deserializer=meshrl_dot_v1_dot_coordinator__pb2.GetRunRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_coordinator__pb2.RunEvent.SerializeToString,
+            ),
+            'SetReward': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetReward,
+                    request_deserializer=meshrl_dot_v1_dot_coordinator__pb2.SetRewardRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_coordinator__pb2.RunInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +458,33 @@ class Coordinator:
             '/meshrl.v1.Coordinator/WatchRun',
             meshrl_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
             meshrl_dot_v1_dot_coordinator__pb2.RunEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetReward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Coordinator/SetReward',
+            meshrl_dot_v1_dot_coordinator__pb2.SetRewardRequest.SerializeToString,
+            meshrl_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
             options,
             channel_credentials,
             insecure,

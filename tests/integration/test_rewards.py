@@ -1,0 +1,157 @@
+"""Reward services as real processes: users' functions that fail or hang, a plugin that cannot be imported,
+a replica killed mid-run, and a swap of reward services while a run goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from services.coordinator.clients import RewardClient
+from services.coordinator.control import CoordinatorClient
+from services.coordinator.local import LocalCluster, ServiceSpec
+from tests.integration.test_grpo_run import run_config
+
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+
+def reward_config(tmp_path: Path, name: str, scorers: dict, **settings) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"scorers": scorers, **settings}))
+    return str(path)
+
+
+def component(function: str) -> list[dict]:
+    return [{"function": f"{PLUGINS / 'user_rewards.py'}:{function}"}]
+
+
+@pytest.fixture
+def reward_cluster(tmp_path):
+    """Coordinator and one reward service whose data sources map to users' functions (1 s per sample)."""
+    scorers = {name: component(name) for name in ("length_match", "raises", "hangs", "garbage")}
+    scorers["combined"] = [{"rule": "meshrl/reverse", "weight": 0.5}, *[dict(c, weight=0.5) for c in component("length_match")]]
+    config = reward_config(tmp_path, "reward", scorers, sample_timeout_s=1.0, function_workers=2)
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("reward", settings=("--config", config)),))
+    asyncio.run(cluster.start(timeout_s=60))
+    yield cluster
+    cluster.stop()
+
+
+async def score_through_service(coordinator: str, batches: list[list[tuple]]):
+    control = CoordinatorClient(coordinator)
+    [service] = await control.list_services()
+    await control.close()
+    client = RewardClient(service.address)
+    try:
+        return [await client.score(samples, timeout=30) for samples in batches]
+    finally:
+        await client.close()
+
+
+def test_user_functions_that_raise_hang_or_return_garbage_cost_only_their_sample(reward_cluster):
+    batch = [("length_match", "abc", "xyz", {}), ("raises", "abc", "xyz", {}), ("hangs", "abc", "xyz", {}),
+             ("garbage", "abc", "xyz", {}), ("combined", "321", "321", {}), ("nobody", "1", "1", {})]
+    started = time.monotonic()
+    [(scores, _), (again, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [batch, batch[:1]]))
+    elapsed = time.monotonic() - started
+    good, raised, hung, garbage, combined, unknown = scores
+    assert good.valid and good.score == 1.0 and good.error == ""
+    assert not raised.valid and raised.score == 0.0 and "RuntimeError: cannot score 'abc'" in raised.error
+    assert not hung.valid and "did not return within 1.0 s" in hung.error
+    assert not garbage.valid and "'very good'" in garbage.error
+    assert combined.valid and combined.score == pytest.approx(1.0)  # 0.5 * reverse + 0.5 * length
+    assert not unknown.valid and "no scorer for data_source 'nobody'" in unknown.error
+    assert again[0].valid and again[0].score == 1.0  # the service goes on after the hang
+    assert elapsed < 20
+
+
+def test_a_plugin_that_fails_to_import_is_refused_at_start(tmp_path):
+    config = reward_config(tmp_path, "broken", {"x": [{"function": f"{PLUGINS / 'broken_import.py'}:score"}]})
+    result = subprocess.run([sys.executable, "-m", "services.reward", "--config", config, "port=0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "broken_import.py" in result.stderr and "a_module_that_does_not_exist" in result.stderr
+
+
+@pytest.fixture
+def two_groups(tmp_path):
+    """Trainer, rollout, two reward replicas in group a (partial credit), one in group b (exact match)."""
+    exact = reward_config(tmp_path, "exact", {"meshrl/reverse": [{"rule": "exact_match"}]})
+    services = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward", "a"), ServiceSpec("reward", "a"),
+                ServiceSpec("reward", "b", settings=("--config", exact)))
+    cluster = LocalCluster(tmp_path / "state", services)
+    asyncio.run(cluster.start(timeout_s=120))
+    yield cluster
+    cluster.stop()
+
+
+async def run_with_actions(coordinator: str, config_yaml: str, actions: dict):
+    """Run to the end, calling actions[step](client, run_id) once step has finished."""
+    client = CoordinatorClient(coordinator)
+    try:
+        run = await client.start_run(config_yaml)
+        async for update in client.watch(run.run_id):
+            if update.kind == "step" and update.step in actions:
+                await actions.pop(update.step)(client, run.run_id)
+        return await client.get_run(run.run_id)
+    finally:
+        await client.close()
+
+
+def steps_of(run_dir: str) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_replica_killed_then_reward_swapped_mid_run(two_groups, tiny_model, reverse_data):
+    cluster = two_groups
+    group_a = [name for name, spec in zip(cluster.processes, (None, *cluster.services)) if spec and spec.group == "a"]
+    refusals = []
+
+    async def kill_one_replica(client, run_id):
+        os.kill(cluster.processes[group_a[0]].pid, signal.SIGKILL)
+
+    async def refused_then_accepted_swap(client, run_id):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.set_reward(run_id, address="127.0.0.1:9")  # nothing listens there
+        refusals.append(refused.value)
+        await client.set_reward(run_id, group="b")
+
+    config = run_config(tiny_model, reverse_data, placement={"reward": "a"}, trainer__total_training_steps=6)
+    final = asyncio.run(run_with_actions(cluster.coordinator, config, {2: kill_one_replica,
+                                                                       4: refused_then_accepted_swap}))
+    assert final.state == "finished", final.error
+    assert refusals[0].code() == grpc.StatusCode.FAILED_PRECONDITION and "refused" in refusals[0].details()
+
+    steps = steps_of(final.run_dir)
+    per_step = [{k.removeprefix("reward/samples_by/"): v for k, v in s.items() if k.startswith("reward/samples_by/")}
+                for s in steps]
+    assert all(sum(counts.values()) == 8 * 4 for counts in per_step)  # no sample lost or counted twice
+    events = asyncio.run(reward_events(cluster.coordinator, final.run_id))
+    assert [e for e in events if "refused" in e] and [e for e in events if "accepted" in e]
+    [switched] = [e for e in events if "switched to group b" in e]
+    first_b = int(switched.rpartition("from step ")[2])  # the first step boundary after the request (step 4 done)
+    assert first_b in (5, 6)
+    replicas_a = set(per_step[0]) | set(per_step[1])
+    replica_b = set(per_step[-1])
+    assert len(replicas_a) == 2 and len(replica_b) == 1 and not replica_b & replicas_a
+    assert all(set(counts) <= replicas_a for counts in per_step[:first_b - 1])
+    assert all(set(counts) == replica_b for counts in per_step[first_b - 1:])
+    # group b scores exact match, 0 or 1 per sample: the mean is a multiple of 1/32
+    assert all(round(s["critic/score/mean"] * 32, 6).is_integer() for s in steps[first_b - 1:])
+
+
+async def reward_events(coordinator: str, run_id: str) -> list[str]:
+    control = CoordinatorClient(coordinator)
+    try:
+        return [u.message async for u in control.watch(run_id) if u.kind == "reward"]
+    finally:
+        await control.close()
