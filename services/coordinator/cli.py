@@ -156,6 +156,8 @@ async def run_local(config: RunConfig, state_dir: Path) -> RunStatus:
     try:
         typer.echo(f"starting the local services (logs in {cluster.log_dir})")
         await cluster.start()
+        typer.echo(f"coordinator at {cluster.coordinator}: more services can join it, e.g. "
+                   f"python -m services.reward --coordinator {cluster.coordinator} group=b")
         return await start_and_follow(config, cluster.coordinator, detach=False, stop_on_interrupt=True)
     finally:
         cluster.stop()
