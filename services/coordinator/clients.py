@@ -190,11 +190,13 @@ class RewardClient:
         self._conn = Connection(address)
         self._stub = reward_pb2_grpc.RewardStub(self._conn.channel)
 
-    async def score(self, samples: list[tuple[str, str, str, dict]], timeout: float) -> tuple[list[ScoredSample], str]:
-        """Score (data_source, response, ground_truth, extra_info) samples; returns scores and the replica's id."""
+    async def score(self, samples: list[tuple], timeout: float) -> tuple[list[ScoredSample], str]:
+        """Score (data_source, response, ground_truth, extra_info[, prompt]) samples; returns scores and the
+        replica's id."""
         request = reward_pb2.ScoreRequest(samples=[
-            reward_pb2.Sample(data_source=source, response=response, ground_truth=truth, extra_info_json=json.dumps(extra))
-            for source, response, truth, extra in samples
+            reward_pb2.Sample(data_source=source, response=response, ground_truth=truth, extra_info_json=json.dumps(extra),
+                              prompt=prompt[0] if prompt else "")
+            for source, response, truth, extra, *prompt in samples
         ])
         async with self._conn.slot():
             reply = await self._stub.Score(request, timeout=timeout)

@@ -67,6 +67,17 @@ class RunServices:
 
 
 @dataclass(frozen=True)
+class RewardTarget:
+    """Where a run's rewards come from: every reward service up in a group, or one address."""
+
+    kind: str  # group or address
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}"
+
+
+@dataclass(frozen=True)
 class Rollouts:
     """Scored responses of one step: n per prompt, sequence i*n+j is sample j of prompt i."""
 
@@ -95,7 +106,8 @@ class Rollouts:
 
 class PPOLoop:
     def __init__(self, run_id: str, config: RunConfig, config_yaml: str, services: RunServices,
-                 prompts: list[Prompt], tokenizer, reporter: Reporter, should_stop: Callable[[], bool]):
+                 prompts: list[Prompt], tokenizer, reporter: Reporter, should_stop: Callable[[], bool],
+                 find_rewards: Callable[[RewardTarget], list[str]]):
         self.run_id, self.config, self.config_yaml = run_id, config, config_yaml
         self.services, self.prompts, self.tokenizer = services, prompts, tokenizer
         self.reporter, self.should_stop = reporter, should_stop
@@ -106,7 +118,9 @@ class PPOLoop:
         self.timeout = config.trainer.rpc_timeout_s
         self.channel_id = f"{run_id}-weights"
         self.kl_coef = config.algorithm.kl_ctrl.kl_coef
-        self.next_rewards: tuple[list[RewardClient], str] | None = None  # a swap waiting for the step boundary
+        self.find_rewards = find_rewards  # the addresses of the reward services of a target, up now
+        self.reward_target = RewardTarget("group", config.placement.reward)
+        self.next_rewards: tuple[list[RewardClient], RewardTarget] | None = None  # a swap waiting for the boundary
 
     async def run(self) -> bool:
         """Set up, then train until the last step or a stop request; True if every step ran."""
@@ -114,22 +128,29 @@ class PPOLoop:
         for step in range(1, self.config.trainer.total_training_steps + 1):
             if self.should_stop():
                 return False
-            await self.apply_reward_swap(step)
+            await self.update_rewards(step)
             self.reporter.step(step, await self.step(step))
         return True
 
-    def swap_rewards(self, clients: list[RewardClient], description: str) -> None:
-        """Use these reward services from the next step on (the coordinator has probed them)."""
-        self.next_rewards = (clients, description)
+    def swap_rewards(self, clients: list[RewardClient], target: RewardTarget) -> None:
+        """Use these reward services (and later ones of their target) from the next step on; they were probed."""
+        self.next_rewards = (clients, target)
 
-    async def apply_reward_swap(self, step: int) -> None:
-        if self.next_rewards is None:
-            return
-        (clients, description), self.next_rewards = self.next_rewards, None
-        old = self.services.rewards
-        self.services.rewards, self.reward_pool = clients, ReplicaPool("reward", clients)
-        await asyncio.gather(*(client.close() for client in old))
-        self.reporter.log(f"reward services switched to {description} from step {step}", kind="reward")
+    async def update_rewards(self, step: int) -> None:
+        """At a step boundary: apply a requested swap, then follow the target's replicas as they come and go."""
+        clients = self.services.rewards
+        if self.next_rewards is not None:
+            (clients, self.reward_target), self.next_rewards = self.next_rewards, None
+            self.reporter.log(f"reward services switched to {self.reward_target} from step {step}", kind="reward")
+        by_address = {client.address: client for client in clients}
+        addresses = self.find_rewards(self.reward_target) or list(by_address)  # none up: keep trying the known ones
+        if set(addresses) != set(by_address):
+            self.reporter.log(f"reward replicas of {self.reward_target} from step {step}: {sorted(addresses)}",
+                              kind="reward")
+        new = [by_address.get(address) or RewardClient(address) for address in addresses]
+        retired = [c for c in {*self.services.rewards, *clients} if c not in new]
+        self.services.rewards, self.reward_pool = new, ReplicaPool("reward", new)
+        await asyncio.gather(*(client.close() for client in retired))
 
     async def step(self, step: int) -> dict[str, float]:
         timer, config, trainers = StageTimer(), self.config, self.services
@@ -252,11 +273,12 @@ class PPOLoop:
     async def score(self, rollouts: Rollouts) -> Rollouts:
         """The same rollouts with one score per response, spread over the reward replicas."""
         responses = torch.split(rollouts.batch.response_ids, rollouts.batch.response_lens.tolist())
+        prompt_texts = [self.tokenizer.decode(p.token_ids, skip_special_tokens=True) for p in rollouts.prompts]
         samples = []
         for row, response in enumerate(responses):
             prompt = rollouts.prompts[row // rollouts.n]
             text = self.tokenizer.decode(response.tolist(), skip_special_tokens=True)
-            samples.append((prompt.data_source, text, prompt.ground_truth, prompt.extra_info))
+            samples.append((prompt.data_source, text, prompt.ground_truth, prompt.extra_info, prompt_texts[row // rollouts.n]))
 
         async def call(replica: RewardClient, lo: int, hi: int):
             return await replica.score(samples[lo:hi], self.timeout)

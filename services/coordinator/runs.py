@@ -24,7 +24,7 @@ from services.common.models import load_tokenizer
 from services.common.run_config import RunConfig
 from services.coordinator.clients import RewardClient, RolloutClient, TrainerClient
 from services.coordinator.data import Prompt, load_prompts
-from services.coordinator.loop import PPOLoop, RunServices
+from services.coordinator.loop import PPOLoop, RewardTarget, RunServices
 from services.coordinator.plot import plot_reward
 from services.coordinator.registry import Registry
 from services.coordinator.store import Event, RunRow, RunStore
@@ -125,7 +125,7 @@ class RunManager:
                 services = await self._connect(config)
                 reporter = RunReporter(self, run_id, run_dir)
                 self._loops[run_id] = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
-                                              lambda: run_id in self._stop_requested)
+                                              lambda: run_id in self._stop_requested, self.reward_addresses)
                 state = "finished" if await self._loops[run_id].run() else "stopped"
             except asyncio.CancelledError:
                 state, error = "stopped", "the coordinator shut down"
@@ -191,6 +191,11 @@ class RunManager:
             self.notify()
         return self.get_run(run_id)
 
+    def reward_addresses(self, target: RewardTarget) -> list[str]:
+        if target.kind == "address":
+            return [target.name]
+        return [record.address for record in self.registry.up("reward", target.name)]
+
     async def set_reward(self, run_id: str, group: str, address: str) -> RunRow:
         """Probe the named reward services, then have the run switch to them at its next step boundary.
 
@@ -216,7 +221,7 @@ class RunManager:
             log.warning("reward_swap_refused", run_id=run_id, target=target, error=str(error))
             self.notify()
             raise FailedPrecondition(message) from None
-        loop.swap_rewards(clients, f"{target} ({', '.join(addresses)})")
+        loop.swap_rewards(clients, RewardTarget("group", group) if group else RewardTarget("address", address))
         self.store.add_event(run_id, "reward", row.step, "", f"reward swap to {target} accepted; applies at the "
                              "next step boundary", {})
         log.info("reward_swap_accepted", run_id=run_id, target=target, addresses=addresses)

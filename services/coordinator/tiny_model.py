@@ -86,3 +86,18 @@ def build_random_model(folder: Path, shape: dict, dtype: str, seed: int) -> Path
         shutil.rmtree(folder)
     staging.rename(folder)
     return folder
+
+
+def build_tiny_reward_model(folder: Path, hidden_size: int, num_layers: int, seed: int) -> Path:
+    """Write a tiny random-init Qwen2 sequence classifier (one output: a reward model) with the tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                         num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    Qwen2ForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -15,13 +15,19 @@ class ComponentConfig(Section):
     """Name of a built-in rule (services/reward/rules.py SCORERS): openai/gsm8k, lighteval/MATH, ..."""
     function: str | None = None
     """A user's function with verl's signature: path/to/file.py:name or package.module:name."""
+    reward_model: str | None = None
+    """A local AutoModelForSequenceClassification folder (one output) scoring prompt + response."""
     weight: float = 1.0
 
     @pydantic.model_validator(mode="after")
     def _one_kind(self) -> ComponentConfig:
-        if (self.rule is None) == (self.function is None):
-            raise ValueError("a scorer component names exactly one of rule or function")
+        if sum(x is not None for x in (self.rule, self.function, self.reward_model)) != 1:
+            raise ValueError("a scorer component names exactly one of rule, function or reward_model")
         return self
+
+    @property
+    def name(self) -> str:
+        return self.rule or self.function or self.reward_model
 
 
 class RewardServiceConfig(ServeConfig):
@@ -36,4 +42,8 @@ class RewardServiceConfig(ServeConfig):
     max_concurrent_batches: PositiveInt = 4
     """Score calls served at once; more wait their turn."""
     score_threads: PositiveInt = 4
-    """Samples of a batch scored at once (each user-function sample holds a worker process)."""
+    """Slices of a batch scored at once (each user-function sample holds a worker process)."""
+    device: str = "cpu"
+    """torch device of reward models."""
+    reward_model_batch_size: PositiveInt = 32
+    """Sequences per reward-model forward pass."""

@@ -1,7 +1,8 @@
 """What a reward service scores with: per data_source, a weighted sum of components.
 
-A component is a built-in rule (``services/reward/rules.py``) or a user's
-function (``services/reward/plugins.py``). A data_source the config does
+A component is a built-in rule (``services/reward/rules.py``), a user's
+function (``services/reward/plugins.py``) or a reward model
+(``services/reward/reward_model.py``, batched over the samples that use it). A data_source the config does
 not name uses ``default`` when given, else the built-in rule registered
 under the data_source's own name. Each sample is scored on its own: an error
 or a timeout in any of its components marks that sample invalid (score 0,
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from services.reward import rules
 from services.reward.config import ComponentConfig, RewardServiceConfig
 from services.reward.plugins import FunctionWorkers
+from services.reward.reward_model import RewardModel
 
 
 @dataclass(frozen=True)
@@ -29,14 +31,14 @@ class SampleResult:
 class Scorer:
     def __init__(self, config: RewardServiceConfig):
         self.config = config
-        refs = {c.function for components in [*config.scorers.values(), config.default or []] for c in components
-                if c.function}
+        components = [c for group in [*config.scorers.values(), config.default or []] for c in group]
+        for component in components:
+            if component.rule and component.rule not in rules.SCORERS:
+                raise ValueError(f"unknown rule {component.rule!r}; known: {sorted(rules.SCORERS)}")
         self.functions = {ref: FunctionWorkers(ref, config.function_workers, config.sample_timeout_s)
-                          for ref in sorted(refs)}
-        for components in [*config.scorers.values(), config.default or []]:
-            for component in components:
-                if component.rule and component.rule not in rules.SCORERS:
-                    raise ValueError(f"unknown rule {component.rule!r}; known: {sorted(rules.SCORERS)}")
+                          for ref in sorted({c.function for c in components if c.function})}
+        self.reward_models = {path: RewardModel(path, config.device, config.reward_model_batch_size)
+                              for path in sorted({c.reward_model for c in components if c.reward_model})}
 
     def components_for(self, data_source: str) -> list[ComponentConfig]:
         if data_source in self.config.scorers:
@@ -48,14 +50,42 @@ class Scorer:
         raise ValueError(f"no scorer for data_source {data_source!r}; configured: {sorted(self.config.scorers)}, "
                          f"built-in rules: {sorted(rules.SCORERS)}")
 
-    def score(self, data_source: str, response: str, ground_truth: str, extra_info: dict) -> SampleResult:
-        """Blocking: one sample's weighted score, or an invalid result with the error."""
+    def score_batch(self, samples: list[tuple[str, str, str, dict, str]]) -> list[SampleResult]:
+        """Blocking: each (data_source, response, ground_truth, extra_info, prompt) sample's weighted score, or
+        an invalid result with its error. Reward models see the batch at once; the rest go sample by sample."""
+        model_scores = self._reward_model_scores(samples)
+        return [self._score_one(index, sample, model_scores) for index, sample in enumerate(samples)]
+
+    def _reward_model_scores(self, samples) -> dict[tuple[str, int], float | Exception]:
+        wanted: dict[str, list[int]] = {}
+        for index, (data_source, *_rest) in enumerate(samples):
+            try:
+                for component in self.components_for(data_source):
+                    if component.reward_model:
+                        wanted.setdefault(component.reward_model, []).append(index)
+            except ValueError:
+                continue  # reported when the sample itself is scored
+        scores: dict[tuple[str, int], float | Exception] = {}
+        for path, indices in wanted.items():
+            try:
+                values = self.reward_models[path].score([samples[i][4] + samples[i][1] for i in indices])
+            except Exception as error:  # noqa: BLE001 - the samples that needed it become invalid
+                values = [error] * len(indices)
+            scores.update({(path, i): v for i, v in zip(indices, values)})
+        return scores
+
+    def _score_one(self, index: int, sample, model_scores) -> SampleResult:
+        data_source, response, ground_truth, extra_info, _ = sample
         started = time.perf_counter()
         try:
             total = 0.0
             for component in self.components_for(data_source):
                 if component.function:
                     value = self.functions[component.function].score(data_source, response, ground_truth, extra_info)
+                elif component.reward_model:
+                    value = model_scores[(component.reward_model, index)]
+                    if isinstance(value, Exception):
+                        raise value
                 else:
                     value = rules.SCORERS[component.rule](response, ground_truth)
                 total += component.weight * value

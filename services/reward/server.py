@@ -42,13 +42,13 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self._batches = asyncio.Semaphore(config.max_concurrent_batches)
 
     async def Score(self, request, context):
-        samples = [(s.data_source, s.response, s.ground_truth, extra_info_of(s, i))
+        samples = [(s.data_source, s.response, s.ground_truth, extra_info_of(s, i), s.prompt)
                    for i, s in enumerate(request.samples)]
         loop = asyncio.get_running_loop()
         size = max(1, -(-len(samples) // self.config.score_threads))  # one slice of the batch per thread
         async with self._batches:
             parts = await asyncio.gather(*(
-                loop.run_in_executor(self._threads, self.score_all, samples[start:start + size])
+                loop.run_in_executor(self._threads, self.scorer.score_batch, samples[start:start + size])
                 for start in range(0, len(samples), size)))
         results = [result for part in parts for result in part]
         invalid = [r.error for r in results if not r.valid]
@@ -57,13 +57,10 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         return reward_pb2.ScoreResponse(service_id=self.identity.service_id, scores=[
             reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds) for r in results])
 
-    def score_all(self, samples: list[tuple[str, str, str, dict]]):
-        return [self.scorer.score(*sample) for sample in samples]
-
     async def Info(self, request, context):
-        scorers = {source: [c.rule or c.function for c in components] for source, components in self.config.scorers.items()}
+        scorers = {source: [c.name for c in components] for source, components in self.config.scorers.items()}
         return common_pb2.ServiceInfo(identity=self.identity, details={
-            "scorers": json.dumps(scorers), "default": json.dumps([c.rule or c.function for c in self.config.default or []])})
+            "scorers": json.dumps(scorers), "default": json.dumps([c.name for c in self.config.default or []])})
 
     async def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

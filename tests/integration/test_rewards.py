@@ -19,6 +19,8 @@ import yaml
 from services.coordinator.clients import RewardClient
 from services.coordinator.control import CoordinatorClient
 from services.coordinator.local import LocalCluster, ServiceSpec
+from services.coordinator.tiny_model import build_tiny_reward_model
+from services.reward.reward_model import RewardModel
 from tests.integration.test_grpo_run import run_config
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -39,6 +41,7 @@ def reward_cluster(tmp_path):
     """Coordinator and one reward service whose data sources map to users' functions (1 s per sample)."""
     scorers = {name: component(name) for name in ("length_match", "raises", "hangs", "garbage")}
     scorers["combined"] = [{"rule": "meshrl/reverse", "weight": 0.5}, *[dict(c, weight=0.5) for c in component("length_match")]]
+    scorers["rm"] = [{"reward_model": str(build_tiny_reward_model(tmp_path / "rm", 32, 1, seed=0))}]
     config = reward_config(tmp_path, "reward", scorers, sample_timeout_s=1.0, function_workers=2)
     cluster = LocalCluster(tmp_path / "state", (ServiceSpec("reward", settings=("--config", config)),))
     asyncio.run(cluster.start(timeout_s=60))
@@ -72,6 +75,14 @@ def test_user_functions_that_raise_hang_or_return_garbage_cost_only_their_sample
     assert not unknown.valid and "no scorer for data_source 'nobody'" in unknown.error
     assert again[0].valid and again[0].score == 1.0  # the service goes on after the hang
     assert elapsed < 20
+
+
+def test_reward_model_scores_prompt_and_response_in_batches(reward_cluster, tmp_path):
+    batch = [("rm", response, "", {}, prompt) for prompt, response in (("12=", "21"), ("345=", "543"), ("7=", ""))]
+    [(scores, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [batch]))
+    expected = RewardModel(str(tmp_path / "rm"), "cpu", batch_size=1).score(["12=21", "345=543", "7="])
+    assert all(s.valid for s in scores)
+    assert [s.score for s in scores] == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_plugin_that_fails_to_import_is_refused_at_start(tmp_path):
