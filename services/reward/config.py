@@ -17,12 +17,16 @@ class ComponentConfig(Section):
     """A user's function with verl's signature: path/to/file.py:name or package.module:name."""
     reward_model: str | None = None
     """A local AutoModelForSequenceClassification folder (one output) scoring prompt + response."""
+    options: dict[str, str | float | int | bool] = {}
+    """Keyword options of a rule, e.g. for openai/gsm8k: method (strict or flexible), format_score."""
     weight: float = 1.0
 
     @pydantic.model_validator(mode="after")
     def _one_kind(self) -> ComponentConfig:
         if sum(x is not None for x in (self.rule, self.function, self.reward_model)) != 1:
             raise ValueError("a scorer component names exactly one of rule, function or reward_model")
+        if self.options and not self.rule:
+            raise ValueError("options are for rules only")
         return self
 
     @property

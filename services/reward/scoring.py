@@ -11,6 +11,7 @@ with the error), and the rest of the batch is unaffected.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,12 @@ class Scorer:
         for component in components:
             if component.rule and component.rule not in rules.SCORERS:
                 raise ValueError(f"unknown rule {component.rule!r}; known: {sorted(rules.SCORERS)}")
+            if component.options:
+                accepted = set(inspect.signature(rules.SCORERS[component.rule]).parameters) - {"solution_str",
+                                                                                                "ground_truth"}
+                unknown = sorted(set(component.options) - accepted)
+                if unknown:
+                    raise ValueError(f"rule {component.rule} has no options {unknown}; it takes {sorted(accepted)}")
         self.functions = {ref: FunctionWorkers(ref, config.function_workers, config.sample_timeout_s)
                           for ref in sorted({c.function for c in components if c.function})}
         self.reward_models = {path: RewardModel(path, config.device, config.reward_model_batch_size)
@@ -87,7 +94,7 @@ class Scorer:
                     if isinstance(value, Exception):
                         raise value
                 else:
-                    value = rules.SCORERS[component.rule](response, ground_truth)
+                    value = rules.SCORERS[component.rule](response, ground_truth, **component.options)
                 total += component.weight * value
             return SampleResult(total, True, "", time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - one bad sample must not fail the batch

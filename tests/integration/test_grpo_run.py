@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 from pathlib import Path
@@ -132,3 +133,22 @@ def test_dapo_group_filtering_keeps_only_groups_with_signal(cluster, tiny_model,
         assert 1 <= metrics["training/filter_groups/kept_prompts"] <= 8
         if metrics["training/filter_groups/kept_prompts"] < 8:  # it only stops short after the last round
             assert metrics["training/filter_groups/gen_rounds"] == 3
+
+
+def test_kl_in_reward_with_adaptive_controller_and_reinforce_plus_plus(cluster, tiny_model, reverse_data):
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=3,
+                        algorithm={"adv_estimator": "reinforce_plus_plus", "use_kl_in_reward": True,
+                                   "kl_penalty": "low_var_kl",
+                                   "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 1e-6, "horizon": 100}})
+    final, _, _ = asyncio.run(run_to_end(cluster.coordinator, config))
+    assert final.state == "finished", final.error
+    steps = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    coefficients = [s["actor/reward_kl_penalty_coeff"] for s in steps]
+    assert coefficients[0] == pytest.approx(0.05)
+    # step 1: the policy is the reference, KL 0, far under the target: the error clips at -0.2 and the
+    # coefficient shrinks by 0.2 * 32 sequences / horizon 100; step 2: KL far above it: it grows as much
+    assert steps[0]["actor/reward_kl_penalty"] == 0.0
+    assert steps[1]["actor/reward_kl_penalty"] > 1.2e-6
+    assert coefficients[1] == pytest.approx(0.05 * (1 - 0.064))
+    assert coefficients[2] == pytest.approx(0.05 * (1 - 0.064) * (1 + 0.064))
+    assert "timing_s/ref" in steps[0] and "critic/vf_loss" not in steps[0]

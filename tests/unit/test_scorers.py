@@ -240,3 +240,22 @@ def test_existing_scorers_still_registered():
         assert name in rules.SCORERS
     with pytest.raises(ValueError, match="no scorer"):
         rules.score_sample("no/such-source", "x", "x")
+
+
+def test_rule_options_reach_the_rule_and_unknown_options_are_refused():
+    from services.common.config import ConfigError, validate
+    from services.reward.config import RewardServiceConfig
+    from services.reward.scoring import Scorer
+
+    config = validate(RewardServiceConfig, {"scorers": {"openai/gsm8k": [
+        {"rule": "openai/gsm8k", "options": {"method": "flexible", "format_score": 0.1}}]}})
+    scorer = Scorer(config)
+    right, formatted_wrong, no_answer = scorer.score_batch([
+        ("openai/gsm8k", "so 42", "42", {}, ""), ("openai/gsm8k", "so 41", "42", {}, ""),
+        ("openai/gsm8k", "no idea", "42", {}, "")])
+    assert (right.score, formatted_wrong.score, no_answer.score) == (1.0, 0.1, 0.0)
+    bad = validate(RewardServiceConfig, {"scorers": {"x": [{"rule": "openai/gsm8k", "options": {"strictness": 1}}]}})
+    with pytest.raises(ValueError, match=r"rule openai/gsm8k has no options \['strictness'\]"):
+        Scorer(bad)
+    with pytest.raises(ConfigError, match="options are for rules only"):
+        validate(RewardServiceConfig, {"scorers": {"x": [{"function": "m:f", "options": {"a": 1}}]}})
