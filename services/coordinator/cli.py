@@ -109,13 +109,14 @@ def read_rewards(run_dir: str) -> list[float]:
     return [json.loads(line).get("critic/score/mean", 0.0) for line in path.read_text().splitlines() if line]
 
 
-async def start_and_follow(config: RunConfig, coordinator: str, detach: bool, stop_on_interrupt: bool) -> RunStatus:
-    """Start the run and follow it. Ctrl-C (or SIGTERM): with ``stop_on_interrupt`` the run is stopped at
-    its next step boundary (a second Ctrl-C stops following at once); otherwise coordctl just detaches."""
+async def begin_and_follow(coordinator: str, begin, detach: bool, stop_on_interrupt: bool) -> RunStatus:
+    """Start (or resume) a run with ``begin(client)`` and follow it. Ctrl-C (or SIGTERM): with
+    ``stop_on_interrupt`` the run is stopped at its next step boundary (a second Ctrl-C stops following at
+    once); otherwise coordctl just detaches."""
     client = CoordinatorClient(coordinator)
     try:
-        run = await client.start_run(to_yaml(config))
-        typer.echo(f"started run {run.run_id}")
+        run = await begin(client)
+        typer.echo(f"run {run.run_id} {run.state}, from step {run.step}")
         if detach:
             return run
         watching = asyncio.ensure_future(follow(client, run))
@@ -149,7 +150,8 @@ async def until_done_or_interrupted(task: asyncio.Future) -> bool:
             loop.remove_signal_handler(signum)
 
 
-async def run_local(config: RunConfig, state_dir: Path) -> RunStatus:
+async def run_local(begin, state_dir: Path) -> RunStatus:
+    """Start the local services on ``state_dir``, begin the run there and follow it; stop them all after."""
     from services.coordinator.local import LocalCluster
 
     cluster = LocalCluster(state_dir)
@@ -158,7 +160,7 @@ async def run_local(config: RunConfig, state_dir: Path) -> RunStatus:
         await cluster.start()
         typer.echo(f"coordinator at {cluster.coordinator}: more services can join it, e.g. "
                    f"python -m services.reward --coordinator {cluster.coordinator} group=b")
-        return await start_and_follow(config, cluster.coordinator, detach=False, stop_on_interrupt=True)
+        return await begin_and_follow(cluster.coordinator, begin, detach=False, stop_on_interrupt=True)
     finally:
         cluster.stop()
 
@@ -180,11 +182,12 @@ def start_run(
         typer.echo(f"bad config: {error}", err=True)
         raise typer.Exit(2)
     try:
+        begin = lambda client: client.start_run(to_yaml(config))  # noqa: E731
         if local:
             state_dir = state_dir or Path("meshrl-runs") / time.strftime("local-%Y%m%d-%H%M%S")
-            final = asyncio.run(run_local(config, state_dir.resolve()))
+            final = asyncio.run(run_local(begin, state_dir.resolve()))
         else:
-            final = asyncio.run(start_and_follow(config, coordinator, detach, stop_on_interrupt=False))
+            final = asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
     except grpc.aio.AioRpcError as error:
         typer.echo(f"coordinator refused: {error.code().name}: {error.details()}", err=True)
         raise typer.Exit(1)
@@ -207,6 +210,34 @@ def call(coordinator: str, method: str, *args):
         return asyncio.run(go())
     except grpc.aio.AioRpcError as error:
         typer.echo(f"{error.code().name}: {error.details()}", err=True)
+        raise typer.Exit(1)
+
+
+@app.command("resume")
+def resume(
+    run_id: str,
+    coordinator: str = COORDINATOR,
+    local: bool = typer.Option(False, "--local", help="restart the local services on --state-dir and resume there"),
+    state_dir: Optional[Path] = typer.Option(None, help="--local: the folder the run was started with"),
+    detach: bool = typer.Option(False, "--detach", help="return once the run has resumed"),
+) -> None:
+    """Continue a stopped, failed or interrupted run from its last complete checkpoint."""
+    started = time.monotonic()
+    begin = lambda client: client.resume_run(run_id)  # noqa: E731
+    try:
+        if local:
+            if state_dir is None or not (state_dir / "meshrl.db").exists():
+                raise typer.BadParameter("--local resume needs --state-dir, the folder holding the run's meshrl.db")
+            final = asyncio.run(run_local(begin, state_dir.resolve()))
+        else:
+            final = asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
+    except grpc.aio.AioRpcError as error:
+        typer.echo(f"coordinator refused: {error.code().name}: {error.details()}", err=True)
+        raise typer.Exit(1)
+    if detach:
+        return
+    print_summary(final, read_rewards(final.run_dir), time.monotonic() - started, state_dir if local else None)
+    if final.state != "finished":
         raise typer.Exit(1)
 
 

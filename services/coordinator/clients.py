@@ -180,6 +180,20 @@ class TrainerClient:
                 timeout=timeout + 5)
         return SyncResult(reply.weight_version, reply.total_bytes, reply.buckets, reply.seconds)
 
+    async def save_checkpoint(self, run_id: str, path: str, timeout: float) -> int:
+        """Save the hosted roles into ``path``; returns the bytes written."""
+        async with self._conn.slot():
+            reply = await self._stub.SaveCheckpoint(trainer_pb2.CheckpointRequest(run_id=run_id, path=path),
+                                                    timeout=timeout)
+        return reply.total_bytes
+
+    async def load_checkpoint(self, run_id: str, path: str, timeout: float) -> int:
+        """Restore the hosted roles from ``path``; returns the actor weight version there."""
+        async with self._conn.slot():
+            reply = await self._stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(run_id=run_id, path=path),
+                                                    timeout=timeout)
+        return reply.weight_version
+
     async def close(self) -> None:
         await self._conn.close()
 

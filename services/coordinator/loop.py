@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
@@ -33,6 +34,7 @@ from services.coordinator.clients import Generated, RewardClient, RolloutClient,
 from services.coordinator.data import Prompt, PromptSampler
 from services.coordinator.dispatch import ReplicaPool
 from services.coordinator.metrics import StageTimer, data_metrics
+from services.coordinator.store import Checkpoint
 
 CHANNEL_TIMEOUT_S = 120.0
 
@@ -43,6 +45,9 @@ class Reporter(Protocol):
 
     def log(self, message: str, kind: str = "log") -> None:
         """Something a person watching the run should see (kind: log, or reward for reward swaps)."""
+
+    def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
+        """Every trainer has saved step ``step`` under ``path``; ``loop_state`` is the coordinator's part."""
 
 
 @dataclass
@@ -107,7 +112,7 @@ class Rollouts:
 class PPOLoop:
     def __init__(self, run_id: str, config: RunConfig, config_yaml: str, services: RunServices,
                  prompts: list[Prompt], tokenizer, reporter: Reporter, should_stop: Callable[[], bool],
-                 find_rewards: Callable[[RewardTarget], list[str]]):
+                 find_rewards: Callable[[RewardTarget], list[str]], checkpoint_dir: Path):
         self.run_id, self.config, self.config_yaml = run_id, config, config_yaml
         self.services, self.prompts, self.tokenizer = services, prompts, tokenizer
         self.reporter, self.should_stop = reporter, should_stop
@@ -121,16 +126,49 @@ class PPOLoop:
         self.find_rewards = find_rewards  # the addresses of the reward services of a target, up now
         self.reward_target = RewardTarget("group", config.placement.reward)
         self.next_rewards: tuple[list[RewardClient], RewardTarget] | None = None  # a swap waiting for the boundary
+        self.checkpoint_dir = checkpoint_dir
+        self.saved_step = 0  # last step checkpointed (or resumed from)
 
-    async def run(self) -> bool:
-        """Set up, then train until the last step or a stop request; True if every step ran."""
-        await self.set_up()
-        for step in range(1, self.config.trainer.total_training_steps + 1):
+    async def run(self, resume: Checkpoint | None = None) -> bool:
+        """Set up (from ``resume`` if given), then train until the last step or a stop request, checkpointing
+        every trainer.save_freq steps and at a stop; True if every step ran."""
+        await self.set_up(resume)
+        save_freq = self.config.trainer.save_freq
+        for step in range(self.saved_step + 1, self.config.trainer.total_training_steps + 1):
             if self.should_stop():
+                if step - 1 > self.saved_step:
+                    await self.save_checkpoint(step - 1)
                 return False
             await self.update_rewards(step)
             self.reporter.step(step, await self.step(step))
+            if save_freq and step % save_freq == 0:
+                await self.save_checkpoint(step)
         return True
+
+    def loop_state(self) -> dict:
+        return {"epoch": self.sampler.epoch, "position": self.sampler.position, "kl_coef": self.kl_coef,
+                "reward_target": [self.reward_target.kind, self.reward_target.name]}
+
+    async def save_checkpoint(self, step: int) -> None:
+        """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step."""
+        folder = self.checkpoint_dir / f"step_{step:06d}"
+        await asyncio.gather(*(trainer.save_checkpoint(self.run_id, str(folder / "-".join(roles)), self.timeout)
+                               for trainer, roles in self.services.trainer_roles().items()))
+        self.reporter.checkpoint(step, str(folder), self.loop_state())
+        self.saved_step = step
+
+    async def restore(self, resume: Checkpoint) -> int:
+        """Load every trainer's roles and the loop's own state; returns the actor's weight version."""
+        folder = Path(resume.path)
+        versions = await asyncio.gather(*(trainer.load_checkpoint(self.run_id, str(folder / "-".join(roles)),
+                                                                  self.timeout)
+                                          for trainer, roles in self.services.trainer_roles().items()))
+        state = resume.loop_state
+        self.sampler.epoch, self.sampler.position, self.kl_coef = state["epoch"], state["position"], state["kl_coef"]
+        self.reward_target = RewardTarget(*state["reward_target"])
+        self.saved_step = resume.step
+        self.reporter.log(f"resumed from the checkpoint of step {resume.step}")
+        return versions[list(self.services.trainer_roles()).index(self.services.actor)]
 
     def swap_rewards(self, clients: list[RewardClient], target: RewardTarget) -> None:
         """Use these reward services (and later ones of their target) from the next step on; they were probed."""
@@ -185,8 +223,8 @@ class PPOLoop:
                         "training/weight_version": float(version if update_actor else -1)})
         return metrics
 
-    async def set_up(self) -> None:
-        """Load the roles and models everywhere, open the weight channel, warm start, and sync."""
+    async def set_up(self, resume: Checkpoint | None) -> None:
+        """Load the roles and models everywhere, open the weight channel, warm start (or restore), and sync."""
         model = self.config.actor_rollout_ref.model
         seed = self.config.trainer.seed
         _, ranks = await asyncio.gather(
@@ -207,7 +245,7 @@ class PPOLoop:
             *(r.join_channel(self.channel_id, backend, rendezvous, rank, world_size, CHANNEL_TIMEOUT_S)
               for rank, r in zip(first_ranks, self.services.rollouts)),
         )
-        version = await self.warm_start()
+        version = await (self.restore(resume) if resume else self.warm_start())
         await self.sync_weights(version)
 
     async def warm_start(self) -> int:

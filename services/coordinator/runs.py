@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import AsyncIterator
 
+import grpc
 import structlog
 import yaml
 
@@ -27,7 +28,7 @@ from services.coordinator.data import Prompt, load_prompts
 from services.coordinator.loop import PPOLoop, RewardTarget, RunServices
 from services.coordinator.plot import plot_reward
 from services.coordinator.registry import Registry
-from services.coordinator.store import Event, RunRow, RunStore
+from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
 
 log = structlog.get_logger()
 FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
@@ -71,6 +72,10 @@ class RunReporter:
                  step_s=metrics.get("timing_s/step"))
         self.manager.notify()
 
+    def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
+        self.manager.store.add_checkpoint(self.run_id, step, path, loop_state)
+        self.log(f"checkpoint of step {step} saved in {path}", kind="checkpoint")
+
     def log(self, message: str, kind: str = "log") -> None:
         self.manager.store.add_event(self.run_id, kind, self.manager.store.get_run(self.run_id).step, "", message, {})
         log.info("run_log", run_id=self.run_id, kind=kind, message=message)
@@ -95,16 +100,20 @@ class RunManager:
 
         asyncio.get_running_loop().create_task(wake())
 
-    async def start_run(self, config_yaml: str) -> RunRow:
-        config = parse_run_config(config_yaml)
-        model = config.actor_rollout_ref.model.path
-        tokenizer = await asyncio.to_thread(load_tokenizer, model)
+    async def _load_data(self, config: RunConfig) -> tuple[object, list[Prompt]]:
+        """The run's tokenizer and prompts; ValueError naming the file and row of a bad one."""
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.actor_rollout_ref.model.path)
         data = config.data
         prompts = await asyncio.to_thread(
             load_prompts, data.train_files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length)
         if len(prompts) < data.train_batch_size:
             raise ValueError(f"data.train_batch_size ({data.train_batch_size}) is larger than the data "
                              f"({len(prompts)} prompts in {data.train_files})")
+        return tokenizer, prompts
+
+    async def start_run(self, config_yaml: str) -> RunRow:
+        config = parse_run_config(config_yaml)
+        tokenizer, prompts = await self._load_data(config)
         run_id = f"{config.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.state_dir / "runs" / run_id
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -116,8 +125,30 @@ class RunManager:
         log.info("run_started", run_id=run_id, run_dir=str(run_dir))
         return self.store.get_run(run_id)
 
+    async def resume_run(self, run_id: str) -> RunRow:
+        """Continue a stopped, failed or interrupted run from its last complete checkpoint."""
+        row = self.get_run(run_id)
+        if row.state not in ("stopped", "failed", "interrupted"):
+            raise FailedPrecondition(f"run {run_id} is {row.state}; only a stopped, failed or interrupted run resumes")
+        checkpoint = self.store.last_checkpoint(run_id)
+        if checkpoint is None:
+            raise FailedPrecondition(f"run {run_id} has no checkpoint to resume from")
+        config = parse_run_config(row.config_yaml)
+        tokenizer, prompts = await self._load_data(config)
+        run_dir = Path(row.run_dir)
+        self.store.forget_steps_after(run_id, checkpoint.step)
+        metrics_file = run_dir / "metrics.jsonl"
+        if metrics_file.exists():  # keep the lines of the steps up to the checkpoint; the rest run again
+            kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= checkpoint.step]
+            metrics_file.write_text("".join(line + "\n" for line in kept))
+        self._stop_requested.discard(run_id)
+        self._tasks[run_id] = asyncio.create_task(
+            self._execute(run_id, config, row.config_yaml, tokenizer, prompts, run_dir, checkpoint))
+        log.info("run_resumed", run_id=run_id, step=checkpoint.step)
+        return self.store.get_run(run_id)
+
     async def _execute(self, run_id: str, config: RunConfig, config_yaml: str, tokenizer, prompts: list[Prompt],
-                       run_dir: Path) -> None:
+                       run_dir: Path, resume: Checkpoint | None = None) -> None:
         services, state, error = None, "failed", ""
         with structlog.contextvars.bound_contextvars(run_id=run_id):
             try:
@@ -125,8 +156,9 @@ class RunManager:
                 services = await self._connect(config)
                 reporter = RunReporter(self, run_id, run_dir)
                 self._loops[run_id] = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
-                                              lambda: run_id in self._stop_requested, self.reward_addresses)
-                state = "finished" if await self._loops[run_id].run() else "stopped"
+                                              lambda: run_id in self._stop_requested, self.reward_addresses,
+                                              run_dir / "checkpoints")
+                state = "finished" if await self._loops[run_id].run(resume) else "stopped"
             except asyncio.CancelledError:
                 state, error = "stopped", "the coordinator shut down"
                 raise
@@ -216,7 +248,8 @@ class RunManager:
             await asyncio.gather(*(probe(client, loop.prompts[:PROBE_SAMPLES]) for client in clients))
         except Exception as error:  # noqa: BLE001 - any failure refuses the swap
             await asyncio.gather(*(client.close() for client in clients))
-            message = f"reward swap to {target} refused: {error}"
+            reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
+            message = f"reward swap to {target} refused: {reason}"
             self.store.add_event(run_id, "reward", row.step, "", message, {})
             log.warning("reward_swap_refused", run_id=run_id, target=target, error=str(error))
             self.notify()

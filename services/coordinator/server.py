@@ -79,6 +79,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def StopRun(self, request, context):
         return self._info(self.runs.stop_run(request.run_id))
 
+    async def ResumeRun(self, request, context):
+        return self._info(await self.runs.resume_run(request.run_id))
+
     async def SetReward(self, request, context):
         return self._info(await self.runs.set_reward(request.run_id, request.group, request.address))
 

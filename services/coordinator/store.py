@@ -43,6 +43,14 @@ CREATE TABLE IF NOT EXISTS events (
     metrics_json TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, id);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    loop_state_json TEXT NOT NULL,
+    time REAL NOT NULL,
+    PRIMARY KEY (run_id, step)
+);
 """
 
 
@@ -57,6 +65,14 @@ class RunRow:
     total_steps: int
     error: str
     created_at: float
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    run_id: str
+    step: int
+    path: str  # folder holding one sub-folder per trainer service
+    loop_state: dict  # the coordinator's side: data position, KL coefficient, reward target
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,24 @@ class RunStore:
             " WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id),
         )
         return [Event(*row[:7], json.loads(row[7])) for row in rows]
+
+    def add_checkpoint(self, run_id: str, step: int, path: str, loop_state: dict) -> None:
+        """Record a checkpoint whose trainer folders are complete (the last write of a checkpoint)."""
+        self._db.execute("INSERT OR REPLACE INTO checkpoints (run_id, step, path, loop_state_json, time)"
+                         " VALUES (?, ?, ?, ?, ?)", (run_id, step, path, json.dumps(loop_state), time.time()))
+
+    def last_checkpoint(self, run_id: str) -> Checkpoint | None:
+        row = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE run_id = ?"
+                               " ORDER BY step DESC LIMIT 1", (run_id,)).fetchone()
+        return Checkpoint(row[0], row[1], row[2], json.loads(row[3])) if row else None
+
+    def forget_steps_after(self, run_id: str, step: int) -> None:
+        """Drop the metrics of steps after ``step`` (they will be run again) and set the run back to it."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM steps WHERE run_id = ? AND step > ?", (run_id, step))
+            self._db.execute("UPDATE runs SET step = ?, error = '', updated_at = ? WHERE run_id = ?",
+                             (step, time.time(), run_id))
 
     def close(self) -> None:
         self._db.close()

@@ -11,6 +11,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
@@ -24,6 +25,7 @@ from services.common.run_config import RunConfig
 from services.common.sequences import SequenceBatch
 from services.common.weight_sync import send_weights
 from services.common.wire import BatchAssembler, batch_to_chunks
+from services.trainer import checkpoint
 from services.trainer.actor import Actor, UpdateInputs
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.critic import Critic
@@ -218,6 +220,22 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.BroadcastWeightsResponse(
             weight_version=self.weight_version, total_bytes=total, buckets=buckets, seconds=seconds
         )
+
+    async def SaveCheckpoint(self, request, context):
+        roles = self._roles()
+        started = time.perf_counter()
+        total = await self._on_model(checkpoint.save, roles, Path(request.path), self.weight_version)
+        log.info("checkpoint_saved", run_id=roles.run_id, path=request.path, bytes=total)
+        return trainer_pb2.CheckpointResponse(path=request.path, total_bytes=total, weight_version=self.weight_version,
+                                              seconds=time.perf_counter() - started)
+
+    async def LoadCheckpoint(self, request, context):
+        roles = self._roles()
+        started = time.perf_counter()
+        self.weight_version = await self._on_model(checkpoint.load, roles, Path(request.path))
+        log.info("checkpoint_loaded", run_id=roles.run_id, path=request.path, weight_version=self.weight_version)
+        return trainer_pb2.CheckpointResponse(path=request.path, weight_version=self.weight_version,
+                                              seconds=time.perf_counter() - started)
 
     async def Info(self, request, context):
         return self._info()

@@ -74,6 +74,11 @@ class CoordinatorStub:
                 request_serializer=meshrl_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
                 _registered_method=True)
+        self.ResumeRun = channel.unary_unary(
+                '/meshrl.v1.Coordinator/ResumeRun',
+                request_serializer=meshrl_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
+                _registered_method=True)
         self.WatchRun = channel.unary_stream(
                 '/meshrl.v1.Coordinator/WatchRun',
                 request_serializer=meshrl_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
@@ -138,7 +143,15 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StopRun(self, request, context):
-        """Stops a run at the next step boundary.
+        """Stops a run at the next step boundary, leaving a checkpoint there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeRun(self, request, context):
+        """Continues a stopped, failed or interrupted run from its last complete
+        checkpoint (FAILED_PRECONDITION if it has none).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -201,6 +214,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'StopRun': grpc.unary_unary_rpc_method_handler(
                     servicer.StopRun,
+                    request_deserializer=meshrl_dot_v1_dot_coordinator__pb2.GetRunRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_coordinator__pb2.RunInfo.SerializeToString,
+            ),
+            'ResumeRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeRun,
                     request_deserializer=meshrl_dot_v1_dot_coordinator__pb2.GetRunRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_coordinator__pb2.RunInfo.SerializeToString,
             ),
@@ -429,6 +447,33 @@ class Coordinator:
             request,
             target,
             '/meshrl.v1.Coordinator/StopRun',
+            meshrl_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
+            meshrl_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Coordinator/ResumeRun',
             meshrl_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
             meshrl_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
             options,

@@ -66,6 +66,26 @@ class PrepareChannelResponse(_message.Message):
     rendezvous: bytes
     def __init__(self, rendezvous: _Optional[bytes] = ...) -> None: ...
 
+class CheckpointRequest(_message.Message):
+    __slots__ = ("run_id", "path")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    path: str
+    def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("path", "total_bytes", "seconds", "weight_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    total_bytes: int
+    seconds: float
+    weight_version: int
+    def __init__(self, path: _Optional[str] = ..., total_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
 class BroadcastWeightsRequest(_message.Message):
     __slots__ = ("channel_id", "bucket_bytes", "timeout_s")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]

@@ -80,6 +80,16 @@ class TrainerStub:
                 request_serializer=meshrl_dot_v1_dot_trainer__pb2.BroadcastWeightsRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_trainer__pb2.BroadcastWeightsResponse.FromString,
                 _registered_method=True)
+        self.SaveCheckpoint = channel.unary_unary(
+                '/meshrl.v1.Trainer/SaveCheckpoint',
+                request_serializer=meshrl_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.LoadCheckpoint = channel.unary_unary(
+                '/meshrl.v1.Trainer/LoadCheckpoint',
+                request_serializer=meshrl_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/meshrl.v1.Trainer/Info',
                 request_serializer=meshrl_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
@@ -161,6 +171,21 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveCheckpoint(self, request, context):
+        """Saves the hosted roles (weights, optimizer, LR schedule, RNG) into a new
+        folder, atomically: the folder appears only once it is complete.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadCheckpoint(self, request, context):
+        """Restores the hosted roles from a folder SaveCheckpoint wrote.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -214,6 +239,16 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.BroadcastWeights,
                     request_deserializer=meshrl_dot_v1_dot_trainer__pb2.BroadcastWeightsRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_trainer__pb2.BroadcastWeightsResponse.SerializeToString,
+            ),
+            'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveCheckpoint,
+                    request_deserializer=meshrl_dot_v1_dot_trainer__pb2.CheckpointRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_trainer__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'LoadCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadCheckpoint,
+                    request_deserializer=meshrl_dot_v1_dot_trainer__pb2.CheckpointRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_trainer__pb2.CheckpointResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -464,6 +499,60 @@ class Trainer:
             '/meshrl.v1.Trainer/BroadcastWeights',
             meshrl_dot_v1_dot_trainer__pb2.BroadcastWeightsRequest.SerializeToString,
             meshrl_dot_v1_dot_trainer__pb2.BroadcastWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Trainer/SaveCheckpoint',
+            meshrl_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
+            meshrl_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Trainer/LoadCheckpoint',
+            meshrl_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
+            meshrl_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

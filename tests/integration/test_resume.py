@@ -1,0 +1,81 @@
+"""Checkpoint and exact resume: a run stopped mid-way and resumed ends with the metrics of a run that never
+stopped (bit for bit: on one CPU thread every step's math is deterministic)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.coordinator.control import CoordinatorClient
+from tests.integration.test_grpo_run import run_config
+
+STEPS = 6
+NOT_COMPARED = ("timing_s/", "perf/", "reward/samples_by/")  # wall times, and service ids
+
+
+async def run(coordinator: str, config_yaml: str, stop_after: int | None = None):
+    client = CoordinatorClient(coordinator)
+    try:
+        started = await client.start_run(config_yaml)
+        async for update in client.watch(started.run_id):
+            if update.kind == "step" and update.step == stop_after:
+                await client.stop_run(started.run_id)
+        return await client.get_run(started.run_id)
+    finally:
+        await client.close()
+
+
+async def resume(coordinator: str, run_id: str):
+    client = CoordinatorClient(coordinator)
+    try:
+        resumed = await client.resume_run(run_id)
+        async for _ in client.watch(run_id):
+            pass
+        return resumed, await client.get_run(run_id)
+    finally:
+        await client.close()
+
+
+def comparable(run_dir: str) -> dict[int, dict[str, float]]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time") and not k.startswith(NOT_COMPARED)}
+            for r in rows}
+
+
+def test_stopped_and_resumed_run_equals_an_uninterrupted_one(cluster, tiny_model, reverse_data):
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2)
+    straight = asyncio.run(run(cluster.coordinator, config))
+    stopped = asyncio.run(run(cluster.coordinator, config, stop_after=3))
+    assert straight.state == "finished" and stopped.state == "stopped"
+    assert 3 <= stopped.step < STEPS
+    checkpoints = sorted(p.name for p in (Path(stopped.run_dir) / "checkpoints").iterdir())
+    assert f"step_{stopped.step:06d}" in checkpoints and not [c for c in checkpoints if c.endswith(".tmp")]
+
+    resumed, final = asyncio.run(resume(cluster.coordinator, stopped.run_id))
+    assert resumed.step == stopped.step  # it continues from the checkpoint of the step it stopped after
+    assert final.state == "finished" and final.step == STEPS
+    expected, got = comparable(straight.run_dir), comparable(final.run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))  # no step lost or counted twice
+    for step in range(1, STEPS + 1):
+        assert got[step] == expected[step], f"step {step} differs after the resume"
+
+
+def test_a_run_without_checkpoint_or_still_running_is_not_resumed(cluster, tiny_model, reverse_data):
+    finished = asyncio.run(run(cluster.coordinator, run_config(tiny_model, reverse_data,
+                                                               trainer__total_training_steps=1)))
+
+    async def refused(run_id: str):
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await client.resume_run(run_id)
+            return error.value
+        finally:
+            await client.close()
+
+    error = asyncio.run(refused(finished.run_id))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "is finished" in error.details()
