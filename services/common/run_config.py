@@ -179,6 +179,8 @@ class TrainerConfig(Section):
     total_training_steps: PositiveInt = 100
     critic_warmup: int = Field(0, ge=0)
     """Steps that update only the critic before the actor starts updating."""
+    max_recoveries: int = Field(3, ge=0)
+    """Times a run waits out a service that went away (then continues from its last checkpoint) before failing."""
     save_freq: int = Field(0, ge=0)
     """Checkpoint every this many steps (0: only when the run is stopped); coordctl resume continues from the last."""
     project_name: str = "meshrl"

@@ -119,6 +119,11 @@ class LocalCluster:
         finally:
             await client.close()
 
+    def add_service(self, spec: ServiceSpec, name: str) -> None:
+        """Start one more service (it registers by itself), e.g. to replace one that died."""
+        self._spawn(name, spec.kind, "port=0", f"coordinator={self.coordinator}", f"group={spec.group}",
+                    "torch_threads=1", *spec.settings, env=spec.env)
+
     async def _wait(self, ready):
         """Await ``ready`` while checking that no child has died."""
         task = asyncio.ensure_future(ready)

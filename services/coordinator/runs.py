@@ -20,7 +20,8 @@ import structlog
 import yaml
 
 from services.common.config import to_yaml, validate
-from services.common.errors import FailedPrecondition, NotFound
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.rpc import is_retryable
 from services.common.models import load_tokenizer
 from services.common.run_config import RunConfig
 from services.coordinator.clients import RewardClient, RolloutClient, TrainerClient
@@ -32,6 +33,7 @@ from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
 
 log = structlog.get_logger()
 FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
+STOPPED = object()  # _wait_to_recover's answer when the run was stopped while it waited
 PROBE_SAMPLES = 4
 PROBE_TIMEOUT_S = 15.0
 
@@ -43,6 +45,13 @@ async def probe(client: RewardClient, prompts: list[Prompt]) -> None:
     invalid = [s.error for s in scores if not s.valid]
     if invalid:
         raise ValueError(f"{client.address} could not score the probe: {invalid[0]}")
+
+
+def recoverable(failure: Exception) -> bool:
+    """A failure a run can wait out: a service that went away or stopped answering."""
+    if isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        return True  # a service that restarted and lost the run's state
+    return is_retryable(failure) or isinstance(failure, (Unavailable, FailedPrecondition))
 
 
 def parse_run_config(config_yaml: str) -> RunConfig:
@@ -89,9 +98,11 @@ class RunManager:
         self._loops: dict[str, PPOLoop] = {}
         self._stop_requested: set[str] = set()
         self._changed = asyncio.Condition()
-        for row in store.list_runs():
-            if row.state not in FINAL_STATES:
-                store.set_state(row.run_id, "interrupted", "the coordinator restarted while the run was active")
+        interrupted = [row.run_id for row in store.list_runs() if row.state not in FINAL_STATES]
+        for run_id in interrupted:
+            store.set_state(run_id, "interrupted", "the coordinator restarted while the run was active")
+        if interrupted:
+            asyncio.get_running_loop().create_task(self._resume_all(interrupted))
 
     def notify(self) -> None:
         async def wake():
@@ -125,6 +136,14 @@ class RunManager:
         log.info("run_started", run_id=run_id, run_dir=str(run_dir))
         return self.store.get_run(run_id)
 
+    async def _resume_all(self, run_ids: list[str]) -> None:
+        """After a restart: continue the runs that were active from their last checkpoints."""
+        for run_id in run_ids:
+            try:
+                await self.resume_run(run_id)
+            except Exception as error:  # noqa: BLE001 - such a run stays interrupted, for a person to look at
+                log.warning("run_not_resumed", run_id=run_id, error=str(error))
+
     async def resume_run(self, run_id: str) -> RunRow:
         """Continue a stopped, failed or interrupted run from its last complete checkpoint."""
         row = self.get_run(run_id)
@@ -136,11 +155,7 @@ class RunManager:
         config = parse_run_config(row.config_yaml)
         tokenizer, prompts = await self._load_data(config)
         run_dir = Path(row.run_dir)
-        self.store.forget_steps_after(run_id, checkpoint.step)
-        metrics_file = run_dir / "metrics.jsonl"
-        if metrics_file.exists():  # keep the lines of the steps up to the checkpoint; the rest run again
-            kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= checkpoint.step]
-            metrics_file.write_text("".join(line + "\n" for line in kept))
+        self._rewind(run_id, run_dir, checkpoint.step)
         self._stop_requested.discard(run_id)
         self._tasks[run_id] = asyncio.create_task(
             self._execute(run_id, config, row.config_yaml, tokenizer, prompts, run_dir, checkpoint))
@@ -149,16 +164,25 @@ class RunManager:
 
     async def _execute(self, run_id: str, config: RunConfig, config_yaml: str, tokenizer, prompts: list[Prompt],
                        run_dir: Path, resume: Checkpoint | None = None) -> None:
-        services, state, error = None, "failed", ""
+        """Drive the run to its end. When a service goes away mid-run (a retryable failure), the run waits
+        for the services of its placement and continues from its last checkpoint (or from the start)."""
+        state, error, recoveries = "failed", "", 0
         with structlog.contextvars.bound_contextvars(run_id=run_id):
             try:
                 self._set_state(run_id, "running")
-                services = await self._connect(config)
-                reporter = RunReporter(self, run_id, run_dir)
-                self._loops[run_id] = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
-                                              lambda: run_id in self._stop_requested, self.reward_addresses,
-                                              run_dir / "checkpoints")
-                state = "finished" if await self._loops[run_id].run(resume) else "stopped"
+                while True:
+                    try:
+                        completed = await self._attempt(run_id, config, config_yaml, tokenizer, prompts, run_dir, resume)
+                        state = "finished" if completed else "stopped"
+                        break
+                    except Exception as failure:  # noqa: BLE001 - sorted below
+                        if not recoverable(failure) or recoveries >= config.trainer.max_recoveries:
+                            raise
+                        recoveries += 1
+                        resume = await self._wait_to_recover(run_id, config, run_dir, failure, recoveries)
+                        if resume is STOPPED:
+                            state = "stopped"
+                            break
             except asyncio.CancelledError:
                 state, error = "stopped", "the coordinator shut down"
                 raise
@@ -166,34 +190,81 @@ class RunManager:
                 log.exception("run_failed", run_id=run_id)
                 error = f"{type(failure).__name__}: {failure}"
             finally:
-                self._loops.pop(run_id, None)
-                if services is not None:
-                    await asyncio.gather(*(client.close() for client in services.clients()))
                 try:  # before the final state, so that whoever sees the run end finds its plot
                     await asyncio.to_thread(plot_reward, self.store.step_metrics(run_id), run_dir / "reward.png", run_id)
                 except ImportError as missing:  # a node without matplotlib still keeps the metrics
                     log.warning("plot_skipped", run_id=run_id, error=str(missing))
                 self._set_state(run_id, state, error)
 
+    async def _attempt(self, run_id, config, config_yaml, tokenizer, prompts, run_dir, resume) -> bool:
+        """One go at the run with the services up now, from ``resume`` (or the start); True if it completed."""
+        services = await self._connect(config)
+        try:
+            reporter = RunReporter(self, run_id, run_dir)
+            self._loops[run_id] = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
+                                          lambda: run_id in self._stop_requested, self.reward_addresses,
+                                          run_dir / "checkpoints")
+            return await self._loops[run_id].run(resume)
+        finally:
+            self._loops.pop(run_id, None)
+            await asyncio.gather(*(client.close() for client in services.clients()))
+
+    async def _wait_to_recover(self, run_id: str, config: RunConfig, run_dir: Path, failure: Exception,
+                               attempt: int):
+        """State ``waiting`` until the run's services are up again; the checkpoint to go on from (None: the
+        start), or STOPPED if the run was stopped meanwhile."""
+        reason = failure.details() if isinstance(failure, grpc.aio.AioRpcError) else str(failure)
+        checkpoint = self.store.last_checkpoint(run_id)
+        self._set_state(run_id, "waiting", f"{type(failure).__name__}: {reason}")
+        self._rewind(run_id, run_dir, checkpoint.step if checkpoint else 0)
+        where = f"the checkpoint of step {checkpoint.step}" if checkpoint else "the start"
+        self.store.add_event(run_id, "log", checkpoint.step if checkpoint else 0, "",
+                             f"a service failed ({reason}); waiting for the services, then going on from {where} "
+                             f"(recovery {attempt} of {config.trainer.max_recoveries})", {})
+        self.notify()
+        # A dead service stays listed until it misses its heartbeats: wait that long before looking again.
+        await asyncio.sleep(self.registry.down_after_s)
+        while not self._services_up(config):
+            if run_id in self._stop_requested:
+                return STOPPED
+            await asyncio.sleep(0.5)
+        self._set_state(run_id, "running")
+        return checkpoint
+
+    def _rewind(self, run_id: str, run_dir: Path, step: int) -> None:
+        """Forget the metrics of steps after ``step``: they will be run again, and counted once."""
+        self.store.forget_steps_after(run_id, step)
+        metrics_file = run_dir / "metrics.jsonl"
+        if metrics_file.exists():
+            kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= step]
+            metrics_file.write_text("".join(line + "\n" for line in kept))
+
+    @staticmethod
+    def _roles(config: RunConfig) -> list[str]:
+        return ["actor"] + (["critic"] if config.use_critic else []) + (["ref"] if config.use_reference else [])
+
+    def _missing(self, config: RunConfig) -> list[str]:
+        """The services of the run's placement that are not up now, described for a person."""
+        place = config.placement
+        wanted = {f"trainer for {role} (group {getattr(place, role)})": ("trainer", getattr(place, role))
+                  for role in self._roles(config)}
+        wanted |= {f"rollout (group {place.rollout})": ("rollout", place.rollout),
+                   f"reward (group {place.reward})": ("reward", place.reward)}
+        return [name for name, (kind, group) in wanted.items() if not self.registry.up(kind, group)]
+
+    def _services_up(self, config: RunConfig) -> bool:
+        return not self._missing(config)
+
     async def _connect(self, config: RunConfig) -> RunServices:
         """Clients for the services of the run's placement: one trainer per role (roles placed in the same
         group share it), every rollout and reward service of their groups. Waits for them to be up."""
-        place = config.placement
-        roles = ["actor"] + (["critic"] if config.use_critic else []) + (["ref"] if config.use_reference else [])
-        wanted = {f"trainer for {role} (group {getattr(place, role)})": ("trainer", getattr(place, role))
-                  for role in roles}
-        wanted |= {f"rollout (group {place.rollout})": ("rollout", place.rollout),
-                   f"reward (group {place.reward})": ("reward", place.reward)}
         deadline = time.monotonic() + config.trainer.services_wait_s
-        while True:
-            found = {name: self.registry.up(kind, group) for name, (kind, group) in wanted.items()}
-            missing = [name for name, records in found.items() if not records]
-            if not missing:
-                break
+        while missing := self._missing(config):
             if time.monotonic() > deadline:
                 raise FailedPrecondition(f"no {', '.join(missing)} registered within "
                                          f"trainer.services_wait_s={config.trainer.services_wait_s}")
             await asyncio.sleep(0.2)
+        place, roles = config.placement, self._roles(config)
         trainers = {group: TrainerClient(self.registry.up("trainer", group)[0].address)
                     for group in {getattr(place, role) for role in roles}}
         return RunServices(

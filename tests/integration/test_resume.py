@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 
 import grpc
 import pytest
 
 from services.coordinator.control import CoordinatorClient
+from services.coordinator.local import ServiceSpec
 from tests.integration.test_grpo_run import run_config
 
 STEPS = 6
@@ -79,3 +82,32 @@ def test_a_run_without_checkpoint_or_still_running_is_not_resumed(cluster, tiny_
 
     error = asyncio.run(refused(finished.run_id))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "is finished" in error.details()
+
+
+def test_trainer_killed_mid_run_the_run_waits_then_goes_on_and_loses_nothing(cluster, tiny_model, reverse_data):
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2)
+    straight = asyncio.run(run(cluster.coordinator, config))
+    states = []
+
+    async def kill_trainer_then_replace_it():
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            started = await client.start_run(config)
+            async for update in client.watch(started.run_id):
+                if update.kind == "step" and update.step == 3 and "trainer" in cluster.processes:
+                    os.kill(cluster.processes.pop("trainer").pid, signal.SIGKILL)
+                if update.kind == "state":
+                    states.append(update.state)
+                    if update.state == "waiting":
+                        cluster.add_service(ServiceSpec("trainer"), "trainer-again")
+            return await client.get_run(started.run_id)
+        finally:
+            await client.close()
+
+    final = asyncio.run(kill_trainer_then_replace_it())
+    assert final.state == "finished", final.error
+    assert "waiting" in states and states[-1] == "finished"
+    expected, got = comparable(straight.run_dir), comparable(final.run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))  # every step once: nothing lost, nothing counted twice
+    for step in range(1, STEPS + 1):
+        assert got[step] == expected[step], f"step {step} differs after the recovery"
