@@ -30,7 +30,8 @@ from services.common.cli import log_config, parse_service_config
 from services.common.config import ServeConfig
 from services.common.errors import ErrorInterceptor
 from services.common.logging import configure_logging
-from services.common.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS
+from services.common.auth import TokenServerInterceptor, cluster_token
+from services.common.rpc import SERVER_OPTIONS, open_channel
 
 PROTOCOL_VERSION = 1
 Config = TypeVar("Config", bound=ServeConfig)
@@ -65,7 +66,7 @@ def identity_for(endpoint: Endpoint, port: int) -> common_pb2.ServiceIdentity:
 
 async def keep_registered(identity: common_pb2.ServiceIdentity, coordinator: str, stop: asyncio.Event) -> None:
     """Register, then heartbeat until ``stop``; re-register when forgotten or after an outage."""
-    channel = grpc.aio.insecure_channel(coordinator, options=CHANNEL_OPTIONS)
+    channel = open_channel(coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     interval, registered = 1.0, False
     try:
@@ -104,7 +105,9 @@ class Attached(Protocol):
 
 async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb2.ServiceIdentity], Attached]) -> None:
     """Serve until SIGTERM/SIGINT. ``attach`` adds the servicer to the server and returns it."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    token = cluster_token()
+    interceptors = ([TokenServerInterceptor(token)] if token else []) + [ErrorInterceptor()]
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     port = server.add_insecure_port(f"{endpoint.host}:{endpoint.port}")
     if port == 0:
         raise OSError(f"cannot bind {endpoint.host}:{endpoint.port}")
@@ -115,7 +118,8 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     structlog.contextvars.bind_contextvars(service_id=identity.service_id)
-    log.info("serving", address=identity.address, kind=endpoint.kind, pid=os.getpid())
+    log.info("serving", address=identity.address, kind=endpoint.kind, pid=os.getpid(),
+             authentication="cluster token" if token else "none")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

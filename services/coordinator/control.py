@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.common.rpc import CHANNEL_OPTIONS
+from services.common.rpc import open_channel
 
 TIMEOUT_S = 120.0
 
@@ -53,7 +53,7 @@ def status_from_pb(info: coordinator_pb2.RunInfo) -> RunStatus:
 class CoordinatorClient:
     def __init__(self, address: str):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     async def wait_ready(self, timeout_s: float) -> None:

@@ -6,7 +6,9 @@
    service, as subprocesses on loopback ports, each with one torch thread
    (on 2 cores, several torch processes with 2 threads each slow each other
    3-20x), each logging to ``<state_dir>/logs/<kind>.log``.
-3. Stop them all on the way out (SIGTERM, then SIGKILL after a grace
+3. Make a fresh cluster token (unless MESHRL_TOKEN or MESHRL_TOKEN_FILE is
+   set) that the services demand and this process's clients present.
+4. Stop them all on the way out (SIGTERM, then SIGKILL after a grace
    period); a child also gets SIGTERM if coordctl itself dies. The children
    run in their own session, so Ctrl-C in the terminal reaches coordctl
    alone, which first stops the run at a step boundary.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.auth import cluster_token
 from services.common.run_config import RunConfig
 from services.coordinator.control import CoordinatorClient
 from services.coordinator.synthetic import reverse_task_rows, write_jsonl
@@ -92,6 +96,9 @@ class LocalCluster:
         self.log_level = log_level
         self.coordinator = f"127.0.0.1:{free_port()}"
         self.processes: dict[str, subprocess.Popen] = {}
+        if cluster_token() is None:  # the local services take calls from this process and its children only
+            os.environ["MESHRL_TOKEN"] = secrets.token_urlsafe(32)
+            cluster_token.cache_clear()
 
     def _spawn(self, name: str, kind: str, *settings: str, env: tuple[tuple[str, str], ...] = ()) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
