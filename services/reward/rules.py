@@ -167,21 +167,46 @@ def normalize_math_answer(s: str) -> str:
     return _SIMPLE_SLASH.sub(r"\1\\frac{\2}{\3}", s)
 
 
-def math_score(solution_str: str, ground_truth: str) -> float:
-    """1.0 if the normalised last boxed answer equals the normalised ground truth, else 0.0.
+SYMBOLIC_MAX_CHARS = 200
 
-    The ground truth may be bare (``"\\frac{1}{2}"``) or boxed. No box, an
-    unclosed box or an answer that normalises to "" scores 0.0. Equivalence is
-    by string only; symbolic equivalence (``1/2`` vs ``0.5``) would need
-    math-verify, which is not installed here.
+
+def math_equivalent(answer: str, ground_truth: str) -> bool:
+    """Symbolic equality of two LaTeX answers through math-verify (sympy): ``0.5`` and ``\\frac{1}{2}``.
+
+    Only answers of at most SYMBOLIC_MAX_CHARS holding a digit are compared this way (sympy would take
+    seconds on a megabyte of digits, and would call Ω and ω equal); others stay string-compared. Its
+    signal-based timeouts are off (they work only on the main thread; scoring runs on worker threads).
+    """
+    from math_verify import parse, verify
+
+    if any(len(x) > SYMBOLIC_MAX_CHARS or not re.search(r"\d", x) for x in (answer, ground_truth)):
+        return False
+    try:
+        gold = parse(f"${ground_truth}$", parsing_timeout=None)
+        predicted = parse(f"${answer}$", parsing_timeout=None)
+        return bool(gold and predicted and verify(gold, predicted, timeout_seconds=None))
+    except Exception:  # noqa: BLE001 - an answer sympy cannot read is not equal
+        return False
+
+
+def math_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 if the last boxed answer equals the ground truth, else 0.0.
+
+    Equal means: the same string after normalisation, or else the same value
+    for math-verify (``0.5`` and ``\\frac{1}{2}``). The ground truth may be bare
+    (``"\\frac{1}{2}"``) or boxed. No box, an unclosed box or an answer that
+    normalises to "" scores 0.0.
     """
     boxed = last_boxed_only_string(solution_str)
     if boxed is None:
         return 0.0
-    answer = normalize_math_answer(remove_boxed(boxed))
+    raw_answer = remove_boxed(boxed)
     truth_box = last_boxed_only_string(ground_truth)
-    truth = normalize_math_answer(remove_boxed(truth_box) if truth_box is not None else ground_truth)
-    return 1.0 if answer and answer == truth else 0.0
+    raw_truth = remove_boxed(truth_box) if truth_box is not None else ground_truth
+    answer, truth = normalize_math_answer(raw_answer), normalize_math_answer(raw_truth)
+    if not answer:
+        return 0.0
+    return 1.0 if answer == truth or math_equivalent(raw_answer, raw_truth) else 0.0
 
 
 # ---------------------------------------------------------------------------

@@ -131,8 +131,6 @@ def test_math_correct(response, truth):
     ("response", "truth"),
     [
         (r"\boxed{4}", "5"),
-        (r"\boxed{0.50}", ".5"),  # string rule: 0.50 is not 0.5
-        (r"\boxed{0.5}", r"\frac{1}{2}"),  # no symbolic equivalence without math-verify
         (r"\boxed{5} no wait \boxed{6}", "5"),  # the last box counts
         ("the answer is 5", "5"),  # no box
         (r"\boxed{5", "5"),  # unbalanced
@@ -142,6 +140,20 @@ def test_math_correct(response, truth):
 )
 def test_math_wrong_or_malformed(response, truth):
     assert math_score(response, truth) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("response", "truth"),
+    [
+        (r"\boxed{0.50}", ".5"),  # the strings differ; the values do not
+        (r"\boxed{0.5}", r"\frac{1}{2}"),
+        (r"\boxed{\frac{2}{4}}", r"\frac{1}{2}"),
+        (r"\boxed{\sqrt{3}/2}", r"\frac{\sqrt{3}}{2}"),
+    ],
+)
+def test_math_symbolic_equivalence(response, truth):
+    assert math_score(response, truth) == 1.0
+    assert math_score(response.replace("}", "}+1", 1) if "frac" in response else r"\boxed{7}", truth) == 0.0
 
 
 def test_math_unicode_around_answer():
