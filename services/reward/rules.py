@@ -27,6 +27,7 @@ Each scorer has verl's signature ``(solution_str, ground_truth) -> float``.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Callable
 
@@ -179,6 +180,7 @@ def math_equivalent(answer: str, ground_truth: str) -> bool:
     """
     from math_verify import parse, verify
 
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that timeouts are off
     if any(len(x) > SYMBOLIC_MAX_CHARS or not re.search(r"\d", x) for x in (answer, ground_truth)):
         return False
     try:
