@@ -40,3 +40,23 @@ def test_calls_without_the_token_or_with_a_wrong_one_are_refused(cluster):
     assert asyncio.run(with_our_client(cluster.coordinator)) == 3  # our channels carry it
     for log in cluster.log_dir.glob("*.log"):
         assert token not in log.read_text()
+
+
+def test_a_service_speaking_another_protocol_version_is_refused(cluster):
+    from meshrl.v1 import common_pb2
+
+    async def register(version: int):
+        channel = open_channel(cluster.coordinator)
+        try:
+            identity = common_pb2.ServiceIdentity(service_id="rollout-x", kind="rollout", address="127.0.0.1:1",
+                                                  protocol_version=version)
+            return await coordinator_pb2_grpc.CoordinatorStub(channel).Register(
+                coordinator_pb2.RegisterRequest(identity=identity), timeout=10)
+        finally:
+            await channel.close()
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(register(2))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "protocol_version 2 is not 1" in refused.value.details()
+    assert asyncio.run(register(1)).heartbeat_interval_s > 0
