@@ -97,6 +97,25 @@ def batch_to_chunks(batch: dict[str, torch.Tensor], chunk_bytes: int = CHUNK_BYT
         yield pending
 
 
+async def read_stream(request_iterator, assembler: "BatchAssembler"):
+    """Read a whole request stream into ``assembler``; returns its first message (for its other fields), or None.
+
+    A bad chunk does not end the reading: the rest of the stream is drained first, then its ValueError is
+    raised, so that the caller's stream ends cleanly and it gets the refusal, not a broken stream.
+    """
+    first, error = None, None
+    async for message in request_iterator:
+        first = first or message
+        if error is None:
+            try:
+                assembler.add(message.chunks)
+            except ValueError as bad:
+                error = bad
+    if error is not None:
+        raise error
+    return first
+
+
 class BatchAssembler:
     """Collects streamed chunks into whole tensors."""
 

@@ -8,7 +8,7 @@ import torch
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.errors import FailedPrecondition
 from services.common.sequences import join_ragged
-from services.common.wire import BatchAssembler, batch_to_chunks
+from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engines import Engine, load_engine
 from services.rollout.hf_engine import SamplingSettings
@@ -57,14 +57,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return self._info()
 
     async def Generate(self, request_iterator, context):
+        assembler = BatchAssembler()
+        first = await read_stream(request_iterator, assembler)  # to its end before anything is refused
         engine = self._require_engine()
-        assembler, params = BatchAssembler(), None
-        async for message in request_iterator:
-            if params is None:
-                params = message.params
-            assembler.add(message.chunks)
-        if params is None:
+        if first is None:
             raise ValueError("empty Generate stream")
+        params = first.params
         sampling = sampling_from_pb(params)
         batch = assembler.result(required=("prompt_ids", "prompt_lens"))
         prompts = prompt_lists(batch["prompt_ids"], batch["prompt_lens"], engine.vocab_size)

@@ -1,5 +1,8 @@
 """The trainer servicer: wire <-> actor, nothing else.
 
+A streamed request is read to its end before anything is refused, so that
+the caller's stream closes cleanly and it receives the refusal's status.
+
 Model work runs on one worker thread, one call at a time; joining a channel
 (which blocks until every member has joined) runs on a thread of its own.
 """
@@ -24,7 +27,7 @@ from services.common.errors import FailedPrecondition
 from services.common.run_config import RunConfig
 from services.common.sequences import SequenceBatch
 from services.common.weight_sync import send_weights
-from services.common.wire import BatchAssembler, batch_to_chunks
+from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.trainer import checkpoint
 from services.trainer.actor import Actor, UpdateInputs
 from services.trainer.config import TrainerServiceConfig
@@ -39,10 +42,8 @@ SEQUENCE_KEYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
 
 async def read_batch(request_iterator, extra: tuple[str, ...] = ()) -> tuple[int, str, dict[str, torch.Tensor]]:
     """Assemble a streamed BatchRequest into (step, role, tensors), checking the tensors agree."""
-    assembler, first = BatchAssembler(), None
-    async for message in request_iterator:
-        first = first or message
-        assembler.add(message.chunks)
+    assembler = BatchAssembler()
+    first = await read_stream(request_iterator, assembler)
     batch = assembler.result(required=SEQUENCE_KEYS + extra)
     for key in SEQUENCE_KEYS:
         if batch[key].dtype != torch.int64 or batch[key].dim() != 1:
@@ -52,13 +53,20 @@ async def read_batch(request_iterator, extra: tuple[str, ...] = ()) -> tuple[int
             raise ValueError(f"{lens} must be >= {least} each and sum to len({ids})")
     if len(batch["prompt_lens"]) != len(batch["response_lens"]):
         raise ValueError("prompt_lens and response_lens must have one entry per sequence")
+    check_token_tensors(batch, extra)
+    return (first.step, first.role, batch) if first else (0, "", batch)
+
+
+def check_token_tensors(batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -> None:
+    """Each of ``keys`` is present, finite, with one value per response token."""
     tokens = batch["response_ids"].numel()
-    for key in extra:
+    for key in keys:
+        if key not in batch:
+            raise ValueError(f"batch is missing tensor {key!r}")
         if batch[key].shape != (tokens,):
             raise ValueError(f"{key} must have one value per response token ({tokens}), got {list(batch[key].shape)}")
         if not torch.isfinite(batch[key]).all():
             raise ValueError(f"{key} holds NaN or infinite values")
-    return (first.step, first.role, batch) if first else (0, "", batch)
 
 
 def sequences(batch: dict[str, torch.Tensor], vocab_size: int) -> SequenceBatch:
@@ -134,8 +142,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self._info()
 
     async def ComputeLogProbs(self, request_iterator, context):
-        roles = self._roles()
         step, role, batch = await read_batch(request_iterator)
+        roles = self._roles()
         role = role or "actor"
         if role not in ("actor", "ref"):
             raise ValueError(f"ComputeLogProbs role must be actor or ref, got {role!r}")
@@ -148,20 +156,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
     async def ComputeValues(self, request_iterator, context):
+        _, _, batch = await read_batch(request_iterator)
         roles = self._roles()
         critic = roles.need("critic")
-        _, _, batch = await read_batch(request_iterator)
         values = await self._on_model(critic.compute_values, sequences(batch, critic.model.config.vocab_size),
                                       roles.config.critic.ppo_micro_batch_size_per_gpu)
         for chunks in batch_to_chunks({"values": values}):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
     async def UpdateActor(self, request_iterator, context):
+        step, _, batch = await read_batch(request_iterator, extra=("old_logprobs", "advantages"))
         roles = self._roles()
         actor = roles.need("actor")
         settings = actor_settings(roles.config)
-        extra = ("old_logprobs", "advantages") + (("ref_logprobs",) if settings.use_kl_loss else ())
-        step, _, batch = await read_batch(request_iterator, extra=extra)
+        if settings.use_kl_loss:
+            check_token_tensors(batch, ("ref_logprobs",))
         inputs = UpdateInputs(batch["old_logprobs"].float(), batch["advantages"].float(),
                               batch["ref_logprobs"].float() if settings.use_kl_loss else None)
         metrics = await self._on_model(actor.update, sequences(batch, actor.vocab_size), inputs, settings)
@@ -170,18 +179,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
 
     async def UpdateCritic(self, request_iterator, context):
+        step, _, batch = await read_batch(request_iterator, extra=("values", "returns"))
         roles = self._roles()
         critic = roles.need("critic")
-        step, _, batch = await read_batch(request_iterator, extra=("values", "returns"))
         metrics = await self._on_model(critic.update, sequences(batch, critic.model.config.vocab_size),
                                        batch["values"].float(), batch["returns"].float(), critic_settings(roles.config))
         log.info("critic_updated", run_id=roles.run_id, step=step)
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
 
     async def TrainSupervised(self, request_iterator, context):
+        _, _, batch = await read_batch(request_iterator)
         roles = self._roles()
         actor = roles.need("actor")
-        _, _, batch = await read_batch(request_iterator)
         micro = roles.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
         metrics = await self._on_model(actor.train_supervised, sequences(batch, actor.vocab_size), micro)
         self.weight_version += 1
