@@ -193,6 +193,8 @@ class TrainerConfig(Section):
     """Collective of the weight channel: auto = nccl when the actor's trainer is on a GPU, else gloo."""
     rpc_timeout_s: PositiveFloat = 600.0
     """Deadline of each training or generation call."""
+    channel_timeout_s: PositiveFloat = 120.0
+    """Deadline of joining the weight channel and of each weight broadcast."""
     services_wait_s: PositiveFloat = 60.0
     """How long a starting run waits for the trainer, rollout and reward services to be up."""
 

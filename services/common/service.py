@@ -136,8 +136,27 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     log.info("stopped")
 
 
+def die_with_parent() -> None:
+    """Started by a launcher that set MESHRL_PARENT_PID (coordctl --local): get SIGTERM when it dies (Linux).
+
+    Done here, in the child, rather than in a preexec_fn: running Python between fork and exec in a
+    process that holds gRPC threads can deadlock the child."""
+    parent = os.environ.get("MESHRL_PARENT_PID")
+    if not parent:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != int(parent):  # the launcher died before the line above
+        sys.exit(f"launcher {parent} is gone")
+
+
 def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.aio.Server, Config, common_pb2.ServiceIdentity], Attached]) -> None:
     """The whole ``__main__`` of a service: parse the config, log it, serve on uvloop."""
+    die_with_parent()
     config = parse_service_config(kind, config_model)
     log_config(configure_logging(kind, config.log_level), config)
     if config.torch_threads:

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import secrets
 import signal
@@ -77,14 +76,6 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class LocalCluster:
     """The four services as subprocesses; use as a context manager."""
 
@@ -106,7 +97,7 @@ class LocalCluster:
         command = [sys.executable, "-m", f"services.{kind}", "host=127.0.0.1", f"log_level={self.log_level}", *settings]
         self.processes[name] = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **CHILD_ENV, **dict(env)}, preexec_fn=_die_with_parent,
+            env={**os.environ, **CHILD_ENV, "MESHRL_PARENT_PID": str(os.getpid()), **dict(env)},
             start_new_session=True,  # a terminal's Ctrl-C reaches coordctl only, which stops the run first
         )
 

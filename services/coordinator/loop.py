@@ -36,9 +36,6 @@ from services.coordinator.dispatch import ReplicaPool
 from services.coordinator.metrics import StageTimer, data_metrics
 from services.coordinator.store import Checkpoint
 
-CHANNEL_TIMEOUT_S = 120.0
-
-
 class Reporter(Protocol):
     def step(self, step: int, metrics: dict[str, float]) -> None:
         """A step finished with these metrics."""
@@ -241,8 +238,8 @@ class PPOLoop:
         first_ranks = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         rendezvous = await actor.prepare_channel(self.channel_id, backend, world_size)
         await asyncio.gather(
-            actor.join_channel(self.channel_id, backend, rendezvous, world_size, CHANNEL_TIMEOUT_S),
-            *(r.join_channel(self.channel_id, backend, rendezvous, rank, world_size, CHANNEL_TIMEOUT_S)
+            actor.join_channel(self.channel_id, backend, rendezvous, world_size, self.config.trainer.channel_timeout_s),
+            *(r.join_channel(self.channel_id, backend, rendezvous, rank, world_size, self.config.trainer.channel_timeout_s)
               for rank, r in zip(first_ranks, self.services.rollouts)),
         )
         version = await (self.restore(resume) if resume else self.warm_start())
@@ -351,8 +348,8 @@ class PPOLoop:
         """Broadcast the actor's weights to every rollout; each must then serve ``version``."""
         bucket = self.config.trainer.weight_sync_bucket_mb << 20
         sent, *received = await asyncio.gather(
-            self.services.actor.broadcast_weights(self.channel_id, bucket, CHANNEL_TIMEOUT_S),
-            *(r.receive_weights(self.channel_id, CHANNEL_TIMEOUT_S) for r in self.services.rollouts),
+            self.services.actor.broadcast_weights(self.channel_id, bucket, self.config.trainer.channel_timeout_s),
+            *(r.receive_weights(self.channel_id, self.config.trainer.channel_timeout_s) for r in self.services.rollouts),
         )
         stale = [r.address for r, v in zip(self.services.rollouts, received) if v != sent.weight_version]
         if sent.weight_version != version or stale:

@@ -34,6 +34,7 @@ from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
 log = structlog.get_logger()
 FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
 STOPPED = object()  # _wait_to_recover's answer when the run was stopped while it waited
+WATCH_INTERVAL_S = 0.5
 PROBE_SAMPLES = 4
 PROBE_TIMEOUT_S = 15.0
 
@@ -197,17 +198,40 @@ class RunManager:
                 self._set_state(run_id, state, error)
 
     async def _attempt(self, run_id, config, config_yaml, tokenizer, prompts, run_dir, resume) -> bool:
-        """One go at the run with the services up now, from ``resume`` (or the start); True if it completed."""
+        """One go at the run with the services up now, from ``resume`` (or the start); True if it completed.
+
+        A trainer or rollout of the run that stops heartbeating (killed, stopped, cut off) ends the attempt
+        at once with Unavailable naming it, whatever call was waiting on it."""
         services = await self._connect(config)
         try:
             reporter = RunReporter(self, run_id, run_dir)
             self._loops[run_id] = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
                                           lambda: run_id in self._stop_requested, self.reward_addresses,
                                           run_dir / "checkpoints")
-            return await self._loops[run_id].run(resume)
+            members = {c.address: kind for kind, group in (("trainer", list(services.trainer_roles())),
+                                                           ("rollout", services.rollouts)) for c in group}
+            loop = asyncio.ensure_future(self._loops[run_id].run(resume))
+            watchdog = asyncio.ensure_future(self._watch_members(members))
+            await asyncio.wait({loop, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if not loop.done():
+                loop.cancel()
+                await asyncio.gather(loop, return_exceptions=True)
+                return watchdog.result()  # raises the Unavailable that ended the attempt
+            watchdog.cancel()
+            return loop.result()
         finally:
             self._loops.pop(run_id, None)
             await asyncio.gather(*(client.close() for client in services.clients()))
+
+    async def _watch_members(self, members: dict[str, str]) -> bool:
+        """Raise Unavailable once a member (address -> kind) is no longer up in the registry."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            up = {record.address for record in self.registry.all() if self.registry.is_up(record)}
+            for address, kind in members.items():
+                if address not in up:
+                    raise Unavailable(f"the {kind} at {address} stopped answering (no heartbeat for "
+                                      f"{self.registry.down_after_s:.0f} s)")
 
     async def _wait_to_recover(self, run_id: str, config: RunConfig, run_dir: Path, failure: Exception,
                                attempt: int):
