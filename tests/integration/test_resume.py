@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -109,5 +110,40 @@ def test_trainer_killed_mid_run_the_run_waits_then_goes_on_and_loses_nothing(clu
     assert "waiting" in states and states[-1] == "finished"
     expected, got = comparable(straight.run_dir), comparable(final.run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))  # every step once: nothing lost, nothing counted twice
+    for step in range(1, STEPS + 1):
+        assert got[step] == expected[step], f"step {step} differs after the recovery"
+
+
+def test_rollout_stopped_with_sigstop_is_detected_and_the_run_goes_on(cluster, tiny_model, reverse_data):
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2,
+                        trainer__channel_timeout_s=10)
+    straight = asyncio.run(run(cluster.coordinator, config))
+    rollout = cluster.processes["rollout"].pid
+    events: list[tuple[str, float]] = []
+
+    async def stop_rollout_then_continue_it():
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            started = await client.start_run(config)
+            async for update in client.watch(started.run_id):
+                if update.kind == "step" and update.step == 3 and not events:
+                    os.kill(rollout, signal.SIGSTOP)
+                    events.append(("stopped", time.monotonic()))
+                if update.kind == "state" and update.state == "waiting":
+                    events.append(("waiting", time.monotonic()))
+                    os.kill(rollout, signal.SIGCONT)
+            return await client.get_run(started.run_id)
+        finally:
+            await client.close()
+
+    try:
+        final = asyncio.run(stop_rollout_then_continue_it())
+    finally:
+        os.kill(rollout, signal.SIGCONT)
+    assert final.state == "finished", final.error
+    (_, stopped_at), (_, detected_at) = events[:2]
+    assert detected_at - stopped_at < 15  # missed heartbeats (5 s) plus a step, not the 600 s RPC deadline
+    expected, got = comparable(straight.run_dir), comparable(final.run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert got[step] == expected[step], f"step {step} differs after the recovery"
