@@ -181,10 +181,16 @@ def start_run(
     except (ConfigError, ValueError) as error:
         typer.echo(f"bad config: {error}", err=True)
         raise typer.Exit(2)
+    if local:
+        state_dir = state_dir or Path("meshrl-runs") / time.strftime("local-%Y%m%d-%H%M%S")
+    drive(lambda client: client.start_run(to_yaml(config)), coordinator, local, state_dir, detach, started)
+
+
+def drive(begin, coordinator: str, local: bool, state_dir: Path | None, detach: bool, started: float) -> None:
+    """Begin a run (start or resume) locally or on the coordinator, follow it, summarise; exit 1 unless it
+    finished."""
     try:
-        begin = lambda client: client.start_run(to_yaml(config))  # noqa: E731
         if local:
-            state_dir = state_dir or Path("meshrl-runs") / time.strftime("local-%Y%m%d-%H%M%S")
             final = asyncio.run(run_local(begin, state_dir.resolve()))
         else:
             final = asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
@@ -222,23 +228,9 @@ def resume(
     detach: bool = typer.Option(False, "--detach", help="return once the run has resumed"),
 ) -> None:
     """Continue a stopped, failed or interrupted run from its last complete checkpoint."""
-    started = time.monotonic()
-    begin = lambda client: client.resume_run(run_id)  # noqa: E731
-    try:
-        if local:
-            if state_dir is None or not (state_dir / "meshrl.db").exists():
-                raise typer.BadParameter("--local resume needs --state-dir, the folder holding the run's meshrl.db")
-            final = asyncio.run(run_local(begin, state_dir.resolve()))
-        else:
-            final = asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
-    except grpc.aio.AioRpcError as error:
-        typer.echo(f"coordinator refused: {error.code().name}: {error.details()}", err=True)
-        raise typer.Exit(1)
-    if detach:
-        return
-    print_summary(final, read_rewards(final.run_dir), time.monotonic() - started, state_dir if local else None)
-    if final.state != "finished":
-        raise typer.Exit(1)
+    if local and (state_dir is None or not (state_dir / "meshrl.db").exists()):
+        raise typer.BadParameter("--local resume needs --state-dir, the folder holding the run's meshrl.db")
+    drive(lambda client: client.resume_run(run_id), coordinator, local, state_dir, detach, time.monotonic())
 
 
 @app.command("runs")
