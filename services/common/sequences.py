@@ -25,11 +25,16 @@ def join_ragged(pieces: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.T
     return flat, lengths
 
 
+def ragged_index(lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the given rows' tokens, in the order given. [B], [R] -> [sum of their lengths]."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    pieces = [torch.arange(starts[r], starts[r] + lengths[r]) for r in rows.tolist()]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
 def ragged_select(flat: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The flat tokens of the given rows, in the order given."""
-    starts = torch.cumsum(lengths, 0) - lengths
-    pieces = [flat[starts[r] : starts[r] + lengths[r]] for r in rows.tolist()]
-    return torch.cat(pieces) if pieces else flat[:0]
+    return flat[ragged_index(lengths, rows)]
 
 
 @dataclass(frozen=True)
@@ -64,9 +69,7 @@ class SequenceBatch:
 
     def token_index(self, rows: torch.Tensor) -> torch.Tensor:
         """Flat indices (into response_ids and token-aligned tensors) of the given rows' tokens, in order."""
-        starts = torch.cumsum(self.response_lens, 0) - self.response_lens
-        pieces = [torch.arange(starts[r], starts[r] + self.response_lens[r]) for r in rows.tolist()]
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+        return ragged_index(self.response_lens, rows)
 
     def select(self, rows: torch.Tensor) -> SequenceBatch:
         """The sub-batch of the given rows (indices), in that order."""
