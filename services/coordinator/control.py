@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc

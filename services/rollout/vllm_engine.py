@@ -21,10 +21,14 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from typing import TYPE_CHECKING
 
 from services.common.models import load_tokenizer
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.hf_engine import Completion, SamplingSettings, hash_seed
+
+if TYPE_CHECKING:
+    import torch
 
 WORKER_EXTENSION = "services.rollout.vllm_worker.MeshrlWorkerExtension"
 
@@ -122,7 +126,7 @@ async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, timeout_
 STACKED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 
 
-def vllm_layout(named: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+def vllm_layout(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors vLLM holds (tensor parallel size 1) after ``load_weights`` of these HF-named Qwen2/Llama
     tensors: q/k/v and gate/up stacked along dim 0, everything else as it is."""
     import torch
