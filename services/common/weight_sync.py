@@ -45,19 +45,22 @@ class Bucket:
     entries: tuple[Entry, ...]
 
 
-def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
-    """Pack tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor gets one alone).
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 dtype: torch.dtype | None = None) -> list[Bucket]:
+    """Pack tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor gets one alone), as
+    ``dtype`` if given (a DTensor counts with its global shape).
 
     Each tensor takes its size rounded up to 16 bytes."""
     buckets: list[Bucket] = []
     entries: list[Entry] = []
     size = 0
     for name, tensor in named:
-        padded = -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        sent_dtype = dtype or tensor.dtype
+        padded = -(-tensor.numel() * sent_dtype.itemsize // ALIGN) * ALIGN
         if entries and size + padded > bucket_bytes:
             buckets.append(Bucket(size, tuple(entries)))
             entries, size = [], 0
-        entries.append(Entry(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), size))
+        entries.append(Entry(name, DTYPE_NAMES[sent_dtype], tuple(tensor.shape), size))
         size += padded
     if entries:
         buckets.append(Bucket(size, tuple(entries)))
@@ -71,10 +74,26 @@ def checksum(buffer: torch.Tensor) -> int:
     return int((words * weights).sum())
 
 
-def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
+def full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor (a DTensor shard is all-gathered: a collective of its mesh), cast to ``dtype``."""
+    tensor = tensor.detach()
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor if dtype is None else tensor.to(dtype)
+
+
+def gather_weights(named: list[tuple[str, torch.Tensor]]) -> None:
+    """A sharded trainer's ranks other than the sender: take part in each all-gather of ``send_weights``, in
+    its order (every rank must call ``full_tensor`` for every parameter in the same order)."""
+    for _, tensor in named:
+        full(tensor)
+
+
+def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str,
+         dtype: torch.dtype | None = None) -> torch.Tensor:
     buffer = torch.zeros(bucket.size, dtype=torch.uint8, device=device)
     for entry in bucket.entries:
-        source = tensors[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
+        source = full(tensors[entry.name], dtype).to(device).contiguous().reshape(-1).view(torch.uint8)
         buffer[entry.offset : entry.offset + entry.nbytes].copy_(source)
     return buffer
 
@@ -104,16 +123,18 @@ def _manifest_from_json(data: bytes) -> tuple[int, list[Bucket]]:
 
 def send_weights(
     channel: TensorChannel, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[int, int]:
-    """Broadcast the tensors from rank 0 (each bucket packed on the channel's device); returns (bytes, buckets)."""
+    """Broadcast the tensors from rank 0, as ``dtype`` if given (each bucket packed on the channel's device;
+    DTensors gathered bucket by bucket, in order); returns (bytes, buckets)."""
     device = channel.device
-    buckets = plan_buckets(named, bucket_bytes)
+    buckets = plan_buckets(named, bucket_bytes, dtype)
     manifest = _manifest_json(version, buckets)
     channel.broadcast(torch.tensor([len(manifest)], dtype=torch.int64, device=device))
     channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
     tensors = dict(named)
     for bucket in buckets:
-        buffer = pack(bucket, tensors, device)
+        buffer = pack(bucket, tensors, device, dtype)
         channel.broadcast(buffer)
         channel.broadcast(torch.tensor([checksum(buffer)], dtype=torch.int64, device=device))
     return sum(b.size for b in buckets), len(buckets)
