@@ -21,6 +21,16 @@ Choices, stated before the code:
   comes from a ``LossScale`` that describes the whole mini-batch, so the
   losses of its micro-batches add up to the mini-batch loss, and their
   gradients to its gradient.
+- Rollout correction (verl's rollout_correction, TRL's
+  vllm_importance_sampling_correction): the rollout engine's policy differs
+  from the trainer's (kernels, precision, stale weights), so each token's
+  policy-gradient loss is multiplied by a detached importance weight
+  pi_old / pi_rollout. At sequence level the weight is the product of the
+  response's token ratios, exp(sum of log-ratios), as both verl and TRL do
+  (not the geometric mean, which verl keeps for rejection sampling); the
+  log-ratio is clamped to +-20 first, as verl does, so exp stays finite.
+  Above the threshold a weight is truncated to it (TIS) or set to 0 (masked
+  IS, TRL's *_mask); only the upper side is bounded.
 
 No config objects, no I/O: everything arrives as plain arguments.
 """
@@ -34,6 +44,8 @@ import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_IS_MODES = ("truncate", "mask")
 WHITEN_EPS = 1e-8
 
 
@@ -235,11 +247,13 @@ class PolicyLoss(NamedTuple):
 def policy_loss(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, lengths: torch.Tensor,
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, mode: str, scale: LossScale,
+    is_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """PPO clipped surrogate with clip-higher and dual-clip. Token tensors [T], lengths [B].
 
     l_t = max(-A r, -A clip(r, 1 - low, 1 + high)), r = exp(logp - old_logp) (log-ratio clamped to +-20);
-    where A < 0 and clip_ratio_c is set: l_t = min(l_t, -A c).
+    where A < 0 and clip_ratio_c is set: l_t = min(l_t, -A c). With ``is_weights`` [T] (rollout
+    correction, from ``rollout_is_weights``) l_t becomes w_t l_t; the divisors of the aggregation stay.
     The statistics are token means over the mini-batch (``scale.num_tokens``).
     """
     log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)
@@ -252,12 +266,55 @@ def policy_loss(
         bound = -advantages * clip_ratio_c
         capped = (advantages < 0) & (per_token > bound)
         per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
     tokens = max(scale.num_tokens, 1)
     with torch.no_grad():
         clipfrac = (clipped > unclipped).float().sum() / tokens
         clipfrac_lower = capped.float().sum() / tokens
         approx_kl = (-log_ratio).sum() / tokens
     return PolicyLoss(aggregate(per_token, lengths, mode, scale), clipfrac, clipfrac_lower, approx_kl)
+
+
+# ---------------------------------------------------------------- rollout correction
+
+
+def rollout_log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, lengths: torch.Tensor,
+                      level: str) -> torch.Tensor:
+    """log(pi_old / pi_rollout), detached and clamped to +-20. [T], [T], [B] -> [T] (token) or [B] (sequence).
+
+    token: old_logp_t - rollout_logp_t; sequence: the sum of those over each response (0 for an empty one).
+    """
+    per_token = (old_logprobs - rollout_logprobs).detach()
+    if level == "token":
+        return per_token.clamp(-20.0, 20.0)
+    if level == "sequence":
+        return sequence_sums(per_token, lengths).clamp(-20.0, 20.0)
+    raise ValueError(f"unknown rollout_is level {level!r}; expected one of {ROLLOUT_IS_LEVELS}")
+
+
+class RolloutISWeights(NamedTuple):
+    weights: torch.Tensor  # [T], detached: the factor on each token's policy-gradient loss
+    exceeded: torch.Tensor  # [T] bool: the token's (sequence level: its response's) ratio was above the threshold
+
+
+def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, lengths: torch.Tensor,
+                       level: str, mode: str, threshold: float) -> RolloutISWeights:
+    """Importance weights pi_old / pi_rollout of the rollout/trainer mismatch. [T], [T], [B] -> [T].
+
+    token: rho_t = exp(old_logp_t - rollout_logp_t); sequence: every token of a response gets
+    exp(sum of its log-ratios). Ratios above ``threshold`` are truncated to it (mode truncate, TIS)
+    or set to 0 (mode mask).
+    """
+    if mode not in ROLLOUT_IS_MODES:
+        raise ValueError(f"unknown rollout_is mode {mode!r}; expected one of {ROLLOUT_IS_MODES}")
+    ratio = torch.exp(rollout_log_ratio(old_logprobs, rollout_logprobs, lengths, level))
+    if level == "sequence":
+        ratio = expand_per_token(ratio, lengths.to(ratio.device))
+    exceeded = ratio > threshold
+    if mode == "truncate":
+        return RolloutISWeights(ratio.clamp(max=threshold), exceeded)
+    return RolloutISWeights(torch.where(exceeded, torch.zeros_like(ratio), ratio), exceeded)
 
 
 class ValueLoss(NamedTuple):

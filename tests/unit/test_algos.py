@@ -680,6 +680,189 @@ def test_policy_loss_random_against_padded_reference(mode, low, high, c):
 
 
 # ---------------------------------------------------------------------------
+# rollout correction: rollout_log_ratio, rollout_is_weights, policy_loss with is_weights
+
+# Three responses of lengths 2, 0 and 2 (the middle one empty); threshold 2.
+# token  rollout logp  ratio pi_old/pi_rollout   sequence ratio (product over the response)
+#   1    -1.0          0.5                       0.5 * 3.0 = 1.5
+#   2    -2.0          3.0  (> 2)                1.5
+#  ---- response 2: no tokens ----
+#   3    -0.5          1.5                       1.5 * 2.0 = 3.0 (> 2)
+#   4    -3.0          2.0  (= 2: not above)     3.0 (> 2)
+# token    truncate: [0.5, 2, 1.5, 2]      mask: [0.5, 0, 1.5, 2]       exceeded [F, T, F, F]
+# sequence truncate: [1.5, 1.5, 2, 2]      mask: [1.5, 1.5, 0, 0]       exceeded [F, F, T, T]
+IS_ROLLOUT = [-1.0, -2.0, -0.5, -3.0]
+IS_RATIOS = [0.5, 3.0, 1.5, 2.0]
+IS_LENGTHS = [2, 0, 2]
+IS_EXPECTED = {
+    ("token", "truncate"): ([0.5, 2.0, 1.5, 2.0], [False, True, False, False]),
+    ("token", "mask"): ([0.5, 0.0, 1.5, 2.0], [False, True, False, False]),
+    ("sequence", "truncate"): ([1.5, 1.5, 2.0, 2.0], [False, False, True, True]),
+    ("sequence", "mask"): ([1.5, 1.5, 0.0, 0.0], [False, False, True, True]),
+}
+
+
+def _is_hand_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rollout = _t(IS_ROLLOUT)
+    return rollout + torch.log(_t(IS_RATIOS)), rollout, torch.tensor(IS_LENGTHS)
+
+
+def test_rollout_log_ratio_by_hand():
+    old, rollout, lengths = _is_hand_case()
+    _close(algos.rollout_log_ratio(old, rollout, lengths, "token"), np.log(IS_RATIOS), atol=1e-12)
+    # ln 1.5, 0 for the empty response, ln 3
+    _close(algos.rollout_log_ratio(old, rollout, lengths, "sequence"), np.log([1.5, 1.0, 3.0]), atol=1e-12)
+
+
+@pytest.mark.parametrize("level,mode", list(IS_EXPECTED))
+def test_rollout_is_weights_by_hand(level, mode):
+    old, rollout, lengths = _is_hand_case()
+    out = algos.rollout_is_weights(old, rollout, lengths, level, mode, 2.0)
+    assert isinstance(out, algos.RolloutISWeights)
+    weights, exceeded = IS_EXPECTED[level, mode]
+    _close(out.weights, weights, atol=1e-12)
+    assert out.exceeded.tolist() == exceeded
+
+
+def test_rollout_is_weights_safety_bound_engages():
+    # token 1: log-ratio -25 -> clamped to -20; response 2: 12 + 18 = 30 -> clamped to 20 before exp
+    old, rollout, lengths = _t([-26.0, 11.0, 17.0]), _t([-1.0, -1.0, -1.0]), torch.tensor([1, 2])
+    _close(algos.rollout_log_ratio(old, rollout, lengths, "token"), [-20.0, 12.0, 18.0])
+    _close(algos.rollout_log_ratio(old, rollout, lengths, "sequence"), [-20.0, 20.0])
+    seq = algos.rollout_is_weights(old, rollout, lengths, "sequence", "truncate", 5.0)
+    _close(seq.weights, [math.exp(-20.0), 5.0, 5.0], atol=1e-15)
+    assert torch.isfinite(algos.rollout_is_weights(_t([500.0]), _t([-500.0]), torch.tensor([1]), "token", "mask",
+                                                   2.0).weights).all()
+
+
+def test_rollout_is_weights_equal_rollout_logprobs_are_one():
+    old = _t([-0.3, -2.0, -1.1, -0.05, -4.0])
+    for level in algos.ROLLOUT_IS_LEVELS:
+        for mode in algos.ROLLOUT_IS_MODES:
+            out = algos.rollout_is_weights(old, old.clone(), torch.tensor([3, 0, 2]), level, mode, 2.0)
+            assert out.weights.tolist() == [1.0] * 5 and not out.exceeded.any()
+
+
+def test_rollout_is_weights_are_detached():
+    old = _t([-1.0, -2.0]).requires_grad_(True)
+    rollout = _t([-1.5, -1.0]).requires_grad_(True)
+    for level in algos.ROLLOUT_IS_LEVELS:
+        assert not algos.rollout_is_weights(old, rollout, torch.tensor([2]), level, "truncate", 2.0).weights.requires_grad
+
+
+@pytest.mark.parametrize("lengths", [[], [0, 0]])
+def test_rollout_is_weights_of_no_tokens_are_empty(lengths):
+    empty = torch.zeros(0, dtype=F64)
+    for level in algos.ROLLOUT_IS_LEVELS:
+        out = algos.rollout_is_weights(empty, empty, torch.tensor(lengths, dtype=torch.int64), level, "mask", 2.0)
+        assert out.weights.shape == (0,) and out.exceeded.shape == (0,)
+
+
+def test_rollout_is_weights_unknown_level_or_mode_raises():
+    one, lengths = _t([0.0]), torch.tensor([1])
+    with pytest.raises(ValueError, match="'geometric'"):
+        algos.rollout_is_weights(one, one, lengths, "geometric", "truncate", 2.0)
+    with pytest.raises(ValueError, match="'clip'"):
+        algos.rollout_is_weights(one, one, lengths, "token", "clip", 2.0)
+
+
+def _ref_is_weights(old: list[float], rollout: list[float], lengths: list[int], level: str, mode: str,
+                    threshold: float) -> tuple[list[float], list[bool]]:
+    """Loop reference: per-token or per-response ratio with math.exp, the +-20 bound, then truncate or mask."""
+    weights, exceeded, start = [], [], 0
+    for n in lengths:
+        logs = [min(max(old[t] - rollout[t], -20.0), 20.0) for t in range(start, start + n)]
+        if level == "sequence":
+            total = min(max(sum(old[t] - rollout[t] for t in range(start, start + n)), -20.0), 20.0)
+            logs = [total] * n
+        for log_ratio in logs:
+            ratio = math.exp(log_ratio)
+            exceeded.append(ratio > threshold)
+            weights.append(min(ratio, threshold) if mode == "truncate" else (0.0 if ratio > threshold else ratio))
+        start += n
+    return weights, exceeded
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_rollout_is_weights_random_against_loop_reference(level, mode):
+    rng = np.random.default_rng(23)
+    for threshold in (1.2, 2.0, 5.0):
+        lengths = _ragged_lengths(rng, 12, 8, 0)
+        t = sum(lengths)
+        rollout = -rng.random(t) * 4
+        old = rollout + rng.normal(0.0, 0.5, t)
+        old[rng.choice(t, size=2, replace=False)] += 30.0  # beyond the safety bound
+        weights, exceeded = _ref_is_weights(old.tolist(), rollout.tolist(), lengths, level, mode, threshold)
+        out = algos.rollout_is_weights(_t(old), _t(rollout), torch.tensor(lengths), level, mode, threshold)
+        _close(out.weights, weights, atol=1e-12, rtol=1e-12)
+        assert out.exceeded.tolist() == exceeded
+        assert 0 < sum(exceeded) < t  # the case does exercise the threshold
+
+
+def test_policy_loss_with_is_weights_by_hand():
+    # Per-token losses of the hand case (dual-clip at 3): [-1.10, -1.28, 0.80, 3.00, -1.00, 3.00, -1.25, 0.80].
+    # Weights [2, 1, 0.5, 0, 1, 1, 1, 1]: -2.20 - 1.28 + 0.40 + 0 - 1.00 + 3.00 - 1.25 + 0.80 = -1.53, over 8 tokens.
+    # The gradient is each token's unweighted gradient times its weight: token 1 -1.1/8 * 2, token 4 (A=-2, r=1.5)
+    # 3/8 * 0, tokens 5 and 7 -1/8 and -1.25/8; tokens 2, 3, 6 and 8 are clipped or capped (0).
+    new, old, adv, lengths = _policy_hand_case()
+    new = new.clone().requires_grad_(True)
+    weights = _t([2.0, 1.0, 0.5, 0.0, 1.0, 1.0, 1.0, 1.0])
+    out = algos.policy_loss(new, old, adv, lengths, LOW, HIGH, C, "token-mean", algos.LossScale.of(lengths, 6),
+                            is_weights=weights)
+    assert out.loss.item() == pytest.approx(-1.53 / 8, abs=1e-12)
+    assert out.clipfrac.item() == pytest.approx(3 / 8, abs=1e-7)  # the statistics do not see the weights
+    out.loss.backward()
+    _close(new.grad, [-1.1 / 8 * 2, 0.0, 0.0, 0.0, -1.0 / 8, 0.0, -1.25 / 8, 0.0], atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_policy_loss_with_unit_is_weights_equals_without(mode):
+    new, old, adv, lengths = _policy_hand_case()
+    scale = algos.LossScale.of(lengths, 6)
+    grads = []
+    for weights in (None, torch.ones(8, dtype=F64)):
+        logp = new.clone().requires_grad_(True)
+        out = algos.policy_loss(logp, old, adv, lengths, LOW, HIGH, C, mode, scale, is_weights=weights)
+        out.loss.backward()
+        grads.append((out.loss.item(), logp.grad))
+    assert grads[0][0] == grads[1][0]
+    assert torch.equal(grads[0][1], grads[1][1])
+
+
+def test_policy_loss_all_masked_is_zero_with_zero_gradient():
+    new, old, adv, lengths = _policy_hand_case()
+    new = new.clone().requires_grad_(True)
+    out = algos.policy_loss(new, old, adv, lengths, LOW, HIGH, C, "token-mean", algos.LossScale.of(lengths, 6),
+                            is_weights=torch.zeros(8, dtype=F64))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and not new.grad.any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_policy_loss_with_is_weights_random_against_padded_reference(mode):
+    # verl's TIS: pg_losses * rollout_is_weights, then agg_loss; the gradient scales token by token.
+    rng = np.random.default_rng(29)
+    width = 9
+    lengths, new, old, adv = _random_policy_batch(rng, 6, width)
+    weights = rng.uniform(0.0, 2.0, len(new))
+    pads = [_padded(x, lengths, width)[0] for x in (new, old, adv)]
+    mask = _padded(new, lengths, width)[1]
+    w = _padded(weights, lengths, width)[0]
+    neg_kl = np.clip(pads[0] - pads[1], -20.0, 20.0)
+    ratio = np.exp(neg_kl)
+    losses = np.maximum(-pads[2] * ratio, -pads[2] * np.clip(ratio, 1 - LOW, 1 + HIGH))
+    losses = np.where(pads[2] < 0, np.minimum(-pads[2] * C, losses), losses)
+    _, _, _, _, grad = _ref_policy(*pads, mask, LOW, HIGH, C, mode)
+    logp = _t(new).requires_grad_(True)
+    out = algos.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), LOW, HIGH, C, mode,
+                            algos.LossScale.of(torch.tensor(lengths), width), is_weights=_t(weights))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(_ref_agg(losses * w, mask, mode), abs=1e-10)
+    _close(logp.grad, _flat(grad * w, lengths), atol=1e-10)
+
+
+# ---------------------------------------------------------------------------
 # value_loss, explained_variance
 
 # token  V     Vold  R     clip(V, Vold +- 0.5)  (V-R)^2  (clip-R)^2  max    clipped?
