@@ -148,6 +148,24 @@ class FilterGroupsConfig(Section):
     """Most generation rounds per step (the first included); the step trains on what it has then."""
 
 
+class RolloutCorrectionConfig(Section):
+    """Importance weights on the mismatch between the rollout engine's policy and the trainer's (verl's
+    rollout_correction, TRL's vllm_importance_sampling_correction): each token's policy-gradient loss is
+    multiplied by pi_old / pi_rollout. The mismatch metrics (training/rollout_*) are logged either way."""
+
+    enable: Literal["auto"] | bool = "auto"
+    """auto: on whenever trainer.async_.max_staleness > 0; true or false forces it (the rollout's logprobs
+    then travel with every actor update)."""
+    rollout_is: Literal["token", "sequence"] = "token"
+    """Level of the weights: token = each token's own ratio; sequence = the product of a response's token
+    ratios, the same for all its tokens."""
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    """What happens to a ratio above rollout_is_threshold: truncate = clamped to it (TIS); mask = set to 0,
+    so the token (sequence level: the response) drops out of the policy gradient."""
+    rollout_is_threshold: PositiveFloat = 2.0
+    """Upper bound C of the ratio (verl's default 2.0; sequence-level ratios usually want more)."""
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     """Advantage estimator."""
@@ -163,6 +181,7 @@ class AlgorithmConfig(Section):
     """KL estimator of the reward penalty."""
     kl_ctrl: KLControlConfig = KLControlConfig()
     filter_groups: FilterGroupsConfig = FilterGroupsConfig()
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
 
 class PlacementConfig(Section):
@@ -173,6 +192,11 @@ class PlacementConfig(Section):
     ref: str = "default"
     rollout: str = "default"
     reward: str = "default"
+
+
+class AsyncConfig(Section):
+    max_staleness: int = Field(0, ge=0)
+    """Most weight versions a rollout may lag behind the actor it trains (0 = synchronous)."""
 
 
 class TrainerConfig(Section):
@@ -197,6 +221,8 @@ class TrainerConfig(Section):
     """Deadline of joining the weight channel and of each weight broadcast."""
     services_wait_s: PositiveFloat = 60.0
     """How long a starting run waits for the trainer, rollout and reward services to be up."""
+    async_: AsyncConfig = AsyncConfig()
+    """The asynchronous pipeline (``async`` is a Python keyword, hence the underscore)."""
 
 
 class TinyModelConfig(Section):
@@ -236,6 +262,11 @@ class RunConfig(Section):
     @property
     def use_reference(self) -> bool:
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def use_rollout_correction(self) -> bool:
+        enable = self.algorithm.rollout_correction.enable
+        return self.trainer.async_.max_staleness > 0 if enable == "auto" else enable
 
     @pydantic.model_validator(mode="after")
     def _batch_sizes_agree(self) -> RunConfig:

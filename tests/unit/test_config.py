@@ -211,3 +211,19 @@ def test_embedded_local_default_validates_as_a_run_config():
     assert config.actor_rollout_ref.rollout.n >= 2
     assert config.actor_rollout_ref.actor.optim.lr == 3.0e-4
     assert config.local.synthetic_task.max_digits == 4
+
+
+@pytest.mark.parametrize(("overrides", "on"), [
+    ([], False),
+    (["trainer.async_.max_staleness=1"], True),
+    (["algorithm.rollout_correction.enable=true"], True),
+    (["algorithm.rollout_correction.enable=false", "trainer.async_.max_staleness=2"], False),
+    (["algorithm.rollout_correction.enable=auto", "trainer.async_.max_staleness=0"], False),
+])
+def test_rollout_correction_is_on_with_staleness_unless_forced(overrides, on):
+    assert load_config(RunConfig, None, overrides).use_rollout_correction is on
+
+
+def test_rollout_correction_enable_refuses_other_words():
+    with pytest.raises(ConfigError, match=r"^algorithm\.rollout_correction\.enable"):
+        load_config(RunConfig, None, ["algorithm.rollout_correction.enable=sometimes"])
