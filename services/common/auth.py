@@ -1,10 +1,17 @@
-"""The cluster's shared token: every call carries it, every service refuses a call without it.
+"""Who may call: the cluster's shared token, and optionally TLS with client certificates (mTLS).
 
 The token comes from ``MESHRL_TOKEN`` or from the file named by
 ``MESHRL_TOKEN_FILE`` (read once, never logged). With neither set the
 cluster runs open, as a single-user loopback setup may; ``coordctl
 start-run --local`` always makes a token for its own services. The gRPC
 health service answers without a token, so that supervisors can probe.
+
+mTLS comes on with ``MESHRL_TLS_CERT``, ``MESHRL_TLS_KEY`` and
+``MESHRL_TLS_CA``: the paths of this process's PEM certificate, its private
+key and the cluster's CA certificate (``coordctl certs`` makes them). Then
+every server demands a client certificate signed by that CA, and every
+channel presents this process's certificate and trusts only that CA. The
+token is still demanded on top. Set all three or none.
 """
 
 from __future__ import annotations
@@ -12,12 +19,16 @@ from __future__ import annotations
 import functools
 import hmac
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 HEADER = "authorization"
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
+TLS_VARIABLES = ("MESHRL_TLS_CERT", "MESHRL_TLS_KEY", "MESHRL_TLS_CA")
 
 
 @functools.cache
@@ -32,6 +43,69 @@ def cluster_token() -> str | None:
         if not token:
             raise ValueError(f"MESHRL_TOKEN_FILE {path} is empty")
     return token or None
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The PEM bytes that mTLS needs, as read from the files the MESHRL_TLS_* variables name."""
+
+    cert: bytes  # this process's certificate (chain), presented as server and as client
+    key: bytes  # its private key
+    ca: bytes  # the cluster CA's certificate: peers must present a certificate it signed
+
+
+@functools.cache
+def cluster_tls() -> TlsFiles | None:
+    """The mTLS files, checked (PEM, key matches certificate), or None when no MESHRL_TLS_* variable is set."""
+    paths = {name: os.environ.get(name, "") for name in TLS_VARIABLES}
+    missing = [name for name, path in paths.items() if not path]
+    if len(missing) == len(TLS_VARIABLES):
+        return None
+    if missing:
+        given = [name for name in TLS_VARIABLES if name not in missing]
+        raise ValueError(f"{', '.join(given)} set but {', '.join(missing)} not: mTLS needs all of "
+                         f"{', '.join(TLS_VARIABLES)}")
+    cert_pem, cert = _load("MESHRL_TLS_CERT", "certificate", x509.load_pem_x509_certificate)
+    key_pem, key = _load("MESHRL_TLS_KEY", "unencrypted private key",
+                         lambda data: serialization.load_pem_private_key(data, password=None))
+    ca_pem, _ = _load("MESHRL_TLS_CA", "certificate", x509.load_pem_x509_certificate)
+    if _public_der(cert.public_key()) != _public_der(key.public_key()):
+        raise ValueError(f"MESHRL_TLS_KEY {paths['MESHRL_TLS_KEY']} is not the key of "
+                         f"MESHRL_TLS_CERT {paths['MESHRL_TLS_CERT']}")
+    return TlsFiles(cert_pem, key_pem, ca_pem)
+
+
+def _load(variable: str, what: str, parse):
+    """The bytes of the file that ``variable`` names, and ``parse`` of them; a ValueError naming both if either
+    fails."""
+    path = Path(os.environ[variable])
+    try:
+        data = path.read_bytes()
+        return data, parse(data)
+    except OSError as error:
+        raise ValueError(f"{variable} {path}: {error.strerror}") from None
+    except (ValueError, TypeError):  # TypeError: a key protected by a password
+        raise ValueError(f"{variable} {path}: not a PEM {what}") from None
+
+
+def _public_der(public_key) -> bytes:
+    return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def server_credentials() -> grpc.ServerCredentials | None:
+    """TLS that demands a client certificate from the cluster CA, or None to listen in plaintext."""
+    tls = cluster_tls()
+    if tls is None:
+        return None
+    return grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True)
+
+
+def channel_credentials() -> grpc.ChannelCredentials | None:
+    """TLS that trusts the cluster CA only and presents this process's certificate, or None for plaintext."""
+    tls = cluster_tls()
+    if tls is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
 
 
 def _metadata(details):

@@ -12,7 +12,7 @@ import contextlib
 
 import grpc
 
-from services.common.auth import token_interceptors
+from services.common.auth import channel_credentials, token_interceptors
 
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_CALLS_IN_FLIGHT = 512  # 2,000 in flight on one channel ended some calls CANCELLED; 1,000 did not
@@ -35,8 +35,11 @@ SERVER_OPTIONS = [
 
 
 def open_channel(address: str) -> grpc.aio.Channel:
-    """A channel to a meshrl service: our options, and the cluster token on every call."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=token_interceptors())
+    """A channel to a meshrl service: our options, the cluster token on every call, and mTLS if configured."""
+    credentials = channel_credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=token_interceptors())
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=token_interceptors())
 
 
 class Connection:

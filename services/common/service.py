@@ -2,8 +2,9 @@
 
 Every service's ``__main__`` builds its servicer and calls ``run_service``,
 which:
-1. starts a grpc.aio server (on uvloop) with the error interceptor and the
-   standard health service, on the configured host and port (0 = any free port);
+1. starts a grpc.aio server (on uvloop) with the error interceptor, the
+   token check and the standard health service, on the configured host and
+   port (0 = any free port), over mTLS when it is configured;
 2. registers with the coordinator and heartbeats, registering again whenever
    the coordinator has forgotten it (it restarted);
 3. on SIGTERM or SIGINT, marks itself NOT_SERVING, deregisters, lets the
@@ -30,7 +31,7 @@ from services.common.cli import log_config, parse_service_config
 from services.common.config import ServeConfig
 from services.common.errors import ErrorInterceptor
 from services.common.logging import configure_logging
-from services.common.auth import TokenServerInterceptor, cluster_token
+from services.common.auth import TokenServerInterceptor, cluster_token, server_credentials
 from services.common.rpc import SERVER_OPTIONS, open_channel
 
 PROTOCOL_VERSION = 1
@@ -105,10 +106,11 @@ class Attached(Protocol):
 
 async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb2.ServiceIdentity], Attached]) -> None:
     """Serve until SIGTERM/SIGINT. ``attach`` adds the servicer to the server and returns it."""
-    token = cluster_token()
+    token, credentials = cluster_token(), server_credentials()
     interceptors = ([TokenServerInterceptor(token)] if token else []) + [ErrorInterceptor()]
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-    port = server.add_insecure_port(f"{endpoint.host}:{endpoint.port}")
+    address = f"{endpoint.host}:{endpoint.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {endpoint.host}:{endpoint.port}")
     identity = identity_for(endpoint, port)
@@ -119,7 +121,8 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     structlog.contextvars.bind_contextvars(service_id=identity.service_id)
     log.info("serving", address=identity.address, kind=endpoint.kind, pid=os.getpid(),
-             authentication="cluster token" if token else "none")
+             authentication="cluster token" if token else "none",
+             transport="mtls" if credentials else "plaintext")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

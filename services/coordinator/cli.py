@@ -3,6 +3,7 @@
     coordctl start-run --local                       # the embedded default, all on this machine
     coordctl start-run run.yaml data.train_batch_size=64 --coordinator host:7070
     coordctl runs | status RUN | watch RUN | stop RUN | services
+    coordctl certs OUT_DIR --host node1 --host node2,10.0.0.2   # a CA and certificates for mTLS
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc
 import typer
 from tqdm import tqdm
 
+from services.common.auth import cluster_tls, cluster_token
 from services.common.config import ConfigError, apply_overrides, read_yaml, to_yaml, validate
 from services.common.run_config import RunConfig
 from services.coordinator.control import CoordinatorClient, RunStatus
@@ -186,9 +188,20 @@ def start_run(
     drive(lambda client: client.start_run(to_yaml(config)), coordinator, local, state_dir, detach, started)
 
 
+def require_valid_security_settings() -> None:
+    """Exit, naming the variable and file, if the token or mTLS settings are broken (before connecting)."""
+    try:
+        cluster_token()
+        cluster_tls()
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+
+
 def drive(begin, coordinator: str, local: bool, state_dir: Path | None, detach: bool, started: float) -> None:
     """Begin a run (start or resume) locally or on the coordinator, follow it, summarise; exit 1 unless it
     finished."""
+    require_valid_security_settings()
     try:
         if local:
             final = asyncio.run(run_local(begin, state_dir.resolve()))
@@ -212,6 +225,7 @@ def call(coordinator: str, method: str, *args):
         finally:
             await client.close()
 
+    require_valid_security_settings()
     try:
         return asyncio.run(go())
     except grpc.aio.AioRpcError as error:
@@ -264,6 +278,7 @@ def watch(run_id: str, coordinator: str = COORDINATOR) -> None:
         finally:
             await client.close()
 
+    require_valid_security_settings()
     typer.echo(asyncio.run(go()).state)
 
 
@@ -322,6 +337,29 @@ def data_convert(
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2)
     typer.echo(f"wrote {len(rows)} rows to {output}")
+
+
+@app.command("certs")
+def certs(
+    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="where to write them; nothing there is overwritten"),
+    hosts: list[str] = typer.Option(..., "--host", metavar="NAME[,ALIAS...]",
+                                    help="one host: its name (as `hostname` prints it, the file name) and any other "
+                                         "DNS names or IPs peers dial it by; repeat per host"),
+    days: int = typer.Option(365, min=1, help="validity of the CA and the host certificates"),
+) -> None:
+    """Make a CA and one certificate and key per host for mTLS (keys mode 0600; localhost and 127.0.0.1 are
+    always named)."""
+    from services.coordinator.certs import HostNames, write_cluster_certs
+
+    try:
+        written = write_cluster_certs(out_dir, [HostNames.parse(spec) for spec in hosts], days)
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+    for path in written:
+        typer.echo(f"wrote {path}")
+    typer.echo(f"give every process on host H (services and coordctl): MESHRL_TLS_CERT={out_dir}/H.pem "
+               f"MESHRL_TLS_KEY={out_dir}/H-key.pem MESHRL_TLS_CA={out_dir}/ca.pem")
 
 
 if __name__ == "__main__":
