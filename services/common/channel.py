@@ -20,6 +20,11 @@ import torch
 import torch.distributed as dist
 
 
+class Transfer(Protocol):
+    def wait(self) -> None:
+        """Block until the broadcast has completed on this rank (TimeoutError past the channel's deadline)."""
+
+
 class TensorChannel(Protocol):
     """A broadcast group for moving weights, outside gRPC.
 
@@ -32,6 +37,10 @@ class TensorChannel(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
         """Send ``tensor`` from ``root`` into the same-shaped tensor of every other rank."""
+
+    def start_broadcast(self, tensor: torch.Tensor, root: int = 0) -> Transfer:
+        """Begin a broadcast and return at once; the tensor must stay untouched until the transfer's
+        ``wait()`` returns. Transfers complete in the order they were started."""
 
     def close(self) -> None:
         """Leave the group and release its resources."""
@@ -74,17 +83,28 @@ class GlooChannel:
             raise ConnectionError(f"channel {channel_id}: rank {rank} could not connect ({error})") from error
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        self.start_broadcast(tensor, root).wait()
+
+    def start_broadcast(self, tensor: torch.Tensor, root: int = 0) -> GlooTransfer:
         options = dist.BroadcastOptions()
         options.rootRank = root
-        try:
-            self._group.broadcast([tensor], options).wait(self.timeout)
-        except RuntimeError as error:
-            raise TimeoutError(
-                f"broadcast from rank {root} did not finish within {self.timeout.total_seconds()} s ({error})"
-            ) from error
+        return GlooTransfer(self._group.broadcast([tensor], options), root, self.timeout)
 
     def close(self) -> None:
         self._group = None
+
+
+class GlooTransfer:
+    def __init__(self, work, root: int, timeout: datetime.timedelta):
+        self.work, self.root, self.timeout = work, root, timeout
+
+    def wait(self) -> None:
+        try:
+            self.work.wait(self.timeout)
+        except RuntimeError as error:
+            raise TimeoutError(
+                f"broadcast from rank {self.root} did not finish within {self.timeout.total_seconds()} s ({error})"
+            ) from error
 
 
 def open_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int, timeout_s: float,

@@ -66,6 +66,10 @@ class NcclChannel:
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
         """Broadcast ``tensor`` (contiguous, on this channel's device) from ``root``, in place elsewhere."""
+        self.start_broadcast(tensor, root).wait()
+
+    def start_broadcast(self, tensor: torch.Tensor, root: int = 0) -> NcclTransfer:
+        """Enqueue the broadcast on the channel's stream, after the work already queued on the current one."""
         from cupy.cuda import nccl
 
         if self._comm is None:
@@ -78,14 +82,7 @@ class NcclChannel:
             self._comm.bcast(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8, root, self.stream.cuda_stream)
             done = torch.cuda.Event()
             done.record(self.stream)
-        deadline = time.monotonic() + self.timeout_s
-        while not done.query():
-            if time.monotonic() > deadline:
-                self.abort()
-                raise TimeoutError(f"channel {self.channel_id}: broadcast from rank {root} did not finish within "
-                                   f"{self.timeout_s} s; channel aborted")
-            time.sleep(POLL_S)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return NcclTransfer(self, done, root)
 
     def abort(self) -> None:
         if self._comm is not None:
@@ -95,3 +92,22 @@ class NcclChannel:
     def close(self) -> None:
         """Leave the channel. ncclCommAbort, not Destroy: destroy waits for the peers to destroy too."""
         self.abort()
+
+
+class NcclTransfer:
+    """One enqueued broadcast: ``wait`` polls its event up to the channel's deadline, then orders the current
+    stream after it (and only after it: later transfers on the channel's stream go on)."""
+
+    def __init__(self, channel: NcclChannel, done: torch.cuda.Event, root: int):
+        self.channel, self.done, self.root = channel, done, root
+
+    def wait(self) -> None:
+        channel = self.channel
+        deadline = time.monotonic() + channel.timeout_s
+        while not self.done.query():
+            if time.monotonic() > deadline:
+                channel.abort()
+                raise TimeoutError(f"channel {channel.channel_id}: broadcast from rank {self.root} did not finish "
+                                   f"within {channel.timeout_s} s; channel aborted")
+            time.sleep(POLL_S)
+        torch.cuda.current_stream(channel.device).wait_event(self.done)

@@ -67,11 +67,25 @@ def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int,
     return buckets
 
 
+CHECKSUM_PERIOD = 256
+
+
+def checksum_tensor(buffer: torch.Tensor) -> torch.Tensor:
+    """Sum of the bucket's 32-bit words, the word at position i weighted by (i mod 256) + 1, as an int64
+    [1] tensor on the buffer's device (int64 arithmetic wraps around, alike on every device).
+
+    Computed as 256 column sums of the words laid out in rows of 256, so no copy of the bucket is made."""
+    words = buffer.view(torch.int32)
+    rows = words.numel() // CHECKSUM_PERIOD
+    weights = torch.arange(1, CHECKSUM_PERIOD + 1, device=buffer.device, dtype=torch.int64)
+    columns = words[: rows * CHECKSUM_PERIOD].view(rows, CHECKSUM_PERIOD).sum(dim=0, dtype=torch.int64)
+    tail = words[rows * CHECKSUM_PERIOD :].to(torch.int64)
+    return ((columns * weights).sum() + (tail * weights[: tail.numel()]).sum()).reshape(1)
+
+
 def checksum(buffer: torch.Tensor) -> int:
-    """Sum of the bucket's 32-bit words, each weighted by (position mod 251) + 1, in int64."""
-    words = buffer.view(torch.int32).to(torch.int64)
-    weights = torch.arange(words.numel(), device=buffer.device, dtype=torch.int64) % 251 + 1
-    return int((words * weights).sum())
+    """``checksum_tensor`` as a Python int."""
+    return int(checksum_tensor(buffer))
 
 
 def full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -121,38 +135,64 @@ def _manifest_from_json(data: bytes) -> tuple[int, list[Bucket]]:
     return manifest["version"], buckets
 
 
+IN_FLIGHT = 2  # buckets on the wire at once: one transfers while the next is packed (or loaded)
+
+
 def send_weights(
     channel: TensorChannel, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
     dtype: torch.dtype | None = None,
 ) -> tuple[int, int]:
-    """Broadcast the tensors from rank 0, as ``dtype`` if given (each bucket packed on the channel's device;
-    DTensors gathered bucket by bucket, in order); returns (bytes, buckets)."""
+    """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets).
+
+    Pipelined: bucket k+1 is gathered (DTensors, in order) and packed on the channel's device while bucket k
+    is on the wire; each bucket's checksum follows it without waiting for the host."""
     device = channel.device
     buckets = plan_buckets(named, bucket_bytes, dtype)
     manifest = _manifest_json(version, buckets)
     channel.broadcast(torch.tensor([len(manifest)], dtype=torch.int64, device=device))
     channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
     tensors = dict(named)
+    in_flight: list[tuple] = []
     for bucket in buckets:
         buffer = pack(bucket, tensors, device, dtype)
-        channel.broadcast(buffer)
-        channel.broadcast(torch.tensor([checksum(buffer)], dtype=torch.int64, device=device))
+        total = checksum_tensor(buffer)
+        in_flight.append((channel.start_broadcast(buffer), channel.start_broadcast(total), buffer, total))
+        if len(in_flight) >= IN_FLIGHT:
+            finish(in_flight.pop(0))
+    for transfers in in_flight:
+        finish(transfers)
     return sum(b.size for b in buckets), len(buckets)
 
 
+def finish(transfers: tuple) -> None:
+    """Wait for a bucket's transfers (the tensors they carry stay referenced until then)."""
+    for transfer in transfers[:2]:
+        transfer.wait()
+
+
 def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
-    """Receive one broadcast, verify each bucket and ``load`` it; returns the weight version."""
+    """Receive one broadcast, verify each bucket and ``load`` it; returns the weight version.
+
+    Pipelined: bucket k+1 arrives while bucket k is verified and loaded."""
     device = channel.device
     length = torch.zeros(1, dtype=torch.int64, device=device)
     channel.broadcast(length)
     manifest = torch.zeros(int(length), dtype=torch.uint8, device=device)
     channel.broadcast(manifest)
     version, buckets = _manifest_from_json(manifest.cpu().numpy().tobytes())
+
+    def start(bucket: Bucket) -> tuple:
+        buffer = torch.empty(bucket.size, dtype=torch.uint8, device=device)
+        expected = torch.empty(1, dtype=torch.int64, device=device)
+        return channel.start_broadcast(buffer), channel.start_broadcast(expected), buffer, expected
+
+    arriving = [start(bucket) for bucket in buckets[:IN_FLIGHT]]
     for index, bucket in enumerate(buckets):
-        buffer = torch.zeros(bucket.size, dtype=torch.uint8, device=device)
-        channel.broadcast(buffer)
-        expected = torch.zeros(1, dtype=torch.int64, device=device)
-        channel.broadcast(expected)
+        transfers = arriving.pop(0)
+        finish(transfers)
+        if index + IN_FLIGHT < len(buckets):
+            arriving.append(start(buckets[index + IN_FLIGHT]))
+        _, _, buffer, expected = transfers
         if checksum(buffer) != int(expected):
             raise ValueError(f"weight bucket {index} of version {version} failed its checksum")
         load(unpack(bucket, buffer))

@@ -134,8 +134,10 @@ def random_buffer(size=4096, seed=0) -> torch.Tensor:
 def test_checksum_by_hand():
     words = torch.tensor([1, -2, 3, 7], dtype=torch.int32)
     assert checksum(words.view(torch.uint8)) == 1 * 1 + (-2) * 2 + 3 * 3 + 7 * 4
-    big = torch.full((300,), 2, dtype=torch.int32)  # weights 1..251, then 1..49 again
-    assert checksum(big.view(torch.uint8)) == 2 * (sum(range(1, 252)) + sum(range(1, 50)))
+    big = torch.full((300,), 2, dtype=torch.int32)  # weights 1..256, then 1..44 again
+    assert checksum(big.view(torch.uint8)) == 2 * (sum(range(1, 257)) + sum(range(1, 45)))
+    rows = torch.arange(1024, dtype=torch.int32)  # four whole rows of 256 words: sum of i * ((i mod 256) + 1)
+    assert checksum(rows.view(torch.uint8)) == sum(i * (i % 256 + 1) for i in range(1024))
 
 
 @pytest.mark.parametrize("position", [0, 1, 2, 3, 1000, 4095])
