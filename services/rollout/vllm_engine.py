@@ -11,8 +11,9 @@
   ``services.rollout.vllm_worker.MeshrlWorkerExtension``: the coordinator's
   channel id, unique id and ranks reach it by ``collective_rpc``, and every
   tensor-parallel worker receives the full HF-named tensors, which vLLM's
-  ``load_weights`` reslices. Generation is paused and the prefix cache
-  cleared around the swap.
+  ``load_weights`` reslices (with one worker, later syncs copy straight
+  into the places the first one showed: ``direct_load``). Generation is
+  paused and the prefix cache cleared around the swap.
 - Worker processes are spawned, not forked: this process already runs gRPC.
 """
 
@@ -20,11 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.common.models import load_tokenizer
 from services.rollout.config import RolloutServiceConfig
+from services.rollout.direct_load import STACKED
 from services.rollout.hf_engine import Completion, SamplingSettings, hash_seed
 
 if TYPE_CHECKING:
@@ -33,9 +37,19 @@ if TYPE_CHECKING:
 WORKER_EXTENSION = "services.rollout.vllm_worker.MeshrlWorkerExtension"
 
 
+@dataclass(frozen=True)
+class SyncTimings:
+    """Seconds of the last weight sync: draining and pausing, receiving and loading, and the whole pause."""
+
+    pause_s: float
+    receive_s: float
+    paused_s: float
+
+
 class VLLMEngine:
     def __init__(self, llm, vocab_size: int, eos_id: int | None, channel_ranks: int):
         self.llm = llm
+        self.last_sync: SyncTimings | None = None
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.channel_ranks = channel_ranks
@@ -85,13 +99,18 @@ class VLLMEngine:
                                       args=(channel_id, bytes(rendezvous), rank, world_size, timeout_s))
 
     async def receive_weights(self, channel_id: str, timeout_s: float) -> int:
+        """Pause generation (requests in flight finish first; the prefix cache is cleared, so nothing computed
+        under the old weights is reused), receive and load the weights in every worker, resume."""
+        started = time.perf_counter()
         await self.llm.pause_generation(mode="wait", clear_cache=True)
+        paused = time.perf_counter()
         try:
             versions = await self.llm.collective_rpc("meshrl_receive_weights", timeout=timeout_s + 10,
                                                      args=(channel_id, timeout_s))
-            await self.llm.reset_prefix_cache()
+            received = time.perf_counter()
         finally:
             await self.llm.resume_generation()
+        self.last_sync = SyncTimings(paused - started, received - paused, time.perf_counter() - started)
         if len(set(versions)) != 1:
             raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
         return versions[0]
@@ -121,9 +140,6 @@ def completion_of(output, stops: list[int]) -> Completion:
 async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, timeout_s: float) -> None:
     """The workers receive one plain broadcast of ``nbytes`` (the reference the sync benchmark compares to)."""
     await engine.llm.collective_rpc("meshrl_receive_raw", timeout=timeout_s + 10, args=(channel_id, nbytes, timeout_s))
-
-
-STACKED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 
 
 def vllm_layout(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

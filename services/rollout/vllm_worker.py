@@ -12,6 +12,7 @@ import torch
 
 from services.common.nccl_channel import NcclChannel
 from services.common.weight_sync import receive_weights, tensor_checksum
+from services.rollout.direct_load import DirectLoader
 
 
 class MeshrlWorkerExtension:
@@ -27,13 +28,25 @@ class MeshrlWorkerExtension:
         return rank
 
     def meshrl_receive_weights(self, channel_id: str, timeout_s: float) -> int:
-        """Receive one weight broadcast, loading each verified bucket as it lands; returns the version."""
+        """Receive one weight broadcast, loading each verified bucket as it lands; returns the version.
+
+        A bucket whose every tensor has a learned view is copied straight into the model (``DirectLoader``);
+        otherwise it goes through ``load_weights``, and the loader learns where its tensors landed."""
         channel = self.__dict__.get("_meshrl_channels", {}).get(channel_id)
         if channel is None:
             raise KeyError(f"channel {channel_id!r} not joined by this worker")
         channel.timeout_s = timeout_s
         model = self.model_runner.model
-        version = receive_weights(channel, lambda named: model.load_weights(weights=named))
+        direct = self.__dict__.setdefault("_meshrl_direct", DirectLoader(model))
+
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:
+            if direct.knows(named):
+                direct.load(named)
+            else:
+                model.load_weights(weights=named)
+                direct.learn(named)
+
+        version = receive_weights(channel, load)
         torch.cuda.synchronize(self.device)
         return version
 
