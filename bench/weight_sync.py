@@ -3,12 +3,18 @@
 The trainer side (this process, GPU 0) holds the model's HF tensors and is
 rank 0 of an NCCL channel; a vLLM engine (AsyncLLM, spawned onto GPU 1)
 joins it through the rollout's worker extension. Measured in the same run:
-- our sync: send_weights (bucketed, checksummed) until vLLM serves the new
-  weights (loaded, prefix cache cleared, generation resumed);
+- our sync: send_weights (bucketed, checksummed, pipelined) until vLLM serves
+  the new weights (loaded, prefix cache cleared, generation resumed); the
+  trainer's weights change before every sync, so a sync that loads nothing
+  fails the checksum comparison. The first sync goes through vLLM's
+  load_weights and is reported apart; later ones copy straight into the
+  learned views (services/rollout/direct_load.py);
+- where the time goes: vLLM pausing, receiving and loading, resuming;
 - the reference: one plain broadcast of the same number of bytes on the same
   channel into a buffer in the vLLM worker.
-Also checks that every vLLM parameter equals the trainer's (checksums), and
-measures the rollout/trainer logprob gap of sampled tokens.
+Also checks that every vLLM parameter equals the trainer's after the last
+sync (checksums), and measures the rollout/trainer logprob gap of sampled
+tokens.
 
     python bench/weight_sync.py --size 0.5b [--size 1.5b]   (needs 2 GPUs and vllm)
 """
@@ -43,7 +49,12 @@ TIMEOUT_S = 120.0
 @dataclass
 class SyncReport:
     total_bytes: int
-    sync_s: list[float]  # each timed sync, until vLLM serves the weights
+    buckets: int
+    first_sync_s: float  # through load_weights
+    sync_s: list[float]  # each later sync, until vLLM serves the weights
+    pause_s: list[float]  # of each later sync: draining and pausing generation
+    receive_s: list[float]  # receiving and loading in the worker
+    paused_s: list[float]  # the whole window generation was paused
     raw_s: list[float]  # each raw broadcast of the same bytes
     mismatched: list[str]  # vLLM parameters whose checksum differs from the trainer's
     unmatched: list[str]  # vLLM parameters with no trainer counterpart
@@ -69,7 +80,7 @@ def stage(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-async def measure(model_path: Path, repeats: int = 3) -> SyncReport:
+async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET_BYTES) -> SyncReport:
     model = load_causal_lm(model_path, "bfloat16").to("cuda:0")
     named = [(name, tensor.detach()) for name, tensor in model.named_parameters()]
     engine = await start_engine(model_path, "1")
@@ -79,20 +90,26 @@ async def measure(model_path: Path, repeats: int = 3) -> SyncReport:
         channel = await asyncio.to_thread(NcclChannel, channel_id, unique_id, 0, 2, TIMEOUT_S, "cuda:0")
         await join
         stage("channel joined")
-        sync_s, raw_s, total = [], [], 0
-        for version in range(1, repeats + 2):  # the first round warms the communicator up; not timed
+        sync_s, raw_s, timings, total, buckets = [], [], [], 0, 0
+        for version in range(1, repeats + 2):  # the first sync teaches the direct path; reported apart
+            with torch.no_grad():  # new weights every time, as after an update
+                for _, tensor in named:
+                    tensor.mul_(1.0 + 2.0 ** -6)
+            torch.cuda.synchronize()
             started = time.perf_counter()
             receiving = asyncio.create_task(engine.receive_weights(channel_id, TIMEOUT_S))
-            total, _ = await asyncio.to_thread(send_weights, channel, named, version, BUCKET_BYTES)
+            total, buckets = await asyncio.to_thread(send_weights, channel, named, version, bucket_bytes)
             assert await receiving == version
             sync_s.append(time.perf_counter() - started)
+            timings.append(engine.last_sync)
             buffer = torch.empty(total, dtype=torch.uint8, device="cuda:0")
             started = time.perf_counter()
             receiving = asyncio.create_task(receive_raw(engine, channel_id, total, TIMEOUT_S))
             await asyncio.to_thread(channel.broadcast, buffer)
             await receiving
             raw_s.append(time.perf_counter() - started)
-            stage(f"round {version}: sync {sync_s[-1] * 1e3:.1f} ms, raw {raw_s[-1] * 1e3:.1f} ms")
+            stage(f"round {version}: sync {sync_s[-1] * 1e3:.1f} ms (pause {timings[-1].pause_s * 1e3:.1f}, "
+                  f"receive+load {timings[-1].receive_s * 1e3:.1f}), raw {raw_s[-1] * 1e3:.1f} ms")
         expected = {name: tensor_checksum(t) for name, t in vllm_layout(dict(named)).items()}
         [held] = await engine.checksums()
         stage("checksums read")
@@ -101,7 +118,10 @@ async def measure(model_path: Path, repeats: int = 3) -> SyncReport:
         diff_mean, diff_max = await logprob_gap(engine, model, model_path)
         stage("logprobs compared")
         channel.close()
-        return SyncReport(total, sync_s[1:], raw_s[1:], mismatched, unmatched, diff_mean, diff_max)
+        later = timings[1:]
+        return SyncReport(total, buckets, sync_s[0], sync_s[1:], [t.pause_s for t in later],
+                          [t.receive_s for t in later], [t.paused_s for t in later], raw_s[1:], mismatched,
+                          unmatched, diff_mean, diff_max)
     finally:
         await engine.close()
 
@@ -125,18 +145,28 @@ async def logprob_gap(engine: VLLMEngine, model, model_path: Path) -> tuple[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", action="append", choices=sorted(QWEN25_SHAPES), help="model size(s)")
+    parser.add_argument("--bucket-mb", type=int, action="append", help="bucket size(s) in MiB (default 1024)")
     args = parser.parse_args()
     for size in args.size or ["0.5b"]:
         with tempfile.TemporaryDirectory() as tmp:
             path = build_random_model(Path(tmp) / size, QWEN25_SHAPES[size], "bfloat16", seed=0)
-            report = asyncio.run(measure(path))
-        sync, raw = statistics.median(report.sync_s), statistics.median(report.raw_s)
-        print(f"[{size}] {report.total_bytes / 1e9:.2f} GB; vLLM parameters equal to the trainer's: "
-              f"{not report.mismatched and not report.unmatched} (mismatched {len(report.mismatched)}, "
-              f"unmatched {len(report.unmatched)}); |logp_vllm - logp_trainer| mean {report.logprob_diff_mean:.4f} "
-              f"max {report.logprob_diff_max:.4f}")
-        print(f"[{size}] raw NCCL broadcast {raw * 1e3:.1f} ms ({report.total_bytes / raw / 1e9:.0f} GB/s); "
-              f"sync until vLLM serves {sync * 1e3:.1f} ms; ratio {sync / raw:.2f}x the raw broadcast")
+            for bucket_mb in args.bucket_mb or [BUCKET_BYTES >> 20]:
+                report = asyncio.run(measure(path, bucket_bytes=bucket_mb << 20))
+                print_report(f"{size}, {bucket_mb} MiB buckets", report)
+
+
+def print_report(label: str, report: SyncReport) -> None:
+    median = statistics.median
+    sync, raw = median(report.sync_s), median(report.raw_s)
+    print(f"[{label}] {report.total_bytes / 1e9:.2f} GB in {report.buckets} buckets; vLLM parameters equal to the "
+          f"trainer's: {not report.mismatched and not report.unmatched} (mismatched {len(report.mismatched)}, "
+          f"unmatched {len(report.unmatched)}); |logp_vllm - logp_trainer| mean {report.logprob_diff_mean:.4f} "
+          f"max {report.logprob_diff_max:.4f}")
+    print(f"[{label}] first sync (load_weights) {report.first_sync_s * 1e3:.1f} ms; later syncs: pause "
+          f"{median(report.pause_s) * 1e3:.1f} ms, receive+load {median(report.receive_s) * 1e3:.1f} ms, "
+          f"generation paused {median(report.paused_s) * 1e3:.1f} ms")
+    print(f"[{label}] raw NCCL broadcast {raw * 1e3:.1f} ms ({report.total_bytes / raw / 1e9:.0f} GB/s); "
+          f"sync until vLLM serves {sync * 1e3:.1f} ms; ratio {sync / raw:.2f}x the raw broadcast")
 
 
 if __name__ == "__main__":
