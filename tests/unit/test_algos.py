@@ -747,7 +747,8 @@ def test_rollout_is_weights_are_detached():
     old = _t([-1.0, -2.0]).requires_grad_(True)
     rollout = _t([-1.5, -1.0]).requires_grad_(True)
     for level in algos.ROLLOUT_IS_LEVELS:
-        assert not algos.rollout_is_weights(old, rollout, torch.tensor([2]), level, "truncate", 2.0).weights.requires_grad
+        out = algos.rollout_is_weights(old, rollout, torch.tensor([2]), level, "truncate", 2.0)
+        assert not out.weights.requires_grad
 
 
 @pytest.mark.parametrize("lengths", [[], [0, 0]])

@@ -349,7 +349,8 @@ def test_mismatch_metrics_of_identical_policies():
     assert all(metrics[f"training/rollout_is_{level}/{stat}"] == 1.0
                for level in ("ratio", "seq_ratio") for stat in ("mean", "max", "min"))
     # a single token: no spread, so no correlation
-    assert mismatch_metrics(logprobs[:1], logprobs[:1], torch.tensor([1]))["training/rollout_actor_probs_pearson_corr"] == 0.0
+    one = mismatch_metrics(logprobs[:1], logprobs[:1], torch.tensor([1]))
+    assert one["training/rollout_actor_probs_pearson_corr"] == 0.0
 
 
 def test_stage_timer_adds_up_repeated_stages():
