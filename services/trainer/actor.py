@@ -33,6 +33,9 @@ class ActorSettings:
     kl_loss_type: str
     temperature: float
     max_response_length: int  # the constant of seq-mean-token-sum-norm
+    rollout_is: str | None = None  # rollout correction: weights per token or sequence; None = off
+    rollout_is_mode: str = "truncate"  # or mask: what becomes of a weight above the threshold
+    rollout_is_threshold: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class UpdateInputs:
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
     ref_logprobs: torch.Tensor | None  # needed when use_kl_loss
+    rollout_logprobs: torch.Tensor | None = None  # the rollout engine's; needed when rollout_is is set
 
 
 class Actor:
@@ -62,6 +66,8 @@ class Actor:
         """PPO epochs over shuffled mini-batches; verl-named metrics averaged over mini-batches."""
         if settings.use_kl_loss and inputs.ref_logprobs is None:
             raise ValueError("use_kl_loss needs ref_logprobs")
+        if settings.rollout_is and inputs.rollout_logprobs is None:
+            raise ValueError("rollout correction needs rollout_logprobs")
         self.model.train()
         reports = [self._update_mini_batch(batch, rows, inputs, settings)
                    for rows in shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
@@ -86,14 +92,22 @@ class Actor:
         device = next(self.model.parameters()).device
         logprobs, entropy = response_logprobs(self.model, part, self.pad_id, settings.temperature, True)
         lengths = part.response_lens
+        old_logprobs = inputs.old_logprobs[tokens].to(device)
+        tis = algos.rollout_is_weights(
+            old_logprobs, inputs.rollout_logprobs[tokens].to(device), lengths, settings.rollout_is,
+            settings.rollout_is_mode, settings.rollout_is_threshold) if settings.rollout_is else None
         pg = algos.policy_loss(
-            logprobs, inputs.old_logprobs[tokens].to(device), inputs.advantages[tokens].to(device), lengths,
-            settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c, settings.loss_agg_mode, scale)
+            logprobs, old_logprobs, inputs.advantages[tokens].to(device), lengths, settings.clip_ratio_low,
+            settings.clip_ratio_high, settings.clip_ratio_c, settings.loss_agg_mode, scale,
+            None if tis is None else tis.weights)
         entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale)
         loss = pg.loss - settings.entropy_coeff * entropy_loss
         stats = {"actor/pg_loss": float(pg.loss.detach()), "actor/pg_clipfrac": float(pg.clipfrac),
                  "actor/pg_clipfrac_lower": float(pg.clipfrac_lower), "actor/ppo_kl": float(pg.approx_kl),
                  "actor/entropy": float(entropy_loss.detach())}
+        if tis is not None:  # shares of the mini-batch's token means, like the statistics above
+            stats["rollout_corr/rollout_is_mean"] = float(tis.weights.sum()) / max(scale.num_tokens, 1)
+            stats["rollout_corr/rollout_is_ratio_fraction_high"] = float(tis.exceeded.sum()) / max(scale.num_tokens, 1)
         if settings.use_kl_loss:
             kl = algos.kl_penalty(logprobs, inputs.ref_logprobs[tokens].to(device), settings.kl_loss_type)
             kl_loss = algos.aggregate(kl, lengths, settings.loss_agg_mode, scale)

@@ -53,6 +53,7 @@ def actor_settings(config: RunConfig) -> ActorSettings:
     """Mini-batches are configured in prompts (as in verl); the actor counts sequences."""
     actor = config.actor_rollout_ref.actor
     n = config.actor_rollout_ref.rollout.n
+    correction = config.algorithm.rollout_correction
     return ActorSettings(
         mini_batch_size=actor.ppo_mini_batch_size * n,
         micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
@@ -67,6 +68,9 @@ def actor_settings(config: RunConfig) -> ActorSettings:
         kl_loss_type=actor.kl_loss_type,
         temperature=config.actor_rollout_ref.rollout.temperature,
         max_response_length=config.data.max_response_length,
+        rollout_is=correction.rollout_is if config.use_rollout_correction else None,
+        rollout_is_mode=correction.rollout_is_mode,
+        rollout_is_threshold=correction.rollout_is_threshold,
     )
 
 

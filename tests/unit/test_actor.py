@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 
 from services import algos
 from services.common.models import load_causal_lm
+from services.common.sequences import SequenceBatch
 from services.coordinator.loop import make_batch
 from services.coordinator.tiny_model import build_tiny_model
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
@@ -26,10 +30,10 @@ def settings(mode: str, micro: int) -> ActorSettings:
                          kl_loss_coef=0.1, kl_loss_type="low_var_kl", temperature=0.9, max_response_length=7)
 
 
-def gradient(model_path, mode: str, micro: int) -> list[torch.Tensor]:
+def tiny_case(model_path) -> tuple[Actor, SequenceBatch, UpdateInputs]:
+    """A float64 actor and six sequences (responses of 7, 1, 4, 6, 3 and 5 tokens) with random inputs."""
     torch.manual_seed(0)
-    model = load_causal_lm(model_path).double()
-    actor = Actor(model, OPTIM, 1e-3, pad_id=0, seed=0)
+    actor = Actor(load_causal_lm(model_path).double(), OPTIM, 1e-3, pad_id=0, seed=0)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in (2, 5, 3, 4, 1, 6)]
     responses = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in (7, 1, 4, 6, 3, 5)]
@@ -38,12 +42,22 @@ def gradient(model_path, mode: str, micro: int) -> list[torch.Tensor]:
     inputs = UpdateInputs(torch.randn(tokens, generator=generator, dtype=torch.float64) - 4,
                           torch.randn(tokens, generator=generator, dtype=torch.float64),
                           torch.randn(tokens, generator=generator, dtype=torch.float64) - 4)
-    rows = torch.arange(len(batch))
+    return actor, batch, inputs
+
+
+def accumulate(model_path, inputs: UpdateInputs | None, actor_settings: ActorSettings) -> list[torch.Tensor]:
+    """The gradient of one mini-batch (the whole batch) accumulated over micro-batches; tiny_case's inputs
+    unless ``inputs`` are given."""
+    actor, batch, case_inputs = tiny_case(model_path)
     scale = algos.LossScale.of(batch.response_lens, 7)
-    model.train()
-    for part in chunks(rows, micro):
-        actor._micro_batch_loss(batch, part, inputs, settings(mode, micro), scale)
-    return [p.grad.clone() for p in model.parameters()]
+    actor.model.train()
+    for part in chunks(torch.arange(len(batch)), actor_settings.micro_batch_size):
+        actor._micro_batch_loss(batch, part, inputs or case_inputs, actor_settings, scale)
+    return [p.grad.clone() for p in actor.model.parameters()]
+
+
+def gradient(model_path, mode: str, micro: int) -> list[torch.Tensor]:
+    return accumulate(model_path, None, settings(mode, micro))
 
 
 @pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
@@ -53,3 +67,58 @@ def test_micro_batches_accumulate_to_the_mini_batch_gradient(model_path, mode):
         parts = gradient(model_path, mode, micro=micro)
         for full, accumulated in zip(whole, parts):
             assert torch.allclose(full, accumulated, atol=1e-6, rtol=0), (mode, micro)
+
+
+# ---------------------------------------------------------------------------
+# rollout correction
+
+
+def pg_only(**correction) -> ActorSettings:
+    """The policy-gradient term alone (no entropy bonus, no KL loss), so its weights are all that changes."""
+    return replace(settings("token-mean", 4), entropy_coeff=0.0, use_kl_loss=False, **correction)
+
+
+def test_correction_with_rollout_logprobs_equal_to_old_changes_no_update(model_path):
+    results = []
+    for correction in ({}, {"rollout_is": "token"}, {"rollout_is": "sequence", "rollout_is_mode": "mask"}):
+        actor, batch, inputs = tiny_case(model_path)
+        inputs = replace(inputs, rollout_logprobs=inputs.old_logprobs.clone())
+        metrics = actor.update(batch, inputs, replace(settings("token-mean", 4), **correction))
+        results.append((metrics, [p.detach().clone() for p in actor.model.parameters()]))
+    off_metrics, off_weights = results[0]
+    for metrics, weights in results[1:]:  # every weight is exp(0) = 1: the same update, bit for bit
+        assert all(torch.equal(off, on) for off, on in zip(off_weights, weights))
+        assert {key: value for key, value in metrics.items() if not key.startswith("rollout_corr/")} == off_metrics
+        assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-12)
+        assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+
+
+@pytest.mark.parametrize(("ratio", "mode", "factor"), [
+    (1.5, "truncate", 1.5),  # under the threshold 2: every token's loss is weighted 1.5
+    (3.0, "truncate", 2.0),  # above it: truncated to 2
+    (3.0, "mask", 0.0),  # above it: masked, nothing is left of the policy gradient
+])
+def test_uniform_rollout_ratio_scales_the_policy_gradient(model_path, ratio, mode, factor):
+    _, _, inputs = tiny_case(model_path)
+    plain = accumulate(model_path, inputs, pg_only())
+    # rollout logprobs ln(ratio) below the trainer's: pi_old / pi_rollout = ratio on every token
+    shifted = replace(inputs, rollout_logprobs=inputs.old_logprobs - math.log(ratio))
+    corrected = accumulate(model_path, shifted, pg_only(rollout_is="token", rollout_is_mode=mode))
+    for expected, got in zip(plain, corrected):  # logprobs are fp32 (token_logprobs), so is the agreement
+        torch.testing.assert_close(got, factor * expected, rtol=1e-5, atol=1e-7)
+
+
+def test_masked_response_drops_out_of_the_gradient_like_a_zero_advantage(model_path):
+    # The fourth response (tokens 12..17) is 0.2 nats per token less likely under the rollout: its sequence
+    # ratio e^1.2 = 3.3 is above 2 and masked; the others' ratios are 1. With token-mean the divisor stays 26
+    # tokens, so this is the gradient of the same loss with zero advantages on tokens 12..17.
+    _, _, inputs = tiny_case(model_path)
+    rollout = inputs.old_logprobs.clone()
+    rollout[12:18] -= 0.2
+    corrected = accumulate(model_path, replace(inputs, rollout_logprobs=rollout),
+                           pg_only(rollout_is="sequence", rollout_is_mode="mask"))
+    advantages = inputs.advantages.clone()
+    advantages[12:18] = 0.0
+    dropped = accumulate(model_path, replace(inputs, advantages=advantages), pg_only())
+    for expected, got in zip(dropped, corrected):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
