@@ -141,10 +141,14 @@ class TrainerClient:
         return dict(reply.metrics), reply.weight_version
 
     async def update_actor(self, batch: SequenceBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                           ref_logprobs: torch.Tensor | None, step: int, timeout: float) -> tuple[dict[str, float], int]:
+                           ref_logprobs: torch.Tensor | None, step: int, timeout: float,
+                           rollout_logprobs: torch.Tensor | None = None) -> tuple[dict[str, float], int]:
+        """One PPO update; ``rollout_logprobs`` [T] (the rollout engine's) are needed when rollout correction is on."""
         tensors = {**sequence_tensors(batch), "old_logprobs": old_logprobs, "advantages": advantages}
         if ref_logprobs is not None:
             tensors["ref_logprobs"] = ref_logprobs
+        if rollout_logprobs is not None:
+            tensors["rollout_logprobs"] = rollout_logprobs
         return await self._update(self._stub.UpdateActor, tensors, step, timeout)
 
     async def update_critic(self, batch: SequenceBatch, values: torch.Tensor, returns: torch.Tensor, step: int,

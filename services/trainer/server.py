@@ -171,8 +171,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         settings = actor_settings(roles.config)
         if settings.use_kl_loss:
             check_token_tensors(batch, ("ref_logprobs",))
+        if settings.rollout_is or "rollout_logprobs" in batch:
+            check_token_tensors(batch, ("rollout_logprobs",))
         inputs = UpdateInputs(batch["old_logprobs"].float(), batch["advantages"].float(),
-                              batch["ref_logprobs"].float() if settings.use_kl_loss else None)
+                              batch["ref_logprobs"].float() if settings.use_kl_loss else None,
+                              batch["rollout_logprobs"].float() if settings.rollout_is else None)
         metrics = await self._on_model(actor.update, sequences(batch, actor.vocab_size), inputs, settings)
         self.weight_version += 1
         log.info("actor_updated", run_id=roles.run_id, step=step, weight_version=self.weight_version)

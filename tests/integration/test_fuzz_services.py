@@ -23,7 +23,8 @@ from services.coordinator.control import CoordinatorClient
 from tests.integration.test_grpo_run import run_config
 
 ACCEPTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
-NAMES = ["prompt_ids", "prompt_lens", "response_ids", "response_lens", "old_logprobs", "advantages", "x", ""]
+NAMES = ["prompt_ids", "prompt_lens", "response_ids", "response_lens", "old_logprobs", "advantages", "rollout_logprobs",
+         "x", ""]
 FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 

@@ -127,8 +127,9 @@ class TrainerServicer:
 
     def UpdateActor(self, request_iterator, context):
         """One PPO update of the actor over a batch. Request chunks: the four
-        sequence tensors plus old_logprobs [T] and advantages [T], and
-        ref_logprobs [T] when the run uses a KL loss.
+        sequence tensors plus old_logprobs [T] and advantages [T],
+        ref_logprobs [T] when the run uses a KL loss, and rollout_logprobs [T]
+        (the rollout engine's) when algorithm.rollout_correction is on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
