@@ -112,7 +112,7 @@ def main() -> None:
             [sys.executable, __file__, "--reference-model", model, "--prompts", str(args.prompts), "--n", str(args.n),
              "--max-new-tokens", str(args.max_new_tokens)], capture_output=True, text=True, check=True,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
-        raw = json.loads(child.stdout.strip().splitlines()[-1])
+        raw = json.loads(next(line for line in child.stdout.splitlines() if line.startswith('{"tokens"')))
         tokens, seconds = asyncio.run(through_service(model, args.prompts, args.n, args.max_new_tokens,
                                                       Path(tmp) / "state"))
     raw_rate, our_rate = raw["tokens"] / raw["seconds"], tokens / seconds

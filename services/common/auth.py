@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 
 HEADER = "authorization"
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
@@ -65,11 +63,17 @@ def cluster_tls() -> TlsFiles | None:
         given = [name for name in TLS_VARIABLES if name not in missing]
         raise ValueError(f"{', '.join(given)} set but {', '.join(missing)} not: mTLS needs all of "
                          f"{', '.join(TLS_VARIABLES)}")
+    from cryptography import x509  # only where mTLS is on: a plaintext node need not have it
+    from cryptography.hazmat.primitives import serialization
+
     cert_pem, cert = _load("MESHRL_TLS_CERT", "certificate", x509.load_pem_x509_certificate)
     key_pem, key = _load("MESHRL_TLS_KEY", "unencrypted private key",
                          lambda data: serialization.load_pem_private_key(data, password=None))
     ca_pem, _ = _load("MESHRL_TLS_CA", "certificate", x509.load_pem_x509_certificate)
-    if _public_der(cert.public_key()) != _public_der(key.public_key()):
+    def public_der(public_key) -> bytes:
+        return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+    if public_der(cert.public_key()) != public_der(key.public_key()):
         raise ValueError(f"MESHRL_TLS_KEY {paths['MESHRL_TLS_KEY']} is not the key of "
                          f"MESHRL_TLS_CERT {paths['MESHRL_TLS_CERT']}")
     return TlsFiles(cert_pem, key_pem, ca_pem)
@@ -86,10 +90,6 @@ def _load(variable: str, what: str, parse):
         raise ValueError(f"{variable} {path}: {error.strerror}") from None
     except (ValueError, TypeError):  # TypeError: a key protected by a password
         raise ValueError(f"{variable} {path}: not a PEM {what}") from None
-
-
-def _public_der(public_key) -> bytes:
-    return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def server_credentials() -> grpc.ServerCredentials | None:

@@ -102,7 +102,7 @@ class VLLMEngine:
         """Pause generation (requests in flight finish first; the prefix cache is cleared, so nothing computed
         under the old weights is reused), receive and load the weights in every worker, resume."""
         started = time.perf_counter()
-        await self.llm.pause_generation(mode="wait", clear_cache=True)
+        await self.pause()
         paused = time.perf_counter()
         try:
             versions = await self.llm.collective_rpc("meshrl_receive_weights", timeout=timeout_s + 10,
@@ -114,6 +114,18 @@ class VLLMEngine:
         if len(set(versions)) != 1:
             raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
         return versions[0]
+
+    async def pause(self) -> None:
+        """Stop scheduling once the requests in flight are done, and clear the prefix cache.
+
+        ``AsyncLLM.pause_generation`` does this through the engine core and then sleeps 20 ms so that the last
+        outputs reach their callers first (vLLM 0.20.1: "not required for correctness"); a sync waits for
+        the engine core alone."""
+        pause_scheduler = getattr(self.llm.engine_core, "pause_scheduler_async", None)
+        if pause_scheduler is None:
+            await self.llm.pause_generation(mode="wait", clear_cache=True)
+        else:
+            await pause_scheduler(mode="wait", clear_cache=True)
 
     async def checksums(self) -> list[dict[str, int]]:
         """Each worker's checksum of each of its parameters (tests compare them with the trainer's)."""
