@@ -39,14 +39,17 @@ def ragged_select(flat: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor)
 
 @dataclass(frozen=True)
 class Padded:
-    """A right-padded view of a SequenceBatch for a causal LM forward pass."""
+    """A view of a SequenceBatch for a causal LM forward pass: rows right-padded (``padded``), or all
+    sequences packed into one row without padding (``packed``)."""
 
-    input_ids: torch.Tensor  # [B, L] int64, prompt then response then pad
-    attention_mask: torch.Tensor  # [B, L] int64
+    input_ids: torch.Tensor  # [B, L] int64, prompt then response then pad; packed: [1, N]
+    attention_mask: torch.Tensor | None  # [B, L] int64; packed: None
     response_mask: torch.Tensor  # [B, L-1] bool: position t predicts a response token at t+1
+    position_ids: torch.Tensor | None = None  # packed: [1, N], restarting at 0 for each sequence
 
     def to(self, device: torch.device | str) -> Padded:
-        return Padded(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device))
+        return Padded(*(None if t is None else t.to(device)
+                        for t in (self.input_ids, self.attention_mask, self.response_mask, self.position_ids)))
 
     def gather_response(self, per_position: torch.Tensor) -> torch.Tensor:
         """[B, L-1] values at predicting positions -> flat [T] aligned with response_ids."""
@@ -66,6 +69,11 @@ class SequenceBatch:
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_lens.sum())
+
+    @property
+    def sequence_lens(self) -> torch.Tensor:
+        """Tokens of each sequence, prompt and response. [B]"""
+        return self.prompt_lens + self.response_lens
 
     def token_index(self, rows: torch.Tensor) -> torch.Tensor:
         """Flat indices (into response_ids and token-aligned tensors) of the given rows' tokens, in order."""
@@ -100,3 +108,22 @@ class SequenceBatch:
             attention_mask[row, : len(sequence)] = 1
             response_mask[row, len(prompt) - 1 : len(sequence) - 1] = True
         return Padded(input_ids, attention_mask, response_mask)
+
+    def packed(self) -> Padded:
+        """All sequences in one row, no padding, position ids restarting at 0 for each sequence.
+
+        Given position ids and no attention mask, transformers' causal LMs attend within each sequence only
+        (it finds the sequences where the position ids restart), so each sequence's outputs are those of
+        its padded row."""
+        lengths = self.sequence_lens.tolist()
+        prompts = split_ragged(self.prompt_ids, self.prompt_lens)
+        responses = split_ragged(self.response_ids, self.response_lens)
+        input_ids = torch.cat([torch.cat([p, r]) for p, r in zip(prompts, responses)]) if lengths else (
+            torch.zeros(0, dtype=torch.int64))
+        position_ids = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.int64)
+        response_mask = torch.zeros(max(len(input_ids) - 1, 0), dtype=torch.bool)
+        start = 0
+        for prompt_len, length in zip(self.prompt_lens.tolist(), lengths):
+            response_mask[start + prompt_len - 1 : start + length - 1] = True
+            start += length
+        return Padded(input_ids[None], None, response_mask[None], position_ids[None])

@@ -89,3 +89,32 @@ def test_padded_default_pad_and_all_same_length():
     assert padded.input_ids.tolist() == [[1, 3, 4], [2, 5, 6]]
     assert padded.attention_mask.tolist() == [[1, 1, 1], [1, 1, 1]]
     assert padded.response_mask.tolist() == [[True, True], [True, True]]
+
+
+def test_packed_by_hand():
+    batch = _batch([[1, 2], [3, 4, 5], [6]], [[7], [], [8, 9, 10]])
+    packed = batch.packed()
+    assert packed.input_ids.tolist() == [[1, 2, 7, 3, 4, 5, 6, 8, 9, 10]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 0, 1, 2, 3]]  # restarting for each sequence
+    assert packed.attention_mask is None
+    # position t predicts token t+1: 2 -> 7 in the first sequence, 6 -> 8, 8 -> 9, 9 -> 10 in the third
+    assert packed.response_mask.int().tolist() == [[0, 1, 0, 0, 0, 0, 1, 1, 1]]
+    assert packed.gather_response(packed.input_ids[:, 1:]).tolist() == batch.response_ids.tolist()
+
+
+def test_packed_forward_equals_the_padded_one(tmp_path):
+    """The packed row gives each sequence's outputs exactly as its padded row does (transformers' causal LM
+    attends within each sequence when position ids restart; float64, so equal means equal math)."""
+    from services.common.models import load_causal_lm
+    from services.coordinator.tiny_model import build_tiny_model
+
+    model = load_causal_lm(build_tiny_model(tmp_path / "tiny", 32, 2, 2, seed=0)).double().eval()
+    batch = _batch([[5, 6, 7], [8], [9, 10, 11, 12]], [[13, 14], [15, 16, 17, 18], [19]])
+    with torch.no_grad():
+        padded, packed = batch.padded(0), batch.packed()
+        by_rows = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask, use_cache=False).logits
+        in_one = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
+        unpacked = model(input_ids=packed.input_ids, use_cache=False).logits  # positions running on: attends across
+    expected = padded.gather_response(by_rows[:, :-1])
+    torch.testing.assert_close(packed.gather_response(in_one[:, :-1]), expected, rtol=0, atol=1e-12)
+    assert (packed.gather_response(unpacked[:, :-1]) - expected).abs().max() > 1e-3
