@@ -56,6 +56,8 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     from services.reward.rules import score_sample
     from services.rollout.hf_engine import HFEngine, SamplingSettings
     from services.trainer.actor import UpdateInputs
+    from services.trainer.batching import MicroBatching
+    from services.trainer.ranks import Ranks
     from services.trainer.setup import actor_settings, build_actor
 
     torch.set_num_threads(1)
@@ -63,7 +65,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     model_path, data, rollout = config.actor_rollout_ref.model.path, config.data, config.actor_rollout_ref.rollout
     tokenizer = load_tokenizer(model_path)
     prompts = load_prompts(data.train_files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length)
-    actor = build_actor(config, config.trainer.seed, "cpu")
+    actor = build_actor(config, config.trainer.seed, Ranks.single("cpu"))
     engine = HFEngine(load_causal_lm(model_path), actor.pad_id, (tokenizer.eos_token_id,), 256)
     sampler = PromptSampler(len(prompts), data.train_batch_size, True, config.trainer.seed)
     times = []
@@ -76,7 +78,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
         scores = torch.tensor([score_sample(p.data_source, tokenizer.decode(c.token_ids, skip_special_tokens=True),
                                             p.ground_truth) for p, group in zip(chosen, completions) for c in group])
         batch = make_batch([p.token_ids for p in chosen for _ in range(rollout.n)], responses)
-        old = actor.compute_log_probs(batch, rollout.temperature, 256)
+        old = actor.compute_log_probs(batch, rollout.temperature, MicroBatching(256))
         groups = torch.arange(len(chosen)).repeat_interleave(rollout.n)
         advantages = algos.expand_per_token(algos.grpo_advantages(scores, groups), batch.response_lens)
         actor.update(batch, UpdateInputs(old, advantages, None), actor_settings(config))

@@ -40,7 +40,9 @@ from services.coordinator.tiny_model import QWEN25_SHAPES, build_random_model
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.hf_engine import SamplingSettings
 from services.rollout.vllm_engine import VLLMEngine, receive_raw, vllm_layout
+from services.trainer.batching import MicroBatching
 from services.trainer.forward import batched_logprobs
+from services.trainer.ranks import Ranks
 
 BUCKET_BYTES = 1 << 30
 TIMEOUT_S = 120.0
@@ -136,7 +138,8 @@ async def logprob_gap(engine: VLLMEngine, model, model_path: Path) -> tuple[floa
     prompt_ids, prompt_lens = join_ragged([torch.tensor(p) for p, _ in flat], torch.int64)
     response_ids, response_lens = join_ragged([torch.tensor(c.token_ids) for _, c in flat], torch.int64)
     batch = SequenceBatch(prompt_ids, prompt_lens, response_ids, response_lens)
-    trainer = batched_logprobs(model, batch, tokenizer.pad_token_id, 1.0, 32)
+    trainer = batched_logprobs(model, batch, tokenizer.pad_token_id, 1.0, MicroBatching(32),
+                               Ranks.single(next(model.parameters()).device))
     rollout = torch.tensor([lp for _, c in flat for lp in c.logprobs])
     gap = (rollout - trainer).abs()
     return float(gap.mean()), float(gap.max())

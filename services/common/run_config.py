@@ -39,7 +39,44 @@ class ModelConfig(Section):
     path: str = ""
     """Local Hugging Face model folder (config.json, weights, tokenizer). Filled in by --local."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of the weights on the trainer and the rollout engine."""
+    """Dtype of the weights on the rollout engine, and on the trainer unless its fsdp_config.mixed_precision is
+    set (then the trainer keeps fp32 master weights and sends the rollout its weights cast to this dtype)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (less memory,
+    about a third more compute)."""
+    use_remove_padding: bool = False
+    """Pack each micro-batch's sequences into one row, position ids restarting per sequence, instead of padding
+    every row to the longest; the outputs are the same. It pays off with a variable-length attention kernel
+    (flash_attention_2); under sdpa, the default, attention spans the whole packed row under a block mask,
+    which on CPU is slower than padding once a micro-batch holds more than a few sequences."""
+
+
+class MixedPrecisionConfig(Section):
+    param_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the forward and backward compute: each layer's fp32 weights are cast to it when gathered."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype in which gradients are reduced over the ranks."""
+
+
+class FSDPConfig(Section):
+    """How the trainer holds a model (verl's fsdp_config)."""
+
+    param_offload: bool = False
+    """Keep the weight shards, their gradients and the optimizer state in CPU memory (FSDP2's
+    CPUOffloadPolicy): each layer is copied to the GPU for its forward and backward, the optimizer steps on
+    the CPU. Needs FSDP (strategy fsdp2 or auto)."""
+    optimizer_offload: bool = False
+    """Keep the AdamW state in CPU memory between update calls; it comes to the GPU for each update."""
+    mixed_precision: MixedPrecisionConfig | None = None
+    """Null: weights and compute in actor_rollout_ref.model.dtype. Set ({} for the defaults): fp32 master
+    weights and optimizer state, compute in param_dtype, gradient reductions in reduce_dtype (FSDP2's
+    MixedPrecisionPolicy; needs strategy fsdp2 or auto)."""
+
+    @property
+    def needs_fsdp(self) -> bool:
+        return self.param_offload or self.mixed_precision is not None
+
+
 
 
 class OptimConfig(Section):
@@ -69,7 +106,14 @@ class ActorConfig(Section):
     ppo_mini_batch_size: PositiveInt = 16
     """Prompts per optimizer step (each with its rollout.n responses)."""
     ppo_micro_batch_size_per_gpu: PositiveInt = 64
-    """Sequences per forward/backward; gradients are accumulated over a mini-batch."""
+    """Sequences per forward/backward on one rank; gradients are accumulated over a mini-batch."""
+    use_dynamic_bsz: bool = False
+    """Cut micro-batches by a token budget (ppo_max_token_len_per_gpu) instead of a count of sequences."""
+    ppo_max_token_len_per_gpu: PositiveInt = 16384
+    """With use_dynamic_bsz: most tokens a micro-batch holds on one rank, counted as the forward pass holds
+    them: all tokens of its sequences with model.use_remove_padding, else rows x its longest row (sequences
+    are taken longest first, so little padding is counted). Must fit the longest sequence,
+    data.max_prompt_length + data.max_response_length."""
     ppo_epochs: PositiveInt = 1
     clip_ratio_low: float = Field(0.2, gt=0, lt=1)
     """PPO clip range below 1."""
@@ -90,6 +134,13 @@ class ActorConfig(Section):
     grad_clip: PositiveFloat = 1.0
     """Max global gradient norm."""
     warm_start: WarmStartConfig = WarmStartConfig()
+    strategy: Literal["auto", "fsdp2", "none"] = "auto"
+    """How the trainer holds the actor: fsdp2 = sharded over the trainer's ranks (torchrun) with FSDP2, on one
+    rank too; none = whole on one rank, refused on a trainer of several ranks; auto = fsdp2 when the trainer
+    runs several ranks or fsdp_config asks for mixed precision or parameter offload, else none (so one CPU
+    rank trains as fast as without FSDP)."""
+    fsdp_config: FSDPConfig = FSDPConfig()
+    """How the trainer holds the actor; the reference follows the actor's strategy and fsdp_config."""
 
 
 class RolloutConfig(Section):
@@ -101,6 +152,14 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     stop_token_ids: list[int] = []
     """Token ids that end a response besides EOS."""
+    log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
+    """Sequences per forward pass of the trainer's old and reference logprobs; null = the actor's
+    ppo_micro_batch_size_per_gpu."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Cut those passes by a token budget; null = the actor's use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: PositiveInt | None = None
+    """Their token budget (passes without gradients can hold more); null = the actor's
+    ppo_max_token_len_per_gpu."""
 
 
 class ActorRolloutRefConfig(Section):
@@ -112,6 +171,12 @@ class ActorRolloutRefConfig(Section):
 class CriticModelConfig(Section):
     path: str = ""
     """Local model folder of the critic's body; empty = the actor's model (a value head is added)."""
+    enable_gradient_checkpointing: bool = False
+    """As actor_rollout_ref.model.enable_gradient_checkpointing, for the critic."""
+    use_remove_padding: bool = False
+    """As actor_rollout_ref.model.use_remove_padding, for the critic."""
+    fsdp_config: FSDPConfig = FSDPConfig()
+    """How the trainer holds the critic."""
 
 
 class CriticConfig(Section):
@@ -122,6 +187,13 @@ class CriticConfig(Section):
     ppo_mini_batch_size: PositiveInt | None = None
     """Prompts per critic optimizer step; null = the actor's."""
     ppo_micro_batch_size_per_gpu: PositiveInt = 64
+    """Sequences per forward/backward (and per forward pass of the values) on one rank."""
+    use_dynamic_bsz: bool = False
+    """Cut micro-batches by a token budget instead of a count of sequences (see the actor's)."""
+    ppo_max_token_len_per_gpu: PositiveInt = 32768
+    """With use_dynamic_bsz: token budget of a micro-batch of the critic's update, counted as the actor's."""
+    forward_max_token_len_per_gpu: PositiveInt | None = None
+    """With use_dynamic_bsz: token budget of the values' forward passes; null = ppo_max_token_len_per_gpu."""
     ppo_epochs: PositiveInt | None = None
     """Null = the actor's."""
     cliprange_value: float = Field(0.5, gt=0)
@@ -131,6 +203,8 @@ class CriticConfig(Section):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean")
     grad_clip: PositiveFloat = 1.0
+    strategy: Literal["auto", "fsdp2", "none"] = "auto"
+    """As actor_rollout_ref.actor.strategy, for the critic (its fsdp_config is critic.model.fsdp_config)."""
 
 
 class KLControlConfig(Section):
@@ -287,6 +361,31 @@ class RunConfig(Section):
                              "(groups of responses)")
         if estimator == "gae" and self.critic.enable is False:
             raise ValueError("algorithm.adv_estimator=gae needs a critic, but critic.enable is false")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _trainer_layout_agrees(self) -> RunConfig:
+        actor, rollout, critic = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.critic
+        longest = self.data.max_prompt_length + self.data.max_response_length
+        budgets = (
+            ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.use_dynamic_bsz,
+             actor.ppo_max_token_len_per_gpu),
+            ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+             actor.use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is None else rollout.log_prob_use_dynamic_bsz,
+             rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu),
+            ("critic.ppo_max_token_len_per_gpu", critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
+            ("critic.forward_max_token_len_per_gpu", critic.use_dynamic_bsz,
+             critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu),
+        )
+        for field, dynamic, budget in budgets:
+            if dynamic and budget < longest:
+                raise ValueError(f"{field} ({budget}) must hold the longest sequence: data.max_prompt_length + "
+                                 f"data.max_response_length = {longest}")
+        for role, strategy, fsdp in (("actor_rollout_ref.actor", actor.strategy, actor.fsdp_config),
+                                     ("critic", critic.strategy, critic.model.fsdp_config)):
+            if strategy == "none" and fsdp.needs_fsdp:
+                raise ValueError(f"{role}.strategy=none cannot do the mixed precision or parameter offload its "
+                                 "fsdp_config asks for: use fsdp2 or auto")
         return self
 
     def require_paths(self) -> None:

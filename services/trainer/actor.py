@@ -1,6 +1,10 @@
-"""The actor: the policy model and its optimizer, on one rank.
+"""The actor: the policy model and its optimizer, on one rank of the trainer's ranks.
 
-Called from the trainer's worker thread, one call at a time:
+On several ranks the model is sharded (FSDP2) and each rank takes its share of
+every mini-batch (``batching``); its losses keep the whole mini-batch's
+divisors, so the ranks' gradients add up to the mini-batch's gradient.
+
+Called from the trainer's worker thread, one call at a time, on every rank:
 ``compute_log_probs`` for the old-policy logprobs, ``update`` for one PPO
 update over a batch, ``train_supervised`` for the warm start, and
 ``named_weights`` when the weights are broadcast to the rollout engines.
@@ -14,8 +18,10 @@ import torch
 
 from services import algos
 from services.common.sequences import SequenceBatch
+from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.forward import batched_logprobs, response_logprobs
-from services.trainer.optim import Optimizer, OptimSettings, chunks, mean_metrics, shuffled_mini_batches
+from services.trainer.optim import Optimizer, OptimSettings, mean_metrics, shuffled_mini_batches
+from services.trainer.ranks import Ranks
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,12 @@ class ActorSettings:
     rollout_is: str | None = None  # rollout correction: weights per token or sequence; None = off
     rollout_is_mode: str = "truncate"  # or mask: what becomes of a weight above the threshold
     rollout_is_threshold: float = 2.0
+    max_token_len: int | None = None  # token budget per micro-batch instead of micro_batch_size (use_dynamic_bsz)
+    remove_padding: bool = False  # forward passes pack their sequences into one row
+
+    @property
+    def micro(self) -> MicroBatching:
+        return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding)
 
 
 @dataclass(frozen=True)
@@ -49,18 +61,21 @@ class UpdateInputs:
 
 
 class Actor:
-    def __init__(self, model: torch.nn.Module, optim: OptimSettings, warm_start_lr: float, pad_id: int, seed: int):
+    def __init__(self, model: torch.nn.Module, optim: OptimSettings, warm_start_lr: float, pad_id: int, seed: int,
+                 ranks: Ranks | None = None):
+        """``ranks``: where the (placed, maybe sharded) model trains; None = one rank, on the model's device."""
         self.model = model
+        self.ranks = ranks or Ranks.single(next(model.parameters()).device)
         self.pad_id = pad_id
         self.vocab_size = model.config.vocab_size
         self.optimizer = Optimizer(model.parameters(), optim)
         self.warm_start = Optimizer(model.parameters(), OptimSettings(
-            warm_start_lr, 0.0, optim.betas, optim.grad_clip, 0, "constant", 0.0, 1))
+            warm_start_lr, 0.0, optim.betas, optim.grad_clip, 0, "constant", 0.0, 1, optim.offload))
         self.shuffle = torch.Generator().manual_seed(seed)
 
-    def compute_log_probs(self, batch: SequenceBatch, temperature: float, micro_batch_size: int) -> torch.Tensor:
-        """Logprob of every response token under the current weights, flat [T]."""
-        return batched_logprobs(self.model, batch, self.pad_id, temperature, micro_batch_size)
+    def compute_log_probs(self, batch: SequenceBatch, temperature: float, micro: MicroBatching) -> torch.Tensor | None:
+        """Logprob of every response token under the current weights, flat [T] on rank 0 (None on the others)."""
+        return batched_logprobs(self.model, batch, self.pad_id, temperature, micro, self.ranks)
 
     def update(self, batch: SequenceBatch, inputs: UpdateInputs, settings: ActorSettings) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; verl-named metrics averaged over mini-batches."""
@@ -69,8 +84,9 @@ class Actor:
         if settings.rollout_is and inputs.rollout_logprobs is None:
             raise ValueError("rollout correction needs rollout_logprobs")
         self.model.train()
-        reports = [self._update_mini_batch(batch, rows, inputs, settings)
-                   for rows in shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
+        with self.optimizer.resident():
+            reports = [self._update_mini_batch(batch, rows, inputs, settings) for rows in
+                       shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
         self.optimizer.advance_schedule()
         return {**mean_metrics(reports), "actor/lr": self.optimizer.lr}
 
@@ -78,19 +94,24 @@ class Actor:
                            settings: ActorSettings) -> dict[str, float]:
         scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length)
         stats: dict[str, float] = {}
-        for micro in chunks(rows, settings.micro_batch_size):
-            for key, value in self._micro_batch_loss(batch, micro, inputs, settings, scale).items():
-                stats[key] = stats.get(key, 0.0) + value
+        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, settings.micro)
+        for micro, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
+            weight = self.ranks.grad_scale if real else 0.0
+            for key, value in self._micro_batch_loss(batch, micro, inputs, settings, scale, weight).items():
+                stats[key] = stats.get(key, 0.0) + (value if real else 0.0)
+        stats = self.ranks.sum_metrics(stats)
         stats["actor/grad_norm"] = self.optimizer.step()
         return stats
 
     def _micro_batch_loss(self, batch, micro, inputs: UpdateInputs, settings: ActorSettings,
-                          scale: algos.LossScale) -> dict[str, float]:
-        """Backpropagate one micro-batch's share of the mini-batch loss; return its share of the metrics."""
+                          scale: algos.LossScale, weight: float = 1.0) -> dict[str, float]:
+        """Backpropagate ``weight`` x one micro-batch's share of the mini-batch loss; return its share of the
+        metrics."""
         part = batch.select(micro)
         tokens = batch.token_index(micro)
-        device = next(self.model.parameters()).device
-        logprobs, entropy = response_logprobs(self.model, part, self.pad_id, settings.temperature, True)
+        device = self.ranks.device
+        logprobs, entropy = response_logprobs(self.model, part, self.pad_id, settings.temperature, True, device,
+                                              settings.remove_padding)
         lengths = part.response_lens
         old_logprobs = inputs.old_logprobs[tokens].to(device)
         tis = algos.rollout_is_weights(
@@ -113,20 +134,25 @@ class Actor:
             kl_loss = algos.aggregate(kl, lengths, settings.loss_agg_mode, scale)
             loss = loss + settings.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = float(kl_loss.detach())
-        loss.backward()
+        (weight * loss).backward()
         return stats
 
-    def train_supervised(self, batch: SequenceBatch, micro_batch_size: int) -> dict[str, float]:
+    def train_supervised(self, batch: SequenceBatch, micro: MicroBatching) -> dict[str, float]:
         """One step of next-token NLL on the response tokens (the warm start), with its own optimizer."""
         self.model.train()
         num_tokens = batch.num_response_tokens
+        rows = torch.arange(len(batch))
+        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, micro)
         total = 0.0
-        for rows in torch.arange(len(batch)).split(micro_batch_size):
-            logprobs, _ = response_logprobs(self.model, batch.select(rows), self.pad_id, 1.0, False)
-            loss = algos.sequence_nll(logprobs, num_tokens)
-            loss.backward()
-            total += float(loss.detach())
-        return {"warm_start/loss": total, "warm_start/grad_norm": self.warm_start.step()}
+        with self.warm_start.resident():
+            for part, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
+                logprobs, _ = response_logprobs(self.model, batch.select(part), self.pad_id, 1.0, False,
+                                                self.ranks.device, micro.remove_padding)
+                loss = algos.sequence_nll(logprobs, num_tokens)
+                ((self.ranks.grad_scale if real else 0.0) * loss).backward()
+                total += float(loss.detach()) if real else 0.0
+            total = self.ranks.sum_metrics({"warm_start/loss": total})["warm_start/loss"]
+            return {"warm_start/loss": total, "warm_start/grad_norm": self.warm_start.step()}
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The model's parameters under their Hugging Face names, in a fixed order (a tied lm_head once)."""

@@ -1,10 +1,15 @@
-"""Settings of a trainer service process."""
+"""Settings of a trainer service process (every rank of a torchrun group reads the same)."""
 
 from __future__ import annotations
+
+from pydantic import PositiveFloat
 
 from services.common.config import ServeConfig
 
 
 class TrainerServiceConfig(ServeConfig):
     device: str = "cpu"
-    """torch device of the models (one rank)."""
+    """torch device of the models: cpu, or cuda (under torchrun each rank takes cuda:LOCAL_RANK)."""
+    collective_timeout_s: PositiveFloat = 600.0
+    """Under torchrun: deadline of each collective among the ranks (a rank that does not take part in time
+    ends the group)."""

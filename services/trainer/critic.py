@@ -1,7 +1,8 @@
 """The critic: a value head on the causal LM's body (one value per token) and its optimizer.
 
-Called from the trainer's worker thread: ``compute_values`` before the
-advantages are computed, ``update`` with the returns afterwards.
+Called from the trainer's worker thread, on every rank: ``compute_values``
+before the advantages are computed, ``update`` with the returns afterwards.
+Several ranks share the work as the actor's do.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import torch
 
 from services import algos
 from services.common.sequences import SequenceBatch
+from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.forward import batched_values, response_values
-from services.trainer.optim import Optimizer, OptimSettings, chunks, mean_metrics, shuffled_mini_batches
+from services.trainer.optim import Optimizer, OptimSettings, mean_metrics, shuffled_mini_batches
+from services.trainer.ranks import Ranks
 
 
 @dataclass(frozen=True)
@@ -25,41 +28,53 @@ class CriticSettings:
     vf_coef: float
     loss_agg_mode: str
     max_response_length: int
+    max_token_len: int | None = None  # token budget per micro-batch instead of micro_batch_size (use_dynamic_bsz)
+    remove_padding: bool = False
+
+    @property
+    def micro(self) -> MicroBatching:
+        return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding)
 
 
 class Critic:
-    def __init__(self, model: torch.nn.Module, optim: OptimSettings, pad_id: int, seed: int):
+    def __init__(self, model: torch.nn.Module, optim: OptimSettings, pad_id: int, seed: int,
+                 ranks: Ranks | None = None):
         self.model = model
+        self.ranks = ranks or Ranks.single(next(model.parameters()).device)
         self.pad_id = pad_id
         self.optimizer = Optimizer(model.parameters(), optim)
         self.shuffle = torch.Generator().manual_seed(seed + 1)
 
-    def compute_values(self, batch: SequenceBatch, micro_batch_size: int) -> torch.Tensor:
-        """V(s_t) before each response token, flat [T]."""
-        return batched_values(self.model, batch, self.pad_id, micro_batch_size)
+    def compute_values(self, batch: SequenceBatch, micro: MicroBatching) -> torch.Tensor | None:
+        """V(s_t) before each response token, flat [T] on rank 0 (None on the others)."""
+        return batched_values(self.model, batch, self.pad_id, micro, self.ranks)
 
     def update(self, batch: SequenceBatch, old_values: torch.Tensor, returns: torch.Tensor,
                settings: CriticSettings) -> dict[str, float]:
         """Clipped value-loss epochs over shuffled mini-batches; verl-named metrics."""
         self.model.train()
-        reports = [self._update_mini_batch(batch, rows, old_values, returns, settings)
-                   for rows in shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
+        with self.optimizer.resident():
+            reports = [self._update_mini_batch(batch, rows, old_values, returns, settings) for rows in
+                       shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
         self.optimizer.advance_schedule()
         return {**mean_metrics(reports), "critic/lr": self.optimizer.lr}
 
     def _update_mini_batch(self, batch, rows, old_values, returns, settings: CriticSettings) -> dict[str, float]:
         scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length)
-        device = next(self.model.parameters()).device
+        device = self.ranks.device
         stats = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
-        for micro in chunks(rows, settings.micro_batch_size):
+        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, settings.micro)
+        for micro, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
             part = batch.select(micro)
             tokens = batch.token_index(micro)
-            values = response_values(self.model, part, self.pad_id)
+            values = response_values(self.model, part, self.pad_id, device, settings.remove_padding)
             result = algos.value_loss(values, old_values[tokens].to(device), returns[tokens].to(device),
                                       part.response_lens, settings.cliprange_value, settings.loss_agg_mode, scale)
-            (settings.vf_coef * result.loss).backward()
-            stats["critic/vf_loss"] += float(result.loss.detach())
-            stats["critic/vf_clipfrac"] += float(result.clipfrac)
-            stats["critic/vpred_mean"] += float(values.detach().sum()) / max(scale.num_tokens, 1)
+            ((self.ranks.grad_scale if real else 0.0) * settings.vf_coef * result.loss).backward()
+            if real:
+                stats["critic/vf_loss"] += float(result.loss.detach())
+                stats["critic/vf_clipfrac"] += float(result.clipfrac)
+                stats["critic/vpred_mean"] += float(values.detach().sum()) / max(scale.num_tokens, 1)
+        stats = self.ranks.sum_metrics(stats)
         stats["critic/grad_norm"] = self.optimizer.step()
         return stats

@@ -1,45 +1,87 @@
-"""Forward passes over a SequenceBatch: per-response-token logprobs, entropies and values."""
+"""Forward passes over a SequenceBatch: per-response-token logprobs, entropies and values.
+
+A micro-batch goes through the model right-padded to its longest row, or,
+with ``remove_padding``, packed into one row whose position ids restart for
+each sequence (no pad tokens at all; the same outputs). Logprobs and
+entropies come from the logits upcast to fp32 (``algos.token_logprobs``),
+whatever dtype the model computes in.
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from services import algos
-from services.common.sequences import SequenceBatch
+from services.common.sequences import Padded, SequenceBatch
+from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
+from services.trainer.ranks import Ranks
+
+
+def model_inputs(batch: SequenceBatch, pad_id: int, remove_padding: bool, device: torch.device) -> Padded:
+    return (batch.packed() if remove_padding else batch.padded(pad_id)).to(device)
+
+
+def run_model(model: torch.nn.Module, inputs: Padded) -> torch.Tensor:
+    """The model's output scores (logits, or a value head's) at every position, [rows, L, ...]."""
+    return model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
+                 use_cache=False).logits
 
 
 def response_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,
-                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool, device: torch.device,
+                      remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (fp32, from temperature-scaled logits) of the response tokens, flat [T], and their entropies."""
-    device = next(model.parameters()).device
-    padded = batch.padded(pad_id).to(device)
-    logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits[:, :-1]
-    logprobs = padded.gather_response(algos.token_logprobs(logits, padded.input_ids[:, 1:], temperature))
-    entropy = padded.gather_response(algos.token_entropy(logits, temperature)) if with_entropy else None
+    inputs = model_inputs(batch, pad_id, remove_padding, device)
+    logits = run_model(model, inputs)[:, :-1]
+    logprobs = inputs.gather_response(algos.token_logprobs(logits, inputs.input_ids[:, 1:], temperature))
+    entropy = inputs.gather_response(algos.token_entropy(logits, temperature)) if with_entropy else None
     return logprobs, entropy
 
 
-def response_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int) -> torch.Tensor:
+def response_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, device: torch.device,
+                    remove_padding: bool = False) -> torch.Tensor:
     """The value head's output at the position before each response token, flat [T] fp32."""
-    device = next(model.parameters()).device
-    padded = batch.padded(pad_id).to(device)
-    values = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits[:, :-1, 0]
-    return padded.gather_response(values.float())
+    inputs = model_inputs(batch, pad_id, remove_padding, device)
+    return inputs.gather_response(run_model(model, inputs)[:, :-1, 0].float())
 
 
 @torch.no_grad()
+def per_token(compute: Callable[[SequenceBatch], torch.Tensor], batch: SequenceBatch, micro: MicroBatching,
+              ranks: Ranks) -> torch.Tensor | None:
+    """``compute`` (a micro-batch -> flat [T'] values of its response tokens) over this rank's micro-batches.
+
+    Returns on rank 0 the values of the whole batch, flat [T] in the batch's order, on CPU; None on the others.
+    """
+    rows = torch.arange(len(batch))
+    plan = micro_batch_plan(batch.sequence_lens, rows, ranks.world_size, micro)
+    mine = []
+    for part, real in with_stand_ins(plan[ranks.rank], batch.sequence_lens, rows):
+        values = compute(batch.select(part))
+        if real:
+            mine.append(values.cpu())
+    local = torch.cat(mine) if mine else torch.zeros(0)
+    orders = [torch.cat(batches) if batches else torch.zeros(0, dtype=torch.int64) for batches in plan]
+    gathered = ranks.gather(local, [int(batch.response_lens[order].sum()) for order in orders])
+    if gathered is None:
+        return None
+    values = torch.zeros(batch.num_response_tokens, dtype=gathered.dtype)
+    values[batch.token_index(torch.cat(orders))] = gathered
+    return values
+
+
 def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,
-                     micro_batch_size: int) -> torch.Tensor:
-    """Logprobs of every response token, in micro-batches, without gradients. [T] on CPU."""
+                     micro: MicroBatching, ranks: Ranks) -> torch.Tensor | None:
+    """Logprobs of every response token without gradients: flat [T] on rank 0 (CPU), None on the others."""
     model.eval()
-    parts = [response_logprobs(model, batch.select(rows), pad_id, temperature, False)[0].cpu()
-             for rows in torch.arange(len(batch)).split(micro_batch_size)]
-    return torch.cat(parts) if parts else torch.zeros(0)
+    return per_token(lambda part: response_logprobs(model, part, pad_id, temperature, False, ranks.device,
+                                                    micro.remove_padding)[0], batch, micro, ranks)
 
 
-@torch.no_grad()
-def batched_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, micro_batch_size: int) -> torch.Tensor:
+def batched_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, micro: MicroBatching,
+                   ranks: Ranks) -> torch.Tensor | None:
+    """Values before every response token without gradients: flat [T] on rank 0 (CPU), None on the others."""
     model.eval()
-    parts = [response_values(model, batch.select(rows), pad_id).cpu()
-             for rows in torch.arange(len(batch)).split(micro_batch_size)]
-    return torch.cat(parts) if parts else torch.zeros(0)
+    return per_token(lambda part: response_values(model, part, pad_id, ranks.device, micro.remove_padding),
+                     batch, micro, ranks)

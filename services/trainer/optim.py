@@ -6,6 +6,7 @@ optimizer step, as verl's does.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -24,6 +25,7 @@ class OptimSettings:
     warmup_style: str  # constant or cosine
     min_lr_ratio: float
     total_steps: int
+    offload: bool = False  # keep the AdamW state in CPU memory between update calls
 
 
 class Optimizer:
@@ -36,11 +38,34 @@ class Optimizer:
             step, settings.warmup_steps, settings.total_steps, settings.warmup_style, settings.min_lr_ratio))
 
     def step(self) -> float:
-        """Clip the gradients, step, zero them; returns the gradient norm before clipping."""
+        """Clip the gradients, step, zero them; returns the gradient norm before clipping.
+
+        With sharded (DTensor) parameters the norm is over the whole model, every rank's shards."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         self.adamw.step()
         self.adamw.zero_grad(set_to_none=True)
         return float(grad_norm)
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Around an update call: with offload, the AdamW state comes to the parameters' device for the call
+        and goes back to CPU memory after it (verl's optimizer_offload)."""
+        if not self.settings.offload:
+            yield
+            return
+        self._move_state(self.params[0].device)
+        try:
+            yield
+        finally:
+            self._move_state(torch.device("cpu"))
+
+    def _move_state(self, device: torch.device) -> None:
+        for state in self.adamw.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
 
     def advance_schedule(self) -> None:
         self.schedule.step()

@@ -1,19 +1,22 @@
-"""The trainer servicer: wire <-> actor, nothing else.
+"""The trainer servicer: wire <-> worker, nothing else.
 
 A streamed request is read to its end before anything is refused, so that
 the caller's stream closes cleanly and it receives the refusal's status.
+Requests are checked here, before any rank starts on them (``worker``).
 
-Model work runs on one worker thread, one call at a time; joining a channel
-(which blocks until every member has joined) runs on a thread of its own.
+Model work runs on one worker thread, one call at a time; on a trainer of
+several ranks that thread also relays each call to the other ranks. Joining
+a channel (which blocks until every member has joined) runs on a thread of
+its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -25,19 +28,14 @@ from services.common.config import validate
 from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
 from services.common.run_config import RunConfig
-from services.common.sequences import SequenceBatch
-from services.common.weight_sync import send_weights
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.trainer import checkpoint
-from services.trainer.actor import Actor, UpdateInputs
 from services.trainer.config import TrainerServiceConfig
-from services.trainer.critic import Critic
-from services.trainer.forward import batched_logprobs
-from services.trainer.setup import (ROLES, actor_settings, build_actor, build_critic, build_reference,
-                                    critic_settings, pad_id_of)
+from services.trainer.ranks import join
+from services.trainer.setup import actor_settings, actor_sharding, critic_sharding
+from services.trainer.worker import SEQUENCE_KEYS, Roles, Worker, check_roles
 
 log = structlog.get_logger()
-SEQUENCE_KEYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
 
 
 async def read_batch(request_iterator, extra: tuple[str, ...] = ()) -> tuple[int, str, dict[str, torch.Tensor]]:
@@ -69,76 +67,60 @@ def check_token_tensors(batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -
             raise ValueError(f"{key} holds NaN or infinite values")
 
 
-def sequences(batch: dict[str, torch.Tensor], vocab_size: int) -> SequenceBatch:
+def check_vocab(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The batch's four sequence tensors, once their token ids are known to be in the model's vocabulary."""
+    vocab_size = model.config.vocab_size
     for key in ("prompt_ids", "response_ids"):
         ids = batch[key]
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
             raise ValueError(f"{key} must lie in [0, {vocab_size})")
-    return SequenceBatch(*(batch[key] for key in SEQUENCE_KEYS))
+    return {key: batch[key] for key in SEQUENCE_KEYS}
 
 
-@dataclass
-class Roles:
-    """What this trainer hosts for the current run."""
-
-    run_id: str
-    config: RunConfig
-    actor: Actor | None
-    critic: Critic | None
-    reference: torch.nn.Module | None
-    pad_id: int
-
-    def hosted(self) -> dict[str, object]:
-        return {name: model for name, model in
-                (("actor", self.actor), ("critic", self.critic), ("ref", self.reference)) if model is not None}
-
-    def need(self, role: str):
-        hosted = self.hosted().get(role)
-        if hosted is None:
-            raise FailedPrecondition(f"this trainer does not host the {role!r} role of run {self.run_id}")
-        return hosted
-
-
-def build_roles(run_id: str, config: RunConfig, roles: list[str], seed: int, device: str) -> Roles:
-    unknown = sorted(set(roles) - set(ROLES))
-    if unknown or not roles:
-        raise ValueError(f"roles must be a non-empty subset of {list(ROLES)}, got {list(roles)}")
-    return Roles(
-        run_id, config,
-        build_actor(config, seed, device) if "actor" in roles else None,
-        build_critic(config, seed, device) if "critic" in roles else None,
-        build_reference(config, device) if "ref" in roles else None,
-        pad_id_of(config.actor_rollout_ref.model.path),
-    )
+def check_init(config: RunConfig, roles: list[str], world_size: int) -> None:
+    """Refuse what building the roles would fail on, before any rank starts on it."""
+    check_roles(roles)
+    actor_sharding(config, world_size)
+    critic_sharding(config, world_size)
+    for field, folder in (("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path),
+                          ("critic.model.path", config.critic.model.path)):
+        if folder and not (Path(folder) / "config.json").exists():
+            raise ValueError(f"{field}: no config.json in model folder {folder}")
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, config: TrainerServiceConfig, identity: common_pb2.ServiceIdentity):
+    def __init__(self, config: TrainerServiceConfig, identity: common_pb2.ServiceIdentity, worker: Worker):
         self.config = config
         self.identity = identity
-        self.roles: Roles | None = None
+        self.worker = worker
         self.weight_version = 0
         self.channels = ChannelTable(config.device)
         self.stores: dict[str, object] = {}
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
-    async def _on_model(self, function, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._model_thread, function, *args)
+    async def _on_model(self, function, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(
+            self._model_thread, functools.partial(function, *args, **kwargs))
+
+    async def _run(self, op: str, args: dict, tensors: dict[str, torch.Tensor], **local):
+        """Do one op on every rank (on the model thread); rank 0's result."""
+        return await self._on_model(self.worker.run, op, args, tensors, **local)
 
     def _roles(self) -> Roles:
-        if self.roles is None:
+        if self.worker.roles is None:
             raise FailedPrecondition("no run loaded: call InitRun first")
-        return self.roles
+        return self.worker.roles
 
     async def InitRun(self, request, context):
         import yaml
 
         run_config = validate(RunConfig, yaml.safe_load(request.run_config_yaml) or {})
-        self.roles = await self._on_model(
-            build_roles, request.run_id, run_config, list(request.roles), request.seed, self.config.device)
+        check_init(run_config, list(request.roles), self.worker.ranks.world_size)
+        await self._run("init_run", {"run_id": request.run_id, "run_config_yaml": request.run_config_yaml,
+                                     "roles": list(request.roles), "seed": request.seed}, {})
         self.weight_version = 0
         log.info("run_loaded", run_id=request.run_id, roles=list(request.roles),
-                 model_path=run_config.actor_rollout_ref.model.path)
+                 model_path=run_config.actor_rollout_ref.model.path, ranks=self.worker.ranks.world_size)
         return self._info()
 
     async def ComputeLogProbs(self, request_iterator, context):
@@ -148,19 +130,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if role not in ("actor", "ref"):
             raise ValueError(f"ComputeLogProbs role must be actor or ref, got {role!r}")
         model = roles.need(role).model if role == "actor" else roles.need("ref")
-        actor_config = roles.config.actor_rollout_ref
-        logprobs = await self._on_model(
-            batched_logprobs, model, sequences(batch, model.config.vocab_size), roles.pad_id,
-            actor_config.rollout.temperature, actor_config.actor.ppo_micro_batch_size_per_gpu)
+        logprobs = await self._run("compute_log_probs", {"role": role}, check_vocab(batch, model))
         for chunks in batch_to_chunks({"logprobs": logprobs}):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
     async def ComputeValues(self, request_iterator, context):
         _, _, batch = await read_batch(request_iterator)
-        roles = self._roles()
-        critic = roles.need("critic")
-        values = await self._on_model(critic.compute_values, sequences(batch, critic.model.config.vocab_size),
-                                      roles.config.critic.ppo_micro_batch_size_per_gpu)
+        critic = self._roles().need("critic")
+        values = await self._run("compute_values", {}, check_vocab(batch, critic.model))
         for chunks in batch_to_chunks({"values": values}):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
@@ -173,10 +150,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             check_token_tensors(batch, ("ref_logprobs",))
         if settings.rollout_is or "rollout_logprobs" in batch:
             check_token_tensors(batch, ("rollout_logprobs",))
-        inputs = UpdateInputs(batch["old_logprobs"].float(), batch["advantages"].float(),
-                              batch["ref_logprobs"].float() if settings.use_kl_loss else None,
-                              batch["rollout_logprobs"].float() if settings.rollout_is else None)
-        metrics = await self._on_model(actor.update, sequences(batch, actor.vocab_size), inputs, settings)
+        tensors = {**check_vocab(batch, actor.model), "old_logprobs": batch["old_logprobs"].float(),
+                   "advantages": batch["advantages"].float()}
+        if settings.use_kl_loss:
+            tensors["ref_logprobs"] = batch["ref_logprobs"].float()
+        if settings.rollout_is:
+            tensors["rollout_logprobs"] = batch["rollout_logprobs"].float()
+        metrics = await self._run("update_actor", {}, tensors)
         self.weight_version += 1
         log.info("actor_updated", run_id=roles.run_id, step=step, weight_version=self.weight_version)
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
@@ -185,21 +165,24 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         step, _, batch = await read_batch(request_iterator, extra=("values", "returns"))
         roles = self._roles()
         critic = roles.need("critic")
-        metrics = await self._on_model(critic.update, sequences(batch, critic.model.config.vocab_size),
-                                       batch["values"].float(), batch["returns"].float(), critic_settings(roles.config))
+        tensors = {**check_vocab(batch, critic.model), "values": batch["values"].float(),
+                   "returns": batch["returns"].float()}
+        metrics = await self._run("update_critic", {}, tensors)
         log.info("critic_updated", run_id=roles.run_id, step=step)
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
 
     async def TrainSupervised(self, request_iterator, context):
         _, _, batch = await read_batch(request_iterator)
-        roles = self._roles()
-        actor = roles.need("actor")
-        micro = roles.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-        metrics = await self._on_model(actor.train_supervised, sequences(batch, actor.vocab_size), micro)
+        actor = self._roles().need("actor")
+        metrics = await self._run("train_supervised", {}, check_vocab(batch, actor.model))
         self.weight_version += 1
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
 
     async def PrepareChannel(self, request, context):
+        # A new channel replaces the run's old one (a rollout came or went): close the old after any broadcast
+        # still on it, on the model thread, since closing a group with a collective in flight blocks.
+        await self._on_model(self.channels.close_all)
+        self.stores.clear()
         if request.backend == "nccl":
             return trainer_pb2.PrepareChannelResponse(rendezvous=await asyncio.to_thread(new_unique_id))
         if request.backend != "gloo":
@@ -219,14 +202,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 
     async def BroadcastWeights(self, request, context):
-        actor = self._roles().need("actor")
+        self._roles().need("actor")
         channel = self.channels.get(request.channel_id)
         if request.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {request.bucket_bytes}")
         started = time.perf_counter()
-        total, buckets = await self._on_model(
-            send_weights, channel, actor.named_weights(), self.weight_version, request.bucket_bytes
-        )
+        total, buckets = await self._run("broadcast_weights", {"bucket_bytes": request.bucket_bytes,
+                                                               "version": self.weight_version}, {}, channel=channel)
         seconds = time.perf_counter() - started
         log.info("weights_sent", weight_version=self.weight_version, bytes=total, buckets=buckets, seconds=seconds)
         return trainer_pb2.BroadcastWeightsResponse(
@@ -236,15 +218,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def SaveCheckpoint(self, request, context):
         roles = self._roles()
         started = time.perf_counter()
-        total = await self._on_model(checkpoint.save, roles, Path(request.path), self.weight_version)
+        total = await self._run("save_checkpoint", {"path": request.path, "version": self.weight_version}, {})
         log.info("checkpoint_saved", run_id=roles.run_id, path=request.path, bytes=total)
         return trainer_pb2.CheckpointResponse(path=request.path, total_bytes=total, weight_version=self.weight_version,
                                               seconds=time.perf_counter() - started)
 
     async def LoadCheckpoint(self, request, context):
         roles = self._roles()
+        await asyncio.to_thread(checkpoint.check_complete, roles, Path(request.path))
         started = time.perf_counter()
-        self.weight_version = await self._on_model(checkpoint.load, roles, Path(request.path))
+        self.weight_version = await self._run("load_checkpoint", {"path": request.path}, {})
         log.info("checkpoint_loaded", run_id=roles.run_id, path=request.path, weight_version=self.weight_version)
         return trainer_pb2.CheckpointResponse(path=request.path, weight_version=self.weight_version,
                                               seconds=time.perf_counter() - started)
@@ -253,19 +236,23 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self._info()
 
     def _info(self) -> common_pb2.ServiceInfo:
-        roles = self.roles
+        roles = self.worker.roles
         return common_pb2.ServiceInfo(
             identity=self.identity, weight_version=self.weight_version, run_id=roles.run_id if roles else "",
             details={"model_path": roles.config.actor_rollout_ref.model.path if roles else "",
-                     "device": self.config.device, "roles": ",".join(roles.hosted()) if roles else ""},
+                     "device": self.config.device, "roles": ",".join(roles.hosted()) if roles else "",
+                     "ranks": str(self.worker.ranks.world_size)},
         )
 
     async def close(self) -> None:
         self.channels.close_all()
+        await self._on_model(self.worker.stop)
         self._model_thread.shutdown(wait=False, cancel_futures=True)
+        self.worker.ranks.close()
 
 
 def attach(server, config: TrainerServiceConfig, identity: common_pb2.ServiceIdentity) -> TrainerServicer:
-    servicer = TrainerServicer(config, identity)
+    """Rank 0's servicer; under torchrun this first waits for the other ranks to join."""
+    servicer = TrainerServicer(config, identity, Worker(join(config.device, config.collective_timeout_s)))
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     return servicer

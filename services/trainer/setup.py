@@ -1,21 +1,28 @@
-"""From a run config to the trainer's roles: actor, critic, reference, and their settings."""
+"""From a run config to the trainer's roles: actor, critic, reference, and their settings.
+
+Each rank builds the same roles from the same seeds, then places them
+(``sharding.place``): whole on its device, or sharded with FSDP2.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from services.common.models import load_causal_lm, load_tokenizer, load_value_model
-from services.common.run_config import OptimConfig, RunConfig
+from services.common.run_config import FSDPConfig, OptimConfig, RunConfig
 from services.trainer.actor import Actor, ActorSettings
+from services.trainer.batching import MicroBatching
 from services.trainer.critic import Critic, CriticSettings
 from services.trainer.optim import OptimSettings
+from services.trainer.ranks import Ranks
+from services.trainer.sharding import Sharding, place
 
 ROLES = ("actor", "critic", "ref")
 
 
-def optim_settings(optim: OptimConfig, grad_clip: float, total_steps: int) -> OptimSettings:
+def optim_settings(optim: OptimConfig, grad_clip: float, total_steps: int, offload: bool) -> OptimSettings:
     return OptimSettings(optim.lr, optim.weight_decay, tuple(optim.betas), grad_clip, optim.lr_warmup_steps,
-                         optim.warmup_style, optim.min_lr_ratio, total_steps)
+                         optim.warmup_style, optim.min_lr_ratio, total_steps, offload)
 
 
 def pad_id_of(model_path: str) -> int:
@@ -23,30 +30,81 @@ def pad_id_of(model_path: str) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def build_actor(config: RunConfig, seed: int, device: str) -> Actor:
-    """The actor model named by the run config, with its optimizer; seeded from ``seed``."""
+def sharding_of(strategy: str, fsdp: FSDPConfig, world_size: int, role: str) -> Sharding:
+    """How one model is held on a trainer of ``world_size`` ranks (``strategy`` auto resolved, see its docstring)."""
+    if strategy == "none" and world_size > 1:
+        raise ValueError(f"{role}.strategy=none: this trainer runs {world_size} ranks, which would each train a "
+                         "copy of their own; use fsdp2 or auto")
+    if strategy == "none" or (strategy == "auto" and world_size == 1 and not fsdp.needs_fsdp):
+        return Sharding(fsdp=False)
+    mixed = fsdp.mixed_precision
+    return Sharding(True, getattr(torch, mixed.param_dtype) if mixed else None,
+                    getattr(torch, mixed.reduce_dtype) if mixed else None, fsdp.param_offload)
+
+
+def actor_sharding(config: RunConfig, world_size: int) -> Sharding:
+    actor = config.actor_rollout_ref.actor
+    return sharding_of(actor.strategy, actor.fsdp_config, world_size, "actor_rollout_ref.actor")
+
+
+def critic_sharding(config: RunConfig, world_size: int) -> Sharding:
+    return sharding_of(config.critic.strategy, config.critic.model.fsdp_config, world_size, "critic")
+
+
+def weights_dtype(dtype: str, fsdp: FSDPConfig) -> str:
+    """The dtype a trainable model is loaded in: fp32 master weights under mixed precision, else ``dtype``."""
+    return "float32" if fsdp.mixed_precision is not None else dtype
+
+
+def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
+    """The actor model named by the run config, placed on the ranks, with its optimizer; seeded from ``seed``."""
     model_config, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
     torch.manual_seed(seed)
-    model = load_causal_lm(model_config.path, model_config.dtype).to(device)
-    optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.total_training_steps)
-    return Actor(model, optim, actor.warm_start.lr, pad_id_of(model_config.path), seed)
+    model = load_causal_lm(model_config.path, weights_dtype(model_config.dtype, actor.fsdp_config))
+    model = place(model, ranks, actor_sharding(config, ranks.world_size), model_config.enable_gradient_checkpointing)
+    optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.total_training_steps,
+                           actor.fsdp_config.optimizer_offload)
+    return Actor(model, optim, actor.warm_start.lr, pad_id_of(model_config.path), seed, ranks)
 
 
-def build_critic(config: RunConfig, seed: int, device: str) -> Critic:
+def build_critic(config: RunConfig, seed: int, ranks: Ranks) -> Critic:
     """A value model on the critic's body (the actor's model unless critic.model.path says otherwise)."""
-    path = config.critic.model.path or config.actor_rollout_ref.model.path
+    critic = config.critic
+    path = critic.model.path or config.actor_rollout_ref.model.path
     torch.manual_seed(seed + 1)
-    model = load_value_model(path, config.actor_rollout_ref.model.dtype).to(device)
-    optim = optim_settings(config.critic.optim, config.critic.grad_clip, config.trainer.total_training_steps)
-    return Critic(model, optim, pad_id_of(path), seed)
+    model = load_value_model(path, weights_dtype(config.actor_rollout_ref.model.dtype, critic.model.fsdp_config))
+    model = place(model, ranks, critic_sharding(config, ranks.world_size), critic.model.enable_gradient_checkpointing)
+    optim = optim_settings(critic.optim, critic.grad_clip, config.trainer.total_training_steps,
+                           critic.model.fsdp_config.optimizer_offload)
+    return Critic(model, optim, pad_id_of(path), seed, ranks)
 
 
-def build_reference(config: RunConfig, device: str) -> torch.nn.Module:
-    """The frozen reference policy: the actor's initial model, never updated."""
-    model_config = config.actor_rollout_ref.model
-    model = load_causal_lm(model_config.path, model_config.dtype).to(device).eval()
-    model.requires_grad_(False)
+def build_reference(config: RunConfig, ranks: Ranks) -> torch.nn.Module:
+    """The frozen reference policy: the actor's initial model, never updated, held as the actor is; under mixed
+    precision its weights are kept in the compute dtype, which is all it is ever used in."""
+    model_config, fsdp = config.actor_rollout_ref.model, config.actor_rollout_ref.actor.fsdp_config
+    dtype = fsdp.mixed_precision.param_dtype if fsdp.mixed_precision is not None else model_config.dtype
+    model = place(load_causal_lm(model_config.path, dtype), ranks, actor_sharding(config, ranks.world_size), False)
+    model.eval().requires_grad_(False)
     return model
+
+
+def log_prob_micro(config: RunConfig) -> MicroBatching:
+    """Micro-batches of the old and reference logprob passes (verl's rollout.log_prob_* keys)."""
+    actor_rollout_ref = config.actor_rollout_ref
+    actor, rollout = actor_rollout_ref.actor, actor_rollout_ref.rollout
+    dynamic = actor.use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is None else rollout.log_prob_use_dynamic_bsz
+    budget = rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu
+    return MicroBatching(rollout.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
+                         budget if dynamic else None, actor_rollout_ref.model.use_remove_padding)
+
+
+def values_micro(config: RunConfig) -> MicroBatching:
+    """Micro-batches of the critic's value passes."""
+    critic = config.critic
+    budget = critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
+    return MicroBatching(critic.ppo_micro_batch_size_per_gpu, budget if critic.use_dynamic_bsz else None,
+                         critic.model.use_remove_padding)
 
 
 def actor_settings(config: RunConfig) -> ActorSettings:
@@ -71,6 +129,8 @@ def actor_settings(config: RunConfig) -> ActorSettings:
         rollout_is=correction.rollout_is if config.use_rollout_correction else None,
         rollout_is_mode=correction.rollout_is_mode,
         rollout_is_threshold=correction.rollout_is_threshold,
+        max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+        remove_padding=config.actor_rollout_ref.model.use_remove_padding,
     )
 
 
@@ -84,4 +144,6 @@ def critic_settings(config: RunConfig) -> CriticSettings:
         vf_coef=critic.vf_coef,
         loss_agg_mode=critic.loss_agg_mode,
         max_response_length=config.data.max_response_length,
+        max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+        remove_padding=critic.model.use_remove_padding,
     )

@@ -1,0 +1,172 @@
+"""The trainer's model work, done alike on every rank.
+
+Rank 0's servicer checks each request, then calls ``Worker.run``: the
+command (an op name, JSON arguments and named tensors) goes to the other
+ranks, and rank 0 does its part. The other ranks sit in ``follower.follow``,
+doing each command they receive until rank 0 says stop. Every op takes the whole batch;
+each rank works on its share and rank 0 returns the gathered results (the
+other ranks' return values are dropped).
+
+On one rank nothing is relayed and a failed op raises to the caller. On
+several, a rank whose op fails ends its process (``ranks.fatal``): its peers
+may be waiting in a collective it will never join.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from services.common.config import validate
+from services.common.errors import FailedPrecondition
+from services.common.run_config import RunConfig
+from services.common.sequences import SequenceBatch
+from services.common.weight_sync import gather_weights, send_weights
+from services.common.wire import DTYPES
+from services.trainer import checkpoint
+from services.trainer.actor import Actor, UpdateInputs
+from services.trainer.critic import Critic
+from services.trainer.forward import batched_logprobs
+from services.trainer.ranks import Ranks, fatal
+from services.trainer.setup import (ROLES, actor_settings, build_actor, build_critic, build_reference, critic_settings,
+                                    log_prob_micro, pad_id_of, values_micro)
+
+log = structlog.get_logger()
+SEQUENCE_KEYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
+OPS = ("init_run", "compute_log_probs", "compute_values", "update_actor", "update_critic", "train_supervised",
+       "broadcast_weights", "save_checkpoint", "load_checkpoint")
+STOP = "stop"
+
+
+@dataclass
+class Roles:
+    """What this trainer hosts for the current run."""
+
+    run_id: str
+    config: RunConfig
+    actor: Actor | None
+    critic: Critic | None
+    reference: torch.nn.Module | None
+    pad_id: int
+
+    def hosted(self) -> dict[str, object]:
+        return {name: model for name, model in
+                (("actor", self.actor), ("critic", self.critic), ("ref", self.reference)) if model is not None}
+
+    def need(self, role: str):
+        hosted = self.hosted().get(role)
+        if hosted is None:
+            raise FailedPrecondition(f"this trainer does not host the {role!r} role of run {self.run_id}")
+        return hosted
+
+
+def check_roles(roles: list[str]) -> None:
+    unknown = sorted(set(roles) - set(ROLES))
+    if unknown or not roles:
+        raise ValueError(f"roles must be a non-empty subset of {list(ROLES)}, got {list(roles)}")
+
+
+def build_roles(run_id: str, config: RunConfig, roles: list[str], seed: int, ranks: Ranks) -> Roles:
+    check_roles(roles)
+    return Roles(
+        run_id, config,
+        build_actor(config, seed, ranks) if "actor" in roles else None,
+        build_critic(config, seed, ranks) if "critic" in roles else None,
+        build_reference(config, ranks) if "ref" in roles else None,
+        pad_id_of(config.actor_rollout_ref.model.path),
+    )
+
+
+def sequences(tensors: dict[str, torch.Tensor]) -> SequenceBatch:
+    return SequenceBatch(*(tensors[key] for key in SEQUENCE_KEYS))
+
+
+class Worker:
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
+        self.roles: Roles | None = None
+
+    # ------------------------------------------------------------ relay
+
+    def run(self, op: str, args: dict, tensors: dict[str, torch.Tensor], **local):
+        """Rank 0: relay the command to the other ranks, then do it here. ``local``: arguments for rank 0 alone
+        (the weight channel)."""
+        if self.ranks.world_size == 1:
+            return self.execute(op, args, tensors, **local)
+        self.ranks.send_command(op, args, tensors)
+        try:
+            return self.execute(op, args, tensors, **local)
+        except BaseException:
+            fatal("relayed_command_failed", op=op, rank=self.ranks.rank)
+
+    def execute(self, op: str, args: dict, tensors: dict[str, torch.Tensor], **local):
+        if op not in OPS:
+            raise ValueError(f"unknown trainer command {op!r}")
+        return getattr(self, op)(tensors, **args, **local)
+
+    def stop(self) -> None:
+        """Rank 0, on the way out: tell the other ranks to end."""
+        if self.ranks.world_size > 1:
+            self.ranks.send_command(STOP, {}, {})
+
+    def _roles(self) -> Roles:
+        if self.roles is None:
+            raise FailedPrecondition("no run loaded: call InitRun first")
+        return self.roles
+
+    # ------------------------------------------------------------ ops
+
+    def init_run(self, tensors, run_id: str, run_config_yaml: str, roles: list[str], seed: int) -> Roles:
+        import yaml
+
+        self.roles = None  # the previous run's models go before the next run's are built
+        config = validate(RunConfig, yaml.safe_load(run_config_yaml) or {})
+        self.roles = build_roles(run_id, config, roles, seed, self.ranks)
+        return self.roles
+
+    def compute_log_probs(self, tensors, role: str) -> torch.Tensor | None:
+        roles = self._roles()
+        model = roles.need("actor").model if role == "actor" else roles.need("ref")
+        temperature = roles.config.actor_rollout_ref.rollout.temperature
+        return batched_logprobs(model, sequences(tensors), roles.pad_id, temperature, log_prob_micro(roles.config),
+                                self.ranks)
+
+    def compute_values(self, tensors) -> torch.Tensor | None:
+        roles = self._roles()
+        return roles.need("critic").compute_values(sequences(tensors), values_micro(roles.config))
+
+    def update_actor(self, tensors) -> dict[str, float]:
+        roles = self._roles()
+        inputs = UpdateInputs(tensors["old_logprobs"], tensors["advantages"], tensors.get("ref_logprobs"),
+                              tensors.get("rollout_logprobs"))
+        return roles.need("actor").update(sequences(tensors), inputs, actor_settings(roles.config))
+
+    def update_critic(self, tensors) -> dict[str, float]:
+        roles = self._roles()
+        return roles.need("critic").update(sequences(tensors), tensors["values"], tensors["returns"],
+                                           critic_settings(roles.config))
+
+    def train_supervised(self, tensors) -> dict[str, float]:
+        roles = self._roles()
+        return roles.need("actor").train_supervised(sequences(tensors), actor_settings(roles.config).micro)
+
+    def broadcast_weights(self, tensors, bucket_bytes: int, version: int, channel=None) -> tuple[int, int] | None:
+        """Rank 0 sends the actor's weights on ``channel`` in the rollout's dtype; the other ranks take part in
+        gathering each sharded tensor, in the same order."""
+        roles = self._roles()
+        named = roles.need("actor").named_weights()
+        if self.ranks.rank != 0:
+            gather_weights(named)
+            return None
+        dtype = DTYPES[roles.config.actor_rollout_ref.model.dtype]
+        return send_weights(channel, named, version, bucket_bytes, dtype=dtype)
+
+    def save_checkpoint(self, tensors, path: str, version: int) -> int:
+        return checkpoint.save(self._roles(), Path(path), version, self.ranks)
+
+    def load_checkpoint(self, tensors, path: str) -> int:
+        return checkpoint.load(self._roles(), Path(path))
+
