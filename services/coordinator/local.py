@@ -41,6 +41,7 @@ class ServiceSpec:
     group: str = "default"
     settings: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    ranks: int = 1  # more than one: started under torchrun with this many ranks (a trainer)
 
 
 ONE_OF_EACH = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"))
@@ -91,10 +92,13 @@ class LocalCluster:
             os.environ["MESHRL_TOKEN"] = secrets.token_urlsafe(32)
             cluster_token.cache_clear()
 
-    def _spawn(self, name: str, kind: str, *settings: str, env: tuple[tuple[str, str], ...] = ()) -> None:
+    def _spawn(self, name: str, kind: str, *settings: str, env: tuple[tuple[str, str], ...] = (),
+               ranks: int = 1) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.log_dir / f"{name}.log").open("ab")
-        command = [sys.executable, "-m", f"services.{kind}", "host=127.0.0.1", f"log_level={self.log_level}", *settings]
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+        command = [sys.executable, *launcher, "-m", f"services.{kind}", "host=127.0.0.1", f"log_level={self.log_level}",
+                   *settings]
         self.processes[name] = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **CHILD_ENV, "MESHRL_PARENT_PID": str(os.getpid()), **dict(env)},
@@ -109,7 +113,7 @@ class LocalCluster:
         for index, spec in enumerate(self.services):  # they retry registering until the coordinator is up
             name = spec.kind if kinds.count(spec.kind) == 1 else f"{spec.kind}-{index}"
             self._spawn(name, spec.kind, "port=0", f"coordinator={self.coordinator}", f"group={spec.group}",
-                        "torch_threads=1", *spec.settings, env=spec.env)
+                        "torch_threads=1", *spec.settings, env=spec.env, ranks=spec.ranks)
         client = CoordinatorClient(self.coordinator)
         try:
             await asyncio.wait_for(self._wait(client.wait_ready(timeout_s)), timeout_s)
@@ -120,7 +124,7 @@ class LocalCluster:
     def add_service(self, spec: ServiceSpec, name: str) -> None:
         """Start one more service (it registers by itself), e.g. to replace one that died."""
         self._spawn(name, spec.kind, "port=0", f"coordinator={self.coordinator}", f"group={spec.group}",
-                    "torch_threads=1", *spec.settings, env=spec.env)
+                    "torch_threads=1", *spec.settings, env=spec.env, ranks=spec.ranks)
 
     async def _wait(self, ready):
         """Await ``ready`` while checking that no child has died."""

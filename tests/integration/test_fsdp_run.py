@@ -1,0 +1,64 @@
+"""A trainer of two CPU ranks under torchrun (FSDP2 over gloo) serving a whole GRPO run, with the rollout and
+reward services as real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.coordinator.local import LocalCluster, ServiceSpec
+from tests.integration.test_grpo_run import logprobs_both_ways, run_config, run_to_end
+
+
+@pytest.fixture
+def two_rank_cluster(tmp_path):
+    local = LocalCluster(tmp_path / "state", (ServiceSpec("trainer", ranks=2), ServiceSpec("rollout"),
+                                              ServiceSpec("reward")))
+    asyncio.run(local.start(timeout_s=120))
+    yield local
+    local.stop()
+
+
+def children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_grpo_run_on_a_two_rank_trainer(two_rank_cluster, tiny_model, reverse_data):
+    cluster = two_rank_cluster
+    config = run_config(tiny_model, reverse_data, trainer__save_freq=2, actor_rollout_ref__actor__use_dynamic_bsz=True,
+                        actor_rollout_ref__actor__ppo_max_token_len_per_gpu=64)
+    final, _, services = asyncio.run(run_to_end(cluster.coordinator, config))
+    assert final.state == "finished", final.error
+    assert final.step == 3
+
+    # the run was trained by two FSDP ranks
+    events = [json.loads(line) for line in (cluster.log_dir / "trainer.log").read_text().splitlines()
+              if line.startswith("{")]
+    assert sorted(e["rank"] for e in events if e["event"] == "ranks_joined") == [0, 1]
+    assert [e["ranks"] for e in events if e["event"] == "run_loaded"] == [2]
+
+    # the rollout serves the trainer's version 3, whose weights came from the shards: its logprobs are the trainer's
+    address = {s.kind: s.address for s in services}
+    generated, trainer_logprobs, version = asyncio.run(
+        logprobs_both_ways(address["rollout"], address["trainer"], [5, 6, 7, 16]))
+    assert version == 3 and generated.weight_version == 3
+    assert torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
+
+    # both ranks wrote their shards into the checkpoint of step 2 (of the trainer group hosting the actor)
+    saved = Path(final.run_dir) / "checkpoints" / "step_000002" / "actor"
+    assert (saved / "trainer_state.pt").exists()
+    assert sorted(path.name for path in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    # stopping the torchrun agent ends both ranks
+    agent = cluster.processes["trainer"].pid
+    ranks = children(agent)
+    assert len(ranks) == 2
+    cluster.stop()
+    for pid in [agent, *ranks]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
