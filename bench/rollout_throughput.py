@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ENGINE = {"gpu_memory_utilization": 0.6, "enforce_eager": True}
+ENGINE = {"gpu_memory_utilization": 0.6, "enforce_eager": True, "max_num_seqs": 1024, "max_num_batched_tokens": 8192}
 SEED = 1234
 
 

@@ -9,7 +9,8 @@ joins it through the rollout's worker extension. Measured in the same run:
   fails the checksum comparison. The first sync goes through vLLM's
   load_weights and is reported apart; later ones copy straight into the
   learned views (services/rollout/direct_load.py);
-- where the time goes: vLLM pausing, receiving and loading, resuming;
+- where the time goes: the transfer into staging buffers (generation could
+  go on meanwhile), then the pause (drain, swap in, clear the prefix cache);
 - the reference: one plain broadcast of the same number of bytes on the same
   channel into a buffer in the vLLM worker.
 Also checks that every vLLM parameter equals the trainer's after the last
@@ -54,9 +55,8 @@ class SyncReport:
     buckets: int
     first_sync_s: float  # through load_weights
     sync_s: list[float]  # each later sync, until vLLM serves the weights
-    pause_s: list[float]  # of each later sync: draining and pausing generation
-    receive_s: list[float]  # receiving and loading in the worker
-    paused_s: list[float]  # the whole window generation was paused
+    transfer_s: list[float]  # of each later sync: receiving into staging (generation could go on)
+    pause_s: list[float]  # the window generation was held back: draining, swapping in, clearing the cache
     raw_s: list[float]  # each raw broadcast of the same bytes
     mismatched: list[str]  # vLLM parameters whose checksum differs from the trainer's
     unmatched: list[str]  # vLLM parameters with no trainer counterpart
@@ -110,8 +110,8 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
             await asyncio.to_thread(channel.broadcast, buffer)
             await receiving
             raw_s.append(time.perf_counter() - started)
-            stage(f"round {version}: sync {sync_s[-1] * 1e3:.1f} ms (pause {timings[-1].pause_s * 1e3:.1f}, "
-                  f"receive+load {timings[-1].receive_s * 1e3:.1f}), raw {raw_s[-1] * 1e3:.1f} ms")
+            stage(f"round {version}: sync {sync_s[-1] * 1e3:.1f} ms (transfer {timings[-1].transfer_s * 1e3:.1f}, "
+                  f"pause {timings[-1].pause_s * 1e3:.1f}), raw {raw_s[-1] * 1e3:.1f} ms")
         expected = {name: tensor_checksum(t) for name, t in vllm_layout(dict(named)).items()}
         [held] = await engine.checksums()
         stage("checksums read")
@@ -121,9 +121,8 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
         stage("logprobs compared")
         channel.close()
         later = timings[1:]
-        return SyncReport(total, buckets, sync_s[0], sync_s[1:], [t.pause_s for t in later],
-                          [t.receive_s for t in later], [t.paused_s for t in later], raw_s[1:], mismatched,
-                          unmatched, diff_mean, diff_max)
+        return SyncReport(total, buckets, sync_s[0], sync_s[1:], [t.transfer_s for t in later],
+                          [t.pause_s for t in later], raw_s[1:], mismatched, unmatched, diff_mean, diff_max)
     finally:
         await engine.close()
 
@@ -165,9 +164,9 @@ def print_report(label: str, report: SyncReport) -> None:
           f"trainer's: {not report.mismatched and not report.unmatched} (mismatched {len(report.mismatched)}, "
           f"unmatched {len(report.unmatched)}); |logp_vllm - logp_trainer| mean {report.logprob_diff_mean:.4f} "
           f"max {report.logprob_diff_max:.4f}")
-    print(f"[{label}] first sync (load_weights) {report.first_sync_s * 1e3:.1f} ms; later syncs: pause "
-          f"{median(report.pause_s) * 1e3:.1f} ms, receive+load {median(report.receive_s) * 1e3:.1f} ms, "
-          f"generation paused {median(report.paused_s) * 1e3:.1f} ms")
+    print(f"[{label}] first sync (load_weights) {report.first_sync_s * 1e3:.1f} ms; later syncs: transfer into "
+          f"staging {median(report.transfer_s) * 1e3:.1f} ms, then generation paused {median(report.pause_s) * 1e3:.1f} "
+          f"ms (drain, swap in, clear the prefix cache)")
     print(f"[{label}] raw NCCL broadcast {raw * 1e3:.1f} ms ({report.total_bytes / raw / 1e9:.0f} GB/s); "
           f"sync until vLLM serves {sync * 1e3:.1f} ms; ratio {sync / raw:.2f}x the raw broadcast")
 

@@ -14,8 +14,10 @@ while the next bucket is on its way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -105,10 +107,10 @@ def gather_weights(named: list[tuple[str, torch.Tensor]]) -> None:
 
 def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str,
          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The bucket's tensors copied into one buffer at their offsets (one batched copy), padding zeroed."""
     buffer = torch.zeros(bucket.size, dtype=torch.uint8, device=device)
-    for entry in bucket.entries:
-        source = full(tensors[entry.name], dtype).to(device).contiguous().reshape(-1).view(torch.uint8)
-        buffer[entry.offset : entry.offset + entry.nbytes].copy_(source)
+    places = [view for _, view in unpack(bucket, buffer)]
+    torch._foreach_copy_(places, [full(tensors[entry.name], dtype) for entry in bucket.entries])
     return buffer
 
 
@@ -197,6 +199,42 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
             raise ValueError(f"weight bucket {index} of version {version} failed its checksum")
         load(unpack(bucket, buffer))
     return version
+
+
+class StagedWeights:
+    """One weight broadcast received on a thread of its own, kept in the verified buckets it arrived in, while
+    the caller goes on (generating); ``buckets`` are then swapped in by whoever owns the model.
+
+    On a CUDA channel the thread works on a stream of its own, so the transfer runs beside the model's
+    kernels; its buckets are complete on the device once ``wait`` says so."""
+
+    def __init__(self, channel: TensorChannel):
+        self.channel = channel
+        self.buckets: list[list[tuple[str, torch.Tensor]]] = []
+        self.version: int | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._receive, name="weights-staging", daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        device = self.channel.device
+        stream = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+        try:
+            with stream:
+                self.version = receive_weights(self.channel, self.buckets.append)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller by wait()
+            self.error = error
+
+    def wait(self, seconds: float | None) -> bool:
+        """Whether the broadcast has fully arrived (waiting up to ``seconds``); raises what the transfer raised."""
+        self._thread.join(seconds)
+        if self._thread.is_alive():
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
 
 
 def tensor_checksum(tensor: torch.Tensor) -> int:

@@ -24,5 +24,9 @@ class RolloutServiceConfig(ServeConfig):
     """vLLM without CUDA graphs: starts in about 23 s instead of 70 s, generates slower."""
     enable_sleep_mode: bool = False
     """Allow Sleep/WakeUp (a trainer and this rollout sharing one GPU)."""
+    max_num_seqs: PositiveInt = 1024
+    """Sequences vLLM schedules at once (verl's rollout.max_num_seqs)."""
+    max_num_batched_tokens: PositiveInt = 8192
+    """Tokens vLLM processes in one step (verl's rollout.max_num_batched_tokens)."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + response vLLM plans for (null = the model's)."""

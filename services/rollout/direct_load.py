@@ -73,5 +73,5 @@ class DirectLoader:
         return not self.unknown and all(name in self.views for name, _ in named)
 
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in named:
-            self.views[name].copy_(tensor, non_blocking=True)
+        """Copy a known bucket into the model, in one batched copy."""
+        torch._foreach_copy_([self.views[name] for name, _ in named], [tensor for _, tensor in named])

@@ -33,6 +33,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
+    weight_version: int = 0  # of the weights that sampled it (stamped by the engine that keeps the versions)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

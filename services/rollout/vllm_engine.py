@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -37,18 +38,63 @@ if TYPE_CHECKING:
 WORKER_EXTENSION = "services.rollout.vllm_worker.MeshrlWorkerExtension"
 
 
+POLL_S = 0.002  # how often a sync asks the workers whether the weights have arrived while generation goes on
+
+
 @dataclass(frozen=True)
 class SyncTimings:
-    """Seconds of the last weight sync: draining and pausing, receiving and loading, and the whole pause."""
+    """Seconds of the last weight sync: the transfer (generation goes on), then the pause: letting the requests
+    in flight finish, and swapping the weights in."""
 
-    pause_s: float
-    receive_s: float
-    paused_s: float
+    transfer_s: float
+    drain_s: float
+    swap_s: float
+
+    @property
+    def pause_s(self) -> float:
+        return self.drain_s + self.swap_s
+
+
+class SwapGate:
+    """Generate calls and weight swaps exclude each other: a swap waits for the calls in flight and holds new
+    ones back until it is done, so each call's samples come from one weight version."""
+
+    def __init__(self) -> None:
+        self.generating = 0
+        self._swapping = False
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def generation(self):
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._swapping)
+            self.generating += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.generating -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def swap(self):
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            await self._changed.wait_for(lambda: self.generating == 0)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._swapping = False
+                self._changed.notify_all()
 
 
 class VLLMEngine:
     def __init__(self, llm, vocab_size: int, eos_id: int | None, channel_ranks: int):
         self.llm = llm
+        self.gate = SwapGate()
+        self.weight_version = 0
         self.last_sync: SyncTimings | None = None
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -65,6 +111,7 @@ class VLLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             tensor_parallel_size=config.tensor_parallel_size, enforce_eager=config.enforce_eager,
             enable_sleep_mode=config.enable_sleep_mode, max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
         )
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
@@ -88,9 +135,11 @@ class VLLMEngine:
             final = None
             async for output in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=uuid.uuid4().hex):
                 final = output
-            return [completion_of(c, stops) for c in sorted(final.outputs, key=lambda c: c.index)]
+            return [completion_of(c, stops, version) for c in sorted(final.outputs, key=lambda c: c.index)]
 
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        async with self.gate.generation():  # no swap until these are done: all come from this version
+            version = self.weight_version
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s) -> None:
         if backend != "nccl":
@@ -99,33 +148,32 @@ class VLLMEngine:
                                       args=(channel_id, bytes(rendezvous), rank, world_size, timeout_s))
 
     async def receive_weights(self, channel_id: str, timeout_s: float) -> int:
-        """Pause generation (requests in flight finish first; the prefix cache is cleared, so nothing computed
-        under the old weights is reused), receive and load the weights in every worker, resume."""
+        """Receive the weights into staging buffers in every worker while generation goes on, then swap them in
+        within a short pause: new requests wait, the requests in flight finish under the old weights, the
+        staged buckets are copied in, the prefix cache is cleared (nothing computed under the old weights is
+        reused), and generation resumes under the new version."""
         started = time.perf_counter()
-        await self.pause()
-        paused = time.perf_counter()
-        try:
-            versions = await self.llm.collective_rpc("meshrl_receive_weights", timeout=timeout_s + 10,
-                                                     args=(channel_id, timeout_s))
-            received = time.perf_counter()
-        finally:
-            await self.llm.resume_generation()
-        self.last_sync = SyncTimings(paused - started, received - paused, time.perf_counter() - started)
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
-        return versions[0]
-
-    async def pause(self) -> None:
-        """Stop scheduling once the requests in flight are done, and clear the prefix cache.
-
-        ``AsyncLLM.pause_generation`` does this through the engine core and then sleeps 20 ms so that the last
-        outputs reach their callers first (vLLM 0.20.1: "not required for correctness"); a sync waits for
-        the engine core alone."""
-        pause_scheduler = getattr(self.llm.engine_core, "pause_scheduler_async", None)
-        if pause_scheduler is None:
-            await self.llm.pause_generation(mode="wait", clear_cache=True)
-        else:
-            await pause_scheduler(mode="wait", clear_cache=True)
+        await self.llm.collective_rpc("meshrl_start_receive", timeout=30, args=(channel_id, timeout_s))
+        deadline = started + timeout_s
+        while True:
+            busy = self.gate.generating > 0
+            wait_s = min(POLL_S if busy else timeout_s, max(deadline - time.perf_counter(), 0.0))
+            if all(await self.llm.collective_rpc("meshrl_wait_received", timeout=wait_s + 30, args=(wait_s,))):
+                break
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"weights on channel {channel_id} did not arrive within {timeout_s} s")
+            await asyncio.sleep(POLL_S)  # the engine core schedules generation between polls
+        received = time.perf_counter()
+        async with self.gate.swap():
+            drained = time.perf_counter()
+            versions = await self.llm.collective_rpc("meshrl_apply_received", timeout=timeout_s + 30)
+            if not await self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to clear its prefix cache after a weight swap")
+            if len(set(versions)) != 1:
+                raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
+            self.weight_version = versions[0]
+        self.last_sync = SyncTimings(received - started, drained - received, time.perf_counter() - drained)
+        return self.weight_version
 
     async def checksums(self) -> list[dict[str, int]]:
         """Each worker's checksum of each of its parameters (tests compare them with the trainer's)."""
@@ -141,12 +189,12 @@ class VLLMEngine:
         await asyncio.to_thread(self.llm.shutdown)
 
 
-def completion_of(output, stops: list[int]) -> Completion:
+def completion_of(output, stops: list[int], weight_version: int) -> Completion:
     """Our Completion from a vLLM CompletionOutput: token ids, the sampled tokens' logprobs, the finish."""
     tokens = list(output.token_ids)
     logprobs = [output.logprobs[i][token].logprob for i, token in enumerate(tokens)]
     finished_by_stop = output.finish_reason == "stop" or (tokens and tokens[-1] in stops)
-    return Completion(tokens, logprobs, "stop" if finished_by_stop else "length")
+    return Completion(tokens, logprobs, "stop" if finished_by_stop else "length", weight_version)
 
 
 async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, timeout_s: float) -> None:

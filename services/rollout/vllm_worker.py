@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from services.common.nccl_channel import NcclChannel
-from services.common.weight_sync import receive_weights, tensor_checksum
+from services.common.weight_sync import StagedWeights, tensor_checksum
 from services.rollout.direct_load import DirectLoader
 
 
@@ -27,28 +27,36 @@ class MeshrlWorkerExtension:
         channels[channel_id] = NcclChannel(channel_id, bytes(unique_id), rank, world_size, timeout_s, self.device)
         return rank
 
-    def meshrl_receive_weights(self, channel_id: str, timeout_s: float) -> int:
-        """Receive one weight broadcast, loading each verified bucket as it lands; returns the version.
-
-        A bucket whose every tensor has a learned view is copied straight into the model (``DirectLoader``);
-        otherwise it goes through ``load_weights``, and the loader learns where its tensors landed."""
+    def meshrl_start_receive(self, channel_id: str, timeout_s: float) -> None:
+        """Begin receiving one weight broadcast into staging buffers, on a thread beside the model's work."""
         channel = self.__dict__.get("_meshrl_channels", {}).get(channel_id)
         if channel is None:
             raise KeyError(f"channel {channel_id!r} not joined by this worker")
         channel.timeout_s = timeout_s
+        self._meshrl_staged = StagedWeights(channel)
+
+    def meshrl_wait_received(self, wait_s: float) -> bool:
+        """Whether the staged broadcast has fully arrived, waiting up to ``wait_s``."""
+        return self._meshrl_staged.wait(wait_s)
+
+    def meshrl_apply_received(self) -> int:
+        """Swap the staged weights in; returns their version.
+
+        A bucket whose every tensor has a learned view is copied straight into the model (``DirectLoader``);
+        otherwise it goes through ``load_weights``, and the loader learns where its tensors landed."""
+        staged = self.__dict__.pop("_meshrl_staged")
+        if not staged.wait(0):
+            raise RuntimeError("the staged weights have not fully arrived")
         model = self.model_runner.model
         direct = self.__dict__.setdefault("_meshrl_direct", DirectLoader(model))
-
-        def load(named: list[tuple[str, torch.Tensor]]) -> None:
+        for named in staged.buckets:
             if direct.knows(named):
                 direct.load(named)
             else:
                 model.load_weights(weights=named)
                 direct.learn(named)
-
-        version = receive_weights(channel, load)
         torch.cuda.synchronize(self.device)
-        return version
+        return staged.version
 
     def meshrl_weight_checksums(self) -> dict[str, int]:
         """Checksum of each of the model's parameters as this worker holds them (its TP shard)."""

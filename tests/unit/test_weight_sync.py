@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from services.common.channel import ChannelTable, GlooChannel, prepare_gloo_rendezvous
 from services.common.errors import NotFound
-from services.common.weight_sync import ALIGN, checksum, pack, plan_buckets, receive_weights, send_weights, unpack
+from services.common.weight_sync import (ALIGN, StagedWeights, checksum, pack, plan_buckets, receive_weights,
+                                         send_weights, unpack)
 
 
 def weights() -> list[tuple[str, torch.Tensor]]:
@@ -218,6 +219,31 @@ def test_weights_over_gloo_to_two_receivers_in_several_buckets():
         assert [name for name, _ in got] == [name for name, _ in named]
         for (_, tensor), (_, want) in zip(got, named):
             assert_same(tensor, want)
+    del store
+
+
+def test_staged_weights_arrive_on_their_own_thread_while_the_caller_goes_on():
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+    named = weights()
+    channels = run_ranks(2, lambda rank: GlooChannel("staged", rendezvous, rank, 2, timeout_s=10))
+    staged = StagedWeights(channels[1])
+    assert not staged.wait(0.2)  # nothing sent yet: the receiver is not blocked, it is told "not yet"
+    send_weights(channels[0], named, version=7, bucket_bytes=64)
+    assert staged.wait(10)
+    assert staged.version == 7
+    got = [pair for bucket in staged.buckets for pair in bucket]
+    assert [name for name, _ in got] == [name for name, _ in named]
+    for (_, tensor), (_, want) in zip(got, named):
+        assert_same(tensor, want)
+    del store
+
+
+def test_staged_weights_hand_back_the_transfer_error():
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+    channels = run_ranks(2, lambda rank: GlooChannel("staged-quiet", rendezvous, rank, 2, timeout_s=1))
+    staged = StagedWeights(channels[1])
+    with pytest.raises(TimeoutError, match="did not finish within 1.0 s"):
+        staged.wait(10)
     del store
 
 
