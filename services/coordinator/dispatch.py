@@ -30,10 +30,27 @@ def shard_bounds(count: int, shards: int) -> list[tuple[int, int]]:
 
 
 class ReplicaPool(Generic[Replica]):
+    """Replicas of one kind that a batch is spread over; ``drop`` takes one out, also mid-batch.
+
+    A shard fails over on a retryable gRPC failure, on ``Unavailable`` raised by ``call`` (a replica that
+    answered but cannot be used, e.g. one serving other weights), and when its replica is dropped. It goes
+    to the next replica that has not failed in the same batch (a dead one fails every call until the registry
+    forgets it); only when all have failed does it try failed ones again, up to ``attempts`` tries in all
+    (at least one per replica)."""
+
     def __init__(self, kind: str, replicas: Sequence[Replica], attempts: int = 3):
         if not replicas:
             raise Unavailable(f"no {kind} replica is up")
         self.kind, self.replicas, self.attempts = kind, list(replicas), attempts
+        self._in_flight: list[tuple[Replica, asyncio.Task]] = []
+
+    def drop(self, replica: Replica) -> None:
+        """No further shard goes to ``replica``; the calls on it now are cancelled and their shards redone."""
+        if replica in self.replicas:
+            self.replicas.remove(replica)
+        for on, task in self._in_flight:
+            if on is replica:
+                task.cancel()
 
     async def map_shards(
         self, count: int, call: Callable[[Replica, int, int], Awaitable[Result]]
@@ -42,19 +59,34 @@ class ReplicaPool(Generic[Replica]):
 
         Returns (result, replica that produced it) per shard, in shard order.
         """
-        bounds = shard_bounds(count, len(self.replicas))
-        return list(await asyncio.gather(*(self._shard(index, lo, hi, call) for index, (lo, hi) in enumerate(bounds))))
+        bounds, failed = shard_bounds(count, len(self.replicas)), []
+        return list(await asyncio.gather(*(self._shard(index, lo, hi, call, failed)
+                                           for index, (lo, hi) in enumerate(bounds))))
 
-    async def _shard(self, index: int, lo: int, hi: int, call) -> tuple[Result, Replica]:
+    async def _shard(self, index: int, lo: int, hi: int, call, failed: list[Replica]) -> tuple[Result, Replica]:
         last_error: BaseException | None = None
-        for attempt in range(self.attempts):
-            replica = self.replicas[(index + attempt) % len(self.replicas)]
+        attempts = max(self.attempts, len(self.replicas))
+        for attempt in range(attempts):
+            if not self.replicas:
+                raise Unavailable(f"no {self.kind} replica left for shard [{lo}, {hi}) (last error: {last_error})")
+            start = (index + attempt) % len(self.replicas)
+            turn = self.replicas[start:] + self.replicas[:start]
+            replica = next((r for r in turn if r not in failed), turn[0])
+            running = (replica, asyncio.ensure_future(call(replica, lo, hi)))
+            self._in_flight.append(running)
             try:
-                return await call(replica, lo, hi), replica
+                return await running[1], replica
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # the batch itself is being cancelled
+                    raise
+                last_error = Unavailable(f"{self.kind} {getattr(replica, 'address', replica)} was dropped")
             except Exception as error:  # noqa: BLE001 - decided by is_retryable
-                if not is_retryable(error):
+                if not (is_retryable(error) or isinstance(error, Unavailable)):
                     raise
                 last_error = error
-                log.warning("shard_failed", kind=self.kind, shard=index, attempt=attempt,
-                            replica=getattr(replica, "address", "?"), error=str(error)[:300])
-        raise Unavailable(f"{self.kind} shard [{lo}, {hi}) failed on {self.attempts} attempts: {last_error}")
+            finally:
+                self._in_flight.remove(running)
+            failed.append(replica)
+            log.warning("shard_failed", kind=self.kind, shard=index, attempt=attempt,
+                        replica=getattr(replica, "address", "?"), error=str(last_error)[:300])
+        raise Unavailable(f"{self.kind} shard [{lo}, {hi}) failed on {attempts} attempts: {last_error}")

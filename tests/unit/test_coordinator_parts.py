@@ -245,6 +245,55 @@ async def test_all_replicas_failing_raises_unavailable():
         await ReplicaPool("rollout", replicas).map_shards(4, make_call([]))
 
 
+async def test_shards_skip_replicas_that_failed_in_the_batch_until_a_live_one_is_found():
+    # three dead of four (killed, still registered): each dead one's shard finds the live one
+    replicas = [FakeReplica("a")] + [FakeReplica(name, fail_with=ConnectionError) for name in "bcd"]
+    processed: list[int] = []
+    results = await ReplicaPool("reward", replicas).map_shards(8, make_call(processed))
+    assert [r.address for _, r in results] == ["a"] * 4
+    assert sorted(processed) == list(range(8))
+    assert all(len(r.calls) <= 3 for r in replicas[1:])  # no dead replica tried twice by one shard
+
+
+async def test_replica_dropped_mid_batch_has_its_shard_redone_elsewhere():
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    processed: list[int] = []
+    pool = ReplicaPool("rollout", replicas)
+    fast = make_call(processed)
+
+    async def call(replica: FakeReplica, lo: int, hi: int):
+        if replica.address == "b":
+            replica.calls.append((lo, hi))
+            await asyncio.sleep(3600)  # stalled: only the drop below ends it
+        return await fast(replica, lo, hi)
+
+    batch = asyncio.ensure_future(pool.map_shards(6, call))
+    await asyncio.sleep(0.05)
+    pool.drop(replicas[1])
+    results = await asyncio.wait_for(batch, 5)
+    assert [r.address for _, r in results] == ["a", "a"]
+    assert sorted(processed) == list(range(6))  # b's shard done once, on a
+    assert replicas[1].calls == [(3, 6)] and pool.replicas == [replicas[0]]
+
+
+async def test_call_refusing_a_replica_with_unavailable_fails_over():
+    replicas = [FakeReplica("a", fail_with=Unavailable), FakeReplica("b")]
+    processed: list[int] = []
+    results = await ReplicaPool("rollout", replicas).map_shards(4, make_call(processed))
+    assert [r.address for _, r in results] == ["b", "b"] and sorted(processed) == [0, 1, 2, 3]
+
+
+async def test_every_replica_dropped_raises_unavailable():
+    pool = ReplicaPool("rollout", [FakeReplica("a")])
+
+    async def call(replica: FakeReplica, lo: int, hi: int):
+        pool.drop(replica)
+        raise ConnectionError("a is down")
+
+    with pytest.raises(Unavailable, match=r"^no rollout replica left for shard \[0, 4\) \(last error: a is down\)$"):
+        await pool.map_shards(4, call)
+
+
 def test_empty_replica_list_raises_unavailable():
     with pytest.raises(Unavailable, match=r"no reward replica is up"):
         ReplicaPool("reward", [])
