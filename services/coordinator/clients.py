@@ -36,6 +36,15 @@ class Generated:
 
 
 @dataclass(frozen=True)
+class RolloutInfo:
+    """What a rollout says of itself: the run it has loaded ("" for none) and the weights it serves."""
+
+    run_id: str
+    weight_version: int
+    channel_ranks: int  # ranks its engine takes in a weight channel
+
+
+@dataclass(frozen=True)
 class ScoredSample:
     score: float
     valid: bool
@@ -100,9 +109,13 @@ class RolloutClient:
                 rollout_pb2.ReceiveWeightsRequest(channel_id=channel_id, timeout_s=timeout), timeout=timeout + 5)
         return reply.version
 
-    async def weight_version(self) -> int:
+    async def info(self, timeout: float = CONTROL_TIMEOUT_S) -> RolloutInfo:
         async with self._conn.slot():
-            return (await self._stub.Info(common_pb2.InfoRequest(), timeout=CONTROL_TIMEOUT_S)).weight_version
+            reply = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
+        return RolloutInfo(reply.run_id, reply.weight_version, int(reply.details.get("channel_ranks", "1")))
+
+    async def weight_version(self) -> int:
+        return (await self.info()).weight_version
 
     async def close(self) -> None:
         await self._conn.close()
@@ -159,16 +172,18 @@ class TrainerClient:
     async def train_supervised(self, batch: SequenceBatch, step: int, timeout: float) -> tuple[dict[str, float], int]:
         return await self._update(self._stub.TrainSupervised, sequence_tensors(batch), step, timeout)
 
-    async def device(self) -> str:
+    async def device(self, timeout: float = CONTROL_TIMEOUT_S) -> str:
         async with self._conn.slot():
-            info = await self._stub.Info(common_pb2.InfoRequest(), timeout=CONTROL_TIMEOUT_S)
+            info = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
         return info.details.get("device", "cpu")
 
-    async def prepare_channel(self, channel_id: str, backend: str, world_size: int) -> bytes:
+    async def prepare_channel(self, channel_id: str, backend: str, world_size: int, timeout: float) -> bytes:
+        """The rendezvous of a new channel (the trainer closes its old one first, after its model work in flight:
+        the deadline must cover that)."""
         async with self._conn.slot():
             reply = await self._stub.PrepareChannel(
                 trainer_pb2.PrepareChannelRequest(channel_id=channel_id, backend=backend, world_size=world_size),
-                timeout=CONTROL_TIMEOUT_S)
+                timeout=timeout)
         return reply.rendezvous
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, world_size: int,

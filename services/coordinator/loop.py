@@ -14,6 +14,9 @@ Choices:
 - Before the first step the run loads its roles everywhere, opens the weight
   channel, runs the optional supervised warm start, and syncs, so every
   rollout serves exactly the trainer's weights from step 1 on.
+- Rollouts come and go (``RolloutSet``): one that fails mid-step has its
+  shard redone on the others, newcomers are taken in at step boundaries with
+  the current weights, and each shard must come back generated with them.
 - Sampling seeds come from (trainer.seed, step, round, prompt index), so a
   prompt's samples do not depend on which replica served it.
 """
@@ -28,13 +31,18 @@ from typing import Callable, Protocol
 import torch
 
 from services import algos
+from services.common.errors import Unavailable
 from services.common.run_config import RunConfig
 from services.common.sequences import SequenceBatch, join_ragged
 from services.coordinator.clients import Generated, RewardClient, RolloutClient, TrainerClient
 from services.coordinator.data import Prompt, PromptSampler
 from services.coordinator.dispatch import ReplicaPool
 from services.coordinator.metrics import StageTimer, data_metrics
+from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.store import Checkpoint
+
+GENERATION_ATTEMPTS = 3  # a step's generation redone after every rollout of a shard failed, before giving up
+
 
 class Reporter(Protocol):
     def step(self, step: int, metrics: dict[str, float]) -> None:
@@ -46,15 +54,18 @@ class Reporter(Protocol):
     def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
         """Every trainer has saved step ``step`` under ``path``; ``loop_state`` is the coordinator's part."""
 
+    def waiting(self, reason: str | None) -> None:
+        """The run waits for ``reason`` (state waiting); None: it goes on (state running)."""
+
 
 @dataclass
 class RunServices:
-    """The run's services; roles placed on the same trainer share one client."""
+    """The run's trainers and reward services; roles placed on the same trainer share one client. (The
+    rollouts are the loop's RolloutSet.)"""
 
     actor: TrainerClient
     critic: TrainerClient | None
     ref: TrainerClient | None
-    rollouts: list[RolloutClient]
     rewards: list[RewardClient]
 
     def trainer_roles(self) -> dict[TrainerClient, list[str]]:
@@ -65,7 +76,7 @@ class RunServices:
         return roles
 
     def clients(self) -> list:
-        return [*self.trainer_roles(), *self.rollouts, *self.rewards]
+        return [*self.trainer_roles(), *self.rewards]
 
 
 @dataclass(frozen=True)
@@ -109,16 +120,16 @@ class Rollouts:
 class PPOLoop:
     def __init__(self, run_id: str, config: RunConfig, config_yaml: str, services: RunServices,
                  prompts: list[Prompt], tokenizer, reporter: Reporter, should_stop: Callable[[], bool],
-                 find_rewards: Callable[[RewardTarget], list[str]], checkpoint_dir: Path):
+                 find_rewards: Callable[[RewardTarget], list[str]], find_rollouts: Callable[[], list[str]],
+                 checkpoint_dir: Path):
         self.run_id, self.config, self.config_yaml = run_id, config, config_yaml
         self.services, self.prompts, self.tokenizer = services, prompts, tokenizer
         self.reporter, self.should_stop = reporter, should_stop
         seed, data = config.trainer.seed, config.data
         self.sampler = PromptSampler(len(prompts), data.train_batch_size, data.shuffle, seed)
-        self.rollout_pool = ReplicaPool("rollout", services.rollouts)
+        self.rollouts = RolloutSet(run_id, config, services.actor, find_rollouts, reporter, should_stop)
         self.reward_pool = ReplicaPool("reward", services.rewards)
         self.timeout = config.trainer.rpc_timeout_s
-        self.channel_id = f"{run_id}-weights"
         self.kl_coef = config.algorithm.kl_ctrl.kl_coef
         self.find_rewards = find_rewards  # the addresses of the reward services of a target, up now
         self.reward_target = RewardTarget("group", config.placement.reward)
@@ -137,6 +148,7 @@ class PPOLoop:
                     await self.save_checkpoint(step - 1)
                 return False
             await self.update_rewards(step)
+            await self.rollouts.refresh()
             self.reporter.step(step, await self.step(step))
             if save_freq and step % save_freq == 0:
                 await self.save_checkpoint(step)
@@ -189,7 +201,8 @@ class PPOLoop:
 
     async def step(self, step: int) -> dict[str, float]:
         timer, config, trainers = StageTimer(), self.config, self.services
-        self.replica_counts: dict[str, int] = {}
+        self.samples_by: dict[str, int] = {}  # metric name (kind and replica) -> samples it produced
+        served = self.rollouts.version
         rollouts, filter_metrics = await self.generate_and_score(step, timer)   # 1. responses and scores
         batch, timeout = rollouts.batch, self.timeout
         old_logprobs, ref_logprobs, values = await asyncio.gather(               # 2. what the update needs
@@ -209,9 +222,9 @@ class PPOLoop:
                 batch, old_logprobs, estimate.advantages, ref_logprobs, step, timeout)) if update_actor else none(({}, -1)))
         if update_actor:                                                         # 5. rollouts serve the new weights
             with timer("update_weights"):
-                await self.sync_weights(version)
+                await self.rollouts.sync(version)
         metrics = {**actor_metrics, **critic_metrics, **kl_metrics, **filter_metrics, **timer.metrics(),
-                   **{f"reward/samples_by/{replica}": float(n) for replica, n in self.replica_counts.items()},
+                   **{name: float(n) for name, n in self.samples_by.items()}, "rollout/weight_version": float(served),
                    **data_metrics(rollouts.scores, rewards, estimate.advantages, estimate.returns, values,
                                   batch.response_lens, batch.prompt_lens, rollouts.truncated, rollouts.logprobs,
                                   old_logprobs)}
@@ -222,28 +235,14 @@ class PPOLoop:
 
     async def set_up(self, resume: Checkpoint | None) -> None:
         """Load the roles and models everywhere, open the weight channel, warm start (or restore), and sync."""
-        model = self.config.actor_rollout_ref.model
         seed = self.config.trainer.seed
-        _, ranks = await asyncio.gather(
-            asyncio.gather(*(trainer.init_run(self.run_id, self.config_yaml, roles, seed, self.timeout)
-                             for trainer, roles in self.services.trainer_roles().items())),
-            asyncio.gather(*(r.init_run(self.run_id, model.path, model.dtype, self.timeout)
-                             for r in self.services.rollouts)),
-        )
-        actor = self.services.actor
-        backend = self.config.trainer.weight_sync_backend
-        if backend == "auto":
-            backend = "nccl" if (await actor.device()).startswith("cuda") else "gloo"
-        world_size = 1 + sum(ranks)
-        first_ranks = [1 + sum(ranks[:i]) for i in range(len(ranks))]
-        rendezvous = await actor.prepare_channel(self.channel_id, backend, world_size)
         await asyncio.gather(
-            actor.join_channel(self.channel_id, backend, rendezvous, world_size, self.config.trainer.channel_timeout_s),
-            *(r.join_channel(self.channel_id, backend, rendezvous, rank, world_size, self.config.trainer.channel_timeout_s)
-              for rank, r in zip(first_ranks, self.services.rollouts)),
+            *(trainer.init_run(self.run_id, self.config_yaml, roles, seed, self.timeout)
+              for trainer, roles in self.services.trainer_roles().items()),
+            self.rollouts.form(),
         )
         version = await (self.restore(resume) if resume else self.warm_start())
-        await self.sync_weights(version)
+        await self.rollouts.sync(version)
 
     async def warm_start(self) -> int:
         """Supervised steps on the ground-truth responses; returns the trainer's weight version."""
@@ -287,17 +286,38 @@ class PPOLoop:
                         "training/filter_groups/gen_rounds": float(round_index + 1)}
 
     async def generate(self, step: int, round_index: int) -> Rollouts:
-        """n responses per prompt of the next batch, spread over the rollout replicas (not yet scored)."""
+        """n responses per prompt of the next batch, spread over the rollout replicas (not yet scored).
+
+        A shard whose replica fails, or comes back generated with other weights than the run's, is redone on
+        another; if every replica fails, the rollouts are refreshed (waiting for one if none is left) and the
+        whole generation redone: same prompts, same seeds, so nothing is lost or counted twice."""
         rollout = self.config.actor_rollout_ref.rollout
         chosen = [self.prompts[i] for i in self.sampler.next_batch()]
         seed = (self.config.trainer.seed * 1_000_003 + step) * 101 + round_index
 
         async def call(replica: RolloutClient, lo: int, hi: int) -> Generated:
-            return await replica.generate(
+            generated = await replica.generate(
                 [p.token_ids for p in chosen[lo:hi]], rollout.n, rollout.temperature, rollout.top_p,
                 self.config.data.max_response_length, seed, lo, rollout.stop_token_ids, self.timeout)
+            if generated.weight_version != self.rollouts.version:
+                raise Unavailable(f"rollout {replica.address} generated with weight version "
+                                  f"{generated.weight_version}, not {self.rollouts.version}")
+            return generated
 
-        shards = [result for result, _ in await self.rollout_pool.map_shards(len(chosen), call)]
+        for attempt in range(1, GENERATION_ATTEMPTS + 1):
+            try:
+                done = await self.rollouts.pool.map_shards(len(chosen), call)
+                break
+            except Unavailable as failure:
+                if attempt == GENERATION_ATTEMPTS:
+                    raise
+                self.reporter.log(f"generation of step {step} failed on every rollout ({failure}); refreshing the "
+                                  f"rollouts and generating it again")
+                await self.rollouts.refresh()
+        for result, replica in done:
+            name = f"rollout/samples_by/{replica.address}"
+            self.samples_by[name] = self.samples_by.get(name, 0) + len(result.response_lens)
+        shards = [result for result, _ in done]
         prompt_ids, prompt_lens = join_ragged(
             [torch.tensor(p.token_ids) for p in chosen for _ in range(rollout.n)], torch.int64)
         batch = SequenceBatch(prompt_ids, prompt_lens, torch.cat([s.response_ids for s in shards]),
@@ -321,7 +341,8 @@ class PPOLoop:
         shards = await self.reward_pool.map_shards(len(samples), call)
         scored = [s for (scores, _), _ in shards for s in scores]
         for (scores, service_id), _ in shards:  # who scored what
-            self.replica_counts[service_id] = self.replica_counts.get(service_id, 0) + len(scores)
+            name = f"reward/samples_by/{service_id}"
+            self.samples_by[name] = self.samples_by.get(name, 0) + len(scores)
         invalid = [s.error for s in scored if not s.valid]
         if invalid:
             self.reporter.log(f"{len(invalid)} samples could not be scored (scored 0), first: {invalid[0]}")
@@ -343,18 +364,6 @@ class PPOLoop:
             self.kl_coef = algos.adaptive_kl_coef(self.kl_coef, current_kl, len(lengths), control.target_kl,
                                                   control.horizon)
         return rewards, metrics
-
-    async def sync_weights(self, version: int) -> None:
-        """Broadcast the actor's weights to every rollout; each must then serve ``version``."""
-        bucket = self.config.trainer.weight_sync_bucket_mb << 20
-        sent, *received = await asyncio.gather(
-            self.services.actor.broadcast_weights(self.channel_id, bucket, self.config.trainer.channel_timeout_s),
-            *(r.receive_weights(self.channel_id, self.config.trainer.channel_timeout_s) for r in self.services.rollouts),
-        )
-        stale = [r.address for r, v in zip(self.services.rollouts, received) if v != sent.weight_version]
-        if sent.weight_version != version or stale:
-            raise RuntimeError(f"weight sync to version {version} failed: trainer sent {sent.weight_version}, "
-                               f"rollouts not serving it: {stale}")
 
 
 async def none(value=None):

@@ -24,11 +24,12 @@ from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.rpc import is_retryable
 from services.common.models import load_tokenizer
 from services.common.run_config import RunConfig
-from services.coordinator.clients import RewardClient, RolloutClient, TrainerClient
+from services.coordinator.clients import RewardClient, TrainerClient
 from services.coordinator.data import Prompt, load_prompts
 from services.coordinator.loop import PPOLoop, RewardTarget, RunServices
 from services.coordinator.plot import plot_reward
 from services.coordinator.registry import Registry
+from services.coordinator.rollout_set import RolloutSet, RunStopped, describe
 from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
 
 log = structlog.get_logger()
@@ -36,7 +37,8 @@ FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
 STOPPED = object()  # _wait_to_recover's answer when the run was stopped while it waited
 WATCH_INTERVAL_S = 0.5
 PROBE_SAMPLES = 4
-PROBE_TIMEOUT_S = 15.0
+PROBE_TIMEOUT_S = 15.0  # a reward swap's probe batch
+TRAINER_PROBE_S = 2.0  # after a failure: a trainer that does not answer Info this fast is named as the cause
 
 
 async def probe(client: RewardClient, prompts: list[Prompt]) -> None:
@@ -90,6 +92,9 @@ class RunReporter:
         self.manager.store.add_event(self.run_id, kind, self.manager.store.get_run(self.run_id).step, "", message, {})
         log.info("run_log", run_id=self.run_id, kind=kind, message=message)
         self.manager.notify()
+
+    def waiting(self, reason: str | None) -> None:
+        self.manager._set_state(self.run_id, "waiting" if reason else "running", reason or "")
 
 
 class RunManager:
@@ -184,6 +189,8 @@ class RunManager:
                         if resume is STOPPED:
                             state = "stopped"
                             break
+            except RunStopped as stopped:
+                state, error = "stopped", str(stopped)
             except asyncio.CancelledError:
                 state, error = "stopped", "the coordinator shut down"
                 raise
@@ -200,38 +207,53 @@ class RunManager:
     async def _attempt(self, run_id, config, config_yaml, tokenizer, prompts, run_dir, resume) -> bool:
         """One go at the run with the services up now, from ``resume`` (or the start); True if it completed.
 
-        A trainer or rollout of the run that stops heartbeating (killed, stopped, cut off) ends the attempt
-        at once with Unavailable naming it, whatever call was waiting on it."""
+        A trainer of the run that stops heartbeating (killed, stopped, cut off) ends the attempt at once with
+        Unavailable naming it, whatever call was waiting on it; a rollout that does leaves the run's rollout
+        set, and the attempt goes on with the others."""
         services = await self._connect(config)
+        group = config.placement.rollout
+        ppo = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, RunReporter(self, run_id, run_dir),
+                      lambda: run_id in self._stop_requested, self.reward_addresses,
+                      lambda: [record.address for record in self.registry.up("rollout", group)],
+                      run_dir / "checkpoints")
+        self._loops[run_id] = ppo
         try:
-            reporter = RunReporter(self, run_id, run_dir)
-            self._loops[run_id] = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, reporter,
-                                          lambda: run_id in self._stop_requested, self.reward_addresses,
-                                          run_dir / "checkpoints")
-            members = {c.address: kind for kind, group in (("trainer", list(services.trainer_roles())),
-                                                           ("rollout", services.rollouts)) for c in group}
-            loop = asyncio.ensure_future(self._loops[run_id].run(resume))
-            watchdog = asyncio.ensure_future(self._watch_members(members))
+            trainers = {client.address for client in services.trainer_roles()}
+            loop = asyncio.ensure_future(ppo.run(resume))
+            watchdog = asyncio.ensure_future(self._watch_members(trainers, ppo.rollouts))
             await asyncio.wait({loop, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if not loop.done():
                 loop.cancel()
                 await asyncio.gather(loop, return_exceptions=True)
                 return watchdog.result()  # raises the Unavailable that ended the attempt
             watchdog.cancel()
+            if loop.exception() is not None and recoverable(loop.exception()):
+                raise await self._name_silent_trainers(list(services.trainer_roles()), loop.exception())
             return loop.result()
         finally:
             self._loops.pop(run_id, None)
-            await asyncio.gather(*(client.close() for client in services.clients()))
+            await asyncio.gather(*(client.close() for client in services.clients()), ppo.rollouts.close())
 
-    async def _watch_members(self, members: dict[str, str]) -> bool:
-        """Raise Unavailable once a member (address -> kind) is no longer up in the registry."""
+    async def _watch_members(self, trainers: set[str], rollouts: RolloutSet) -> bool:
+        """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer
+        up from the run's rollout set."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             up = {record.address for record in self.registry.all() if self.registry.is_up(record)}
-            for address, kind in members.items():
-                if address not in up:
-                    raise Unavailable(f"the {kind} at {address} stopped answering (no heartbeat for "
-                                      f"{self.registry.down_after_s:.0f} s)")
+            silent = f"no heartbeat for {self.registry.down_after_s:.0f} s"
+            for address in trainers - up:
+                raise Unavailable(f"the trainer at {address} stopped answering ({silent})")
+            for address in set(rollouts.addresses()) - up:
+                await rollouts.drop(address, silent)
+
+    @staticmethod
+    async def _name_silent_trainers(trainers: list[TrainerClient], failure: Exception) -> Exception:
+        """``failure``, or, if a trainer does not answer now (the likely cause), Unavailable naming it."""
+        answers = await asyncio.gather(*(t.device(TRAINER_PROBE_S) for t in trainers), return_exceptions=True)
+        silent = [t.address for t, answer in zip(trainers, answers) if isinstance(answer, BaseException)]
+        if not silent:
+            return failure
+        return Unavailable(f"the trainer at {', '.join(silent)} does not answer ({describe(failure)[:300]})")
 
     async def _wait_to_recover(self, run_id: str, config: RunConfig, run_dir: Path, failure: Exception,
                                attempt: int):
@@ -295,7 +317,6 @@ class RunManager:
             trainers[place.actor],
             trainers[place.critic] if config.use_critic else None,
             trainers[place.ref] if config.use_reference else None,
-            [RolloutClient(r.address) for r in self.registry.up("rollout", place.rollout)],
             [RewardClient(r.address) for r in self.registry.up("reward", place.reward)],
         )
 

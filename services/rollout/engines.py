@@ -67,6 +67,9 @@ class HFRolloutEngine:
         return await self._on_engine(self.engine.generate, prompts, sampling, first_index)
 
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s):
+        """Leave the channels joined before (on the engine thread: after a receive still on one, since closing
+        a group with a collective in flight blocks), then join this one."""
+        await self._on_engine(self.channels.close_all)
         await self.channels.join(channel_id, backend, rendezvous, rank, world_size, timeout_s)
 
     async def receive_weights(self, channel_id, timeout_s):

@@ -67,6 +67,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         batch = assembler.result(required=("prompt_ids", "prompt_lens"))
         prompts = prompt_lists(batch["prompt_ids"], batch["prompt_lens"], engine.vocab_size)
         version = self.weight_version
+        log.info("generating", run_id=self.run_id, prompts=len(prompts), n=sampling.n, weight_version=version)
         completions = await engine.generate(prompts, sampling, params.first_index)
         flat = [c for group in completions for c in group]
         response_ids, response_lens = join_ragged([c.token_ids for c in flat], torch.int64)

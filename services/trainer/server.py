@@ -179,14 +179,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
 
     async def PrepareChannel(self, request, context):
+        if request.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {request.backend!r}")
         # A new channel replaces the run's old one (a rollout came or went): close the old after any broadcast
         # still on it, on the model thread, since closing a group with a collective in flight blocks.
         await self._on_model(self.channels.close_all)
         self.stores.clear()
         if request.backend == "nccl":
             return trainer_pb2.PrepareChannelResponse(rendezvous=await asyncio.to_thread(new_unique_id))
-        if request.backend != "gloo":
-            raise ValueError(f"backend must be gloo or nccl, got {request.backend!r}")
         host = self.identity.address.rpartition(":")[0] or socket.gethostname()
         store, rendezvous = await asyncio.to_thread(prepare_gloo_rendezvous, host, 60.0)
         self.stores[request.channel_id] = store

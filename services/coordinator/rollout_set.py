@@ -1,0 +1,264 @@
+"""A run's rollout replicas and the weight channel they share with the actor.
+
+Who generates for a run changes only where no sample can come from stale
+weights, and no trainer state is lost when a rollout goes:
+- Members joined the current channel and serve ``version``. One that stops
+  heartbeating (``drop``, called by the run's watchdog) leaves at once: its
+  calls in flight are cancelled and its share of the step is redone on the
+  others (ReplicaPool); the channel is re-formed without it before the next sync.
+- At each step boundary (``refresh``) the members and the placement's rollout
+  group are probed. A member that does not answer leaves; a rollout that
+  (re)registered, or a member that answers with other weights (one stopped and
+  resumed), is taken in: it loads the run's model if it has not, joins a fresh
+  channel with the actor and the other members, and receives the current
+  weights before it serves any Generate.
+- A sync that fails (``sync``: a member died or stalled mid-broadcast, the
+  collective errored or timed out) is an event naming the members not serving
+  the new version; the channel is re-formed with those that still answer and
+  the same version is sent again.
+- With no rollout left the run waits (state ``waiting``) until one answers, then
+  goes on where it was: the trainer's state is intact, nothing is rewound.
+Each channel has a fresh id (run, attempt, generation); the trainer closes
+its old channel when it prepares the next, a rollout when it joins the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Callable, Protocol
+
+import grpc
+import structlog
+
+from services.common.errors import Unavailable
+from services.common.rpc import is_retryable
+from services.common.run_config import RunConfig
+from services.coordinator.clients import RolloutClient, RolloutInfo, TrainerClient
+from services.coordinator.dispatch import ReplicaPool
+
+log = structlog.get_logger()
+PROBE_TIMEOUT_S = 2.0  # a rollout that does not answer Info this fast is out (stopped, cut off, dead)
+WAIT_POLL_S = 0.5
+FORM_ATTEMPTS = 3  # channel formations in a row that may fail (a member died while joining) before giving up
+SYNC_ATTEMPTS = 3  # sends of one version in a row that may fail before the attempt gives up
+
+
+class RunStopped(Exception):
+    """The run was stopped while it waited for a rollout."""
+
+
+class Notices(Protocol):
+    def log(self, message: str, kind: str = "log") -> None:
+        """An event of the run, for a person."""
+
+    def waiting(self, reason: str | None) -> None:
+        """The run waits for ``reason`` (state waiting); None: it goes on (state running)."""
+
+
+def describe(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"
+
+
+class RolloutSet:
+    def __init__(self, run_id: str, config: RunConfig, actor: TrainerClient, find: Callable[[], list[str]],
+                 notices: Notices, should_stop: Callable[[], bool]):
+        """``find``: the addresses of the placement's rollout group that are up now."""
+        self.run_id, self.actor, self.find = run_id, actor, find
+        self.notices, self.should_stop = notices, should_stop
+        model, trainer = config.actor_rollout_ref.model, config.trainer
+        self.model_path, self.dtype, self.group = model.path, model.dtype, config.placement.rollout
+        self.backend = trainer.weight_sync_backend  # "auto" is resolved when the first channel forms
+        self.channel_timeout_s, self.rpc_timeout_s = trainer.channel_timeout_s, trainer.rpc_timeout_s
+        self.bucket_bytes = trainer.weight_sync_bucket_mb << 20
+        self.members: list[RolloutClient] = []
+        self.pool: ReplicaPool[RolloutClient] | None = None  # the members, for spreading a batch
+        self.ranks: dict[str, int] = {}  # channel ranks each member's engine takes
+        self.version = -1  # the weights every member must serve
+        self.stale = True  # the channel lacks a member or has one too many: form a new one before a sync
+        self.channel_id = ""
+        self._joined: set[str] = set()  # the rollouts of the last channel formed
+        self._channel_prefix, self._generation = f"{run_id}-weights-{secrets.token_hex(3)}", 0
+
+    def addresses(self) -> list[str]:
+        return [member.address for member in self.members]
+
+    async def drop(self, address: str, reason: str) -> None:
+        """Take a member out now: no further work goes to it, its calls in flight fail and are redone."""
+        member = next((m for m in self.members if m.address == address), None)
+        if member is None:
+            return
+        self.members.remove(member)
+        self._joined.discard(address)  # if it comes back, it is taken in anew
+        if self.pool is not None:
+            self.pool.drop(member)
+        self.stale = True
+        rest = f"its work goes to {', '.join(self.addresses())}" if self.members else "no rollout is left"
+        log.warning("rollout_left", address=address, reason=reason)
+        self.notices.log(f"rollout {address} left the run ({reason}); {rest}")
+        await member.close()
+
+    async def form(self) -> None:
+        """Before the first step: the group's rollouts that answer load the run's model and join a fresh
+        channel (waiting while none answers; RunStopped if the run is stopped meanwhile)."""
+        await self._regroup(take_new=True)
+
+    async def refresh(self) -> None:
+        """At a step boundary: if a member went, a rollout came or a member serves other weights, form a
+        fresh channel with the rollouts that answer and send them the current weights."""
+        found = await self._probe({*self.addresses(), *self.find()})
+        members = set(self.addresses())
+        serving = {address for address, (_, info) in found.items()
+                   if info.run_id == self.run_id and info.weight_version == self.version}
+        if self.stale or set(found) != members or not members <= serving:
+            await self._regroup(take_new=True, found=found)
+            await self.sync(self.version)
+
+    async def sync(self, version: int) -> None:
+        """Send the actor's weights, of ``version``, to every member. Members that do not take them are named
+        in an event; the channel is re-formed with the members that answer and the version sent again."""
+        self.version = version
+        for _ in range(SYNC_ATTEMPTS):
+            if self.stale:
+                await self._regroup(take_new=False)
+            failure = await self._broadcast(version)
+            if failure is None:
+                return
+            self.stale = True
+            log.warning("weight_sync_failed", version=version, channel_id=self.channel_id, failure=failure)
+            self.notices.log(f"{failure}; re-forming the weight channel with the rollouts that answer and "
+                             f"sending version {version} again")
+        raise Unavailable(f"weight sync of version {version} failed {SYNC_ATTEMPTS} times in a row")
+
+    async def close(self) -> None:
+        await asyncio.gather(*(member.close() for member in self.members))
+
+    async def _broadcast(self, version: int) -> str | None:
+        """One send over the current channel: None if every member took it, else what went wrong."""
+        timeout = self.channel_timeout_s
+        log.info("weight_sync_started", version=version, channel_id=self.channel_id, rollouts=self.addresses())
+        receiving = {m.address: asyncio.ensure_future(m.receive_weights(self.channel_id, timeout))
+                     for m in self.members}
+        try:
+            try:
+                sent, trouble = await self.actor.broadcast_weights(self.channel_id, self.bucket_bytes, timeout), ""
+            except Exception as error:  # noqa: BLE001 - sorted here
+                if not (is_retryable(error) or isinstance(error, Unavailable)):
+                    raise
+                sent, trouble = None, f"the trainer's side: {describe(error)}"
+            if sent is not None:  # every member took the whole broadcast: their answers follow
+                await asyncio.wait(receiving.values())
+        finally:  # after a failed send the members' side ends with the channel, which the trainer closes
+            for task in receiving.values():  # when it prepares the next: no use waiting for them
+                task.cancel()
+            answers = await asyncio.gather(*receiving.values(), return_exceptions=True)
+        if sent is not None and sent.weight_version != version:
+            raise RuntimeError(f"the trainer sent weight version {sent.weight_version}, not {version}")
+        not_serving = {address: answer for address, answer in zip(receiving, answers) if answer != version}
+        if sent is not None and not not_serving:
+            return None
+        errors = [describe(a) for a in not_serving.values() if isinstance(a, Exception)]
+        detail = trouble or (f"a rollout's side: {errors[0]}" if errors else "a rollout received another version")
+        return (f"weight sync of version {version} on channel {self.channel_id} failed ({detail[:300]}); "
+                f"not serving it: {', '.join(not_serving) or 'none'}")
+
+    async def _regroup(self, take_new: bool, found: dict | None = None) -> None:
+        """A fresh channel with the members that answer and, with ``take_new`` (or when none answers), the
+        group's other rollouts that answer."""
+        for _ in range(FORM_ATTEMPTS):
+            found = await self._answering(take_new, found)
+            admitted = await self._admit(found)
+            if admitted and await self._form(admitted):
+                return
+            found = None
+        raise Unavailable(f"the weight channel could not be formed in {FORM_ATTEMPTS} attempts")
+
+    async def _answering(self, take_new: bool, found: dict | None) -> dict[str, tuple[RolloutClient, RolloutInfo]]:
+        """The rollouts that answer; members that do not leave. While none answers the run waits."""
+        waiting = False
+        while True:
+            if found is None:
+                found = await self._probe({*self.addresses(), *(self.find() if take_new or not self.members else ())})
+            for address in [a for a in self.addresses() if a not in found]:
+                await self.drop(address, f"it did not answer within {PROBE_TIMEOUT_S:.0f} s")
+            if found:
+                if waiting:
+                    self.notices.waiting(None)
+                return found
+            if not waiting:
+                self.notices.waiting(f"no rollout of group {self.group!r} answers: waiting for one to register")
+                waiting = True
+            if self.should_stop():
+                raise RunStopped("the run was stopped while it waited for a rollout")
+            await asyncio.sleep(WAIT_POLL_S)
+            found = None
+
+    async def _probe(self, addresses: set[str]) -> dict[str, tuple[RolloutClient, RolloutInfo]]:
+        """Client and Info of each address that answers within PROBE_TIMEOUT_S (members keep their client)."""
+        members = {m.address: m for m in self.members}
+        clients = [members.get(address) or RolloutClient(address) for address in sorted(addresses)]
+        answers = await asyncio.gather(*(c.info(PROBE_TIMEOUT_S) for c in clients), return_exceptions=True)
+        found = {c.address: (c, a) for c, a in zip(clients, answers) if isinstance(a, RolloutInfo)}
+        await asyncio.gather(*(c.close() for c in clients if c.address not in found and c.address not in members))
+        return found
+
+    async def _admit(self, found: dict[str, tuple[RolloutClient, RolloutInfo]]) -> list[RolloutClient]:
+        """The found rollouts with the run's model loaded: those without it load it now (one that fails to
+        is left out, unless the failure is the run's: a bad model path fails the run)."""
+        loading = [client for client, info in found.values() if info.run_id != self.run_id]
+        loaded = await asyncio.gather(*(c.init_run(self.run_id, self.model_path, self.dtype, self.rpc_timeout_s)
+                                        for c in loading), return_exceptions=True)
+        admitted = []
+        for client, info in found.values():
+            result = loaded[loading.index(client)] if client in loading else info.channel_ranks
+            if isinstance(result, BaseException):
+                if not is_retryable(result):
+                    raise result
+                self.notices.log(f"rollout {client.address} could not load the run's model ({describe(result)})")
+                await client.close()
+                continue
+            self.ranks[client.address] = result
+            admitted.append(client)
+        return admitted
+
+    async def _form(self, clients: list[RolloutClient]) -> bool:
+        """The actor and ``clients`` join a fresh channel; False (after an event) if one did not join."""
+        if self.backend == "auto":
+            self.backend = "nccl" if (await self.actor.device()).startswith("cuda") else "gloo"
+        self._generation += 1
+        channel_id, timeout = f"{self._channel_prefix}-{self._generation}", self.channel_timeout_s
+        ranks = [self.ranks[c.address] for c in clients]
+        world_size = 1 + sum(ranks)
+        before = list(self.members)
+        rendezvous = await self.actor.prepare_channel(channel_id, self.backend, world_size, self.rpc_timeout_s)
+        joins = [asyncio.ensure_future(self.actor.join_channel(channel_id, self.backend, rendezvous, world_size,
+                                                               timeout)),
+                 *(asyncio.ensure_future(c.join_channel(channel_id, self.backend, rendezvous, 1 + sum(ranks[:i]),
+                                                        world_size, timeout)) for i, c in enumerate(clients))]
+        _, waiting = await asyncio.wait(joins, return_when=asyncio.FIRST_EXCEPTION)
+        for join in waiting:  # one failed: the others would only wait out the deadline for it
+            join.cancel()
+        joined = await asyncio.gather(*joins, return_exceptions=True)
+        failed = {c.address: r for c, r in zip(clients, joined[1:]) if isinstance(r, Exception)}
+        left = [m for m in before if m in clients and m not in self.members]  # dropped (and closed) while joining
+        failed |= {m.address: Unavailable("it left the run meanwhile") for m in left}
+        kept = [c for c in clients if c not in left]
+        retired = [m for m in self.members if m not in kept]
+        self.members, self.pool, self.stale = kept, ReplicaPool("rollout", kept) if kept else None, True
+        await asyncio.gather(*(m.close() for m in retired))
+        if isinstance(joined[0], Exception) and not failed:
+            raise joined[0]  # the trainer's own trouble ends the attempt
+        if failed:
+            address, error = next(iter(failed.items()))
+            self.notices.log(f"weight channel {channel_id} not formed: {', '.join(failed)} did not join "
+                             f"({address}: {describe(error)[:300]})")
+            return False
+        self.channel_id, self.stale = channel_id, False
+        new = [address for address in self.addresses() if address not in self._joined]
+        self._joined = set(self.addresses())
+        self.notices.log(f"weight channel {channel_id}: the actor and rollouts {', '.join(self.addresses())}"
+                         + (f" (taken in: {', '.join(new)})" if new else ""))
+        log.info("weight_channel_formed", channel_id=channel_id, rollouts=self.addresses(), world_size=world_size)
+        return True
