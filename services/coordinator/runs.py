@@ -151,21 +151,25 @@ class RunManager:
                 log.warning("run_not_resumed", run_id=run_id, error=str(error))
 
     async def resume_run(self, run_id: str) -> RunRow:
-        """Continue a stopped, failed or interrupted run from its last complete checkpoint."""
+        """Continue a stopped, failed or interrupted run from its last complete checkpoint; an interrupted run
+        without one (the coordinator died before its first) runs again from the start."""
         row = self.get_run(run_id)
         if row.state not in ("stopped", "failed", "interrupted"):
             raise FailedPrecondition(f"run {run_id} is {row.state}; only a stopped, failed or interrupted run resumes")
         checkpoint = self.store.last_checkpoint(run_id)
-        if checkpoint is None:
+        if checkpoint is None and row.state != "interrupted":
             raise FailedPrecondition(f"run {run_id} has no checkpoint to resume from")
         config = parse_run_config(row.config_yaml)
         tokenizer, prompts = await self._load_data(config)
-        run_dir = Path(row.run_dir)
-        self._rewind(run_id, run_dir, checkpoint.step)
+        run_dir, step = Path(row.run_dir), checkpoint.step if checkpoint else 0
+        self._rewind(run_id, run_dir, step)
+        if checkpoint is None:
+            self.store.add_event(run_id, "log", 0, "", "no checkpoint to resume from: running it again from the start",
+                                 {})
         self._stop_requested.discard(run_id)
         self._tasks[run_id] = asyncio.create_task(
             self._execute(run_id, config, row.config_yaml, tokenizer, prompts, run_dir, checkpoint))
-        log.info("run_resumed", run_id=run_id, step=checkpoint.step)
+        log.info("run_resumed", run_id=run_id, step=step)
         return self.store.get_run(run_id)
 
     async def _execute(self, run_id: str, config: RunConfig, config_yaml: str, tokenizer, prompts: list[Prompt],
