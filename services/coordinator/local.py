@@ -107,8 +107,7 @@ class LocalCluster:
 
     async def start(self, timeout_s: float = 60.0) -> None:
         """Start them all (before this process makes any gRPC object: gRPC and fork do not mix), wait for them."""
-        port = self.coordinator.rpartition(":")[2]
-        self._spawn("coordinator", "coordinator", f"port={port}", f"state_dir={self.state_dir}")
+        self.start_coordinator()
         kinds = [spec.kind for spec in self.services]
         for index, spec in enumerate(self.services):  # they retry registering until the coordinator is up
             name = spec.kind if kinds.count(spec.kind) == 1 else f"{spec.kind}-{index}"
@@ -120,6 +119,11 @@ class LocalCluster:
             await asyncio.wait_for(self._wait(self._registered(client)), timeout_s)
         finally:
             await client.close()
+
+    def start_coordinator(self) -> None:
+        """Start the coordinator on its port and state dir (again, after it died: it resumes its active runs)."""
+        port = self.coordinator.rpartition(":")[2]
+        self._spawn("coordinator", "coordinator", f"port={port}", f"state_dir={self.state_dir}")
 
     def add_service(self, spec: ServiceSpec, name: str) -> None:
         """Start one more service (it registers by itself), e.g. to replace one that died."""

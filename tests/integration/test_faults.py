@@ -1,0 +1,233 @@
+"""Services killed (kill -9) or stopped (SIGSTOP) under a running run, as real processes, and what a user
+checks afterwards: the run finished, and its DB holds every step once, each with all its samples, each
+generated with the weights of the step before."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sqlite3
+import time
+
+import pytest
+
+from bench.faults import KINDS, SERVICES, random_schedule, run_with_faults, service_address, step_events
+from services.coordinator.clients import RolloutClient
+from services.coordinator.control import CoordinatorClient, RunStatus
+from services.coordinator.local import LocalCluster, ServiceSpec
+from tests.integration.test_grpo_run import run_config
+from tests.integration.test_resume import comparable, run
+
+BATCH = 8 * 4  # train_batch_size x rollout.n of run_config
+
+
+@pytest.fixture
+def make_cluster(tmp_path):
+    """A LocalCluster of the given services, started; stopped afterwards."""
+    clusters = []
+
+    def make(*services: ServiceSpec) -> LocalCluster:
+        cluster = LocalCluster(tmp_path / "state", services)
+        clusters.append(cluster)
+        asyncio.run(cluster.start(timeout_s=120))
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+class LogTail:
+    """The JSON events a service logs, read as they come."""
+
+    def __init__(self, cluster: LocalCluster, name: str):
+        self.path, self.offset, self.events = cluster.log_dir / f"{name}.log", 0, []
+
+    def read(self) -> list[dict]:
+        with self.path.open("rb") as log:
+            log.seek(self.offset)
+            data = log.read()
+        complete = data[:data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        self.events += [json.loads(line) for line in complete.decode().splitlines() if line.startswith("{")]
+        return self.events
+
+    async def wait_for(self, event: str, count: int, timeout_s: float = 60) -> None:
+        """Until the service has logged ``event`` ``count`` times."""
+        deadline = time.monotonic() + timeout_s
+        while sum(e["event"] == event for e in self.read()) < count:
+            assert time.monotonic() < deadline, f"{self.path.name}: no {count} x {event} within {timeout_s} s"
+            await asyncio.sleep(0.002)
+
+
+def samples(metrics: dict[str, float], kind: str) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith(f"{kind}/samples_by/"))
+
+
+def check_nothing_lost(cluster: LocalCluster, final: RunStatus, steps: int) -> dict[int, dict[str, float]]:
+    """The run finished with every step once, each with all its samples; returns the DB's step metrics."""
+    assert final.state == "finished", final.error
+    with sqlite3.connect(cluster.state_dir / "meshrl.db") as db:
+        rows = {step: json.loads(m) for step, m in
+                db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ?", (final.run_id,))}
+    assert sorted(rows) == list(range(1, steps + 1))
+    for step, metrics in rows.items():
+        assert samples(metrics, "rollout") == BATCH and samples(metrics, "reward") == BATCH, (step, metrics)
+        # generated with the weights the step before trained (rollouts taken in late included)
+        assert metrics["rollout/weight_version"] == metrics["training/weight_version"] - 1, step
+    versions = [rows[step]["training/weight_version"] for step in range(1, steps + 1)]
+    assert versions == list(range(int(versions[0]), int(versions[0]) + steps))  # each step trained once
+    assert sorted(comparable(final.run_dir)) == list(range(1, steps + 1))  # metrics.jsonl: each step once
+    return rows
+
+
+def test_rollout_killed_mid_step_its_share_is_redone_and_a_restarted_one_is_taken_in(
+        make_cluster, tiny_model, reverse_data):
+    steps, kill_at = 30, 3
+    # rollouts that generate one sequence at a time: the kill lands inside a share of the step, and the
+    # steps leave a restarted rollout the time to come up before the run ends
+    one_at_a_time = ServiceSpec("rollout", settings=("batch_size=1",))
+    cluster = make_cluster(ServiceSpec("trainer"), one_at_a_time, one_at_a_time, ServiceSpec("reward"),
+                           ServiceSpec("reward"))
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps,
+                        data__max_response_length=16)
+    kept, killed = service_address(cluster, "rollout-1"), service_address(cluster, "rollout-2")
+    messages = []
+
+    async def scenario():
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            started = await client.start_run(config)
+            await LogTail(cluster, "rollout-2").wait_for("generating", kill_at)  # it holds its share of step 3
+            victim = cluster.processes.pop("rollout-2")
+            victim.kill()
+            victim.wait()
+            cluster.add_service(ServiceSpec("rollout"), "rollout-again")
+            messages.extend([u.message async for u in client.watch(started.run_id)])
+            final = await client.get_run(started.run_id)
+        finally:
+            await client.close()
+        restarted = RolloutClient(service_address(cluster, "rollout-again"))
+        try:
+            return final, restarted.address, await restarted.info()
+        finally:
+            await restarted.close()
+
+    final, again, info = asyncio.run(scenario())
+    rows = check_nothing_lost(cluster, final, steps)
+    assert rows[kill_at][f"rollout/samples_by/{kept}"] == BATCH  # the killed rollout's share, redone
+    assert not any(f"rollout/samples_by/{killed}" in rows[step] for step in range(kill_at, steps + 1))
+    assert any(f"rollout {killed} left the run" in message for message in messages)
+
+    serving = [step for step in rows if f"rollout/samples_by/{again}" in rows[step]]
+    assert serving and serving == list(range(serving[0], steps + 1)), "taken in at a boundary, then every step"
+    assert any(f"taken in: {again}" in message for message in messages)
+    assert info.run_id == final.run_id and info.weight_version == rows[steps]["training/weight_version"]
+    # the restarted rollout received the run's weights before its first Generate, and served only those
+    received = None
+    for event in LogTail(cluster, "rollout-again").read():
+        if event["event"] == "weights_received":
+            received = event["weight_version"]
+        elif event["event"] == "generating":
+            assert received is not None and event["weight_version"] == received > 0
+
+
+def test_rollout_stopped_during_a_weight_broadcast_is_named_and_the_run_goes_on_without_it(
+        make_cluster, tiny_model, reverse_data):
+    steps, stop_at = 10, 3
+    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"),
+                           ServiceSpec("rollout", settings=("batch_size=1",)), ServiceSpec("reward"))
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps, trainer__channel_timeout_s=4)
+    stalled = service_address(cluster, "rollout-2")
+    pid = cluster.processes["rollout-2"].pid
+    messages = []
+
+    async def scenario():
+        client, busy = CoordinatorClient(cluster.coordinator), RolloutClient(stalled)
+        try:
+            started = await client.start_run(config)
+            await LogTail(cluster, "rollout-2").wait_for("generating", stop_at)
+            # a long Generate queued behind its share of step 3 keeps its engine busy, so the weight sync
+            # after step 3 waits on it; it is stopped while the sync is on the wire
+            hold = asyncio.ensure_future(busy.generate([[5, 6, 7]] * 16, 16, 1.0, 1.0, 16, 0, 0, [], 120))
+            await LogTail(cluster, "coordinator").wait_for("weight_sync_started", 1 + stop_at)
+            os.kill(pid, signal.SIGSTOP)
+            async for update in client.watch(started.run_id):
+                messages.append(update.message)
+                if update.message.startswith(f"rollout {stalled} left the run"):
+                    os.kill(pid, signal.SIGCONT)  # resumed: it stays out until taken in at a boundary
+            await asyncio.gather(hold, return_exceptions=True)
+            return await client.get_run(started.run_id), await busy.info()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            await asyncio.gather(client.close(), busy.close())
+
+    final, info = asyncio.run(scenario())
+    rows = check_nothing_lost(cluster, final, steps)
+    failure = next(i for i, m in enumerate(messages) if m.startswith("weight sync of version"))
+    assert stalled in messages[failure].partition("not serving it:")[2] and "sending version" in messages[failure]
+    left = next(i for i, m in enumerate(messages) if m.startswith(f"rollout {stalled} left the run"))
+    assert any(f"taken in: {stalled}" in message for message in messages[left:])
+    assert rows[stop_at][f"rollout/samples_by/{stalled}"] > 0  # it was serving until the sync it stalled in
+    assert info.weight_version == rows[steps]["training/weight_version"]  # back, with the current weights
+
+
+@pytest.mark.parametrize("save_freq", [2, 0], ids=["from-its-checkpoint", "without-checkpoint-from-the-start"])
+def test_coordinator_killed_mid_run_reloads_it_and_finishes(cluster, tiny_model, reverse_data, save_freq):
+    steps = 8
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps, trainer__save_freq=save_freq,
+                        trainer__channel_timeout_s=10)
+    straight = asyncio.run(run(cluster.coordinator, config))
+
+    async def kill_coordinator_at_step_5() -> str:
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            started = await client.start_run(config)
+            async for update in client.watch(started.run_id):
+                if update.kind == "step" and update.step == 5:
+                    cluster.processes["coordinator"].kill()
+                    break
+            return started.run_id
+        finally:
+            await client.close()
+
+    async def follow_after_restart(run_id: str) -> tuple[RunStatus, list]:
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            await client.wait_ready(60)
+            deadline = time.monotonic() + 90
+            while (final := await client.get_run(run_id)).state not in ("finished", "failed"):
+                assert time.monotonic() < deadline, f"run still {final.state}"
+                await asyncio.sleep(0.5)
+            return final, [u async for u in client.watch(run_id)]
+        finally:
+            await client.close()
+
+    run_id = asyncio.run(kill_coordinator_at_step_5())
+    cluster.processes.pop("coordinator").wait()
+    cluster.start_coordinator()
+    final, history = asyncio.run(follow_after_restart(run_id))
+    check_nothing_lost(cluster, final, steps)
+    assert "interrupted" in [u.state for u in history if u.kind == "state"]
+    resumed = "resumed from the checkpoint of step " if save_freq else "no checkpoint to resume from: running it again"
+    assert any(u.message.startswith(resumed) for u in history)
+    expected, got = comparable(straight.run_dir), comparable(final.run_dir)
+    for step in range(1, steps + 1):
+        assert got[step] == expected[step], f"step {step} differs after the coordinator's restart"
+
+
+def test_seeded_random_kills_of_every_kind_lose_nothing(make_cluster, tiny_model, reverse_data):
+    steps, rng = 10, random.Random(34)
+    schedule = random_schedule(rng, 3, steps)
+    assert sorted(f.kind for f in schedule) == sorted(KINDS)  # this seed hits each kind once
+    cluster = make_cluster(*SERVICES)
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps, trainer__save_freq=2,
+                        trainer__channel_timeout_s=10)
+    final, injected = asyncio.run(run_with_faults(cluster, config, schedule, rng))
+    assert [fault.fault for fault in injected] == schedule
+    last_step_at = step_events(cluster.state_dir, final.run_id)[-1]
+    assert all(fault.killed_at < last_step_at for fault in injected)  # every kill hit the running run
+    check_nothing_lost(cluster, final, steps)
