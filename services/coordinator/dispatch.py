@@ -60,8 +60,13 @@ class ReplicaPool(Generic[Replica]):
         Returns (result, replica that produced it) per shard, in shard order.
         """
         bounds, failed = shard_bounds(count, len(self.replicas)), []
-        return list(await asyncio.gather(*(self._shard(index, lo, hi, call, failed)
-                                           for index, (lo, hi) in enumerate(bounds))))
+        shards = [asyncio.ensure_future(self._shard(index, lo, hi, call, failed))
+                  for index, (lo, hi) in enumerate(bounds)]
+        try:
+            return list(await asyncio.gather(*shards))
+        finally:  # a shard that failed for good fails the batch: the others' work would be thrown away
+            for shard in shards:
+                shard.cancel()
 
     async def _shard(self, index: int, lo: int, hi: int, call, failed: list[Replica]) -> tuple[Result, Replica]:
         last_error: BaseException | None = None

@@ -239,6 +239,24 @@ async def test_non_retryable_error_propagates():
     assert replicas[0].calls == [(0, 2)]  # b's shard is not retried elsewhere
 
 
+async def test_a_shard_failing_for_good_cancels_the_others():
+    cancelled = []
+
+    async def call(replica: FakeReplica, lo: int, hi: int):
+        if replica.address == "b":
+            raise ValueError("b refuses")
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(replica.address)
+            raise
+
+    with pytest.raises(ValueError, match="b refuses"):
+        await ReplicaPool("rollout", [FakeReplica("a"), FakeReplica("b")]).map_shards(4, call)
+    await asyncio.sleep(0)
+    assert cancelled == ["a"]  # its result would be thrown away
+
+
 async def test_all_replicas_failing_raises_unavailable():
     replicas = [FakeReplica(name, fail_with=ConnectionError) for name in "ab"]
     with pytest.raises(Unavailable, match=r"^rollout shard \[[02], [24]\) failed on 3 attempts: [ab] is down$"):
