@@ -101,9 +101,10 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
             started = time.perf_counter()
             receiving = asyncio.create_task(engine.receive_weights(channel_id, TIMEOUT_S))
             total, buckets = await asyncio.to_thread(send_weights, channel, named, version, bucket_bytes)
-            assert await receiving == version
+            swap = await receiving
+            assert swap.version == version
             sync_s.append(time.perf_counter() - started)
-            timings.append(engine.last_sync)
+            timings.append(swap)
             buffer = torch.empty(total, dtype=torch.uint8, device="cuda:0")
             started = time.perf_counter()
             receiving = asyncio.create_task(receive_raw(engine, channel_id, total, TIMEOUT_S))

@@ -32,7 +32,16 @@ class Generated:
     response_lens: torch.Tensor  # [B*n] int64
     logprobs: torch.Tensor  # [T] float32, the rollout engine's
     truncated: torch.Tensor  # [B*n] bool
-    weight_version: int
+    weight_versions: torch.Tensor  # [B*n] int64, the weights that sampled each response
+
+
+@dataclass(frozen=True)
+class Received:
+    """A rollout's side of one weight sync."""
+
+    version: int
+    transfer_s: float  # receiving (generation may go on meanwhile)
+    pause_s: float  # generation held back for the swap
 
 
 @dataclass(frozen=True)
@@ -87,15 +96,15 @@ class RolloutClient:
             for index, chunks in enumerate(batch_to_chunks({"prompt_ids": flat, "prompt_lens": lens})):
                 yield rollout_pb2.GenerateRequest(params=params if index == 0 else None, chunks=chunks)
 
-        assembler, version = BatchAssembler(), -1
+        assembler = BatchAssembler()
         async with self._conn.slot():
             async for reply in self._stub.Generate(requests(), timeout=timeout):
                 assembler.add(reply.chunks)
-                version = reply.weight_version
-        out = assembler.result(required=("response_ids", "response_lens", "logprobs", "truncated"))
-        if len(out["response_lens"]) != len(prompts) * n:
+        out = assembler.result(required=("response_ids", "response_lens", "logprobs", "truncated", "weight_versions"))
+        if len(out["response_lens"]) != len(prompts) * n or len(out["weight_versions"]) != len(prompts) * n:
             raise ValueError(f"rollout {self.address} returned {len(out['response_lens'])} responses, not {len(prompts) * n}")
-        return Generated(out["response_ids"], out["response_lens"], out["logprobs"], out["truncated"], version)
+        return Generated(out["response_ids"], out["response_lens"], out["logprobs"], out["truncated"],
+                         out["weight_versions"])
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
                            timeout: float) -> None:
@@ -103,11 +112,11 @@ class RolloutClient:
             await self._stub.JoinChannel(join_request(channel_id, backend, rendezvous, rank, world_size, timeout),
                                          timeout=timeout + 15)
 
-    async def receive_weights(self, channel_id: str, timeout: float) -> int:
+    async def receive_weights(self, channel_id: str, timeout: float) -> Received:
         async with self._conn.slot():
             reply = await self._stub.ReceiveWeights(
                 rollout_pb2.ReceiveWeightsRequest(channel_id=channel_id, timeout_s=timeout), timeout=timeout + 5)
-        return reply.version
+        return Received(reply.version, reply.transfer_s, reply.pause_s)
 
     async def info(self, timeout: float = CONTROL_TIMEOUT_S) -> RolloutInfo:
         async with self._conn.slot():

@@ -10,7 +10,10 @@ each sync (generation is held back while weights are swapped), ``sleep`` and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.channel import ChannelTable
@@ -20,20 +23,30 @@ from services.rollout.config import RolloutServiceConfig
 from services.rollout.hf_engine import Completion, HFEngine, SamplingSettings
 
 
+@dataclass(frozen=True)
+class WeightSwap:
+    """One weight sync as a rollout engine saw it."""
+
+    version: int
+    transfer_s: float  # receiving the weights (generation may go on meanwhile)
+    pause_s: float  # generation held back: the calls in flight finishing, the swap itself
+
+
 class Engine(Protocol):
     vocab_size: int
     channel_ranks: int  # ranks this engine takes in a weight channel (one per worker)
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
                        first_index: int) -> list[list[Completion]]:
-        """``sampling.n`` completions per prompt, prompt i seeded from ``first_index + i``."""
+        """``sampling.n`` completions per prompt, prompt i seeded from ``first_index + i``, each stamped with
+        the weight version that sampled it."""
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
                            timeout_s: float) -> None:
         """Join a weight channel; this engine's workers take ranks rank .. rank + channel_ranks - 1."""
 
-    async def receive_weights(self, channel_id: str, timeout_s: float) -> int:
-        """Receive one broadcast, swap it in, return its weight version."""
+    async def receive_weights(self, channel_id: str, timeout_s: float) -> WeightSwap:
+        """Receive one broadcast and swap it in."""
 
     async def sleep(self) -> None:
         """Free the GPU memory the engine holds (weights and KV cache) for a trainer on the same GPU."""
@@ -57,6 +70,7 @@ class HFRolloutEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.engine = HFEngine(model, pad, (eos,), config.batch_size)
         self.vocab_size = model.config.vocab_size
+        self.weight_version = 0  # read and written on the engine thread only
         self.channels = ChannelTable(config.device)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
@@ -64,7 +78,12 @@ class HFRolloutEngine:
         return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
 
     async def generate(self, prompts, sampling, first_index):
-        return await self._on_engine(self.engine.generate, prompts, sampling, first_index)
+        def generate():
+            version = self.weight_version
+            return [[dataclasses.replace(c, weight_version=version) for c in group]
+                    for group in self.engine.generate(prompts, sampling, first_index)]
+
+        return await self._on_engine(generate)
 
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s):
         """Leave the channels joined before (on the engine thread: after a receive still on one, since closing
@@ -73,7 +92,16 @@ class HFRolloutEngine:
         await self.channels.join(channel_id, backend, rendezvous, rank, world_size, timeout_s)
 
     async def receive_weights(self, channel_id, timeout_s):
-        return await self._on_engine(receive_weights, self.channels.get(channel_id), self.engine.load_weights)
+        """On the engine thread, between generations: they wait for the whole transfer."""
+        channel = self.channels.get(channel_id)
+
+        def receive() -> WeightSwap:
+            started = time.perf_counter()
+            self.weight_version = receive_weights(channel, self.engine.load_weights)
+            seconds = time.perf_counter() - started
+            return WeightSwap(self.weight_version, seconds, seconds)
+
+        return await self._on_engine(receive)
 
     async def sleep(self):
         pass

@@ -66,16 +66,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         sampling = sampling_from_pb(params)
         batch = assembler.result(required=("prompt_ids", "prompt_lens"))
         prompts = prompt_lists(batch["prompt_ids"], batch["prompt_lens"], engine.vocab_size)
-        version = self.weight_version
-        log.info("generating", run_id=self.run_id, prompts=len(prompts), n=sampling.n, weight_version=version)
+        log.info("generating", run_id=self.run_id, prompts=len(prompts), n=sampling.n)
         completions = await engine.generate(prompts, sampling, params.first_index)
         flat = [c for group in completions for c in group]
         response_ids, response_lens = join_ragged([c.token_ids for c in flat], torch.int64)
         logprobs, _ = join_ragged([c.logprobs for c in flat], torch.float32)
         truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)
-        out = {"response_ids": response_ids, "response_lens": response_lens, "logprobs": logprobs, "truncated": truncated}
+        versions = torch.tensor([c.weight_version for c in flat], dtype=torch.int64)
+        out = {"response_ids": response_ids, "response_lens": response_lens, "logprobs": logprobs, "truncated": truncated,
+               "weight_versions": versions}
+        oldest = int(versions.min()) if len(versions) else self.weight_version
         for chunks in batch_to_chunks(out):
-            yield rollout_pb2.GenerateResponse(chunks=chunks, weight_version=version)
+            yield rollout_pb2.GenerateResponse(chunks=chunks, weight_version=oldest)
 
     async def JoinChannel(self, request, context):
         await self._require_engine().join_channel(
@@ -84,9 +86,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 
     async def ReceiveWeights(self, request, context):
-        self.weight_version = await self._require_engine().receive_weights(request.channel_id, request.timeout_s)
-        log.info("weights_received", weight_version=self.weight_version)
-        return common_pb2.WeightVersion(version=self.weight_version)
+        swap = await self._require_engine().receive_weights(request.channel_id, request.timeout_s)
+        self.weight_version = swap.version
+        log.info("weights_received", weight_version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s)
+        return common_pb2.WeightVersion(version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s)
 
     async def Sleep(self, request, context):
         await self._require_engine().sleep()

@@ -24,12 +24,12 @@ import contextlib
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.common.models import load_tokenizer
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.direct_load import STACKED
+from services.rollout.engines import WeightSwap
 from services.rollout.hf_engine import Completion, SamplingSettings, hash_seed
 
 if TYPE_CHECKING:
@@ -39,20 +39,6 @@ WORKER_EXTENSION = "services.rollout.vllm_worker.MeshrlWorkerExtension"
 
 
 POLL_S = 0.002  # how often a sync asks the workers whether the weights have arrived while generation goes on
-
-
-@dataclass(frozen=True)
-class SyncTimings:
-    """Seconds of the last weight sync: the transfer (generation goes on), then the pause: letting the requests
-    in flight finish, and swapping the weights in."""
-
-    transfer_s: float
-    drain_s: float
-    swap_s: float
-
-    @property
-    def pause_s(self) -> float:
-        return self.drain_s + self.swap_s
 
 
 class SwapGate:
@@ -95,7 +81,6 @@ class VLLMEngine:
         self.llm = llm
         self.gate = SwapGate()
         self.weight_version = 0
-        self.last_sync: SyncTimings | None = None
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.channel_ranks = channel_ranks
@@ -147,7 +132,7 @@ class VLLMEngine:
         await self.llm.collective_rpc("meshrl_join_channel", timeout=timeout_s + 10,
                                       args=(channel_id, bytes(rendezvous), rank, world_size, timeout_s))
 
-    async def receive_weights(self, channel_id: str, timeout_s: float) -> int:
+    async def receive_weights(self, channel_id: str, timeout_s: float) -> WeightSwap:
         """Receive the weights into staging buffers in every worker while generation goes on, then swap them in
         within a short pause: new requests wait, the requests in flight finish under the old weights, the
         staged buckets are copied in, the prefix cache is cleared (nothing computed under the old weights is
@@ -165,15 +150,13 @@ class VLLMEngine:
             await asyncio.sleep(POLL_S)  # the engine core schedules generation between polls
         received = time.perf_counter()
         async with self.gate.swap():
-            drained = time.perf_counter()
             versions = await self.llm.collective_rpc("meshrl_apply_received", timeout=timeout_s + 30)
             if not await self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to clear its prefix cache after a weight swap")
             if len(set(versions)) != 1:
                 raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
             self.weight_version = versions[0]
-        self.last_sync = SyncTimings(received - started, drained - received, time.perf_counter() - drained)
-        return self.weight_version
+        return WeightSwap(self.weight_version, received - started, time.perf_counter() - received)
 
     async def checksums(self) -> list[dict[str, int]]:
         """Each worker's checksum of each of its parameters (tests compare them with the trainer's)."""

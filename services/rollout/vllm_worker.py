@@ -18,12 +18,13 @@ from services.rollout.direct_load import DirectLoader
 class MeshrlWorkerExtension:
     def meshrl_join_channel(self, channel_id: str, unique_id: bytes, first_rank: int, world_size: int,
                             timeout_s: float) -> int:
-        """Join as rank first_rank + this worker's tensor-parallel rank; returns that rank."""
+        """Leave the channels joined before, then join this one as rank first_rank + this worker's
+        tensor-parallel rank; returns that rank."""
         channels = self.__dict__.setdefault("_meshrl_channels", {})
         rank = first_rank + self.parallel_config.rank
-        old = channels.pop(channel_id, None)
-        if old is not None:
+        for old in channels.values():
             old.close()
+        channels.clear()
         channels[channel_id] = NcclChannel(channel_id, bytes(unique_id), rank, world_size, timeout_s, self.device)
         return rank
 

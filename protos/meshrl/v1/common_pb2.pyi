@@ -49,10 +49,14 @@ class ServiceIdentity(_message.Message):
     def __init__(self, service_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., group: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "transfer_s", "pause_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_S_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    transfer_s: float
+    pause_s: float
+    def __init__(self, version: _Optional[int] = ..., transfer_s: _Optional[float] = ..., pause_s: _Optional[float] = ...) -> None: ...
 
 class JoinChannelRequest(_message.Message):
     __slots__ = ("channel_id", "backend", "rank", "world_size", "rendezvous", "timeout_s")
