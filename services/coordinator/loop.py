@@ -19,6 +19,13 @@ Choices:
   the current weights, and each shard must come back generated with them.
 - Sampling seeds come from (trainer.seed, step, round, prompt index), so a
   prompt's samples do not depend on which replica served it.
+- Generation runs ahead of training by up to trainer.async_.max_staleness
+  steps (``Pipeline``): the batch of step s is generated (and scored) once
+  step s-1-K is updated and synced, so every sample was drawn from weights
+  at most K versions older than those it is trained from; each sample
+  carries its version, staleness is a metric, and a sample older than K
+  (which the pipeline never produces) would be dropped with its group and
+  counted. K = 0 is the synchronous loop, step for step.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from services.coordinator.clients import Generated, RewardClient, RolloutClient,
 from services.coordinator.data import Prompt, PromptSampler
 from services.coordinator.dispatch import ReplicaPool
 from services.coordinator.metrics import StageTimer, data_metrics
+from services.coordinator.pipeline import Pipeline
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.store import Checkpoint
 
@@ -98,6 +106,7 @@ class Rollouts:
     logprobs: torch.Tensor  # [T], from the rollout engine
     truncated: torch.Tensor  # [B*n] bool
     scores: torch.Tensor  # [B*n] float32
+    versions: torch.Tensor  # [B*n] int64, the weight version that sampled each response
     prompts: list[Prompt]  # [B]
     n: int
 
@@ -108,13 +117,26 @@ class Rollouts:
     def keep_prompts(self, keep: list[int]) -> Rollouts:
         rows = torch.tensor([i * self.n + j for i in keep for j in range(self.n)], dtype=torch.int64)
         return Rollouts(self.batch.select(rows), self.logprobs[self.batch.token_index(rows)], self.truncated[rows],
-                        self.scores[rows], [self.prompts[i] for i in keep], self.n)
+                        self.scores[rows], self.versions[rows], [self.prompts[i] for i in keep], self.n)
+
+    def with_scores(self, scores: torch.Tensor) -> Rollouts:
+        return Rollouts(self.batch, self.logprobs, self.truncated, scores, self.versions, self.prompts, self.n)
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
         return Rollouts(SequenceBatch.concat([p.batch for p in parts]), torch.cat([p.logprobs for p in parts]),
                         torch.cat([p.truncated for p in parts]), torch.cat([p.scores for p in parts]),
-                        [prompt for p in parts for prompt in p.prompts], parts[0].n)
+                        torch.cat([p.versions for p in parts]), [prompt for p in parts for prompt in p.prompts],
+                        parts[0].n)
+
+
+@dataclass(frozen=True)
+class Produced:
+    """A step's scored batch, as the generation side hands it to the training side."""
+
+    rollouts: Rollouts
+    metrics: dict[str, float]  # of the generation: filtering, samples per replica
+    seconds: dict[str, float]  # stage -> seconds spent generating and scoring it
 
 
 class PPOLoop:
@@ -136,26 +158,53 @@ class PPOLoop:
         self.next_rewards: tuple[list[RewardClient], RewardTarget] | None = None  # a swap waiting for the boundary
         self.checkpoint_dir = checkpoint_dir
         self.saved_step = 0  # last step checkpointed (or resumed from)
+        self.data_after: dict[int, dict] = {}  # step -> the data sampler's state right after its batch was drawn
+        self._retired: list[RewardClient] = []  # reward clients left at the last boundary, closed at the next
 
     async def run(self, resume: Checkpoint | None = None) -> bool:
         """Set up (from ``resume`` if given), then train until the last step or a stop request, checkpointing
         every trainer.save_freq steps and at a stop; True if every step ran."""
         await self.set_up(resume)
-        save_freq = self.config.trainer.save_freq
-        for step in range(self.saved_step + 1, self.config.trainer.total_training_steps + 1):
-            if self.should_stop():
-                if step - 1 > self.saved_step:
-                    await self.save_checkpoint(step - 1)
-                return False
-            await self.update_rewards(step)
-            await self.rollouts.refresh()
-            self.reporter.step(step, await self.step(step))
-            if save_freq and step % save_freq == 0:
-                await self.save_checkpoint(step)
+        first, last = self.saved_step + 1, self.config.trainer.total_training_steps
+        if self.should_stop():
+            return False
+        await self.boundary(first)
+        pipeline = Pipeline(self.produce, self.data_state, first, last, self.config.trainer.async_.max_staleness)
+        pipeline.start()
+        try:
+            for step in range(first, last + 1):
+                timer = StageTimer()
+                ahead = await pipeline.next(step)                          # generated (ahead, when K > 0)
+                metrics = await self.train(step, ahead.batch, timer)      # trained, synced
+                self.data_after[step] = ahead.data_state
+                metrics["perf/rollout_idle_fraction"] = pipeline.idle_fraction(since=timer.started)
+                self.reporter.step(step, metrics)
+                if self.config.trainer.save_freq and step % self.config.trainer.save_freq == 0:
+                    await self.save_checkpoint(step)
+                if self.should_stop() and step < last:
+                    if step > self.saved_step:
+                        await self.save_checkpoint(step)
+                    return False
+                if step < last:
+                    await self.boundary(step + 1)
+                await pipeline.complete(step)                             # later batches may be begun
+        finally:
+            await pipeline.close()
+            await asyncio.gather(*(client.close() for client in self._retired if client not in self.services.rewards))
         return True
 
-    def loop_state(self) -> dict:
-        return {"epoch": self.sampler.epoch, "position": self.sampler.position, "kl_coef": self.kl_coef,
+    async def boundary(self, step: int) -> None:
+        """Before step ``step`` is generated: apply a reward swap, follow the reward and rollout replicas."""
+        await self.update_rewards(step)
+        await self.rollouts.refresh()
+
+    def data_state(self) -> dict:
+        return {"epoch": self.sampler.epoch, "position": self.sampler.position}
+
+    def loop_state(self, step: int) -> dict:
+        """What the coordinator must keep to go on after step ``step``: the data sampler as it was right after
+        that step's batch was drawn (it may have run ahead since), the KL coefficient, the reward target."""
+        return {**self.data_after[step], "kl_coef": self.kl_coef,
                 "reward_target": [self.reward_target.kind, self.reward_target.name]}
 
     async def save_checkpoint(self, step: int) -> None:
@@ -163,7 +212,7 @@ class PPOLoop:
         folder = self.checkpoint_dir / f"step_{step:06d}"
         await asyncio.gather(*(trainer.save_checkpoint(self.run_id, str(folder / "-".join(roles)), self.timeout)
                                for trainer, roles in self.services.trainer_roles().items()))
-        self.reporter.checkpoint(step, str(folder), self.loop_state())
+        self.reporter.checkpoint(step, str(folder), self.loop_state(step))
         self.saved_step = step
 
     async def restore(self, resume: Checkpoint) -> int:
@@ -197,14 +246,23 @@ class PPOLoop:
         new = [by_address.get(address) or RewardClient(address) for address in addresses]
         retired = [c for c in {*self.services.rewards, *clients} if c not in new]
         self.services.rewards, self.reward_pool = new, ReplicaPool("reward", new)
-        await asyncio.gather(*(client.close() for client in retired))
+        # closed one boundary later: a batch generated ahead may still be scoring on them
+        await asyncio.gather(*(client.close() for client in self._retired if client not in new))
+        self._retired = retired
 
-    async def step(self, step: int) -> dict[str, float]:
-        timer, config, trainers = StageTimer(), self.config, self.services
-        self.samples_by: dict[str, int] = {}  # metric name (kind and replica) -> samples it produced
-        served = self.rollouts.version
-        rollouts, filter_metrics = await self.generate_and_score(step, timer)   # 1. responses and scores
-        batch, timeout = rollouts.batch, self.timeout
+    async def produce(self, step: int) -> Produced:
+        """The generation side of a step: its batch generated and scored (from weights no older than those the
+        rollouts serve now)."""
+        timer, counts = StageTimer(), {}
+        rollouts, filter_metrics = await self.generate_and_score(step, timer, counts, self.rollouts.served)
+        return Produced(rollouts, {**filter_metrics, **{name: float(n) for name, n in counts.items()}}, timer.seconds)
+
+    async def train(self, step: int, produced: Produced, timer: StageTimer) -> dict[str, float]:
+        """The training side of a step: logprobs, advantages, updates, weight sync; returns the step's metrics."""
+        config, trainers, timeout = self.config, self.services, self.timeout
+        timer.seconds.update(produced.seconds)
+        rollouts, off_policy = self.within_staleness(produced.rollouts)          # 1. responses and scores
+        batch = rollouts.batch
         old_logprobs, ref_logprobs, values = await asyncio.gather(               # 2. what the update needs
             timer.timed("old_log_prob", trainers.actor.compute_log_probs(batch, step, timeout)),
             timer.timed("ref", trainers.ref.compute_log_probs(batch, step, timeout, role="ref")) if trainers.ref else none(),
@@ -215,16 +273,18 @@ class PPOLoop:
                 config.algorithm.adv_estimator, rewards, batch.response_lens, rollouts.group_ids, values,
                 config.algorithm.gamma, config.algorithm.lam, config.algorithm.norm_adv_by_std_in_grpo)
         update_actor = step > config.trainer.critic_warmup                       # 4. updates
+        rollout_logprobs = rollouts.logprobs if config.use_rollout_correction else None
         critic_metrics, (actor_metrics, version) = await asyncio.gather(
             timer.timed("update_critic", trainers.critic.update_critic(batch, values, estimate.returns, step, timeout))
             if trainers.critic else none({}),
             timer.timed("update_actor", trainers.actor.update_actor(
-                batch, old_logprobs, estimate.advantages, ref_logprobs, step, timeout)) if update_actor else none(({}, -1)))
+                batch, old_logprobs, estimate.advantages, ref_logprobs, step, timeout, rollout_logprobs=rollout_logprobs))
+            if update_actor else none(({}, -1)))
         if update_actor:                                                         # 5. rollouts serve the new weights
             with timer("update_weights"):
                 await self.rollouts.sync(version)
-        metrics = {**actor_metrics, **critic_metrics, **kl_metrics, **filter_metrics, **timer.metrics(),
-                   **{name: float(n) for name, n in self.samples_by.items()}, "rollout/weight_version": float(served),
+            timer.seconds["rollout_pause"] = self.rollouts.pause_s
+        metrics = {**actor_metrics, **critic_metrics, **kl_metrics, **produced.metrics, **off_policy, **timer.metrics(),
                    **data_metrics(rollouts.scores, rewards, estimate.advantages, estimate.returns, values,
                                   batch.response_lens, batch.prompt_lens, rollouts.truncated, rollouts.logprobs,
                                   old_logprobs)}
@@ -232,6 +292,25 @@ class PPOLoop:
         metrics.update({"perf/total_num_tokens": float(tokens), "perf/throughput": tokens / metrics["timing_s/step"],
                         "training/weight_version": float(version if update_actor else -1)})
         return metrics
+
+    def within_staleness(self, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
+        """The rollouts whose every sample is at most trainer.async_.max_staleness versions older than the
+        weights the update starts from (prompts with an older sample are dropped, and counted), and the
+        staleness metrics."""
+        limit = self.config.trainer.async_.max_staleness
+        staleness = (self.rollouts.served - rollouts.versions).float()
+        keep = [i for i in range(len(rollouts.prompts)) if staleness[i * rollouts.n:(i + 1) * rollouts.n].max() <= limit]
+        metrics = {"rollout/weight_version": float(rollouts.versions.min()),
+                   "training/off_policy/staleness/mean": float(staleness.mean()),
+                   "training/off_policy/staleness/max": float(staleness.max()),
+                   "training/off_policy/dropped_samples": float((len(rollouts.prompts) - len(keep)) * rollouts.n)}
+        if len(keep) == len(rollouts.prompts):
+            return rollouts, metrics
+        if not keep:
+            raise RuntimeError(f"every sample of the batch is more than {limit} weight versions old")
+        self.reporter.log(f"dropped {metrics['training/off_policy/dropped_samples']:.0f} samples more than {limit} "
+                          f"weight versions old")
+        return rollouts.keep_prompts(keep), metrics
 
     async def set_up(self, resume: Checkpoint | None) -> None:
         """Load the roles and models everywhere, open the weight channel, warm start (or restore), and sync."""
@@ -262,17 +341,19 @@ class PPOLoop:
         ids = self.tokenizer(prompt.ground_truth, add_special_tokens=False)["input_ids"]
         return ids + [self.tokenizer.eos_token_id]
 
-    async def generate_and_score(self, step: int, timer: StageTimer) -> tuple[Rollouts, dict[str, float]]:
-        """The step's scored responses. With DAPO dynamic sampling, groups whose scores are all equal are
-        dropped and further batches generated, up to filter_groups.max_num_gen_batches rounds."""
+    async def generate_and_score(self, step: int, timer: StageTimer, counts: dict[str, int],
+                                 oldest: int) -> tuple[Rollouts, dict[str, float]]:
+        """The step's scored responses, sampled from weight versions >= ``oldest``; ``counts`` gets the samples
+        each replica produced. With DAPO dynamic sampling, groups whose scores are all equal are dropped and
+        further batches generated, up to filter_groups.max_num_gen_batches rounds."""
         settings, wanted = self.config.algorithm.filter_groups, self.config.data.train_batch_size
         kept: list[Rollouts] = []
         rounds = settings.max_num_gen_batches if settings.enable else 1
         for round_index in range(rounds):
             with timer("gen"):
-                rollouts = await self.generate(step, round_index)
+                rollouts = await self.generate(step, round_index, counts, oldest)
             with timer("reward"):
-                rollouts = await self.score(rollouts)
+                rollouts = await self.score(rollouts, counts)
             if not settings.enable:
                 return rollouts, {}
             signal = algos.groups_with_signal(rollouts.scores, rollouts.group_ids)
@@ -285,10 +366,10 @@ class PPOLoop:
         return merged, {"training/filter_groups/kept_prompts": float(len(merged.prompts)),
                         "training/filter_groups/gen_rounds": float(round_index + 1)}
 
-    async def generate(self, step: int, round_index: int) -> Rollouts:
+    async def generate(self, step: int, round_index: int, counts: dict[str, int], oldest: int) -> Rollouts:
         """n responses per prompt of the next batch, spread over the rollout replicas (not yet scored).
 
-        A shard whose replica fails, or comes back generated with other weights than the run's, is redone on
+        A shard whose replica fails, or comes back generated with weights older than ``oldest``, is redone on
         another; if every replica fails, the rollouts are refreshed (waiting for one if none is left) and the
         whole generation redone: same prompts, same seeds, so nothing is lost or counted twice."""
         rollout = self.config.actor_rollout_ref.rollout
@@ -299,9 +380,9 @@ class PPOLoop:
             generated = await replica.generate(
                 [p.token_ids for p in chosen[lo:hi]], rollout.n, rollout.temperature, rollout.top_p,
                 self.config.data.max_response_length, seed, lo, rollout.stop_token_ids, self.timeout)
-            if generated.weight_version != self.rollouts.version:
+            if int(generated.weight_versions.min()) < oldest:
                 raise Unavailable(f"rollout {replica.address} generated with weight version "
-                                  f"{generated.weight_version}, not {self.rollouts.version}")
+                                  f"{int(generated.weight_versions.min())}, older than {oldest}")
             return generated
 
         for attempt in range(1, GENERATION_ATTEMPTS + 1):
@@ -316,16 +397,16 @@ class PPOLoop:
                 await self.rollouts.refresh()
         for result, replica in done:
             name = f"rollout/samples_by/{replica.address}"
-            self.samples_by[name] = self.samples_by.get(name, 0) + len(result.response_lens)
+            counts[name] = counts.get(name, 0) + len(result.response_lens)
         shards = [result for result, _ in done]
         prompt_ids, prompt_lens = join_ragged(
             [torch.tensor(p.token_ids) for p in chosen for _ in range(rollout.n)], torch.int64)
         batch = SequenceBatch(prompt_ids, prompt_lens, torch.cat([s.response_ids for s in shards]),
                               torch.cat([s.response_lens for s in shards]))
         return Rollouts(batch, torch.cat([s.logprobs for s in shards]), torch.cat([s.truncated for s in shards]),
-                        torch.zeros(len(batch)), chosen, rollout.n)
+                        torch.zeros(len(batch)), torch.cat([s.weight_versions for s in shards]), chosen, rollout.n)
 
-    async def score(self, rollouts: Rollouts) -> Rollouts:
+    async def score(self, rollouts: Rollouts, counts: dict[str, int]) -> Rollouts:
         """The same rollouts with one score per response, spread over the reward replicas."""
         responses = torch.split(rollouts.batch.response_ids, rollouts.batch.response_lens.tolist())
         prompt_texts = [self.tokenizer.decode(p.token_ids, skip_special_tokens=True) for p in rollouts.prompts]
@@ -342,12 +423,11 @@ class PPOLoop:
         scored = [s for (scores, _), _ in shards for s in scores]
         for (scores, service_id), _ in shards:  # who scored what
             name = f"reward/samples_by/{service_id}"
-            self.samples_by[name] = self.samples_by.get(name, 0) + len(scores)
+            counts[name] = counts.get(name, 0) + len(scores)
         invalid = [s.error for s in scored if not s.valid]
         if invalid:
             self.reporter.log(f"{len(invalid)} samples could not be scored (scored 0), first: {invalid[0]}")
-        scores = torch.tensor([s.score for s in scored], dtype=torch.float32)
-        return Rollouts(rollouts.batch, rollouts.logprobs, rollouts.truncated, scores, rollouts.prompts, rollouts.n)
+        return rollouts.with_scores(torch.tensor([s.score for s in scored], dtype=torch.float32))
 
     def token_rewards(self, rollouts: Rollouts, old_logprobs: torch.Tensor,
                       ref_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:

@@ -85,7 +85,7 @@ class StageTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self._started = time.perf_counter()
+        self.started = time.perf_counter()
 
     @contextmanager
     def __call__(self, stage: str):
@@ -101,5 +101,5 @@ class StageTimer:
             return await awaitable
 
     def metrics(self) -> dict[str, float]:
-        total = time.perf_counter() - self._started
+        total = time.perf_counter() - self.started
         return {**{f"timing_s/{stage}": s for stage, s in self.seconds.items()}, "timing_s/step": total}

@@ -10,8 +10,8 @@ Choices:
   trained at: staleness <= K by construction. K = 0 is the synchronous loop:
   step s is generated after step s - 1 is done, exactly as before.
 - So at most K + 1 batches exist ahead of the trainer, and the data sampler
-  runs that far ahead; each batch keeps the sampler state from before it,
-  which is what a checkpoint of the step before it must record.
+  runs that far ahead; each batch keeps the sampler state from right after
+  it was drawn, which is what a checkpoint of its step must record.
 - The time the producer spends waiting is the rollout fleet's idle time.
 """
 
@@ -31,13 +31,15 @@ class Ahead(Generic[Generated]):
 
     step: int
     batch: Generated
-    data_state: dict  # the data sampler's state before this batch was drawn
+    data_state: dict  # the data sampler's state right after this batch was drawn
 
 
 class Pipeline(Generic[Generated]):
     def __init__(self, produce: Callable[[int], Awaitable[Generated]], data_state: Callable[[], dict],
                  first_step: int, last_step: int, max_staleness: int):
-        """``produce(step)`` generates and scores a step's batch; ``data_state()`` is the sampler's state now."""
+        """``produce(step)`` generates and scores a step's batch; ``data_state()`` is the sampler's state now.
+        ``produce`` must draw its batch before it awaits anything, so that the state read after it returns is the
+        state right after its batch (the next batch is only begun after it returns)."""
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.produce, self.data_state = produce, data_state
@@ -46,8 +48,8 @@ class Pipeline(Generic[Generated]):
         self._ready: asyncio.Queue[Ahead[Generated]] = asyncio.Queue()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
-        self.busy_s = 0.0  # seconds the producer spent generating and scoring
-        self.started = time.perf_counter()
+        self._busy: list[tuple[float, float]] = []  # (start, end) of each produce call, and of the one running
+        self._busy_since: float | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -56,11 +58,11 @@ class Pipeline(Generic[Generated]):
         for step in range(self.first_step, self.last_step + 1):
             async with self._changed:
                 await self._changed.wait_for(lambda: self.completed >= step - 1 - self.max_staleness)
-            state = self.data_state()
-            began = time.perf_counter()
+            self._busy_since = time.perf_counter()
             batch = await self.produce(step)
-            self.busy_s += time.perf_counter() - began
-            await self._ready.put(Ahead(step, batch, state))
+            self._busy.append((self._busy_since, time.perf_counter()))
+            self._busy_since = None
+            await self._ready.put(Ahead(step, batch, self.data_state()))
 
     async def next(self, step: int) -> Ahead[Generated]:
         """The batch of ``step`` (waiting for it); the producer's failure, if it failed, is raised here."""
@@ -81,10 +83,13 @@ class Pipeline(Generic[Generated]):
             self.completed = step
             self._changed.notify_all()
 
-    def idle_fraction(self) -> float:
-        """Share of the time since the start that the producer (the rollout fleet) was not generating."""
-        elapsed = time.perf_counter() - self.started
-        return max(0.0, 1.0 - self.busy_s / elapsed) if elapsed > 0 else 0.0
+    def idle_fraction(self, since: float) -> float:
+        """Share of the time from ``since`` (a time.perf_counter()) to now that the producer (the rollout
+        fleet) was not generating or scoring."""
+        now = time.perf_counter()
+        spans = self._busy + ([(self._busy_since, now)] if self._busy_since is not None else [])
+        busy = sum(max(0.0, min(end, now) - max(start, since)) for start, end in spans)
+        return max(0.0, 1.0 - busy / (now - since)) if now > since else 0.0
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():

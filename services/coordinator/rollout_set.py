@@ -34,7 +34,7 @@ import structlog
 from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
 from services.common.run_config import RunConfig
-from services.coordinator.clients import RolloutClient, RolloutInfo, TrainerClient
+from services.coordinator.clients import Received, RolloutClient, RolloutInfo, TrainerClient
 from services.coordinator.dispatch import ReplicaPool
 
 log = structlog.get_logger()
@@ -77,6 +77,8 @@ class RolloutSet:
         self.pool: ReplicaPool[RolloutClient] | None = None  # the members, for spreading a batch
         self.ranks: dict[str, int] = {}  # channel ranks each member's engine takes
         self.version = -1  # the weights every member must serve
+        self.served = -1  # the weights every member is known to serve (version, once its sync is done)
+        self.pause_s = 0.0  # of the last sync: the longest a member held generation back for the swap
         self.stale = True  # the channel lacks a member or has one too many: form a new one before a sync
         self.channel_id = ""
         self._joined: set[str] = set()  # the rollouts of the last channel formed
@@ -125,6 +127,7 @@ class RolloutSet:
                 await self._regroup(take_new=False)
             failure = await self._broadcast(version)
             if failure is None:
+                self.served = version
                 return
             self.stale = True
             log.warning("weight_sync_failed", version=version, channel_id=self.channel_id, failure=failure)
@@ -156,8 +159,10 @@ class RolloutSet:
             answers = await asyncio.gather(*receiving.values(), return_exceptions=True)
         if sent is not None and sent.weight_version != version:
             raise RuntimeError(f"the trainer sent weight version {sent.weight_version}, not {version}")
-        not_serving = {address: answer for address, answer in zip(receiving, answers) if answer != version}
+        not_serving = {address: answer for address, answer in zip(receiving, answers)
+                       if not isinstance(answer, Received) or answer.version != version}
         if sent is not None and not not_serving:
+            self.pause_s = max(answer.pause_s for answer in answers)
             return None
         errors = [describe(a) for a in not_serving.values() if isinstance(a, Exception)]
         detail = trouble or (f"a rollout's side: {errors[0]}" if errors else "a rollout received another version")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -26,7 +27,7 @@ async def drive(max_staleness: int, steps: int = 6, train_s: float = 0.02, gener
         for step in range(1, steps + 1):
             ahead = await pipeline.next(step)
             assert ahead.batch == step * 10
-            assert ahead.data_state == {"position": step - 1}  # the sampler before this step's batch
+            assert ahead.data_state == {"position": step}  # the sampler right after this step's batch
             events.append(("train", step))
             await asyncio.sleep(train_s)
             await pipeline.complete(step)
@@ -82,9 +83,13 @@ async def test_a_failing_producer_is_raised_to_the_trainer():
 
 
 async def test_the_idle_fraction_counts_the_time_the_producer_waits():
-    pipeline = Pipeline(lambda step: asyncio.sleep(0.05, result=step), dict, 1, 1, 0)
+    pipeline = Pipeline(lambda step: asyncio.sleep(0.05, result=step), dict, 1, 2, 0)
+    since = time.perf_counter()
     pipeline.start()
     await pipeline.next(1)
-    await asyncio.sleep(0.05)
-    assert 0.3 < pipeline.idle_fraction() < 0.7  # busy 50 ms of about 100
+    await asyncio.sleep(0.05)  # the producer waits for step 1 to complete
+    assert 0.3 < pipeline.idle_fraction(since) < 0.7  # busy about 50 ms of about 100
+    await pipeline.complete(1)
+    await asyncio.sleep(0.02)  # step 2 is being produced: counted as busy until now
+    assert pipeline.idle_fraction(time.perf_counter() - 0.01) < 0.2
     await pipeline.close()

@@ -1,0 +1,132 @@
+"""The asynchronous pipeline against the synchronous loop: the same GRPO run with trainer.async_.max_staleness
+K=1 and K=0, same seed, same model, same batch, one after the other.
+
+On CPU (default) it is the embedded default (`coordctl start-run --local`,
+each service on one thread); with --gpu it is the GRPO run of
+tests/gpu/test_gpu_grpo.py on two GPUs (trainer on GPU 0, vLLM rollout on
+GPU 1, a random Qwen2.5-0.5B-shaped model). Prints per K: steps per second,
+tokens per second, the mean reward over the last 10 steps (equal steps), the
+mean reward of the steps the slower run had finished by the time the faster
+one ended (equal wall time), the rollout fleet's idle fraction, the largest
+staleness seen; and last the throughput ratio K=1 / K=0.
+
+    python bench/async_pipeline.py [--gpu] [--steps N] [key=value overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+
+def run_cpu(state_dir: Path, overrides: list[str]) -> list[dict]:
+    subprocess.run([sys.executable, "-m", "services.coordinator.cli", "start-run", "--local", "--state-dir",
+                    str(state_dir), *overrides], check=True, stdout=subprocess.DEVNULL)
+    [metrics] = state_dir.glob("runs/*/metrics.jsonl")
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def run_gpu(state_dir: Path, steps: int, max_staleness: int, overrides: list[str]) -> list[dict]:
+    from services.common.config import apply_overrides
+    from services.coordinator.control import CoordinatorClient
+    from services.coordinator.local import LocalCluster, ServiceSpec
+    from services.coordinator.synthetic import reverse_task_rows, write_jsonl
+    from services.coordinator.tiny_model import QWEN25_SHAPES, build_random_model
+
+    model = build_random_model(state_dir / "model", QWEN25_SHAPES["0.5b"], "bfloat16", seed=0)
+    data = write_jsonl(reverse_task_rows(4096, 2, 6, seed=3), state_dir / "reverse.jsonl")
+    config = {
+        "data": {"train_files": [str(data)], "train_batch_size": 128, "max_prompt_length": 16,
+                 "max_response_length": 256},
+        "actor_rollout_ref": {
+            "model": {"path": str(model), "dtype": "bfloat16"},
+            "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 64, "ppo_micro_batch_size_per_gpu": 64},
+            "rollout": {"name": "vllm", "n": 8},
+        },
+        "trainer": {"total_training_steps": steps, "experiment_name": f"async-k{max_staleness}",
+                    "async_": {"max_staleness": max_staleness}},
+    }
+    config = apply_overrides(config, overrides)
+    services = (
+        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.6"),
+                    env=(("CUDA_VISIBLE_DEVICES", "1"),)),
+        ServiceSpec("reward"),
+    )
+    cluster = LocalCluster(state_dir / "state", services)
+
+    async def run() -> Path:
+        await cluster.start(timeout_s=180)
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            started = await client.start_run(yaml.safe_dump(config))
+            async for _ in client.watch(started.run_id):
+                pass
+            final = await client.get_run(started.run_id)
+        finally:
+            await client.close()
+        if final.state != "finished":
+            raise RuntimeError(f"run {final.run_id} ended {final.state}: {final.error}")
+        return Path(final.run_dir)
+
+    try:
+        run_dir = asyncio.run(run())
+    finally:
+        cluster.stop()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(rows: list[dict]) -> dict:
+    wall = rows[-1]["time"] - rows[0]["time"] + rows[0]["timing_s/step"]
+    tokens = sum(r["perf/total_num_tokens"] for r in rows)
+    last = rows[-10:]
+    return {"steps": len(rows), "wall": wall, "start": rows[0]["time"] - rows[0]["timing_s/step"],
+            "steps_per_s": len(rows) / wall, "tokens_per_s": tokens / wall,
+            "reward_last10": sum(r["critic/score/mean"] for r in last) / len(last),
+            "idle": sum(r.get("perf/rollout_idle_fraction", 0.0) for r in rows) / len(rows),
+            "staleness_max": max(r.get("training/off_policy/staleness/max", 0.0) for r in rows)}
+
+
+def reward_by(rows: list[dict], start: float, seconds: float) -> float:
+    """Mean reward of the steps finished within ``seconds`` of the run's first step starting."""
+    done = [r["critic/score/mean"] for r in rows if r["time"] - start <= seconds]
+    return sum(done) / len(done) if done else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in (1, 0):
+            state = Path(tmp) / f"k{k}"
+            state.mkdir()
+            if args.gpu:
+                results[k] = run_gpu(state, args.steps or 12, k, args.overrides)
+            else:
+                steps = [f"trainer.total_training_steps={args.steps}"] if args.steps else []
+                results[k] = run_cpu(state, [f"trainer.async_.max_staleness={k}", *steps, *args.overrides])
+    summaries = {k: summary(rows) for k, rows in results.items()}
+    horizon = min(s["wall"] for s in summaries.values())
+    print(f"{'K':>2} {'steps':>6} {'wall s':>8} {'steps/s':>8} {'tokens/s':>10} {'reward last 10':>15} "
+          f"{'reward by ' + format(horizon, '.0f') + ' s':>16} {'rollout idle':>13} {'staleness max':>14}")
+    for k, s in summaries.items():
+        print(f"{k:>2} {s['steps']:>6} {s['wall']:>8.1f} {s['steps_per_s']:>8.3f} {s['tokens_per_s']:>10.0f} "
+              f"{s['reward_last10']:>15.3f} {reward_by(results[k], s['start'], horizon):>16.3f} {s['idle']:>13.1%} "
+              f"{s['staleness_max']:>14.0f}")
+    print(f"throughput K=1 / K=0: {summaries[1]['tokens_per_s'] / summaries[0]['tokens_per_s']:.2f}x "
+          f"({'GPU' if args.gpu else 'CPU'})")
+
+
+if __name__ == "__main__":
+    main()
