@@ -160,6 +160,10 @@ class RolloutConfig(Section):
     log_prob_max_token_len_per_gpu: PositiveInt | None = None
     """Their token budget (passes without gradients can hold more); null = the actor's
     ppo_max_token_len_per_gpu."""
+    free_cache_engine: bool = False
+    """Put the rollout engines to sleep while the trainer works on a step (vLLM sleep level 1: KV cache
+    freed, weights moved to CPU memory) and wake them for the weight sync: for a trainer and a rollout
+    sharing one GPU (the rollout service started with enable_sleep_mode). Synchronous runs only."""
 
 
 class ActorRolloutRefConfig(Section):
@@ -361,6 +365,13 @@ class RunConfig(Section):
                              "(groups of responses)")
         if estimator == "gae" and self.critic.enable is False:
             raise ValueError("algorithm.adv_estimator=gae needs a critic, but critic.enable is false")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _sleeping_rollouts_are_synchronous(self) -> RunConfig:
+        if self.actor_rollout_ref.rollout.free_cache_engine and self.trainer.async_.max_staleness > 0:
+            raise ValueError("actor_rollout_ref.rollout.free_cache_engine needs trainer.async_.max_staleness=0: "
+                             "a sleeping rollout cannot generate ahead")
         return self
 
     @pydantic.model_validator(mode="after")

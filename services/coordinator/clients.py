@@ -118,6 +118,15 @@ class RolloutClient:
                 rollout_pb2.ReceiveWeightsRequest(channel_id=channel_id, timeout_s=timeout), timeout=timeout + 5)
         return Received(reply.version, reply.transfer_s, reply.pause_s)
 
+    async def sleep(self, timeout: float) -> None:
+        """Free the engine's GPU memory for a trainer on the same GPU; Generate is refused until wake_up."""
+        async with self._conn.slot():
+            await self._stub.Sleep(common_pb2.InfoRequest(), timeout=timeout)
+
+    async def wake_up(self, timeout: float) -> None:
+        async with self._conn.slot():
+            await self._stub.WakeUp(common_pb2.InfoRequest(), timeout=timeout)
+
     async def info(self, timeout: float = CONTROL_TIMEOUT_S) -> RolloutInfo:
         async with self._conn.slot():
             reply = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)

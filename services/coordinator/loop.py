@@ -262,6 +262,10 @@ class PPOLoop:
         config, trainers, timeout = self.config, self.services, self.timeout
         timer.seconds.update(produced.seconds)
         rollouts, off_policy = self.within_staleness(produced.rollouts)          # 1. responses and scores
+        sleeping = config.actor_rollout_ref.rollout.free_cache_engine
+        if sleeping:                                                             # the GPU is the trainer's now
+            with timer("rollout_sleep"):
+                await self.rollouts.sleep()
         batch = rollouts.batch
         old_logprobs, ref_logprobs, values = await asyncio.gather(               # 2. what the update needs
             timer.timed("old_log_prob", trainers.actor.compute_log_probs(batch, step, timeout)),
@@ -280,6 +284,9 @@ class PPOLoop:
             timer.timed("update_actor", trainers.actor.update_actor(
                 batch, old_logprobs, estimate.advantages, ref_logprobs, step, timeout, rollout_logprobs=rollout_logprobs))
             if update_actor else none(({}, -1)))
+        if sleeping:
+            with timer("rollout_wake_up"):
+                await self.rollouts.wake_up()
         if update_actor:                                                         # 5. rollouts serve the new weights
             with timer("update_weights"):
                 await self.rollouts.sync(version)
@@ -320,6 +327,8 @@ class PPOLoop:
               for trainer, roles in self.services.trainer_roles().items()),
             self.rollouts.form(),
         )
+        if self.config.actor_rollout_ref.rollout.free_cache_engine:
+            await self.rollouts.wake_up()  # one an earlier attempt left asleep
         version = await (self.restore(resume) if resume else self.warm_start())
         await self.rollouts.sync(version)
 

@@ -135,6 +135,23 @@ class RolloutSet:
                              f"sending version {version} again")
         raise Unavailable(f"weight sync of version {version} failed {SYNC_ATTEMPTS} times in a row")
 
+    async def sleep(self) -> None:
+        """Every member frees its GPU memory for the trainer (a member that fails to is dropped)."""
+        await self._each("sleep")
+
+    async def wake_up(self) -> None:
+        """Every member takes its GPU memory back (a member that fails to is dropped)."""
+        await self._each("wake_up")
+
+    async def _each(self, call: str) -> None:
+        results = await asyncio.gather(*(getattr(m, call)(self.rpc_timeout_s) for m in self.members),
+                                       return_exceptions=True)
+        for member, result in zip(list(self.members), results):
+            if isinstance(result, Exception):
+                if not is_retryable(result):
+                    raise result
+                await self.drop(member.address, f"{call} failed: {describe(result)}")
+
     async def close(self) -> None:
         await asyncio.gather(*(member.close() for member in self.members))
 

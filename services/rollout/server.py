@@ -92,15 +92,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return common_pb2.WeightVersion(version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s)
 
     async def Sleep(self, request, context):
-        await self._require_engine().sleep()
-        self.asleep = True
+        if not self.asleep:
+            await self._require_engine().sleep()
+            self.asleep = True
         return self._info()
 
     async def WakeUp(self, request, context):
         if self.engine is None:
             raise FailedPrecondition("no model loaded: call InitRun first")
-        await self.engine.wake_up()
-        self.asleep = False
+        if self.asleep:  # waking an engine that is awake is a no-op, so a coordinator may always ask
+            await self.engine.wake_up()
+            self.asleep = False
         return self._info()
 
     async def Info(self, request, context):

@@ -1,4 +1,5 @@
-"""Three GRPO steps with all four services on two GPUs: trainer on GPU 0, vLLM rollout on GPU 1."""
+"""Three GRPO steps with all four services: on two GPUs (trainer on GPU 0, vLLM rollout on GPU 1), and
+colocated on one GPU (the rollout asleep while the trainer works)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ from tests.gpu.conftest import needs
 STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights")
 
 
-def run_config(model: Path, data: Path) -> str:
+def run_config(model: Path, data: Path, free_cache_engine: bool = False) -> str:
     return yaml.safe_dump({
         "data": {"train_files": [str(data)], "train_batch_size": 32, "max_prompt_length": 16,
                  "max_response_length": 64},
         "actor_rollout_ref": {
             "model": {"path": str(model), "dtype": "bfloat16"},
             "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 64},
-            "rollout": {"name": "vllm", "n": 8},
+            "rollout": {"name": "vllm", "n": 8, "free_cache_engine": free_cache_engine},
         },
         "trainer": {"total_training_steps": 3, "experiment_name": "gpu-grpo"},
     })
@@ -47,29 +48,48 @@ async def run(cluster: LocalCluster, config_yaml: str):
         await rollout.close()
 
 
-@needs(2)
-def test_three_grpo_steps_on_two_gpus(qwen_05b, tmp_path):
+def three_steps(tmp_path, model: Path, services: tuple[ServiceSpec, ...], colocated: bool) -> list[dict]:
     data = write_jsonl(reverse_task_rows(256, 2, 6, seed=3), tmp_path / "reverse.jsonl")
-    services = (
-        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.5"),
-                    env=(("CUDA_VISIBLE_DEVICES", "1"),)),
-        ServiceSpec("reward"),
-    )
     cluster = LocalCluster(tmp_path / "state", services)
     try:
         asyncio.run(cluster.start(timeout_s=180))
-        final, version = asyncio.run(run(cluster, run_config(qwen_05b, data)))
+        final, version = asyncio.run(run(cluster, run_config(model, data, free_cache_engine=colocated)))
     finally:
         cluster.stop()
     assert final.state == "finished", final.error
     assert version == 3
     rows = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    print("\nstep  " + "  ".join(f"{s:>14}" for s in STAGES) + "  control-plane rest  step (s)")
+    stages = STAGES + (("rollout_sleep", "rollout_wake_up") if colocated else ())
+    print("\nstep  " + "  ".join(f"{s:>15}" for s in stages) + "  control-plane rest  step (s)")
     for r in rows:
-        rest = r["timing_s/step"] - sum(r[f"timing_s/{s}"] for s in STAGES)
-        print(f"{r['step']:>4}  " + "  ".join(f"{r[f'timing_s/{s}']:>14.3f}" for s in STAGES)
+        rest = r["timing_s/step"] - sum(r[f"timing_s/{s}"] for s in stages)
+        print(f"{r['step']:>4}  " + "  ".join(f"{r[f'timing_s/{s}']:>15.3f}" for s in stages)
               + f"  {rest:>18.3f}  {r['timing_s/step']:.3f}")
     print(f"rollout/trainer probs diff mean {rows[-1]['training/rollout_probs_diff_mean']:.2e} "
           f"max {rows[-1]['training/rollout_probs_diff_max']:.2e}")
+    return rows
+
+
+@needs(2)
+def test_three_grpo_steps_on_two_gpus(qwen_05b, tmp_path):
+    services = (
+        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.5"),
+                    env=(("CUDA_VISIBLE_DEVICES", "1"),)),
+        ServiceSpec("reward"),
+    )
+    three_steps(tmp_path, qwen_05b, services, colocated=False)
+
+
+@needs(1)
+def test_three_grpo_steps_colocated_on_one_gpu(qwen_05b, tmp_path):
+    services = (
+        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.3",
+                                         "enable_sleep_mode=true"), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        ServiceSpec("reward"),
+    )
+    rows = three_steps(tmp_path, qwen_05b, services, colocated=True)
+    # the weights the rollout woke up with and then received are the trainer's: sampled tokens' probabilities agree
+    assert rows[-1]["training/rollout_probs_diff_mean"] < 1e-3

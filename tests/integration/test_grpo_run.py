@@ -152,3 +152,19 @@ def test_kl_in_reward_with_adaptive_controller_and_reinforce_plus_plus(cluster, 
     assert coefficients[1] == pytest.approx(0.05 * (1 - 0.064))
     assert coefficients[2] == pytest.approx(0.05 * (1 - 0.064) * (1 + 0.064))
     assert "timing_s/ref" in steps[0] and "critic/vf_loss" not in steps[0]
+
+
+def test_rollouts_sleep_while_the_trainer_works_and_wake_for_the_sync(cluster, tiny_model, reverse_data):
+    """The one-GPU placement's protocol (free_cache_engine), on CPU where sleeping frees nothing: a rollout
+    that were still asleep at the next step would refuse its Generate, and the run would fail."""
+    final, _, services = asyncio.run(run_to_end(cluster.coordinator, run_config(
+        tiny_model, reverse_data, actor_rollout_ref__rollout__free_cache_engine=True)))
+    assert final.state == "finished", final.error
+    db = sqlite3.connect(Path(cluster.state_dir) / "meshrl.db")
+    for (metrics_json,) in db.execute("SELECT metrics_json FROM steps WHERE run_id = ?", (final.run_id,)):
+        metrics = json.loads(metrics_json)
+        assert "timing_s/rollout_sleep" in metrics and "timing_s/rollout_wake_up" in metrics
+    address = {s.kind: s.address for s in services}
+    generated, trainer_logprobs, version = asyncio.run(
+        logprobs_both_ways(address["rollout"], address["trainer"], [5, 6, 7, 16]))
+    assert version == 3 and torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
