@@ -102,9 +102,10 @@ class GlooTransfer:
         try:
             self.work.wait(self.timeout)
         except RuntimeError as error:
-            raise TimeoutError(
-                f"broadcast from rank {self.root} did not finish within {self.timeout.total_seconds()} s ({error})"
-            ) from error
+            if "timed out" in str(error).lower():
+                raise TimeoutError(f"broadcast from rank {self.root} did not finish within "
+                                   f"{self.timeout.total_seconds()} s ({error})") from error
+            raise ConnectionError(f"broadcast from rank {self.root} failed: a member is gone ({error})") from error
 
 
 def open_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int, timeout_s: float,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 
@@ -313,3 +315,18 @@ async def test_channel_table_refuses_other_backends_and_bad_timeouts():
         await table.join("c", "mpi", b"127.0.0.1:1", 0, 2, 5)
     with pytest.raises(ValueError, match=r"timeout_s must be positive"):
         await table.join("c", "gloo", b"127.0.0.1:1", 0, 2, 0)
+
+
+def test_a_member_that_died_fails_the_broadcast_at_once_naming_that():
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+    member = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys; from services.common.channel import GlooChannel; "
+        f"GlooChannel('gone', {rendezvous!r}, 1, 2, timeout_s=10); os._exit(0)")])
+    channel = GlooChannel("gone", rendezvous, 0, 2, timeout_s=30)
+    member.wait(10)
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="broadcast from rank 0 failed: a member is gone"):
+        for _ in range(100):  # the first sends may still land in the socket's buffer
+            channel.broadcast(torch.zeros(1 << 16))
+    assert time.monotonic() - started < 10  # not the 30 s deadline
+    del store
