@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -57,6 +58,7 @@ class SyncReport:
     sync_s: list[float]  # each later sync, until vLLM serves the weights
     transfer_s: list[float]  # of each later sync: receiving into staging (generation could go on)
     pause_s: list[float]  # the window generation was held back: draining, swapping in, clearing the cache
+    stages: list[dict[str, float]]  # of each later sync: seconds per stage, as the engine and its workers saw them
     raw_s: list[float]  # each raw broadcast of the same bytes
     mismatched: list[str]  # vLLM parameters whose checksum differs from the trainer's
     unmatched: list[str]  # vLLM parameters with no trainer counterpart
@@ -100,11 +102,13 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
             torch.cuda.synchronize()
             started = time.perf_counter()
             receiving = asyncio.create_task(engine.receive_weights(channel_id, TIMEOUT_S))
-            total, buckets = await asyncio.to_thread(send_weights, channel, named, version, bucket_bytes)
+            sender: dict[str, float] = {}
+            total, buckets = await asyncio.to_thread(send_weights, channel, named, version, bucket_bytes, None, sender)
             swap = await receiving
             assert swap.version == version
             sync_s.append(time.perf_counter() - started)
-            timings.append(swap)
+            timings.append(dataclasses.replace(swap, stages={**swap.stages,
+                                                             **{f"sender_{k}": v for k, v in sender.items()}}))
             buffer = torch.empty(total, dtype=torch.uint8, device="cuda:0")
             started = time.perf_counter()
             receiving = asyncio.create_task(receive_raw(engine, channel_id, total, TIMEOUT_S))
@@ -123,7 +127,8 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
         channel.close()
         later = timings[1:]
         return SyncReport(total, buckets, sync_s[0], sync_s[1:], [t.transfer_s for t in later],
-                          [t.pause_s for t in later], raw_s[1:], mismatched, unmatched, diff_mean, diff_max)
+                          [t.pause_s for t in later], [t.stages for t in later], raw_s[1:], mismatched, unmatched,
+                          diff_mean, diff_max)
     finally:
         await engine.close()
 
@@ -168,6 +173,8 @@ def print_report(label: str, report: SyncReport) -> None:
     print(f"[{label}] first sync (load_weights) {report.first_sync_s * 1e3:.1f} ms; later syncs: transfer into "
           f"staging {median(report.transfer_s) * 1e3:.1f} ms, then generation paused {median(report.pause_s) * 1e3:.1f} "
           f"ms (drain, swap in, clear the prefix cache)")
+    print(f"[{label}] stages (ms, median): " + ", ".join(
+        f"{stage} {median([s[stage] for s in report.stages]) * 1e3:.2f}" for stage in report.stages[0]))
     print(f"[{label}] raw NCCL broadcast {raw * 1e3:.1f} ms ({report.total_bytes / raw / 1e9:.0f} GB/s); "
           f"sync until vLLM serves {sync * 1e3:.1f} ms; ratio {sync / raw:.2f}x the raw broadcast")
 

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -137,32 +138,48 @@ def _manifest_from_json(data: bytes) -> tuple[int, list[Bucket]]:
     return manifest["version"], buckets
 
 
+@contextlib.contextmanager
+def timed(seconds: dict[str, float] | None, stage: str):
+    """Add the block's wall time to ``seconds[stage]`` (nothing when ``seconds`` is None)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        if seconds is not None:
+            seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - started
+
+
 IN_FLIGHT = 2  # buckets on the wire at once: one transfers while the next is packed (or loaded)
 
 
 def send_weights(
     channel: TensorChannel, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, seconds: dict[str, float] | None = None,
 ) -> tuple[int, int]:
-    """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets).
+    """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets). ``seconds``, if
+    given, gets the time spent on each stage: manifest, pack (gather, copy, checksum), transfer (waiting).
 
     Pipelined: bucket k+1 is gathered (DTensors, in order) and packed on the channel's device while bucket k
     is on the wire; each bucket's checksum follows it without waiting for the host."""
     device = channel.device
-    buckets = plan_buckets(named, bucket_bytes, dtype)
-    manifest = _manifest_json(version, buckets)
-    channel.broadcast(torch.tensor([len(manifest)], dtype=torch.int64, device=device))
-    channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
+    with timed(seconds, "manifest"):
+        buckets = plan_buckets(named, bucket_bytes, dtype)
+        manifest = _manifest_json(version, buckets)
+        channel.broadcast(torch.tensor([len(manifest)], dtype=torch.int64, device=device))
+        channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
     tensors = dict(named)
     in_flight: list[tuple] = []
     for bucket in buckets:
-        buffer = pack(bucket, tensors, device, dtype)
-        total = checksum_tensor(buffer)
+        with timed(seconds, "pack"):
+            buffer = pack(bucket, tensors, device, dtype)
+            total = checksum_tensor(buffer)
         in_flight.append((channel.start_broadcast(buffer), channel.start_broadcast(total), buffer, total))
         if len(in_flight) >= IN_FLIGHT:
-            finish(in_flight.pop(0))
-    for transfers in in_flight:
-        finish(transfers)
+            with timed(seconds, "transfer"):
+                finish(in_flight.pop(0))
+    with timed(seconds, "transfer"):
+        for transfers in in_flight:
+            finish(transfers)
     return sum(b.size for b in buckets), len(buckets)
 
 
@@ -172,16 +189,19 @@ def finish(transfers: tuple) -> None:
         transfer.wait()
 
 
-def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
-    """Receive one broadcast, verify each bucket and ``load`` it; returns the weight version.
+def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None],
+                    seconds: dict[str, float] | None = None) -> int:
+    """Receive one broadcast, verify each bucket and ``load`` it; returns the weight version. ``seconds``, if
+    given, gets the time spent on each stage: manifest, transfer (waiting for buckets), verify, load.
 
     Pipelined: bucket k+1 arrives while bucket k is verified and loaded."""
     device = channel.device
-    length = torch.zeros(1, dtype=torch.int64, device=device)
-    channel.broadcast(length)
-    manifest = torch.zeros(int(length), dtype=torch.uint8, device=device)
-    channel.broadcast(manifest)
-    version, buckets = _manifest_from_json(manifest.cpu().numpy().tobytes())
+    with timed(seconds, "manifest"):
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+        channel.broadcast(length)
+        manifest = torch.zeros(int(length), dtype=torch.uint8, device=device)
+        channel.broadcast(manifest)
+        version, buckets = _manifest_from_json(manifest.cpu().numpy().tobytes())
 
     def start(bucket: Bucket) -> tuple:
         buffer = torch.empty(bucket.size, dtype=torch.uint8, device=device)
@@ -191,13 +211,16 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
     arriving = [start(bucket) for bucket in buckets[:IN_FLIGHT]]
     for index, bucket in enumerate(buckets):
         transfers = arriving.pop(0)
-        finish(transfers)
+        with timed(seconds, "transfer"):
+            finish(transfers)
         if index + IN_FLIGHT < len(buckets):
             arriving.append(start(buckets[index + IN_FLIGHT]))
         _, _, buffer, expected = transfers
-        if checksum(buffer) != int(expected):
-            raise ValueError(f"weight bucket {index} of version {version} failed its checksum")
-        load(unpack(bucket, buffer))
+        with timed(seconds, "verify"):
+            if checksum(buffer) != int(expected):
+                raise ValueError(f"weight bucket {index} of version {version} failed its checksum")
+        with timed(seconds, "load"):
+            load(unpack(bucket, buffer))
     return version
 
 
@@ -213,6 +236,7 @@ class StagedWeights:
         self.buckets: list[list[tuple[str, torch.Tensor]]] = []
         self.version: int | None = None
         self.error: BaseException | None = None
+        self.seconds: dict[str, float] = {}  # receive_weights' stages, and the whole receive
         self._thread = threading.Thread(target=self._receive, name="weights-staging", daemon=True)
         self._thread.start()
 
@@ -220,8 +244,8 @@ class StagedWeights:
         device = self.channel.device
         stream = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
         try:
-            with stream:
-                self.version = receive_weights(self.channel, self.buckets.append)
+            with stream, timed(self.seconds, "receive"):
+                self.version = receive_weights(self.channel, self.buckets.append, self.seconds)
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()
         except BaseException as error:  # noqa: BLE001 - handed to the caller by wait()

@@ -30,6 +30,7 @@ class WeightSwap:
     version: int
     transfer_s: float  # receiving the weights (generation may go on meanwhile)
     pause_s: float  # generation held back: the calls in flight finishing, the swap itself
+    stages: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per stage, where the engine knows
 
 
 class Engine(Protocol):

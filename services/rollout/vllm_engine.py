@@ -139,6 +139,7 @@ class VLLMEngine:
         reused), and generation resumes under the new version."""
         started = time.perf_counter()
         await self.llm.collective_rpc("meshrl_start_receive", timeout=30, args=(channel_id, timeout_s))
+        stages = {"start_rpc": time.perf_counter() - started}
         deadline = started + timeout_s
         while True:
             busy = self.gate.generating > 0
@@ -150,13 +151,20 @@ class VLLMEngine:
             await asyncio.sleep(POLL_S)  # the engine core schedules generation between polls
         received = time.perf_counter()
         async with self.gate.swap():
-            versions = await self.llm.collective_rpc("meshrl_apply_received", timeout=timeout_s + 30)
+            drained = time.perf_counter()
+            applied = await self.llm.collective_rpc("meshrl_apply_received", timeout=timeout_s + 30)
+            swapped = time.perf_counter()
             if not await self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to clear its prefix cache after a weight swap")
+            versions = [version for version, _ in applied]
             if len(set(versions)) != 1:
                 raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
             self.weight_version = versions[0]
-        return WeightSwap(self.weight_version, received - started, time.perf_counter() - received)
+        done = time.perf_counter()
+        worker = {f"worker_{stage}": max(seconds[stage] for _, seconds in applied) for stage in applied[0][1]}
+        stages.update(worker, wait_rpcs=received - started - stages["start_rpc"], drain=drained - received,
+                      apply_rpc=swapped - drained, reset_prefix_cache=done - swapped)
+        return WeightSwap(self.weight_version, received - started, done - received, stages)
 
     async def checksums(self) -> list[dict[str, int]]:
         """Each worker's checksum of each of its parameters (tests compare them with the trainer's)."""

@@ -8,6 +8,8 @@ own (vLLM refuses an extension that would).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from services.common.nccl_channel import NcclChannel
@@ -40,14 +42,16 @@ class MeshrlWorkerExtension:
         """Whether the staged broadcast has fully arrived, waiting up to ``wait_s``."""
         return self._meshrl_staged.wait(wait_s)
 
-    def meshrl_apply_received(self) -> int:
-        """Swap the staged weights in; returns their version.
+    def meshrl_apply_received(self) -> tuple[int, dict[str, float]]:
+        """Swap the staged weights in; returns their version and the seconds of each stage of their receipt
+        and of the swap (``apply``).
 
         A bucket whose every tensor has a learned view is copied straight into the model (``DirectLoader``);
         otherwise it goes through ``load_weights``, and the loader learns where its tensors landed."""
         staged = self.__dict__.pop("_meshrl_staged")
         if not staged.wait(0):
             raise RuntimeError("the staged weights have not fully arrived")
+        started = time.perf_counter()
         model = self.model_runner.model
         direct = self.__dict__.setdefault("_meshrl_direct", DirectLoader(model))
         for named in staged.buckets:
@@ -57,7 +61,7 @@ class MeshrlWorkerExtension:
                 model.load_weights(weights=named)
                 direct.learn(named)
         torch.cuda.synchronize(self.device)
-        return staged.version
+        return staged.version, {**staged.seconds, "apply": time.perf_counter() - started}
 
     def meshrl_weight_checksums(self) -> dict[str, int]:
         """Checksum of each of the model's parameters as this worker holds them (its TP shard)."""

@@ -230,9 +230,12 @@ def test_staged_weights_arrive_on_their_own_thread_while_the_caller_goes_on():
     channels = run_ranks(2, lambda rank: GlooChannel("staged", rendezvous, rank, 2, timeout_s=10))
     staged = StagedWeights(channels[1])
     assert not staged.wait(0.2)  # nothing sent yet: the receiver is not blocked, it is told "not yet"
-    send_weights(channels[0], named, version=7, bucket_bytes=64)
+    sent: dict[str, float] = {}
+    send_weights(channels[0], named, version=7, bucket_bytes=64, seconds=sent)
+    assert set(sent) == {"manifest", "pack", "transfer"}  # where a sync's time goes, for the benchmark
     assert staged.wait(10)
     assert staged.version == 7
+    assert set(staged.seconds) == {"receive", "manifest", "transfer", "verify", "load"}
     got = [pair for bucket in staged.buckets for pair in bucket]
     assert [name for name, _ in got] == [name for name, _ in named]
     for (_, tensor), (_, want) in zip(got, named):
