@@ -46,10 +46,13 @@ from services.coordinator.data import Prompt, PromptSampler
 from services.coordinator.dispatch import ReplicaPool
 from services.coordinator.metrics import StageTimer, data_metrics
 from services.coordinator.pipeline import Pipeline
-from services.coordinator.rollout_set import RolloutSet
+from services.coordinator.rollout_set import RolloutSet, RunStopped
 from services.coordinator.store import Checkpoint
 
 GENERATION_ATTEMPTS = 3  # a step's generation redone after every rollout of a shard failed, before giving up
+SCORING_ATTEMPTS = 3  # the same for scoring, after every reward replica failed
+REWARD_WAIT_POLL_S = 0.5
+REWARD_PROBE_TIMEOUT_S = 2.0
 
 
 class Reporter(Protocol):
@@ -238,11 +241,35 @@ class PPOLoop:
         if self.next_rewards is not None:
             (clients, self.reward_target), self.next_rewards = self.next_rewards, None
             self.reporter.log(f"reward services switched to {self.reward_target} from step {step}", kind="reward")
+        addresses = self.find_rewards(self.reward_target) or [c.address for c in clients]  # none up: keep trying
+        await self.use_rewards(clients, addresses, f"from step {step}")
+
+    async def wait_for_rewards(self) -> None:
+        """Every reward replica failed a batch: wait (state waiting) until a service of the target answers
+        an empty Score (a dead one stays registered until it misses its heartbeats)."""
+        waiting = False
+        while not (addresses := await self.answering_rewards()):
+            if not waiting:
+                self.reporter.waiting(f"no reward service of {self.reward_target} answers: waiting for one to register")
+                waiting = True
+            if self.should_stop():
+                raise RunStopped("the run was stopped while it waited for a reward service")
+            await asyncio.sleep(REWARD_WAIT_POLL_S)
+        if waiting:
+            self.reporter.waiting(None)
+        await self.use_rewards(self.services.rewards, addresses, "to score the batch again")
+
+    async def answering_rewards(self) -> list[str]:
+        clients = [RewardClient(address) for address in self.find_rewards(self.reward_target)]
+        answers = await asyncio.gather(*(c.score([], REWARD_PROBE_TIMEOUT_S) for c in clients), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in clients))
+        return [c.address for c, answer in zip(clients, answers) if not isinstance(answer, BaseException)]
+
+    async def use_rewards(self, clients: list[RewardClient], addresses: list[str], when: str) -> None:
+        """Score with the services at ``addresses`` (reusing the clients of ``clients`` that are among them)."""
         by_address = {client.address: client for client in clients}
-        addresses = self.find_rewards(self.reward_target) or list(by_address)  # none up: keep trying the known ones
         if set(addresses) != set(by_address):
-            self.reporter.log(f"reward replicas of {self.reward_target} from step {step}: {sorted(addresses)}",
-                              kind="reward")
+            self.reporter.log(f"reward replicas of {self.reward_target} {when}: {sorted(addresses)}", kind="reward")
         new = [by_address.get(address) or RewardClient(address) for address in addresses]
         retired = [c for c in {*self.services.rewards, *clients} if c not in new]
         self.services.rewards, self.reward_pool = new, ReplicaPool("reward", new)
@@ -428,7 +455,16 @@ class PPOLoop:
         async def call(replica: RewardClient, lo: int, hi: int):
             return await replica.score(samples[lo:hi], self.timeout)
 
-        shards = await self.reward_pool.map_shards(len(samples), call)
+        for attempt in range(1, SCORING_ATTEMPTS + 1):
+            try:
+                shards = await self.reward_pool.map_shards(len(samples), call)
+                break
+            except Unavailable as failure:
+                if attempt == SCORING_ATTEMPTS:
+                    raise
+                self.reporter.log(f"scoring failed on every reward replica ({failure}); waiting for the reward "
+                                  f"services and scoring the batch again")
+                await self.wait_for_rewards()
         scored = [s for (scores, _), _ in shards for s in scores]
         for (scores, service_id), _ in shards:  # who scored what
             name = f"reward/samples_by/{service_id}"

@@ -228,3 +228,39 @@ def test_seeded_random_kills_of_every_kind_lose_nothing(make_cluster, tiny_model
     last_step_at = step_events(cluster.state_dir, final.run_id)[-1]
     assert all(fault.killed_at < last_step_at for fault in injected)  # every kill hit the running run
     check_nothing_lost(cluster, final, steps)
+
+
+def test_every_reward_replica_killed_the_run_waits_for_one_and_goes_on_where_it_was(
+        make_cluster, tiny_model, reverse_data):
+    steps, kill_after = 12, 3
+    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"), ServiceSpec("reward"))
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps)
+    messages, states = [], []
+
+    async def scenario():
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            started = await client.start_run(config)
+            async for update in client.watch(started.run_id):
+                messages.append(update.message)
+                if update.kind == "step" and update.step == kill_after:
+                    for name in ("reward-2", "reward-3"):
+                        victim = cluster.processes.pop(name)
+                        victim.kill()
+                        victim.wait()
+                    break
+            await asyncio.sleep(3)  # long enough for the next batch to find no reward service
+            states.append((await client.get_run(started.run_id)).state)
+            cluster.add_service(ServiceSpec("reward"), "reward-again")
+            messages.extend([u.message async for u in client.watch(started.run_id)])
+            return await client.get_run(started.run_id)
+        finally:
+            await client.close()
+
+    final = asyncio.run(scenario())
+    rows = check_nothing_lost(cluster, final, steps)
+    assert states == ["waiting"]
+    assert any("scoring failed on every reward replica" in message for message in messages)
+    assert not any("then going on from" in message for message in messages)  # nothing rewound: went on where it was
+    scorers = {step: {k for k in rows[step] if k.startswith("reward/samples_by/")} for step in rows}
+    assert len(scorers[1]) == 2 and not scorers[steps] & scorers[1]  # the last steps scored by the new one
