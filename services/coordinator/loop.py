@@ -217,6 +217,7 @@ class PPOLoop:
                                for trainer, roles in self.services.trainer_roles().items()))
         self.reporter.checkpoint(step, str(folder), self.loop_state(step))
         self.saved_step = step
+        self.data_after = {later: state for later, state in self.data_after.items() if later > step}
 
     async def restore(self, resume: Checkpoint) -> int:
         """Load every trainer's roles and the loop's own state; returns the actor's weight version."""
