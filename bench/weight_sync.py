@@ -37,6 +37,7 @@ import torch
 from services.common.models import load_causal_lm, load_tokenizer
 from services.common.nccl_channel import NcclChannel, new_unique_id
 from services.common.sequences import SequenceBatch, join_ragged
+from services.common.timing import StageTimer
 from services.common.weight_sync import send_weights, tensor_checksum
 from services.coordinator.tiny_model import QWEN25_SHAPES, build_random_model
 from services.rollout.config import RolloutServiceConfig
@@ -102,13 +103,13 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
             torch.cuda.synchronize()
             started = time.perf_counter()
             receiving = asyncio.create_task(engine.receive_weights(channel_id, TIMEOUT_S))
-            sender: dict[str, float] = {}
+            sender = StageTimer()
             total, buckets = await asyncio.to_thread(send_weights, channel, named, version, bucket_bytes, None, sender)
             swap = await receiving
             assert swap.version == version
             sync_s.append(time.perf_counter() - started)
             timings.append(dataclasses.replace(swap, stages={**swap.stages,
-                                                             **{f"sender_{k}": v for k, v in sender.items()}}))
+                                                             **{f"sender_{k}": v for k, v in sender.seconds.items()}}))
             buffer = torch.empty(total, dtype=torch.uint8, device="cuda:0")
             started = time.perf_counter()
             receiving = asyncio.create_task(receive_raw(engine, channel_id, total, TIMEOUT_S))

@@ -18,13 +18,13 @@ import contextlib
 import json
 import math
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from services.common.channel import TensorChannel
+from services.common.timing import StageTimer
 from services.common.wire import DTYPE_NAMES, DTYPES
 
 ALIGN = 16
@@ -138,31 +138,21 @@ def _manifest_from_json(data: bytes) -> tuple[int, list[Bucket]]:
     return manifest["version"], buckets
 
 
-@contextlib.contextmanager
-def timed(seconds: dict[str, float] | None, stage: str):
-    """Add the block's wall time to ``seconds[stage]`` (nothing when ``seconds`` is None)."""
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        if seconds is not None:
-            seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - started
-
-
 IN_FLIGHT = 2  # buckets on the wire at once: one transfers while the next is packed (or loaded)
 
 
 def send_weights(
     channel: TensorChannel, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
-    dtype: torch.dtype | None = None, seconds: dict[str, float] | None = None,
+    dtype: torch.dtype | None = None, timer: StageTimer | None = None,
 ) -> tuple[int, int]:
-    """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets). ``seconds``, if
+    """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets). ``timer``, if
     given, gets the time spent on each stage: manifest, pack (gather, copy, checksum), transfer (waiting).
 
     Pipelined: bucket k+1 is gathered (DTensors, in order) and packed on the channel's device while bucket k
     is on the wire; each bucket's checksum follows it without waiting for the host."""
+    timer = timer or StageTimer()
     device = channel.device
-    with timed(seconds, "manifest"):
+    with timer("manifest"):
         buckets = plan_buckets(named, bucket_bytes, dtype)
         manifest = _manifest_json(version, buckets)
         channel.broadcast(torch.tensor([len(manifest)], dtype=torch.int64, device=device))
@@ -170,14 +160,14 @@ def send_weights(
     tensors = dict(named)
     in_flight: list[tuple] = []
     for bucket in buckets:
-        with timed(seconds, "pack"):
+        with timer("pack"):
             buffer = pack(bucket, tensors, device, dtype)
             total = checksum_tensor(buffer)
         in_flight.append((channel.start_broadcast(buffer), channel.start_broadcast(total), buffer, total))
         if len(in_flight) >= IN_FLIGHT:
-            with timed(seconds, "transfer"):
+            with timer("transfer"):
                 finish(in_flight.pop(0))
-    with timed(seconds, "transfer"):
+    with timer("transfer"):
         for transfers in in_flight:
             finish(transfers)
     return sum(b.size for b in buckets), len(buckets)
@@ -190,13 +180,14 @@ def finish(transfers: tuple) -> None:
 
 
 def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None],
-                    seconds: dict[str, float] | None = None) -> int:
-    """Receive one broadcast, verify each bucket and ``load`` it; returns the weight version. ``seconds``, if
+                    timer: StageTimer | None = None) -> int:
+    """Receive one broadcast, verify each bucket and ``load`` it; returns the weight version. ``timer``, if
     given, gets the time spent on each stage: manifest, transfer (waiting for buckets), verify, load.
 
     Pipelined: bucket k+1 arrives while bucket k is verified and loaded."""
+    timer = timer or StageTimer()
     device = channel.device
-    with timed(seconds, "manifest"):
+    with timer("manifest"):
         length = torch.zeros(1, dtype=torch.int64, device=device)
         channel.broadcast(length)
         manifest = torch.zeros(int(length), dtype=torch.uint8, device=device)
@@ -211,15 +202,15 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
     arriving = [start(bucket) for bucket in buckets[:IN_FLIGHT]]
     for index, bucket in enumerate(buckets):
         transfers = arriving.pop(0)
-        with timed(seconds, "transfer"):
+        with timer("transfer"):
             finish(transfers)
         if index + IN_FLIGHT < len(buckets):
             arriving.append(start(buckets[index + IN_FLIGHT]))
         _, _, buffer, expected = transfers
-        with timed(seconds, "verify"):
+        with timer("verify"):
             if checksum(buffer) != int(expected):
                 raise ValueError(f"weight bucket {index} of version {version} failed its checksum")
-        with timed(seconds, "load"):
+        with timer("load"):
             load(unpack(bucket, buffer))
     return version
 
@@ -236,7 +227,7 @@ class StagedWeights:
         self.buckets: list[list[tuple[str, torch.Tensor]]] = []
         self.version: int | None = None
         self.error: BaseException | None = None
-        self.seconds: dict[str, float] = {}  # receive_weights' stages, and the whole receive
+        self.timer = StageTimer()  # receive_weights' stages, and the whole receive
         self._thread = threading.Thread(target=self._receive, name="weights-staging", daemon=True)
         self._thread.start()
 
@@ -244,8 +235,8 @@ class StagedWeights:
         device = self.channel.device
         stream = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
         try:
-            with stream, timed(self.seconds, "receive"):
-                self.version = receive_weights(self.channel, self.buckets.append, self.seconds)
+            with stream, self.timer("receive"):
+                self.version = receive_weights(self.channel, self.buckets.append, self.timer)
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()
         except BaseException as error:  # noqa: BLE001 - handed to the caller by wait()

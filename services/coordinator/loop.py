@@ -41,10 +41,11 @@ from services import algos
 from services.common.errors import Unavailable
 from services.common.run_config import RunConfig
 from services.common.sequences import SequenceBatch, join_ragged
+from services.common.timing import StageTimer
 from services.coordinator.clients import Generated, RewardClient, RolloutClient, TrainerClient
 from services.coordinator.data import Prompt, PromptSampler
 from services.coordinator.dispatch import ReplicaPool
-from services.coordinator.metrics import StageTimer, data_metrics
+from services.coordinator.metrics import data_metrics
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.rollout_set import RolloutSet, RunStopped
 from services.coordinator.store import Checkpoint

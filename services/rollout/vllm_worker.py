@@ -61,7 +61,7 @@ class MeshrlWorkerExtension:
                 model.load_weights(weights=named)
                 direct.learn(named)
         torch.cuda.synchronize(self.device)
-        return staged.version, {**staged.seconds, "apply": time.perf_counter() - started}
+        return staged.version, {**staged.timer.seconds, "apply": time.perf_counter() - started}
 
     def meshrl_weight_checksums(self) -> dict[str, int]:
         """Checksum of each of the model's parameters as this worker holds them (its TP shard)."""

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from services.common.errors import Unavailable
+from services.common.timing import StageTimer
 from services.coordinator.dispatch import ReplicaPool, shard_bounds
-from services.coordinator.metrics import StageTimer, data_metrics, mismatch_metrics, summary
+from services.coordinator.metrics import data_metrics, mismatch_metrics, summary
 from services.coordinator.registry import Registry, ServiceRecord
 from services.coordinator.store import RunStore
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from services.common.channel import ChannelTable, GlooChannel, prepare_gloo_rendezvous
 from services.common.errors import NotFound
+from services.common.timing import StageTimer
 from services.common.weight_sync import (ALIGN, StagedWeights, checksum, pack, plan_buckets, receive_weights,
                                          send_weights, unpack)
 
@@ -230,12 +231,12 @@ def test_staged_weights_arrive_on_their_own_thread_while_the_caller_goes_on():
     channels = run_ranks(2, lambda rank: GlooChannel("staged", rendezvous, rank, 2, timeout_s=10))
     staged = StagedWeights(channels[1])
     assert not staged.wait(0.2)  # nothing sent yet: the receiver is not blocked, it is told "not yet"
-    sent: dict[str, float] = {}
-    send_weights(channels[0], named, version=7, bucket_bytes=64, seconds=sent)
-    assert set(sent) == {"manifest", "pack", "transfer"}  # where a sync's time goes, for the benchmark
+    sent = StageTimer()
+    send_weights(channels[0], named, version=7, bucket_bytes=64, timer=sent)
+    assert set(sent.seconds) == {"manifest", "pack", "transfer"}  # where a sync's time goes, for the benchmark
     assert staged.wait(10)
     assert staged.version == 7
-    assert set(staged.seconds) == {"receive", "manifest", "transfer", "verify", "load"}
+    assert set(staged.timer.seconds) == {"receive", "manifest", "transfer", "verify", "load"}
     got = [pair for bucket in staged.buckets for pair in bucket]
     assert [name for name, _ in got] == [name for name, _ in named]
     for (_, tensor), (_, want) in zip(got, named):
