@@ -36,6 +36,7 @@ class WeightSwap:
 class Engine(Protocol):
     vocab_size: int
     channel_ranks: int  # ranks this engine takes in a weight channel (one per worker)
+    weight_version: int  # of the weights it serves now (0 until the first sync)
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
                        first_index: int) -> list[list[Completion]]:
@@ -71,7 +72,7 @@ class HFRolloutEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.engine = HFEngine(model, pad, (eos,), config.batch_size)
         self.vocab_size = model.config.vocab_size
-        self.weight_version = 0  # read and written on the engine thread only
+        self.weight_version = 0  # written on the engine thread, between generations
         self.channels = ChannelTable(config.device)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 

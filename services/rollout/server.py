@@ -37,7 +37,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.engine: Engine | None = None
         self.run_id = ""
         self.model_path = ""
-        self.weight_version = 0
         self.asleep = False
 
     def _require_engine(self) -> Engine:
@@ -52,7 +51,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             await self.engine.close()
             self.engine = None
         self.engine = await load_engine(self.config, request.model_path, request.dtype or "float32")
-        self.run_id, self.model_path, self.weight_version, self.asleep = request.run_id, request.model_path, 0, False
+        self.run_id, self.model_path, self.asleep = request.run_id, request.model_path, False
         log.info("model_loaded", run_id=request.run_id, model_path=request.model_path, engine=self.config.engine)
         return self._info()
 
@@ -75,7 +74,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         versions = torch.tensor([c.weight_version for c in flat], dtype=torch.int64)
         out = {"response_ids": response_ids, "response_lens": response_lens, "logprobs": logprobs, "truncated": truncated,
                "weight_versions": versions}
-        oldest = int(versions.min()) if len(versions) else self.weight_version
+        oldest = int(versions.min()) if len(versions) else engine.weight_version
         for chunks in batch_to_chunks(out):
             yield rollout_pb2.GenerateResponse(chunks=chunks, weight_version=oldest)
 
@@ -87,7 +86,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def ReceiveWeights(self, request, context):
         swap = await self._require_engine().receive_weights(request.channel_id, request.timeout_s)
-        self.weight_version = swap.version
         log.info("weights_received", weight_version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s)
         return common_pb2.WeightVersion(version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s)
 
@@ -113,7 +111,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                    "asleep": str(self.asleep).lower()}
         if self.engine is not None:
             details["channel_ranks"] = str(self.engine.channel_ranks)
-        return common_pb2.ServiceInfo(identity=self.identity, weight_version=self.weight_version, run_id=self.run_id,
+        version = self.engine.weight_version if self.engine is not None else 0
+        return common_pb2.ServiceInfo(identity=self.identity, weight_version=version, run_id=self.run_id,
                                       details=details)
 
     async def close(self) -> None:

@@ -12,8 +12,9 @@
   channel id, unique id and ranks reach it by ``collective_rpc``, and every
   tensor-parallel worker receives the full HF-named tensors, which vLLM's
   ``load_weights`` reslices (with one worker, later syncs copy straight
-  into the places the first one showed: ``direct_load``). Generation is
-  paused and the prefix cache cleared around the swap.
+  into the places the first one showed: ``direct_load``). The workers
+  receive into staging buffers while generation goes on; generation is held
+  back (``SwapGate``) only for the swap itself and the prefix-cache reset.
 - Worker processes are spawned, not forked: this process already runs gRPC.
 """
 
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
     import torch
 
 WORKER_EXTENSION = "services.rollout.vllm_worker.MeshrlWorkerExtension"
-
-
 POLL_S = 0.002  # how often a sync asks the workers whether the weights have arrived while generation goes on
 
 
