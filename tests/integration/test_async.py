@@ -11,6 +11,7 @@ from pathlib import Path
 from services.common.config import to_yaml
 from services.coordinator.cli import resolve_config
 from services.coordinator.local import LocalCluster
+from tests.integration.test_faults import samples
 from tests.integration.test_learning import EXAMPLES, assert_learned, run_to_end
 
 STEPS = 40
@@ -21,10 +22,6 @@ def step_rows(state_dir: Path, run_id: str) -> dict[int, dict[str, float]]:
     with sqlite3.connect(state_dir / "meshrl.db") as db:
         return {step: json.loads(m) for step, m in
                 db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ?", (run_id,))}
-
-
-def samples(metrics: dict[str, float], kind: str) -> float:
-    return sum(v for k, v in metrics.items() if k.startswith(f"{kind}/samples_by/"))
 
 
 def test_one_step_off_keeps_staleness_within_one_and_learns(tmp_path, monkeypatch):
