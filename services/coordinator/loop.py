@@ -47,12 +47,11 @@ from services.coordinator.data import Prompt, PromptSampler
 from services.coordinator.dispatch import ReplicaPool
 from services.coordinator.metrics import data_metrics
 from services.coordinator.pipeline import Pipeline
-from services.coordinator.rollout_set import RolloutSet, RunStopped
+from services.coordinator.rollout_set import RolloutSet, wait_for
 from services.coordinator.store import Checkpoint
 
 GENERATION_ATTEMPTS = 3  # a step's generation redone after every rollout of a shard failed, before giving up
 SCORING_ATTEMPTS = 3  # the same for scoring, after every reward replica failed
-REWARD_WAIT_POLL_S = 0.5
 REWARD_PROBE_TIMEOUT_S = 2.0
 
 
@@ -249,16 +248,8 @@ class PPOLoop:
     async def wait_for_rewards(self) -> None:
         """Every reward replica failed a batch: wait (state waiting) until a service of the target answers
         an empty Score (a dead one stays registered until it misses its heartbeats)."""
-        waiting = False
-        while not (addresses := await self.answering_rewards()):
-            if not waiting:
-                self.reporter.waiting(f"no reward service of {self.reward_target} answers: waiting for one to register")
-                waiting = True
-            if self.should_stop():
-                raise RunStopped("the run was stopped while it waited for a reward service")
-            await asyncio.sleep(REWARD_WAIT_POLL_S)
-        if waiting:
-            self.reporter.waiting(None)
+        addresses = await wait_for(self.answering_rewards, self.reporter, self.should_stop,
+                                   f"no reward service of {self.reward_target} answers: waiting for one to register")
         await self.use_rewards(self.services.rewards, addresses, "to score the batch again")
 
     async def answering_rewards(self) -> list[str]:

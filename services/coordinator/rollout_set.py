@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Callable, Protocol
+from typing import Awaitable, Callable, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -40,12 +40,13 @@ from services.coordinator.dispatch import ReplicaPool
 log = structlog.get_logger()
 PROBE_TIMEOUT_S = 2.0  # a rollout that does not answer Info this fast is out (stopped, cut off, dead)
 WAIT_POLL_S = 0.5
+Found = TypeVar("Found")
 FORM_ATTEMPTS = 3  # channel formations in a row that may fail (a member died while joining) before giving up
 SYNC_ATTEMPTS = 3  # sends of one version in a row that may fail before the attempt gives up
 
 
 class RunStopped(Exception):
-    """The run was stopped while it waited for a rollout."""
+    """The run was stopped while it waited for a service."""
 
 
 class Notices(Protocol):
@@ -54,6 +55,23 @@ class Notices(Protocol):
 
     def waiting(self, reason: str | None) -> None:
         """The run waits for ``reason`` (state waiting); None: it goes on (state running)."""
+
+
+async def wait_for(look: Callable[[], Awaitable[Found]], notices: Notices, should_stop: Callable[[], bool],
+                   reason: str) -> Found:
+    """``await look()`` until it finds something; meanwhile the run waits (state waiting, for ``reason``).
+    RunStopped if the run is stopped meanwhile."""
+    waiting = False
+    while not (found := await look()):
+        if not waiting:
+            notices.waiting(reason)
+            waiting = True
+        if should_stop():
+            raise RunStopped(f"the run was stopped while it waited ({reason})")
+        await asyncio.sleep(WAIT_POLL_S)
+    if waiting:
+        notices.waiting(None)
+    return found
 
 
 def describe(error: BaseException) -> str:
@@ -198,24 +216,19 @@ class RolloutSet:
         raise Unavailable(f"the weight channel could not be formed in {FORM_ATTEMPTS} attempts")
 
     async def _answering(self, take_new: bool, found: dict | None) -> dict[str, tuple[RolloutClient, RolloutInfo]]:
-        """The rollouts that answer; members that do not leave. While none answers the run waits."""
-        waiting = False
-        while True:
-            if found is None:
-                found = await self._probe({*self.addresses(), *(self.find() if take_new or not self.members else ())})
-            for address in [a for a in self.addresses() if a not in found]:
-                await self.drop(address, f"it did not answer within {PROBE_TIMEOUT_S:.0f} s")
-            if found:
-                if waiting:
-                    self.notices.waiting(None)
-                return found
-            if not waiting:
-                self.notices.waiting(f"no rollout of group {self.group!r} answers: waiting for one to register")
-                waiting = True
-            if self.should_stop():
-                raise RunStopped("the run was stopped while it waited for a rollout")
-            await asyncio.sleep(WAIT_POLL_S)
+        """The rollouts that answer (``found``, if given, at first); members that do not leave. While none
+        answers the run waits."""
+        async def look() -> dict[str, tuple[RolloutClient, RolloutInfo]]:
+            nonlocal found
+            answering = found if found is not None else await self._probe(
+                {*self.addresses(), *(self.find() if take_new or not self.members else ())})
             found = None
+            for address in [a for a in self.addresses() if a not in answering]:
+                await self.drop(address, f"it did not answer within {PROBE_TIMEOUT_S:.0f} s")
+            return answering
+
+        return await wait_for(look, self.notices, self.should_stop,
+                              f"no rollout of group {self.group!r} answers: waiting for one to register")
 
     async def _probe(self, addresses: set[str]) -> dict[str, tuple[RolloutClient, RolloutInfo]]:
         """Client and Info of each address that answers within PROBE_TIMEOUT_S (members keep their client)."""
