@@ -164,6 +164,11 @@ class RolloutConfig(Section):
     """Put the rollout engines to sleep while the trainer works on a step (vLLM sleep level 1: KV cache
     freed, weights moved to CPU memory) and wake them for the weight sync: for a trainer and a rollout
     sharing one GPU (the rollout service started with enable_sleep_mode). Synchronous runs only."""
+    partial_rollout: Literal["finish", "restart"] = "finish"
+    """What becomes of the Generate calls in flight when new weights arrive (asynchronous runs, where
+    generation goes on during a sync): finish = they complete under the old version; restart = they are
+    stopped and sampled again, whole, under the new version, with the same seeds: fresher samples for
+    the compute thrown away."""
 
 
 class ActorRolloutRefConfig(Section):

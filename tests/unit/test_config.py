@@ -143,12 +143,21 @@ def test_every_bad_field_is_named():
     ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
     ("actor_rollout_ref.actor.optim.betas=[0.9]", "actor_rollout_ref.actor.optim.betas"),
     ("actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.top_p"),
+    ("actor_rollout_ref.rollout.partial_rollout=resume", "actor_rollout_ref.rollout.partial_rollout"),
     ("data.train_files=notalist", "data.train_files"),
     ("trainer=5", "trainer"),
 ])
 def test_wrong_type_names_the_field(override, field):
     with pytest.raises(ConfigError, match=rf"^{re.escape(field)}(\.\d+)?: "):
         load_config(RunConfig, None, [override])
+
+
+def test_partial_rollout_finishes_by_default_and_may_restart():
+    assert RunConfig().actor_rollout_ref.rollout.partial_rollout == "finish"
+    config = load_config(RunConfig, None, ["actor_rollout_ref.rollout.partial_rollout=restart"])
+    assert config.actor_rollout_ref.rollout.partial_rollout == "restart"
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.partial_rollout: .*'finish' or 'restart'"):
+        load_config(RunConfig, None, ["actor_rollout_ref.rollout.partial_rollout=resume"])
 
 
 def test_batch_size_not_a_multiple_of_mini_batch_names_both_keys():
