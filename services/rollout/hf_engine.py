@@ -12,6 +12,7 @@ distribution before top-p truncation, the same quantity the trainer computes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -34,6 +35,14 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
     weight_version: int = 0  # of the weights that sampled it (stamped by the engine that keeps the versions)
+
+
+class GenerationInterrupted(Exception):
+    """A generation was stopped part way (new weights are coming in and it will be sampled again)."""
+
+
+def never() -> bool:
+    return False
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -59,8 +68,12 @@ class HFEngine:
         self.eos_ids = eos_ids
         self.batch_size = batch_size
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, first_index: int = 0) -> list[list[Completion]]:
-        """``sampling.n`` completions for each prompt; prompt i seeds from ``first_index + i``."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, first_index: int = 0,
+                 interrupted: Callable[[], bool] = never) -> list[list[Completion]]:
+        """``sampling.n`` completions for each prompt; prompt i seeds from ``first_index + i``.
+
+        ``interrupted`` is asked before every token step; once it says yes the work is dropped and
+        GenerationInterrupted raised."""
         rows = [(i, k) for i in range(len(prompts)) for k in range(sampling.n)]
         done: dict[tuple[int, int], Completion] = {}
         for start in range(0, len(rows), self.batch_size):
@@ -68,13 +81,14 @@ class HFEngine:
             generators = [
                 torch.Generator().manual_seed(hash_seed(sampling.seed, first_index + i, k)) for i, k in chunk
             ]
-            outputs = self._generate_rows([prompts[i] for i, _ in chunk], generators, sampling)
+            outputs = self._generate_rows([prompts[i] for i, _ in chunk], generators, sampling, interrupted)
             done.update(zip(chunk, outputs))
         return [[done[(i, k)] for k in range(sampling.n)] for i in range(len(prompts))]
 
     @torch.no_grad()
     def _generate_rows(
-        self, prompts: list[list[int]], generators: list[torch.Generator], sampling: SamplingSettings
+        self, prompts: list[list[int]], generators: list[torch.Generator], sampling: SamplingSettings,
+        interrupted: Callable[[], bool] = never,
     ) -> list[Completion]:
         stops = torch.tensor(sorted(set(self.eos_ids) | set(sampling.stop_token_ids)), dtype=torch.int64)
         width = max(len(p) for p in prompts)
@@ -89,6 +103,8 @@ class HFEngine:
         past = None
         step_ids = input_ids
         for _ in range(sampling.max_new_tokens):
+            if interrupted():
+                raise GenerationInterrupted
             positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
             out = self.model(
                 input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,

@@ -11,6 +11,7 @@ from services.common.models import load_causal_lm, load_tokenizer
 from services.coordinator.tiny_model import build_char_tokenizer, build_tiny_model, check_round_trip
 from services.rollout.hf_engine import (
     Completion,
+    GenerationInterrupted,
     HFEngine,
     SamplingSettings,
     hash_seed,
@@ -210,3 +211,20 @@ def test_tiny_top_p_is_greedy(tiny, prompts):
         with torch.no_grad():
             logits = model(input_ids=full).logits[0, len(prompt) - 1 : -1]
         assert c.token_ids == logits.argmax(-1).tolist()
+
+
+def test_an_interrupt_stops_generation_at_the_next_token_step(tiny, prompts):
+    steps = 0
+
+    def interrupted() -> bool:  # asked once per token step: yes at the fourth
+        nonlocal steps
+        steps += 1
+        return steps > 3
+
+    long = SamplingSettings(n=3, temperature=0.02, top_p=1.0, max_new_tokens=50, seed=7, stop_token_ids=())
+    with pytest.raises(GenerationInterrupted):
+        _engine(tiny, batch_size=9).generate(prompts, long, interrupted=interrupted)
+    assert steps == 4
+    # asked and never interrupted, it samples what it samples without being asked
+    assert _as_tuples(_engine(tiny, batch_size=9).generate(prompts, SETTINGS, interrupted=lambda: False)) == \
+        _as_tuples(_engine(tiny, batch_size=9).generate(prompts, SETTINGS))
