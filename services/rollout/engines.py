@@ -5,22 +5,34 @@ An engine is created by InitRun and then called from the servicer:
 when the coordinator sets up the weight channel, ``receive_weights`` for
 each sync (generation is held back while weights are swapped), ``sleep`` and
 ``wake_up`` when a trainer shares the GPU, ``close`` at the end.
+
+Both engines receive the weights while generation goes on and swap them in
+behind a ``SwapGate``: the Generate calls in flight either finish under the
+old weights first, or are stopped and sampled again, whole, under the new ones
+(``restart``). Samples are seeded from (seed, index), so a restarted call
+returns exactly what a fresh call under the new weights returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Awaitable, Callable, Protocol, TypeVar
+
+import structlog
 
 from services.common.channel import ChannelTable
 from services.common.models import load_causal_lm, load_tokenizer
-from services.common.weight_sync import receive_weights
+from services.common.weight_sync import StagedWeights
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.hf_engine import Completion, HFEngine, SamplingSettings
+from services.rollout.hf_engine import Completion, GenerationInterrupted, HFEngine, SamplingSettings
+
+log = structlog.get_logger()
+Result = TypeVar("Result")
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,91 @@ class WeightSwap:
     transfer_s: float  # receiving the weights (generation may go on meanwhile)
     pause_s: float  # generation held back: the calls in flight finishing, the swap itself
     stages: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per stage, where the engine knows
+
+
+class GenerationCall:
+    """One attempt of a Generate call, registered with the gate while it runs."""
+
+    def __init__(self) -> None:
+        self.interrupted = False  # set by a restarting swap; read by the engine between token steps (any thread)
+        self.dropped = False  # it stopped on the interrupt (rather than finishing just before it)
+        self._stop = asyncio.Event()
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+        self._stop.set()
+
+    async def unless_interrupted(self, work: Awaitable[Result]) -> Result:
+        """``work``'s result; if the call is interrupted first, ``work`` is cancelled and GenerationInterrupted
+        raised."""
+        work, stop = asyncio.ensure_future(work), asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # interrupted, or the caller cancelled: the work goes too
+            stop.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            raise GenerationInterrupted
+        return work.result()
+
+
+class SwapGate:
+    """Generate calls and weight swaps exclude each other, so each call's samples come from one weight version.
+
+    A swap holds new calls back until it is done, and the calls in flight either finish first (``restart``
+    false) or are interrupted: an interrupted call drops its work, waits for the swap to end and runs again
+    from scratch under the new weights."""
+
+    def __init__(self) -> None:
+        self._calls: set[GenerationCall] = set()
+        self._swapping = False
+        self._changed = asyncio.Condition()
+
+    @property
+    def generating(self) -> int:
+        """Calls in flight."""
+        return len(self._calls)
+
+    async def run(self, attempt: Callable[[GenerationCall], Awaitable[Result]]) -> Result:
+        """``attempt(call)`` outside any swap, again each time a swap interrupts it (it then raises
+        GenerationInterrupted, or ``call.unless_interrupted`` raises it)."""
+        while True:
+            call = GenerationCall()
+            async with self._changed:
+                await self._changed.wait_for(lambda: not self._swapping)
+                self._calls.add(call)
+            try:
+                return await attempt(call)
+            except GenerationInterrupted:
+                if not call.interrupted:
+                    raise
+                call.dropped = True
+            finally:
+                async with self._changed:
+                    self._calls.discard(call)
+                    self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def swap(self, restart: bool = False):
+        """Hold generation back (finishing or interrupting the calls in flight) for the body of the ``with``."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            stopped = list(self._calls) if restart else []
+            for call in stopped:
+                call.interrupt()
+            await self._changed.wait_for(lambda: not self._calls)
+        restarted = sum(call.dropped for call in stopped)
+        if restarted:
+            log.info("generate_calls_restarted", calls=restarted)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._swapping = False
+                self._changed.notify_all()
 
 
 class Engine(Protocol):
@@ -47,8 +144,9 @@ class Engine(Protocol):
                            timeout_s: float) -> None:
         """Join a weight channel; this engine's workers take ranks rank .. rank + channel_ranks - 1."""
 
-    async def receive_weights(self, channel_id: str, timeout_s: float) -> WeightSwap:
-        """Receive one broadcast and swap it in."""
+    async def receive_weights(self, channel_id: str, timeout_s: float, restart: bool = False) -> WeightSwap:
+        """Receive one broadcast while generation goes on and swap it in; the Generate calls in flight at the
+        swap finish under the old weights first, or with ``restart`` are sampled again under the new ones."""
 
     async def sleep(self) -> None:
         """Free the GPU memory the engine holds (weights and KV cache) for a trainer on the same GPU."""
@@ -61,7 +159,8 @@ class Engine(Protocol):
 
 
 class HFRolloutEngine:
-    """The transformers engine: all model work on one thread, so a swap never interleaves a generation."""
+    """The transformers engine: all model work (generation, loading weights) on one thread; weights are received
+    into staging buffers on a thread of their own while generation goes on."""
 
     channel_ranks = 1
 
@@ -72,38 +171,59 @@ class HFRolloutEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.engine = HFEngine(model, pad, (eos,), config.batch_size)
         self.vocab_size = model.config.vocab_size
-        self.weight_version = 0  # written on the engine thread, between generations
+        self.weight_version = 0  # changed only inside a swap, when no generation is in flight
+        self.gate = SwapGate()
         self.channels = ChannelTable(config.device)
+        self._staging: StagedWeights | None = None  # the last receive, which may still be on the wire
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     async def _on_engine(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
 
     async def generate(self, prompts, sampling, first_index):
-        def generate():
+        def attempt(call: GenerationCall) -> list[list[Completion]]:
             version = self.weight_version
-            return [[dataclasses.replace(c, weight_version=version) for c in group]
-                    for group in self.engine.generate(prompts, sampling, first_index)]
+            groups = self.engine.generate(prompts, sampling, first_index, lambda: call.interrupted)
+            return [[dataclasses.replace(c, weight_version=version) for c in group] for group in groups]
 
-        return await self._on_engine(generate)
+        return await self.gate.run(lambda call: self._on_engine(attempt, call))
+
+    async def _leave_channels(self) -> None:
+        """Close the channels joined, after the receive still on one has ended (closing a gloo group with a
+        collective in flight blocks); it ends by the channel's deadline at the latest."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            with contextlib.suppress(Exception):  # its error went to its own ReceiveWeights
+                await asyncio.to_thread(staging.wait, None)
+        self.channels.close_all()
 
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s):
-        """Leave the channels joined before (on the engine thread: after a receive still on one, since closing
-        a group with a collective in flight blocks), then join this one."""
-        await self._on_engine(self.channels.close_all)
+        """Leave the channels joined before, then join this one."""
+        await self._leave_channels()
         await self.channels.join(channel_id, backend, rendezvous, rank, world_size, timeout_s)
 
-    async def receive_weights(self, channel_id, timeout_s):
-        """On the engine thread, between generations: they wait for the whole transfer."""
+    async def receive_weights(self, channel_id, timeout_s, restart=False):
+        """Receive into staging buffers while generation goes on, then swap them in behind the gate, on the
+        engine thread."""
         channel = self.channels.get(channel_id)
+        started = time.perf_counter()
+        self._staging = staged = StagedWeights(channel)
+        if not await asyncio.to_thread(staged.wait, timeout_s):
+            raise TimeoutError(f"weights on channel {channel_id} did not arrive within {timeout_s} s")
+        self._staging = None  # off the wire
 
-        def receive() -> WeightSwap:
-            started = time.perf_counter()
-            self.weight_version = receive_weights(channel, self.engine.load_weights)
-            seconds = time.perf_counter() - started
-            return WeightSwap(self.weight_version, seconds, seconds)
+        def apply() -> None:  # version and weights change together on the engine thread, even if this is cancelled
+            for bucket in staged.buckets:
+                self.engine.load_weights(bucket)
+            self.weight_version = staged.version
 
-        return await self._on_engine(receive)
+        received = time.perf_counter()
+        async with self.gate.swap(restart):
+            drained = time.perf_counter()
+            await self._on_engine(apply)
+        done = time.perf_counter()
+        stages = {**staged.timer.seconds, "drain": drained - received, "apply": done - drained}
+        return WeightSwap(self.weight_version, received - started, done - received, stages)
 
     async def sleep(self):
         pass
@@ -112,7 +232,7 @@ class HFRolloutEngine:
         pass
 
     async def close(self):
-        self.channels.close_all()
+        await self._leave_channels()
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 

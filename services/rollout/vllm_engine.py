@@ -15,13 +15,14 @@
   into the places the first one showed: ``direct_load``). The workers
   receive into staging buffers while generation goes on; generation is held
   back (``SwapGate``) only for the swap itself and the prefix-cache reset.
+  The requests in flight at a swap finish under the old weights first or,
+  with ``restart``, are aborted and generated again under the new ones.
 - Worker processes are spawned, not forked: this process already runs gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 import uuid
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 from services.common.models import load_tokenizer
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.direct_load import STACKED
-from services.rollout.engines import WeightSwap
+from services.rollout.engines import GenerationCall, SwapGate, WeightSwap
 from services.rollout.hf_engine import Completion, SamplingSettings, hash_seed
 
 if TYPE_CHECKING:
@@ -38,41 +39,6 @@ if TYPE_CHECKING:
 
 WORKER_EXTENSION = "services.rollout.vllm_worker.MeshrlWorkerExtension"
 POLL_S = 0.002  # how often a sync asks the workers whether the weights have arrived while generation goes on
-
-
-class SwapGate:
-    """Generate calls and weight swaps exclude each other: a swap waits for the calls in flight and holds new
-    ones back until it is done, so each call's samples come from one weight version."""
-
-    def __init__(self) -> None:
-        self.generating = 0
-        self._swapping = False
-        self._changed = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def generation(self):
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._swapping)
-            self.generating += 1
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self.generating -= 1
-                self._changed.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def swap(self):
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._swapping)
-            self._swapping = True
-            await self._changed.wait_for(lambda: self.generating == 0)
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._swapping = False
-                self._changed.notify_all()
 
 
 class VLLMEngine:
@@ -110,7 +76,7 @@ class VLLMEngine:
 
         stops = sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set()))
 
-        async def one(index: int, prompt: list[int]) -> list[Completion]:
+        async def one(index: int, prompt: list[int], version: int) -> list[Completion]:
             params = SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens, seed=hash_seed(sampling.seed, first_index + index, 0) % (1 << 31),
@@ -121,9 +87,13 @@ class VLLMEngine:
                 final = output
             return [completion_of(c, stops, version) for c in sorted(final.outputs, key=lambda c: c.index)]
 
-        async with self.gate.generation():  # no swap until these are done: all come from this version
-            version = self.weight_version
-            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        async def attempt(call: GenerationCall) -> list[list[Completion]]:
+            version = self.weight_version  # a swap waits for this attempt or drops it: all come from this version
+            # an interrupt cancels the requests, and cancelling AsyncLLM.generate aborts them in vLLM
+            return list(await call.unless_interrupted(
+                asyncio.gather(*(one(i, p, version) for i, p in enumerate(prompts)))))
+
+        return await self.gate.run(attempt)
 
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s) -> None:
         if backend != "nccl":
@@ -131,7 +101,7 @@ class VLLMEngine:
         await self.llm.collective_rpc("meshrl_join_channel", timeout=timeout_s + 10,
                                       args=(channel_id, bytes(rendezvous), rank, world_size, timeout_s))
 
-    async def receive_weights(self, channel_id: str, timeout_s: float) -> WeightSwap:
+    async def receive_weights(self, channel_id: str, timeout_s: float, restart: bool = False) -> WeightSwap:
         """Receive the weights into staging buffers in every worker while generation goes on, then swap them in
         within a short pause: new requests wait, the requests in flight finish under the old weights, the
         staged buckets are copied in, the prefix cache is cleared (nothing computed under the old weights is
@@ -149,7 +119,7 @@ class VLLMEngine:
                 raise TimeoutError(f"weights on channel {channel_id} did not arrive within {timeout_s} s")
             await asyncio.sleep(POLL_S)  # the engine core schedules generation between polls
         received = time.perf_counter()
-        async with self.gate.swap():
+        async with self.gate.swap(restart):
             drained = time.perf_counter()
             applied = await self.llm.collective_rpc("meshrl_apply_received", timeout=timeout_s + 30)
             swapped = time.perf_counter()
