@@ -112,10 +112,13 @@ class RolloutClient:
             await self._stub.JoinChannel(join_request(channel_id, backend, rendezvous, rank, world_size, timeout),
                                          timeout=timeout + 15)
 
-    async def receive_weights(self, channel_id: str, timeout: float) -> Received:
+    async def receive_weights(self, channel_id: str, timeout: float, restart_in_flight: bool = False) -> Received:
+        """Receive one broadcast; with ``restart_in_flight`` the Generate calls in flight at the swap are sampled
+        again under the new weights instead of finishing under the old."""
+        request = rollout_pb2.ReceiveWeightsRequest(channel_id=channel_id, timeout_s=timeout,
+                                                    restart_in_flight=restart_in_flight)
         async with self._conn.slot():
-            reply = await self._stub.ReceiveWeights(
-                rollout_pb2.ReceiveWeightsRequest(channel_id=channel_id, timeout_s=timeout), timeout=timeout + 5)
+            reply = await self._stub.ReceiveWeights(request, timeout=timeout + 5)
         return Received(reply.version, reply.transfer_s, reply.pause_s)
 
     async def sleep(self, timeout: float) -> None:

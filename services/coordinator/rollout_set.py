@@ -91,6 +91,7 @@ class RolloutSet:
         self.backend = trainer.weight_sync_backend  # "auto" is resolved when the first channel forms
         self.channel_timeout_s, self.rpc_timeout_s = trainer.channel_timeout_s, trainer.rpc_timeout_s
         self.bucket_bytes = trainer.weight_sync_bucket_mb << 20
+        self.restart_in_flight = config.actor_rollout_ref.rollout.partial_rollout == "restart"
         self.members: list[RolloutClient] = []
         self.pool: ReplicaPool[RolloutClient] | None = None  # the members, for spreading a batch
         self.ranks: dict[str, int] = {}  # channel ranks each member's engine takes
@@ -177,7 +178,8 @@ class RolloutSet:
         """One send over the current channel: None if every member took it, else what went wrong."""
         timeout = self.channel_timeout_s
         log.info("weight_sync_started", version=version, channel_id=self.channel_id, rollouts=self.addresses())
-        receiving = {m.address: asyncio.ensure_future(m.receive_weights(self.channel_id, timeout))
+        receiving = {m.address: asyncio.ensure_future(m.receive_weights(self.channel_id, timeout,
+                                                                        self.restart_in_flight))
                      for m in self.members}
         try:
             try:

@@ -85,8 +85,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 
     async def ReceiveWeights(self, request, context):
-        swap = await self._require_engine().receive_weights(request.channel_id, request.timeout_s)
-        log.info("weights_received", weight_version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s)
+        swap = await self._require_engine().receive_weights(request.channel_id, request.timeout_s,
+                                                            request.restart_in_flight)
+        log.info("weights_received", weight_version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s,
+                 restart_in_flight=request.restart_in_flight)
         return common_pb2.WeightVersion(version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s)
 
     async def Sleep(self, request, context):

@@ -1,0 +1,125 @@
+"""New weights arriving while a Generate call is in flight, on a real rollout service (hf engine, CPU).
+
+The test process plays the trainer: rank 0 of a gloo weight channel, sending with send_weights. With
+restart_in_flight the call is stopped and sampled again under the new weights, and returns exactly what a fresh
+call under them returns (same seed, same first_index); without it the call finishes under the old weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import torch
+
+from bench.faults import service_address
+from services.common.channel import GlooChannel, prepare_gloo_rendezvous
+from services.common.models import load_causal_lm
+from services.common.weight_sync import send_weights
+from services.coordinator.clients import Generated, RolloutClient
+from services.coordinator.local import LocalCluster, ServiceSpec
+from tests.integration.test_faults import LogTail
+from tests.integration.test_grpo_run import run_config, run_to_end
+
+PROMPTS = [[5, 6, 7, 16], [9, 12, 4], [17, 3], [6, 6, 6, 6, 6]]
+N = 2
+# a long call: the rollout samples one sequence at a time (batch_size=1), and at this temperature the tiny
+# model almost never picks EOS, so each of the 8 sequences runs about 150 token steps (about 1 s in all)
+TOKENS, TEMPERATURE = 150, 0.02
+TIMEOUT_S = 60
+
+
+def same(a: Generated, b: Generated) -> bool:
+    return all(torch.equal(getattr(a, name), getattr(b, name))
+               for name in ("response_ids", "response_lens", "logprobs", "truncated", "weight_versions"))
+
+
+def change(named: list[tuple[str, torch.Tensor]], seed: int) -> None:
+    """New weights, as after an update."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, tensor in named:
+            tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.02)
+
+
+async def scenario(cluster: LocalCluster, model_path: str) -> None:
+    rollout, log = RolloutClient(service_address(cluster, "rollout")), LogTail(cluster, "rollout")
+    named = [(name, tensor.detach()) for name, tensor in load_causal_lm(model_path, "float32").named_parameters()]
+    channel_id = "partial-rollout-weights"
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", TIMEOUT_S)
+    channel = None
+
+    async def generate() -> Generated:
+        return await rollout.generate(PROMPTS, N, TEMPERATURE, 1.0, TOKENS, seed=5, first_index=3, stop_token_ids=[],
+                                      timeout=TIMEOUT_S)
+
+    async def sync_while_generating(version: int, restart: bool):
+        """Start a Generate call, send new weights while it runs; (its samples, the rollout's side of the sync)."""
+        calls = sum(event["event"] == "generating" for event in log.read())
+        in_flight = asyncio.create_task(generate())
+        await log.wait_for("generating", calls + 1)  # the rollout has begun sampling it
+        change(named, seed=version)
+        receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, restart_in_flight=restart))
+        await asyncio.to_thread(send_weights, channel, named, version, 1 << 20)
+        assert not in_flight.done()  # the whole broadcast has gone out while the call was still sampling
+        received = await receiving
+        assert received.version == version
+        return await in_flight, received
+
+    try:
+        await rollout.init_run("partial-rollout", model_path, "float32", timeout=TIMEOUT_S)
+        joining = asyncio.create_task(rollout.join_channel(channel_id, "gloo", rendezvous, 1, 2, TIMEOUT_S))
+        channel = await asyncio.to_thread(GlooChannel, channel_id, rendezvous, 0, 2, TIMEOUT_S)
+        await joining
+        under_0 = await generate()
+        assert set(under_0.weight_versions.tolist()) == {0} and under_0.response_lens.float().mean() > TOKENS / 2
+
+        # restart: the call in flight is dropped at the swap and sampled again, whole, under version 1
+        restarted, restarting_sync = await sync_while_generating(1, restart=True)
+        assert [e["calls"] for e in log.read() if e["event"] == "generate_calls_restarted"] == [1]
+        under_1 = await generate()
+        assert set(restarted.weight_versions.tolist()) == {1}
+        assert same(restarted, under_1)
+        assert not torch.equal(under_1.response_ids, under_0.response_ids)  # the new weights sample otherwise
+
+        # finish: the call in flight completes under version 1 while the swap to version 2 waits for it
+        finished, finishing_sync = await sync_while_generating(2, restart=False)
+        assert set(finished.weight_versions.tolist()) == {1}
+        assert same(finished, under_1)
+        assert [e["calls"] for e in log.read() if e["event"] == "generate_calls_restarted"] == [1]  # none more
+        under_2 = await generate()
+        assert set(under_2.weight_versions.tolist()) == {2}
+        assert not torch.equal(under_2.response_ids, under_1.response_ids)
+        # generation was held back while the call in flight finished, not while it was dropped
+        assert finishing_sync.pause_s > 0.2 and restarting_sync.pause_s < finishing_sync.pause_s
+        synced = [e for e in log.read() if e["event"] == "weights_received"]
+        assert [(e["weight_version"], e["restart_in_flight"]) for e in synced] == [(1, True), (2, False)]
+    finally:
+        if channel is not None:
+            channel.close()
+        await rollout.close()
+        del store
+
+
+def test_a_sync_restarts_or_finishes_the_generate_call_in_flight(tmp_path, tiny_model):
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("rollout", settings=("batch_size=1",)),))
+    try:
+        asyncio.run(cluster.start(timeout_s=120))
+        asyncio.run(scenario(cluster, str(tiny_model)))
+    finally:
+        cluster.stop()
+
+
+def test_a_run_with_partial_rollout_restart_asks_every_sync_to_restart(cluster, tiny_model, reverse_data):
+    """The run config's choice reaches the rollouts through the coordinator; one step off, samples stay within
+    the staleness bound whether the calls in flight at a sync were restarted or not."""
+    config = run_config(tiny_model, reverse_data, trainer__async_={"max_staleness": 1},
+                        actor_rollout_ref__rollout__partial_rollout="restart")
+    final, _, _ = asyncio.run(run_to_end(cluster.coordinator, config))
+    assert final.state == "finished", final.error
+    synced = [e for e in LogTail(cluster, "rollout").read() if e["event"] == "weights_received"]
+    assert len(synced) >= 3 and all(e["restart_in_flight"] for e in synced)
+    steps = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(0 <= s["training/off_policy/staleness/max"] <= 1 for s in steps)
