@@ -5,7 +5,8 @@ A channel is a fixed group of ranks; rank 0 (the trainer) sends, the others
 ``prepare_gloo_rendezvous`` opens a store and returns its address, every
 member (root included) is then told to join with its rank, concurrently,
 since joining blocks until all have arrived. On GPU the same interface sits
-on NCCL through cupy.
+on NCCL through cupy (``nccl_channel``), or on CUDA IPC where members share a
+GPU (``ipc_channel``).
 
 Every collective has a deadline: a member that does not show up makes the
 call fail with ``TimeoutError`` instead of hanging.
@@ -90,29 +91,36 @@ class GlooChannel:
         options.rootRank = root
         return GlooTransfer(self._group.broadcast([tensor], options), root, self.timeout)
 
+    def barrier(self) -> None:
+        """Return once every member has called barrier (an all-reduce of one number)."""
+        GlooTransfer(self._group.allreduce([torch.zeros(1)]), None, self.timeout).wait()
+
     def close(self) -> None:
         self._group = None
 
 
 class GlooTransfer:
-    def __init__(self, work, root: int, timeout: datetime.timedelta):
-        self.work, self.root, self.timeout = work, root, timeout
+    def __init__(self, work, root: int | None, timeout: datetime.timedelta):
+        """``root``: of a broadcast; None for a barrier."""
+        self.work, self.timeout = work, timeout
+        self.what = "barrier" if root is None else f"broadcast from rank {root}"
 
     def wait(self) -> None:
         try:
             self.work.wait(self.timeout)
         except RuntimeError as error:
             if "timed out" in str(error).lower():
-                raise TimeoutError(f"broadcast from rank {self.root} did not finish within "
-                                   f"{self.timeout.total_seconds()} s ({error})") from error
-            raise ConnectionError(f"broadcast from rank {self.root} failed: a member is gone ({error})") from error
+                raise TimeoutError(f"{self.what} did not finish within {self.timeout.total_seconds()} s "
+                                   f"({error})") from error
+            raise ConnectionError(f"{self.what} failed: a member is gone ({error})") from error
 
 
 def open_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int, timeout_s: float,
                  device: str) -> TensorChannel:
     """Join a channel (blocking until every member has joined or the deadline passes).
 
-    gloo works on any device (tensors on CPU); nccl needs ``device`` to be a CUDA device.
+    gloo works on any device (tensors on CPU); nccl needs ``device`` to be a CUDA device, and every member a
+    GPU of its own; cuda_ipc needs CUDA devices of one host, which members may share.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -124,7 +132,16 @@ def open_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, wo
         from services.common.nccl_channel import NcclChannel
 
         return NcclChannel(channel_id, rendezvous, rank, world_size, timeout_s, device)
-    raise ValueError(f"channel backend must be gloo or nccl, got {backend!r}")
+    if backend == "cuda_ipc":
+        from services.common.ipc_channel import CudaIpcChannel
+
+        return CudaIpcChannel(channel_id, rendezvous, rank, world_size, timeout_s, device)
+    raise ValueError(f"channel backend must be gloo, nccl or cuda_ipc, got {backend!r}")
+
+
+def gpu_uuid(device: torch.device | str) -> str:
+    """The UUID of a CUDA device: the same GPU has the same one in every process, whatever it is numbered."""
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
 
 
 class ChannelTable:

@@ -296,8 +296,10 @@ class TrainerConfig(Section):
     """Seeds data order, sampling and initialisation of optimizer state."""
     weight_sync_bucket_mb: PositiveInt = 1024
     """Bucket size of the trainer -> rollout weight broadcast."""
-    weight_sync_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Collective of the weight channel: auto = nccl when the actor's trainer is on a GPU, else gloo."""
+    weight_sync_backend: Literal["auto", "gloo", "nccl", "cuda_ipc"] = "auto"
+    """Transport of the weight channel: gloo (CPU), nccl (trainer and rollouts each on GPUs of their own),
+    cuda_ipc (one host; rollouts may share the trainer's GPU). auto = gloo for a trainer on CPU, cuda_ipc when
+    the rollouts run on the trainer's GPU (NCCL refuses two ranks on one GPU), nccl otherwise."""
     rpc_timeout_s: PositiveFloat = 600.0
     """Deadline of each training or generation call."""
     channel_timeout_s: PositiveFloat = 120.0

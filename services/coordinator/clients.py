@@ -51,6 +51,7 @@ class RolloutInfo:
     run_id: str
     weight_version: int
     channel_ranks: int  # ranks its engine takes in a weight channel
+    gpus: frozenset[str] = frozenset()  # UUIDs of the GPUs its engine works on (none on CPU)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ class RolloutClient:
     async def info(self, timeout: float = CONTROL_TIMEOUT_S) -> RolloutInfo:
         async with self._conn.slot():
             reply = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
-        return RolloutInfo(reply.run_id, reply.weight_version, int(reply.details.get("channel_ranks", "1")))
+        return RolloutInfo(reply.run_id, reply.weight_version, int(reply.details.get("channel_ranks", "1")),
+                           frozenset(filter(None, reply.details.get("gpus", "").split(","))))
 
     async def weight_version(self) -> int:
         return (await self.info()).weight_version
@@ -193,10 +195,11 @@ class TrainerClient:
     async def train_supervised(self, batch: SequenceBatch, step: int, timeout: float) -> tuple[dict[str, float], int]:
         return await self._update(self._stub.TrainSupervised, sequence_tensors(batch), step, timeout)
 
-    async def device(self, timeout: float = CONTROL_TIMEOUT_S) -> str:
+    async def gpu(self, timeout: float = CONTROL_TIMEOUT_S) -> str:
+        """The UUID of the GPU the trainer sends weights from ("" on CPU)."""
         async with self._conn.slot():
             info = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
-        return info.details.get("device", "cpu")
+        return info.details.get("gpu", "")
 
     async def prepare_channel(self, channel_id: str, backend: str, world_size: int, timeout: float) -> bytes:
         """The rendezvous of a new channel (the trainer closes its old one first, after its model work in flight:

@@ -80,6 +80,23 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def channel_backend(trainer_gpu: str, rollout_gpus: dict[str, frozenset[str]]) -> str:
+    """The weight channel's transport for weight_sync_backend auto: gloo for a trainer on CPU; cuda_ipc when the
+    rollouts work on the trainer's GPU (NCCL refuses two ranks on one GPU); nccl when none does. A mix is
+    refused: CUDA IPC reaches one host only, and one channel has one transport."""
+    if not trainer_gpu:
+        return "gloo"
+    sharing = sorted(address for address, gpus in rollout_gpus.items() if trainer_gpu in gpus)
+    if not sharing:
+        return "nccl"
+    if len(sharing) < len(rollout_gpus):
+        apart = sorted(set(rollout_gpus) - set(sharing))
+        raise ValueError(f"rollouts {', '.join(sharing)} share the trainer's GPU (weights over cuda_ipc) but "
+                         f"{', '.join(apart)} do not (weights over nccl): place every rollout on the trainer's GPU "
+                         "or none, or set trainer.weight_sync_backend")
+    return "cuda_ipc"
+
+
 class RolloutSet:
     def __init__(self, run_id: str, config: RunConfig, actor: TrainerClient, find: Callable[[], list[str]],
                  notices: Notices, should_stop: Callable[[], bool]):
@@ -88,7 +105,7 @@ class RolloutSet:
         self.notices, self.should_stop = notices, should_stop
         model, trainer = config.actor_rollout_ref.model, config.trainer
         self.model_path, self.dtype, self.group = model.path, model.dtype, config.placement.rollout
-        self.backend = trainer.weight_sync_backend  # "auto" is resolved when the first channel forms
+        self.backend = trainer.weight_sync_backend  # "auto" is resolved each time a channel forms
         self.channel_timeout_s, self.rpc_timeout_s = trainer.channel_timeout_s, trainer.rpc_timeout_s
         self.bucket_bytes = trainer.weight_sync_bucket_mb << 20
         self.restart_in_flight = config.actor_rollout_ref.rollout.partial_rollout == "restart"
@@ -262,17 +279,20 @@ class RolloutSet:
 
     async def _form(self, clients: list[RolloutClient]) -> bool:
         """The actor and ``clients`` join a fresh channel; False (after an event) if one did not join."""
-        if self.backend == "auto":
-            self.backend = "nccl" if (await self.actor.device()).startswith("cuda") else "gloo"
+        backend = self.backend
+        if backend == "auto":
+            infos = await asyncio.gather(*(c.info(self.rpc_timeout_s) for c in clients), return_exceptions=True)
+            gpus = {c.address: i.gpus for c, i in zip(clients, infos) if isinstance(i, RolloutInfo)}
+            backend = channel_backend(await self.actor.gpu(), gpus)  # one that did not answer will not join either
         self._generation += 1
         channel_id, timeout = f"{self._channel_prefix}-{self._generation}", self.channel_timeout_s
         ranks = [self.ranks[c.address] for c in clients]
         world_size = 1 + sum(ranks)
         before = list(self.members)
-        rendezvous = await self.actor.prepare_channel(channel_id, self.backend, world_size, self.rpc_timeout_s)
-        joins = [asyncio.ensure_future(self.actor.join_channel(channel_id, self.backend, rendezvous, world_size,
+        rendezvous = await self.actor.prepare_channel(channel_id, backend, world_size, self.rpc_timeout_s)
+        joins = [asyncio.ensure_future(self.actor.join_channel(channel_id, backend, rendezvous, world_size,
                                                                timeout)),
-                 *(asyncio.ensure_future(c.join_channel(channel_id, self.backend, rendezvous, 1 + sum(ranks[:i]),
+                 *(asyncio.ensure_future(c.join_channel(channel_id, backend, rendezvous, 1 + sum(ranks[:i]),
                                                         world_size, timeout)) for i, c in enumerate(clients))]
         _, waiting = await asyncio.wait(joins, return_when=asyncio.FIRST_EXCEPTION)
         for join in waiting:  # one failed: the others would only wait out the deadline for it

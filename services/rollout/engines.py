@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol, TypeVar
 
 import structlog
+import torch
 
-from services.common.channel import ChannelTable
+from services.common.channel import ChannelTable, gpu_uuid
 from services.common.models import load_causal_lm, load_tokenizer
 from services.common.weight_sync import StagedWeights
 from services.rollout.config import RolloutServiceConfig
@@ -134,6 +135,7 @@ class Engine(Protocol):
     vocab_size: int
     channel_ranks: int  # ranks this engine takes in a weight channel (one per worker)
     weight_version: int  # of the weights it serves now (0 until the first sync)
+    gpus: tuple[str, ...]  # UUIDs of the GPUs its workers use (none on CPU): where weights must reach it
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
                        first_index: int) -> list[list[Completion]]:
@@ -171,6 +173,7 @@ class HFRolloutEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.engine = HFEngine(model, pad, (eos,), config.batch_size)
         self.vocab_size = model.config.vocab_size
+        self.gpus = (gpu_uuid(config.device),) if torch.device(config.device).type == "cuda" else ()
         self.weight_version = 0  # changed only inside a swap, when no generation is in flight
         self.gate = SwapGate()
         self.channels = ChannelTable(config.device)

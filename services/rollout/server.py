@@ -113,6 +113,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                    "asleep": str(self.asleep).lower()}
         if self.engine is not None:
             details["channel_ranks"] = str(self.engine.channel_ranks)
+            details["gpus"] = ",".join(self.engine.gpus)
         version = self.engine.weight_version if self.engine is not None else 0
         return common_pb2.ServiceInfo(identity=self.identity, weight_version=version, run_id=self.run_id,
                                       details=details)

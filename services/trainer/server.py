@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.common.channel import ChannelTable, prepare_gloo_rendezvous
+from services.common.channel import ChannelTable, gpu_uuid, prepare_gloo_rendezvous
 from services.common.config import validate
 from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
@@ -96,6 +96,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.weight_version = 0
         self.channels = ChannelTable(config.device)
         self.stores: dict[str, object] = {}
+        device = worker.ranks.device
+        self._gpu = gpu_uuid(device) if device.type == "cuda" else ""  # where rank 0 sends weights from
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     async def _on_model(self, function, *args, **kwargs):
@@ -179,8 +181,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
 
     async def PrepareChannel(self, request, context):
-        if request.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be gloo or nccl, got {request.backend!r}")
+        if request.backend not in ("gloo", "nccl", "cuda_ipc"):
+            raise ValueError(f"backend must be gloo, nccl or cuda_ipc, got {request.backend!r}")
         # A new channel replaces the run's old one (a rollout came or went): close the old after any broadcast
         # still on it, on the model thread, since closing a group with a collective in flight blocks.
         await self._on_model(self.channels.close_all)
@@ -241,7 +243,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             identity=self.identity, weight_version=self.weight_version, run_id=roles.run_id if roles else "",
             details={"model_path": roles.config.actor_rollout_ref.model.path if roles else "",
                      "device": self.config.device, "roles": ",".join(roles.hosted()) if roles else "",
-                     "ranks": str(self.worker.ranks.world_size)},
+                     "ranks": str(self.worker.ranks.world_size), "gpu": self._gpu},
         )
 
     async def close(self) -> None:

@@ -17,6 +17,7 @@ from services.common.timing import StageTimer
 from services.coordinator.dispatch import ReplicaPool, shard_bounds
 from services.coordinator.metrics import data_metrics, mismatch_metrics, summary
 from services.coordinator.registry import Registry, ServiceRecord
+from services.coordinator.rollout_set import channel_backend
 from services.coordinator.store import RunStore
 
 # ---------------------------------------------------------------------------
@@ -431,3 +432,12 @@ def test_stage_timer_adds_up_repeated_stages():
     metrics = timer.metrics()
     assert metrics.keys() == {"timing_s/gen", "timing_s/train", "timing_s/step"}
     assert 0.02 <= metrics["timing_s/gen"] <= metrics["timing_s/step"]
+
+
+def test_weight_channel_transport_follows_where_trainer_and_rollouts_sit():
+    assert channel_backend("", {"r1:1": frozenset()}) == "gloo"  # a trainer on CPU
+    assert channel_backend("GPU-a", {"r1:1": frozenset({"GPU-b"}), "r2:1": frozenset({"GPU-c", "GPU-d"})}) == "nccl"
+    # colocated: NCCL refuses two ranks on one GPU, so the weights go over CUDA IPC
+    assert channel_backend("GPU-a", {"r1:1": frozenset({"GPU-a"}), "r2:1": frozenset({"GPU-a", "GPU-b"})}) == "cuda_ipc"
+    with pytest.raises(ValueError, match=r"rollouts r1:1 share the trainer's GPU .* but r2:1 do not"):
+        channel_backend("GPU-a", {"r1:1": frozenset({"GPU-a"}), "r2:1": frozenset({"GPU-b"})})

@@ -1,0 +1,71 @@
+"""Weights over CUDA IPC between processes sharing one GPU (the colocated placement, where NCCL refuses two
+ranks on one device): a sender and two receivers, each a process of its own on GPU 0."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import torch
+
+from services.common.channel import open_channel, prepare_gloo_rendezvous
+from services.common.weight_sync import receive_weights, send_weights, tensor_checksum
+from tests.gpu.conftest import needs
+
+WORLD = 3
+
+
+def model_like() -> list[tuple[str, torch.Tensor]]:
+    """Tensors of several dtypes and sizes, some over the channel's small-tensor limit, some under."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(4096, 896), (896,), (151936, 896), (3,), (128, 128), (4864, 896)]
+    return [(f"layer.{i}.weight", torch.randn(shape, generator=generator, device="cuda").to(torch.bfloat16))
+            for i, shape in enumerate(shapes)] + [("step", torch.tensor([7], device="cuda"))]
+
+
+def member(rank: int, rendezvous: bytes, results) -> None:
+    torch.cuda.set_device(0)
+    channel = open_channel("ipc-test", "cuda_ipc", rendezvous, rank, WORLD, 60, "cuda:0")
+    try:
+        seconds = []
+        for version in (1, 2):
+            named = [(name, tensor + version if tensor.is_floating_point() else tensor) for name, tensor in model_like()]
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            if rank == 0:
+                send_weights(channel, named, version, bucket_bytes=64 << 20)
+                got = {name: tensor_checksum(tensor) for name, tensor in named}
+            else:
+                got = {}
+                received = receive_weights(channel, lambda pairs: got.update(
+                    (name, tensor_checksum(tensor)) for name, tensor in pairs))
+                assert received == version
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - started)
+        results.put((rank, got, seconds))
+    except BaseException as error:  # noqa: BLE001 - handed back to the test
+        results.put((rank, repr(error), []))
+    finally:
+        channel.close()
+
+
+@needs(1, vllm=False)
+def test_weights_reach_two_receivers_on_the_senders_gpu_over_cuda_ipc():
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 60)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    members = [context.Process(target=member, args=(rank, rendezvous, results)) for rank in range(WORLD)]
+    for process in members:
+        process.start()
+    outcomes = {rank: (got, seconds) for rank, got, seconds in (results.get(timeout=120) for _ in members)}
+    for process in members:
+        process.join(30)
+    del store
+    for rank, (got, _) in outcomes.items():
+        assert isinstance(got, dict), f"rank {rank}: {got}"
+    sent = outcomes[0][0]
+    assert len(sent) == len(model_like())
+    assert outcomes[1][0] == sent and outcomes[2][0] == sent  # the second version, every tensor, byte for byte
+    nbytes = sum(t.numel() * t.element_size() for _, t in model_like())
+    print(f"\ncuda_ipc, one GPU, 2 receivers: {nbytes / 1e6:.0f} MB; second sync {outcomes[0][1][1] * 1e3:.1f} ms "
+          f"at the sender ({nbytes / outcomes[0][1][1] / 1e9:.0f} GB/s)")
