@@ -12,9 +12,10 @@
   channel id, unique id and ranks reach it by ``collective_rpc``, and every
   tensor-parallel worker receives the full HF-named tensors, which vLLM's
   ``load_weights`` reslices (with one worker, later syncs copy straight
-  into the places the first one showed: ``direct_load``). The workers
-  receive into staging buffers while generation goes on; generation is held
-  back (``SwapGate``) only for the swap itself and the prefix-cache reset.
+  into the places the first one showed: ``direct_load``). While calls are
+  generating, the workers receive into staging buffers and generation is
+  held back (``SwapGate``) only for the swap itself and the prefix-cache
+  reset; with nothing generating, they load each bucket as it arrives.
   The requests in flight at a swap finish under the old weights first or,
   with ``restart``, are aborted and generated again under the new ones.
 - Worker processes are spawned, not forked: this process already runs gRPC.
@@ -42,13 +43,15 @@ POLL_S = 0.002  # how often a sync asks the workers whether the weights have arr
 
 
 class VLLMEngine:
-    def __init__(self, llm, vocab_size: int, eos_id: int | None, channel_ranks: int):
+    def __init__(self, llm, vocab_size: int, eos_id: int | None, config: RolloutServiceConfig, gpus: tuple[str, ...]):
         self.llm = llm
         self.gate = SwapGate()
         self.weight_version = 0
         self.vocab_size = vocab_size
         self.eos_id = eos_id
-        self.channel_ranks = channel_ranks
+        self.channel_ranks = config.tensor_parallel_size
+        self.prefix_caching = config.enable_prefix_caching
+        self.gpus = gpus
 
     @classmethod
     async def create(cls, model_path: str, dtype: str, config: RolloutServiceConfig) -> VLLMEngine:
@@ -62,12 +65,14 @@ class VLLMEngine:
             tensor_parallel_size=config.tensor_parallel_size, enforce_eager=config.enforce_eager,
             enable_sleep_mode=config.enable_sleep_mode, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
+            enable_prefix_caching=config.enable_prefix_caching, logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
         )
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
         vocab_size = llm.vllm_config.model_config.get_vocab_size()
-        return cls(llm, vocab_size, tokenizer.eos_token_id, config.tensor_parallel_size)
+        gpus = tuple(await llm.collective_rpc("meshrl_gpu"))
+        return cls(llm, vocab_size, tokenizer.eos_token_id, config, gpus)
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
                        first_index: int) -> list[list[Completion]]:
@@ -96,16 +101,21 @@ class VLLMEngine:
         return await self.gate.run(attempt)
 
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s) -> None:
-        if backend != "nccl":
-            raise ValueError(f"the vllm engine joins nccl channels only, not {backend!r}")
+        if backend not in ("nccl", "cuda_ipc"):
+            raise ValueError(f"the vllm engine joins nccl or cuda_ipc channels, not {backend!r}")
         await self.llm.collective_rpc("meshrl_join_channel", timeout=timeout_s + 10,
-                                      args=(channel_id, bytes(rendezvous), rank, world_size, timeout_s))
+                                      args=(channel_id, backend, bytes(rendezvous), rank, world_size, timeout_s))
 
     async def receive_weights(self, channel_id: str, timeout_s: float, restart: bool = False) -> WeightSwap:
-        """Receive the weights into staging buffers in every worker while generation goes on, then swap them in
-        within a short pause: new requests wait, the requests in flight finish under the old weights, the
-        staged buckets are copied in, the prefix cache is cleared (nothing computed under the old weights is
-        reused), and generation resumes under the new version."""
+        """Receive one broadcast and serve it.
+
+        While calls are generating, every worker receives into staging buffers and generation goes on; then,
+        within a short pause, new requests wait, the requests in flight finish under the old weights (or, with
+        ``restart``, are dropped and generated again under the new ones), the staged buckets are copied in and
+        the prefix cache is cleared. With nothing generating, the workers load each bucket straight into the
+        model as it arrives, in one call, generation held back throughout."""
+        if self.gate.generating == 0:
+            return await self._receive_now(channel_id, timeout_s, restart)
         started = time.perf_counter()
         await self.llm.collective_rpc("meshrl_start_receive", timeout=30, args=(channel_id, timeout_s))
         stages = {"start_rpc": time.perf_counter() - started}
@@ -121,19 +131,37 @@ class VLLMEngine:
         received = time.perf_counter()
         async with self.gate.swap(restart):
             drained = time.perf_counter()
-            applied = await self.llm.collective_rpc("meshrl_apply_received", timeout=timeout_s + 30)
-            swapped = time.perf_counter()
-            if not await self.llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to clear its prefix cache after a weight swap")
-            versions = [version for version, _ in applied]
-            if len(set(versions)) != 1:
-                raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
-            self.weight_version = versions[0]
+            applied = await self._swapped_in("meshrl_apply_received", (), timeout_s)
         done = time.perf_counter()
-        worker = {f"worker_{stage}": max(seconds[stage] for _, seconds in applied) for stage in applied[0][1]}
-        stages.update(worker, wait_rpcs=received - started - stages["start_rpc"], drain=drained - received,
-                      apply_rpc=swapped - drained, reset_prefix_cache=done - swapped)
+        stages.update(worker_stages(applied), wait_rpcs=received - started - stages["start_rpc"],
+                      drain=drained - received, apply=done - drained)
         return WeightSwap(self.weight_version, received - started, done - received, stages)
+
+    async def _receive_now(self, channel_id: str, timeout_s: float, restart: bool) -> WeightSwap:
+        started = time.perf_counter()
+        async with self.gate.swap(restart):
+            drained = time.perf_counter()
+            applied = await self._swapped_in("meshrl_receive_now", (channel_id, timeout_s), timeout_s)
+        done = time.perf_counter()
+        stages = {**worker_stages(applied), "drain": drained - started, "receive_rpc": done - drained}
+        return WeightSwap(self.weight_version, done - drained, done - started, stages)
+
+    async def _swapped_in(self, method: str, args: tuple, timeout_s: float) -> list[tuple[int, dict]]:
+        """Call the workers' method that swaps weights in (generation is held back) and, alongside it, clear the
+        prefix cache (the engine core runs the two one after the other, so it costs no round trip; nothing is
+        scheduled in between); the new version is then served. Returns each worker's (version, stages)."""
+        swap = self.llm.collective_rpc(method, timeout=timeout_s + 30, args=args)
+        if self.prefix_caching:
+            applied, cleared = await asyncio.gather(swap, self.llm.reset_prefix_cache())
+            if not cleared:
+                raise RuntimeError("vLLM refused to clear its prefix cache after a weight swap")
+        else:
+            applied = await swap
+        versions = [version for version, _ in applied]
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
+        self.weight_version = versions[0]
+        return applied
 
     async def checksums(self) -> list[dict[str, int]]:
         """Each worker's checksum of each of its parameters (tests compare them with the trainer's)."""
@@ -147,6 +175,11 @@ class VLLMEngine:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)
+
+
+def worker_stages(applied: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Each stage's seconds in the slowest worker, as worker_<stage>."""
+    return {f"worker_{stage}": max(seconds[stage] for _, seconds in applied) for stage in applied[0][1]}
 
 
 def completion_of(output, stops: list[int], weight_version: int) -> Completion:

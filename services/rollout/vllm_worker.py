@@ -12,14 +12,19 @@ import time
 
 import torch
 
-from services.common.nccl_channel import NcclChannel
-from services.common.weight_sync import StagedWeights, tensor_checksum
+from services.common.channel import gpu_uuid, open_channel
+from services.common.timing import StageTimer
+from services.common.weight_sync import StagedWeights, receive_weights, tensor_checksum
 from services.rollout.direct_load import DirectLoader
 
 
 class MeshrlWorkerExtension:
-    def meshrl_join_channel(self, channel_id: str, unique_id: bytes, first_rank: int, world_size: int,
-                            timeout_s: float) -> int:
+    def meshrl_gpu(self) -> str:
+        """The UUID of this worker's GPU."""
+        return gpu_uuid(self.device)
+
+    def meshrl_join_channel(self, channel_id: str, backend: str, rendezvous: bytes, first_rank: int,
+                            world_size: int, timeout_s: float) -> int:
         """Leave the channels joined before, then join this one as rank first_rank + this worker's
         tensor-parallel rank; returns that rank."""
         channels = self.__dict__.setdefault("_meshrl_channels", {})
@@ -27,16 +32,20 @@ class MeshrlWorkerExtension:
         for old in channels.values():
             old.close()
         channels.clear()
-        channels[channel_id] = NcclChannel(channel_id, bytes(unique_id), rank, world_size, timeout_s, self.device)
+        channels[channel_id] = open_channel(channel_id, backend, bytes(rendezvous), rank, world_size, timeout_s,
+                                            str(self.device))
         return rank
 
-    def meshrl_start_receive(self, channel_id: str, timeout_s: float) -> None:
-        """Begin receiving one weight broadcast into staging buffers, on a thread beside the model's work."""
+    def _meshrl_channel(self, channel_id: str, timeout_s: float):
         channel = self.__dict__.get("_meshrl_channels", {}).get(channel_id)
         if channel is None:
             raise KeyError(f"channel {channel_id!r} not joined by this worker")
         channel.timeout_s = timeout_s
-        self._meshrl_staged = StagedWeights(channel)
+        return channel
+
+    def meshrl_start_receive(self, channel_id: str, timeout_s: float) -> None:
+        """Begin receiving one weight broadcast into staging buffers, on a thread beside the model's work."""
+        self._meshrl_staged = StagedWeights(self._meshrl_channel(channel_id, timeout_s))
 
     def meshrl_wait_received(self, wait_s: float) -> bool:
         """Whether the staged broadcast has fully arrived, waiting up to ``wait_s``."""
@@ -44,24 +53,34 @@ class MeshrlWorkerExtension:
 
     def meshrl_apply_received(self) -> tuple[int, dict[str, float]]:
         """Swap the staged weights in; returns their version and the seconds of each stage of their receipt
-        and of the swap (``apply``).
-
-        A bucket whose every tensor has a learned view is copied straight into the model (``DirectLoader``);
-        otherwise it goes through ``load_weights``, and the loader learns where its tensors landed."""
+        and of the swap (``apply``)."""
         staged = self.__dict__.pop("_meshrl_staged")
         if not staged.wait(0):
             raise RuntimeError("the staged weights have not fully arrived")
         started = time.perf_counter()
-        model = self.model_runner.model
-        direct = self.__dict__.setdefault("_meshrl_direct", DirectLoader(model))
         for named in staged.buckets:
-            if direct.knows(named):
-                direct.load(named)
-            else:
-                model.load_weights(weights=named)
-                direct.learn(named)
+            self._meshrl_load(named)
         torch.cuda.synchronize(self.device)
         return staged.version, {**staged.timer.seconds, "apply": time.perf_counter() - started}
+
+    def meshrl_receive_now(self, channel_id: str, timeout_s: float) -> tuple[int, dict[str, float]]:
+        """Receive one broadcast straight into the model (nothing is generating): each bucket is loaded while
+        the next arrives. Returns the version and the seconds of each stage."""
+        timer = StageTimer()
+        with timer("receive"):
+            version = receive_weights(self._meshrl_channel(channel_id, timeout_s), self._meshrl_load, timer)
+            torch.cuda.synchronize(self.device)
+        return version, timer.seconds
+
+    def _meshrl_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket: copied straight into the model when every tensor has a learned view
+        (``DirectLoader``), else through ``load_weights``, after which the loader learns where they landed."""
+        direct = self.__dict__.setdefault("_meshrl_direct", DirectLoader(self.model_runner.model))
+        if direct.knows(named):
+            direct.load(named)
+        else:
+            self.model_runner.model.load_weights(weights=named)
+            direct.learn(named)
 
     def meshrl_weight_checksums(self) -> dict[str, int]:
         """Checksum of each of the model's parameters as this worker holds them (its TP shard)."""
@@ -69,8 +88,7 @@ class MeshrlWorkerExtension:
 
     def meshrl_receive_raw(self, channel_id: str, nbytes: int, timeout_s: float) -> int:
         """Receive one plain broadcast of ``nbytes`` (the wire-speed reference of the benchmarks)."""
-        channel = self.__dict__["_meshrl_channels"][channel_id]
-        channel.timeout_s = timeout_s
+        channel = self._meshrl_channel(channel_id, timeout_s)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         channel.broadcast(buffer)
         torch.cuda.synchronize(self.device)
