@@ -1,9 +1,11 @@
 """Weights over a TensorChannel, in buckets, each verified by a checksum.
 
 Protocol (rank 0 sends, every other rank receives the same broadcasts):
-1. the manifest's length (int64 [1]) then the manifest (uint8, JSON): the
-   weight version and, per bucket, its size and the name, dtype, shape and
-   byte offset of each tensor in it;
+1. a header (int64 [2]): the weight version and the manifest's length, 0
+   when the manifest is the one the last broadcast on this channel carried
+   (every member of a channel has seen the same broadcasts); then, if new,
+   the manifest (uint8, JSON): per bucket, its size and the name, dtype,
+   shape and byte offset of each tensor in it;
 2. per bucket: the bucket (uint8 [size], tensors packed at 16-byte aligned
    offsets), then its checksum (int64 [1]), which the receiver recomputes
    before loading the bucket.
@@ -18,6 +20,7 @@ import contextlib
 import json
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -109,33 +112,39 @@ def gather_weights(named: list[tuple[str, torch.Tensor]]) -> None:
 def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str,
          dtype: torch.dtype | None = None) -> torch.Tensor:
     """The bucket's tensors copied into one buffer at their offsets (one batched copy), padding zeroed."""
-    buffer = torch.zeros(bucket.size, dtype=torch.uint8, device=device)
+    buffer = torch.empty(bucket.size, dtype=torch.uint8, device=device)
     places = [view for _, view in unpack(bucket, buffer)]
     torch._foreach_copy_(places, [full(tensors[entry.name], dtype) for entry in bucket.entries])
+    ends = [entry.offset + entry.nbytes for entry in bucket.entries]
+    for end, start in zip(ends, [entry.offset for entry in bucket.entries[1:]] + [bucket.size]):
+        if start > end:
+            buffer[end:start].zero_()
     return buffer
 
 
 def unpack(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor of the bucket as a view of the buffer."""
+    sizes = []  # each tensor's bytes, then the padding up to the next one
+    for entry, start in zip(bucket.entries, [entry.offset for entry in bucket.entries[1:]] + [bucket.size]):
+        sizes += [entry.nbytes, start - entry.offset - entry.nbytes]
+    pieces = torch.split(buffer, sizes)
+    return [(e.name, pieces[2 * i].view(DTYPES[e.dtype]).view(e.shape)) for i, e in enumerate(bucket.entries)]
+
+
+def _manifest_json(buckets: list[Bucket]) -> bytes:
+    return json.dumps([{"size": b.size, "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in b.entries]}
+                       for b in buckets]).encode()
+
+
+def _manifest_from_json(data: bytes) -> list[Bucket]:
     return [
-        (e.name, buffer[e.offset : e.offset + e.nbytes].view(DTYPES[e.dtype]).reshape(e.shape)) for e in bucket.entries
-    ]
-
-
-def _manifest_json(version: int, buckets: list[Bucket]) -> bytes:
-    return json.dumps({
-        "version": version,
-        "buckets": [{"size": b.size, "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in b.entries]}
-                    for b in buckets],
-    }).encode()
-
-
-def _manifest_from_json(data: bytes) -> tuple[int, list[Bucket]]:
-    manifest = json.loads(data)
-    buckets = [
         Bucket(b["size"], tuple(Entry(name, dtype, tuple(shape), offset) for name, dtype, shape, offset in b["entries"]))
-        for b in manifest["buckets"]
+        for b in json.loads(data)
     ]
-    return manifest["version"], buckets
+
+
+_sent_manifests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> the last manifest it carried
+_received_manifests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> those buckets
 
 
 IN_FLIGHT = 2  # buckets on the wire at once: one transfers while the next is packed (or loaded)
@@ -154,9 +163,12 @@ def send_weights(
     device = channel.device
     with timer("manifest"):
         buckets = plan_buckets(named, bucket_bytes, dtype)
-        manifest = _manifest_json(version, buckets)
-        channel.broadcast(torch.tensor([len(manifest)], dtype=torch.int64, device=device))
-        channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
+        manifest = _manifest_json(buckets)
+        new = _sent_manifests.get(channel) != manifest
+        channel.broadcast(torch.tensor([version, len(manifest) if new else 0], dtype=torch.int64, device=device))
+        if new:
+            channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
+            _sent_manifests[channel] = manifest
     tensors = dict(named)
     in_flight: list[tuple] = []
     for bucket in buckets:
@@ -188,11 +200,17 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
     timer = timer or StageTimer()
     device = channel.device
     with timer("manifest"):
-        length = torch.zeros(1, dtype=torch.int64, device=device)
-        channel.broadcast(length)
-        manifest = torch.zeros(int(length), dtype=torch.uint8, device=device)
-        channel.broadcast(manifest)
-        version, buckets = _manifest_from_json(manifest.cpu().numpy().tobytes())
+        header = torch.zeros(2, dtype=torch.int64, device=device)
+        channel.broadcast(header)
+        version, length = header.tolist()
+        if length:
+            manifest = torch.zeros(length, dtype=torch.uint8, device=device)
+            channel.broadcast(manifest)
+            _received_manifests[channel] = _manifest_from_json(manifest.cpu().numpy().tobytes())
+        buckets = _received_manifests.get(channel)
+        if buckets is None:
+            raise ValueError(f"weights of version {version} came without a manifest, and none came before on "
+                             "this channel")
 
     def start(bucket: Bucket) -> tuple:
         buffer = torch.empty(bucket.size, dtype=torch.uint8, device=device)

@@ -225,6 +225,44 @@ def test_weights_over_gloo_to_two_receivers_in_several_buckets():
     del store
 
 
+class Recording:
+    """A real channel that also records the size of each broadcast it carries."""
+
+    def __init__(self, channel):
+        self.channel, self.device, self.sizes = channel, channel.device, []
+
+    def broadcast(self, tensor, root=0):
+        self.sizes.append(tensor.numel())
+        self.channel.broadcast(tensor, root)
+
+    def start_broadcast(self, tensor, root=0):
+        self.sizes.append(tensor.numel())
+        return self.channel.start_broadcast(tensor, root)
+
+
+def test_the_manifest_crosses_a_channel_again_only_when_it_changes():
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+    named = weights()
+    changed = [(name, ~tensor if tensor.dtype == torch.bool else tensor + 1) for name, tensor in named]
+    fewer = named[:2]
+    channels = run_ranks(2, lambda rank: GlooChannel("manifests", rendezvous, rank, 2, timeout_s=10))
+    sender = Recording(channels[0])
+    for version, tensors in enumerate((named, changed, fewer, fewer), start=1):
+        loaded: list[tuple[str, torch.Tensor]] = []
+        outcomes = run_ranks(2, lambda rank: send_weights(sender, tensors, version, bucket_bytes=64) if rank == 0
+                             else receive_weights(channels[1], lambda pairs: loaded.extend((n, t.clone()) for n, t in pairs)))
+        assert outcomes[1] == version
+        assert [name for name, _ in loaded] == [name for name, _ in tensors]
+        for (_, tensor), (_, want) in zip(loaded, tensors):
+            assert_same(tensor, want)
+        buckets = len(plan_buckets(tensors, 64))
+        with_manifest = version in (1, 3)  # the first broadcast and the one whose tensors changed carry it
+        assert len(sender.sizes) == 1 + with_manifest + 2 * buckets  # header, [manifest], (bucket, checksum) each
+        assert sender.sizes[0] == 2
+        sender.sizes.clear()
+    del store
+
+
 def test_staged_weights_arrive_on_their_own_thread_while_the_caller_goes_on():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     named = weights()
@@ -315,7 +353,9 @@ async def test_channel_table_refuses_other_backends_and_bad_timeouts():
     table = ChannelTable()  # on the CPU
     with pytest.raises(ValueError, match=r"channel backend nccl needs a CUDA device, this service runs on 'cpu'"):
         await table.join("c", "nccl", b"127.0.0.1:1", 0, 2, 5)
-    with pytest.raises(ValueError, match=r"channel backend must be gloo or nccl, got 'mpi'"):
+    with pytest.raises(ValueError, match=r"channel backend cuda_ipc needs a CUDA device, this service runs on 'cpu'"):
+        await table.join("c", "cuda_ipc", b"127.0.0.1:1", 0, 1, 5)
+    with pytest.raises(ValueError, match=r"channel backend must be gloo, nccl or cuda_ipc, got 'mpi'"):
         await table.join("c", "mpi", b"127.0.0.1:1", 0, 2, 5)
     with pytest.raises(ValueError, match=r"timeout_s must be positive"):
         await table.join("c", "gloo", b"127.0.0.1:1", 0, 2, 0)
