@@ -8,7 +8,9 @@ GPU 1, a random Qwen2.5-0.5B-shaped model). Prints per K: steps per second,
 tokens per second, the mean reward over the last 10 steps (equal steps), the
 mean reward of the steps the slower run had finished by the time the faster
 one ended (equal wall time), the rollout fleet's idle fraction, the largest
-staleness seen; and last the throughput ratio K=1 / K=0.
+staleness seen; then the bound the synchronous step's split puts on the
+gain (step time over the larger of generation and the rest); and last the
+throughput ratio K=1 / K=0.
 
     python bench/async_pipeline.py [--gpu] [--steps N] [key=value overrides]
 """
@@ -94,7 +96,9 @@ def summary(rows: list[dict]) -> dict:
             "steps_per_s": len(timed) / wall, "tokens_per_s": tokens / wall,
             "reward_last10": sum(r["critic/score/mean"] for r in last) / len(last),
             "idle": sum(r["perf/rollout_idle_fraction"] for r in timed) / len(timed),
-            "staleness_max": max(r.get("training/off_policy/staleness/max", 0.0) for r in rows)}
+            "staleness_max": max(r.get("training/off_policy/staleness/max", 0.0) for r in rows),
+            "gen_s": sum(r["timing_s/gen"] for r in timed) / len(timed),
+            "step_s": sum(r["timing_s/step"] for r in timed) / len(timed)}
 
 
 def reward_by(rows: list[dict], start: float, seconds: float) -> float:
@@ -127,6 +131,11 @@ def main() -> None:
         print(f"{k:>2} {s['steps']:>6} {s['wall']:>8.1f} {s['steps_per_s']:>8.3f} {s['tokens_per_s']:>10.0f} "
               f"{s['reward_last10']:>15.3f} {reward_by(results[k], s['start'], horizon):>16.3f} {s['idle']:>13.1%} "
               f"{s['staleness_max']:>14.0f}")
+    synchronous = summaries[0]
+    rest = synchronous["step_s"] - synchronous["gen_s"]
+    print(f"K=0 step {synchronous['step_s']:.2f} s = generation {synchronous['gen_s']:.2f} s + the rest (score, "
+          f"logprobs, update, sync) {rest:.2f} s: overlapping the two bounds K=1 at "
+          f"{synchronous['step_s'] / max(synchronous['gen_s'], rest):.2f}x")
     print(f"throughput K=1 / K=0: {summaries[1]['tokens_per_s'] / summaries[0]['tokens_per_s']:.2f}x "
           f"({'GPU' if args.gpu else 'CPU'})")
 

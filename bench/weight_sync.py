@@ -4,13 +4,14 @@ The trainer side (this process, GPU 0) holds the model's HF tensors and is
 rank 0 of an NCCL channel; a vLLM engine (AsyncLLM, spawned onto GPU 1)
 joins it through the rollout's worker extension. Measured in the same run:
 - our sync: send_weights (bucketed, checksummed, pipelined) until vLLM serves
-  the new weights (loaded, prefix cache cleared, generation resumed); the
+  the new weights (loaded, prefix cache cleared if it is on, generation
+  resumed), with nothing generating, as between synchronous steps; the
   trainer's weights change before every sync, so a sync that loads nothing
   fails the checksum comparison. The first sync goes through vLLM's
   load_weights and is reported apart; later ones copy straight into the
   learned views (services/rollout/direct_load.py);
-- where the time goes: the transfer into staging buffers (generation could
-  go on meanwhile), then the pause (drain, swap in, clear the prefix cache);
+- where the time goes: each stage of the sender, of the vLLM workers and of
+  the engine's calls;
 - the reference: one plain broadcast of the same number of bytes on the same
   channel into a buffer in the vLLM worker.
 Also checks that every vLLM parameter equals the trainer's after the last
@@ -57,8 +58,8 @@ class SyncReport:
     buckets: int
     first_sync_s: float  # through load_weights
     sync_s: list[float]  # each later sync, until vLLM serves the weights
-    transfer_s: list[float]  # of each later sync: receiving into staging (generation could go on)
-    pause_s: list[float]  # the window generation was held back: draining, swapping in, clearing the cache
+    transfer_s: list[float]  # of each later sync: receiving and loading
+    pause_s: list[float]  # the window generation was held back
     stages: list[dict[str, float]]  # of each later sync: seconds per stage, as the engine and its workers saw them
     raw_s: list[float]  # each raw broadcast of the same bytes
     mismatched: list[str]  # vLLM parameters whose checksum differs from the trainer's
@@ -171,9 +172,9 @@ def print_report(label: str, report: SyncReport) -> None:
           f"trainer's: {not report.mismatched and not report.unmatched} (mismatched {len(report.mismatched)}, "
           f"unmatched {len(report.unmatched)}); |logp_vllm - logp_trainer| mean {report.logprob_diff_mean:.4f} "
           f"max {report.logprob_diff_max:.4f}")
-    print(f"[{label}] first sync (load_weights) {report.first_sync_s * 1e3:.1f} ms; later syncs: transfer into "
-          f"staging {median(report.transfer_s) * 1e3:.1f} ms, then generation paused {median(report.pause_s) * 1e3:.1f} "
-          f"ms (drain, swap in, clear the prefix cache)")
+    print(f"[{label}] first sync (load_weights) {report.first_sync_s * 1e3:.1f} ms; later syncs (nothing generating, "
+          f"each bucket loaded as it arrives): received and loaded {median(report.transfer_s) * 1e3:.1f} ms, "
+          f"generation held back {median(report.pause_s) * 1e3:.1f} ms")
     print(f"[{label}] stages (ms, median): " + ", ".join(
         f"{stage} {median([s[stage] for s in report.stages]) * 1e3:.2f}" for stage in report.stages[0]))
     print(f"[{label}] raw NCCL broadcast {raw * 1e3:.1f} ms ({report.total_bytes / raw / 1e9:.0f} GB/s); "
