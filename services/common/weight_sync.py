@@ -80,12 +80,15 @@ def checksum_tensor(buffer: torch.Tensor) -> torch.Tensor:
     """Sum of the bucket's 32-bit words, the word at position i weighted by (i mod 256) + 1, as an int64
     [1] tensor on the buffer's device (int64 arithmetic wraps around, alike on every device).
 
-    Computed as 256 column sums of the words laid out in rows of 256, so no copy of the bucket is made."""
+    Computed from column sums of the words laid out in rows of 256 * 256 (256 for a small bucket), so no copy
+    of the bucket is made and the GPU has 65536 columns to sum at once; column c carries weight (c mod 256) + 1.
+    """
     words = buffer.view(torch.int32)
-    rows = words.numel() // CHECKSUM_PERIOD
-    weights = torch.arange(1, CHECKSUM_PERIOD + 1, device=buffer.device, dtype=torch.int64)
-    columns = words[: rows * CHECKSUM_PERIOD].view(rows, CHECKSUM_PERIOD).sum(dim=0, dtype=torch.int64)
-    tail = words[rows * CHECKSUM_PERIOD :].to(torch.int64)
+    width = CHECKSUM_PERIOD * CHECKSUM_PERIOD if words.numel() >= 64 * CHECKSUM_PERIOD ** 2 else CHECKSUM_PERIOD
+    rows = words.numel() // width
+    weights = torch.arange(width, device=buffer.device, dtype=torch.int64) % CHECKSUM_PERIOD + 1
+    columns = words[: rows * width].view(rows, width).sum(dim=0, dtype=torch.int64)
+    tail = words[rows * width :].to(torch.int64)
     return ((columns * weights).sum() + (tail * weights[: tail.numel()]).sum()).reshape(1)
 
 
@@ -95,13 +98,14 @@ def checksum(buffer: torch.Tensor) -> int:
 
 
 def full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The whole tensor (a DTensor shard is all-gathered: a collective of its mesh), cast to ``dtype``."""
-    tensor = tensor.detach()
+    """The whole tensor (a DTensor shard is all-gathered: a collective of its mesh), cast to ``dtype``; called
+    under no_grad."""
     if hasattr(tensor, "full_tensor"):
         tensor = tensor.full_tensor()
     return tensor if dtype is None else tensor.to(dtype)
 
 
+@torch.no_grad()
 def gather_weights(named: list[tuple[str, torch.Tensor]]) -> None:
     """A sharded trainer's ranks other than the sender: take part in each all-gather of ``send_weights``, in
     its order (every rank must call ``full_tensor`` for every parameter in the same order)."""
@@ -111,15 +115,21 @@ def gather_weights(named: list[tuple[str, torch.Tensor]]) -> None:
 
 def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str,
          dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The bucket's tensors copied into one buffer at their offsets (one batched copy), padding zeroed."""
+    """The bucket's tensors copied into one new buffer at their offsets (one batched copy), padding zeroed."""
     buffer = torch.empty(bucket.size, dtype=torch.uint8, device=device)
-    places = [view for _, view in unpack(bucket, buffer)]
-    torch._foreach_copy_(places, [full(tensors[entry.name], dtype) for entry in bucket.entries])
-    ends = [entry.offset + entry.nbytes for entry in bucket.entries]
-    for end, start in zip(ends, [entry.offset for entry in bucket.entries[1:]] + [bucket.size]):
-        if start > end:
-            buffer[end:start].zero_()
+    views = unpack(bucket, buffer)
+    for gap in padding(bucket, buffer):
+        gap.zero_()
+    with torch.no_grad():
+        torch._foreach_copy_([view for _, view in views], [full(tensors[name], dtype) for name, _ in views])
     return buffer
+
+
+def padding(bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
+    """The stretches of the buffer between the bucket's tensors (none where every size is a multiple of 16)."""
+    ends = [entry.offset + entry.nbytes for entry in bucket.entries]
+    starts = [entry.offset for entry in bucket.entries[1:]] + [bucket.size]
+    return [buffer[end:start] for end, start in zip(ends, starts) if start > end]
 
 
 def unpack(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -150,6 +160,30 @@ _received_manifests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # 
 IN_FLIGHT = 2  # buckets on the wire at once: one transfers while the next is packed (or loaded)
 
 
+class BucketBuffers:
+    """Buffers for the buckets of one manifest, kept from sync to sync with each bucket's tensor views made
+    once (making ~300 views costs milliseconds of Python per sync). ``IN_FLIGHT`` buffers of the largest
+    bucket's size take turns: bucket k lives in buffer k mod IN_FLIGHT."""
+
+    def __init__(self, buckets: list[Bucket], device: torch.device):
+        size = max((b.size for b in buckets), default=0)
+        self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(IN_FLIGHT)]
+        self._placed: dict[int, tuple] = {}
+        self.buckets = buckets
+
+    def place(self, index: int) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        """Bucket ``index``'s buffer, the views of its tensors in it, and the padding between them."""
+        if index not in self._placed:
+            bucket = self.buckets[index]
+            buffer = self._buffers[index % IN_FLIGHT][: bucket.size]
+            self._placed[index] = buffer, unpack(bucket, buffer), padding(bucket, buffer)
+        return self._placed[index]
+
+
+_sent_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> BucketBuffers of the sender
+
+
+@torch.no_grad()
 def send_weights(
     channel: TensorChannel, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
     dtype: torch.dtype | None = None, timer: StageTimer | None = None,
@@ -158,7 +192,8 @@ def send_weights(
     given, gets the time spent on each stage: manifest, pack (gather, copy, checksum), transfer (waiting).
 
     Pipelined: bucket k+1 is gathered (DTensors, in order) and packed on the channel's device while bucket k
-    is on the wire; each bucket's checksum follows it without waiting for the host."""
+    is on the wire; each bucket's checksum is computed while the bucket is on the wire and follows it without
+    waiting for the host. The channel keeps ``IN_FLIGHT`` bucket buffers between syncs."""
     timer = timer or StageTimer()
     device = channel.device
     with timer("manifest"):
@@ -169,13 +204,19 @@ def send_weights(
         if new:
             channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
             _sent_manifests[channel] = manifest
+            _sent_buffers[channel] = BucketBuffers(buckets, device)
+    buffers = _sent_buffers[channel]
     tensors = dict(named)
     in_flight: list[tuple] = []
-    for bucket in buckets:
+    for index in range(len(buckets)):
         with timer("pack"):
-            buffer = pack(bucket, tensors, device, dtype)
-            total = checksum_tensor(buffer)
-        in_flight.append((channel.start_broadcast(buffer), channel.start_broadcast(total), buffer, total))
+            buffer, views, gaps = buffers.place(index)
+            torch._foreach_copy_([view for _, view in views], [full(tensors[name], dtype) for name, _ in views])
+            if gaps:  # zeroed each time: another bucket may have used this buffer since
+                torch._foreach_zero_(gaps)
+        sending = channel.start_broadcast(buffer)
+        total = checksum_tensor(buffer)
+        in_flight.append((sending, channel.start_broadcast(total), buffer, total))
         if len(in_flight) >= IN_FLIGHT:
             with timer("transfer"):
                 finish(in_flight.pop(0))
@@ -191,12 +232,17 @@ def finish(transfers: tuple) -> None:
         transfer.wait()
 
 
+_received_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> BucketBuffers of a receiver
+
+
 def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None],
-                    timer: StageTimer | None = None) -> int:
+                    timer: StageTimer | None = None, keep_buffers: bool = False) -> int:
     """Receive one broadcast, verify each bucket and ``load`` it; returns the weight version. ``timer``, if
     given, gets the time spent on each stage: manifest, transfer (waiting for buckets), verify, load.
 
-    Pipelined: bucket k+1 arrives while bucket k is verified and loaded."""
+    With ``keep_buffers`` (``load`` is done with a bucket's tensors when it returns) the buckets arrive in
+    ``IN_FLIGHT`` buffers the channel keeps between syncs; otherwise each in a new buffer, which ``load`` may
+    keep. Pipelined: bucket k+1 arrives while bucket k is verified and loaded."""
     timer = timer or StageTimer()
     device = channel.device
     with timer("manifest"):
@@ -207,29 +253,36 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
             manifest = torch.zeros(length, dtype=torch.uint8, device=device)
             channel.broadcast(manifest)
             _received_manifests[channel] = _manifest_from_json(manifest.cpu().numpy().tobytes())
+            _received_buffers.pop(channel, None)
         buckets = _received_manifests.get(channel)
         if buckets is None:
             raise ValueError(f"weights of version {version} came without a manifest, and none came before on "
                              "this channel")
+    if keep_buffers and channel not in _received_buffers:
+        _received_buffers[channel] = BucketBuffers(buckets, device)
 
-    def start(bucket: Bucket) -> tuple:
-        buffer = torch.empty(bucket.size, dtype=torch.uint8, device=device)
+    def start(index: int) -> tuple:
+        if keep_buffers:
+            buffer, views, _ = _received_buffers[channel].place(index)
+        else:
+            buffer = torch.empty(buckets[index].size, dtype=torch.uint8, device=device)
+            views = unpack(buckets[index], buffer)
         expected = torch.empty(1, dtype=torch.int64, device=device)
-        return channel.start_broadcast(buffer), channel.start_broadcast(expected), buffer, expected
+        return channel.start_broadcast(buffer), channel.start_broadcast(expected), buffer, expected, views
 
-    arriving = [start(bucket) for bucket in buckets[:IN_FLIGHT]]
-    for index, bucket in enumerate(buckets):
+    arriving = [start(index) for index in range(min(IN_FLIGHT, len(buckets)))]
+    for index in range(len(buckets)):
         transfers = arriving.pop(0)
         with timer("transfer"):
             finish(transfers)
-        if index + IN_FLIGHT < len(buckets):
-            arriving.append(start(buckets[index + IN_FLIGHT]))
-        _, _, buffer, expected = transfers
+        _, _, buffer, expected, views = transfers
         with timer("verify"):
             if checksum(buffer) != int(expected):
                 raise ValueError(f"weight bucket {index} of version {version} failed its checksum")
         with timer("load"):
-            load(unpack(bucket, buffer))
+            load(views)
+        if index + IN_FLIGHT < len(buckets):  # into the buffer just loaded from, when buffers are kept
+            arriving.append(start(index + IN_FLIGHT))
     return version
 
 

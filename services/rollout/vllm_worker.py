@@ -65,10 +65,12 @@ class MeshrlWorkerExtension:
 
     def meshrl_receive_now(self, channel_id: str, timeout_s: float) -> tuple[int, dict[str, float]]:
         """Receive one broadcast straight into the model (nothing is generating): each bucket is loaded while
-        the next arrives. Returns the version and the seconds of each stage."""
+        the next arrives, through two bucket buffers the channel keeps. Returns the version and the seconds of
+        each stage."""
         timer = StageTimer()
         with timer("receive"):
-            version = receive_weights(self._meshrl_channel(channel_id, timeout_s), self._meshrl_load, timer)
+            channel = self._meshrl_channel(channel_id, timeout_s)
+            version = receive_weights(channel, self._meshrl_load, timer, keep_buffers=True)
             torch.cuda.synchronize(self.device)
         return version, timer.seconds
 

@@ -240,7 +240,7 @@ class Recording:
         return self.channel.start_broadcast(tensor, root)
 
 
-def test_the_manifest_crosses_a_channel_again_only_when_it_changes():
+def test_the_manifest_crosses_a_channel_again_only_when_it_changes_and_kept_buffers_take_turns():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     named = weights()
     changed = [(name, ~tensor if tensor.dtype == torch.bool else tensor + 1) for name, tensor in named]
@@ -250,7 +250,8 @@ def test_the_manifest_crosses_a_channel_again_only_when_it_changes():
     for version, tensors in enumerate((named, changed, fewer, fewer), start=1):
         loaded: list[tuple[str, torch.Tensor]] = []
         outcomes = run_ranks(2, lambda rank: send_weights(sender, tensors, version, bucket_bytes=64) if rank == 0
-                             else receive_weights(channels[1], lambda pairs: loaded.extend((n, t.clone()) for n, t in pairs)))
+                             else receive_weights(channels[1], lambda pairs: loaded.extend((n, t.clone()) for n, t in pairs),
+                                                  keep_buffers=version > 1))  # buffers kept from the second on
         assert outcomes[1] == version
         assert [name for name, _ in loaded] == [name for name, _ in tensors]
         for (_, tensor), (_, want) in zip(loaded, tensors):
