@@ -162,12 +162,12 @@ IN_FLIGHT = 2  # buckets on the wire at once: one transfers while the next is pa
 
 class BucketBuffers:
     """Buffers for the buckets of one manifest, kept from sync to sync with each bucket's tensor views made
-    once (making ~300 views costs milliseconds of Python per sync). ``IN_FLIGHT`` buffers of the largest
-    bucket's size take turns: bucket k lives in buffer k mod IN_FLIGHT."""
+    once (making ~300 views costs milliseconds of Python per sync). ``slots`` buffers of the largest bucket's
+    size (fewer if there are fewer buckets) take turns: bucket k lives in buffer k mod slots."""
 
-    def __init__(self, buckets: list[Bucket], device: torch.device):
+    def __init__(self, buckets: list[Bucket], slots: int, device: torch.device):
         size = max((b.size for b in buckets), default=0)
-        self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(IN_FLIGHT)]
+        self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(slots, len(buckets)))]
         self._placed: dict[int, tuple] = {}
         self.buckets = buckets
 
@@ -175,7 +175,7 @@ class BucketBuffers:
         """Bucket ``index``'s buffer, the views of its tensors in it, and the padding between them."""
         if index not in self._placed:
             bucket = self.buckets[index]
-            buffer = self._buffers[index % IN_FLIGHT][: bucket.size]
+            buffer = self._buffers[index % len(self._buffers)][: bucket.size]
             self._placed[index] = buffer, unpack(bucket, buffer), padding(bucket, buffer)
         return self._placed[index]
 
@@ -204,7 +204,7 @@ def send_weights(
         if new:
             channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
             _sent_manifests[channel] = manifest
-            _sent_buffers[channel] = BucketBuffers(buckets, device)
+            _sent_buffers[channel] = BucketBuffers(buckets, IN_FLIGHT, device)
     buffers = _sent_buffers[channel]
     tensors = dict(named)
     in_flight: list[tuple] = []
@@ -241,7 +241,7 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
     given, gets the time spent on each stage: manifest, transfer (waiting for buckets), verify, load.
 
     With ``keep_buffers`` (``load`` is done with a bucket's tensors when it returns) the buckets arrive in
-    ``IN_FLIGHT`` buffers the channel keeps between syncs; otherwise each in a new buffer, which ``load`` may
+    ``IN_FLIGHT`` + 1 buffers the channel keeps between syncs; otherwise each in a new buffer, which ``load`` may
     keep. Pipelined: bucket k+1 arrives while bucket k is verified and loaded."""
     timer = timer or StageTimer()
     device = channel.device
@@ -258,8 +258,8 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
         if buckets is None:
             raise ValueError(f"weights of version {version} came without a manifest, and none came before on "
                              "this channel")
-    if keep_buffers and channel not in _received_buffers:
-        _received_buffers[channel] = BucketBuffers(buckets, device)
+    if keep_buffers and channel not in _received_buffers:  # one more than in flight: one is being loaded from
+        _received_buffers[channel] = BucketBuffers(buckets, IN_FLIGHT + 1, device)
 
     def start(index: int) -> tuple:
         if keep_buffers:
@@ -275,14 +275,14 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
         transfers = arriving.pop(0)
         with timer("transfer"):
             finish(transfers)
+        if index + IN_FLIGHT < len(buckets):  # kept buffers: into the one bucket index - 1 was loaded from
+            arriving.append(start(index + IN_FLIGHT))
         _, _, buffer, expected, views = transfers
         with timer("verify"):
             if checksum(buffer) != int(expected):
                 raise ValueError(f"weight bucket {index} of version {version} failed its checksum")
         with timer("load"):
             load(views)
-        if index + IN_FLIGHT < len(buckets):  # into the buffer just loaded from, when buffers are kept
-            arriving.append(start(index + IN_FLIGHT))
     return version
 
 
