@@ -12,7 +12,7 @@ staleness seen; then the bound the synchronous step's split puts on the
 gain (step time over the larger of generation and the rest); and last the
 throughput ratio K=1 / K=0.
 
-    python bench/async_pipeline.py [--gpu] [--steps N] [key=value overrides]
+    python bench/async_pipeline.py [--gpu] [--steps N] [--metrics-dir DIR] [key=value overrides]
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--metrics-dir", type=Path, help="keep each run's per-step metrics here (k1.jsonl, k0.jsonl)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     results = {}
@@ -123,6 +124,9 @@ def main() -> None:
             else:
                 steps = [f"trainer.total_training_steps={args.steps}"] if args.steps else []
                 results[k] = run_cpu(state, [f"trainer.async_.max_staleness={k}", *steps, *args.overrides])
+            if args.metrics_dir:
+                args.metrics_dir.mkdir(parents=True, exist_ok=True)
+                (args.metrics_dir / f"k{k}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in results[k]))
     summaries = {k: summary(rows) for k, rows in results.items()}
     horizon = min(s["wall"] for s in summaries.values())
     print(f"{'K':>2} {'steps':>6} {'wall s':>8} {'steps/s':>8} {'tokens/s':>10} {'reward last 10':>15} "
