@@ -203,8 +203,8 @@ def send_weights(
         channel.broadcast(torch.tensor([version, len(manifest) if new else 0], dtype=torch.int64, device=device))
         if new:
             channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
-            _sent_manifests[channel] = manifest
             _sent_buffers[channel] = BucketBuffers(buckets, IN_FLIGHT, device)
+            _sent_manifests[channel] = manifest
     buffers = _sent_buffers[channel]
     tensors = dict(named)
     in_flight: list[tuple] = []
