@@ -9,12 +9,16 @@ on NCCL through cupy (``nccl_channel``), or on CUDA IPC where members share a
 GPU (``ipc_channel``).
 
 Every collective has a deadline: a member that does not show up makes the
-call fail with ``TimeoutError`` instead of hanging.
+call fail with ``TimeoutError`` instead of hanging. A channel being replaced
+while a broadcast waits on a stopped member need not wait for that deadline:
+``abandon`` (from any thread) ends the broadcast at once, here and at the
+other members, with ``ConnectionError``.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Protocol
 
 import torch
@@ -43,8 +47,13 @@ class TensorChannel(Protocol):
         """Begin a broadcast and return at once; the tensor must stay untouched until the transfer's
         ``wait()`` returns. Transfers complete in the order they were started."""
 
+    def abandon(self) -> None:
+        """End the channel now; may be called from any thread while another is in a transfer on it. The
+        transfers in flight, and any started later, fail promptly with ConnectionError, at this member and
+        (for gloo) at the others; the channel is then only good for ``close``."""
+
     def close(self) -> None:
-        """Leave the group and release its resources."""
+        """Leave the group and release its resources (abandoning it first, so it never waits on a transfer)."""
 
 
 def prepare_gloo_rendezvous(host: str, timeout_s: float) -> tuple[dist.TCPStore, bytes]:
@@ -58,6 +67,9 @@ def prepare_gloo_rendezvous(host: str, timeout_s: float) -> tuple[dist.TCPStore,
     return store, f"{host}:{store.port}".encode()
 
 
+POKE_TAG = (1 << 31) - 1  # a point-to-point tag that no transfer uses: nothing ever receives a poke
+
+
 class GlooChannel:
     """A torch.distributed gloo group of its own (not the process's default group)."""
 
@@ -68,8 +80,10 @@ class GlooChannel:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.channel_id, self.rank, self.world_size, self.timeout = channel_id, rank, world_size, timeout
         self.device = torch.device("cpu")
+        self.abandoned = False
+        self._lock = threading.Lock()  # a transfer is started on the group, or the channel abandoned, not both
         store = dist.PrefixStore(f"channel/{channel_id}/", dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
@@ -89,26 +103,58 @@ class GlooChannel:
     def start_broadcast(self, tensor: torch.Tensor, root: int = 0) -> GlooTransfer:
         options = dist.BroadcastOptions()
         options.rootRank = root
-        return GlooTransfer(self._group.broadcast([tensor], options), root, self.timeout)
+        return GlooTransfer(self._start(lambda group: group.broadcast([tensor], options)), root, self)
 
     def barrier(self) -> None:
         """Return once every member has called barrier (an all-reduce of one number)."""
-        GlooTransfer(self._group.allreduce([torch.zeros(1)]), None, self.timeout).wait()
+        GlooTransfer(self._start(lambda group: group.allreduce([torch.zeros(1)])), None, self).wait()
+
+    def _start(self, collective):
+        with self._lock:
+            if self.abandoned:
+                raise ConnectionError(f"channel {self.channel_id} was abandoned: nothing more can be sent on it")
+            return collective(self._group)
+
+    def abandon(self) -> None:
+        """Close the group's connections, so that every transfer on it ends now, here and at the other members.
+
+        ProcessGroupGloo has no call for that (its ``abort`` leaves a pending transfer waiting, and dropping the
+        group waits for it: up to the deadline). gloo does close every connection of a group when a transfer
+        of the application's times out, to make the others fail too; so the channel sends a poke (a
+        point-to-point send that nothing receives) to a member and gives it one millisecond. A member whose
+        connection is already closed fails the poke at once: the next one is poked."""
+        with self._lock:
+            if self.abandoned or self._group is None:
+                self.abandoned = True
+                return
+            self.abandoned, group = True, self._group
+        for peer in range(1, self.world_size):
+            try:
+                group.send([torch.zeros(1)], (self.rank + peer) % self.world_size, POKE_TAG).wait(
+                    datetime.timedelta(milliseconds=1))
+            except RuntimeError as error:
+                if "timed out" in str(error).lower():  # every connection of the group is closed now
+                    return
 
     def close(self) -> None:
-        self._group = None
+        self.abandon()
+        with self._lock:
+            self._group = None
 
 
 class GlooTransfer:
-    def __init__(self, work, root: int | None, timeout: datetime.timedelta):
+    def __init__(self, work, root: int | None, channel: GlooChannel):
         """``root``: of a broadcast; None for a barrier."""
-        self.work, self.timeout = work, timeout
+        self.work, self.channel, self.timeout = work, channel, channel.timeout
         self.what = "barrier" if root is None else f"broadcast from rank {root}"
 
     def wait(self) -> None:
         try:
             self.work.wait(self.timeout)
         except RuntimeError as error:
+            if self.channel.abandoned:
+                raise ConnectionError(f"channel {self.channel.channel_id}: {self.what} ended: the channel was "
+                                      f"abandoned while it was on the wire (a new channel replaces it)") from error
             if "timed out" in str(error).lower():
                 raise TimeoutError(f"{self.what} did not finish within {self.timeout.total_seconds()} s "
                                    f"({error})") from error
@@ -170,6 +216,11 @@ class ChannelTable:
         if channel is None:
             raise NotFound(f"channel {channel_id!r} not joined")
         return channel
+
+    def abandon_all(self) -> None:
+        """End the transfers on every channel now (from any thread; see ``TensorChannel.abandon``)."""
+        for channel in list(self._channels.values()):
+            channel.abandon()
 
     def close_all(self) -> None:
         for channel in self._channels.values():

@@ -81,6 +81,10 @@ class CudaIpcChannel:
         if self.rank != root:
             flat.copy_(staged)
 
+    def abandon(self) -> None:
+        """End the channel now: every step waits on the gloo group, whose transfers ``abandon`` ends."""
+        self.control.abandon()
+
     def close(self) -> None:
         self.control.close()
 

@@ -11,7 +11,11 @@ NCCL itself never times out. Here:
   process as damaged, as a supervisor restart does);
 - every broadcast is enqueued on the channel's own stream and waited for by
   polling an event up to the deadline; past it the communicator is aborted
-  and TimeoutError raised, so a stopped peer is an error, never a hang.
+  and TimeoutError raised, so a stopped peer is an error, never a hang;
+- ``abandon``, from any thread, aborts the communicator at once
+  (ncclCommAbort ends the kernels waiting on peers): the transfers being
+  waited for fail with ConnectionError. The other members are not told: a
+  member waiting on this one goes on waiting until its own deadline.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class NcclChannel:
         if self.device.index is None:  # "cuda" means the current device
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device)
+        self.abandoned = False
+        self._lock = threading.Lock()  # a broadcast is enqueued, or the communicator aborted, not both
         result: dict = {}
 
         def init() -> None:
@@ -72,26 +78,29 @@ class NcclChannel:
         """Enqueue the broadcast on the channel's stream, after the work already queued on the current one."""
         from cupy.cuda import nccl
 
-        if self._comm is None:
-            raise ConnectionError(f"channel {self.channel_id} was aborted")
         if not tensor.is_contiguous() or tensor.device != self.device:
             raise ValueError(f"channel {self.channel_id}: tensor must be contiguous on {self.device}")
         flat = tensor.view(-1).view(torch.uint8)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        with self._lock, torch.cuda.stream(self.stream):
+            if self._comm is None:
+                raise ConnectionError(f"channel {self.channel_id} was aborted: nothing more can be sent on it")
             self._comm.bcast(flat.data_ptr(), flat.numel(), nccl.NCCL_UINT8, root, self.stream.cuda_stream)
             done = torch.cuda.Event()
             done.record(self.stream)
         return NcclTransfer(self, done, root)
 
-    def abort(self) -> None:
-        if self._comm is not None:
-            self._comm.abort()
-            self._comm = None
+    def abandon(self) -> None:
+        """Abort the communicator (from any thread; ncclCommAbort ends the kernels still waiting on peers)."""
+        with self._lock:
+            self.abandoned = True  # before the abort: a transfer that sees its event done then knows why
+            if self._comm is not None:
+                self._comm.abort()
+                self._comm = None
 
     def close(self) -> None:
         """Leave the channel. ncclCommAbort, not Destroy: destroy waits for the peers to destroy too."""
-        self.abort()
+        self.abandon()
 
 
 class NcclTransfer:
@@ -105,9 +114,14 @@ class NcclTransfer:
         channel = self.channel
         deadline = time.monotonic() + channel.timeout_s
         while not self.done.query():
+            if channel.abandoned:
+                break
             if time.monotonic() > deadline:
-                channel.abort()
+                channel.abandon()
                 raise TimeoutError(f"channel {channel.channel_id}: broadcast from rank {self.root} did not finish "
                                    f"within {channel.timeout_s} s; channel aborted")
             time.sleep(POLL_S)
+        if channel.abandoned:  # an aborted kernel ends too, its tensor not whole: done or not, it is not trusted
+            raise ConnectionError(f"channel {channel.channel_id}: broadcast from rank {self.root} ended: the channel "
+                                  "was abandoned while it was on the wire (a new channel replaces it)")
         torch.cuda.current_stream(channel.device).wait_event(self.done)

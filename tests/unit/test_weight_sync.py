@@ -375,3 +375,39 @@ def test_a_member_that_died_fails_the_broadcast_at_once_naming_that():
             channel.broadcast(torch.zeros(1 << 16))
     assert time.monotonic() - started < 10  # not the 30 s deadline
     del store
+
+
+
+@pytest.mark.parametrize("end", ["abandon", "close"])
+def test_abandoning_a_channel_ends_a_broadcast_waiting_for_a_member_that_never_comes(end):
+    """A member stopped mid-sync (rank 2 here never takes part) holds the sender and the other members until the
+    deadline (30 s); abandoning (or closing) the sender's channel from another thread, as a trainer replacing the
+    channel does, ends the broadcast there and at the members within a second."""
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+    channels = run_ranks(3, lambda rank: GlooChannel("stalled", rendezvous, rank, 3, timeout_s=30))
+    ended: dict[int, float] = {}
+
+    def rank_main(rank):
+        try:
+            if rank == 0:
+                return send_weights(channels[0], weights(), version=1, bucket_bytes=64)
+            if rank == 1:
+                return receive_weights(channels[1], lambda pairs: None)
+            time.sleep(0.5)  # rank 2 is stopped: the others wait for it by now
+            getattr(channels[0], end)()
+        finally:
+            ended[rank] = time.monotonic()
+
+    outcomes = run_ranks(3, rank_main)
+    assert isinstance(outcomes[0], ConnectionError), outcomes[0]
+    assert ("channel stalled: broadcast from rank 0 ended: the channel was abandoned while it was on the wire"
+            in str(outcomes[0]))
+    assert isinstance(outcomes[1], ConnectionError), outcomes[1]  # the sender's connections are closed
+    assert ended[0] - ended[2] < 1 and ended[1] - ended[2] < 1  # not the 30 s deadline
+    with pytest.raises(ConnectionError, match="channel stalled was abandoned: nothing more can be sent on it"):
+        channels[0].start_broadcast(torch.zeros(1))
+    started = time.monotonic()
+    for channel in channels.values():  # nothing is left waiting on the groups: closing them is quick
+        channel.close()
+    assert time.monotonic() - started < 1
+    del store
