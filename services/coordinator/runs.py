@@ -253,7 +253,7 @@ class RunManager:
     @staticmethod
     async def _name_silent_trainers(trainers: list[TrainerClient], failure: Exception) -> Exception:
         """``failure``, or, if a trainer does not answer now (the likely cause), Unavailable naming it."""
-        answers = await asyncio.gather(*(t.device(TRAINER_PROBE_S) for t in trainers), return_exceptions=True)
+        answers = await asyncio.gather(*(t.gpu(TRAINER_PROBE_S) for t in trainers), return_exceptions=True)  # any Info answer
         silent = [t.address for t, answer in zip(trainers, answers) if isinstance(answer, BaseException)]
         if not silent:
             return failure
