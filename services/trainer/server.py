@@ -183,8 +183,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def PrepareChannel(self, request, context):
         if request.backend not in ("gloo", "nccl", "cuda_ipc"):
             raise ValueError(f"backend must be gloo, nccl or cuda_ipc, got {request.backend!r}")
-        # A new channel replaces the run's old one (a rollout came or went): close the old after any broadcast
-        # still on it, on the model thread, since closing a group with a collective in flight blocks.
+        # A new channel replaces the run's old one (a rollout came or went, or a sync failed). A broadcast may
+        # still be on the old one, waiting for a member that stopped: abandoning the old from here ends it at
+        # once, and frees the model thread, where the old channel is then closed.
+        await asyncio.to_thread(self.channels.abandon_all)
         await self._on_model(self.channels.close_all)
         self.stores.clear()
         if request.backend == "nccl":
@@ -247,7 +249,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
 
     async def close(self) -> None:
-        self.channels.close_all()
+        await asyncio.to_thread(self.channels.abandon_all)  # a broadcast in flight ends, freeing the model thread
+        await self._on_model(self.channels.close_all)
         await self._on_model(self.worker.stop)
         self._model_thread.shutdown(wait=False, cancel_futures=True)
         self.worker.ranks.close()
