@@ -15,11 +15,14 @@ weights, and no trainer state is lost when a rollout goes:
 - A sync that fails (``sync``: a member died or stalled mid-broadcast, the
   collective errored or timed out) is an event naming the members not serving
   the new version; the channel is re-formed with those that still answer and
-  the same version is sent again.
+  the same version is sent again. A member that leaves mid-sync fails it at
+  once: the trainer's side is not waited for, it would wait for that member
+  until the channel's deadline.
 - With no rollout left the run waits (state ``waiting``) until one answers, then
   goes on where it was: the trainer's state is intact, nothing is rewound.
 Each channel has a fresh id (run, attempt, generation); the trainer closes
-its old channel when it prepares the next, a rollout when it joins the next.
+its old channel when it prepares the next (ending at once a broadcast still on
+it, at the trainer and the members), a rollout when it joins the next.
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ def describe(error: BaseException) -> str:
     if isinstance(error, grpc.aio.AioRpcError):
         return f"{error.code().name}: {error.details()}"
     return f"{type(error).__name__}: {error}"
+
+
+def took(receiving: asyncio.Future, version: int) -> bool:
+    """Whether a member's finished receive brought it ``version``."""
+    return not receiving.cancelled() and receiving.exception() is None and receiving.result().version == version
 
 
 def channel_backend(trainer_gpu: str, rollout_gpus: dict[str, frozenset[str]]) -> str:
@@ -192,25 +200,38 @@ class RolloutSet:
         await asyncio.gather(*(member.close() for member in self.members))
 
     async def _broadcast(self, version: int) -> str | None:
-        """One send over the current channel: None if every member took it, else what went wrong."""
+        """One send over the current channel: None if every member took it, else what went wrong.
+
+        A member whose side fails (it left the run: stopped, killed) ends the wait for the trainer's side, which
+        could only wait for it until the channel's deadline: the trainer abandons that broadcast when it
+        prepares the next channel."""
         timeout = self.channel_timeout_s
         log.info("weight_sync_started", version=version, channel_id=self.channel_id, rollouts=self.addresses())
         receiving = {m.address: asyncio.ensure_future(m.receive_weights(self.channel_id, timeout,
                                                                         self.restart_in_flight))
                      for m in self.members}
+        sending = asyncio.ensure_future(self.actor.broadcast_weights(self.channel_id, self.bucket_bytes, timeout))
+        sent, trouble = None, ""
         try:
-            try:
-                sent, trouble = await self.actor.broadcast_weights(self.channel_id, self.bucket_bytes, timeout), ""
-            except Exception as error:  # noqa: BLE001 - sorted here
-                if not (is_retryable(error) or isinstance(error, Unavailable)):
-                    raise
-                sent, trouble = None, f"the trainer's side: {describe(error)}"
+            pending = {sending, *receiving.values()}
+            while sending in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(not took(task, version) for task in done - {sending}):
+                    break
+            if sending.done():
+                try:
+                    sent = sending.result()
+                except Exception as error:  # noqa: BLE001 - sorted here
+                    if not (is_retryable(error) or isinstance(error, Unavailable)):
+                        raise
+                    trouble = f"the trainer's side: {describe(error)}"
             if sent is not None:  # every member took the whole broadcast: their answers follow
                 await asyncio.wait(receiving.values())
         finally:  # after a failed send the members' side ends with the channel, which the trainer closes
-            for task in receiving.values():  # when it prepares the next: no use waiting for them
+            for task in (sending, *receiving.values()):  # when it prepares the next: no use waiting for them
                 task.cancel()
             answers = await asyncio.gather(*receiving.values(), return_exceptions=True)
+            await asyncio.gather(sending, return_exceptions=True)
         if sent is not None and sent.weight_version != version:
             raise RuntimeError(f"the trainer sent weight version {sent.weight_version}, not {version}")
         not_serving = {address: answer for address, answer in zip(receiving, answers)
@@ -218,6 +239,9 @@ class RolloutSet:
         if sent is not None and not not_serving:
             self.pause_s = max(answer.pause_s for answer in answers)
             return None
+        left = [address for address in not_serving if address not in self.addresses()]
+        if left and not trouble:
+            trouble = f"{', '.join(left)} left the run while it was on the wire"
         errors = [describe(a) for a in not_serving.values() if isinstance(a, Exception)]
         detail = trouble or (f"a rollout's side: {errors[0]}" if errors else "a rollout received another version")
         return (f"weight sync of version {version} on channel {self.channel_id} failed ({detail[:300]}); "
