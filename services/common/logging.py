@@ -25,7 +25,7 @@ def configure_logging(service: str, level: str = "info") -> structlog.stdlib.Bou
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),  # one write per line: ranks share a log file
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
