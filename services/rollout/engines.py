@@ -192,8 +192,10 @@ class HFRolloutEngine:
         return await self.gate.run(lambda call: self._on_engine(attempt, call))
 
     async def _leave_channels(self) -> None:
-        """Close the channels joined, after the receive still on one has ended (closing a gloo group with a
-        collective in flight blocks); it ends by the channel's deadline at the latest."""
+        """Close the channels joined. A receive still on one (a sync the new channel replaces) is abandoned,
+        so it fails at once, as its own ReceiveWeights reports, rather than at the channel's deadline; the
+        channels close once its thread has ended."""
+        self.channels.abandon_all()
         staging, self._staging = self._staging, None
         if staging is not None:
             with contextlib.suppress(Exception):  # its error went to its own ReceiveWeights
