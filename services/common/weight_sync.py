@@ -113,30 +113,22 @@ def gather_weights(named: list[tuple[str, torch.Tensor]]) -> None:
         full(tensor)
 
 
-def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str,
-         dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The bucket's tensors copied into one new buffer at their offsets (one batched copy), padding zeroed."""
-    buffer = torch.empty(bucket.size, dtype=torch.uint8, device=device)
-    views = unpack(bucket, buffer)
-    for gap in padding(bucket, buffer):
-        gap.zero_()
-    with torch.no_grad():
-        torch._foreach_copy_([view for _, view in views], [full(tensors[name], dtype) for name, _ in views])
-    return buffer
+def _space_ends(bucket: Bucket) -> list[int]:
+    """Where each tensor's space in the bucket ends: at the next tensor's offset (its padding included)."""
+    return [entry.offset for entry in bucket.entries[1:]] + [bucket.size]
 
 
 def padding(bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
     """The stretches of the buffer between the bucket's tensors (none where every size is a multiple of 16)."""
-    ends = [entry.offset + entry.nbytes for entry in bucket.entries]
-    starts = [entry.offset for entry in bucket.entries[1:]] + [bucket.size]
-    return [buffer[end:start] for end, start in zip(ends, starts) if start > end]
+    return [buffer[entry.offset + entry.nbytes : end] for entry, end in zip(bucket.entries, _space_ends(bucket))
+            if end > entry.offset + entry.nbytes]
 
 
 def unpack(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Each tensor of the bucket as a view of the buffer."""
     sizes = []  # each tensor's bytes, then the padding up to the next one
-    for entry, start in zip(bucket.entries, [entry.offset for entry in bucket.entries[1:]] + [bucket.size]):
-        sizes += [entry.nbytes, start - entry.offset - entry.nbytes]
+    for entry, end in zip(bucket.entries, _space_ends(bucket)):
+        sizes += [entry.nbytes, end - entry.offset - entry.nbytes]
     pieces = torch.split(buffer, sizes)
     return [(e.name, pieces[2 * i].view(DTYPES[e.dtype]).view(e.shape)) for i, e in enumerate(bucket.entries)]
 
@@ -153,34 +145,45 @@ def _manifest_from_json(data: bytes) -> list[Bucket]:
     ]
 
 
-_sent_manifests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> the last manifest it carried
-_received_manifests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> those buckets
-
-
 IN_FLIGHT = 2  # buckets on the wire at once: one transfers while the next is packed (or loaded)
 
 
 class BucketBuffers:
     """Buffers for the buckets of one manifest, kept from sync to sync with each bucket's tensor views made
     once (making ~300 views costs milliseconds of Python per sync). ``slots`` buffers of the largest bucket's
-    size (fewer if there are fewer buckets) take turns: bucket k lives in buffer k mod slots."""
+    size (fewer if there are fewer buckets), made when a bucket is first placed, take turns: bucket k lives in
+    buffer k mod slots."""
 
-    def __init__(self, buckets: list[Bucket], slots: int, device: torch.device):
-        size = max((b.size for b in buckets), default=0)
-        self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(slots, len(buckets)))]
-        self._placed: dict[int, tuple] = {}
+    def __init__(self, buckets: list[Bucket], slots: int, device: torch.device | str):
         self.buckets = buckets
+        self._slots, self._device = min(slots, len(buckets)), device
+        self._buffers: list[torch.Tensor] = []
+        self._placed: dict[int, tuple] = {}
 
     def place(self, index: int) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
         """Bucket ``index``'s buffer, the views of its tensors in it, and the padding between them."""
+        if not self._buffers:
+            size = max(b.size for b in self.buckets)
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self._device) for _ in range(self._slots)]
         if index not in self._placed:
             bucket = self.buckets[index]
-            buffer = self._buffers[index % len(self._buffers)][: bucket.size]
+            buffer = self._buffers[index % self._slots][: bucket.size]
             self._placed[index] = buffer, unpack(bucket, buffer), padding(bucket, buffer)
         return self._placed[index]
 
+    @torch.no_grad()
+    def pack(self, index: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Bucket ``index``'s tensors (whole, as ``dtype`` if given) copied into its buffer at their offsets in
+        one batched copy, the padding zeroed (another bucket may have used the buffer since); the buffer."""
+        buffer, views, gaps = self.place(index)
+        torch._foreach_copy_([view for _, view in views], [full(tensors[name], dtype) for name, _ in views])
+        if gaps:
+            torch._foreach_zero_(gaps)
+        return buffer
 
-_sent_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> BucketBuffers of the sender
+
+_sent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> (last manifest it carried, its buffers)
+_received: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> BucketBuffers of that manifest
 
 
 @torch.no_grad()
@@ -189,7 +192,7 @@ def send_weights(
     dtype: torch.dtype | None = None, timer: StageTimer | None = None,
 ) -> tuple[int, int]:
     """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets). ``timer``, if
-    given, gets the time spent on each stage: manifest, pack (gather, copy, checksum), transfer (waiting).
+    given, gets the time spent on each stage: manifest, pack (gather, copy), transfer (waiting).
 
     Pipelined: bucket k+1 is gathered (DTensors, in order) and packed on the channel's device while bucket k
     is on the wire; each bucket's checksum is computed while the bucket is on the wire and follows it without
@@ -199,21 +202,17 @@ def send_weights(
     with timer("manifest"):
         buckets = plan_buckets(named, bucket_bytes, dtype)
         manifest = _manifest_json(buckets)
-        new = _sent_manifests.get(channel) != manifest
+        new = channel not in _sent or _sent[channel][0] != manifest
         channel.broadcast(torch.tensor([version, len(manifest) if new else 0], dtype=torch.int64, device=device))
         if new:
             channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
-            _sent_buffers[channel] = BucketBuffers(buckets, IN_FLIGHT, device)
-            _sent_manifests[channel] = manifest
-    buffers = _sent_buffers[channel]
+            _sent[channel] = manifest, BucketBuffers(buckets, IN_FLIGHT, device)
+    buffers = _sent[channel][1]
     tensors = dict(named)
     in_flight: list[tuple] = []
     for index in range(len(buckets)):
         with timer("pack"):
-            buffer, views, gaps = buffers.place(index)
-            torch._foreach_copy_([view for _, view in views], [full(tensors[name], dtype) for name, _ in views])
-            if gaps:  # zeroed each time: another bucket may have used this buffer since
-                torch._foreach_zero_(gaps)
+            buffer = buffers.pack(index, tensors, dtype)
         sending = channel.start_broadcast(buffer)
         total = checksum_tensor(buffer)
         in_flight.append((sending, channel.start_broadcast(total), buffer, total))
@@ -230,9 +229,6 @@ def finish(transfers: tuple) -> None:
     """Wait for a bucket's transfers (the tensors they carry stay referenced until then)."""
     for transfer in transfers[:2]:
         transfer.wait()
-
-
-_received_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> BucketBuffers of a receiver
 
 
 def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None],
@@ -252,18 +248,17 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
         if length:
             manifest = torch.zeros(length, dtype=torch.uint8, device=device)
             channel.broadcast(manifest)
-            _received_manifests[channel] = _manifest_from_json(manifest.cpu().numpy().tobytes())
-            _received_buffers.pop(channel, None)
-        buckets = _received_manifests.get(channel)
-        if buckets is None:
+            buckets = _manifest_from_json(manifest.cpu().numpy().tobytes())
+            _received[channel] = BucketBuffers(buckets, IN_FLIGHT + 1, device)  # one in flight more: one is loading
+        if channel not in _received:
             raise ValueError(f"weights of version {version} came without a manifest, and none came before on "
                              "this channel")
-    if keep_buffers and channel not in _received_buffers:  # one more than in flight: one is being loaded from
-        _received_buffers[channel] = BucketBuffers(buckets, IN_FLIGHT + 1, device)
+        kept = _received[channel]
+        buckets = kept.buckets
 
     def start(index: int) -> tuple:
         if keep_buffers:
-            buffer, views, _ = _received_buffers[channel].place(index)
+            buffer, views, _ = kept.place(index)
         else:
             buffer = torch.empty(buckets[index].size, dtype=torch.uint8, device=device)
             views = unpack(buckets[index], buffer)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from services.common.channel import ChannelTable, GlooChannel, prepare_gloo_rendezvous
 from services.common.errors import NotFound
 from services.common.timing import StageTimer
-from services.common.weight_sync import (ALIGN, StagedWeights, checksum, pack, plan_buckets, receive_weights,
+from services.common.weight_sync import (ALIGN, BucketBuffers, StagedWeights, checksum, plan_buckets, receive_weights,
                                          send_weights, unpack)
 
 
@@ -114,11 +114,13 @@ def test_pack_unpack_round_trip(bucket_bytes):
     named = weights()
     named[0] = ("embed.weight", named[0][1].t())  # a non-contiguous source
     tensors = dict(named)
+    buckets = plan_buckets(named, bucket_bytes)
+    buffers = BucketBuffers(buckets, 1, "cpu")  # one buffer: every bucket is packed where the one before was
     got = {}
-    for bucket in plan_buckets(named, bucket_bytes):
-        buffer = pack(bucket, tensors, "cpu")
+    for index, bucket in enumerate(buckets):
+        buffer = buffers.pack(index, tensors)
         assert buffer.dtype == torch.uint8 and buffer.numel() == bucket.size
-        got.update(unpack(bucket, buffer))
+        got.update((name, tensor.clone()) for name, tensor in unpack(bucket, buffer))
     assert list(got) == list(tensors)
     for name, tensor in tensors.items():
         assert_same(got[name], tensor.contiguous())
@@ -126,8 +128,11 @@ def test_pack_unpack_round_trip(bucket_bytes):
 
 def test_pack_puts_bytes_at_the_offsets_and_zero_padding_between():
     a, b = torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([-1], dtype=torch.int64)
-    (bucket,) = plan_buckets([("a", a), ("b", b)], 64)
-    buffer = pack(bucket, {"a": a, "b": b}, "cpu")
+    dirt = torch.full((32,), 255, dtype=torch.uint8)
+    buckets = plan_buckets([("dirt", dirt)], 64) + plan_buckets([("a", a), ("b", b)], 64)
+    buffers = BucketBuffers(buckets, 1, "cpu")  # the two buckets take turns in one buffer
+    buffers.pack(0, {"dirt": dirt})
+    buffer = buffers.pack(1, {"a": a, "b": b})
     assert buffer.tolist() == [1, 2, 3] + [0] * 13 + [255] * 8 + [0] * 8
 
 
