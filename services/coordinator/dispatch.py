@@ -95,3 +95,17 @@ class ReplicaPool(Generic[Replica]):
             log.warning("shard_failed", kind=self.kind, shard=index, attempt=attempt,
                         replica=getattr(replica, "address", "?"), error=str(last_error)[:300])
         raise Unavailable(f"{self.kind} shard [{lo}, {hi}) failed on {attempts} attempts: {last_error}")
+
+
+async def map_shards_recovering(
+    pool: Callable[[], ReplicaPool[Replica]], count: int, call: Callable[[Replica, int, int], Awaitable[Result]],
+    attempts: int, recover: Callable[[Unavailable], Awaitable[None]],
+) -> list[tuple[Result, Replica]]:
+    """``pool().map_shards(count, call)``; when every replica fails it, ``await recover(failure)`` (which may put
+    a new pool in place) and do the whole batch again, up to ``attempts`` times in all."""
+    for _ in range(attempts - 1):
+        try:
+            return await pool().map_shards(count, call)
+        except Unavailable as failure:
+            await recover(failure)
+    return await pool().map_shards(count, call)

@@ -44,7 +44,7 @@ from services.common.sequences import SequenceBatch, join_ragged
 from services.common.timing import StageTimer
 from services.coordinator.clients import Generated, RewardClient, RolloutClient, TrainerClient
 from services.coordinator.data import Prompt, PromptSampler
-from services.coordinator.dispatch import ReplicaPool
+from services.coordinator.dispatch import ReplicaPool, map_shards_recovering
 from services.coordinator.metrics import data_metrics
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.rollout_set import RolloutSet, wait_for
@@ -414,16 +414,12 @@ class PPOLoop:
                                   f"{int(generated.weight_versions.min())}, older than {oldest}")
             return generated
 
-        for attempt in range(1, GENERATION_ATTEMPTS + 1):
-            try:
-                done = await self.rollouts.pool.map_shards(len(chosen), call)
-                break
-            except Unavailable as failure:
-                if attempt == GENERATION_ATTEMPTS:
-                    raise
-                self.reporter.log(f"generation of step {step} failed on every rollout ({failure}); refreshing the "
-                                  f"rollouts and generating it again")
-                await self.rollouts.refresh()
+        async def refresh(failure: Unavailable) -> None:
+            self.reporter.log(f"generation of step {step} failed on every rollout ({failure}); refreshing the "
+                              f"rollouts and generating it again")
+            await self.rollouts.refresh()
+
+        done = await map_shards_recovering(lambda: self.rollouts.pool, len(chosen), call, GENERATION_ATTEMPTS, refresh)
         for result, replica in done:
             name = f"rollout/samples_by/{replica.address}"
             counts[name] = counts.get(name, 0) + len(result.response_lens)
@@ -448,16 +444,12 @@ class PPOLoop:
         async def call(replica: RewardClient, lo: int, hi: int):
             return await replica.score(samples[lo:hi], self.timeout)
 
-        for attempt in range(1, SCORING_ATTEMPTS + 1):
-            try:
-                shards = await self.reward_pool.map_shards(len(samples), call)
-                break
-            except Unavailable as failure:
-                if attempt == SCORING_ATTEMPTS:
-                    raise
-                self.reporter.log(f"scoring failed on every reward replica ({failure}); waiting for the reward "
-                                  f"services and scoring the batch again")
-                await self.wait_for_rewards()
+        async def wait(failure: Unavailable) -> None:
+            self.reporter.log(f"scoring failed on every reward replica ({failure}); waiting for the reward "
+                              f"services and scoring the batch again")
+            await self.wait_for_rewards()
+
+        shards = await map_shards_recovering(lambda: self.reward_pool, len(samples), call, SCORING_ATTEMPTS, wait)
         scored = [s for (scores, _), _ in shards for s in scores]
         for (scores, service_id), _ in shards:  # who scored what
             name = f"reward/samples_by/{service_id}"

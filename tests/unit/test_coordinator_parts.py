@@ -14,7 +14,7 @@ import torch
 
 from services.common.errors import Unavailable
 from services.common.timing import StageTimer
-from services.coordinator.dispatch import ReplicaPool, shard_bounds
+from services.coordinator.dispatch import ReplicaPool, map_shards_recovering, shard_bounds
 from services.coordinator.metrics import data_metrics, mismatch_metrics, summary
 from services.common.config import validate
 from services.common.run_config import RunConfig
@@ -266,6 +266,28 @@ async def test_all_replicas_failing_raises_unavailable():
     replicas = [FakeReplica(name, fail_with=ConnectionError) for name in "ab"]
     with pytest.raises(Unavailable, match=r"^rollout shard \[[02], [24]\) failed on 3 attempts: [ab] is down$"):
         await ReplicaPool("rollout", replicas).map_shards(4, make_call([]))
+
+
+async def test_a_batch_every_replica_failed_is_done_again_after_each_recovery_until_the_attempts_run_out():
+    pools = [ReplicaPool("rollout", [FakeReplica(name, fail_with=ConnectionError) for name in "ab"])]
+    recovered = []
+
+    async def recover(failure: Unavailable) -> None:  # the next pool: still dead, then one that answers
+        recovered.append(str(failure))
+        still_dead = len(recovered) == 1
+        pools.append(ReplicaPool("rollout", [FakeReplica("c", fail_with=ConnectionError) if still_dead
+                                             else FakeReplica("d")]))
+
+    processed: list[int] = []
+    results = await map_shards_recovering(lambda: pools[-1], 4, make_call(processed), 3, recover)
+    assert [r.address for _, r in results] == ["d"]
+    assert sorted(processed) == [0, 1, 2, 3]
+    assert len(recovered) == 2 and all("is down" in failure for failure in recovered)
+
+    pools[:] = [ReplicaPool("rollout", [FakeReplica("e", fail_with=ConnectionError)])]
+    with pytest.raises(Unavailable, match=r"e is down"):
+        await map_shards_recovering(lambda: pools[0], 4, make_call([]), 2, recover)
+    assert len(recovered) == 3  # one recovery between the two attempts, none after the last
 
 
 async def test_shards_skip_replicas_that_failed_in_the_batch_until_a_live_one_is_found():
