@@ -4,7 +4,9 @@ K=1 and K=0, same seed, same model, same batch, one after the other.
 On CPU (default) it is the embedded default (`coordctl start-run --local`,
 each service on one thread); with --gpu it is the GRPO run of
 tests/gpu/test_gpu_grpo.py on two GPUs (trainer on GPU 0, vLLM rollout on
-GPU 1, a random Qwen2.5-0.5B-shaped model). Prints per K: steps per second,
+GPU 1, a random Qwen2.5-0.5B-shaped model; vLLM with CUDA graphs unless
+--eager), both runs on the same services, started once. Prints the mean
+seconds of each stage per K, then per K: steps per second,
 tokens per second, the mean reward over the last 10 steps (equal steps), the
 mean reward of the steps the slower run had finished by the time the faster
 one ended (equal wall time), the rollout fleet's idle fraction, the largest
@@ -12,7 +14,7 @@ staleness seen; then the bound the synchronous step's split puts on the
 gain (step time over the larger of generation and the rest); and last the
 throughput ratio K=1 / K=0.
 
-    python bench/async_pipeline.py [--gpu] [--steps N] [--metrics-dir DIR] [key=value overrides]
+    python bench/async_pipeline.py [--gpu [--eager]] [--steps N] [--metrics-dir DIR] [key=value overrides]
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def run_cpu(state_dir: Path, overrides: list[str]) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def run_gpu(state_dir: Path, steps: int, max_staleness: int, overrides: list[str]) -> list[dict]:
+def run_gpu(state_dir: Path, steps: int, eager: bool, overrides: list[str]) -> dict[int, list[dict]]:
+    """Both runs (K=1, then K=0) one after the other on the same services, started once: the rollout's
+    start-up (vLLM, its CUDA graphs) is paid once and both runs meet the same warm processes."""
     from services.common.config import apply_overrides
     from services.coordinator.control import CoordinatorClient
     from services.coordinator.local import LocalCluster, ServiceSpec
@@ -44,45 +48,49 @@ def run_gpu(state_dir: Path, steps: int, max_staleness: int, overrides: list[str
 
     model = build_random_model(state_dir / "model", QWEN25_SHAPES["0.5b"], "bfloat16", seed=0)
     data = write_jsonl(reverse_task_rows(4096, 2, 6, seed=3), state_dir / "reverse.jsonl")
-    config = {
-        "data": {"train_files": [str(data)], "train_batch_size": 64, "max_prompt_length": 16,
-                 "max_response_length": 128},
-        "actor_rollout_ref": {
-            "model": {"path": str(model), "dtype": "bfloat16"},
-            "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 64, "ppo_micro_batch_size_per_gpu": 64},
-            "rollout": {"name": "vllm", "n": 8},
-        },
-        "trainer": {"total_training_steps": steps, "experiment_name": f"async-k{max_staleness}",
-                    "async_": {"max_staleness": max_staleness}},
-    }
-    config = apply_overrides(config, overrides)
+
+    def config(max_staleness: int) -> dict:
+        return apply_overrides({
+            "data": {"train_files": [str(data)], "train_batch_size": 64, "max_prompt_length": 16,
+                     "max_response_length": 128},
+            "actor_rollout_ref": {
+                "model": {"path": str(model), "dtype": "bfloat16"},
+                "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 64, "ppo_micro_batch_size_per_gpu": 64},
+                "rollout": {"name": "vllm", "n": 8},
+            },
+            "trainer": {"total_training_steps": steps, "experiment_name": f"async-k{max_staleness}",
+                        "async_": {"max_staleness": max_staleness}},
+        }, overrides)
+
     services = (
         ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.6"),
-                    env=(("CUDA_VISIBLE_DEVICES", "1"),)),
+        ServiceSpec("rollout", settings=("engine=vllm", f"enforce_eager={str(eager).lower()}",
+                                         "gpu_memory_utilization=0.6"), env=(("CUDA_VISIBLE_DEVICES", "1"),)),
         ServiceSpec("reward"),
     )
     cluster = LocalCluster(state_dir / "state", services)
 
-    async def run() -> Path:
-        await cluster.start(timeout_s=180)
-        client = CoordinatorClient(cluster.coordinator)
-        try:
-            started = await client.start_run(yaml.safe_dump(config))
-            async for _ in client.watch(started.run_id):
-                pass
-            final = await client.get_run(started.run_id)
-        finally:
-            await client.close()
+    async def run(client: CoordinatorClient, max_staleness: int) -> list[dict]:
+        started = await client.start_run(yaml.safe_dump(config(max_staleness)))
+        async for _ in client.watch(started.run_id):
+            pass
+        final = await client.get_run(started.run_id)
         if final.state != "finished":
             raise RuntimeError(f"run {final.run_id} ended {final.state}: {final.error}")
-        return Path(final.run_dir)
+        return [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+    async def both() -> dict[int, list[dict]]:
+        await cluster.start(timeout_s=300)
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            return {k: await run(client, k) for k in (1, 0)}
+        finally:
+            await client.close()
 
     try:
-        run_dir = asyncio.run(run())
+        return asyncio.run(both())
     finally:
         cluster.stop()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def summary(rows: list[dict]) -> dict:
@@ -101,6 +109,17 @@ def summary(rows: list[dict]) -> dict:
             "step_s": sum(r["timing_s/step"] for r in timed) / len(timed)}
 
 
+STAGES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "rollout_pause", "step")
+
+
+def stage_means(rows: list[dict]) -> dict[str, float]:
+    """Mean seconds of each stage over the steps after the first (stages a run does not have are left out); with
+    K > 0, gen and reward of a step ran while earlier steps trained."""
+    timed = rows[1:]
+    return {stage: sum(r[f"timing_s/{stage}"] for r in timed) / len(timed)
+            for stage in STAGES if all(f"timing_s/{stage}" in r for r in timed)}
+
+
 def reward_by(rows: list[dict], start: float, seconds: float) -> float:
     """Mean reward of the steps finished within ``seconds`` of the run's first step starting."""
     done = [r["critic/score/mean"] for r in rows if r["time"] - start <= seconds]
@@ -111,23 +130,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--eager", action="store_true", help="--gpu: vLLM without CUDA graphs (starts faster)")
     parser.add_argument("--metrics-dir", type=Path, help="keep each run's per-step metrics here (k1.jsonl, k0.jsonl)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for k in (1, 0):
-            state = Path(tmp) / f"k{k}"
-            state.mkdir()
-            if args.gpu:
-                results[k] = run_gpu(state, args.steps or 8, k, args.overrides)
-            else:
-                steps = [f"trainer.total_training_steps={args.steps}"] if args.steps else []
-                results[k] = run_cpu(state, [f"trainer.async_.max_staleness={k}", *steps, *args.overrides])
-            if args.metrics_dir:
-                args.metrics_dir.mkdir(parents=True, exist_ok=True)
-                (args.metrics_dir / f"k{k}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in results[k]))
+        if args.gpu:
+            results = run_gpu(Path(tmp), args.steps or 8, args.eager, args.overrides)
+        else:
+            steps = [f"trainer.total_training_steps={args.steps}"] if args.steps else []
+            results = {}
+            for k in (1, 0):
+                (Path(tmp) / f"k{k}").mkdir()
+                results[k] = run_cpu(Path(tmp) / f"k{k}", [f"trainer.async_.max_staleness={k}", *steps,
+                                                           *args.overrides])
+    if args.metrics_dir:
+        args.metrics_dir.mkdir(parents=True, exist_ok=True)
+        for k, rows in results.items():
+            (args.metrics_dir / f"k{k}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     summaries = {k: summary(rows) for k, rows in results.items()}
+    means = {k: stage_means(rows) for k, rows in results.items()}
+    shown = [stage for stage in STAGES if all(stage in m for m in means.values())]
+    print("mean s  " + " ".join(f"{stage:>14}" for stage in shown))
+    for k, m in means.items():
+        print(f"K={k:<5} " + " ".join(f"{m[stage]:>14.3f}" for stage in shown))
     horizon = min(s["wall"] for s in summaries.values())
     print(f"{'K':>2} {'steps':>6} {'wall s':>8} {'steps/s':>8} {'tokens/s':>10} {'reward last 10':>15} "
           f"{'reward by ' + format(horizon, '.0f') + ' s':>16} {'rollout idle':>13} {'staleness max':>14}")

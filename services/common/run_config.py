@@ -296,7 +296,7 @@ class TrainerConfig(Section):
     """Seeds data order, sampling and initialisation of optimizer state."""
     weight_sync_bucket_mb: PositiveInt = 1024
     """Bucket size of the trainer -> rollout weight broadcast. The trainer keeps two buffers of this size for it
-    between syncs (on its GPU), and so does each vLLM worker."""
+    between syncs (on its GPU), and each vLLM worker three (one loading while two arrive)."""
     weight_sync_backend: Literal["auto", "gloo", "nccl", "cuda_ipc"] = "auto"
     """Transport of the weight channel: gloo (CPU), nccl (trainer and rollouts each on GPUs of their own),
     cuda_ipc (one host; rollouts may share the trainer's GPU). auto = gloo for a trainer on CPU, cuda_ipc when

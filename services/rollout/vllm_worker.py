@@ -65,7 +65,7 @@ class MeshrlWorkerExtension:
 
     def meshrl_receive_now(self, channel_id: str, timeout_s: float) -> tuple[int, dict[str, float]]:
         """Receive one broadcast straight into the model (nothing is generating): each bucket is loaded while
-        the next arrives, through two bucket buffers the channel keeps. Returns the version and the seconds of
+        the next arrives, through three bucket buffers the channel keeps. Returns the version and the seconds of
         each stage."""
         timer = StageTimer()
         with timer("receive"):

@@ -3,6 +3,7 @@
 The test process plays the trainer: rank 0 of a gloo weight channel, sending with send_weights. With
 restart_in_flight the call is stopped and sampled again under the new weights, and returns exactly what a fresh
 call under them returns (same seed, same first_index); without it the call finishes under the old weights.
+(tests/gpu/test_partial_rollout_vllm.py plays the same scenario against the vLLM engine over NCCL.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from bench.faults import service_address
-from services.common.channel import GlooChannel, prepare_gloo_rendezvous
+from services.common.channel import open_channel, prepare_gloo_rendezvous
 from services.common.models import load_causal_lm
 from services.common.weight_sync import send_weights
 from services.coordinator.clients import Generated, RolloutClient
@@ -37,21 +38,31 @@ def same(a: Generated, b: Generated) -> bool:
 
 def change(named: list[tuple[str, torch.Tensor]], seed: int) -> None:
     """New weights, as after an update."""
-    generator = torch.Generator().manual_seed(seed)
+    device = named[0][1].device
+    generator = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for _, tensor in named:
-            tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.02)
+            tensor.add_(torch.randn(tensor.shape, generator=generator, device=device, dtype=tensor.dtype) * 0.02)
 
 
-async def scenario(cluster: LocalCluster, model_path: str) -> None:
+async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32", backend: str = "gloo",
+                   device: str = "cpu", tokens: int = TOKENS) -> None:
+    """The rollout of ``cluster`` loads the model; this process, the trainer, holds it in ``dtype`` on ``device``
+    and sends it over a ``backend`` channel; each Generate call asks for ``tokens`` new tokens per sample."""
     rollout, log = RolloutClient(service_address(cluster, "rollout")), LogTail(cluster, "rollout")
-    named = [(name, tensor.detach()) for name, tensor in load_causal_lm(model_path, "float32").named_parameters()]
+    named = [(name, tensor.detach().to(device))
+             for name, tensor in load_causal_lm(model_path, dtype).named_parameters()]
     channel_id = "partial-rollout-weights"
-    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", TIMEOUT_S)
+    if backend == "nccl":
+        from services.common.nccl_channel import new_unique_id
+
+        store, rendezvous = None, new_unique_id()
+    else:
+        store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", TIMEOUT_S)
     channel = None
 
     async def generate() -> Generated:
-        return await rollout.generate(PROMPTS, N, TEMPERATURE, 1.0, TOKENS, seed=5, first_index=3, stop_token_ids=[],
+        return await rollout.generate(PROMPTS, N, TEMPERATURE, 1.0, tokens, seed=5, first_index=3, stop_token_ids=[],
                                       timeout=TIMEOUT_S)
 
     async def sync_while_generating(version: int, restart: bool):
@@ -68,12 +79,12 @@ async def scenario(cluster: LocalCluster, model_path: str) -> None:
         return await in_flight, received
 
     try:
-        await rollout.init_run("partial-rollout", model_path, "float32", timeout=TIMEOUT_S)
-        joining = asyncio.create_task(rollout.join_channel(channel_id, "gloo", rendezvous, 1, 2, TIMEOUT_S))
-        channel = await asyncio.to_thread(GlooChannel, channel_id, rendezvous, 0, 2, TIMEOUT_S)
+        await rollout.init_run("partial-rollout", model_path, dtype, timeout=TIMEOUT_S)
+        joining = asyncio.create_task(rollout.join_channel(channel_id, backend, rendezvous, 1, 2, TIMEOUT_S))
+        channel = await asyncio.to_thread(open_channel, channel_id, backend, rendezvous, 0, 2, TIMEOUT_S, device)
         await joining
         under_0 = await generate()
-        assert set(under_0.weight_versions.tolist()) == {0} and under_0.response_lens.float().mean() > TOKENS / 2
+        assert set(under_0.weight_versions.tolist()) == {0} and under_0.response_lens.float().mean() > tokens / 2
 
         # restart: the call in flight is dropped at the swap and sampled again, whole, under version 1
         restarted, restarting_sync = await sync_while_generating(1, restart=True)
