@@ -66,10 +66,13 @@ class GenerationCall:
             await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
         finally:  # interrupted, or the caller cancelled: the work goes too
             stop.cancel()
-            if not work.done():
+            dropped = not work.done()
+            if dropped:
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-        if work.cancelled():
+        # (a cancelled gather ends with a CancelledError set as its exception, not as cancelled: ask whether the
+        # work was dropped here, not how it ended)
+        if dropped:
             raise GenerationInterrupted
         return work.result()
 

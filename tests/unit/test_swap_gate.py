@@ -24,10 +24,10 @@ class Model:
         self.cancelled = 0  # async work cancelled by an interrupt
 
     async def async_attempt(self, call: GenerationCall) -> int:
-        """As the vLLM engine: async work, cancelled on an interrupt."""
+        """As the vLLM engine: async work, one request per prompt gathered, cancelled on an interrupt."""
         version = self._start()
 
-        async def work() -> int:
+        async def request() -> int:
             try:
                 await self.release.wait()
             except asyncio.CancelledError:
@@ -35,7 +35,7 @@ class Model:
                 raise
             return version
 
-        return await call.unless_interrupted(work())
+        return (await call.unless_interrupted(asyncio.gather(request(), request())))[0]
 
     async def thread_attempt(self, call: GenerationCall) -> int:
         """As the hf engine: work on a thread, which looks at ``call.interrupted`` between token steps."""
@@ -88,7 +88,7 @@ async def test_restart_mode_interrupts_the_call_which_completes_under_the_new_ve
     model.release.set()
     assert await generating == 1  # run again, whole, under the new weights (not during the swap: it saw 1)
     assert model.attempts == 2 and gate.generating == 0
-    assert model.cancelled == (1 if kind == "async_attempt" else 0)
+    assert model.cancelled == (2 if kind == "async_attempt" else 0)
 
 
 async def test_new_calls_wait_during_a_swap():
@@ -115,7 +115,7 @@ async def test_calls_that_fail_or_are_cancelled_leave_the_gate():
     cancelled.cancel()
     with pytest.raises(asyncio.CancelledError):
         await cancelled
-    assert gate.generating == 0 and model.cancelled == 1  # its work went with it
+    assert gate.generating == 0 and model.cancelled == 2  # its work (both requests) went with it
     await asyncio.wait_for(swap_in(gate, model, 1, restart=False), 5)  # nothing left to wait for
     with pytest.raises(GenerationInterrupted):  # raised without an interrupt: an error, not a restart
         await gate.run(lambda call: asyncio.to_thread(_raise_interrupted))
