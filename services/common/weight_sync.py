@@ -233,12 +233,18 @@ def finish(transfers: tuple) -> None:
 
 def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None],
                     timer: StageTimer | None = None, keep_buffers: bool = False) -> int:
-    """Receive one broadcast, verify each bucket and ``load`` it; returns the weight version. ``timer``, if
-    given, gets the time spent on each stage: manifest, transfer (waiting for buckets), verify, load.
+    """Receive one broadcast, ``load`` each bucket and verify each bucket's checksum; returns the weight version.
+    ``timer``, if given, gets the time spent on each stage: manifest, transfer (waiting for buckets), verify,
+    load.
+
+    The checksums are computed on the channel's device as the buckets arrive and compared once all are in, so
+    the host never waits for one bucket's checksum before loading it: ``load`` may have been given a bucket that
+    then fails, and a receiver that loads straight into its model must count the model damaged when this
+    raises (as it must when the transfer breaks off halfway).
 
     With ``keep_buffers`` (``load`` is done with a bucket's tensors when it returns) the buckets arrive in
     ``IN_FLIGHT`` + 1 buffers the channel keeps between syncs; otherwise each in a new buffer, which ``load`` may
-    keep. Pipelined: bucket k+1 arrives while bucket k is verified and loaded."""
+    keep. Pipelined: bucket k+1 arrives while bucket k is checksummed and loaded."""
     timer = timer or StageTimer()
     device = channel.device
     with timer("manifest"):
@@ -266,6 +272,7 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
         return channel.start_broadcast(buffer), channel.start_broadcast(expected), buffer, expected, views
 
     arriving = [start(index) for index in range(min(IN_FLIGHT, len(buckets)))]
+    computed, sent = [], []
     for index in range(len(buckets)):
         transfers = arriving.pop(0)
         with timer("transfer"):
@@ -273,11 +280,15 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
         if index + IN_FLIGHT < len(buckets):  # kept buffers: into the one bucket index - 1 was loaded from
             arriving.append(start(index + IN_FLIGHT))
         _, _, buffer, expected, views = transfers
-        with timer("verify"):
-            if checksum(buffer) != int(expected):
-                raise ValueError(f"weight bucket {index} of version {version} failed its checksum")
+        with timer("verify"):  # before the load, in stream order: the buffer is reused only after both
+            computed.append(checksum_tensor(buffer))
+            sent.append(expected)
         with timer("load"):
             load(views)
+    with timer("verify"):
+        failed = (torch.cat(computed) != torch.cat(sent)).nonzero().flatten().tolist() if buckets else []
+    if failed:
+        raise ValueError(f"weight buckets {failed} of version {version} failed their checksums")
     return version
 
 

@@ -269,6 +269,44 @@ def test_the_manifest_crosses_a_channel_again_only_when_it_changes_and_kept_buff
     del store
 
 
+class Corrupting:
+    """A receiver's real channel that flips one byte of the ``nth`` broadcast it receives (counting from 0), as a
+    bad link or a bad buffer would."""
+
+    def __init__(self, channel, nth: int):
+        self.channel, self.device, self.nth, self.count = channel, channel.device, nth, 0
+
+    def broadcast(self, tensor, root=0):
+        self.start_broadcast(tensor, root).wait()
+
+    def start_broadcast(self, tensor, root=0):
+        transfer, corrupt = self.channel.start_broadcast(tensor, root), self.count == self.nth
+        self.count += 1
+
+        class Arriving:
+            def wait(self):
+                transfer.wait()
+                if corrupt:
+                    tensor.view(torch.uint8)[3] ^= 0x10
+
+        return Arriving()
+
+
+@pytest.mark.parametrize("keep_buffers", [False, True])
+def test_a_bucket_that_arrives_damaged_fails_the_receive_naming_it(keep_buffers):
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+    named = weights()
+    assert len(plan_buckets(named, 64)) >= 3
+    channels = run_ranks(2, lambda rank: GlooChannel(f"damaged-{keep_buffers}", rendezvous, rank, 2, timeout_s=10))
+    loaded: list[list[tuple[str, torch.Tensor]]] = []
+    # broadcasts: header, manifest, then (bucket, checksum) per bucket: the 6th is bucket 2
+    outcomes = run_ranks(2, lambda rank: send_weights(channels[0], named, 3, bucket_bytes=64) if rank == 0 else
+                         receive_weights(Corrupting(channels[1], nth=6), loaded.append, keep_buffers=keep_buffers))
+    assert isinstance(outcomes[1], ValueError)
+    assert str(outcomes[1]) == "weight buckets [2] of version 3 failed their checksums"
+    del store
+
+
 def test_staged_weights_arrive_on_their_own_thread_while_the_caller_goes_on():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     named = weights()
