@@ -18,6 +18,9 @@
   reset; with nothing generating, they load each bucket as it arrives.
   The requests in flight at a swap finish under the old weights first or,
   with ``restart``, are aborted and generated again under the new ones.
+  A swap that fails partway (the trainer gone, a bucket failing its
+  checksum) leaves the model between two versions: Generate is refused as
+  unavailable until a sync swaps a whole version in.
 - Worker processes are spawned, not forked: this process already runs gRPC.
 """
 
@@ -29,6 +32,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from services.common.errors import Unavailable
 from services.common.models import load_tokenizer
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.direct_load import STACKED
@@ -47,6 +51,7 @@ class VLLMEngine:
         self.llm = llm
         self.gate = SwapGate()
         self.weight_version = 0
+        self.damaged: str | None = None  # why the model is not one whole version (a swap failed partway)
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.channel_ranks = config.tensor_parallel_size
@@ -93,6 +98,9 @@ class VLLMEngine:
             return [completion_of(c, stops, version) for c in sorted(final.outputs, key=lambda c: c.index)]
 
         async def attempt(call: GenerationCall) -> list[list[Completion]]:
+            if self.damaged:
+                raise Unavailable(f"this rollout's weights are not one whole version ({self.damaged}); it generates "
+                                  "again once a sync swaps one in")
             version = self.weight_version  # a swap waits for this attempt or drops it: all come from this version
             # an interrupt cancels the requests, and cancelling AsyncLLM.generate aborts them in vLLM
             return list(await call.unless_interrupted(
@@ -151,16 +159,20 @@ class VLLMEngine:
         prefix cache (the engine core runs the two one after the other, so it costs no round trip; nothing is
         scheduled in between); the new version is then served. Returns each worker's (version, stages)."""
         swap = self.llm.collective_rpc(method, timeout=timeout_s + 30, args=args)
-        if self.prefix_caching:
-            applied, cleared = await asyncio.gather(swap, self.llm.reset_prefix_cache())
-            if not cleared:
-                raise RuntimeError("vLLM refused to clear its prefix cache after a weight swap")
-        else:
-            applied = await swap
-        versions = [version for version, _ in applied]
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
-        self.weight_version = versions[0]
+        try:
+            if self.prefix_caching:
+                applied, cleared = await asyncio.gather(swap, self.llm.reset_prefix_cache())
+                if not cleared:
+                    raise RuntimeError("vLLM refused to clear its prefix cache after a weight swap")
+            else:
+                applied = await swap
+            versions = [version for version, _ in applied]
+            if len(set(versions)) != 1:
+                raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
+        except BaseException as error:
+            self.damaged = f"the swap after version {self.weight_version} failed: {type(error).__name__}: {error}"
+            raise
+        self.weight_version, self.damaged = versions[0], None
         return applied
 
     async def checksums(self) -> list[dict[str, int]]:

@@ -49,9 +49,11 @@ def member(rank: int, unique_ids: list[bytes], results) -> None:
         payload = torch.full((64 << 20,), 7 + rank, device=device, dtype=torch.uint8)
         second.broadcast(payload)
         outcome["second_whole"] = bool((payload == 7).all())
-        # rank 0 sends 64 MB that rank 1 never receives, and gives up on it
+        # rank 0 sends 16 x 64 MB that rank 1 never receives, and gives up on them (NCCL may let a root finish
+        # a broadcast whose receiver has not come, while it fits in the connection's buffers: not 1 GB)
         if rank == 0:
-            outcome["sender"] = abandoned_wait(second, second.start_broadcast(payload))
+            transfers = [second.start_broadcast(payload) for _ in range(16)]
+            outcome["sender"] = abandoned_wait(second, transfers[-1])
         else:
             time.sleep(ABANDON_AFTER_S + 2)
         second.close()
