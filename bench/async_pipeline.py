@@ -93,10 +93,19 @@ def run_gpu(state_dir: Path, steps: int, eager: bool, overrides: list[str]) -> d
         cluster.stop()
 
 
+def steady(rows: list[dict]) -> list[dict]:
+    """The steps a rate is taken over: not the first two (warm-up: CUDA, allocator, first compiles; and with K > 0
+    the pipeline filling: step 2's batch was generated while step 1 trained) nor the last (with K > 0 its batch
+    was generated ahead, so it trains without waiting for generation: the pipeline draining). What is left is
+    what a long run repeats."""
+    if len(rows) < 4:
+        raise ValueError(f"a rate needs at least 4 steps, the run has {len(rows)}")
+    return rows[2:-1]
+
+
 def summary(rows: list[dict]) -> dict:
-    """Rates over the steps after the first (step 1 carries the warm-up: CUDA, allocator, first compiles)."""
-    timed = rows[1:]
-    wall = timed[-1]["time"] - rows[0]["time"]
+    timed = steady(rows)
+    wall = timed[-1]["time"] - rows[1]["time"]
     tokens = sum(r["perf/total_num_tokens"] for r in timed)
     last = rows[-10:]
     return {"steps": len(rows), "wall": rows[-1]["time"] - rows[0]["time"] + rows[0]["timing_s/step"],
@@ -113,9 +122,9 @@ STAGES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weight
 
 
 def stage_means(rows: list[dict]) -> dict[str, float]:
-    """Mean seconds of each stage over the steps after the first (stages a run does not have are left out); with
-    K > 0, gen and reward of a step ran while earlier steps trained."""
-    timed = rows[1:]
+    """Mean seconds of each stage over the steady steps (stages a run does not have are left out); with K > 0,
+    gen and reward of a step ran while earlier steps trained."""
+    timed = steady(rows)
     return {stage: sum(r[f"timing_s/{stage}"] for r in timed) / len(timed)
             for stage in STAGES if all(f"timing_s/{stage}" in r for r in timed)}
 
