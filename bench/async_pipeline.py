@@ -2,11 +2,13 @@
 K=1 and K=0, same seed, same model, same batch, one after the other.
 
 On CPU (default) it is the embedded default (`coordctl start-run --local`,
-each service on one thread); with --gpu it is the GRPO run of
-tests/gpu/test_gpu_grpo.py on two GPUs (trainer on GPU 0, vLLM rollout on
-GPU 1, a random Qwen2.5-0.5B-shaped model; vLLM with CUDA graphs unless
---eager), both runs on the same services, started once. Prints the mean
-seconds of each stage per K, then per K: steps per second,
+each service on one thread); with --gpu it is a GRPO run shaped like verl's
+GRPO examples (a KL loss against a reference model, four optimizer steps per
+batch) on two GPUs (trainer with actor and reference on GPU 0, vLLM rollout on
+GPU 1, a random Qwen2.5-0.5B-shaped model, 64 prompts x 8 samples of 128
+tokens; vLLM with CUDA graphs unless --eager), both runs on the same
+services, started once. Prints the mean seconds of each stage per K, then
+per K: steps per second,
 tokens per second, the mean reward over the last 10 steps (equal steps), the
 mean reward of the steps the slower run had finished by the time the faster
 one ended (equal wall time), the rollout fleet's idle fraction, the largest
@@ -15,6 +17,7 @@ gain (step time over the larger of generation and the rest); and last the
 throughput ratio K=1 / K=0.
 
     python bench/async_pipeline.py [--gpu [--eager]] [--steps N] [--metrics-dir DIR] [key=value overrides]
+    python bench/async_pipeline.py --from-metrics DIR [--gpu]   (the report of runs kept with --metrics-dir)
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def run_gpu(state_dir: Path, steps: int, eager: bool, overrides: list[str]) -> d
                      "max_response_length": 128},
             "actor_rollout_ref": {
                 "model": {"path": str(model), "dtype": "bfloat16"},
-                "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 64, "ppo_micro_batch_size_per_gpu": 64},
+                "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 64,
+                          "use_kl_loss": True},
                 "rollout": {"name": "vllm", "n": 8},
             },
             "trainer": {"total_training_steps": steps, "experiment_name": f"async-k{max_staleness}",
@@ -135,28 +139,7 @@ def reward_by(rows: list[dict], start: float, seconds: float) -> float:
     return sum(done) / len(done) if done else float("nan")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", action="store_true")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--eager", action="store_true", help="--gpu: vLLM without CUDA graphs (starts faster)")
-    parser.add_argument("--metrics-dir", type=Path, help="keep each run's per-step metrics here (k1.jsonl, k0.jsonl)")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.gpu:
-            results = run_gpu(Path(tmp), args.steps or 8, args.eager, args.overrides)
-        else:
-            steps = [f"trainer.total_training_steps={args.steps}"] if args.steps else []
-            results = {}
-            for k in (1, 0):
-                (Path(tmp) / f"k{k}").mkdir()
-                results[k] = run_cpu(Path(tmp) / f"k{k}", [f"trainer.async_.max_staleness={k}", *steps,
-                                                           *args.overrides])
-    if args.metrics_dir:
-        args.metrics_dir.mkdir(parents=True, exist_ok=True)
-        for k, rows in results.items():
-            (args.metrics_dir / f"k{k}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+def report(results: dict[int, list[dict]], where: str) -> None:
     summaries = {k: summary(rows) for k, rows in results.items()}
     means = {k: stage_means(rows) for k, rows in results.items()}
     shown = [stage for stage in STAGES if all(stage in m for m in means.values())]
@@ -175,8 +158,38 @@ def main() -> None:
     print(f"K=0 step {synchronous['step_s']:.2f} s = generation {synchronous['gen_s']:.2f} s + the rest (score, "
           f"logprobs, update, sync) {rest:.2f} s: overlapping the two bounds K=1 at "
           f"{synchronous['step_s'] / max(synchronous['gen_s'], rest):.2f}x")
-    print(f"throughput K=1 / K=0: {summaries[1]['tokens_per_s'] / summaries[0]['tokens_per_s']:.2f}x "
-          f"({'GPU' if args.gpu else 'CPU'})")
+    print(f"throughput K=1 / K=0: {summaries[1]['tokens_per_s'] / summaries[0]['tokens_per_s']:.2f}x ({where})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--eager", action="store_true", help="--gpu: vLLM without CUDA graphs (starts faster)")
+    parser.add_argument("--metrics-dir", type=Path, help="keep each run's per-step metrics here (k1.jsonl, k0.jsonl)")
+    parser.add_argument("--from-metrics", type=Path, help="run nothing: report the runs a --metrics-dir kept")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if args.from_metrics:
+        results = {k: [json.loads(line) for line in (args.from_metrics / f"k{k}.jsonl").read_text().splitlines()]
+                   for k in (1, 0)}
+        report(results, f"{'GPU' if args.gpu else 'CPU'}, from {args.from_metrics}")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.gpu:
+            results = run_gpu(Path(tmp), args.steps or 12, args.eager, args.overrides)
+        else:
+            steps = [f"trainer.total_training_steps={args.steps}"] if args.steps else []
+            results = {}
+            for k in (1, 0):
+                (Path(tmp) / f"k{k}").mkdir()
+                results[k] = run_cpu(Path(tmp) / f"k{k}", [f"trainer.async_.max_staleness={k}", *steps,
+                                                           *args.overrides])
+    if args.metrics_dir:
+        args.metrics_dir.mkdir(parents=True, exist_ok=True)
+        for k, rows in results.items():
+            (args.metrics_dir / f"k{k}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report(results, "GPU" if args.gpu else "CPU")
 
 
 if __name__ == "__main__":
