@@ -7,11 +7,12 @@ Protocol (rank 0 sends, every other rank receives the same broadcasts):
    the manifest (uint8, JSON): per bucket, its size and the name, dtype,
    shape and byte offset of each tensor in it;
 2. per bucket: the bucket (uint8 [size], tensors packed at 16-byte aligned
-   offsets), then its checksum (int64 [1]), which the receiver recomputes
-   before loading the bucket.
+   offsets), then its checksum (int64 [1]), which the receiver recomputes.
 
-The receiver hands each verified bucket to ``load`` as (name, tensor) pairs
-while the next bucket is on its way.
+The receiver hands each bucket to ``load`` as (name, tensor) pairs while the
+next bucket is on its way, and compares the checksums once every bucket is
+in (``receive_weights`` says what that asks of a receiver loading straight
+into its model).
 """
 
 from __future__ import annotations
