@@ -117,9 +117,7 @@ def summary(rows: list[dict]) -> dict:
             "steps_per_s": len(timed) / wall, "tokens_per_s": tokens / wall,
             "reward_last10": sum(r["critic/score/mean"] for r in last) / len(last),
             "idle": sum(r["perf/rollout_idle_fraction"] for r in timed) / len(timed),
-            "staleness_max": max(r.get("training/off_policy/staleness/max", 0.0) for r in rows),
-            "gen_s": sum(r["timing_s/gen"] for r in timed) / len(timed),
-            "step_s": sum(r["timing_s/step"] for r in timed) / len(timed)}
+            "staleness_max": max(r.get("training/off_policy/staleness/max", 0.0) for r in rows)}
 
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "rollout_pause", "step")
@@ -153,11 +151,11 @@ def report(results: dict[int, list[dict]], where: str) -> None:
         print(f"{k:>2} {s['steps']:>6} {s['wall']:>8.1f} {s['steps_per_s']:>8.3f} {s['tokens_per_s']:>10.0f} "
               f"{s['reward_last10']:>15.3f} {reward_by(results[k], s['start'], horizon):>16.3f} {s['idle']:>13.1%} "
               f"{s['staleness_max']:>14.0f}")
-    synchronous = summaries[0]
-    rest = synchronous["step_s"] - synchronous["gen_s"]
-    print(f"K=0 step {synchronous['step_s']:.2f} s = generation {synchronous['gen_s']:.2f} s + the rest (score, "
+    synchronous = means[0]
+    rest = synchronous["step"] - synchronous["gen"]
+    print(f"K=0 step {synchronous['step']:.2f} s = generation {synchronous['gen']:.2f} s + the rest (score, "
           f"logprobs, update, sync) {rest:.2f} s: overlapping the two bounds K=1 at "
-          f"{synchronous['step_s'] / max(synchronous['gen_s'], rest):.2f}x")
+          f"{synchronous['step'] / max(synchronous['gen'], rest):.2f}x")
     print(f"throughput K=1 / K=0: {summaries[1]['tokens_per_s'] / summaries[0]['tokens_per_s']:.2f}x ({where})")
 
 
