@@ -22,13 +22,19 @@ PACKAGE_DIR = PROTO_ROOT / "meshrl" / "v1"
 
 
 def generate(out_dir: Path) -> list[Path]:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("grpcio-tools")
+    except PackageNotFoundError:
+        installed = "not"
+    if installed != PINNED_GRPCIO_TOOLS:
+        sys.exit(f"grpcio-tools {installed} installed; pip install grpcio-tools=={PINNED_GRPCIO_TOOLS} "
+                 "(or the project's test extra: pip install -e '.[test]')")
 
     import grpc_tools
     from grpc_tools import protoc
 
-    if version("grpcio-tools") != PINNED_GRPCIO_TOOLS:
-        sys.exit(f"grpcio-tools {version('grpcio-tools')} installed; pip install grpcio-tools=={PINNED_GRPCIO_TOOLS}")
     protos = sorted(PACKAGE_DIR.glob("*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"
     args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
