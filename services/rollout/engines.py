@@ -198,7 +198,7 @@ class HFRolloutEngine:
         """Close the channels joined. A receive still on one (a sync the new channel replaces) is abandoned,
         so it fails at once, as its own ReceiveWeights reports, rather than at the channel's deadline; the
         channels close once its thread has ended."""
-        self.channels.abandon_all()
+        await asyncio.to_thread(self.channels.abandon_all)  # gloo waits a moment on each peer: not in the loop
         staging, self._staging = self._staging, None
         if staging is not None:
             with contextlib.suppress(Exception):  # its error went to its own ReceiveWeights
