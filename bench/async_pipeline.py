@@ -34,7 +34,7 @@ import yaml
 
 
 def run_cpu(state_dir: Path, overrides: list[str]) -> list[dict]:
-    subprocess.run([sys.executable, "-m", "services.coordinator.cli", "start-run", "--local", "--state-dir",
+    subprocess.run([sys.executable, "-m", "services.coordctl.cli", "start-run", "--local", "--state-dir",
                     str(state_dir), *overrides], check=True, stdout=subprocess.DEVNULL)
     [metrics] = state_dir.glob("runs/*/metrics.jsonl")
     return [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -44,10 +44,10 @@ def run_gpu(state_dir: Path, steps: int, eager: bool, overrides: list[str]) -> d
     """Both runs (K=1, then K=0) one after the other on the same services, started once: the rollout's
     start-up (vLLM, its CUDA graphs) is paid once and both runs meet the same warm processes."""
     from services.common.config import apply_overrides
-    from services.coordinator.control import CoordinatorClient
-    from services.coordinator.local import LocalCluster, ServiceSpec
-    from services.coordinator.synthetic import reverse_task_rows, write_jsonl
-    from services.coordinator.tiny_model import QWEN25_SHAPES, build_random_model
+    from services.coordctl.control import CoordinatorClient
+    from services.coordctl.local import LocalCluster, ServiceSpec
+    from services.coordctl.synthetic import reverse_task_rows, write_jsonl
+    from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 
     model = build_random_model(state_dir / "model", QWEN25_SHAPES["0.5b"], "bfloat16", seed=0)
     data = write_jsonl(reverse_task_rows(4096, 2, 6, seed=3), state_dir / "reverse.jsonl")

@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 from services.common.config import to_yaml
-from services.coordinator.cli import resolve_config
-from services.coordinator.control import CoordinatorClient
-from services.coordinator.local import LocalCluster
+from services.coordctl.cli import resolve_config
+from services.coordctl.control import CoordinatorClient
+from services.coordctl.local import LocalCluster
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ESTIMATORS = {

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import yaml
 
-from services.coordinator.control import CoordinatorClient, RunStatus
-from services.coordinator.local import LocalCluster, ServiceSpec
-from services.coordinator.synthetic import reverse_task_rows, write_jsonl
-from services.coordinator.tiny_model import build_tiny_model
+from services.coordctl.control import CoordinatorClient, RunStatus
+from services.coordctl.local import LocalCluster, ServiceSpec
+from services.coordctl.synthetic import reverse_task_rows, write_jsonl
+from services.coordctl.tiny_model import build_tiny_model
 
 KINDS = ("trainer", "rollout", "reward")
 ROLLOUT = ServiceSpec("rollout", settings=("batch_size=1",))  # one sequence at a time: steps of ~0.3 s, not 0.05

@@ -31,7 +31,7 @@ TARGET = 0.9
 def run_local(state_dir: Path, overrides: list[str]) -> tuple[list[dict], float, float]:
     """Run coordctl start-run --local; returns the step metrics, run start time and total wall time."""
     started = time.time()
-    subprocess.run([sys.executable, "-m", "services.coordinator.cli", "start-run", "--local",
+    subprocess.run([sys.executable, "-m", "services.coordctl.cli", "start-run", "--local",
                     "--state-dir", str(state_dir), *overrides], check=True, stdout=subprocess.DEVNULL)
     wall = time.time() - started
     [metrics_file] = state_dir.glob("runs/*/metrics.jsonl")

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from services.coordinator.clients import RewardClient
-from services.coordinator.control import CoordinatorClient
-from services.coordinator.local import LocalCluster, ServiceSpec
+from services.coordctl.control import CoordinatorClient
+from services.coordctl.local import LocalCluster, ServiceSpec
 from services.reward.rules import score_sample
 
 

@@ -34,7 +34,7 @@ SEED = 1234
 
 def prompts_of(count: int) -> list[list[int]]:
     """Prompts of 8 to 39 character tokens (digits of a deterministic sequence)."""
-    from services.coordinator.tiny_model import build_char_tokenizer
+    from services.coordctl.tiny_model import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     return [tokenizer(str(7919 ** (i % 40 + 8))[: 8 + i % 32], add_special_tokens=False)["input_ids"]
@@ -67,8 +67,8 @@ def reference(model: str, count: int, n: int, max_new_tokens: int) -> None:
 
 async def through_service(model: str, count: int, n: int, max_new_tokens: int, state: Path) -> tuple[int, float]:
     from services.coordinator.clients import RolloutClient
-    from services.coordinator.control import CoordinatorClient
-    from services.coordinator.local import LocalCluster, ServiceSpec
+    from services.coordctl.control import CoordinatorClient
+    from services.coordctl.local import LocalCluster, ServiceSpec
 
     settings = ("engine=vllm", *(f"{key}={str(value).lower()}" for key, value in ENGINE.items()))
     cluster = LocalCluster(state, (ServiceSpec("rollout", settings=settings, env=(("CUDA_VISIBLE_DEVICES", "0"),)),))
@@ -104,7 +104,7 @@ def main() -> None:
     if args.reference_model:
         reference(args.reference_model, args.prompts, args.n, args.max_new_tokens)
         return
-    from services.coordinator.tiny_model import QWEN25_SHAPES, build_random_model
+    from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_random_model(Path(tmp) / "qwen-0.5b", QWEN25_SHAPES["0.5b"], "bfloat16", seed=0))

@@ -40,7 +40,7 @@ from services.common.nccl_channel import NcclChannel, new_unique_id
 from services.common.sequences import SequenceBatch, join_ragged
 from services.common.timing import StageTimer
 from services.common.weight_sync import send_weights, tensor_checksum
-from services.coordinator.tiny_model import QWEN25_SHAPES, build_random_model
+from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.hf_engine import SamplingSettings
 from services.rollout.vllm_engine import VLLMEngine, receive_raw, vllm_layout

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from services.coordinator.tiny_model import QWEN25_SHAPES, build_random_model
+from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 
 
 def gpus() -> int:

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from services.common.models import load_causal_lm
 from services.common.sequences import SequenceBatch
-from services.coordinator.tiny_model import QWEN25_SHAPES, build_random_model
+from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.batching import MicroBatching
 from services.trainer.optim import OptimSettings

@@ -10,9 +10,9 @@ from pathlib import Path
 import yaml
 
 from services.coordinator.clients import RolloutClient
-from services.coordinator.control import CoordinatorClient
-from services.coordinator.local import LocalCluster, ServiceSpec
-from services.coordinator.synthetic import reverse_task_rows, write_jsonl
+from services.coordctl.control import CoordinatorClient
+from services.coordctl.local import LocalCluster, ServiceSpec
+from services.coordctl.synthetic import reverse_task_rows, write_jsonl
 from tests.gpu.conftest import needs
 
 STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights")

@@ -21,7 +21,7 @@ from services.common.models import load_causal_lm
 from services.common.nccl_channel import new_unique_id
 from services.common.weight_sync import send_weights
 from services.coordinator.clients import RolloutClient
-from services.coordinator.local import LocalCluster, ServiceSpec
+from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.gpu.conftest import needs
 from tests.integration.test_partial_rollout import PROMPTS, scenario
 

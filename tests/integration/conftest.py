@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.coordinator.local import LocalCluster
-from services.coordinator.synthetic import reverse_task_rows, write_jsonl
-from services.coordinator.tiny_model import build_tiny_model
+from services.coordctl.local import LocalCluster
+from services.coordctl.synthetic import reverse_task_rows, write_jsonl
+from services.coordctl.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

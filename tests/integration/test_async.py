@@ -9,8 +9,8 @@ import sqlite3
 from pathlib import Path
 
 from services.common.config import to_yaml
-from services.coordinator.cli import resolve_config
-from services.coordinator.local import LocalCluster
+from services.coordctl.cli import resolve_config
+from services.coordctl.local import LocalCluster
 from tests.integration.test_faults import samples
 from tests.integration.test_learning import EXAMPLES, assert_learned, run_to_end
 

@@ -16,8 +16,8 @@ import pytest
 
 from bench.faults import KINDS, SERVICES, random_schedule, run_with_faults, service_address, step_events
 from services.coordinator.clients import RolloutClient
-from services.coordinator.control import CoordinatorClient, RunStatus
-from services.coordinator.local import LocalCluster, ServiceSpec
+from services.coordctl.control import CoordinatorClient, RunStatus
+from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_grpo_run import run_config
 from tests.integration.test_resume import comparable, run
 

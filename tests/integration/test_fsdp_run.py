@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.coordinator.local import LocalCluster, ServiceSpec
+from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_grpo_run import logprobs_both_ways, run_config, run_to_end
 
 

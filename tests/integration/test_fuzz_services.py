@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common.rpc import open_channel
 from services.common.wire import DTYPES, tensor_bytes
-from services.coordinator.control import CoordinatorClient
+from services.coordctl.control import CoordinatorClient
 from tests.integration.test_grpo_run import run_config
 
 ACCEPTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
@@ -49,7 +49,7 @@ def chunks(draw):
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory, tiny_model, reverse_data):
     """The cluster, with a run finished on it so that the trainer and rollout hold a model."""
-    from services.coordinator.local import LocalCluster
+    from services.coordctl.local import LocalCluster
 
     cluster = LocalCluster(tmp_path_factory.mktemp("fuzz") / "state")
     asyncio.run(cluster.start(timeout_s=120))

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from services.coordinator.clients import RolloutClient, TrainerClient
-from services.coordinator.control import CoordinatorClient
+from services.coordctl.control import CoordinatorClient
 from services.coordinator.loop import make_batch
 
 

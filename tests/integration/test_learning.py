@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from services.common.config import to_yaml
-from services.coordinator.cli import resolve_config
-from services.coordinator.control import CoordinatorClient
-from services.coordinator.local import LocalCluster, ServiceSpec
+from services.coordctl.cli import resolve_config
+from services.coordctl.control import CoordinatorClient
+from services.coordctl.local import LocalCluster, ServiceSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 40

@@ -19,7 +19,7 @@ from services.common.channel import open_channel, prepare_gloo_rendezvous
 from services.common.models import load_causal_lm
 from services.common.weight_sync import send_weights
 from services.coordinator.clients import Generated, RolloutClient
-from services.coordinator.local import LocalCluster, ServiceSpec
+from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_faults import LogTail
 from tests.integration.test_grpo_run import run_config, run_to_end
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.coordinator.control import CoordinatorClient
-from services.coordinator.local import ServiceSpec
+from services.coordctl.control import CoordinatorClient
+from services.coordctl.local import ServiceSpec
 from tests.integration.test_grpo_run import run_config
 
 STEPS = 6

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from services.coordinator.clients import RewardClient
-from services.coordinator.control import CoordinatorClient
-from services.coordinator.local import LocalCluster, ServiceSpec
-from services.coordinator.tiny_model import build_tiny_reward_model
+from services.coordctl.control import CoordinatorClient
+from services.coordctl.local import LocalCluster, ServiceSpec
+from services.coordctl.tiny_model import build_tiny_reward_model
 from services.reward.reward_model import RewardModel
 from tests.integration.test_grpo_run import run_config
 

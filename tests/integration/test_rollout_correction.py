@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.coordinator.clients import TrainerClient
-from services.coordinator.control import CoordinatorClient
+from services.coordctl.control import CoordinatorClient
 from services.coordinator.loop import make_batch
 from tests.integration.test_grpo_run import run_config
 

@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, reward_pb2_grpc
 from services.common.auth import cluster_tls, cluster_token
 from services.common.rpc import open_channel
-from services.coordinator.cli import app
-from services.coordinator.control import CoordinatorClient
-from services.coordinator.local import LocalCluster, ServiceSpec
+from services.coordctl.cli import app
+from services.coordctl.control import CoordinatorClient
+from services.coordctl.local import LocalCluster, ServiceSpec
 
 
 def make_certs(out_dir, host: str):

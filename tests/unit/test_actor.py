@@ -12,7 +12,7 @@ from services import algos
 from services.common.models import load_causal_lm
 from services.common.sequences import SequenceBatch
 from services.coordinator.loop import make_batch
-from services.coordinator.tiny_model import build_tiny_model
+from services.coordctl.tiny_model import build_tiny_model
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.optim import OptimSettings, chunks
 

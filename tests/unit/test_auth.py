@@ -11,7 +11,7 @@ from cryptography import x509
 from typer.testing import CliRunner
 
 from services.common.auth import TLS_VARIABLES, channel_credentials, cluster_tls, server_credentials
-from services.coordinator.cli import app
+from services.coordctl.cli import app
 
 
 def make_certs(out_dir: Path, *hosts: str) -> Path:

@@ -211,7 +211,7 @@ def test_validate_top_level_error_is_labelled():
 
 
 def test_embedded_local_default_validates_as_a_run_config():
-    default = resources.files("services.coordinator").joinpath("defaults/local.yaml")
+    default = resources.files("services.coordctl").joinpath("defaults/local.yaml")
     with resources.as_file(default) as path:
         config = load_config(RunConfig, path)
     assert config == validate(RunConfig, yaml.safe_load(default.read_text()))

@@ -1,4 +1,4 @@
-"""CPU tests of services/coordinator/convert.py and `coordctl data`: raw GSM8K / MATH JSONL to verl parquet."""
+"""CPU tests of services/coordctl/convert.py and `coordctl data`: raw GSM8K / MATH JSONL to verl parquet."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from services.coordinator.cli import app
-from services.coordinator.convert import (
+from services.coordctl.cli import app
+from services.coordctl.convert import (
     DEFAULT_INSTRUCTION,
     Format,
     convert_file,
@@ -21,7 +21,7 @@ from services.coordinator.convert import (
     write_parquet,
 )
 from services.coordinator.data import load_prompts
-from services.coordinator.tiny_model import build_char_tokenizer
+from services.coordctl.tiny_model import build_char_tokenizer
 
 GSM8K_ROWS = [
     {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from services.coordinator.data import Prompt, PromptSampler, load_prompts
-from services.coordinator.tiny_model import build_char_tokenizer
+from services.coordctl.tiny_model import build_char_tokenizer
 
 MAX_LEN = 8
 

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from services.common.models import load_causal_lm, load_value_model
 from services.coordinator.loop import make_batch
-from services.coordinator.tiny_model import build_tiny_model
+from services.coordctl.tiny_model import build_tiny_model
 from services.trainer import checkpoint
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.batching import MicroBatching, micro_batch_plan

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.common.models import load_causal_lm, load_tokenizer
-from services.coordinator.tiny_model import build_char_tokenizer, build_tiny_model, check_round_trip
+from services.coordctl.tiny_model import build_char_tokenizer, build_tiny_model, check_round_trip
 from services.rollout.hf_engine import (
     Completion,
     GenerationInterrupted,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen2ForSequenceClassification
 
-from services.coordinator.tiny_model import build_char_tokenizer, build_tiny_reward_model
+from services.coordctl.tiny_model import build_char_tokenizer, build_tiny_reward_model
 from services.reward.reward_model import RewardModel
 
 TEXTS = ["12=21", "345=543", "7=", "9999=9999 and more", "1"]

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from services.common.auth import cluster_tls, cluster_token
 from services.common.config import ConfigError, apply_overrides, read_yaml, to_yaml, validate
 from services.common.run_config import RunConfig
-from services.coordinator.control import CoordinatorClient, RunStatus
+from services.coordctl.control import CoordinatorClient, RunStatus
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Control a meshrl coordinator.")
 COORDINATOR = typer.Option(os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:7070"), "--coordinator", "-c",
@@ -32,7 +32,7 @@ FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
 
 
 def default_config() -> dict:
-    text = importlib.resources.files("services.coordinator").joinpath("defaults/local.yaml").read_text()
+    text = importlib.resources.files("services.coordctl").joinpath("defaults/local.yaml").read_text()
     import yaml
 
     return yaml.safe_load(text)
@@ -59,7 +59,7 @@ def resolve_config(args: list[str], local: bool) -> RunConfig:
         data = merge(default_config(), data)
     config = validate(RunConfig, apply_overrides(data, overrides))
     if local:
-        from services.coordinator.local import cache_dir, prepare_assets
+        from services.coordctl.local import cache_dir, prepare_assets
 
         assets = prepare_assets(config, cache_dir())
         config = validate(RunConfig, apply_overrides(config.model_dump(mode="json"), assets))
@@ -154,7 +154,7 @@ async def until_done_or_interrupted(task: asyncio.Future) -> bool:
 
 async def run_local(begin, state_dir: Path) -> RunStatus:
     """Start the local services on ``state_dir``, begin the run there and follow it; stop them all after."""
-    from services.coordinator.local import LocalCluster
+    from services.coordctl.local import LocalCluster
 
     cluster = LocalCluster(state_dir)
     try:
@@ -326,7 +326,7 @@ def data_convert(
                                                          "as in verl's preprocessing"),
 ) -> None:
     """Convert GSM8K / MATH JSONL into verl-schema parquet (prompt, reward_model.ground_truth, extra_info)."""
-    from services.coordinator.convert import Format, convert_file, write_parquet
+    from services.coordctl.convert import Format, convert_file, write_parquet
 
     try:
         if fmt not in Format.__members__:
@@ -349,7 +349,7 @@ def certs(
 ) -> None:
     """Make a CA and one certificate and key per host for mTLS (keys mode 0600; localhost and 127.0.0.1 are
     always named)."""
-    from services.coordinator.certs import HostNames, write_cluster_certs
+    from services.coordctl.certs import HostNames, write_cluster_certs
 
     try:
         written = write_cluster_certs(out_dir, [HostNames.parse(spec) for spec in hosts], days)

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from services.common.auth import cluster_token
 from services.common.run_config import RunConfig
-from services.coordinator.control import CoordinatorClient
-from services.coordinator.synthetic import reverse_task_rows, write_jsonl
-from services.coordinator.tiny_model import build_tiny_model
+from services.coordctl.control import CoordinatorClient
+from services.coordctl.synthetic import reverse_task_rows, write_jsonl
+from services.coordctl.tiny_model import build_tiny_model
 
 @dataclass(frozen=True)
 class ServiceSpec:
