@@ -79,20 +79,22 @@ def parse_value(raw: str) -> Any:
     return value
 
 
-def describe_errors(error: pydantic.ValidationError) -> str:
+def describe_errors(error: pydantic.ValidationError, section: str = "") -> str:
+    """Every error of ``error``, each naming its field (from ``section``, if the model is a part of a config)."""
     lines = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        field = ".".join([*filter(None, [section]), *(str(part) for part in item["loc"])]) or "(top level)"
         message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
         lines.append(f"{field}: {message}")
     return "; ".join(lines)
 
 
-def validate(model: type[Model], data: dict[str, Any]) -> Model:
+def validate(model: type[Model], data: dict[str, Any], section: str = "") -> Model:
+    """``data`` as a ``model``; ConfigError naming every bad field (as ``section.field`` if ``section`` is given)."""
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as error:
-        raise ConfigError(describe_errors(error)) from None
+        raise ConfigError(describe_errors(error, section)) from None
 
 
 def load_config(model: type[Model], path: str | Path | None, overrides: list[str] = ()) -> Model:

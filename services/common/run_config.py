@@ -311,27 +311,6 @@ class TrainerConfig(Section):
     """The asynchronous pipeline (``async`` is a Python keyword, hence the underscore)."""
 
 
-class TinyModelConfig(Section):
-    hidden_size: PositiveInt = 128
-    num_layers: PositiveInt = 2
-    num_heads: PositiveInt = 4
-    seed: int = 0
-
-
-class SyntheticTaskConfig(Section):
-    rows: PositiveInt = 20000
-    min_digits: PositiveInt = 2
-    max_digits: PositiveInt = 5
-    seed: int = 1
-
-
-class LocalConfig(Section):
-    """What ``coordctl start-run --local`` builds before it starts the run (ignored otherwise)."""
-
-    tiny_model: TinyModelConfig = TinyModelConfig()
-    synthetic_task: SyntheticTaskConfig = SyntheticTaskConfig()
-
-
 class RunConfig(Section):
     data: DataConfig = DataConfig()
     actor_rollout_ref: ActorRolloutRefConfig = ActorRolloutRefConfig()
@@ -339,7 +318,6 @@ class RunConfig(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     placement: PlacementConfig = PlacementConfig()
-    local: LocalConfig = LocalConfig()
 
     @property
     def use_critic(self) -> bool:

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from services.common.auth import cluster_tls, cluster_token
 from services.common.config import ConfigError, apply_overrides, read_yaml, to_yaml, validate
 from services.common.run_config import RunConfig
+from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient, RunStatus
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Control a meshrl coordinator.")
@@ -47,7 +48,10 @@ def merge(base: dict, top: dict) -> dict:
 
 
 def resolve_config(args: list[str], local: bool) -> RunConfig:
-    """The run config from an optional YAML file and key=value overrides; exits naming the field if bad."""
+    """The run config from an optional YAML file and key=value overrides; exits naming the field if bad.
+
+    With ``local``, the file and overrides are laid over the embedded default, and their ``local`` section
+    (what to build) is taken off before the rest is validated as the run config."""
     files = [a for a in args if "=" not in a]
     overrides = [a for a in args if "=" in a]
     if len(files) > 1:
@@ -57,11 +61,15 @@ def resolve_config(args: list[str], local: bool) -> RunConfig:
     data = read_yaml(files[0]) if files else {}
     if local:  # a file given with --local is laid over the embedded default
         data = merge(default_config(), data)
-    config = validate(RunConfig, apply_overrides(data, overrides))
+    data = apply_overrides(data, overrides)
+    local_section = data.pop("local", None)
+    if local_section is not None and not local:
+        raise ConfigError("local: only `coordctl start-run --local` reads this section (what it builds)")
+    config = validate(RunConfig, data)
     if local:
         from services.coordctl.local import cache_dir, prepare_assets
 
-        assets = prepare_assets(config, cache_dir())
+        assets = prepare_assets(config, validate(LocalConfig, local_section or {}, "local"), cache_dir())
         config = validate(RunConfig, apply_overrides(config.model_dump(mode="json"), assets))
     config.require_paths()
     return config

@@ -1,7 +1,7 @@
 """``coordctl start-run --local``: the whole mesh on this machine.
 
 1. Build, once into the cache folder, the tiny model and the synthetic data
-   that the run config's ``local`` section describes.
+   that the ``local`` section of coordctl's config describes (``config.py``).
 2. Start the coordinator, then one trainer, one rollout and one reward
    service, as subprocesses on loopback ports, each with one torch thread
    (on 2 cores, several torch processes with 2 threads each slow each other
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from services.common.auth import cluster_token
 from services.common.run_config import RunConfig
+from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
 from services.coordctl.tiny_model import build_tiny_model
@@ -53,16 +54,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MESHRL_CACHE", Path.home() / ".cache" / "meshrl"))
 
 
-def prepare_assets(config: RunConfig, cache: Path) -> list[str]:
-    """Build the tiny model and synthetic data if missing; overrides that point the run at them."""
+def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[str]:
+    """Build the tiny model and synthetic data that ``local`` describes if the run names no model or data and
+    they are not in ``cache`` yet; overrides that point the run at them."""
     overrides = []
-    tiny = config.local.tiny_model
+    tiny = local.tiny_model
     if not config.actor_rollout_ref.model.path:
         folder = cache / "models" / f"tiny-qwen2-char-h{tiny.hidden_size}-l{tiny.num_layers}-a{tiny.num_heads}-s{tiny.seed}"
         if not (folder / "config.json").exists():
             build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed)
         overrides.append(f"actor_rollout_ref.model.path={folder}")
-    task = config.local.synthetic_task
+    task = local.synthetic_task
     if not config.data.train_files:
         path = cache / "data" / f"reverse-{task.rows}-d{task.min_digits}-{task.max_digits}-s{task.seed}.jsonl"
         if not path.exists():

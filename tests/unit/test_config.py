@@ -10,6 +10,8 @@ import yaml
 
 from services.common.config import ConfigError, ServeConfig, apply_overrides, load_config, read_yaml, to_yaml, validate
 from services.common.run_config import RunConfig
+from services.coordctl.cli import resolve_config
+from services.coordctl.config import LocalConfig
 
 # ---------------------------------------------------------------------------
 # apply_overrides
@@ -210,16 +212,31 @@ def test_validate_top_level_error_is_labelled():
         validate(RunConfig, {"data": {"train_batch_size": 48}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 32}}})
 
 
-def test_embedded_local_default_validates_as_a_run_config():
-    default = resources.files("services.coordctl").joinpath("defaults/local.yaml")
-    with resources.as_file(default) as path:
-        config = load_config(RunConfig, path)
-    assert config == validate(RunConfig, yaml.safe_load(default.read_text()))
+def test_embedded_local_default_is_a_run_config_and_a_local_section():
+    default = yaml.safe_load(resources.files("services.coordctl").joinpath("defaults/local.yaml").read_text())
+    local = validate(LocalConfig, default.pop("local"), "local")
+    config = validate(RunConfig, default)
     assert config.algorithm.adv_estimator == "grpo"
     assert config.data.train_batch_size % config.actor_rollout_ref.actor.ppo_mini_batch_size == 0
     assert config.actor_rollout_ref.rollout.n >= 2
     assert config.actor_rollout_ref.actor.optim.lr == 3.0e-4
-    assert config.local.synthetic_task.max_digits == 4
+    assert local.synthetic_task.max_digits == 4
+
+
+def test_the_local_section_is_coordctls_alone(tmp_path, monkeypatch):
+    """--local takes the local section off (errors named from local.); without --local it is refused, and the
+    run config the services parse has no such key."""
+    monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"^local\.tiny_model\.num_layer: unknown key"):
+        resolve_config(["local.tiny_model.num_layer=3"], local=True)
+    with pytest.raises(ConfigError, match=r"^local\.tiny_model: .*multiple of num_heads \(3\)"):
+        resolve_config(["local.tiny_model.num_heads=3"], local=True)
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("local: {synthetic_task: {rows: 10}}\n")
+    with pytest.raises(ConfigError, match=r"^local: only `coordctl start-run --local`"):
+        resolve_config([str(config_file), "actor_rollout_ref.model.path=/m", "data.train_files=[/d]"], local=False)
+    with pytest.raises(ConfigError, match=r"^local: unknown key"):
+        validate(RunConfig, {"local": {}})
 
 
 @pytest.mark.parametrize(("overrides", "on"), [

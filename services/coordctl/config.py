@@ -1,0 +1,53 @@
+"""What ``coordctl start-run --local`` builds before it starts a run: the ``local`` section of its config.
+
+Only coordctl reads this section; it is taken off the config before the rest is validated as the
+``RunConfig`` that the coordinator and the trainer parse, so a run config never carries it.
+"""
+
+from __future__ import annotations
+
+import pydantic
+from pydantic import PositiveInt
+
+from services.common.config import Section
+
+
+class TinyModelConfig(Section):
+    """The random-init Qwen2-architecture model with a character tokenizer, built when no model path is given."""
+
+    hidden_size: PositiveInt = 128
+    """Width of the model (the MLP is four times as wide)."""
+    num_layers: PositiveInt = 2
+    """Decoder layers."""
+    num_heads: PositiveInt = 4
+    """Attention heads; must divide hidden_size."""
+    seed: int = 0
+    """Seed of the random initialisation (the same seed and shape give the same weights)."""
+
+    @pydantic.model_validator(mode="after")
+    def _heads_divide_width(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+        return self
+
+
+class SyntheticTaskConfig(Section):
+    """The digit-reversal task (verl's data schema), generated when no training files are given."""
+
+    rows: PositiveInt = 20000
+    """Prompts generated."""
+    min_digits: PositiveInt = 2
+    """Fewest digits of a prompt."""
+    max_digits: PositiveInt = 5
+    """Most digits of a prompt."""
+    seed: int = 1
+    """Seed of the generated digits."""
+
+
+class LocalConfig(Section):
+    """What ``coordctl start-run --local`` builds, once, into its cache folder."""
+
+    tiny_model: TinyModelConfig = TinyModelConfig()
+    """Used when actor_rollout_ref.model.path is empty."""
+    synthetic_task: SyntheticTaskConfig = SyntheticTaskConfig()
+    """Used when data.train_files is empty."""
