@@ -47,8 +47,9 @@ from services.coordinator.data import Prompt, PromptSampler
 from services.coordinator.dispatch import ReplicaPool, map_shards_recovering
 from services.coordinator.metrics import data_metrics
 from services.coordinator.pipeline import Pipeline
-from services.coordinator.rollout_set import RolloutSet, wait_for
+from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.store import Checkpoint
+from services.coordinator.waiting import wait_for
 
 GENERATION_ATTEMPTS = 3  # a step's generation redone after every rollout of a shard failed, before giving up
 SCORING_ATTEMPTS = 3  # the same for scoring, after every reward replica failed

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Awaitable, Callable, Protocol, TypeVar
+from typing import Callable
 
-import grpc
 import structlog
 
 from services.common.errors import Unavailable
@@ -39,48 +38,12 @@ from services.common.rpc import is_retryable
 from services.common.run_config import RunConfig
 from services.coordinator.clients import Received, RolloutClient, RolloutInfo, TrainerClient
 from services.coordinator.dispatch import ReplicaPool
+from services.coordinator.waiting import Notices, describe, wait_for
 
 log = structlog.get_logger()
 PROBE_TIMEOUT_S = 2.0  # a rollout that does not answer Info this fast is out (stopped, cut off, dead)
-WAIT_POLL_S = 0.5
-Found = TypeVar("Found")
 FORM_ATTEMPTS = 3  # channel formations in a row that may fail (a member died while joining) before giving up
 SYNC_ATTEMPTS = 3  # sends of one version in a row that may fail before the attempt gives up
-
-
-class RunStopped(Exception):
-    """The run was stopped while it waited for a service."""
-
-
-class Notices(Protocol):
-    def log(self, message: str, kind: str = "log") -> None:
-        """An event of the run, for a person."""
-
-    def waiting(self, reason: str | None) -> None:
-        """The run waits for ``reason`` (state waiting); None: it goes on (state running)."""
-
-
-async def wait_for(look: Callable[[], Awaitable[Found]], notices: Notices, should_stop: Callable[[], bool],
-                   reason: str) -> Found:
-    """``await look()`` until it finds something; meanwhile the run waits (state waiting, for ``reason``).
-    RunStopped if the run is stopped meanwhile."""
-    waiting = False
-    while not (found := await look()):
-        if not waiting:
-            notices.waiting(reason)
-            waiting = True
-        if should_stop():
-            raise RunStopped(f"the run was stopped while it waited ({reason})")
-        await asyncio.sleep(WAIT_POLL_S)
-    if waiting:
-        notices.waiting(None)
-    return found
-
-
-def describe(error: BaseException) -> str:
-    if isinstance(error, grpc.aio.AioRpcError):
-        return f"{error.code().name}: {error.details()}"
-    return f"{type(error).__name__}: {error}"
 
 
 def took(receiving: asyncio.Future, version: int) -> bool:

@@ -29,8 +29,9 @@ from services.coordinator.data import Prompt, load_prompts
 from services.coordinator.loop import PPOLoop, RewardTarget, RunServices
 from services.coordinator.plot import plot_reward
 from services.coordinator.registry import Registry
-from services.coordinator.rollout_set import RolloutSet, RunStopped, describe
+from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
+from services.coordinator.waiting import RunStopped, describe
 
 log = structlog.get_logger()
 FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
