@@ -16,20 +16,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.coordinator.clients import RewardClient
+from services.coordinator.clients import RewardClient, RewardSample
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.reward.rules import score_sample
 
 
-def gsm8k_batch(count: int, seed: int = 0) -> list[tuple[str, str, str, dict]]:
+def gsm8k_batch(count: int, seed: int = 0) -> list[RewardSample]:
     rng = random.Random(seed)
     samples = []
     for index in range(count):
         answer = rng.randint(1, 10_000)
         reasoning = " ".join(f"step {i}: {rng.randint(1, 99)} + {rng.randint(1, 99)}" for i in range(8))
         final = rng.choice([f"#### {answer}", f"#### {answer + 1}", f"so it is {answer}"])
-        samples.append(("openai/gsm8k", f"{reasoning}. {final}", str(answer), {"index": index}))
+        samples.append(RewardSample("openai/gsm8k", f"{reasoning}. {final}", str(answer), {"index": index}))
     return samples
 
 
@@ -61,8 +61,8 @@ def main() -> None:
     args = parser.parse_args()
     samples = gsm8k_batch(args.samples)
     started = time.perf_counter()
-    for source, response, truth, _ in samples:
-        score_sample(source, response, truth)
+    for sample in samples:
+        score_sample(sample.data_source, sample.response, sample.ground_truth)
     in_process = time.perf_counter() - started
     service = asyncio.run(through_service(samples, args.shard))
     print(f"in process      {len(samples) / in_process:>10.0f} samples/s")

@@ -55,6 +55,17 @@ class RolloutInfo:
 
 
 @dataclass(frozen=True)
+class RewardSample:
+    """One response to score: the reward service picks its scorer by ``data_source``."""
+
+    data_source: str
+    response: str
+    ground_truth: str
+    extra_info: dict
+    prompt: str = ""  # the prompt as text (a reward model scores prompt + response)
+
+
+@dataclass(frozen=True)
 class ScoredSample:
     score: float
     valid: bool
@@ -247,13 +258,12 @@ class RewardClient:
         self._conn = Connection(address)
         self._stub = reward_pb2_grpc.RewardStub(self._conn.channel)
 
-    async def score(self, samples: list[tuple], timeout: float) -> tuple[list[ScoredSample], str]:
-        """Score (data_source, response, ground_truth, extra_info[, prompt]) samples; returns scores and the
-        replica's id."""
+    async def score(self, samples: list[RewardSample], timeout: float) -> tuple[list[ScoredSample], str]:
+        """Score the samples; returns one score each and the replica's id."""
         request = reward_pb2.ScoreRequest(samples=[
-            reward_pb2.Sample(data_source=source, response=response, ground_truth=truth, extra_info_json=json.dumps(extra),
-                              prompt=prompt[0] if prompt else "")
-            for source, response, truth, extra, *prompt in samples
+            reward_pb2.Sample(data_source=s.data_source, response=s.response, ground_truth=s.ground_truth,
+                              extra_info_json=json.dumps(s.extra_info), prompt=s.prompt)
+            for s in samples
         ])
         async with self._conn.slot():
             reply = await self._stub.Score(request, timeout=timeout)

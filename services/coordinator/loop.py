@@ -42,7 +42,7 @@ from services.common.errors import Unavailable
 from services.common.run_config import RunConfig
 from services.common.sequences import SequenceBatch, join_ragged
 from services.common.timing import StageTimer
-from services.coordinator.clients import Generated, RewardClient, RolloutClient, TrainerClient
+from services.coordinator.clients import Generated, RewardClient, RewardSample, RolloutClient, TrainerClient
 from services.coordinator.data import Prompt, PromptSampler
 from services.coordinator.dispatch import ReplicaPool, map_shards_recovering
 from services.coordinator.metrics import data_metrics
@@ -440,7 +440,8 @@ class PPOLoop:
         for row, response in enumerate(responses):
             prompt = rollouts.prompts[row // rollouts.n]
             text = self.tokenizer.decode(response.tolist(), skip_special_tokens=True)
-            samples.append((prompt.data_source, text, prompt.ground_truth, prompt.extra_info, prompt_texts[row // rollouts.n]))
+            samples.append(RewardSample(prompt.data_source, text, prompt.ground_truth, prompt.extra_info,
+                                        prompt_texts[row // rollouts.n]))
 
         async def call(replica: RewardClient, lo: int, hi: int):
             return await replica.score(samples[lo:hi], self.timeout)

@@ -24,7 +24,7 @@ from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.rpc import is_retryable
 from services.common.models import load_tokenizer
 from services.common.run_config import RunConfig
-from services.coordinator.clients import RewardClient, TrainerClient
+from services.coordinator.clients import RewardClient, RewardSample, TrainerClient
 from services.coordinator.data import Prompt, load_prompts
 from services.coordinator.loop import PPOLoop, RewardTarget, RunServices
 from services.coordinator.plot import plot_reward
@@ -44,7 +44,7 @@ TRAINER_PROBE_S = 2.0  # after a failure: a trainer that does not answer Info th
 
 async def probe(client: RewardClient, prompts: list[Prompt]) -> None:
     """Score each prompt's ground truth as the response; every score must come back valid."""
-    samples = [(p.data_source, p.ground_truth, p.ground_truth, p.extra_info) for p in prompts]
+    samples = [RewardSample(p.data_source, p.ground_truth, p.ground_truth, p.extra_info) for p in prompts]
     scores, _ = await client.score(samples, PROBE_TIMEOUT_S)
     invalid = [s.error for s in scores if not s.valid]
     if invalid:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import yaml
 
-from services.coordinator.clients import RewardClient
+from services.coordinator.clients import RewardClient, RewardSample
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.tiny_model import build_tiny_reward_model
@@ -49,7 +49,7 @@ def reward_cluster(tmp_path):
     cluster.stop()
 
 
-async def score_through_service(coordinator: str, batches: list[list[tuple]]):
+async def score_through_service(coordinator: str, batches: list[list[RewardSample]]):
     control = CoordinatorClient(coordinator)
     [service] = await control.list_services()
     await control.close()
@@ -61,8 +61,9 @@ async def score_through_service(coordinator: str, batches: list[list[tuple]]):
 
 
 def test_user_functions_that_raise_hang_or_return_garbage_cost_only_their_sample(reward_cluster):
-    batch = [("length_match", "abc", "xyz", {}), ("raises", "abc", "xyz", {}), ("hangs", "abc", "xyz", {}),
-             ("garbage", "abc", "xyz", {}), ("combined", "321", "321", {}), ("nobody", "1", "1", {})]
+    batch = [RewardSample(source, response, truth, {}) for source, response, truth in (
+        ("length_match", "abc", "xyz"), ("raises", "abc", "xyz"), ("hangs", "abc", "xyz"), ("garbage", "abc", "xyz"),
+        ("combined", "321", "321"), ("nobody", "1", "1"))]
     started = time.monotonic()
     [(scores, _), (again, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [batch, batch[:1]]))
     elapsed = time.monotonic() - started
@@ -78,7 +79,7 @@ def test_user_functions_that_raise_hang_or_return_garbage_cost_only_their_sample
 
 
 def test_reward_model_scores_prompt_and_response_in_batches(reward_cluster, tmp_path):
-    batch = [("rm", response, "", {}, prompt) for prompt, response in (("12=", "21"), ("345=", "543"), ("7=", ""))]
+    batch = [RewardSample("rm", response, "", {}, prompt) for prompt, response in (("12=", "21"), ("345=", "543"), ("7=", ""))]
     [(scores, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [batch]))
     expected = RewardModel(str(tmp_path / "rm"), "cpu", batch_size=1).score(["12=21", "345=543", "7="])
     assert all(s.valid for s in scores)
