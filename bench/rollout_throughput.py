@@ -67,6 +67,7 @@ def reference(model: str, count: int, n: int, max_new_tokens: int) -> None:
 
 async def through_service(model: str, count: int, n: int, max_new_tokens: int, state: Path) -> tuple[int, float]:
     from services.coordinator.clients import RolloutClient
+    from services.coordinator.settings import Sampling
     from services.coordctl.control import CoordinatorClient
     from services.coordctl.local import LocalCluster, ServiceSpec
 
@@ -83,7 +84,7 @@ async def through_service(model: str, count: int, n: int, max_new_tokens: int, s
 
         async def run(batch: list[list[int]]) -> tuple[int, float]:
             started = time.perf_counter()
-            out = await rollout.generate(batch, n, 1.0, 1.0, max_new_tokens, SEED, 0, [], 600)
+            out = await rollout.generate(batch, Sampling(n, 1.0, 1.0, max_new_tokens, ()), SEED, 0, 600)
             return int(out.response_lens.sum()), time.perf_counter() - started
 
         await run(prompts[:8])

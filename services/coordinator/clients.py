@@ -15,6 +15,7 @@ from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, roll
 from services.common.rpc import Connection
 from services.common.sequences import SequenceBatch
 from services.common.wire import BatchAssembler, batch_to_chunks
+from services.coordinator.settings import Sampling
 
 CONTROL_TIMEOUT_S = 30.0
 
@@ -93,13 +94,13 @@ class RolloutClient:
                 rollout_pb2.RolloutInitRequest(run_id=run_id, model_path=model_path, dtype=dtype), timeout=timeout)
         return int(info.details.get("channel_ranks", "1"))
 
-    async def generate(
-        self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-        seed: int, first_index: int, stop_token_ids: list[int], timeout: float,
-    ) -> Generated:
+    async def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int, first_index: int,
+                       timeout: float) -> Generated:
+        """``sampling.n`` responses per prompt, prompt i seeded from (``seed``, ``first_index`` + i)."""
         params = rollout_pb2.SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-            first_index=first_index, stop_token_ids=stop_token_ids,
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+            max_new_tokens=sampling.max_new_tokens, seed=seed, first_index=first_index,
+            stop_token_ids=list(sampling.stop_token_ids),
         )
         flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
@@ -113,6 +114,7 @@ class RolloutClient:
             async for reply in self._stub.Generate(requests(), timeout=timeout):
                 assembler.add(reply.chunks)
         out = assembler.result(required=("response_ids", "response_lens", "logprobs", "truncated", "weight_versions"))
+        n = sampling.n
         if len(out["response_lens"]) != len(prompts) * n or len(out["weight_versions"]) != len(prompts) * n:
             raise ValueError(f"rollout {self.address} returned {len(out['response_lens'])} responses, not {len(prompts) * n}")
         return Generated(out["response_ids"], out["response_lens"], out["logprobs"], out["truncated"],

@@ -10,13 +10,14 @@ Choices:
   logprobs, reference logprobs and values, concurrently -> token rewards
   (minus the KL penalty when it goes into the reward) -> advantages ->
   critic and actor updates, concurrently -> weight sync trainer -> every
-  rollout -> metrics.
+  rollout -> metrics. ``train`` reads as those stages, one call each.
 - Before the first step the run loads its roles everywhere, opens the weight
   channel, runs the optional supervised warm start, and syncs, so every
   rollout serves exactly the trainer's weights from step 1 on.
 - Rollouts come and go (``RolloutSet``): one that fails mid-step has its
   shard redone on the others, newcomers are taken in at step boundaries with
   the current weights, and each shard must come back generated with them.
+  Reward services too (``RewardSet``), and can be swapped mid-run.
 - Sampling seeds come from (trainer.seed, step, round, prompt index), so a
   prompt's samples do not depend on which replica served it.
 - Generation runs ahead of training by up to trainer.async_.max_staleness
@@ -26,34 +27,36 @@ Choices:
   carries its version, staleness is a metric, and a sample older than K
   (which the pipeline never produces) would be dropped with its group and
   counted. K = 0 is the synchronous loop, step for step.
+- CPU work on whole batches (decoding responses for the reward services,
+  advantages) runs on a worker thread: the event loop stays free for the
+  calls in flight, generation ahead among them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
 from services import algos
 from services.common.errors import Unavailable
-from services.common.run_config import RunConfig
 from services.common.sequences import SequenceBatch, join_ragged
 from services.common.timing import StageTimer
-from services.coordinator.clients import Generated, RewardClient, RewardSample, RolloutClient, TrainerClient
+from services.coordinator.clients import Generated, RewardSample, RolloutClient, TrainerClient
 from services.coordinator.data import Prompt, PromptSampler
-from services.coordinator.dispatch import ReplicaPool, map_shards_recovering
+from services.coordinator.dispatch import map_shards_recovering
 from services.coordinator.metrics import data_metrics
 from services.coordinator.pipeline import Pipeline
+from services.coordinator.reward_set import RewardSet, RewardTarget
 from services.coordinator.rollout_set import RolloutSet
+from services.coordinator.settings import LoopSettings
 from services.coordinator.store import Checkpoint
-from services.coordinator.waiting import wait_for
 
 GENERATION_ATTEMPTS = 3  # a step's generation redone after every rollout of a shard failed, before giving up
-SCORING_ATTEMPTS = 3  # the same for scoring, after every reward replica failed
-REWARD_PROBE_TIMEOUT_S = 2.0
 
 
 class Reporter(Protocol):
@@ -71,35 +74,19 @@ class Reporter(Protocol):
 
 
 @dataclass
-class RunServices:
-    """The run's trainers and reward services; roles placed on the same trainer share one client. (The
-    rollouts are the loop's RolloutSet.)"""
+class Trainers:
+    """The run's trainer roles; roles placed on the same trainer share one client."""
 
     actor: TrainerClient
     critic: TrainerClient | None
     ref: TrainerClient | None
-    rewards: list[RewardClient]
 
-    def trainer_roles(self) -> dict[TrainerClient, list[str]]:
+    def roles(self) -> dict[TrainerClient, list[str]]:
         roles: dict[TrainerClient, list[str]] = {}
         for role, client in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref)):
             if client is not None:
                 roles.setdefault(client, []).append(role)
         return roles
-
-    def clients(self) -> list:
-        return [*self.trainer_roles(), *self.rewards]
-
-
-@dataclass(frozen=True)
-class RewardTarget:
-    """Where a run's rewards come from: every reward service up in a group, or one address."""
-
-    kind: str  # group or address
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.kind} {self.name}"
 
 
 @dataclass(frozen=True)
@@ -143,37 +130,56 @@ class Produced:
     seconds: dict[str, float]  # stage -> seconds spent generating and scoring it
 
 
+class Evaluated(NamedTuple):
+    """What the update needs from the trainers, all [T] over the batch's response tokens."""
+
+    old_logprobs: torch.Tensor  # the actor's, before the update
+    ref_logprobs: torch.Tensor | None  # the reference's (None: the run has no reference)
+    values: torch.Tensor | None  # the critic's (None: the run has no critic)
+
+
+class Estimate(NamedTuple):
+    """Token rewards and what the estimator made of them, all [T]."""
+
+    rewards: torch.Tensor  # scores on the last tokens, minus the KL penalty when it goes into the reward
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    metrics: dict[str, float]  # of the KL penalty in the reward
+
+
+class Updated(NamedTuple):
+    """What the updates of a step did."""
+
+    metrics: dict[str, float]  # the actor's and the critic's
+    version: int | None  # the actor's new weight version (None: only the critic was updated)
+
+
 class PPOLoop:
-    def __init__(self, run_id: str, config: RunConfig, config_yaml: str, services: RunServices,
-                 prompts: list[Prompt], tokenizer, reporter: Reporter, should_stop: Callable[[], bool],
-                 find_rewards: Callable[[RewardTarget], list[str]], find_rollouts: Callable[[], list[str]],
-                 checkpoint_dir: Path):
-        self.run_id, self.config, self.config_yaml = run_id, config, config_yaml
-        self.services, self.prompts, self.tokenizer = services, prompts, tokenizer
-        self.reporter, self.should_stop = reporter, should_stop
-        seed, data = config.trainer.seed, config.data
-        self.sampler = PromptSampler(len(prompts), data.train_batch_size, data.shuffle, seed)
-        self.rollouts = RolloutSet(run_id, config, services.actor, find_rollouts, reporter, should_stop)
-        self.reward_pool = ReplicaPool("reward", services.rewards)
-        self.timeout = config.trainer.rpc_timeout_s
-        self.kl_coef = config.algorithm.kl_ctrl.kl_coef
-        self.find_rewards = find_rewards  # the addresses of the reward services of a target, up now
-        self.reward_target = RewardTarget("group", config.placement.reward)
-        self.next_rewards: tuple[list[RewardClient], RewardTarget] | None = None  # a swap waiting for the boundary
+    def __init__(self, run_id: str, settings: LoopSettings, config_yaml: str, trainers: Trainers,
+                 rollouts: RolloutSet, rewards: RewardSet, prompts: list[Prompt], tokenizer, reporter: Reporter,
+                 should_stop: Callable[[], bool], checkpoint_dir: Path):
+        """``config_yaml``: the run config as the trainers load it; ``tokenizer``: the model's, to decode
+        responses for the reward services and encode the warm start's targets."""
+        self.run_id, self.settings, self.config_yaml = run_id, settings, config_yaml
+        self.trainers, self.rollouts, self.rewards = trainers, rollouts, rewards
+        self.prompts, self.tokenizer, self.reporter, self.should_stop = prompts, tokenizer, reporter, should_stop
+        self.sampler = PromptSampler(len(prompts), settings.batch_size, settings.shuffle, settings.seed)
+        self.timeout = settings.rpc_timeout_s
+        self.kl_coef = settings.kl_in_reward.initial_coef if settings.kl_in_reward else 0.0
         self.checkpoint_dir = checkpoint_dir
         self.saved_step = 0  # last step checkpointed (or resumed from)
         self.data_after: dict[int, dict] = {}  # step -> the data sampler's state right after its batch was drawn
-        self._retired: list[RewardClient] = []  # reward clients left at the last boundary, closed at the next
 
     async def run(self, resume: Checkpoint | None = None) -> bool:
         """Set up (from ``resume`` if given), then train until the last step or a stop request, checkpointing
         every trainer.save_freq steps and at a stop; True if every step ran."""
         await self.set_up(resume)
-        first, last = self.saved_step + 1, self.config.trainer.total_training_steps
+        settings = self.settings
+        first, last = self.saved_step + 1, settings.total_steps
         if self.should_stop():
             return False
         await self.boundary(first)
-        pipeline = Pipeline(self.produce, self.data_state, first, last, self.config.trainer.async_.max_staleness)
+        pipeline = Pipeline(self.produce, self.data_state, first, last, settings.max_staleness)
         pipeline.start()
         try:
             for step in range(first, last + 1):
@@ -183,7 +189,7 @@ class PPOLoop:
                 self.data_after[step] = ahead.data_state
                 metrics["perf/rollout_idle_fraction"] = pipeline.idle_fraction(since=timer.started)
                 self.reporter.step(step, metrics)
-                if self.config.trainer.save_freq and step % self.config.trainer.save_freq == 0:
+                if settings.save_freq and step % settings.save_freq == 0:
                     await self.save_checkpoint(step)
                 if self.should_stop() and step < last:
                     if step > self.saved_step:
@@ -194,138 +200,118 @@ class PPOLoop:
                 await pipeline.complete(step)                             # later batches may be begun
         finally:
             await pipeline.close()
-            await asyncio.gather(*(client.close() for client in self._retired if client not in self.services.rewards))
         return True
-
-    async def boundary(self, step: int) -> None:
-        """Before step ``step`` is generated: apply a reward swap, follow the reward and rollout replicas."""
-        await self.update_rewards(step)
-        await self.rollouts.refresh()
-
-    def data_state(self) -> dict:
-        return {"epoch": self.sampler.epoch, "position": self.sampler.position}
-
-    def loop_state(self, step: int) -> dict:
-        """What the coordinator must keep to go on after step ``step``: the data sampler as it was right after
-        that step's batch was drawn (it may have run ahead since), the KL coefficient, the reward target."""
-        return {**self.data_after[step], "kl_coef": self.kl_coef,
-                "reward_target": [self.reward_target.kind, self.reward_target.name]}
-
-    async def save_checkpoint(self, step: int) -> None:
-        """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step."""
-        folder = self.checkpoint_dir / f"step_{step:06d}"
-        await asyncio.gather(*(trainer.save_checkpoint(self.run_id, str(folder / "-".join(roles)), self.timeout)
-                               for trainer, roles in self.services.trainer_roles().items()))
-        self.reporter.checkpoint(step, str(folder), self.loop_state(step))
-        self.saved_step = step
-        self.data_after = {later: state for later, state in self.data_after.items() if later > step}
-
-    async def restore(self, resume: Checkpoint) -> int:
-        """Load every trainer's roles and the loop's own state; returns the actor's weight version."""
-        folder = Path(resume.path)
-        versions = await asyncio.gather(*(trainer.load_checkpoint(self.run_id, str(folder / "-".join(roles)),
-                                                                  self.timeout)
-                                          for trainer, roles in self.services.trainer_roles().items()))
-        state = resume.loop_state
-        self.sampler.epoch, self.sampler.position, self.kl_coef = state["epoch"], state["position"], state["kl_coef"]
-        self.reward_target = RewardTarget(*state["reward_target"])
-        self.saved_step = resume.step
-        self.reporter.log(f"resumed from the checkpoint of step {resume.step}")
-        return versions[list(self.services.trainer_roles()).index(self.services.actor)]
-
-    def swap_rewards(self, clients: list[RewardClient], target: RewardTarget) -> None:
-        """Use these reward services (and later ones of their target) from the next step on; they were probed."""
-        self.next_rewards = (clients, target)
-
-    async def update_rewards(self, step: int) -> None:
-        """At a step boundary: apply a requested swap, then follow the target's replicas as they come and go."""
-        clients = self.services.rewards
-        if self.next_rewards is not None:
-            (clients, self.reward_target), self.next_rewards = self.next_rewards, None
-            self.reporter.log(f"reward services switched to {self.reward_target} from step {step}", kind="reward")
-        addresses = self.find_rewards(self.reward_target) or [c.address for c in clients]  # none up: keep trying
-        await self.use_rewards(clients, addresses, f"from step {step}")
-
-    async def wait_for_rewards(self) -> None:
-        """Every reward replica failed a batch: wait (state waiting) until a service of the target answers
-        an empty Score (a dead one stays registered until it misses its heartbeats)."""
-        addresses = await wait_for(self.answering_rewards, self.reporter, self.should_stop,
-                                   f"no reward service of {self.reward_target} answers: waiting for one to register")
-        await self.use_rewards(self.services.rewards, addresses, "to score the batch again")
-
-    async def answering_rewards(self) -> list[str]:
-        clients = [RewardClient(address) for address in self.find_rewards(self.reward_target)]
-        answers = await asyncio.gather(*(c.score([], REWARD_PROBE_TIMEOUT_S) for c in clients), return_exceptions=True)
-        await asyncio.gather(*(c.close() for c in clients))
-        return [c.address for c, answer in zip(clients, answers) if not isinstance(answer, BaseException)]
-
-    async def use_rewards(self, clients: list[RewardClient], addresses: list[str], when: str) -> None:
-        """Score with the services at ``addresses`` (reusing the clients of ``clients`` that are among them)."""
-        by_address = {client.address: client for client in clients}
-        if set(addresses) != set(by_address):
-            self.reporter.log(f"reward replicas of {self.reward_target} {when}: {sorted(addresses)}", kind="reward")
-        new = [by_address.get(address) or RewardClient(address) for address in addresses]
-        retired = [c for c in {*self.services.rewards, *clients} if c not in new]
-        self.services.rewards, self.reward_pool = new, ReplicaPool("reward", new)
-        # closed one boundary later: a batch generated ahead may still be scoring on them
-        await asyncio.gather(*(client.close() for client in self._retired if client not in new))
-        self._retired = retired
-
-    async def produce(self, step: int) -> Produced:
-        """The generation side of a step: its batch generated and scored (from weights no older than those the
-        rollouts serve now)."""
-        timer, counts = StageTimer(), {}
-        rollouts, filter_metrics = await self.generate_and_score(step, timer, counts, self.rollouts.served)
-        return Produced(rollouts, {**filter_metrics, **{name: float(n) for name, n in counts.items()}}, timer.seconds)
 
     async def train(self, step: int, produced: Produced, timer: StageTimer) -> dict[str, float]:
         """The training side of a step: logprobs, advantages, updates, weight sync; returns the step's metrics."""
-        config, trainers, timeout = self.config, self.services, self.timeout
         timer.seconds.update(produced.seconds)
-        rollouts, off_policy = self.within_staleness(produced.rollouts)          # 1. responses and scores
-        sleeping = config.actor_rollout_ref.rollout.free_cache_engine
-        if sleeping:                                                             # the GPU is the trainer's now
-            with timer("rollout_sleep"):
-                await self.rollouts.sleep()
-        batch = rollouts.batch
-        old_logprobs, ref_logprobs, values = await asyncio.gather(               # 2. what the update needs
-            timer.timed("old_log_prob", trainers.actor.compute_log_probs(batch, step, timeout)),
-            timer.timed("ref", trainers.ref.compute_log_probs(batch, step, timeout, role="ref")) if trainers.ref else none(),
-            timer.timed("values", trainers.critic.compute_values(batch, step, timeout)) if trainers.critic else none())
-        with timer("adv"):                                                       # 3. rewards and advantages
-            rewards, kl_metrics = self.token_rewards(rollouts, old_logprobs, ref_logprobs)
-            estimate = algos.compute_advantages(
-                config.algorithm.adv_estimator, rewards, batch.response_lens, rollouts.group_ids, values,
-                config.algorithm.gamma, config.algorithm.lam, config.algorithm.norm_adv_by_std_in_grpo)
-        update_actor = step > config.trainer.critic_warmup                       # 4. updates
-        rollout_logprobs = rollouts.logprobs if config.use_rollout_correction else None
+        rollouts, staleness = self.within_staleness(produced.rollouts)              # 1. responses and scores
+        async with self.rollouts_asleep(timer):                                     #    (the GPU is the trainer's)
+            evaluated = await self.evaluate(rollouts.batch, step, timer)            # 2. what the update needs
+            estimate = await self.estimate(rollouts, evaluated, timer)              # 3. rewards and advantages
+            updated = await self.update(rollouts, evaluated, estimate, step, timer)  # 4. critic and actor updates
+        await self.sync_weights(updated, timer)                                     # 5. rollouts serve the new weights
+        metrics = {**updated.metrics, **estimate.metrics, **produced.metrics, **staleness, **timer.metrics()}
+        return {**metrics, **self.batch_metrics(rollouts, evaluated, estimate, updated, metrics["timing_s/step"])}
+
+    # ------------------------------------------------------------------ the stages of a step
+
+    @contextlib.asynccontextmanager
+    async def rollouts_asleep(self, timer: StageTimer):
+        """Colocated (actor_rollout_ref.rollout.free_cache_engine): the rollouts free their GPU memory for the
+        body of the ``with`` and take it back after; otherwise nothing."""
+        if not self.settings.sleep_rollouts:
+            yield
+            return
+        with timer("rollout_sleep"):
+            await self.rollouts.sleep()
+        yield
+        with timer("rollout_wake_up"):
+            await self.rollouts.wake_up()
+
+    async def evaluate(self, batch: SequenceBatch, step: int, timer: StageTimer) -> Evaluated:
+        """Old logprobs (actor), reference logprobs and values (critic), concurrently."""
+        return Evaluated(*await asyncio.gather(self.old_logprobs(batch, step, timer),
+                                               self.ref_logprobs(batch, step, timer),
+                                               self.values(batch, step, timer)))
+
+    async def old_logprobs(self, batch: SequenceBatch, step: int, timer: StageTimer) -> torch.Tensor:
+        with timer("old_log_prob"):
+            return await self.trainers.actor.compute_log_probs(batch, step, self.timeout)
+
+    async def ref_logprobs(self, batch: SequenceBatch, step: int, timer: StageTimer) -> torch.Tensor | None:
+        if self.trainers.ref is None:
+            return None
+        with timer("ref"):
+            return await self.trainers.ref.compute_log_probs(batch, step, self.timeout, role="ref")
+
+    async def values(self, batch: SequenceBatch, step: int, timer: StageTimer) -> torch.Tensor | None:
+        if self.trainers.critic is None:
+            return None
+        with timer("values"):
+            return await self.trainers.critic.compute_values(batch, step, self.timeout)
+
+    async def estimate(self, rollouts: Rollouts, evaluated: Evaluated, timer: StageTimer) -> Estimate:
+        """Token rewards and advantages, on a worker thread; then the adaptive KL coefficient moves."""
+        with timer("adv"):
+            estimate = await asyncio.to_thread(estimate_advantages, self.settings, self.kl_coef, rollouts, evaluated)
+        control = self.settings.kl_in_reward
+        if control is not None and control.adaptive:
+            self.kl_coef = algos.adaptive_kl_coef(self.kl_coef, estimate.metrics["actor/reward_kl_penalty"],
+                                                  len(rollouts.batch), control.target_kl, control.horizon)
+        return estimate
+
+    async def update(self, rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, step: int,
+                     timer: StageTimer) -> Updated:
+        """The critic's and the actor's updates, concurrently (the actor's from step critic_warmup + 1 on)."""
         critic_metrics, (actor_metrics, version) = await asyncio.gather(
-            timer.timed("update_critic", trainers.critic.update_critic(batch, values, estimate.returns, step, timeout))
-            if trainers.critic else none({}),
-            timer.timed("update_actor", trainers.actor.update_actor(
-                batch, old_logprobs, estimate.advantages, ref_logprobs, step, timeout, rollout_logprobs=rollout_logprobs))
-            if update_actor else none(({}, -1)))
-        if sleeping:
-            with timer("rollout_wake_up"):
-                await self.rollouts.wake_up()
-        if update_actor:                                                         # 5. rollouts serve the new weights
-            with timer("update_weights"):
-                await self.rollouts.sync(version)
-            timer.seconds["rollout_pause"] = self.rollouts.pause_s
-        metrics = {**actor_metrics, **critic_metrics, **kl_metrics, **produced.metrics, **off_policy, **timer.metrics(),
-                   **data_metrics(rollouts.scores, rewards, estimate.advantages, estimate.returns, values,
-                                  batch.response_lens, batch.prompt_lens, rollouts.truncated, rollouts.logprobs,
-                                  old_logprobs)}
+            self.update_critic(rollouts.batch, evaluated, estimate, step, timer),
+            self.update_actor(rollouts, evaluated, estimate, step, timer))
+        return Updated({**actor_metrics, **critic_metrics}, version)
+
+    async def update_critic(self, batch: SequenceBatch, evaluated: Evaluated, estimate: Estimate, step: int,
+                            timer: StageTimer) -> dict[str, float]:
+        if self.trainers.critic is None:
+            return {}
+        with timer("update_critic"):
+            return await self.trainers.critic.update_critic(batch, evaluated.values, estimate.returns, step,
+                                                            self.timeout)
+
+    async def update_actor(self, rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, step: int,
+                           timer: StageTimer) -> tuple[dict[str, float], int | None]:
+        if step <= self.settings.critic_warmup:
+            return {}, None
+        rollout_logprobs = rollouts.logprobs if self.settings.rollout_correction else None
+        with timer("update_actor"):
+            return await self.trainers.actor.update_actor(
+                rollouts.batch, evaluated.old_logprobs, estimate.advantages, evaluated.ref_logprobs, step,
+                self.timeout, rollout_logprobs=rollout_logprobs)
+
+    async def sync_weights(self, updated: Updated, timer: StageTimer) -> None:
+        """Every rollout serves the actor's new weights (nothing to send when only the critic was updated)."""
+        if updated.version is None:
+            return
+        with timer("update_weights"):
+            await self.rollouts.sync(updated.version)
+        timer.seconds["rollout_pause"] = self.rollouts.pause_s
+
+    @staticmethod
+    def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updated: Updated,
+                      step_s: float) -> dict[str, float]:
+        """verl's data metrics of the step's batch, its tokens and throughput, and the weight version trained."""
+        batch = rollouts.batch
         tokens = batch.num_response_tokens + int(batch.prompt_lens.sum())
-        metrics.update({"perf/total_num_tokens": float(tokens), "perf/throughput": tokens / metrics["timing_s/step"],
-                        "training/weight_version": float(version if update_actor else -1)})
-        return metrics
+        return {**data_metrics(rollouts.scores, estimate.rewards, estimate.advantages, estimate.returns,
+                               evaluated.values, batch.response_lens, batch.prompt_lens, rollouts.truncated,
+                               rollouts.logprobs, evaluated.old_logprobs),
+                "perf/total_num_tokens": float(tokens), "perf/throughput": tokens / step_s,
+                "training/weight_version": float(-1 if updated.version is None else updated.version)}
 
     def within_staleness(self, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
         """The rollouts whose every sample is at most trainer.async_.max_staleness versions older than the
         weights the update starts from (prompts with an older sample are dropped, and counted), and the
         staleness metrics."""
-        limit = self.config.trainer.async_.max_staleness
+        limit = self.settings.max_staleness
         staleness = (self.rollouts.served - rollouts.versions).float()
         keep = [i for i in range(len(rollouts.prompts)) if staleness[i * rollouts.n:(i + 1) * rollouts.n].max() <= limit]
         metrics = {"rollout/weight_version": float(rollouts.versions.min()),
@@ -340,76 +326,49 @@ class PPOLoop:
                           f"weight versions old")
         return rollouts.keep_prompts(keep), metrics
 
-    async def set_up(self, resume: Checkpoint | None) -> None:
-        """Load the roles and models everywhere, open the weight channel, warm start (or restore), and sync."""
-        seed = self.config.trainer.seed
-        await asyncio.gather(
-            *(trainer.init_run(self.run_id, self.config_yaml, roles, seed, self.timeout)
-              for trainer, roles in self.services.trainer_roles().items()),
-            self.rollouts.form(),
-        )
-        if self.config.actor_rollout_ref.rollout.free_cache_engine:
-            await self.rollouts.wake_up()  # one an earlier attempt left asleep
-        version = await (self.restore(resume) if resume else self.warm_start())
-        await self.rollouts.sync(version)
+    # ------------------------------------------------------------------ the generation side
 
-    async def warm_start(self) -> int:
-        """Supervised steps on the ground-truth responses; returns the trainer's weight version."""
-        settings = self.config.actor_rollout_ref.actor.warm_start
-        sampler = PromptSampler(len(self.prompts), settings.batch_size, True, self.config.trainer.seed + 1)
-        version = 0
-        for index in range(settings.steps):
-            chosen = [self.prompts[i] for i in sampler.next_batch()]
-            batch = make_batch([p.token_ids for p in chosen], [self.encode_target(p) for p in chosen])
-            metrics, version = await self.services.actor.train_supervised(batch, 0, self.timeout)
-            if (index + 1) % max(1, settings.steps // 5) == 0:
-                self.reporter.log(f"warm start {index + 1}/{settings.steps}: loss {metrics['warm_start/loss']:.3f}")
-        return version
-
-    def encode_target(self, prompt: Prompt) -> list[int]:
-        """The ground truth as the response the warm start teaches, ending in EOS."""
-        ids = self.tokenizer(prompt.ground_truth, add_special_tokens=False)["input_ids"]
-        return ids + [self.tokenizer.eos_token_id]
-
-    async def generate_and_score(self, step: int, timer: StageTimer, counts: dict[str, int],
-                                 oldest: int) -> tuple[Rollouts, dict[str, float]]:
-        """The step's scored responses, sampled from weight versions >= ``oldest``; ``counts`` gets the samples
-        each replica produced. With DAPO dynamic sampling, groups whose scores are all equal are dropped and
+    async def produce(self, step: int) -> Produced:
+        """The generation side of a step: its batch generated and scored (from weights no older than those the
+        rollouts serve now). With DAPO dynamic sampling, groups whose scores are all equal are dropped and
         further batches generated, up to filter_groups.max_num_gen_batches rounds."""
-        settings, wanted = self.config.algorithm.filter_groups, self.config.data.train_batch_size
-        kept: list[Rollouts] = []
-        rounds = settings.max_num_gen_batches if settings.enable else 1
-        for round_index in range(rounds):
-            with timer("gen"):
-                rollouts = await self.generate(step, round_index, counts, oldest)
-            with timer("reward"):
-                rollouts = await self.score(rollouts, counts)
-            if not settings.enable:
-                return rollouts, {}
+        timer, counts, oldest = StageTimer(), {}, self.rollouts.served
+        if not self.settings.filter_groups:
+            rollouts = await self.generate_and_score(step, 0, timer, counts, oldest)
+            return Produced(rollouts, counts, timer.seconds)
+        wanted, kept = self.settings.batch_size, []
+        for round_index in range(self.settings.max_gen_rounds):
+            rollouts = await self.generate_and_score(step, round_index, timer, counts, oldest)
             signal = algos.groups_with_signal(rollouts.scores, rollouts.group_ids)
-            keep = [i for i in range(len(rollouts.prompts)) if bool(signal[i * rollouts.n])]
-            kept.append(rollouts.keep_prompts(keep))
+            kept.append(rollouts.keep_prompts([i for i in range(len(rollouts.prompts)) if bool(signal[i * rollouts.n])]))
             if sum(len(part.prompts) for part in kept) >= wanted:
                 break
         merged = Rollouts.concat(kept) if any(part.prompts for part in kept) else rollouts
         merged = merged.keep_prompts(list(range(min(wanted, len(merged.prompts)))))
-        return merged, {"training/filter_groups/kept_prompts": float(len(merged.prompts)),
-                        "training/filter_groups/gen_rounds": float(round_index + 1)}
+        return Produced(merged, {**counts, "training/filter_groups/kept_prompts": float(len(merged.prompts)),
+                                 "training/filter_groups/gen_rounds": float(round_index + 1)}, timer.seconds)
 
-    async def generate(self, step: int, round_index: int, counts: dict[str, int], oldest: int) -> Rollouts:
+    async def generate_and_score(self, step: int, round_index: int, timer: StageTimer, counts: dict[str, float],
+                                 oldest: int) -> Rollouts:
+        """One round: the next batch's responses, sampled from weight versions >= ``oldest``, and their scores;
+        ``counts`` gets the samples each replica produced."""
+        with timer("gen"):
+            rollouts = await self.generate(step, round_index, counts, oldest)
+        with timer("reward"):
+            return await self.score(rollouts, counts)
+
+    async def generate(self, step: int, round_index: int, counts: dict[str, float], oldest: int) -> Rollouts:
         """n responses per prompt of the next batch, spread over the rollout replicas (not yet scored).
 
         A shard whose replica fails, or comes back generated with weights older than ``oldest``, is redone on
         another; if every replica fails, the rollouts are refreshed (waiting for one if none is left) and the
         whole generation redone: same prompts, same seeds, so nothing is lost or counted twice."""
-        rollout = self.config.actor_rollout_ref.rollout
+        sampling = self.settings.sampling
         chosen = [self.prompts[i] for i in self.sampler.next_batch()]
-        seed = (self.config.trainer.seed * 1_000_003 + step) * 101 + round_index
+        seed = (self.settings.seed * 1_000_003 + step) * 101 + round_index
 
         async def call(replica: RolloutClient, lo: int, hi: int) -> Generated:
-            generated = await replica.generate(
-                [p.token_ids for p in chosen[lo:hi]], rollout.n, rollout.temperature, rollout.top_p,
-                self.config.data.max_response_length, seed, lo, rollout.stop_token_ids, self.timeout)
+            generated = await replica.generate([p.token_ids for p in chosen[lo:hi]], sampling, seed, lo, self.timeout)
             if int(generated.weight_versions.min()) < oldest:
                 raise Unavailable(f"rollout {replica.address} generated with weight version "
                                   f"{int(generated.weight_versions.min())}, older than {oldest}")
@@ -422,65 +381,127 @@ class PPOLoop:
 
         done = await map_shards_recovering(lambda: self.rollouts.pool, len(chosen), call, GENERATION_ATTEMPTS, refresh)
         for result, replica in done:
-            name = f"rollout/samples_by/{replica.address}"
-            counts[name] = counts.get(name, 0) + len(result.response_lens)
+            add_count(counts, f"rollout/samples_by/{replica.address}", len(result.response_lens))
         shards = [result for result, _ in done]
         prompt_ids, prompt_lens = join_ragged(
-            [torch.tensor(p.token_ids) for p in chosen for _ in range(rollout.n)], torch.int64)
+            [torch.tensor(p.token_ids) for p in chosen for _ in range(sampling.n)], torch.int64)
         batch = SequenceBatch(prompt_ids, prompt_lens, torch.cat([s.response_ids for s in shards]),
                               torch.cat([s.response_lens for s in shards]))
         return Rollouts(batch, torch.cat([s.logprobs for s in shards]), torch.cat([s.truncated for s in shards]),
-                        torch.zeros(len(batch)), torch.cat([s.weight_versions for s in shards]), chosen, rollout.n)
+                        torch.zeros(len(batch)), torch.cat([s.weight_versions for s in shards]), chosen, sampling.n)
 
-    async def score(self, rollouts: Rollouts, counts: dict[str, int]) -> Rollouts:
-        """The same rollouts with one score per response, spread over the reward replicas."""
-        responses = torch.split(rollouts.batch.response_ids, rollouts.batch.response_lens.tolist())
-        prompt_texts = [self.tokenizer.decode(p.token_ids, skip_special_tokens=True) for p in rollouts.prompts]
-        samples = []
-        for row, response in enumerate(responses):
-            prompt = rollouts.prompts[row // rollouts.n]
-            text = self.tokenizer.decode(response.tolist(), skip_special_tokens=True)
-            samples.append(RewardSample(prompt.data_source, text, prompt.ground_truth, prompt.extra_info,
-                                        prompt_texts[row // rollouts.n]))
-
-        async def call(replica: RewardClient, lo: int, hi: int):
-            return await replica.score(samples[lo:hi], self.timeout)
-
-        async def wait(failure: Unavailable) -> None:
-            self.reporter.log(f"scoring failed on every reward replica ({failure}); waiting for the reward "
-                              f"services and scoring the batch again")
-            await self.wait_for_rewards()
-
-        shards = await map_shards_recovering(lambda: self.reward_pool, len(samples), call, SCORING_ATTEMPTS, wait)
-        scored = [s for (scores, _), _ in shards for s in scores]
-        for (scores, service_id), _ in shards:  # who scored what
-            name = f"reward/samples_by/{service_id}"
-            counts[name] = counts.get(name, 0) + len(scores)
-        invalid = [s.error for s in scored if not s.valid]
+    async def score(self, rollouts: Rollouts, counts: dict[str, float]) -> Rollouts:
+        """The same rollouts with one score per response, spread over the reward replicas (the responses are
+        decoded on a worker thread)."""
+        samples = await asyncio.to_thread(reward_samples, rollouts, self.tokenizer)
+        scored = await self.rewards.score(samples)
+        for service_id, count in scored.by_service.items():
+            add_count(counts, f"reward/samples_by/{service_id}", count)
+        invalid = [s.error for s in scored.scores if not s.valid]
         if invalid:
             self.reporter.log(f"{len(invalid)} samples could not be scored (scored 0), first: {invalid[0]}")
-        return rollouts.with_scores(torch.tensor([s.score for s in scored], dtype=torch.float32))
+        return rollouts.with_scores(torch.tensor([s.score for s in scored.scores], dtype=torch.float32))
 
-    def token_rewards(self, rollouts: Rollouts, old_logprobs: torch.Tensor,
-                      ref_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
-        """Scores on the last tokens, minus the KL penalty when it goes into the reward (and its controller)."""
-        algorithm, lengths = self.config.algorithm, rollouts.batch.response_lens
-        if not algorithm.use_kl_in_reward:
-            return algos.token_rewards(rollouts.scores, lengths), {}
-        kl = algos.kl_penalty(old_logprobs, ref_logprobs, algorithm.kl_penalty)
-        rewards = algos.token_rewards(rollouts.scores, lengths, kl, self.kl_coef)
-        current_kl = algos.mean_sequence_kl(kl, lengths)
-        metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_coef}
-        control = algorithm.kl_ctrl
-        if control.type == "adaptive":
-            self.kl_coef = algos.adaptive_kl_coef(self.kl_coef, current_kl, len(lengths), control.target_kl,
-                                                  control.horizon)
-        return rewards, metrics
+    # ------------------------------------------------------------------ set-up, boundaries, checkpoints
+
+    async def set_up(self, resume: Checkpoint | None) -> None:
+        """Load the roles and models everywhere, open the weight channel, warm start (or restore), and sync."""
+        await asyncio.gather(
+            *(trainer.init_run(self.run_id, self.config_yaml, roles, self.settings.seed, self.timeout)
+              for trainer, roles in self.trainers.roles().items()),
+            self.rollouts.form(),
+        )
+        if self.settings.sleep_rollouts:
+            await self.rollouts.wake_up()  # one an earlier attempt left asleep
+        version = await (self.restore(resume) if resume else self.warm_start())
+        await self.rollouts.sync(version)
+
+    async def warm_start(self) -> int:
+        """Supervised steps on the ground-truth responses; returns the trainer's weight version."""
+        steps, version = self.settings.warm_start_steps, 0
+        if not steps:
+            return version
+        sampler = PromptSampler(len(self.prompts), self.settings.warm_start_batch_size, True, self.settings.seed + 1)
+        for index in range(steps):
+            chosen = [self.prompts[i] for i in sampler.next_batch()]
+            batch = make_batch([p.token_ids for p in chosen], [self.encode_target(p) for p in chosen])
+            metrics, version = await self.trainers.actor.train_supervised(batch, 0, self.timeout)
+            if (index + 1) % max(1, steps // 5) == 0:
+                self.reporter.log(f"warm start {index + 1}/{steps}: loss {metrics['warm_start/loss']:.3f}")
+        return version
+
+    def encode_target(self, prompt: Prompt) -> list[int]:
+        """The ground truth as the response the warm start teaches, ending in EOS."""
+        ids = self.tokenizer(prompt.ground_truth, add_special_tokens=False)["input_ids"]
+        return ids + [self.tokenizer.eos_token_id]
+
+    async def boundary(self, step: int) -> None:
+        """Before step ``step`` is generated: apply a reward swap, follow the reward and rollout replicas."""
+        await self.rewards.refresh(step)
+        await self.rollouts.refresh()
+
+    def data_state(self) -> dict:
+        return {"epoch": self.sampler.epoch, "position": self.sampler.position}
+
+    def loop_state(self, step: int) -> dict:
+        """What the coordinator must keep to go on after step ``step``: the data sampler as it was right after
+        that step's batch was drawn (it may have run ahead since), the KL coefficient, the reward target."""
+        target = self.rewards.target
+        return {**self.data_after[step], "kl_coef": self.kl_coef, "reward_target": [target.kind, target.name]}
+
+    async def save_checkpoint(self, step: int) -> None:
+        """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step."""
+        folder = self.checkpoint_dir / f"step_{step:06d}"
+        await asyncio.gather(*(trainer.save_checkpoint(self.run_id, str(folder / "-".join(roles)), self.timeout)
+                               for trainer, roles in self.trainers.roles().items()))
+        self.reporter.checkpoint(step, str(folder), self.loop_state(step))
+        self.saved_step = step
+        self.data_after = {later: state for later, state in self.data_after.items() if later > step}
+
+    async def restore(self, resume: Checkpoint) -> int:
+        """Load every trainer's roles and the loop's own state; returns the actor's weight version."""
+        folder, roles = Path(resume.path), self.trainers.roles()
+        versions = await asyncio.gather(*(trainer.load_checkpoint(self.run_id, str(folder / "-".join(names)),
+                                                                  self.timeout)
+                                          for trainer, names in roles.items()))
+        state = resume.loop_state
+        self.sampler.epoch, self.sampler.position, self.kl_coef = state["epoch"], state["position"], state["kl_coef"]
+        self.rewards.restore(RewardTarget(*state["reward_target"]))
+        self.saved_step = resume.step
+        self.reporter.log(f"resumed from the checkpoint of step {resume.step}")
+        return versions[list(roles).index(self.trainers.actor)]
 
 
-async def none(value=None):
-    """An awaitable of ``value``, for a stage a run does not have."""
-    return value
+def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollouts, evaluated: Evaluated) -> Estimate:
+    """Scores on the last tokens (minus ``kl_coef`` times the KL penalty when it goes into the reward), and the
+    estimator's advantages and returns."""
+    lengths, kl_in_reward, estimator = rollouts.batch.response_lens, settings.kl_in_reward, settings.estimator
+    if kl_in_reward is None:
+        rewards, metrics = algos.token_rewards(rollouts.scores, lengths), {}
+    else:
+        kl = algos.kl_penalty(evaluated.old_logprobs, evaluated.ref_logprobs, kl_in_reward.estimator)
+        rewards = algos.token_rewards(rollouts.scores, lengths, kl, kl_coef)
+        metrics = {"actor/reward_kl_penalty": algos.mean_sequence_kl(kl, lengths),
+                   "actor/reward_kl_penalty_coeff": kl_coef}
+    advantages = algos.compute_advantages(estimator.name, rewards, lengths, rollouts.group_ids, evaluated.values,
+                                          estimator.gamma, estimator.lam, estimator.norm_by_std)
+    return Estimate(rewards, advantages.advantages, advantages.returns, metrics)
+
+
+def reward_samples(rollouts: Rollouts, tokenizer) -> list[RewardSample]:
+    """Each response decoded, with its prompt's data source, ground truth, extra info and text."""
+    responses = torch.split(rollouts.batch.response_ids, rollouts.batch.response_lens.tolist())
+    prompt_texts = [tokenizer.decode(p.token_ids, skip_special_tokens=True) for p in rollouts.prompts]
+    samples = []
+    for row, response in enumerate(responses):
+        prompt = rollouts.prompts[row // rollouts.n]
+        samples.append(RewardSample(prompt.data_source, tokenizer.decode(response.tolist(), skip_special_tokens=True),
+                                    prompt.ground_truth, prompt.extra_info, prompt_texts[row // rollouts.n]))
+    return samples
+
+
+def add_count(counts: dict[str, float], name: str, count: int) -> None:
+    counts[name] = counts.get(name, 0.0) + float(count)
 
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]]) -> SequenceBatch:

@@ -35,9 +35,9 @@ import structlog
 
 from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
-from services.common.run_config import RunConfig
 from services.coordinator.clients import Received, RolloutClient, RolloutInfo, TrainerClient
 from services.coordinator.dispatch import ReplicaPool
+from services.coordinator.settings import RolloutSetSettings
 from services.coordinator.waiting import Notices, describe, wait_for
 
 log = structlog.get_logger()
@@ -69,17 +69,13 @@ def channel_backend(trainer_gpu: str, rollout_gpus: dict[str, frozenset[str]]) -
 
 
 class RolloutSet:
-    def __init__(self, run_id: str, config: RunConfig, actor: TrainerClient, find: Callable[[], list[str]],
-                 notices: Notices, should_stop: Callable[[], bool]):
-        """``find``: the addresses of the placement's rollout group that are up now."""
-        self.run_id, self.actor, self.find = run_id, actor, find
+    def __init__(self, run_id: str, settings: RolloutSetSettings, actor: TrainerClient, find: Callable[[], list[str]],
+                 notices: Notices, should_stop: Callable[[], bool],
+                 connect: Callable[[str], RolloutClient] = RolloutClient):
+        """``find``: the addresses of the placement's rollout group that are up now; ``connect``: a client of
+        the rollout at an address."""
+        self.run_id, self.settings, self.actor, self.find, self.connect = run_id, settings, actor, find, connect
         self.notices, self.should_stop = notices, should_stop
-        model, trainer = config.actor_rollout_ref.model, config.trainer
-        self.model_path, self.dtype, self.group = model.path, model.dtype, config.placement.rollout
-        self.backend = trainer.weight_sync_backend  # "auto" is resolved each time a channel forms
-        self.channel_timeout_s, self.rpc_timeout_s = trainer.channel_timeout_s, trainer.rpc_timeout_s
-        self.bucket_bytes = trainer.weight_sync_bucket_mb << 20
-        self.restart_in_flight = config.actor_rollout_ref.rollout.partial_rollout == "restart"
         self.members: list[RolloutClient] = []
         self.pool: ReplicaPool[RolloutClient] | None = None  # the members, for spreading a batch
         self.ranks: dict[str, int] = {}  # channel ranks each member's engine takes
@@ -151,7 +147,7 @@ class RolloutSet:
         await self._each("wake_up")
 
     async def _each(self, call: str) -> None:
-        results = await asyncio.gather(*(getattr(m, call)(self.rpc_timeout_s) for m in self.members),
+        results = await asyncio.gather(*(getattr(m, call)(self.settings.rpc_timeout_s) for m in self.members),
                                        return_exceptions=True)
         for member, result in zip(list(self.members), results):
             if isinstance(result, Exception):
@@ -168,12 +164,12 @@ class RolloutSet:
         A member whose side fails (it left the run: stopped, killed) ends the wait for the trainer's side, which
         could only wait for it until the channel's deadline: the trainer abandons that broadcast when it
         prepares the next channel."""
-        timeout = self.channel_timeout_s
+        timeout = self.settings.channel_timeout_s
         log.info("weight_sync_started", version=version, channel_id=self.channel_id, rollouts=self.addresses())
         receiving = {m.address: asyncio.ensure_future(m.receive_weights(self.channel_id, timeout,
-                                                                        self.restart_in_flight))
+                                                                        self.settings.restart_in_flight))
                      for m in self.members}
-        sending = asyncio.ensure_future(self.actor.broadcast_weights(self.channel_id, self.bucket_bytes, timeout))
+        sending = asyncio.ensure_future(self.actor.broadcast_weights(self.channel_id, self.settings.bucket_bytes, timeout))
         sent, trouble = None, ""
         try:
             pending = {sending, *receiving.values()}
@@ -234,12 +230,12 @@ class RolloutSet:
             return answering
 
         return await wait_for(look, self.notices, self.should_stop,
-                              f"no rollout of group {self.group!r} answers: waiting for one to register")
+                              f"no rollout of group {self.settings.group!r} answers: waiting for one to register")
 
     async def _probe(self, addresses: set[str]) -> dict[str, tuple[RolloutClient, RolloutInfo]]:
         """Client and Info of each address that answers within PROBE_TIMEOUT_S (members keep their client)."""
         members = {m.address: m for m in self.members}
-        clients = [members.get(address) or RolloutClient(address) for address in sorted(addresses)]
+        clients = [members.get(address) or self.connect(address) for address in sorted(addresses)]
         answers = await asyncio.gather(*(c.info(PROBE_TIMEOUT_S) for c in clients), return_exceptions=True)
         found = {c.address: (c, a) for c, a in zip(clients, answers) if isinstance(a, RolloutInfo)}
         await asyncio.gather(*(c.close() for c in clients if c.address not in found and c.address not in members))
@@ -249,8 +245,9 @@ class RolloutSet:
         """The found rollouts with the run's model loaded: those without it load it now (one that fails to
         is left out, unless the failure is the run's: a bad model path fails the run)."""
         loading = [client for client, info in found.values() if info.run_id != self.run_id]
-        loaded = await asyncio.gather(*(c.init_run(self.run_id, self.model_path, self.dtype, self.rpc_timeout_s)
-                                        for c in loading), return_exceptions=True)
+        settings = self.settings
+        loaded = await asyncio.gather(*(c.init_run(self.run_id, settings.model_path, settings.dtype,
+                                                   settings.rpc_timeout_s) for c in loading), return_exceptions=True)
         admitted = []
         for client, info in found.values():
             result = loaded[loading.index(client)] if client in loading else info.channel_ranks
@@ -266,17 +263,17 @@ class RolloutSet:
 
     async def _form(self, clients: list[RolloutClient]) -> bool:
         """The actor and ``clients`` join a fresh channel; False (after an event) if one did not join."""
-        backend = self.backend
+        backend, rpc_timeout_s = self.settings.backend, self.settings.rpc_timeout_s
         if backend == "auto":
-            infos = await asyncio.gather(*(c.info(self.rpc_timeout_s) for c in clients), return_exceptions=True)
+            infos = await asyncio.gather(*(c.info(rpc_timeout_s) for c in clients), return_exceptions=True)
             gpus = {c.address: i.gpus for c, i in zip(clients, infos) if isinstance(i, RolloutInfo)}
             backend = channel_backend(await self.actor.gpu(), gpus)  # one that did not answer will not join either
         self._generation += 1
-        channel_id, timeout = f"{self._channel_prefix}-{self._generation}", self.channel_timeout_s
+        channel_id, timeout = f"{self._channel_prefix}-{self._generation}", self.settings.channel_timeout_s
         ranks = [self.ranks[c.address] for c in clients]
         world_size = 1 + sum(ranks)
         before = list(self.members)
-        rendezvous = await self.actor.prepare_channel(channel_id, backend, world_size, self.rpc_timeout_s)
+        rendezvous = await self.actor.prepare_channel(channel_id, backend, world_size, rpc_timeout_s)
         joins = [asyncio.ensure_future(self.actor.join_channel(channel_id, backend, rendezvous, world_size,
                                                                timeout)),
                  *(asyncio.ensure_future(c.join_channel(channel_id, backend, rendezvous, 1 + sum(ranks[:i]),

@@ -24,12 +24,14 @@ from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.rpc import is_retryable
 from services.common.models import load_tokenizer
 from services.common.run_config import RunConfig
-from services.coordinator.clients import RewardClient, RewardSample, TrainerClient
+from services.coordinator.clients import TrainerClient
 from services.coordinator.data import Prompt, load_prompts
-from services.coordinator.loop import PPOLoop, RewardTarget, RunServices
+from services.coordinator.loop import PPOLoop, Trainers
 from services.coordinator.plot import plot_reward
 from services.coordinator.registry import Registry
+from services.coordinator.reward_set import RewardSet, RewardTarget, probe_samples
 from services.coordinator.rollout_set import RolloutSet
+from services.coordinator.settings import loop_settings, rollout_set_settings
 from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
 from services.coordinator.waiting import RunStopped, describe
 
@@ -37,18 +39,7 @@ log = structlog.get_logger()
 FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
 STOPPED = object()  # _wait_to_recover's answer when the run was stopped while it waited
 WATCH_INTERVAL_S = 0.5
-PROBE_SAMPLES = 4
-PROBE_TIMEOUT_S = 15.0  # a reward swap's probe batch
 TRAINER_PROBE_S = 2.0  # after a failure: a trainer that does not answer Info this fast is named as the cause
-
-
-async def probe(client: RewardClient, prompts: list[Prompt]) -> None:
-    """Score each prompt's ground truth as the response; every score must come back valid."""
-    samples = [RewardSample(p.data_source, p.ground_truth, p.ground_truth, p.extra_info) for p in prompts]
-    scores, _ = await client.score(samples, PROBE_TIMEOUT_S)
-    invalid = [s.error for s in scores if not s.valid]
-    if invalid:
-        raise ValueError(f"{client.address} could not score the probe: {invalid[0]}")
 
 
 def recoverable(failure: Exception) -> bool:
@@ -215,17 +206,20 @@ class RunManager:
         A trainer of the run that stops heartbeating (killed, stopped, cut off) ends the attempt at once with
         Unavailable naming it, whatever call was waiting on it; a rollout that does leaves the run's rollout
         set, and the attempt goes on with the others."""
-        services = await self._connect(config)
-        group = config.placement.rollout
-        ppo = PPOLoop(run_id, config, config_yaml, services, prompts, tokenizer, RunReporter(self, run_id, run_dir),
-                      lambda: run_id in self._stop_requested, self.reward_addresses,
-                      lambda: [record.address for record in self.registry.up("rollout", group)],
-                      run_dir / "checkpoints")
+        trainers = await self._connect(config)
+        reporter, should_stop = RunReporter(self, run_id, run_dir), lambda: run_id in self._stop_requested
+        rollouts = RolloutSet(run_id, rollout_set_settings(config), trainers.actor,
+                              lambda: [record.address for record in self.registry.up("rollout", config.placement.rollout)],
+                              reporter, should_stop)
+        rewards = RewardSet(RewardTarget("group", config.placement.reward), self.reward_addresses, reporter,
+                            should_stop, config.trainer.rpc_timeout_s)
+        ppo = PPOLoop(run_id, loop_settings(config), config_yaml, trainers, rollouts, rewards, prompts, tokenizer,
+                      reporter, should_stop, run_dir / "checkpoints")
         self._loops[run_id] = ppo
         try:
-            trainers = {client.address for client in services.trainer_roles()}
+            addresses = {client.address for client in trainers.roles()}
             loop = asyncio.ensure_future(ppo.run(resume))
-            watchdog = asyncio.ensure_future(self._watch_members(trainers, ppo.rollouts))
+            watchdog = asyncio.ensure_future(self._watch_members(addresses, rollouts))
             await asyncio.wait({loop, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if not loop.done():
                 loop.cancel()
@@ -233,11 +227,11 @@ class RunManager:
                 return watchdog.result()  # raises the Unavailable that ended the attempt
             watchdog.cancel()
             if loop.exception() is not None and recoverable(loop.exception()):
-                raise await self._name_silent_trainers(list(services.trainer_roles()), loop.exception())
+                raise await self._name_silent_trainers(list(trainers.roles()), loop.exception())
             return loop.result()
         finally:
             self._loops.pop(run_id, None)
-            await asyncio.gather(*(client.close() for client in services.clients()), ppo.rollouts.close())
+            await asyncio.gather(*(client.close() for client in trainers.roles()), rollouts.close(), rewards.close())
 
     async def _watch_members(self, trainers: set[str], rollouts: RolloutSet) -> bool:
         """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer
@@ -306,9 +300,9 @@ class RunManager:
     def _services_up(self, config: RunConfig) -> bool:
         return not self._missing(config)
 
-    async def _connect(self, config: RunConfig) -> RunServices:
-        """Clients for the services of the run's placement: one trainer per role (roles placed in the same
-        group share it), every rollout and reward service of their groups. Waits for them to be up."""
+    async def _connect(self, config: RunConfig) -> Trainers:
+        """Clients of the trainers of the run's placement, one per role (roles placed in the same group share
+        it), once every service of the placement is up (waiting for them)."""
         deadline = time.monotonic() + config.trainer.services_wait_s
         while missing := self._missing(config):
             if time.monotonic() > deadline:
@@ -318,12 +312,8 @@ class RunManager:
         place, roles = config.placement, self._roles(config)
         trainers = {group: TrainerClient(self.registry.up("trainer", group)[0].address)
                     for group in {getattr(place, role) for role in roles}}
-        return RunServices(
-            trainers[place.actor],
-            trainers[place.critic] if config.use_critic else None,
-            trainers[place.ref] if config.use_reference else None,
-            [RewardClient(r.address) for r in self.registry.up("reward", place.reward)],
-        )
+        return Trainers(trainers[place.actor], trainers[place.critic] if config.use_critic else None,
+                        trainers[place.ref] if config.use_reference else None)
 
     def _set_state(self, run_id: str, state: str, error: str = "") -> None:
         self.store.set_state(run_id, state, error)
@@ -358,27 +348,21 @@ class RunManager:
         row, loop = self.get_run(run_id), self._loops.get(run_id)
         if (group == "") == (address == ""):
             raise ValueError("name exactly one of group or address")
-        target = f"group {group}" if group else f"address {address}"
+        target = RewardTarget("group", group) if group else RewardTarget("address", address)
         if row.state != "running" or loop is None:
             raise FailedPrecondition(f"run {run_id} is {row.state}, not running")
-        addresses = [address] if address else [r.address for r in self.registry.up("reward", group)]
-        clients = [RewardClient(a) for a in addresses]
         try:
-            if not clients:
-                raise FailedPrecondition(f"no reward service is up in group {group!r}")
-            await asyncio.gather(*(probe(client, loop.prompts[:PROBE_SAMPLES]) for client in clients))
+            addresses = await loop.rewards.swap(target, probe_samples(loop.prompts))
         except Exception as error:  # noqa: BLE001 - any failure refuses the swap
-            await asyncio.gather(*(client.close() for client in clients))
             reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
             message = f"reward swap to {target} refused: {reason}"
             self.store.add_event(run_id, "reward", row.step, "", message, {})
-            log.warning("reward_swap_refused", run_id=run_id, target=target, error=str(error))
+            log.warning("reward_swap_refused", run_id=run_id, target=str(target), error=str(error))
             self.notify()
             raise FailedPrecondition(message) from None
-        loop.swap_rewards(clients, RewardTarget("group", group) if group else RewardTarget("address", address))
         self.store.add_event(run_id, "reward", row.step, "", f"reward swap to {target} accepted; applies at the "
                              "next step boundary", {})
-        log.info("reward_swap_accepted", run_id=run_id, target=target, addresses=addresses)
+        log.info("reward_swap_accepted", run_id=run_id, target=str(target), addresses=addresses)
         self.notify()
         return self.get_run(run_id)
 

@@ -21,6 +21,7 @@ from services.common.models import load_causal_lm
 from services.common.nccl_channel import new_unique_id
 from services.common.weight_sync import send_weights
 from services.coordinator.clients import RolloutClient
+from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.gpu.conftest import needs
 from tests.integration.test_partial_rollout import PROMPTS, scenario
@@ -51,7 +52,7 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
              for name, tensor in load_causal_lm(model_path, "bfloat16").named_parameters()]
 
     async def generate():
-        return await rollout.generate(PROMPTS, 2, 1.0, 1.0, 8, seed=1, first_index=0, stop_token_ids=[], timeout=60)
+        return await rollout.generate(PROMPTS, Sampling(2, 1.0, 1.0, 8, ()), seed=1, first_index=0, timeout=60)
 
     async def sync(channel_id: str, version: int, broadcasts: int | None) -> tuple:
         """(what the trainer's send_weights returned or raised, what the rollout's ReceiveWeights did)."""

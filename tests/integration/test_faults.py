@@ -16,6 +16,7 @@ import pytest
 
 from bench.faults import KINDS, SERVICES, random_schedule, run_with_faults, service_address, step_events
 from services.coordinator.clients import RolloutClient
+from services.coordinator.settings import Sampling
 from services.coordctl.control import CoordinatorClient, RunStatus
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_grpo_run import run_config
@@ -152,7 +153,7 @@ def test_rollout_stopped_during_a_weight_broadcast_is_named_and_the_run_goes_on_
             # after step 3 cannot finish on it; it is stopped as the actor's update of step 3 ends, so the
             # sync goes on the wire with a member that does not take it (it would land after the transfer if
             # stopped once the sync has begun: its receive runs beside the engine)
-            hold = asyncio.ensure_future(busy.generate([[5, 6, 7]] * 16, 16, 1.0, 1.0, 16, 0, 0, [], 120))
+            hold = asyncio.ensure_future(busy.generate([[5, 6, 7]] * 16, Sampling(16, 1.0, 1.0, 16, ()), 0, 0, 120))
             await LogTail(cluster, "trainer").wait_for("actor_updated", stop_at)
             os.kill(pid, signal.SIGSTOP)
             async for update in client.watch(started.run_id):

@@ -16,6 +16,7 @@ import yaml
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordctl.control import CoordinatorClient
 from services.coordinator.loop import make_batch
+from services.coordinator.settings import Sampling
 
 
 def run_config(model: Path, data: Path, **changes) -> str:
@@ -51,8 +52,7 @@ async def logprobs_both_ways(rollout_address: str, trainer_address: str, prompt:
     """Sample from the rollout, then score the same sequences on the trainer."""
     rollout, trainer = RolloutClient(rollout_address), TrainerClient(trainer_address)
     try:
-        generated = await rollout.generate([prompt], 4, 1.0, 1.0, 6, seed=11, first_index=0, stop_token_ids=[],
-                                           timeout=60)
+        generated = await rollout.generate([prompt], Sampling(4, 1.0, 1.0, 6, ()), seed=11, first_index=0, timeout=60)
         responses = [r.tolist() for r in torch.split(generated.response_ids, generated.response_lens.tolist())]
         batch = make_batch([prompt] * 4, responses)
         trainer_logprobs = await trainer.compute_log_probs(batch, step=0, timeout=60)

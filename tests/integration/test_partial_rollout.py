@@ -19,6 +19,7 @@ from services.common.channel import open_channel, prepare_gloo_rendezvous
 from services.common.models import load_causal_lm
 from services.common.weight_sync import send_weights
 from services.coordinator.clients import Generated, RolloutClient
+from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_faults import LogTail
 from tests.integration.test_grpo_run import run_config, run_to_end
@@ -62,7 +63,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
     channel = None
 
     async def generate() -> Generated:
-        return await rollout.generate(PROMPTS, N, TEMPERATURE, 1.0, tokens, seed=5, first_index=3, stop_token_ids=[],
+        return await rollout.generate(PROMPTS, Sampling(N, TEMPERATURE, 1.0, tokens, ()), seed=5, first_index=3,
                                       timeout=TIMEOUT_S)
 
     async def sync_while_generating(version: int, restart: bool):

@@ -21,6 +21,7 @@ from services.common.run_config import RunConfig
 from services.coordinator.clients import Received
 from services.coordinator.registry import Registry, ServiceRecord
 from services.coordinator.rollout_set import RolloutSet, channel_backend
+from services.coordinator.settings import rollout_set_settings
 from services.coordinator.store import RunStore
 
 # ---------------------------------------------------------------------------
@@ -521,7 +522,7 @@ class Notices:
 
 def syncing(*members: SyncingMember) -> tuple[RolloutSet, StuckTrainer]:
     trainer = StuckTrainer()
-    rollouts = RolloutSet("run", validate(RunConfig, {}), trainer, lambda: [], Notices(), lambda: False)
+    rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), trainer, lambda: [], Notices(), lambda: False)
     rollouts.members, rollouts.channel_id = list(members), "run-weights-1"
     return rollouts, trainer
 

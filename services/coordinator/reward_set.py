@@ -1,0 +1,153 @@
+"""A run's reward replicas: who scores its batches, and a swap to other reward services mid-run.
+
+Mirrors the rollout set:
+- The run scores with the reward services up in its target (a group, or one address). At each step
+  boundary (``refresh``) the set follows the target's services as they come and go.
+- A batch is spread over the replicas (``score``, through ReplicaPool): a shard whose replica fails is
+  redone on another; when every replica failed it, the run waits (state ``waiting``) until a service of
+  the target answers an empty Score, and the batch is scored again.
+- A swap (``swap``, from ``coordctl reward set``) is probed first: each new service must score a probe
+  batch (some prompts' ground truths as their responses) with valid scores, or the swap is refused and the
+  run keeps its services. An accepted swap applies at the next step boundary.
+- A client left at a boundary is closed one boundary later: a batch generated ahead may still be scoring
+  on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable
+
+from services.common.errors import FailedPrecondition, Unavailable
+from services.coordinator.clients import RewardClient, RewardSample, ScoredSample
+from services.coordinator.data import Prompt
+from services.coordinator.dispatch import ReplicaPool, map_shards_recovering
+from services.coordinator.waiting import Notices, wait_for
+
+SCORING_ATTEMPTS = 3  # a batch scored again after every reward replica failed it, before giving up
+ANSWER_TIMEOUT_S = 2.0  # a reward service that does not answer an empty Score this fast is not waited for
+SWAP_PROBE_SAMPLES = 4
+SWAP_PROBE_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class RewardTarget:
+    """Where a run's rewards come from: every reward service up in a group, or one address."""
+
+    kind: str  # group or address
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}"
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A batch's scores, in sample order, and how many samples each reward service scored."""
+
+    scores: list[ScoredSample]
+    by_service: dict[str, int]  # service id -> samples
+
+
+def probe_samples(prompts: list[Prompt]) -> list[RewardSample]:
+    """Each prompt's ground truth as its response: a scorer that works gives each a valid score."""
+    return [RewardSample(p.data_source, p.ground_truth, p.ground_truth, p.extra_info)
+            for p in prompts[:SWAP_PROBE_SAMPLES]]
+
+
+async def probe(client: RewardClient, samples: list[RewardSample]) -> None:
+    """ValueError unless ``client`` scores every sample validly."""
+    scores, _ = await client.score(samples, SWAP_PROBE_TIMEOUT_S)
+    invalid = [s.error for s in scores if not s.valid]
+    if invalid:
+        raise ValueError(f"{client.address} could not score the probe: {invalid[0]}")
+
+
+class RewardSet:
+    def __init__(self, target: RewardTarget, find: Callable[[RewardTarget], list[str]], notices: Notices,
+                 should_stop: Callable[[], bool], timeout_s: float,
+                 connect: Callable[[str], RewardClient] = RewardClient):
+        """``find(target)``: the addresses of the target's reward services up now; ``connect``: a client of the
+        reward service at an address; ``timeout_s``: of each Score call."""
+        self.target, self.find, self.connect = target, find, connect
+        self.notices, self.should_stop, self.timeout_s = notices, should_stop, timeout_s
+        self.clients: list[RewardClient] = [connect(address) for address in find(target)]
+        self._next: tuple[list[RewardClient], RewardTarget] | None = None  # a swap waiting for the boundary
+        self._retired: list[RewardClient] = []  # clients left at the last boundary, closed at the next
+
+    async def score(self, samples: list[RewardSample]) -> Scored:
+        """One score per sample, the batch spread over the replicas (waiting for the target's services if every
+        replica fails it)."""
+        async def call(replica: RewardClient, lo: int, hi: int) -> tuple[list[ScoredSample], str]:
+            return await replica.score(samples[lo:hi], self.timeout_s)
+
+        async def wait(failure: Unavailable) -> None:
+            self.notices.log(f"scoring failed on every reward replica ({failure}); waiting for the reward "
+                             f"services and scoring the batch again")
+            await self._wait_for_answering()
+
+        shards = await map_shards_recovering(lambda: ReplicaPool("reward", self.clients), len(samples), call,
+                                             SCORING_ATTEMPTS, wait)
+        by_service: dict[str, int] = {}
+        for (scores, service_id), _ in shards:
+            by_service[service_id] = by_service.get(service_id, 0) + len(scores)
+        return Scored([score for (scores, _), _ in shards for score in scores], by_service)
+
+    async def swap(self, target: RewardTarget, probe_batch: list[RewardSample]) -> list[str]:
+        """Probe the target's services; if every one scores the probe, use them from the next step boundary on.
+        Returns their addresses; FailedPrecondition if none is up, ValueError or a call's error if one fails
+        the probe (the run then keeps its services)."""
+        addresses = self.find(target)
+        if not addresses:
+            raise FailedPrecondition(f"no reward service is up in {target}")
+        clients = [self.connect(address) for address in addresses]
+        try:
+            await asyncio.gather(*(probe(client, probe_batch) for client in clients))
+        except BaseException:
+            await asyncio.gather(*(client.close() for client in clients))
+            raise
+        self._next = (clients, target)
+        return addresses
+
+    async def refresh(self, step: int) -> None:
+        """At a step boundary: apply an accepted swap, then follow the target's replicas as they come and go."""
+        clients = self.clients
+        if self._next is not None:
+            (clients, self.target), self._next = self._next, None
+            self.notices.log(f"reward services switched to {self.target} from step {step}", kind="reward")
+        addresses = self.find(self.target) or [c.address for c in clients]  # none up: keep trying these
+        await self._use(clients, addresses, f"from step {step}")
+
+    def restore(self, target: RewardTarget) -> None:
+        """Go on with the target a checkpoint recorded (taken up at the next refresh)."""
+        self.target = target
+
+    async def close(self) -> None:
+        pending = [self._next[0] if self._next else [], self._retired, self.clients]
+        await asyncio.gather(*(client.close() for client in {c for group in pending for c in group}))
+
+    async def _wait_for_answering(self) -> None:
+        """Wait (state waiting) until a service of the target answers an empty Score (a dead one stays registered
+        until it misses its heartbeats), then score with those that answer."""
+        async def answering() -> list[str]:
+            clients = [self.connect(address) for address in self.find(self.target)]
+            answers = await asyncio.gather(*(c.score([], ANSWER_TIMEOUT_S) for c in clients), return_exceptions=True)
+            await asyncio.gather(*(c.close() for c in clients))
+            return [c.address for c, answer in zip(clients, answers) if not isinstance(answer, BaseException)]
+
+        addresses = await wait_for(answering, self.notices, self.should_stop,
+                                   f"no reward service of {self.target} answers: waiting for one to register")
+        await self._use(self.clients, addresses, "to score the batch again")
+
+    async def _use(self, clients: list[RewardClient], addresses: list[str], when: str) -> None:
+        """Score with the services at ``addresses`` (reusing the clients of ``clients`` that are among them)."""
+        by_address = {client.address: client for client in clients}
+        if set(addresses) != set(by_address):
+            self.notices.log(f"reward replicas of {self.target} {when}: {sorted(addresses)}", kind="reward")
+        new = [by_address.get(address) or self.connect(address) for address in addresses]
+        retired = [c for c in {*self.clients, *clients} if c not in new]
+        self.clients = new
+        # closed one boundary later: a batch generated ahead may still be scoring on them
+        await asyncio.gather(*(client.close() for client in self._retired if client not in new))
+        self._retired = retired

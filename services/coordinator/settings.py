@@ -1,0 +1,110 @@
+"""The coordinator's plain settings of a run, built once from its RunConfig.
+
+The loop, the rollout set and the reward set take these instead of reading the nested config, as the
+trainer's roles take ``setup.actor_settings``: each value is named for what the code does with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.run_config import RunConfig
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What every Generate call of a run asks for."""
+
+    n: int  # responses per prompt
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]  # besides EOS
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """The advantage estimator and its parameters (services/algos.compute_advantages)."""
+
+    name: str  # gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline
+    gamma: float
+    lam: float
+    norm_by_std: bool  # GRPO divides by the group's std (False: Dr. GRPO)
+
+
+@dataclass(frozen=True)
+class KLInReward:
+    """The KL penalty subtracted from every token's reward, and how its coefficient moves."""
+
+    estimator: str  # kl/k1, abs, mse/k2, low_var_kl/k3
+    initial_coef: float
+    adaptive: bool  # move the coefficient toward target_kl over horizon samples
+    target_kl: float
+    horizon: int
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the PPO loop of one run does each step."""
+
+    total_steps: int
+    save_freq: int  # checkpoint every this many steps (0: only when stopped)
+    max_staleness: int  # generation may run this many weight versions ahead of training
+    seed: int
+    rpc_timeout_s: float  # of each training, generation and scoring call
+    batch_size: int  # prompts per step
+    shuffle: bool
+    sampling: Sampling
+    estimator: Estimator
+    kl_in_reward: KLInReward | None  # None: no KL in the reward
+    critic_warmup: int  # steps that update only the critic
+    rollout_correction: bool  # send the rollout's logprobs with each actor update (importance weights)
+    sleep_rollouts: bool  # rollouts free their GPU memory while the trainer works (colocated)
+    filter_groups: bool  # DAPO dynamic sampling: drop groups whose scores are all equal
+    max_gen_rounds: int  # generation rounds per step when filtering
+    warm_start_steps: int
+    warm_start_batch_size: int
+
+
+@dataclass(frozen=True)
+class RolloutSetSettings:
+    """How a run's rollouts load its model and receive its weights."""
+
+    model_path: str
+    dtype: str
+    group: str  # the placement's rollout group
+    backend: str  # weight channel transport: gloo, nccl, cuda_ipc, or auto (resolved when a channel forms)
+    channel_timeout_s: float  # joining a channel, and each broadcast
+    rpc_timeout_s: float
+    bucket_bytes: int
+    restart_in_flight: bool  # Generate calls in flight at a swap are sampled again under the new weights
+
+
+def loop_settings(config: RunConfig) -> LoopSettings:
+    data, trainer, algorithm = config.data, config.trainer, config.algorithm
+    rollout, warm_start = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor.warm_start
+    control = algorithm.kl_ctrl
+    kl_in_reward = KLInReward(algorithm.kl_penalty, control.kl_coef, control.type == "adaptive", control.target_kl,
+                              control.horizon) if algorithm.use_kl_in_reward else None
+    return LoopSettings(
+        total_steps=trainer.total_training_steps, save_freq=trainer.save_freq,
+        max_staleness=trainer.async_.max_staleness, seed=trainer.seed, rpc_timeout_s=trainer.rpc_timeout_s,
+        batch_size=data.train_batch_size, shuffle=data.shuffle,
+        sampling=Sampling(rollout.n, rollout.temperature, rollout.top_p, data.max_response_length,
+                          tuple(rollout.stop_token_ids)),
+        estimator=Estimator(algorithm.adv_estimator, algorithm.gamma, algorithm.lam, algorithm.norm_adv_by_std_in_grpo),
+        kl_in_reward=kl_in_reward, critic_warmup=trainer.critic_warmup,
+        rollout_correction=config.use_rollout_correction, sleep_rollouts=rollout.free_cache_engine,
+        filter_groups=algorithm.filter_groups.enable, max_gen_rounds=algorithm.filter_groups.max_num_gen_batches,
+        warm_start_steps=warm_start.steps, warm_start_batch_size=warm_start.batch_size,
+    )
+
+
+def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
+    model, trainer = config.actor_rollout_ref.model, config.trainer
+    return RolloutSetSettings(
+        model_path=model.path, dtype=model.dtype, group=config.placement.rollout, backend=trainer.weight_sync_backend,
+        channel_timeout_s=trainer.channel_timeout_s, rpc_timeout_s=trainer.rpc_timeout_s,
+        bucket_bytes=trainer.weight_sync_bucket_mb << 20,
+        restart_in_flight=config.actor_rollout_ref.rollout.partial_rollout == "restart",
+    )
