@@ -78,6 +78,21 @@ def whiten(values: torch.Tensor) -> torch.Tensor:
     return (values - mean) * torch.rsqrt(var + WHITEN_EPS)
 
 
+def _padded_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of each flat token in right-padded [B, L] rows. [B] -> ([T], [T])."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return rows, torch.arange(len(rows), device=lengths.device) - starts[rows]
+
+
+def _to_padded(flat: torch.Tensor, lengths: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Flat [T] -> float64 right-padded [B, max length], 0 after each row's tokens."""
+    width = int(lengths.max()) if len(lengths) else 0
+    padded = torch.zeros(len(lengths), width, dtype=torch.float64, device=flat.device)
+    padded[index] = flat.to(torch.float64)
+    return padded
+
+
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
     """Per-sequence group sum, count and unbiased std of the float64 scores."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
@@ -137,18 +152,21 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamm
     """Generalised advantage estimation, per sequence, then advantages whitened over the batch.
 
     rewards, values: [T]; delta_t = r_t + gamma V_{t+1} - V_t (V after the last token is 0),
-    A_t = delta_t + gamma lam A_{t+1}; returns = A + V (before whitening).
+    A_t = delta_t + gamma lam A_{t+1}; returns = A + V (before whitening). The recursion runs in
+    float64 on right-padded [B, L] rows, all rows at once; zero padding keeps it inside each row.
     """
-    advantages = torch.zeros_like(rewards, dtype=torch.float32)
-    start = 0
-    for length in lengths.tolist():
-        running, next_value = 0.0, 0.0
-        for t in range(start + length - 1, start - 1, -1):
-            delta = float(rewards[t]) + gamma * next_value - float(values[t])
-            running = delta + gamma * lam * running
-            advantages[t] = running
-            next_value = float(values[t])
-        start += length
+    index = _padded_index(lengths.to(rewards.device))
+    padded_rewards = _to_padded(rewards, lengths, index)
+    padded_values = _to_padded(values, lengths, index)
+    padded = torch.zeros_like(padded_rewards)
+    running = torch.zeros(len(lengths), dtype=torch.float64, device=rewards.device)
+    next_value = torch.zeros_like(running)
+    for t in range(padded.shape[1] - 1, -1, -1):
+        delta = padded_rewards[:, t] + gamma * next_value - padded_values[:, t]
+        running = delta + gamma * lam * running
+        padded[:, t] = running
+        next_value = padded_values[:, t]
+    advantages = padded[index].float()
     returns = advantages + values.float()
     return Advantages(whiten(advantages), returns)
 
@@ -176,16 +194,15 @@ def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tens
 
 
 def discounted_returns(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma G_{t+1} within each sequence. [T], [B] -> [T]."""
-    returns = torch.zeros_like(rewards, dtype=torch.float32)
-    start = 0
-    for length in lengths.tolist():
-        running = 0.0
-        for t in range(start + length - 1, start - 1, -1):
-            running = float(rewards[t]) + gamma * running
-            returns[t] = running
-        start += length
-    return returns
+    """G_t = r_t + gamma G_{t+1} within each sequence, in float64 on padded rows (see ``gae``). [T], [B] -> [T]."""
+    index = _padded_index(lengths.to(rewards.device))
+    padded_rewards = _to_padded(rewards, lengths, index)
+    padded = torch.zeros_like(padded_rewards)
+    running = torch.zeros(len(lengths), dtype=torch.float64, device=rewards.device)
+    for t in range(padded.shape[1] - 1, -1, -1):
+        running = padded_rewards[:, t] + gamma * running
+        padded[:, t] = running
+    return padded[index].float()
 
 
 def reinforce_plus_plus(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float) -> Advantages:

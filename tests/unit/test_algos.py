@@ -361,6 +361,68 @@ def test_gae_random_against_padded_reference(gamma, lam):
         _close(out.advantages, _flat(exp_adv, lengths), atol=1e-5, rtol=1e-5)
 
 
+def gae_reference(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamma: float,
+                  lam: float) -> algos.Advantages:
+    """algos.gae as it was before it was vectorised: a Python loop over every token of every sequence."""
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    start = 0
+    for length in lengths.tolist():
+        running, next_value = 0.0, 0.0
+        for t in range(start + length - 1, start - 1, -1):
+            delta = float(rewards[t]) + gamma * next_value - float(values[t])
+            running = delta + gamma * lam * running
+            advantages[t] = running
+            next_value = float(values[t])
+        start += length
+    returns = advantages + values.float()
+    return algos.Advantages(algos.whiten(advantages), returns)
+
+
+def discounted_returns_reference(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float) -> torch.Tensor:
+    """algos.discounted_returns as it was before it was vectorised: a Python loop over every token."""
+    returns = torch.zeros_like(rewards, dtype=torch.float32)
+    start = 0
+    for length in lengths.tolist():
+        running = 0.0
+        for t in range(start + length - 1, start - 1, -1):
+            running = float(rewards[t]) + gamma * running
+            returns[t] = running
+        start += length
+    return returns
+
+
+# ragged batches for the vectorised recursions: lengths of 1 among longer ones, empty responses, a single
+# sequence (long and of one token), and no sequences at all
+RAGGED_CASES = ([1, 5, 1, 3, 8, 1], [4, 0, 1, 7, 0], [1], [9], [1, 1, 1], [], [0, 0])
+
+
+def _random_ragged_cases(seed: int):
+    rng = np.random.default_rng(seed)
+    for lengths in [*RAGGED_CASES, *(_ragged_lengths(rng, int(rng.integers(2, 9)), 12, 1) for _ in range(6))]:
+        t = sum(lengths)
+        yield (torch.tensor(lengths, dtype=torch.int64), torch.tensor(rng.normal(size=t), dtype=torch.float32),
+               torch.tensor(rng.normal(size=t), dtype=torch.float32))
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8), (0.99, 0.95)])
+def test_gae_equals_loop_reference_on_ragged_batches(gamma, lam):
+    for lengths, rewards, values in _random_ragged_cases(11):
+        got = algos.gae(rewards, values, lengths, gamma, lam)
+        expected = gae_reference(rewards, values, lengths, gamma, lam)
+        assert got.advantages.dtype == got.returns.dtype == torch.float32
+        assert got.returns.shape == (int(lengths.sum()),)
+        torch.testing.assert_close(got.returns, expected.returns, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.advantages, expected.advantages, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9, 0.5])
+def test_discounted_returns_equals_loop_reference_on_ragged_batches(gamma):
+    for lengths, rewards, _ in _random_ragged_cases(12):
+        got = algos.discounted_returns(rewards, lengths, gamma)
+        assert got.dtype == torch.float32 and got.shape == (int(lengths.sum()),)
+        torch.testing.assert_close(got, discounted_returns_reference(rewards, lengths, gamma), atol=1e-6, rtol=0)
+
+
 # ---------------------------------------------------------------------------
 # grpo_advantages, rloo_advantages
 
