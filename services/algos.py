@@ -13,6 +13,8 @@ Choices, stated before the code:
   (group std + eps) (std unbiased) or without the division (Dr. GRPO); RLOO =
   score - mean of the other samples of the prompt; REINFORCE++ = whitened
   discounted returns; REINFORCE++-baseline = whitened (score - group mean).
+  GRPO, RLOO and REINFORCE++-baseline return their advantages as returns
+  (REINFORCE++ its discounted returns), as verl does.
   One deliberate difference: a prompt with a single sample has no baseline,
   and its advantage is 0 (verl passes its raw score through).
 - Whitening is over all response tokens of the batch: (x - mean) /
@@ -212,12 +214,15 @@ def reinforce_plus_plus(rewards: torch.Tensor, lengths: torch.Tensor, gamma: flo
 
 
 def reinforce_plus_plus_baseline(scores: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor) -> Advantages:
-    """REINFORCE++ with the group mean as baseline, on every token, whitened over the batch. [B] -> [T]."""
+    """REINFORCE++ with the group mean as baseline, on every token, whitened over the batch. [B] -> [T].
+
+    The returns are the whitened advantages too, as verl returns them (``(scores, scores)``).
+    """
     scores = scores.to(torch.float64)
     sums, counts, _ = _group_stats(scores, group_ids)
     centred = torch.where(counts > 1, scores - sums / counts, torch.zeros_like(scores)).to(torch.float32)
-    per_token = expand_per_token(centred, lengths)
-    return Advantages(whiten(per_token), per_token)
+    advantages = whiten(expand_per_token(centred, lengths))
+    return Advantages(advantages, advantages)
 
 
 # ---------------------------------------------------------------- losses
@@ -415,8 +420,10 @@ def compute_advantages(
     """Advantages and returns [T] of the named estimator from token rewards [T].
 
     Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline) use each
-    sequence's summed reward; gae needs ``values`` [T]. For grpo and rloo the
-    returns are the advantages, as in verl.
+    sequence's summed reward; gae needs ``values`` [T]. For grpo, rloo and
+    reinforce_plus_plus_baseline the returns are the advantages (for the last,
+    the whitened ones), as in verl; for gae they are advantages + values before
+    whitening, for reinforce_plus_plus the discounted returns.
     """
     if estimator == "gae":
         if values is None:

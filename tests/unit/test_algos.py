@@ -559,15 +559,31 @@ def test_reinforce_plus_plus_random_against_padded_reference(gamma):
 def test_reinforce_plus_plus_baseline_by_hand():
     # scores [1, 0, 3, 5], groups [7, 7, 7, 2], lengths [2, 1, 3, 2]
     # group 7: mean 4/3 -> centred [-1/3, -4/3, 5/3]; group 2 is a singleton -> 0
-    # returns per token: [-1/3, -1/3 | -4/3 | 5/3, 5/3, 5/3 | 0, 0]; advantages = those, whitened
+    # per token: [-1/3, -1/3 | -4/3 | 5/3, 5/3, 5/3 | 0, 0], mean (-2/3 - 4/3 + 5) / 8 = 3/8
+    # deviations from 3/8, in 24ths: [-17, -17 | -41 | 31, 31, 31 | -9, -9] (they sum to 0)
+    # sum of squares: (2 * 289 + 1681 + 3 * 961 + 2 * 81) / 576 = 5304 / 576; unbiased var 5304 / 576 / 7 = 221/168
+    # whitened = deviation / sqrt(221/168 + 1e-8): [-0.617584, -0.617584, -1.489468, 1.126183 x 3, -0.326956 x 2]
+    # verl returns (scores, scores): the returns are those whitened advantages too.
     out = algos.reinforce_plus_plus_baseline(torch.tensor([1.0, 0.0, 3.0, 5.0]), torch.tensor([7, 7, 7, 2]),
                                              torch.tensor([2, 1, 3, 2]))
-    returns = [-1 / 3, -1 / 3, -4 / 3, 5 / 3, 5 / 3, 5 / 3, 0.0, 0.0]
-    _close(out.returns, returns)
-    # mean = (-2/3 - 4/3 + 5) / 8 = 3/8
-    mean, var = statistics.fmean(returns), statistics.variance(returns)
-    assert mean == pytest.approx(3 / 8)
-    _close(out.advantages, [(r - mean) / math.sqrt(var + 1e-8) for r in returns], atol=1e-5)
+    s = math.sqrt(221 / 168 + 1e-8)
+    expected = [d / 24 / s for d in (-17, -17, -41, 31, 31, 31, -9, -9)]
+    assert expected == pytest.approx([-0.617584, -0.617584, -1.489468, 1.126183, 1.126183, 1.126183, -0.326956,
+                                      -0.326956], abs=1e-6)
+    _close(out.advantages, expected, atol=1e-6)
+    _close(out.returns, expected, atol=1e-6)
+
+
+def test_compute_advantages_reinforce_plus_plus_baseline_returns_are_the_advantages():
+    # The same case through compute_advantages: each score on its response's last token.
+    # rewards [0, 1 | 0 | 0, 0, 3 | 0, 5]; the expected numbers are the hand-worked ones above.
+    rewards = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 3.0, 0.0, 5.0])
+    out = algos.compute_advantages("reinforce_plus_plus_baseline", rewards, torch.tensor([2, 1, 3, 2]),
+                                   torch.tensor([7, 7, 7, 2]), None, 1.0, 1.0, True)
+    s = math.sqrt(221 / 168 + 1e-8)
+    expected = [d / 24 / s for d in (-17, -17, -41, 31, 31, 31, -9, -9)]
+    _close(out.advantages, expected, atol=1e-6)
+    _close(out.returns, expected, atol=1e-6)
 
 
 def test_reinforce_plus_plus_baseline_random_against_padded_reference():
@@ -581,11 +597,13 @@ def test_reinforce_plus_plus_baseline_random_against_padded_reference():
         centred = [s - statistics.fmean(members[g]) if len(members[g]) > 1 else 0.0
                    for s, g in zip(scores, group_ids)]
         _, mask = _padded(np.zeros(sum(lengths)), lengths, 6)
-        per_token = np.array(centred)[:, None] * mask  # verl: scores.unsqueeze(-1) * response_mask
+        per_token = np.array(centred)[:, None] * mask  # verl: scores.unsqueeze(-1).tile(...) * response_mask
+        if np.var(_flat(per_token, lengths)) <= 1e-6:  # whitening a constant amplifies float32 rounding
+            continue
+        whitened = _flat(_masked_whiten(per_token, mask), lengths)  # verl: masked_whiten(...); returns the same
         out = algos.reinforce_plus_plus_baseline(torch.tensor(scores), torch.tensor(group_ids), torch.tensor(lengths))
-        _close(out.returns, _flat(per_token, lengths), atol=1e-5)
-        if np.var(_flat(per_token, lengths)) > 1e-6:  # whitening a constant amplifies float32 rounding
-            _close(out.advantages, _flat(_masked_whiten(per_token, mask), lengths), atol=1e-4, rtol=1e-4)
+        _close(out.advantages, whitened, atol=1e-4, rtol=1e-4)
+        _close(out.returns, whitened, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------
