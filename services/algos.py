@@ -390,8 +390,17 @@ def sequence_nll(logprobs: torch.Tensor, num_tokens: int | None = None) -> torch
 def lr_factor(step: int, warmup_steps: int, total_steps: int, style: str, min_lr_ratio: float) -> float:
     """Multiplier of the peak learning rate after ``step`` scheduler steps (0-based).
 
-    Linear warmup over ``warmup_steps``, then constant, or a cosine decay to
-    ``min_lr_ratio`` at ``total_steps``.
+    Linear warmup over ``warmup_steps`` = W, then constant, or a cosine decay to
+    ``min_lr_ratio`` at ``total_steps``. The schedule advances once per update
+    call, so update k (1-based: every optimizer step of the k-th training step)
+    runs at lr * k / W for k <= W: lr / W first, the full lr at update W.
+
+    This differs from verl by one update: verl's warm-up factor is by default
+    step / max(1, W) from step 0, so its update k runs at lr * (k - 1) / W: the
+    first at lr 0, the full lr only at update W + 1 (and W = 1 is one update at
+    lr 0 there, no warm-up at all here). Deliberately: an update at lr 0 leaves
+    the weights as they were, so a whole RL step (generation, scoring, logprobs,
+    forward and backward) is spent for nothing but AdamW's moment estimates.
     """
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps

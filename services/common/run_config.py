@@ -85,7 +85,10 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     lr_warmup_steps: int = Field(0, ge=0)
-    """Training steps of linear warmup (the schedule advances once per update call, as in verl)."""
+    """Training steps W of linear warmup (0 = none); the schedule advances once per update call, as in verl.
+    Training step k (1-based) updates at lr * k / W up to k = W: lr / W first, the full lr at step W. verl by
+    default ramps one step later, at lr * (k - 1) / W, so its first update runs at lr 0 and changes nothing;
+    meshrl does not spend an RL step that way."""
     warmup_style: Literal["constant", "cosine"] = "constant"
     """After warmup: constant, or cosine decay to min_lr_ratio at trainer.total_training_steps."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from services import algos
+from services.trainer.optim import Optimizer, OptimSettings
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 F64 = torch.float64
@@ -1088,6 +1089,26 @@ def test_lr_factor_warmup_then_constant():
     got = [algos.lr_factor(s, 4, 100, "constant", 0.0) for s in range(8)]
     assert got == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0])
     assert algos.lr_factor(0, 0, 100, "constant", 0.0) == 1.0  # no warmup
+
+
+def test_lr_factor_warmup_first_updates_by_hand():
+    # W = 4: update k (scheduler step k - 1) runs at lr * k / 4 -> 1/4, 2/4, 3/4 for the first three updates;
+    # verl's step / W would give 0, 1/4, 2/4 (its first update at lr 0), which meshrl does not do.
+    for style in ("constant", "cosine"):
+        assert [algos.lr_factor(s, 4, 100, style, 0.0) for s in range(3)] == [0.25, 0.5, 0.75]
+    # The trainer's Optimizer applies it that way (peak lr 1e-3, one optimizer step per update call). With a
+    # constant gradient of 1, AdamW's bias-corrected moments are m = v = 1 at every step, so each step moves the
+    # weight by -lr_k / (1 + 1e-8): -2.5e-4, -5e-4, -7.5e-4 (no weight decay).
+    weight = torch.nn.Parameter(torch.zeros(1, dtype=F64))
+    optimizer = Optimizer([weight], OptimSettings(1e-3, 0.0, (0.9, 0.999), 1.0, 4, "constant", 0.0, 100))
+    moves = []
+    for _ in range(3):
+        before = weight.item()
+        weight.grad = torch.ones(1, dtype=F64)
+        optimizer.step()
+        optimizer.advance_schedule()
+        moves.append(weight.item() - before)
+    assert moves == pytest.approx([-2.5e-4 / (1 + 1e-8), -5e-4 / (1 + 1e-8), -7.5e-4 / (1 + 1e-8)], abs=1e-15)
 
 
 def test_lr_factor_cosine_by_hand():
