@@ -120,5 +120,6 @@ class ServeConfig(Section):
     torch_threads: int = Field(0, ge=0)
     """torch intra-op threads (0 = torch's default). Give each of several local services 1."""
     log_level: str = "info"
+    """Least severe level logged, a Python logging level name in any case: debug, info, warning, error."""
     grace_s: float = Field(10.0, ge=0)
     """On SIGTERM, how long calls in flight may take to finish."""

@@ -83,7 +83,11 @@ class OptimConfig(Section):
     lr: PositiveFloat = 1e-6
     """Peak learning rate of AdamW."""
     weight_decay: float = Field(0.01, ge=0)
+    """AdamW's decoupled weight decay (torch.optim.AdamW's weight_decay): each optimizer step multiplies every
+    trained weight, biases and norms included, by 1 - lr * weight_decay at that step's scheduled lr."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2): decay rates of its running means of the gradient and of the squared gradient.
+    The actor's also serve its warm start's optimizer."""
     lr_warmup_steps: int = Field(0, ge=0)
     """Training steps W of linear warmup (0 = none); the schedule advances once per update call, as in verl.
     Training step k (1-based) updates at lr * k / W up to k = W: lr / W first, the full lr at step W. verl by
@@ -118,6 +122,9 @@ class ActorConfig(Section):
     are taken longest first, so little padding is counted). Must fit the longest sequence,
     data.max_prompt_length + data.max_response_length."""
     ppo_epochs: PositiveInt = 1
+    """Passes over each step's batch in the actor's update: each pass reshuffles the batch's responses and cuts
+    them into mini-batches of ppo_mini_batch_size x rollout.n responses, one optimizer step each. The
+    learning-rate schedule still advances once per step."""
     clip_ratio_low: float = Field(0.2, gt=0, lt=1)
     """PPO clip range below 1."""
     clip_ratio_high: float = Field(0.2, gt=0)
@@ -132,6 +139,8 @@ class ActorConfig(Section):
     use_kl_loss: bool = False
     """Add kl_loss_coef * KL(actor || reference) to the loss (GRPO's way); needs a reference."""
     kl_loss_coef: float = Field(0.001, ge=0)
+    """With use_kl_loss: weight of the KL term added to the actor's loss, kl_loss_coef * the kl_loss_type
+    estimate of KL(actor || reference) aggregated as the loss is (loss_agg_mode); logged as actor/kl_loss."""
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
     """KL estimator of the loss term."""
     grad_clip: PositiveFloat = 1.0
@@ -152,7 +161,13 @@ class RolloutConfig(Section):
     n: PositiveInt = 8
     """Responses sampled per prompt."""
     temperature: PositiveFloat = 1.0
+    """Sampling temperature: responses are drawn from softmax(logits / temperature). The trainer divides the
+    logits by the same temperature for the old, reference and updated logprobs and the entropy, so the PPO
+    ratio compares the distribution the samples came from."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: each token is drawn from the smallest set of most likely tokens whose probabilities
+    add up to top_p (1 = the whole vocabulary). Only sampling applies it: the trainer's logprobs are those of
+    the whole temperature-scaled distribution."""
     stop_token_ids: list[int] = []
     """Token ids that end a response besides EOS."""
     log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
@@ -214,7 +229,10 @@ class CriticConfig(Section):
     """Weight of the value loss."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean")
+    """How the per-token clipped value losses become one number; the modes of the actor's loss_agg_mode."""
     grad_clip: PositiveFloat = 1.0
+    """Max global gradient norm of the critic: larger gradients are scaled down to it before each optimizer
+    step (critic/grad_norm logs the norm before clipping)."""
     strategy: Literal["auto", "fsdp2", "none"] = "auto"
     """As actor_rollout_ref.actor.strategy, for the critic (its fsdp_config is critic.model.fsdp_config)."""
 
@@ -223,8 +241,16 @@ class KLControlConfig(Section):
     type: Literal["fixed", "adaptive"] = "fixed"
     """fixed: kl_coef stays; adaptive: moves kl_coef toward target_kl over horizon samples."""
     kl_coef: float = Field(0.001, ge=0)
+    """With algorithm.use_kl_in_reward: every token's reward loses kl_coef * its KL estimate. With type
+    adaptive this is the starting value; the current one is logged as actor/reward_kl_penalty_coeff and kept
+    in checkpoints (verl's algorithm.kl_ctrl.kl_coef)."""
     target_kl: PositiveFloat = 0.1
+    """Adaptive: the KL the coefficient steers toward, measured each step as the batch mean of each response's
+    per-token mean KL estimate (actor/reward_kl_penalty). kl_coef is multiplied by
+    1 + clip(KL / target_kl - 1, -0.2, 0.2) * responses / horizon."""
     horizon: PositiveInt = 10000
+    """Adaptive: responses over which the clipped proportional error acts in full; a step of N responses moves
+    kl_coef by that error times N / horizon."""
 
 
 class FilterGroupsConfig(Section):
@@ -274,10 +300,19 @@ class PlacementConfig(Section):
     """Which service group hosts each role; roles placed in the same trainer group share one trainer service."""
 
     actor: str = "default"
+    """Group (a trainer service's ``group`` setting) of the trainer that hosts the actor; the run uses the
+    first trainer of that group that is up."""
     critic: str = "default"
+    """Group of the trainer that hosts the critic, when the run has one (critic.enable, or gae)."""
     ref: str = "default"
+    """Group of the trainer that hosts the reference policy, when the run has one (use_kl_loss or
+    use_kl_in_reward)."""
     rollout: str = "default"
+    """Group of the rollout services: every one up in it generates for the run, followed at each step
+    boundary as they come and go."""
     reward: str = "default"
+    """Group of the reward services: every one up in it scores. SetReward can move a running run to another
+    group, or one address, from the next step boundary."""
 
 
 class AsyncConfig(Section):
@@ -287,6 +322,9 @@ class AsyncConfig(Section):
 
 class TrainerConfig(Section):
     total_training_steps: PositiveInt = 100
+    """Steps the run trains (each: generate, score, update, sync weights); a resumed run goes on to it. Also
+    where the cosine learning-rate schedule ends. There is no total_epochs: the data is reshuffled each epoch
+    and repeats as long as steps remain (verl's trainer.total_training_steps)."""
     critic_warmup: int = Field(0, ge=0)
     """Steps that update only the critic before the actor starts updating."""
     max_recoveries: int = Field(3, ge=0)
@@ -294,7 +332,12 @@ class TrainerConfig(Section):
     save_freq: int = Field(0, ge=0)
     """Checkpoint every this many steps (0: only when the run is stopped); coordctl resume continues from the last."""
     project_name: str = "meshrl"
+    """verl's trainer.project_name, accepted so that verl configs load; meshrl only keeps it in the run's
+    saved config."""
     experiment_name: str = "run"
+    """Names the run: its id is <experiment_name>-<YYYYmmdd-HHMMSS>-<4 hex digits>, its folder
+    runs/<run_id>/ under the coordinator's state_dir, and it is the run's name in the run DB (verl's
+    trainer.experiment_name)."""
     seed: int = 0
     """Seeds data order, sampling and initialisation of optimizer state."""
     weight_sync_bucket_mb: PositiveInt = 1024

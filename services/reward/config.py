@@ -20,6 +20,8 @@ class ComponentConfig(Section):
     options: dict[str, str | float | int | bool] = {}
     """Keyword options of a rule, e.g. for openai/gsm8k: method (strict or flexible), format_score."""
     weight: float = 1.0
+    """Factor of this component's value in its data_source's score, the weighted sum of the components. A
+    component that fails makes the sample invalid, scored 0."""
 
     @pydantic.model_validator(mode="after")
     def _one_kind(self) -> ComponentConfig:
