@@ -1,0 +1,110 @@
+"""CPU tests of services/coordinator/metrics.py: step metrics under verl's names, against numbers by hand."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from services.coordinator.metrics import data_metrics, mismatch_metrics, summary
+
+
+def test_summary_by_hand():
+    assert summary("x", torch.tensor([1, 2, 6])) == {"x/mean": 3.0, "x/max": 6.0, "x/min": 1.0}
+    assert summary("x", torch.tensor([], dtype=torch.int64)) == {"x/mean": 0.0, "x/max": 0.0, "x/min": 0.0}
+    assert summary("y", torch.tensor([True, False, False, True])) == {"y/mean": 0.5, "y/max": 1.0, "y/min": 0.0}
+
+
+def test_data_metrics_by_hand():
+    # two sequences: 2 tokens and 1 token
+    metrics = data_metrics(
+        scores=torch.tensor([1.0, 0.0]),
+        rewards=torch.tensor([0.0, 1.0, -0.5]),  # sequence sums: 1.0 and -0.5
+        advantages=torch.tensor([0.5, -1.5, 1.0]),
+        returns=torch.tensor([2.0, 1.0, 0.0]),
+        values=torch.tensor([1.0, 1.0, 0.0]),
+        response_lens=torch.tensor([2, 1]),
+        prompt_lens=torch.tensor([4, 6]),
+        truncated=torch.tensor([False, True]),
+        rollout_logprobs=torch.log(torch.tensor([0.5, 0.25, 0.9])),
+        old_logprobs=torch.log(torch.tensor([0.4, 0.25, 0.6])),
+    )
+    expected = {
+        "critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0,
+        "critic/rewards/mean": 0.25, "critic/rewards/max": 1.0, "critic/rewards/min": -0.5,
+        "critic/advantages/mean": 0.0, "critic/advantages/max": 1.0, "critic/advantages/min": -1.5,
+        "critic/returns/mean": 1.0, "critic/returns/max": 2.0, "critic/returns/min": 0.0,
+        "critic/values/mean": 2 / 3, "critic/values/max": 1.0, "critic/values/min": 0.0,
+        # returns - values = [1, 0, 0]: unbiased var 1/3; var(returns) = 1 -> 1 - (1/3) / 1
+        "critic/vf_explained_var": 2 / 3,
+        "response_length/mean": 1.5, "response_length/max": 2.0, "response_length/min": 1.0,
+        "response_length/clip_ratio": 0.5,
+        "prompt_length/mean": 5.0, "prompt_length/max": 6.0, "prompt_length/min": 4.0,
+        # |0.5 - 0.4| = 0.1, |0.25 - 0.25| = 0, |0.9 - 0.6| = 0.3; unbiased var (0.01 + 0.09 - 3 (0.4/3)^2) / 2 = 7/300
+        "training/rollout_probs_diff_mean": (0.1 + 0.0 + 0.3) / 3,
+        "training/rollout_probs_diff_max": 0.3,
+        "training/rollout_probs_diff_std": math.sqrt(7 / 300),
+        # centred rollout probs [-1, -6, 7] / 20, old probs [-1, -10, 11] / 60:
+        # sum of products 138 / 1200, sums of squares 86 / 400 and 222 / 3600 -> 138 / sqrt(86 * 222)
+        "training/rollout_actor_probs_pearson_corr": 138 / math.sqrt(86 * 222),
+        # ratios pi_old / pi_rollout r = [0.8, 1, 2/3]; k3 = r - ln r - 1, summed: 37/15 - 3 - ln(0.8 * 2/3)
+        "training/rollout_mismatch_kl": (-8 / 15 - math.log(8 / 15)) / 3,
+        "training/rollout_is_ratio/mean": (0.8 + 1 + 2 / 3) / 3, "training/rollout_is_ratio/max": 1.0,
+        "training/rollout_is_ratio/min": 2 / 3,
+        # per response: 0.8 * 1 and 2/3
+        "training/rollout_is_seq_ratio/mean": (0.8 + 2 / 3) / 2, "training/rollout_is_seq_ratio/max": 0.8,
+        "training/rollout_is_seq_ratio/min": 2 / 3,
+    }
+    assert metrics.keys() == expected.keys()
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_data_metrics_of_an_empty_step_are_zero():
+    empty, lengths = torch.tensor([]), torch.tensor([], dtype=torch.int64)
+    metrics = data_metrics(empty, empty, empty, empty, None, lengths, lengths, torch.tensor([], dtype=torch.bool),
+                           empty, empty)
+    assert all(value == 0.0 and not math.isnan(value) for value in metrics.values())
+
+
+def test_mismatch_metrics_random_against_independent_reference():
+    generator = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([3, 0, 5, 1, 4])
+    rollout = -torch.rand(13, generator=generator, dtype=torch.float64) * 3
+    old = rollout + 0.3 * torch.randn(13, generator=generator, dtype=torch.float64)
+    metrics = mismatch_metrics(rollout, old, lengths)
+    p_rollout, p_old = [math.exp(v) for v in rollout.tolist()], [math.exp(v) for v in old.tolist()]
+    diffs = [abs(a - b) for a, b in zip(p_rollout, p_old)]
+    ratios = [b / a for a, b in zip(p_rollout, p_old)]
+    seq_ratios, start = [], 0
+    for n in lengths.tolist():
+        if n:
+            seq_ratios.append(math.prod(ratios[start:start + n]))
+        start += n
+    expected = {
+        "training/rollout_probs_diff_mean": statistics.fmean(diffs), "training/rollout_probs_diff_max": max(diffs),
+        "training/rollout_probs_diff_std": statistics.stdev(diffs),
+        "training/rollout_actor_probs_pearson_corr": statistics.correlation(p_rollout, p_old),
+        "training/rollout_mismatch_kl": statistics.fmean(r - math.log(r) - 1 for r in ratios),
+        "training/rollout_is_ratio/mean": statistics.fmean(ratios), "training/rollout_is_ratio/max": max(ratios),
+        "training/rollout_is_ratio/min": min(ratios),
+        "training/rollout_is_seq_ratio/mean": statistics.fmean(seq_ratios),
+        "training/rollout_is_seq_ratio/max": max(seq_ratios), "training/rollout_is_seq_ratio/min": min(seq_ratios),
+    }
+    assert metrics.keys() == expected.keys()
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key  # summary() is fp32
+
+
+def test_mismatch_metrics_of_identical_policies():
+    logprobs = torch.log(torch.tensor([0.5, 0.25, 0.9, 0.1], dtype=torch.float64))
+    metrics = mismatch_metrics(logprobs, logprobs.clone(), torch.tensor([1, 3]))
+    assert metrics["training/rollout_probs_diff_max"] == 0.0 and metrics["training/rollout_mismatch_kl"] == 0.0
+    assert metrics["training/rollout_actor_probs_pearson_corr"] == pytest.approx(1.0)
+    assert all(metrics[f"training/rollout_is_{level}/{stat}"] == 1.0
+               for level in ("ratio", "seq_ratio") for stat in ("mean", "max", "min"))
+    # a single token: no spread, so no correlation
+    one = mismatch_metrics(logprobs[:1], logprobs[:1], torch.tensor([1]))
+    assert one["training/rollout_actor_probs_pearson_corr"] == 0.0

@@ -1,0 +1,65 @@
+"""CPU tests of services/coordinator/registry.py: services registering, heartbeating, going down."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.coordinator.registry import Registry, ServiceRecord
+
+
+def record(service_id: str, kind: str = "rollout", address: str = "", group: str = "default") -> ServiceRecord:
+    return ServiceRecord(service_id, kind, address or f"host:{service_id}", group, protocol_version=1, last_seen=0.0)
+
+
+def test_register_then_up_and_heartbeat_of_unknown_is_false():
+    registry = Registry(heartbeat_interval_s=10, misses=3)
+    registry.register(record("r1"))
+    (up,) = registry.up("rollout")
+    assert up.service_id == "r1" and up.last_seen > 0  # last_seen is set by the registry, not the caller
+    assert registry.heartbeat("r1") is True
+    assert registry.heartbeat("nobody") is False
+    registry.deregister("r1")
+    registry.deregister("r1")  # twice is harmless
+    assert registry.up("rollout") == [] and registry.heartbeat("r1") is False
+
+
+def test_service_is_down_after_interval_times_misses_and_back_after_a_heartbeat():
+    registry = Registry(heartbeat_interval_s=0.1, misses=3)  # down after 0.3 s
+    registry.register(record("r1"))
+    registry.register(record("r2"))
+    assert registry.down_after_s == pytest.approx(0.3)
+    time.sleep(0.2)
+    registry.heartbeat("r2")
+    assert [r.service_id for r in registry.up("rollout")] == ["r1", "r2"]
+    time.sleep(0.2)  # r1 last seen 0.4 s ago, r2 0.2 s ago
+    assert [r.service_id for r in registry.up("rollout")] == ["r2"]
+    assert len(registry.all()) == 2  # down is not forgotten
+    assert registry.heartbeat("r1") is True
+    assert [r.service_id for r in registry.up("rollout")] == ["r1", "r2"]
+    time.sleep(0.35)
+    assert registry.up("rollout") == []
+
+
+def test_re_register_at_same_address_replaces_the_old_id():
+    registry = Registry(heartbeat_interval_s=10, misses=3)
+    registry.register(record("old", address="10.0.0.1:5000"))
+    registry.register(record("other", address="10.0.0.2:5000"))
+    registry.register(record("new", address="10.0.0.1:5000"))  # the service restarted
+    assert sorted(r.service_id for r in registry.all()) == ["new", "other"]
+    assert registry.heartbeat("old") is False
+    registry.register(record("new", address="10.0.0.3:5000"))  # same id, moved: one entry
+    assert sorted((r.service_id, r.address) for r in registry.all()) == [("new", "10.0.0.3:5000"),
+                                                                         ("other", "10.0.0.2:5000")]
+
+
+def test_up_filters_kind_and_group_in_a_stable_order():
+    registry = Registry(heartbeat_interval_s=10, misses=3)
+    for service in [record("b", "rollout", "h:2", "g1"), record("a", "rollout", "h:1", "g2"),
+                    record("t", "trainer", "h:3", "g1"), record("c", "rollout", "h:0", "g1")]:
+        registry.register(service)
+    assert [r.service_id for r in registry.up("rollout")] == ["c", "a", "b"]  # by address
+    assert [r.service_id for r in registry.up("rollout", "g1")] == ["c", "b"]
+    assert [r.service_id for r in registry.up("trainer", "g2")] == []
+    assert [r.service_id for r in registry.up("reward")] == []

@@ -1,0 +1,104 @@
+"""CPU tests of services/coordinator/rollout_set.py: the weight channel's transport, and a sync that a member
+fails."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.config import validate
+from services.common.errors import Unavailable
+from services.common.run_config import RunConfig
+from services.coordinator.clients import Received
+from services.coordinator.rollout_set import RolloutSet, channel_backend
+from services.coordinator.settings import rollout_set_settings
+
+
+def test_weight_channel_transport_follows_where_trainer_and_rollouts_sit():
+    assert channel_backend("", {"r1:1": frozenset()}) == "gloo"  # a trainer on CPU
+    assert channel_backend("GPU-a", {"r1:1": frozenset({"GPU-b"}), "r2:1": frozenset({"GPU-c", "GPU-d"})}) == "nccl"
+    # colocated: NCCL refuses two ranks on one GPU, so the weights go over CUDA IPC
+    assert channel_backend("GPU-a", {"r1:1": frozenset({"GPU-a"}), "r2:1": frozenset({"GPU-a", "GPU-b"})}) == "cuda_ipc"
+    with pytest.raises(ValueError, match=r"rollouts r1:1 share the trainer's GPU .* but r2:1 do not"):
+        channel_backend("GPU-a", {"r1:1": frozenset({"GPU-a"}), "r2:1": frozenset({"GPU-b"})})
+
+
+# ---------------------------------------------------------------------------
+# a weight sync that a member fails
+
+
+class StuckTrainer:
+    """A trainer whose broadcast waits for a member that never takes it (until the channel's deadline)."""
+
+    def __init__(self):
+        self.cancelled = asyncio.Event()
+
+    async def broadcast_weights(self, channel_id, bucket_bytes, timeout):
+        try:
+            await asyncio.sleep(timeout)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        raise TimeoutError("broadcast from rank 0 did not finish")
+
+
+class SyncingMember:
+    """A rollout's side of a sync: it takes the weights (``fails`` None), or fails with ``fails`` after a moment;
+    closing it ends its call in flight, as closing a gRPC channel does."""
+
+    def __init__(self, address: str, fails: Exception | None = None):
+        self.address, self.fails, self.closed = address, fails, asyncio.Event()
+
+    async def receive_weights(self, channel_id, timeout, restart_in_flight=False):
+        if self.fails is None:
+            return Received(3, 0.01, 0.0)
+        closing = asyncio.ensure_future(self.closed.wait())
+        done, _ = await asyncio.wait({closing}, timeout=0.05)
+        if done:
+            raise asyncio.CancelledError
+        closing.cancel()
+        raise self.fails
+
+    async def close(self):
+        self.closed.set()
+
+
+class Notices:
+    def __init__(self):
+        self.messages = []
+
+    def log(self, message, kind="log"):
+        self.messages.append(message)
+
+    def waiting(self, reason):
+        pass
+
+
+def syncing(*members: SyncingMember) -> tuple[RolloutSet, StuckTrainer]:
+    trainer = StuckTrainer()
+    rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), trainer, lambda: [], Notices(), lambda: False)
+    rollouts.members, rollouts.channel_id = list(members), "run-weights-1"
+    return rollouts, trainer
+
+
+async def test_a_member_failing_mid_sync_ends_the_wait_for_the_trainers_side():
+    """The trainer's side would wait for the member until the channel's deadline (120 s): the sync fails at once,
+    the trainer's call is cancelled (its broadcast is abandoned when the next channel is prepared)."""
+    rollouts, trainer = syncing(SyncingMember("ok:1"), SyncingMember("bad:1", Unavailable("engine gone")))
+    failure = await asyncio.wait_for(rollouts._broadcast(3), 5)
+    assert trainer.cancelled.is_set()
+    assert failure == ("weight sync of version 3 on channel run-weights-1 failed (a rollout's side: Unavailable: "
+                       "engine gone); not serving it: bad:1")
+
+
+async def test_a_member_leaving_mid_sync_is_named_as_the_cause():
+    stopped = SyncingMember("stopped:1", Unavailable("no answer"))
+    rollouts, trainer = syncing(SyncingMember("ok:1"), stopped)
+    sync = asyncio.ensure_future(rollouts._broadcast(3))
+    await asyncio.sleep(0.01)
+    await rollouts.drop("stopped:1", "no heartbeat for 5 s")  # closes its client: its receive ends
+    failure = await asyncio.wait_for(sync, 5)
+    assert trainer.cancelled.is_set()
+    assert failure == ("weight sync of version 3 on channel run-weights-1 failed (stopped:1 left the run while it "
+                       "was on the wire); not serving it: stopped:1")
