@@ -1,0 +1,279 @@
+"""PPOLoop (services/coordinator/loop.py) driven over fake trainer, rollout and reward clients.
+
+The fakes answer the calls the loop, its RolloutSet and its RewardSet make, and record what they were sent:
+the rollouts sample prompt i's responses so that a known number of each group is right, the reward service
+scores a response 1 when it is the prompt's ground truth. So every advantage the actor is sent, every weight
+version and every count can be worked out by hand. The real services are tested end to end in
+tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.config import validate
+from services.common.run_config import RunConfig
+from services.common.sequences import SequenceBatch
+from services.coordctl.tiny_model import build_char_tokenizer
+from services.coordinator.clients import Generated, Received, RewardSample, RolloutInfo, ScoredSample, SyncResult
+from services.coordinator.data import Prompt
+from services.coordinator.loop import PPOLoop, Trainers
+from services.coordinator.reward_set import RewardSet, RewardTarget
+from services.coordinator.rollout_set import RolloutSet
+from services.coordinator.settings import loop_settings, rollout_set_settings
+from services.coordinator.store import Checkpoint
+
+TOKENIZER = build_char_tokenizer()
+N = 4  # responses per prompt
+RIGHT_PER_PROMPT = {"12": 2, "345": 1, "67": 4, "890": 0}  # of the N responses of each prompt, this many are right
+
+
+def prompt(digits: str) -> Prompt:
+    return Prompt(TOKENIZER(f"{digits}=", add_special_tokens=False)["input_ids"], "meshrl/reverse", digits[::-1],
+                  {"digits": digits})
+
+
+PROMPTS = [prompt(digits) for digits in RIGHT_PER_PROMPT]
+
+
+def text(ids) -> str:
+    return TOKENIZER.decode(list(ids), skip_special_tokens=True)
+
+
+class FakeTrainer:
+    """The actor: logprobs of -0.5 a token, an update bumps the weight version, a broadcast sends it."""
+
+    address = "trainer:1"
+
+    def __init__(self):
+        self.version, self.updates, self.saved, self.loaded = 0, [], [], []
+
+    async def init_run(self, run_id, config_yaml, roles, seed, timeout):
+        self.roles = roles
+
+    async def compute_log_probs(self, batch: SequenceBatch, step, timeout, role="actor"):
+        return torch.full((batch.num_response_tokens,), -0.5)
+
+    async def update_actor(self, batch, old_logprobs, advantages, ref_logprobs, step, timeout, rollout_logprobs=None):
+        self.version += 1
+        self.updates.append({"step": step, "batch": batch, "advantages": advantages,
+                             "rollout_logprobs": rollout_logprobs})
+        return {"actor/pg_loss": 0.25}, self.version
+
+    async def gpu(self, timeout=30.0):
+        return ""
+
+    async def prepare_channel(self, channel_id, backend, world_size, timeout):
+        assert backend == "gloo"
+        return b"127.0.0.1:1"
+
+    async def join_channel(self, channel_id, backend, rendezvous, world_size, timeout):
+        pass
+
+    async def broadcast_weights(self, channel_id, bucket_bytes, timeout):
+        await asyncio.sleep(0)
+        return SyncResult(self.version, 1024, 1, 0.001)
+
+    async def save_checkpoint(self, run_id, path, timeout):
+        self.saved.append(path)
+        return 1024
+
+    async def load_checkpoint(self, run_id, path, timeout):
+        self.loaded.append(path)
+        return self.version
+
+    async def close(self):
+        pass
+
+
+class FakeRollout:
+    """Samples response j of a prompt as its ground truth when j < RIGHT_PER_PROMPT[digits], else "x"; stamps
+    each response with the version it last received."""
+
+    def __init__(self, address: str, trainer: FakeTrainer):
+        self.address, self.trainer = address, trainer
+        self.run_id, self.version, self.generated = "", 0, 0
+
+    async def info(self, timeout=30.0):
+        return RolloutInfo(self.run_id, self.version, 1)
+
+    async def init_run(self, run_id, model_path, dtype, timeout):
+        self.run_id = run_id
+        return 1
+
+    async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout):
+        pass
+
+    async def receive_weights(self, channel_id, timeout, restart_in_flight=False):
+        await asyncio.sleep(0)
+        self.version = self.trainer.version
+        return Received(self.version, 0.001, 0.0)
+
+    async def generate(self, prompts, sampling, seed, first_index, timeout):
+        responses = []
+        for ids in prompts:
+            digits = text(ids).rstrip("=")
+            responses += [TOKENIZER(digits[::-1] if j < RIGHT_PER_PROMPT[digits] else "x",
+                                    add_special_tokens=False)["input_ids"] for j in range(sampling.n)]
+        self.generated += len(responses)
+        lens = torch.tensor([len(r) for r in responses])
+        return Generated(torch.tensor([t for r in responses for t in r]), lens, torch.full((int(lens.sum()),), -0.5),
+                         torch.zeros(len(responses), dtype=torch.bool), torch.full((len(responses),), self.version))
+
+    async def close(self):
+        pass
+
+
+class FakeReward:
+    def __init__(self, address: str):
+        self.address, self.scored = address, []
+
+    async def score(self, samples: list[RewardSample], timeout):
+        self.scored += samples
+        return [ScoredSample(float(s.response == s.ground_truth), True, "") for s in samples], self.address
+
+    async def close(self):
+        pass
+
+
+class Reporter:
+    def __init__(self):
+        self.steps, self.messages, self.checkpoints = {}, [], []
+
+    def step(self, step, metrics):
+        self.steps[step] = metrics
+
+    def log(self, message, kind="log"):
+        self.messages.append(message)
+
+    def checkpoint(self, step, path, loop_state):
+        self.checkpoints.append((step, path, loop_state))
+
+    def waiting(self, reason):
+        pass
+
+
+class Mesh:
+    """A PPOLoop over one fake trainer, the fake rollouts and reward services named, from a run config."""
+
+    def __init__(self, tmp_path: Path, overrides: dict, rollouts=("rollout:1",), rewards=("reward-a:1", "reward-b:1"),
+                 stop_after: int | None = None):
+        config = validate(RunConfig, {"data": {"train_batch_size": 4, "shuffle": False, "max_response_length": 4},
+                                      "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4},
+                                                            "rollout": {"n": N}},
+                                      "trainer": {"total_training_steps": 3}, **overrides})
+        self.trainer, self.reporter = FakeTrainer(), Reporter()
+        self.rollouts = {address: FakeRollout(address, self.trainer) for address in rollouts}
+        self.rewards = {address: FakeReward(address) for address in rewards}
+        groups = {"group default": ["reward-a:1"], "group b": ["reward-b:1"]}
+        stop = (lambda: len(self.reporter.steps) >= stop_after) if stop_after else (lambda: False)
+        rollout_set = RolloutSet("run", rollout_set_settings(config), self.trainer, lambda: list(self.rollouts),
+                                 self.reporter, stop, connect=self.rollouts.__getitem__)
+        reward_set = RewardSet(RewardTarget("group", "default"), lambda target: groups[str(target)], self.reporter,
+                               stop, 60.0, connect=self.rewards.__getitem__)
+        self.loop = PPOLoop("run", loop_settings(config), "", Trainers(self.trainer, None, None), rollout_set,
+                            reward_set, PROMPTS, TOKENIZER, self.reporter, stop, tmp_path / "checkpoints")
+
+    def run(self, resume: Checkpoint | None = None) -> bool:
+        return asyncio.run(self.loop.run(resume))
+
+
+def grpo_by_hand(right: int) -> list[float]:
+    """GRPO advantages of a group of N scores, ``right`` of them 1: (x - mean) / (unbiased std + 1e-6)."""
+    scores = [1.0] * right + [0.0] * (N - right)
+    mean = sum(scores) / N
+    std = math.sqrt(sum((x - mean) ** 2 for x in scores) / (N - 1))
+    return [(x - mean) / (std + 1e-6) for x in scores]
+
+
+def per_sequence(advantages: torch.Tensor, batch: SequenceBatch) -> list[float]:
+    """Each sequence's advantage (the same on all its tokens)."""
+    values = []
+    for part in torch.split(advantages, batch.response_lens.tolist()):
+        assert torch.all(part == part[0])
+        values.append(float(part[0]))
+    return values
+
+
+def test_a_grpo_step_trains_on_hand_worked_advantages_and_every_rollout_serves_the_new_weights(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3, "save_freq": 2}})
+    assert mesh.run() is True
+    # groups [1,1,0,0] -> +-0.866; [1,0,0,0] -> 1.5 and -0.5; [1,1,1,1] and [0,0,0,0] -> 0
+    expected = [a for right in RIGHT_PER_PROMPT.values() for a in grpo_by_hand(right)]
+    assert [round(a, 4) for a in expected[:5]] == [0.866, 0.866, -0.866, -0.866, 1.5]
+    assert [u["step"] for u in mesh.trainer.updates] == [1, 2, 3]
+    for update in mesh.trainer.updates:
+        assert per_sequence(update["advantages"], update["batch"]) == pytest.approx(expected, abs=1e-5)
+        assert update["rollout_logprobs"] is None  # synchronous: no rollout correction
+    metrics = mesh.reporter.steps
+    assert [metrics[s]["training/weight_version"] for s in (1, 2, 3)] == [1.0, 2.0, 3.0]
+    assert [metrics[s]["rollout/weight_version"] for s in (1, 2, 3)] == [0.0, 1.0, 2.0]
+    assert all(metrics[s]["training/off_policy/staleness/max"] == 0.0 for s in (1, 2, 3))
+    assert metrics[1]["critic/score/mean"] == pytest.approx(sum(RIGHT_PER_PROMPT.values()) / (4 * N))
+    assert mesh.rollouts["rollout:1"].version == 3
+    # every sample generated once and scored once, all by the default group's service
+    assert mesh.rollouts["rollout:1"].generated == 3 * 4 * N
+    assert len(mesh.rewards["reward-a:1"].scored) == 3 * 4 * N and not mesh.rewards["reward-b:1"].scored
+    assert metrics[2]["reward/samples_by/reward-a:1"] == 4 * N
+    # save_freq 2: one checkpoint, after step 2, with the sampler right after step 2's batch (4 of 4 prompts:
+    # the next epoch starts at the next batch)
+    [(step, path, state)] = mesh.reporter.checkpoints
+    assert (step, Path(path).name, state["position"]) == (2, "step_000002", 4)
+    assert mesh.trainer.saved == [str(Path(path) / "actor")]
+
+
+def test_generating_one_step_ahead_trains_samples_one_version_old_with_rollout_correction(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3, "async_": {"max_staleness": 1}}})
+    assert mesh.run() is True
+    metrics = mesh.reporter.steps
+    # step 1 from version 0, trained at 0; step 2 begun once step 0 was "done" (at once), so from version 0,
+    # trained at 1; step 3 begun once step 1 was synced: from version 1, trained at 2
+    assert [metrics[s]["rollout/weight_version"] for s in (1, 2, 3)] == [0.0, 0.0, 1.0]
+    assert [metrics[s]["training/off_policy/staleness/max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert all(metrics[s]["training/off_policy/dropped_samples"] == 0.0 for s in (1, 2, 3))
+    # with staleness, the rollout's own logprobs go with every update (rollout correction, enable: auto)
+    assert all(u["rollout_logprobs"] is not None for u in mesh.trainer.updates)
+    assert mesh.rollouts["rollout:1"].generated == 3 * 4 * N
+
+
+def test_a_reward_swap_is_probed_and_scores_from_the_next_boundary(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3}})
+    swapped = {}
+
+    async def swap_after_step_one():
+        loop = mesh.loop
+        running = asyncio.ensure_future(loop.run())
+        while 1 not in mesh.reporter.steps:
+            await asyncio.sleep(0.001)
+        swapped["addresses"] = await loop.rewards.swap(RewardTarget("group", "b"), [
+            RewardSample(p.data_source, p.ground_truth, p.ground_truth, p.extra_info) for p in PROMPTS])
+        return await running
+
+    assert asyncio.run(swap_after_step_one()) is True
+    assert swapped["addresses"] == ["reward-b:1"]
+    probe, *scored_by_b = mesh.rewards["reward-b:1"].scored
+    assert probe.response == probe.ground_truth  # the probe scores ground truths
+    samples_a = len(mesh.rewards["reward-a:1"].scored)
+    assert samples_a + len(scored_by_b) + 1 - len(PROMPTS) == 3 * 4 * N
+    assert samples_a in (4 * N, 2 * 4 * N)  # the swap lands at the boundary after step 1 or 2
+    assert any("reward services switched to group b" in m for m in mesh.reporter.messages)
+    assert mesh.loop.loop_state(3)["reward_target"] == ["group", "b"]
+
+
+def test_a_stop_request_checkpoints_the_last_step_and_a_resume_goes_on_from_it(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3}}, stop_after=2)
+    assert mesh.run() is False
+    [(step, path, state)] = mesh.reporter.checkpoints
+    assert step == 2 and sorted(mesh.reporter.steps) == [1, 2]
+    again = Mesh(tmp_path, {"trainer": {"total_training_steps": 3}})
+    again.trainer.version = 2  # the trainer restores the weights of step 2
+    assert again.run(Checkpoint("run", step, path, state)) is True
+    assert again.trainer.loaded == [str(Path(path) / "actor")]
+    assert sorted(again.reporter.steps) == [3]
+    assert again.reporter.steps[3]["training/weight_version"] == 3.0
+    assert again.rollouts["rollout:1"].generated == 4 * N  # only step 3 is generated
