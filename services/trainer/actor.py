@@ -87,8 +87,9 @@ class Actor:
         with self.optimizer.resident():
             reports = [self._update_mini_batch(batch, rows, inputs, settings) for rows in
                        shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
+        lr = self.optimizer.lr  # the rate this update ran at, as verl logs it
         self.optimizer.advance_schedule()
-        return {**mean_metrics(reports), "actor/lr": self.optimizer.lr}
+        return {**mean_metrics(reports), "actor/lr": lr}
 
     def _update_mini_batch(self, batch: SequenceBatch, rows: torch.Tensor, inputs: UpdateInputs,
                            settings: ActorSettings) -> dict[str, float]:

@@ -56,8 +56,9 @@ class Critic:
         with self.optimizer.resident():
             reports = [self._update_mini_batch(batch, rows, old_values, returns, settings) for rows in
                        shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
+        lr = self.optimizer.lr  # the rate this update ran at, as verl logs it
         self.optimizer.advance_schedule()
-        return {**mean_metrics(reports), "critic/lr": self.optimizer.lr}
+        return {**mean_metrics(reports), "critic/lr": lr}
 
     def _update_mini_batch(self, batch, rows, old_values, returns, settings: CriticSettings) -> dict[str, float]:
         scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length)

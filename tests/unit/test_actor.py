@@ -122,3 +122,11 @@ def test_masked_response_drops_out_of_the_gradient_like_a_zero_advantage(model_p
     dropped = accumulate(model_path, replace(inputs, advantages=advantages), pg_only())
     for expected, got in zip(dropped, corrected):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_the_lr_logged_is_the_one_the_update_ran_at(model_path):
+    """With a 4-step warm-up the first updates run at lr/4, lr/2 (lr_factor), and that is what actor/lr says."""
+    _, batch, inputs = tiny_case(model_path)
+    actor = Actor(load_causal_lm(model_path).double(), replace(OPTIM, warmup_steps=4), 1e-3, pad_id=0, seed=0)
+    logged = [actor.update(batch, inputs, settings("token-mean", 6))["actor/lr"] for _ in range(2)]
+    assert logged == pytest.approx([1e-3 / 4, 1e-3 / 2])
