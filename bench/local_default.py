@@ -54,7 +54,8 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     from services.coordinator.data import PromptSampler, load_prompts
     from services.coordinator.loop import make_batch
     from services.reward.rules import score_sample
-    from services.rollout.hf_engine import HFEngine, SamplingSettings
+    from services.rollout.hf_engine import HFEngine
+    from services.rollout.sampling import SamplingSettings
     from services.trainer.actor import UpdateInputs
     from services.trainer.batching import MicroBatching
     from services.trainer.ranks import Ranks

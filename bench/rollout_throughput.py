@@ -45,7 +45,7 @@ def reference(model: str, count: int, n: int, max_new_tokens: int) -> None:
     """The child process: LLM.generate, printing one JSON line with tokens and seconds."""
     from vllm import LLM, SamplingParams
 
-    from services.rollout.hf_engine import hash_seed
+    from services.rollout.sampling import hash_seed
 
     prompts = prompts_of(count)
     llm = LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, seed=0, logprobs_mode="processed_logprobs",

@@ -42,7 +42,7 @@ from services.common.timing import StageTimer
 from services.common.weight_sync import send_weights, tensor_checksum
 from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.hf_engine import SamplingSettings
+from services.rollout.sampling import SamplingSettings
 from services.rollout.vllm_engine import VLLMEngine, receive_raw, vllm_layout
 from services.trainer.batching import MicroBatching
 from services.trainer.forward import batched_logprobs

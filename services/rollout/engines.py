@@ -7,10 +7,7 @@ each sync (generation is held back while weights are swapped), ``sleep`` and
 ``wake_up`` when a trainer shares the GPU, ``close`` at the end.
 
 Both engines receive the weights while generation goes on and swap them in
-behind a ``SwapGate``: the Generate calls in flight either finish under the
-old weights first, or are stopped and sampled again, whole, under the new ones
-(``restart``). Samples are seeded from (seed, index), so a restarted call
-returns exactly what a fresh call under the new weights returns.
+behind a ``SwapGate`` (``services.rollout.swap``).
 """
 
 from __future__ import annotations
@@ -20,118 +17,17 @@ import contextlib
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol, TypeVar
+from typing import Protocol
 
-import structlog
 import torch
 
 from services.common.channel import ChannelTable, gpu_uuid
 from services.common.models import load_causal_lm, load_tokenizer
 from services.common.weight_sync import StagedWeights
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.hf_engine import Completion, GenerationInterrupted, HFEngine, SamplingSettings
-
-log = structlog.get_logger()
-Result = TypeVar("Result")
-
-
-@dataclass(frozen=True)
-class WeightSwap:
-    """One weight sync as a rollout engine saw it."""
-
-    version: int
-    transfer_s: float  # receiving the weights (generation may go on meanwhile)
-    pause_s: float  # generation held back: the calls in flight finishing, the swap itself
-    stages: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per stage, where the engine knows
-
-
-class GenerationCall:
-    """One attempt of a Generate call, registered with the gate while it runs."""
-
-    def __init__(self) -> None:
-        self.interrupted = False  # set by a restarting swap; read by the engine between token steps (any thread)
-        self.dropped = False  # it stopped on the interrupt (rather than finishing just before it)
-        self._stop = asyncio.Event()
-
-    def interrupt(self) -> None:
-        self.interrupted = True
-        self._stop.set()
-
-    async def unless_interrupted(self, work: Awaitable[Result]) -> Result:
-        """``work``'s result; if the call is interrupted first, ``work`` is cancelled and GenerationInterrupted
-        raised."""
-        work, stop = asyncio.ensure_future(work), asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:  # interrupted, or the caller cancelled: the work goes too
-            stop.cancel()
-            dropped = not work.done()
-            if dropped:
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-        # (a cancelled gather ends with a CancelledError set as its exception, not as cancelled: ask whether the
-        # work was dropped here, not how it ended)
-        if dropped:
-            raise GenerationInterrupted
-        return work.result()
-
-
-class SwapGate:
-    """Generate calls and weight swaps exclude each other, so each call's samples come from one weight version.
-
-    A swap holds new calls back until it is done, and the calls in flight either finish first (``restart``
-    false) or are interrupted: an interrupted call drops its work, waits for the swap to end and runs again
-    from scratch under the new weights."""
-
-    def __init__(self) -> None:
-        self._calls: set[GenerationCall] = set()
-        self._swapping = False
-        self._changed = asyncio.Condition()
-
-    @property
-    def generating(self) -> int:
-        """Calls in flight."""
-        return len(self._calls)
-
-    async def run(self, attempt: Callable[[GenerationCall], Awaitable[Result]]) -> Result:
-        """``attempt(call)`` outside any swap, again each time a swap interrupts it (it then raises
-        GenerationInterrupted, or ``call.unless_interrupted`` raises it)."""
-        while True:
-            call = GenerationCall()
-            async with self._changed:
-                await self._changed.wait_for(lambda: not self._swapping)
-                self._calls.add(call)
-            try:
-                return await attempt(call)
-            except GenerationInterrupted:
-                if not call.interrupted:
-                    raise
-                call.dropped = True
-            finally:
-                async with self._changed:
-                    self._calls.discard(call)
-                    self._changed.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def swap(self, restart: bool = False):
-        """Hold generation back (finishing or interrupting the calls in flight) for the body of the ``with``."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._swapping)
-            self._swapping = True
-            stopped = list(self._calls) if restart else []
-            for call in stopped:
-                call.interrupt()
-            await self._changed.wait_for(lambda: not self._calls)
-        restarted = sum(call.dropped for call in stopped)
-        if restarted:
-            log.info("generate_calls_restarted", calls=restarted)
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._swapping = False
-                self._changed.notify_all()
+from services.rollout.hf_engine import HFEngine
+from services.rollout.sampling import Completion, SamplingSettings
+from services.rollout.swap import GenerationCall, SwapGate, WeightSwap
 
 
 class Engine(Protocol):

@@ -2,8 +2,9 @@
 
 Sampling is done here, token by token with the model's KV cache, so that every
 choice is under our control and reproducible: each sequence draws from its own
-``torch.Generator`` seeded from (request seed, sequence index), so a prompt
-gets the same samples whichever replica or batch it lands in.
+``torch.Generator`` seeded from (request seed, sequence index) by
+``sampling.hash_seed``, so a prompt gets the same samples whichever replica or
+batch it lands in.
 
 The reported logprob of a sampled token is taken from the temperature-scaled
 distribution before top-p truncation, the same quantity the trainer computes.
@@ -11,34 +12,13 @@ distribution before top-p truncation, the same quantity the trainer computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from services import algos
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    n: int
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    seed: int
-    stop_token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" or "length"
-    weight_version: int = 0  # of the weights that sampled it (stamped by the engine that keeps the versions)
-
-
-class GenerationInterrupted(Exception):
-    """A generation was stopped part way (new weights are coming in and it will be sampled again)."""
+from services.rollout.sampling import Completion, SamplingSettings, hash_seed
+from services.rollout.swap import GenerationInterrupted
 
 
 def never() -> bool:
@@ -136,9 +116,3 @@ class HFEngine:
                     raise KeyError(f"received weight {name!r} is not in the rollout model")
                 state[name].copy_(tensor)
 
-
-def hash_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """A per-sequence seed that does not depend on batching (64-bit mix of the three)."""
-    value = (seed * 1_000_003 + prompt_index) * 1_000_033 + sample_index
-    value ^= value >> 29
-    return (value * 0xBF58476D1CE4E5B9) & 0x7FFFFFFFFFFFFFFF

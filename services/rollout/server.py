@@ -11,7 +11,7 @@ from services.common.sequences import join_ragged
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engines import Engine, load_engine
-from services.rollout.hf_engine import SamplingSettings
+from services.rollout.sampling import SamplingSettings
 
 log = structlog.get_logger()
 

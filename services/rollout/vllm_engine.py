@@ -36,8 +36,8 @@ from services.common.errors import Unavailable
 from services.common.models import load_tokenizer
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.direct_load import STACKED
-from services.rollout.engines import GenerationCall, SwapGate, WeightSwap
-from services.rollout.hf_engine import Completion, SamplingSettings, hash_seed
+from services.rollout.sampling import Completion, SamplingSettings, hash_seed
+from services.rollout.swap import GenerationCall, SwapGate, WeightSwap
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,5 @@
-"""CPU tests of services/rollout/hf_engine.py: sampling helpers and generation on a tiny model."""
+"""CPU tests of services/rollout/hf_engine.py (and of sampling.py's hash_seed): sampling helpers and generation on
+a tiny model."""
 
 from __future__ import annotations
 
@@ -9,15 +10,9 @@ import torch
 
 from services.common.models import load_causal_lm, load_tokenizer
 from services.coordctl.tiny_model import build_char_tokenizer, build_tiny_model, check_round_trip
-from services.rollout.hf_engine import (
-    Completion,
-    GenerationInterrupted,
-    HFEngine,
-    SamplingSettings,
-    hash_seed,
-    sample_rows,
-    top_p_filter,
-)
+from services.rollout.hf_engine import HFEngine, sample_rows, top_p_filter
+from services.rollout.sampling import Completion, SamplingSettings, hash_seed
+from services.rollout.swap import GenerationInterrupted
 
 # ---------------------------------------------------------------------------
 # sampling helpers

@@ -1,4 +1,4 @@
-"""CPU tests of the SwapGate in services/rollout/engines.py: Generate calls and weight swaps, in one event loop.
+"""CPU tests of the SwapGate in services/rollout/swap.py: Generate calls and weight swaps, in one event loop.
 
 A "model" here is a version number that a swap changes; an attempt reads it when it starts and returns it when
 its work is done, as an engine stamps its samples."""
@@ -11,8 +11,7 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from services.rollout.engines import GenerationCall, SwapGate
-from services.rollout.hf_engine import GenerationInterrupted
+from services.rollout.swap import GenerationCall, GenerationInterrupted, SwapGate
 
 
 class Model:

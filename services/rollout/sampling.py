@@ -1,0 +1,42 @@
+"""What a rollout engine is asked for and what it returns, whichever engine it is.
+
+``SamplingSettings`` is one Generate call's sampling (n samples per prompt,
+temperature, top-p, length, seed, stop tokens); ``Completion`` is one sampled
+response: its token ids, each sampled token's logprob, why it ended and the
+weight version that sampled it.
+
+Every sequence is seeded on its own, from (request seed, prompt index, sample
+index) through ``hash_seed``, never from a generator shared by a batch: a
+prompt gets the same samples whichever replica or batch it lands in, and a
+Generate call that a weight swap restarts returns exactly what a fresh call
+returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+    weight_version: int = 0  # of the weights that sampled it (stamped by the engine that keeps the versions)
+
+
+def hash_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A per-sequence seed that does not depend on batching (64-bit mix of the three)."""
+    value = (seed * 1_000_003 + prompt_index) * 1_000_033 + sample_index
+    value ^= value >> 29
+    return (value * 0xBF58476D1CE4E5B9) & 0x7FFFFFFFFFFFFFFF
