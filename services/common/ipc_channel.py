@@ -23,7 +23,7 @@ import json
 
 import torch
 
-from services.common.channel import GlooChannel
+from services.common.gloo_channel import GlooChannel
 
 SMALL_BYTES = 1 << 16
 HANDLE_BYTES = 1024  # the JSON of one shared tensor, space-padded

@@ -23,7 +23,8 @@ import structlog
 import torch
 
 from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.common.channel import ChannelTable, gpu_uuid, prepare_gloo_rendezvous
+from services.common.channel import ChannelTable, gpu_uuid
+from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.common.config import validate
 from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition

@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from services.common.channel import open_channel, prepare_gloo_rendezvous
+from services.common.channel import open_channel
+from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.common.weight_sync import receive_weights, send_weights, tensor_checksum
 from tests.gpu.conftest import needs
 

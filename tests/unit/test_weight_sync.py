@@ -1,4 +1,4 @@
-"""CPU tests of services/common/weight_sync.py and the gloo channel of services/common/channel.py."""
+"""CPU tests of services/common/weight_sync.py and the gloo channel of services/common/gloo_channel.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.channel import ChannelTable, GlooChannel, prepare_gloo_rendezvous
+from services.common.channel import ChannelTable
 from services.common.errors import NotFound
+from services.common.gloo_channel import GlooChannel, prepare_gloo_rendezvous
 from services.common.timing import StageTimer
 from services.common.weight_sync import (ALIGN, BucketBuffers, StagedWeights, checksum, plan_buckets, receive_weights,
                                          send_weights, unpack)
@@ -408,7 +409,7 @@ async def test_channel_table_refuses_other_backends_and_bad_timeouts():
 def test_a_member_that_died_fails_the_broadcast_at_once_naming_that():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     member = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys; from services.common.channel import GlooChannel; "
+        "import os, sys; from services.common.gloo_channel import GlooChannel; "
         f"GlooChannel('gone', {rendezvous!r}, 1, 2, timeout_s=10); os._exit(0)")])
     channel = GlooChannel("gone", rendezvous, 0, 2, timeout_s=30)
     member.wait(10)
