@@ -94,7 +94,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.config = config
         self.identity = identity
         self.worker = worker
-        self.weight_version = 0
         self.channels = ChannelTable(config.device)
         self.stores: dict[str, object] = {}
         device = worker.ranks.device
@@ -121,7 +120,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         check_init(run_config, list(request.roles), self.worker.ranks.world_size)
         await self._run("init_run", {"run_id": request.run_id, "run_config_yaml": request.run_config_yaml,
                                      "roles": list(request.roles), "seed": request.seed}, {})
-        self.weight_version = 0
         log.info("run_loaded", run_id=request.run_id, roles=list(request.roles),
                  model_path=run_config.actor_rollout_ref.model.path, ranks=self.worker.ranks.world_size)
         return self._info()
@@ -159,10 +157,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             tensors["ref_logprobs"] = batch["ref_logprobs"].float()
         if settings.rollout_is:
             tensors["rollout_logprobs"] = batch["rollout_logprobs"].float()
-        metrics = await self._run("update_actor", {}, tensors)
-        self.weight_version += 1
-        log.info("actor_updated", run_id=roles.run_id, step=step, weight_version=self.weight_version)
-        return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
+        updated = await self._run("update_actor", {}, tensors)
+        log.info("actor_updated", run_id=roles.run_id, step=step, weight_version=updated.weight_version)
+        return trainer_pb2.UpdateResponse(metrics=updated.metrics, weight_version=updated.weight_version)
 
     async def UpdateCritic(self, request_iterator, context):
         step, _, batch = await read_batch(request_iterator, extra=("values", "returns"))
@@ -172,14 +169,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                    "returns": batch["returns"].float()}
         metrics = await self._run("update_critic", {}, tensors)
         log.info("critic_updated", run_id=roles.run_id, step=step)
-        return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
+        return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.worker.weight_version)
 
     async def TrainSupervised(self, request_iterator, context):
         _, _, batch = await read_batch(request_iterator)
         actor = self._roles().need("actor")
-        metrics = await self._run("train_supervised", {}, check_vocab(batch, actor.model))
-        self.weight_version += 1
-        return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.weight_version)
+        updated = await self._run("train_supervised", {}, check_vocab(batch, actor.model))
+        return trainer_pb2.UpdateResponse(metrics=updated.metrics, weight_version=updated.weight_version)
 
     async def PrepareChannel(self, request, context):
         if request.backend not in ("gloo", "nccl", "cuda_ipc"):
@@ -212,29 +208,30 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if request.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {request.bucket_bytes}")
         started = time.perf_counter()
-        total, buckets = await self._run("broadcast_weights", {"bucket_bytes": request.bucket_bytes,
-                                                               "version": self.weight_version}, {}, channel=channel)
+        sent = await self._run("broadcast_weights", {"bucket_bytes": request.bucket_bytes}, {}, channel=channel)
         seconds = time.perf_counter() - started
-        log.info("weights_sent", weight_version=self.weight_version, bytes=total, buckets=buckets, seconds=seconds)
+        log.info("weights_sent", weight_version=sent.weight_version, bytes=sent.total_bytes, buckets=sent.buckets,
+                 seconds=seconds)
         return trainer_pb2.BroadcastWeightsResponse(
-            weight_version=self.weight_version, total_bytes=total, buckets=buckets, seconds=seconds
+            weight_version=sent.weight_version, total_bytes=sent.total_bytes, buckets=sent.buckets, seconds=seconds
         )
 
     async def SaveCheckpoint(self, request, context):
         roles = self._roles()
         started = time.perf_counter()
-        total = await self._run("save_checkpoint", {"path": request.path, "version": self.weight_version}, {})
-        log.info("checkpoint_saved", run_id=roles.run_id, path=request.path, bytes=total)
-        return trainer_pb2.CheckpointResponse(path=request.path, total_bytes=total, weight_version=self.weight_version,
+        saved = await self._run("save_checkpoint", {"path": request.path}, {})
+        log.info("checkpoint_saved", run_id=roles.run_id, path=request.path, bytes=saved.total_bytes)
+        return trainer_pb2.CheckpointResponse(path=request.path, total_bytes=saved.total_bytes,
+                                              weight_version=saved.weight_version,
                                               seconds=time.perf_counter() - started)
 
     async def LoadCheckpoint(self, request, context):
         roles = self._roles()
         await asyncio.to_thread(checkpoint.check_complete, roles, Path(request.path))
         started = time.perf_counter()
-        self.weight_version = await self._run("load_checkpoint", {"path": request.path}, {})
-        log.info("checkpoint_loaded", run_id=roles.run_id, path=request.path, weight_version=self.weight_version)
-        return trainer_pb2.CheckpointResponse(path=request.path, weight_version=self.weight_version,
+        version = await self._run("load_checkpoint", {"path": request.path}, {})
+        log.info("checkpoint_loaded", run_id=roles.run_id, path=request.path, weight_version=version)
+        return trainer_pb2.CheckpointResponse(path=request.path, weight_version=version,
                                               seconds=time.perf_counter() - started)
 
     async def Info(self, request, context):
@@ -243,7 +240,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def _info(self) -> common_pb2.ServiceInfo:
         roles = self.worker.roles
         return common_pb2.ServiceInfo(
-            identity=self.identity, weight_version=self.weight_version, run_id=roles.run_id if roles else "",
+            identity=self.identity, weight_version=self.worker.weight_version, run_id=roles.run_id if roles else "",
             details={"model_path": roles.config.actor_rollout_ref.model.path if roles else "",
                      "device": self.config.device, "roles": ",".join(roles.hosted()) if roles else "",
                      "ranks": str(self.worker.ranks.world_size), "gpu": self._gpu},

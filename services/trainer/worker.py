@@ -10,12 +10,18 @@ other ranks' return values are dropped).
 On one rank nothing is relayed and a failed op raises to the caller. On
 several, a rank whose op fails ends its process (``ranks.fatal``): its peers
 may be waiting in a collective it will never join.
+
+The actor's weight version is kept here, on every rank alike: 0 when a run
+is loaded, one more after each op that changes the actor's weights
+(``update_actor``, ``train_supervised``), the saved one after
+``load_checkpoint``. Broadcasts and checkpoints carry it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import structlog
 import torch
@@ -63,6 +69,28 @@ class Roles:
         return hosted
 
 
+class Updated(NamedTuple):
+    """Rank 0's result of an op that trains the actor."""
+
+    metrics: dict[str, float]
+    weight_version: int  # of the actor's weights after the op
+
+
+class Sent(NamedTuple):
+    """Rank 0's result of ``broadcast_weights``."""
+
+    total_bytes: int
+    buckets: int
+    weight_version: int  # of the weights sent
+
+
+class Saved(NamedTuple):
+    """A rank's result of ``save_checkpoint``."""
+
+    total_bytes: int  # written (0 on ranks other than 0)
+    weight_version: int  # of the actor's weights saved
+
+
 def check_roles(roles: list[str]) -> None:
     unknown = sorted(set(roles) - set(ROLES))
     if unknown or not roles:
@@ -88,6 +116,7 @@ class Worker:
     def __init__(self, ranks: Ranks):
         self.ranks = ranks
         self.roles: Roles | None = None
+        self.weight_version = 0  # of the actor's weights (see the module's docstring); the same on every rank
 
     # ------------------------------------------------------------ relay
 
@@ -125,6 +154,7 @@ class Worker:
         self.roles = None  # the previous run's models go before the next run's are built
         config = validate(RunConfig, yaml.safe_load(run_config_yaml) or {})
         self.roles = build_roles(run_id, config, roles, seed, self.ranks)
+        self.weight_version = 0
         return self.roles
 
     def compute_log_probs(self, tensors, role: str) -> torch.Tensor | None:
@@ -138,35 +168,43 @@ class Worker:
         roles = self._roles()
         return roles.need("critic").compute_values(sequences(tensors), values_micro(roles.config))
 
-    def update_actor(self, tensors) -> dict[str, float]:
+    def update_actor(self, tensors) -> Updated:
         roles = self._roles()
         inputs = UpdateInputs(tensors["old_logprobs"], tensors["advantages"], tensors.get("ref_logprobs"),
                               tensors.get("rollout_logprobs"))
-        return roles.need("actor").update(sequences(tensors), inputs, actor_settings(roles.config))
+        metrics = roles.need("actor").update(sequences(tensors), inputs, actor_settings(roles.config))
+        self.weight_version += 1
+        return Updated(metrics, self.weight_version)
 
     def update_critic(self, tensors) -> dict[str, float]:
         roles = self._roles()
         return roles.need("critic").update(sequences(tensors), tensors["values"], tensors["returns"],
                                            critic_settings(roles.config))
 
-    def train_supervised(self, tensors) -> dict[str, float]:
+    def train_supervised(self, tensors) -> Updated:
         roles = self._roles()
-        return roles.need("actor").train_supervised(sequences(tensors), actor_settings(roles.config).micro)
+        metrics = roles.need("actor").train_supervised(sequences(tensors), actor_settings(roles.config).micro)
+        self.weight_version += 1
+        return Updated(metrics, self.weight_version)
 
-    def broadcast_weights(self, tensors, bucket_bytes: int, version: int, channel=None) -> tuple[int, int] | None:
-        """Rank 0 sends the actor's weights on ``channel`` in the rollout's dtype; the other ranks take part in
-        gathering each sharded tensor, in the same order."""
+    def broadcast_weights(self, tensors, bucket_bytes: int, channel=None) -> Sent | None:
+        """Rank 0 sends the actor's weights, stamped with their version, on ``channel`` in the rollout's dtype;
+        the other ranks take part in gathering each sharded tensor, in the same order."""
         roles = self._roles()
         named = roles.need("actor").named_weights()
         if self.ranks.rank != 0:
             gather_weights(named)
             return None
         dtype = DTYPES[roles.config.actor_rollout_ref.model.dtype]
-        return send_weights(channel, named, version, bucket_bytes, dtype=dtype)
+        total, buckets = send_weights(channel, named, self.weight_version, bucket_bytes, dtype=dtype)
+        return Sent(total, buckets, self.weight_version)
 
-    def save_checkpoint(self, tensors, path: str, version: int) -> int:
-        return checkpoint.save(self._roles(), Path(path), version, self.ranks)
+    def save_checkpoint(self, tensors, path: str) -> Saved:
+        """The roles' state into ``path``, with the weight version, which ``load_checkpoint`` restores."""
+        return Saved(checkpoint.save(self._roles(), Path(path), self.weight_version, self.ranks), self.weight_version)
 
     def load_checkpoint(self, tensors, path: str) -> int:
-        return checkpoint.load(self._roles(), Path(path))
+        """The roles' state from ``path``; returns the weight version saved there, which the actor's is now."""
+        self.weight_version = checkpoint.load(self._roles(), Path(path))
+        return self.weight_version
 
