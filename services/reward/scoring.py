@@ -22,6 +22,17 @@ from services.reward.reward_model import RewardModel
 
 
 @dataclass(frozen=True)
+class Sample:
+    """One response to score."""
+
+    data_source: str  # routes the sample to its scorer (verl's data_source)
+    response: str  # decoded
+    ground_truth: str
+    extra_info: dict  # the dataset row's extra_info (user functions receive it)
+    prompt: str  # decoded: what a reward model reads before the response
+
+
+@dataclass(frozen=True)
 class SampleResult:
     score: float
     valid: bool
@@ -57,17 +68,17 @@ class Scorer:
         raise ValueError(f"no scorer for data_source {data_source!r}; configured: {sorted(self.config.scorers)}, "
                          f"built-in rules: {sorted(rules.SCORERS)}")
 
-    def score_batch(self, samples: list[tuple[str, str, str, dict, str]]) -> list[SampleResult]:
-        """Blocking: each (data_source, response, ground_truth, extra_info, prompt) sample's weighted score, or
-        an invalid result with its error. Reward models see the batch at once; the rest go sample by sample."""
+    def score_batch(self, samples: list[Sample]) -> list[SampleResult]:
+        """Blocking: each sample's weighted score, or an invalid result with its error. Reward models see the
+        batch at once; the rest go sample by sample."""
         model_scores = self._reward_model_scores(samples)
         return [self._score_one(index, sample, model_scores) for index, sample in enumerate(samples)]
 
-    def _reward_model_scores(self, samples) -> dict[tuple[str, int], float | Exception]:
+    def _reward_model_scores(self, samples: list[Sample]) -> dict[tuple[str, int], float | Exception]:
         wanted: dict[str, list[int]] = {}
-        for index, (data_source, *_rest) in enumerate(samples):
+        for index, sample in enumerate(samples):
             try:
-                for component in self.components_for(data_source):
+                for component in self.components_for(sample.data_source):
                     if component.reward_model:
                         wanted.setdefault(component.reward_model, []).append(index)
             except ValueError:
@@ -75,26 +86,26 @@ class Scorer:
         scores: dict[tuple[str, int], float | Exception] = {}
         for path, indices in wanted.items():
             try:
-                values = self.reward_models[path].score([samples[i][4] + samples[i][1] for i in indices])
+                values = self.reward_models[path].score([samples[i].prompt + samples[i].response for i in indices])
             except Exception as error:  # noqa: BLE001 - the samples that needed it become invalid
                 values = [error] * len(indices)
             scores.update({(path, i): v for i, v in zip(indices, values)})
         return scores
 
-    def _score_one(self, index: int, sample, model_scores) -> SampleResult:
-        data_source, response, ground_truth, extra_info, _ = sample
+    def _score_one(self, index: int, sample: Sample, model_scores) -> SampleResult:
         started = time.perf_counter()
         try:
             total = 0.0
-            for component in self.components_for(data_source):
+            for component in self.components_for(sample.data_source):
                 if component.function:
-                    value = self.functions[component.function].score(data_source, response, ground_truth, extra_info)
+                    value = self.functions[component.function].score(sample.data_source, sample.response,
+                                                                     sample.ground_truth, sample.extra_info)
                 elif component.reward_model:
                     value = model_scores[(component.reward_model, index)]
                     if isinstance(value, Exception):
                         raise value
                 else:
-                    value = rules.SCORERS[component.rule](response, ground_truth, **component.options)
+                    value = rules.SCORERS[component.rule](sample.response, sample.ground_truth, **component.options)
                 total += component.weight * value
             return SampleResult(total, True, "", time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - one bad sample must not fail the batch

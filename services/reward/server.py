@@ -16,7 +16,7 @@ import structlog
 
 from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward.config import RewardServiceConfig
-from services.reward.scoring import Scorer
+from services.reward.scoring import Sample, Scorer
 
 log = structlog.get_logger()
 
@@ -33,6 +33,11 @@ def extra_info_of(sample: reward_pb2.Sample, index: int) -> dict:
     return extra
 
 
+def sample_from_pb(sample: reward_pb2.Sample, index: int) -> Sample:
+    """The scorer's sample from samples[index] of a ScoreRequest."""
+    return Sample(sample.data_source, sample.response, sample.ground_truth, extra_info_of(sample, index), sample.prompt)
+
+
 class RewardServicer(reward_pb2_grpc.RewardServicer):
     def __init__(self, config: RewardServiceConfig, identity: common_pb2.ServiceIdentity):
         self.config = config
@@ -42,8 +47,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self._batches = asyncio.Semaphore(config.max_concurrent_batches)
 
     async def Score(self, request, context):
-        samples = [(s.data_source, s.response, s.ground_truth, extra_info_of(s, i), s.prompt)
-                   for i, s in enumerate(request.samples)]
+        samples = [sample_from_pb(s, i) for i, s in enumerate(request.samples)]
         loop = asyncio.get_running_loop()
         size = max(1, -(-len(samples) // self.config.score_threads))  # one slice of the batch per thread
         async with self._batches:

@@ -257,14 +257,14 @@ def test_existing_scorers_still_registered():
 def test_rule_options_reach_the_rule_and_unknown_options_are_refused():
     from services.common.config import ConfigError, validate
     from services.reward.config import RewardServiceConfig
-    from services.reward.scoring import Scorer
+    from services.reward.scoring import Sample, Scorer
 
     config = validate(RewardServiceConfig, {"scorers": {"openai/gsm8k": [
         {"rule": "openai/gsm8k", "options": {"method": "flexible", "format_score": 0.1}}]}})
     scorer = Scorer(config)
     right, formatted_wrong, no_answer = scorer.score_batch([
-        ("openai/gsm8k", "so 42", "42", {}, ""), ("openai/gsm8k", "so 41", "42", {}, ""),
-        ("openai/gsm8k", "no idea", "42", {}, "")])
+        Sample("openai/gsm8k", "so 42", "42", {}, ""), Sample("openai/gsm8k", "so 41", "42", {}, ""),
+        Sample("openai/gsm8k", "no idea", "42", {}, "")])
     assert (right.score, formatted_wrong.score, no_answer.score) == (1.0, 0.1, 0.0)
     bad = validate(RewardServiceConfig, {"scorers": {"x": [{"rule": "openai/gsm8k", "options": {"strictness": 1}}]}})
     with pytest.raises(ValueError, match=r"rule openai/gsm8k has no options \['strictness'\]"):
