@@ -1,0 +1,84 @@
+"""The structure drawn from the imports: four service rooms and the CLI over common, no import circles.
+
+Every ``import services...`` / ``from services... import`` in services/, at any depth of a module (a
+function-level import counts), is an edge. A room (coordinator, rollout, trainer, reward) imports only
+itself, ``services.common`` and the pure ``services.algos``; coordctl, the CLI, imports only itself and
+common (it starts the services as processes, by module name); common and algos import no room.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import services
+
+ROOT = Path(services.__file__).parent
+ROOMS = ("coordinator", "rollout", "trainer", "reward")
+ALLOWED = {**{room: {room, "common", "algos"} for room in ROOMS}, "coordctl": {"coordctl", "common"},
+           "common": {"common"}, "algos": set()}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The modules of ``services`` that the file imports (``from pkg import module`` counts as the module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("services.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("services"):
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in modules else node.module)
+    return found - {"services"}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(path): path for path in ROOT.rglob("*.py")}
+    return {name: imported_modules(path, set(files)) for name, path in files.items()}
+
+
+def room(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle found by a depth-first walk (each reported once, from where it was entered)."""
+    found, state = [], {}  # state: 1 on the current path, 2 done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                found.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return found
+
+
+def test_no_import_circles():
+    assert cycles(import_graph()) == []
+
+
+def test_each_room_imports_only_itself_common_and_algos():
+    graph = import_graph()
+    crossings = sorted(f"{source} -> {target}" for source, targets in graph.items() for target in targets
+                       if room(source) and room(target) not in ALLOWED[room(source)])
+    assert crossings == []
+    assert {room(module) for module in graph} == {*ROOMS, "coordctl", "common", "algos", ""}
+
+
+def test_the_checks_see_a_circle_and_a_crossing():
+    graph = {"services.rollout.a": {"services.rollout.b"}, "services.rollout.b": {"services.rollout.a"},
+             "services.common.c": set()}
+    assert cycles(graph) == [["services.rollout.a", "services.rollout.b", "services.rollout.a"]]
+    assert "rollout" not in ALLOWED["common"] and "coordinator" not in ALLOWED["coordctl"]
