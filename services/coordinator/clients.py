@@ -71,6 +71,8 @@ class ScoredSample:
     score: float
     valid: bool
     error: str
+    acc: bool | None = None  # whether the answer is right, where the scorer says (verl's "acc")
+    pred: str = ""  # the answer the scorer read in the response (verl's "pred")
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,8 @@ class RewardClient:
             reply = await self._stub.Score(request, timeout=timeout)
         if len(reply.scores) != len(samples):
             raise ValueError(f"reward {self.address} returned {len(reply.scores)} scores for {len(samples)} samples")
-        return [ScoredSample(s.score, s.valid, s.error) for s in reply.scores], reply.service_id
+        return [ScoredSample(s.score, s.valid, s.error, s.acc if s.HasField("acc") else None, s.pred)
+                for s in reply.scores], reply.service_id
 
     async def close(self) -> None:
         await self._conn.close()

@@ -1,5 +1,6 @@
 """Users' reward functions: named ``path/to/file.py:function`` or ``module:function``, with verl's signature
-``fn(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, ...}``.
+``fn(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, "acc": bool, "pred": ...}``
+(``acc`` and ``pred`` are optional: whether the answer is right, and the answer read, for validation metrics).
 
 They run in worker processes, never in the service itself: a function that
 raises costs its sample, a function that hangs past the per-sample timeout
@@ -16,6 +17,7 @@ import math
 import multiprocessing
 import queue
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,13 +45,31 @@ def load_function(ref: str) -> Callable:
     return function
 
 
-def as_score(value: Any) -> float:
-    """A user function's result as a float: a number, or a dict with a numeric ``score``; ValueError otherwise."""
+@dataclass(frozen=True)
+class FunctionScore:
+    """What a user's function said of one sample."""
+
+    score: float
+    acc: bool | None  # its "acc", when it returned a dict with one
+    pred: str  # its "pred" as text, "" when it gave none
+
+
+def as_score(value: Any) -> FunctionScore:
+    """A user function's result: a number, or a dict with a numeric ``score`` and optionally ``acc`` and ``pred``
+    (verl's reward_extra_info); ValueError otherwise."""
+    acc, pred = None, ""
     if isinstance(value, dict):
+        acc, pred = value.get("acc"), value.get("pred")
+        pred = "" if pred is None else str(pred)
         value = value.get("score")
+        if acc is not None:
+            if isinstance(acc, (int, float)) and not isinstance(acc, bool) and acc in (0, 1):
+                acc = bool(acc)
+            if not isinstance(acc, bool):
+                raise ValueError(f"returned acc {acc!r}, not a bool")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"returned {value!r}, not a finite number or a dict with a numeric 'score'")
-    return float(value)
+    return FunctionScore(float(value), acc, pred)
 
 
 def _serve(ref: str, inbox, outbox) -> None:
@@ -91,8 +111,8 @@ class FunctionWorkers:
         with self._lock:
             self._all.remove(worker)
 
-    def score(self, data_source: str, solution: str, ground_truth: str, extra_info: dict) -> float:
-        """Blocking: the function's score of one sample; ValueError (raised, garbage) or TimeoutError (hung)."""
+    def score(self, data_source: str, solution: str, ground_truth: str, extra_info: dict) -> FunctionScore:
+        """Blocking: the function's result for one sample; ValueError (raised, garbage) or TimeoutError (hung)."""
         worker = self._idle.get()
         process, inbox, outbox = worker
         inbox.put((data_source, solution, ground_truth, extra_info))

@@ -1,6 +1,8 @@
 """Rule-based scorers, chosen per sample by ``data_source``.
 
-Each scorer has verl's signature ``(solution_str, ground_truth) -> float``.
+Each scorer has verl's signature ``(solution_str, ground_truth) -> float``; ``ANSWERS`` says what each
+rule that judges answers reads as the response's answer (verl's ``pred``), and such a rule's full marks
+(1.0) are its ``acc``.
 
 - GSM8K follows verl's rule: the answer is taken from the last 300
   characters of the response; ``strict`` wants the ``#### N`` marker and takes
@@ -243,6 +245,26 @@ SCORERS: dict[str, Callable[[str, str], float]] = {
     "math": math_score,
     "exact_match": exact_match_score,
     "format": format_score,
+}
+
+
+def math_answer(solution_str: str) -> str | None:
+    """The normalised last boxed answer of a response, or None."""
+    boxed = last_boxed_only_string(solution_str)
+    return normalize_math_answer(remove_boxed(boxed)) or None if boxed is not None else None
+
+
+# What each rule that judges answers reads as the response's answer (verl's "pred", counted by majority votes;
+# None: it found none). ``format`` judges the form only: it reads no answer, and its marks say nothing of one.
+ANSWERS: dict[str, Callable[[str], str | None]] = {
+    "openai/gsm8k": extract_gsm8k_answer,
+    "gsm8k": extract_gsm8k_answer,
+    "meshrl/reverse": str.strip,
+    "lighteval/MATH": math_answer,
+    "DigitalLearningGmbH/MATH-lighteval": math_answer,
+    "HuggingFaceH4/MATH-500": math_answer,
+    "math": math_answer,
+    "exact_match": lambda solution_str: " ".join(solution_str.split()),
 }
 
 

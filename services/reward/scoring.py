@@ -6,7 +6,11 @@ function (``services/reward/plugins.py``) or a reward model
 not name uses ``default`` when given, else the built-in rule registered
 under the data_source's own name. Each sample is scored on its own: an error
 or a timeout in any of its components marks that sample invalid (score 0,
-with the error), and the rest of the batch is unaffected.
+with the error), and the rest of the batch is unaffected. Besides its score, a
+sample carries the answer read in its response and whether it is right
+(verl's ``pred`` and ``acc``, for validation metrics): from the first
+component that gives them (a rule: its reading and its full marks; a user's
+function: the ``acc`` and ``pred`` it returns; a reward model gives neither).
 """
 
 from __future__ import annotations
@@ -38,6 +42,26 @@ class SampleResult:
     valid: bool
     error: str
     seconds: float
+    acc: bool | None = None  # whether the answer is right, from the first component that says (None: none does)
+    pred: str = ""  # the answer read in the response, from the first component that reads one
+
+
+@dataclass(frozen=True)
+class ComponentScore:
+    """One component's part of a sample's score."""
+
+    value: float
+    acc: bool | None = None
+    pred: str = ""
+
+
+def rule_answer(component: ComponentConfig, response: str) -> str:
+    """What a rule reads as the response's answer ("" for none), with the options its reading takes (gsm8k's
+    method)."""
+    read = rules.ANSWERS[component.rule]
+    accepted = set(inspect.signature(read).parameters) if component.options else set()
+    answer = read(response, **{k: v for k, v in component.options.items() if k in accepted})
+    return answer or ""
 
 
 class Scorer:
@@ -95,21 +119,29 @@ class Scorer:
     def _score_one(self, index: int, sample: Sample, model_scores) -> SampleResult:
         started = time.perf_counter()
         try:
-            total = 0.0
-            for component in self.components_for(sample.data_source):
-                if component.function:
-                    value = self.functions[component.function].score(sample.data_source, sample.response,
-                                                                     sample.ground_truth, sample.extra_info)
-                elif component.reward_model:
-                    value = model_scores[(component.reward_model, index)]
-                    if isinstance(value, Exception):
-                        raise value
-                else:
-                    value = rules.SCORERS[component.rule](sample.response, sample.ground_truth, **component.options)
-                total += component.weight * value
-            return SampleResult(total, True, "", time.perf_counter() - started)
+            parts = [(component.weight, self._component_score(component, index, sample, model_scores))
+                     for component in self.components_for(sample.data_source)]
+            acc = next((part.acc for _, part in parts if part.acc is not None), None)
+            pred = next((part.pred for _, part in parts if part.pred), "")
+            return SampleResult(sum(weight * part.value for weight, part in parts), True, "",
+                                time.perf_counter() - started, acc, pred)
         except Exception as error:  # noqa: BLE001 - one bad sample must not fail the batch
             return SampleResult(0.0, False, f"{type(error).__name__}: {error}", time.perf_counter() - started)
+
+    def _component_score(self, component: ComponentConfig, index: int, sample: Sample, model_scores) -> ComponentScore:
+        if component.function:
+            result = self.functions[component.function].score(sample.data_source, sample.response,
+                                                              sample.ground_truth, sample.extra_info)
+            return ComponentScore(result.score, result.acc, result.pred)
+        if component.reward_model:
+            value = model_scores[(component.reward_model, index)]
+            if isinstance(value, Exception):
+                raise value
+            return ComponentScore(value)
+        value = rules.SCORERS[component.rule](sample.response, sample.ground_truth, **component.options)
+        if component.rule not in rules.ANSWERS:  # a rule of form, not of answers
+            return ComponentScore(value)
+        return ComponentScore(value, value >= 1.0, rule_answer(component, sample.response))
 
     def close(self) -> None:
         for workers in self.functions.values():

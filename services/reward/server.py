@@ -59,7 +59,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         if invalid:
             log.warning("samples_not_scored", count=len(invalid), first_error=invalid[0][:300])
         return reward_pb2.ScoreResponse(service_id=self.identity.service_id, scores=[
-            reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds) for r in results])
+            reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds, pred=r.pred, acc=r.acc)
+            for r in results])
 
     async def Info(self, request, context):
         scorers = {source: [c.name for c in components] for source, components in self.config.scorers.items()}

@@ -39,7 +39,7 @@ def component(function: str) -> list[dict]:
 @pytest.fixture
 def reward_cluster(tmp_path):
     """Coordinator and one reward service whose data sources map to users' functions (1 s per sample)."""
-    scorers = {name: component(name) for name in ("length_match", "raises", "hangs", "garbage")}
+    scorers = {name: component(name) for name in ("length_match", "raises", "hangs", "garbage", "verdict")}
     scorers["combined"] = [{"rule": "meshrl/reverse", "weight": 0.5}, *[dict(c, weight=0.5) for c in component("length_match")]]
     scorers["rm"] = [{"reward_model": str(build_tiny_reward_model(tmp_path / "rm", 32, 1, seed=0))}]
     config = reward_config(tmp_path, "reward", scorers, sample_timeout_s=1.0, function_workers=2)
@@ -63,16 +63,19 @@ async def score_through_service(coordinator: str, batches: list[list[RewardSampl
 def test_user_functions_that_raise_hang_or_return_garbage_cost_only_their_sample(reward_cluster):
     batch = [RewardSample(source, response, truth, {}) for source, response, truth in (
         ("length_match", "abc", "xyz"), ("raises", "abc", "xyz"), ("hangs", "abc", "xyz"), ("garbage", "abc", "xyz"),
-        ("combined", "321", "321"), ("nobody", "1", "1"))]
+        ("combined", "321", "321"), ("nobody", "1", "1"), ("verdict", "42", "42"))]
     started = time.monotonic()
     [(scores, _), (again, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [batch, batch[:1]]))
     elapsed = time.monotonic() - started
-    good, raised, hung, garbage, combined, unknown = scores
+    good, raised, hung, garbage, combined, unknown, verdict = scores
     assert good.valid and good.score == 1.0 and good.error == ""
     assert not raised.valid and raised.score == 0.0 and "RuntimeError: cannot score 'abc'" in raised.error
     assert not hung.valid and "did not return within 1.0 s" in hung.error
     assert not garbage.valid and "'very good'" in garbage.error
     assert combined.valid and combined.score == pytest.approx(1.0)  # 0.5 * reverse + 0.5 * length
+    assert (combined.pred, combined.acc) == ("321", True)  # the reverse rule's reading and full marks
+    assert (good.pred, good.acc) == ("", None)  # a function that says neither
+    assert (verdict.score, verdict.pred, verdict.acc) == (0.5, "42", True)  # verl's reward_extra_info
     assert not unknown.valid and "no scorer for data_source 'nobody'" in unknown.error
     assert again[0].valid and again[0].score == 1.0  # the service goes on after the hang
     assert elapsed < 20

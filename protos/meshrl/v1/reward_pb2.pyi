@@ -28,16 +28,20 @@ class ScoreRequest(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class SampleScore(_message.Message):
-    __slots__ = ("score", "valid", "error", "seconds")
+    __slots__ = ("score", "valid", "error", "seconds", "pred", "acc")
     SCORE_FIELD_NUMBER: _ClassVar[int]
     VALID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRED_FIELD_NUMBER: _ClassVar[int]
+    ACC_FIELD_NUMBER: _ClassVar[int]
     score: float
     valid: bool
     error: str
     seconds: float
-    def __init__(self, score: _Optional[float] = ..., valid: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    pred: str
+    acc: bool
+    def __init__(self, score: _Optional[float] = ..., valid: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., pred: _Optional[str] = ..., acc: _Optional[bool] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("scores", "service_id")

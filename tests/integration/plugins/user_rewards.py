@@ -8,6 +8,11 @@ def length_match(data_source, solution_str, ground_truth, extra_info):
     return {"score": float(len(solution_str) == len(ground_truth)), "length": len(solution_str)}
 
 
+def verdict(data_source, solution_str, ground_truth, extra_info):
+    """Half marks, but the answer it reads (a number: sent as text) is right."""
+    return {"score": 0.5, "acc": True, "pred": int(solution_str)}
+
+
 def raises(data_source, solution_str, ground_truth, extra_info):
     raise RuntimeError(f"cannot score {solution_str!r}")
 

@@ -266,8 +266,37 @@ def test_rule_options_reach_the_rule_and_unknown_options_are_refused():
         Sample("openai/gsm8k", "so 42", "42", {}, ""), Sample("openai/gsm8k", "so 41", "42", {}, ""),
         Sample("openai/gsm8k", "no idea", "42", {}, "")])
     assert (right.score, formatted_wrong.score, no_answer.score) == (1.0, 0.1, 0.0)
+    # the answer is read with the rule's own method (flexible: the last number), and only full marks are right
+    assert [(r.pred, r.acc) for r in (right, formatted_wrong, no_answer)] == [("42", True), ("41", False), ("", False)]
     bad = validate(RewardServiceConfig, {"scorers": {"x": [{"rule": "openai/gsm8k", "options": {"strictness": 1}}]}})
     with pytest.raises(ValueError, match=r"rule openai/gsm8k has no options \['strictness'\]"):
         Scorer(bad)
     with pytest.raises(ConfigError, match="options are for rules only"):
         validate(RewardServiceConfig, {"scorers": {"x": [{"function": "m:f", "options": {"a": 1}}]}})
+
+
+def test_each_sample_carries_the_answer_read_and_whether_it_is_right():
+    """verl's pred and acc: a rule's reading of the response and its full marks; with several components, the
+    first that reads an answer gives them (the score is still the weighted sum)."""
+    from services.common.config import validate
+    from services.reward.config import RewardServiceConfig
+    from services.reward.scoring import Sample, Scorer
+
+    scorer = Scorer(validate(RewardServiceConfig, {"scorers": {"both": [
+        {"rule": "format", "weight": 0.5}, {"rule": "openai/gsm8k", "weight": 0.5}]}}))
+    results = scorer.score_batch([
+        Sample("openai/gsm8k", "3 + 4 = 7\n#### 7", "7", {}, ""),
+        Sample("openai/gsm8k", "#### 1,000", "7", {}, ""),
+        Sample("openai/gsm8k", "seven", "7", {}, ""),
+        Sample("meshrl/reverse", "321", "321", {}, ""),
+        Sample("meshrl/reverse", "3x1", "321", {}, ""),
+        Sample("math", r"so \boxed{\frac12}", r"\frac{1}{2}", {}, ""),
+        Sample("both", "#### 7\nthanks", "7", {}, ""),
+        Sample("nobody", "7", "7", {}, ""),
+    ])
+    assert [(r.score, r.pred, r.acc) for r in results[:6]] == [
+        (1.0, "7", True), (0.0, "1000", False), (0.0, "", False), (1.0, "321", True),
+        (pytest.approx(2 / 3), "3x1", False), (1.0, r"\frac{1}{2}", True)]
+    both = results[6]
+    assert (both.score, both.pred, both.acc) == (0.5, "7", True)  # format fails; it reads no answer, gsm8k does
+    assert not results[7].valid and (results[7].pred, results[7].acc) == ("", None)
