@@ -8,6 +8,7 @@ batch it lands in.
 
 The reported logprob of a sampled token is taken from the temperature-scaled
 distribution before top-p truncation, the same quantity the trainer computes.
+Temperature 0 decodes greedily (validation's default, as in verl).
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch
     """One token per row, each row with its own generator (exponential race). [N, V] -> [N]."""
     noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])
     return torch.argmax(probs / noise, dim=-1)
+
+
+def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings,
+                  generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row and its logprob. [N, V] -> [N], [N].
+
+    Temperature 0 is greedy: the most likely token, its logprob at temperature 1. Otherwise a sample from the
+    temperature-scaled, top-p-truncated distribution, its logprob taken before the truncation."""
+    if sampling.temperature == 0:
+        chosen = torch.argmax(logits, dim=-1)
+        return chosen, algos.token_logprobs(logits, chosen, 1.0)
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    chosen = sample_rows(top_p_filter(probs, sampling.top_p), generators)
+    return chosen, algos.token_logprobs(logits, chosen, sampling.temperature)
 
 
 class HFEngine:
@@ -92,9 +107,7 @@ class HFEngine:
             )
             past = out.past_key_values
             logits = out.logits[:, -1].float()
-            probs = torch.softmax(logits / sampling.temperature, dim=-1)
-            chosen = sample_rows(top_p_filter(probs, sampling.top_p), generators)
-            chosen_logprobs = algos.token_logprobs(logits, chosen, sampling.temperature)
+            chosen, chosen_logprobs = choose_tokens(logits, sampling, generators)
             for row in torch.nonzero(~finished).flatten().tolist():
                 tokens[row].append(int(chosen[row]))
                 logprobs[row].append(float(chosen_logprobs[row]))

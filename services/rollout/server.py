@@ -19,8 +19,8 @@ log = structlog.get_logger()
 def sampling_from_pb(params: rollout_pb2.SamplingParams) -> SamplingSettings:
     if params.n < 1:
         raise ValueError(f"params.n must be >= 1, got {params.n}")
-    if not params.temperature > 0:
-        raise ValueError(f"params.temperature must be > 0, got {params.temperature}")
+    if not 0 <= params.temperature < float("inf"):
+        raise ValueError(f"params.temperature must be >= 0 (0: greedy), got {params.temperature}")
     if not 0 < params.top_p <= 1:
         raise ValueError(f"params.top_p must be in (0, 1], got {params.top_p}")
     if params.max_new_tokens < 1:

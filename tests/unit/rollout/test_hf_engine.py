@@ -208,6 +208,22 @@ def test_tiny_top_p_is_greedy(tiny, prompts):
         assert c.token_ids == logits.argmax(-1).tolist()
 
 
+def test_temperature_zero_decodes_greedily_with_logprobs_at_temperature_one(tiny, prompts):
+    model, _ = tiny
+    sampling = SamplingSettings(n=2, temperature=0.0, top_p=0.5, max_new_tokens=6, seed=5, stop_token_ids=())
+    results = _engine(tiny, batch_size=4).generate(prompts, sampling)
+    other_seed = _engine(tiny, batch_size=1).generate(prompts, SamplingSettings(2, 0.0, 1.0, 6, 99, ()))
+    assert _as_tuples(results) == _as_tuples(other_seed)  # no randomness left
+    for prompt, completions in zip(prompts, results):
+        c = completions[0]
+        full = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=full).logits[0, len(prompt) - 1 : -1]
+        assert c.token_ids == logits.argmax(-1).tolist()
+        want = _reference_logprobs(model, prompt, c.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(want), atol=1e-5, rtol=0)
+
+
 def test_an_interrupt_stops_generation_at_the_next_token_step(tiny, prompts):
     steps = 0
 
