@@ -33,6 +33,10 @@ class DataConfig(Section):
     """Row field that picks the reward scorer."""
     shuffle: bool = True
     """Shuffle the rows each epoch (seeded by trainer.seed)."""
+    val_files: list[str] = []
+    """Held-out parquet or JSONL files in the same schema, for validation (trainer.test_freq,
+    trainer.val_before_train, trainer.val_only): every row is generated with rollout.val_kwargs and scored by
+    the run's reward services; empty = no validation (verl's data.val_files)."""
 
 
 class ModelConfig(Section):
@@ -155,6 +159,30 @@ class ActorConfig(Section):
     """How the trainer holds the actor; the reference follows the actor's strategy and fsdp_config."""
 
 
+class ValKwargsConfig(Section):
+    """How validation samples (verl's actor_rollout_ref.rollout.val_kwargs): greedy by default."""
+
+    n: PositiveInt = 1
+    """Responses per validation prompt: mean@n, and best@k, worst@k and maj@k for k = 2, 4, ..., n."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of validation when do_sample is true (0 = greedy)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling of validation when do_sample is true."""
+    top_k: Literal[-1] = -1
+    """Accepted for verl's configs; only -1 (no top-k cut), which is all meshrl's engines do."""
+    do_sample: bool = False
+    """False: greedy decoding, whatever temperature and top_p say (verl's meaning); true: sample at them."""
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature validation decodes at (0: greedy)."""
+        return self.temperature if self.do_sample else 0.0
+
+    @property
+    def sampling_top_p(self) -> float:
+        return self.top_p if self.do_sample else 1.0
+
+
 class RolloutConfig(Section):
     name: Literal["hf", "vllm"] = "hf"
     """Engine the rollout services must run; checked against what registered."""
@@ -187,6 +215,8 @@ class RolloutConfig(Section):
     generation goes on during a sync): finish = they complete under the old version; restart = they are
     stopped and sampled again, whole, under the new version, with the same seeds: fresher samples for
     the compute thrown away."""
+    val_kwargs: ValKwargsConfig = ValKwargsConfig()
+    """Sampling of validation (verl's key)."""
 
 
 class ActorRolloutRefConfig(Section):
@@ -353,6 +383,17 @@ class TrainerConfig(Section):
     """Deadline of joining the weight channel and of each weight broadcast."""
     services_wait_s: PositiveFloat = 60.0
     """How long a starting run waits for the trainer, rollout and reward services to be up."""
+    test_freq: int = Field(-1, ge=-1)
+    """Validate on data.val_files every this many steps, and after the last step (-1 or 0: never during
+    training; verl's key). With trainer.async_.max_staleness >= 1 the validation of a step's weights runs on
+    the rollouts while the trainer already works on the next step; val/weight_version says which weights
+    each validation measured."""
+    val_before_train: bool = True
+    """Validate the starting weights (after the warm start) before the first step, when data.val_files is set
+    (verl's key; a resumed run does not validate again before going on)."""
+    val_only: bool = False
+    """Only validate the model at actor_rollout_ref.model.path on data.val_files, then finish: no trainer is
+    needed, no step is trained (verl's key; what coordctl eval runs)."""
     async_: AsyncConfig = AsyncConfig()
     """The asynchronous pipeline (``async`` is a Python keyword, hence the underscore)."""
 
@@ -432,8 +473,13 @@ class RunConfig(Section):
         return self
 
     def require_paths(self) -> None:
-        """Refuse a config that names no model or no data (before anything starts)."""
+        """Refuse a config that names no model or no data it needs (before anything starts)."""
         if not self.actor_rollout_ref.model.path:
             raise ValueError("actor_rollout_ref.model.path: no model folder given")
-        if not self.data.train_files:
+        if not self.data.train_files and not self.trainer.val_only:
             raise ValueError("data.train_files: no training data given")
+        trainer = self.trainer
+        for key, asks in (("trainer.val_only", trainer.val_only),
+                          (f"trainer.test_freq={trainer.test_freq}", trainer.test_freq > 0)):
+            if asks and not self.data.val_files:
+                raise ValueError(f"{key} validates on data.val_files, which is empty")

@@ -43,20 +43,19 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from services import algos
-from services.common.errors import Unavailable
 from services.common.sequences import SequenceBatch, join_ragged
 from services.common.timing import StageTimer
-from services.coordinator.clients import Generated, RewardSample, RolloutClient, TrainerClient
+from services.coordinator import generation
+from services.coordinator.clients import TrainerClient
 from services.coordinator.data import Prompt, PromptSampler
-from services.coordinator.dispatch import map_shards_recovering
+from services.coordinator.generation import Rollouts
 from services.coordinator.metrics import data_metrics
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.reward_set import RewardSet, RewardTarget
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import LoopSettings
 from services.coordinator.store import Checkpoint
-
-GENERATION_ATTEMPTS = 3  # a step's generation redone after every rollout of a shard failed, before giving up
+from services.coordinator.validation import Validated, validate
 
 
 class Reporter(Protocol):
@@ -71,6 +70,9 @@ class Reporter(Protocol):
 
     def waiting(self, reason: str | None) -> None:
         """The run waits for ``reason`` (state waiting); None: it goes on (state running)."""
+
+    def validation(self, validated: Validated) -> None:
+        """A validation is done: its metrics (recorded with its step's) and every response it scored."""
 
 
 @dataclass
@@ -87,38 +89,6 @@ class Trainers:
             if client is not None:
                 roles.setdefault(client, []).append(role)
         return roles
-
-
-@dataclass(frozen=True)
-class Rollouts:
-    """Scored responses of one step: n per prompt, sequence i*n+j is sample j of prompt i."""
-
-    batch: SequenceBatch
-    logprobs: torch.Tensor  # [T], from the rollout engine
-    truncated: torch.Tensor  # [B*n] bool
-    scores: torch.Tensor  # [B*n] float32
-    versions: torch.Tensor  # [B*n] int64, the weight version that sampled each response
-    prompts: list[Prompt]  # [B]
-    n: int
-
-    @property
-    def group_ids(self) -> torch.Tensor:
-        return torch.arange(len(self.prompts)).repeat_interleave(self.n)
-
-    def keep_prompts(self, keep: list[int]) -> Rollouts:
-        rows = torch.tensor([i * self.n + j for i in keep for j in range(self.n)], dtype=torch.int64)
-        return Rollouts(self.batch.select(rows), self.logprobs[self.batch.token_index(rows)], self.truncated[rows],
-                        self.scores[rows], self.versions[rows], [self.prompts[i] for i in keep], self.n)
-
-    def with_scores(self, scores: torch.Tensor) -> Rollouts:
-        return Rollouts(self.batch, self.logprobs, self.truncated, scores, self.versions, self.prompts, self.n)
-
-    @staticmethod
-    def concat(parts: list[Rollouts]) -> Rollouts:
-        return Rollouts(SequenceBatch.concat([p.batch for p in parts]), torch.cat([p.logprobs for p in parts]),
-                        torch.cat([p.truncated for p in parts]), torch.cat([p.scores for p in parts]),
-                        torch.cat([p.versions for p in parts]), [prompt for p in parts for prompt in p.prompts],
-                        parts[0].n)
 
 
 @dataclass(frozen=True)
@@ -155,29 +125,41 @@ class Updated(NamedTuple):
 
 
 class PPOLoop:
-    def __init__(self, run_id: str, settings: LoopSettings, config_yaml: str, trainers: Trainers,
-                 rollouts: RolloutSet, rewards: RewardSet, prompts: list[Prompt], tokenizer, reporter: Reporter,
-                 should_stop: Callable[[], bool], checkpoint_dir: Path):
-        """``config_yaml``: the run config as the trainers load it; ``tokenizer``: the model's, to decode
-        responses for the reward services and encode the warm start's targets."""
+    def __init__(self, run_id: str, settings: LoopSettings, config_yaml: str, trainers: Trainers | None,
+                 rollouts: RolloutSet, rewards: RewardSet, prompts: list[Prompt], val_prompts: list[Prompt],
+                 tokenizer, reporter: Reporter, should_stop: Callable[[], bool], checkpoint_dir: Path):
+        """``config_yaml``: the run config as the trainers load it; ``trainers``: None for a run that only
+        validates; ``tokenizer``: the model's, to decode responses for the reward services and encode the
+        warm start's targets."""
         self.run_id, self.settings, self.config_yaml = run_id, settings, config_yaml
         self.trainers, self.rollouts, self.rewards = trainers, rollouts, rewards
-        self.prompts, self.tokenizer, self.reporter, self.should_stop = prompts, tokenizer, reporter, should_stop
-        self.sampler = PromptSampler(len(prompts), settings.batch_size, settings.shuffle, settings.seed)
+        self.prompts, self.val_prompts = prompts, val_prompts
+        self.tokenizer, self.reporter, self.should_stop = tokenizer, reporter, should_stop
+        self.sampler = PromptSampler(len(prompts), settings.batch_size, settings.shuffle, settings.seed) if prompts \
+            else None  # a run that only validates draws no batch
         self.timeout = settings.rpc_timeout_s
         self.kl_coef = settings.kl_in_reward.initial_coef if settings.kl_in_reward else 0.0
         self.checkpoint_dir = checkpoint_dir
         self.saved_step = 0  # last step checkpointed (or resumed from)
         self.data_after: dict[int, dict] = {}  # step -> the data sampler's state right after its batch was drawn
+        self.validating: asyncio.Task | None = None  # a validation generating on the rollouts
 
     async def run(self, resume: Checkpoint | None = None) -> bool:
         """Set up (from ``resume`` if given), then train until the last step or a stop request, checkpointing
-        every trainer.save_freq steps and at a stop; True if every step ran."""
+        every trainer.save_freq steps and at a stop, and validating when asked; True if every step ran. A run
+        that only validates does that and ends."""
+        settings, validation = self.settings, self.settings.validation
+        if validation is not None and validation.only:
+            await self.rollouts.load()
+            self.start_validation(0)
+            await self.finish_validation()
+            return True
         await self.set_up(resume)
-        settings = self.settings
         first, last = self.saved_step + 1, settings.total_steps
         if self.should_stop():
             return False
+        if validation is not None and validation.before_train and self.saved_step == 0:
+            self.start_validation(0)                                      # the starting weights
         await self.boundary(first)
         pipeline = Pipeline(self.produce, self.data_state, first, last, settings.max_staleness)
         pipeline.start()
@@ -189,18 +171,48 @@ class PPOLoop:
                 self.data_after[step] = ahead.data_state
                 metrics["perf/rollout_idle_fraction"] = pipeline.idle_fraction(since=timer.started)
                 self.reporter.step(step, metrics)
+                if self.validation_due(step):
+                    self.start_validation(step)                           # beside the next step's work
                 if settings.save_freq and step % settings.save_freq == 0:
                     await self.save_checkpoint(step)
                 if self.should_stop() and step < last:
+                    await self.finish_validation()
                     if step > self.saved_step:
                         await self.save_checkpoint(step)
                     return False
                 if step < last:
                     await self.boundary(step + 1)
                 await pipeline.complete(step)                             # later batches may be begun
+            await self.finish_validation()
         finally:
             await pipeline.close()
+            if self.validating is not None:
+                self.validating.cancel()
+                await asyncio.gather(self.validating, return_exceptions=True)
         return True
+
+    def validation_due(self, step: int) -> bool:
+        """Validate after every trainer.test_freq-th step and after the last."""
+        validation = self.settings.validation
+        return (validation is not None and validation.test_freq > 0
+                and (step % validation.test_freq == 0 or step == self.settings.total_steps))
+
+    def start_validation(self, step: int) -> None:
+        """Validate the weights the rollouts serve now, after step ``step``, on the rollouts, while the loop goes
+        on (the next weight sync waits for it: ``finish_validation``)."""
+        async def validate_and_report() -> None:
+            validated = await validate(self.settings.validation, self.val_prompts, self.rollouts, self.rewards,
+                                       self.tokenizer, self.reporter, self.timeout, step, self.rollouts.served)
+            self.reporter.validation(validated)
+
+        self.validating = asyncio.ensure_future(validate_and_report())
+
+    async def finish_validation(self) -> None:
+        """Wait for the validation in progress: the rollouts must serve the weights it measures until it is done
+        (its failure is raised here)."""
+        if self.validating is not None:
+            task, self.validating = self.validating, None
+            await task
 
     async def train(self, step: int, produced: Produced, timer: StageTimer) -> dict[str, float]:
         """The training side of a step: logprobs, advantages, updates, weight sync; returns the step's metrics."""
@@ -223,6 +235,7 @@ class PPOLoop:
         if not self.settings.sleep_rollouts:
             yield
             return
+        await self.finish_validation()
         with timer("rollout_sleep"):
             await self.rollouts.sleep()
         yield
@@ -291,6 +304,9 @@ class PPOLoop:
         """Every rollout serves the actor's new weights (nothing to send when only the critic was updated)."""
         if updated.version is None:
             return
+        if self.validating is not None:
+            with timer("wait_validation"):  # the trainer's time lost to a validation still generating
+                await self.finish_validation()
         with timer("update_weights"):
             await self.rollouts.sync(updated.version)
         timer.seconds["rollout_pause"] = self.rollouts.pause_s
@@ -352,55 +368,18 @@ class PPOLoop:
                                  oldest: int) -> Rollouts:
         """One round: the next batch's responses, sampled from weight versions >= ``oldest``, and their scores;
         ``counts`` gets the samples each replica produced."""
-        with timer("gen"):
-            rollouts = await self.generate(step, round_index, counts, oldest)
-        with timer("reward"):
-            return await self.score(rollouts, counts)
-
-    async def generate(self, step: int, round_index: int, counts: dict[str, float], oldest: int) -> Rollouts:
-        """n responses per prompt of the next batch, spread over the rollout replicas (not yet scored).
-
-        A shard whose replica fails, or comes back generated with weights older than ``oldest``, is redone on
-        another; if every replica fails, the rollouts are refreshed (waiting for one if none is left) and the
-        whole generation redone: same prompts, same seeds, so nothing is lost or counted twice."""
-        sampling = self.settings.sampling
         chosen = [self.prompts[i] for i in self.sampler.next_batch()]
         seed = (self.settings.seed * 1_000_003 + step) * 101 + round_index
-
-        async def call(replica: RolloutClient, lo: int, hi: int) -> Generated:
-            generated = await replica.generate([p.token_ids for p in chosen[lo:hi]], sampling, seed, lo, self.timeout)
-            if int(generated.weight_versions.min()) < oldest:
-                raise Unavailable(f"rollout {replica.address} generated with weight version "
-                                  f"{int(generated.weight_versions.min())}, older than {oldest}")
-            return generated
-
-        async def refresh(failure: Unavailable) -> None:
-            self.reporter.log(f"generation of step {step} failed on every rollout ({failure}); refreshing the "
-                              f"rollouts and generating it again")
-            await self.rollouts.refresh()
-
-        done = await map_shards_recovering(lambda: self.rollouts.pool, len(chosen), call, GENERATION_ATTEMPTS, refresh)
-        for result, replica in done:
-            add_count(counts, f"rollout/samples_by/{replica.address}", len(result.response_lens))
-        shards = [result for result, _ in done]
-        prompt_ids, prompt_lens = join_ragged(
-            [torch.tensor(p.token_ids) for p in chosen for _ in range(sampling.n)], torch.int64)
-        batch = SequenceBatch(prompt_ids, prompt_lens, torch.cat([s.response_ids for s in shards]),
-                              torch.cat([s.response_lens for s in shards]))
-        return Rollouts(batch, torch.cat([s.logprobs for s in shards]), torch.cat([s.truncated for s in shards]),
-                        torch.zeros(len(batch)), torch.cat([s.weight_versions for s in shards]), chosen, sampling.n)
-
-    async def score(self, rollouts: Rollouts, counts: dict[str, float]) -> Rollouts:
-        """The same rollouts with one score per response, spread over the reward replicas (the responses are
-        decoded on a worker thread)."""
-        samples = await asyncio.to_thread(reward_samples, rollouts, self.tokenizer)
-        scored = await self.rewards.score(samples)
-        for service_id, count in scored.by_service.items():
+        with timer("gen"):
+            rollouts, by_rollout = await generation.generate(self.rollouts, chosen, self.settings.sampling, seed,
+                                                             oldest, self.timeout, self.reporter, f"step {step}")
+        with timer("reward"):
+            scoring = await generation.score(self.rewards, rollouts, self.tokenizer, self.reporter)
+        for address, count in by_rollout.items():
+            add_count(counts, f"rollout/samples_by/{address}", count)
+        for service_id, count in scoring.by_service.items():
             add_count(counts, f"reward/samples_by/{service_id}", count)
-        invalid = [s.error for s in scored.scores if not s.valid]
-        if invalid:
-            self.reporter.log(f"{len(invalid)} samples could not be scored (scored 0), first: {invalid[0]}")
-        return rollouts.with_scores(torch.tensor([s.score for s in scored.scores], dtype=torch.float32))
+        return scoring.rollouts
 
     # ------------------------------------------------------------------ set-up, boundaries, checkpoints
 
@@ -486,18 +465,6 @@ def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollou
     advantages = algos.compute_advantages(estimator.name, rewards, lengths, rollouts.group_ids, evaluated.values,
                                           estimator.gamma, estimator.lam, estimator.norm_by_std)
     return Estimate(rewards, advantages.advantages, advantages.returns, metrics)
-
-
-def reward_samples(rollouts: Rollouts, tokenizer) -> list[RewardSample]:
-    """Each response decoded, with its prompt's data source, ground truth, extra info and text."""
-    responses = torch.split(rollouts.batch.response_ids, rollouts.batch.response_lens.tolist())
-    prompt_texts = [tokenizer.decode(p.token_ids, skip_special_tokens=True) for p in rollouts.prompts]
-    samples = []
-    for row, response in enumerate(responses):
-        prompt = rollouts.prompts[row // rollouts.n]
-        samples.append(RewardSample(prompt.data_source, tokenizer.decode(response.tolist(), skip_special_tokens=True),
-                                    prompt.ground_truth, prompt.extra_info, prompt_texts[row // rollouts.n]))
-    return samples
 
 
 def add_count(counts: dict[str, float], name: str, count: int) -> None:

@@ -69,11 +69,12 @@ def channel_backend(trainer_gpu: str, rollout_gpus: dict[str, frozenset[str]]) -
 
 
 class RolloutSet:
-    def __init__(self, run_id: str, settings: RolloutSetSettings, actor: TrainerClient, find: Callable[[], list[str]],
-                 notices: Notices, should_stop: Callable[[], bool],
+    def __init__(self, run_id: str, settings: RolloutSetSettings, actor: TrainerClient | None,
+                 find: Callable[[], list[str]], notices: Notices, should_stop: Callable[[], bool],
                  connect: Callable[[str], RolloutClient] = RolloutClient):
-        """``find``: the addresses of the placement's rollout group that are up now; ``connect``: a client of
-        the rollout at an address."""
+        """``actor``: None for a run without a trainer (it only validates: ``load``, never a channel); ``find``:
+        the addresses of the placement's rollout group that are up now; ``connect``: a client of the rollout at
+        an address."""
         self.run_id, self.settings, self.actor, self.find, self.connect = run_id, settings, actor, find, connect
         self.notices, self.should_stop = notices, should_stop
         self.members: list[RolloutClient] = []
@@ -110,9 +111,25 @@ class RolloutSet:
         channel (waiting while none answers; RunStopped if the run is stopped meanwhile)."""
         await self._regroup(take_new=True)
 
+    async def load(self) -> None:
+        """For a run without a trainer: the group's rollouts that answer load the run's model and serve it as the
+        model folder holds it (weight version 0); no channel is formed (waiting while none answers)."""
+        for _ in range(FORM_ATTEMPTS):
+            admitted = await self._admit(await self._answering(take_new=True, found=None))
+            if admitted:
+                retired = [m for m in self.members if m not in admitted]
+                self.members, self.pool, self.version, self.served = admitted, ReplicaPool("rollout", admitted), 0, 0
+                await asyncio.gather(*(m.close() for m in retired))
+                return
+        raise Unavailable(f"no rollout could load the run's model in {FORM_ATTEMPTS} attempts")
+
     async def refresh(self) -> None:
         """At a step boundary: if a member went, a rollout came or a member serves other weights, form a
-        fresh channel with the rollouts that answer and send them the current weights."""
+        fresh channel with the rollouts that answer and send them the current weights (without a trainer:
+        ``load`` again)."""
+        if self.actor is None:
+            await self.load()
+            return
         found = await self._probe({*self.addresses(), *self.find()})
         members = set(self.addresses())
         serving = {address for address, (_, info) in found.items()

@@ -12,6 +12,7 @@ import asyncio
 import json
 import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -33,6 +34,7 @@ from services.coordinator.reward_set import RewardSet, RewardTarget, probe_sampl
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import loop_settings, rollout_set_settings
 from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
+from services.coordinator.validation import Validated, headline
 from services.coordinator.waiting import RunStopped, describe
 
 log = structlog.get_logger()
@@ -61,11 +63,20 @@ def parse_run_config(config_yaml: str) -> RunConfig:
     return config
 
 
+@dataclass(frozen=True)
+class RunData:
+    """What a run reads before it starts: the model's tokenizer, the training and the held-out prompts."""
+
+    tokenizer: object
+    prompts: list[Prompt]
+    val_prompts: list[Prompt]
+
+
 class RunReporter:
     """Where a run's loop reports: the run DB, metrics.jsonl, the log, and the watchers."""
 
     def __init__(self, manager: RunManager, run_id: str, run_dir: Path):
-        self.manager, self.run_id = manager, run_id
+        self.manager, self.run_id, self.run_dir = manager, run_id, run_dir
         self.metrics_file = run_dir / "metrics.jsonl"
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
@@ -88,6 +99,21 @@ class RunReporter:
     def waiting(self, reason: str | None) -> None:
         self.manager._set_state(self.run_id, "waiting" if reason else "running", reason or "")
 
+    def validation(self, validated: Validated) -> None:
+        """Its metrics into the step's record and metrics.jsonl, its responses into validation/step_N.jsonl."""
+        store = self.manager.store
+        store.record_validation(self.run_id, validated.step, validated.metrics)
+        with self.metrics_file.open("a") as out:
+            out.write(json.dumps({"step": validated.step, "time": time.time(), **validated.metrics}) + "\n")
+        samples_file = self.run_dir / "validation" / f"step_{validated.step:06d}.jsonl"
+        samples_file.parent.mkdir(exist_ok=True)
+        samples_file.write_text("".join(json.dumps(sample) + "\n" for sample in validated.samples))
+        message = headline(validated)
+        store.add_event(self.run_id, "validation", validated.step, "", message, validated.metrics)
+        log.info("validated", run_id=self.run_id, step=validated.step, weight_version=validated.version,
+                 samples=len(validated.samples), seconds=validated.metrics.get("timing_s/testing"))
+        self.manager.notify()
+
 
 class RunManager:
     def __init__(self, store: RunStore, registry: Registry, state_dir: Path):
@@ -109,20 +135,23 @@ class RunManager:
 
         asyncio.get_running_loop().create_task(wake())
 
-    async def _load_data(self, config: RunConfig) -> tuple[object, list[Prompt]]:
-        """The run's tokenizer and prompts; ValueError naming the file and row of a bad one."""
+    async def _load_data(self, config: RunConfig) -> RunData:
+        """The run's tokenizer, training and held-out prompts; ValueError naming the file and row of a bad one."""
         tokenizer = await asyncio.to_thread(load_tokenizer, config.actor_rollout_ref.model.path)
         data = config.data
-        prompts = await asyncio.to_thread(
-            load_prompts, data.train_files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length)
-        if len(prompts) < data.train_batch_size:
+
+        def load(files: list[str]) -> list[Prompt]:
+            return load_prompts(files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length)
+
+        prompts = await asyncio.to_thread(load, data.train_files) if not config.trainer.val_only else []
+        if len(prompts) < data.train_batch_size and not config.trainer.val_only:
             raise ValueError(f"data.train_batch_size ({data.train_batch_size}) is larger than the data "
                              f"({len(prompts)} prompts in {data.train_files})")
-        return tokenizer, prompts
+        return RunData(tokenizer, prompts, await asyncio.to_thread(load, data.val_files) if data.val_files else [])
 
     async def start_run(self, config_yaml: str) -> RunRow:
         config = parse_run_config(config_yaml)
-        tokenizer, prompts = await self._load_data(config)
+        data = await self._load_data(config)
         run_id = f"{config.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.state_dir / "runs" / run_id
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -130,7 +159,7 @@ class RunManager:
         (run_dir / "config.yaml").write_text(resolved)
         self.store.create_run(run_id, config.trainer.experiment_name, resolved, str(run_dir),
                               config.trainer.total_training_steps)
-        self._tasks[run_id] = asyncio.create_task(self._execute(run_id, config, resolved, tokenizer, prompts, run_dir))
+        self._tasks[run_id] = asyncio.create_task(self._execute(run_id, config, resolved, data, run_dir))
         log.info("run_started", run_id=run_id, run_dir=str(run_dir))
         return self.store.get_run(run_id)
 
@@ -152,7 +181,7 @@ class RunManager:
         if checkpoint is None and row.state != "interrupted":
             raise FailedPrecondition(f"run {run_id} has no checkpoint to resume from")
         config = parse_run_config(row.config_yaml)
-        tokenizer, prompts = await self._load_data(config)
+        data = await self._load_data(config)
         run_dir, step = Path(row.run_dir), checkpoint.step if checkpoint else 0
         self._rewind(run_id, run_dir, step)
         if checkpoint is None:
@@ -160,12 +189,12 @@ class RunManager:
                                  {})
         self._stop_requested.discard(run_id)
         self._tasks[run_id] = asyncio.create_task(
-            self._execute(run_id, config, row.config_yaml, tokenizer, prompts, run_dir, checkpoint))
+            self._execute(run_id, config, row.config_yaml, data, run_dir, checkpoint))
         log.info("run_resumed", run_id=run_id, step=step)
         return self.store.get_run(run_id)
 
-    async def _execute(self, run_id: str, config: RunConfig, config_yaml: str, tokenizer, prompts: list[Prompt],
-                       run_dir: Path, resume: Checkpoint | None = None) -> None:
+    async def _execute(self, run_id: str, config: RunConfig, config_yaml: str, data: RunData, run_dir: Path,
+                       resume: Checkpoint | None = None) -> None:
         """Drive the run to its end. When a service goes away mid-run (a retryable failure), the run waits
         for the services of its placement and continues from its last checkpoint (or from the start)."""
         state, error, recoveries = "failed", "", 0
@@ -174,7 +203,7 @@ class RunManager:
                 self._set_state(run_id, "running")
                 while True:
                     try:
-                        completed = await self._attempt(run_id, config, config_yaml, tokenizer, prompts, run_dir, resume)
+                        completed = await self._attempt(run_id, config, config_yaml, data, run_dir, resume)
                         state = "finished" if completed else "stopped"
                         break
                     except Exception as failure:  # noqa: BLE001 - sorted below
@@ -200,24 +229,25 @@ class RunManager:
                     log.warning("plot_skipped", run_id=run_id, error=str(missing))
                 self._set_state(run_id, state, error)
 
-    async def _attempt(self, run_id, config, config_yaml, tokenizer, prompts, run_dir, resume) -> bool:
+    async def _attempt(self, run_id: str, config: RunConfig, config_yaml: str, data: RunData, run_dir: Path,
+                       resume: Checkpoint | None) -> bool:
         """One go at the run with the services up now, from ``resume`` (or the start); True if it completed.
 
         A trainer of the run that stops heartbeating (killed, stopped, cut off) ends the attempt at once with
         Unavailable naming it, whatever call was waiting on it; a rollout that does leaves the run's rollout
-        set, and the attempt goes on with the others."""
+        set, and the attempt goes on with the others. A run that only validates has no trainer."""
         trainers = await self._connect(config)
         reporter, should_stop = RunReporter(self, run_id, run_dir), lambda: run_id in self._stop_requested
-        rollouts = RolloutSet(run_id, rollout_set_settings(config), trainers.actor,
+        rollouts = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
                               lambda: [record.address for record in self.registry.up("rollout", config.placement.rollout)],
                               reporter, should_stop)
         rewards = RewardSet(RewardTarget("group", config.placement.reward), self.reward_addresses, reporter,
                             should_stop, config.trainer.rpc_timeout_s)
-        ppo = PPOLoop(run_id, loop_settings(config), config_yaml, trainers, rollouts, rewards, prompts, tokenizer,
-                      reporter, should_stop, run_dir / "checkpoints")
+        ppo = PPOLoop(run_id, loop_settings(config), config_yaml, trainers, rollouts, rewards, data.prompts,
+                      data.val_prompts, data.tokenizer, reporter, should_stop, run_dir / "checkpoints")
         self._loops[run_id] = ppo
         try:
-            addresses = {client.address for client in trainers.roles()}
+            addresses = {client.address for client in trainers.roles()} if trainers else set()
             loop = asyncio.ensure_future(ppo.run(resume))
             watchdog = asyncio.ensure_future(self._watch_members(addresses, rollouts))
             await asyncio.wait({loop, watchdog}, return_when=asyncio.FIRST_COMPLETED)
@@ -227,11 +257,12 @@ class RunManager:
                 return watchdog.result()  # raises the Unavailable that ended the attempt
             watchdog.cancel()
             if loop.exception() is not None and recoverable(loop.exception()):
-                raise await self._name_silent_trainers(list(trainers.roles()), loop.exception())
+                raise await self._name_silent_trainers(list(trainers.roles()) if trainers else [], loop.exception())
             return loop.result()
         finally:
             self._loops.pop(run_id, None)
-            await asyncio.gather(*(client.close() for client in trainers.roles()), rollouts.close(), rewards.close())
+            await asyncio.gather(*(client.close() for client in (trainers.roles() if trainers else ())), rollouts.close(),
+                                 rewards.close())
 
     async def _watch_members(self, trainers: set[str], rollouts: RolloutSet) -> bool:
         """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer
@@ -286,6 +317,8 @@ class RunManager:
 
     @staticmethod
     def _roles(config: RunConfig) -> list[str]:
+        if config.trainer.val_only:
+            return []
         return ["actor"] + (["critic"] if config.use_critic else []) + (["ref"] if config.use_reference else [])
 
     def _missing(self, config: RunConfig) -> list[str]:
@@ -300,9 +333,9 @@ class RunManager:
     def _services_up(self, config: RunConfig) -> bool:
         return not self._missing(config)
 
-    async def _connect(self, config: RunConfig) -> Trainers:
+    async def _connect(self, config: RunConfig) -> Trainers | None:
         """Clients of the trainers of the run's placement, one per role (roles placed in the same group share
-        it), once every service of the placement is up (waiting for them)."""
+        it), once every service of the placement is up (waiting for them); None for a run that only validates."""
         deadline = time.monotonic() + config.trainer.services_wait_s
         while missing := self._missing(config):
             if time.monotonic() > deadline:
@@ -310,6 +343,8 @@ class RunManager:
                                          f"trainer.services_wait_s={config.trainer.services_wait_s}")
             await asyncio.sleep(0.2)
         place, roles = config.placement, self._roles(config)
+        if not roles:
+            return None
         trainers = {group: TrainerClient(self.registry.up("trainer", group)[0].address)
                     for group in {getattr(place, role) for role in roles}}
         return Trainers(trainers[place.actor], trainers[place.critic] if config.use_critic else None,

@@ -44,6 +44,17 @@ class KLInReward:
 
 
 @dataclass(frozen=True)
+class ValidationSettings:
+    """When and how a run validates on its held-out prompts."""
+
+    sampling: Sampling
+    seed: int  # the same for every validation of a run, so that equal weights give equal samples
+    test_freq: int  # validate every this many steps and after the last (<= 0: not during training)
+    before_train: bool  # validate the starting weights (not again after a resume)
+    only: bool  # validate the model folder and finish: no training
+
+
+@dataclass(frozen=True)
 class LoopSettings:
     """What the PPO loop of one run does each step."""
 
@@ -64,6 +75,7 @@ class LoopSettings:
     max_gen_rounds: int  # generation rounds per step when filtering
     warm_start_steps: int
     warm_start_batch_size: int
+    validation: ValidationSettings | None  # None: the run has no held-out data
 
 
 @dataclass(frozen=True)
@@ -97,7 +109,18 @@ def loop_settings(config: RunConfig) -> LoopSettings:
         rollout_correction=config.use_rollout_correction, sleep_rollouts=rollout.free_cache_engine,
         filter_groups=algorithm.filter_groups.enable, max_gen_rounds=algorithm.filter_groups.max_num_gen_batches,
         warm_start_steps=warm_start.steps, warm_start_batch_size=warm_start.batch_size,
+        validation=validation_settings(config),
     )
+
+
+def validation_settings(config: RunConfig) -> ValidationSettings | None:
+    if not config.data.val_files:
+        return None
+    trainer, val = config.trainer, config.actor_rollout_ref.rollout.val_kwargs
+    sampling = Sampling(val.n, val.sampling_temperature, val.sampling_top_p, config.data.max_response_length,
+                        tuple(config.actor_rollout_ref.rollout.stop_token_ids))
+    return ValidationSettings(sampling, trainer.seed * 1_000_003 + 7, trainer.test_freq, trainer.val_before_train,
+                              trainer.val_only)
 
 
 def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:

@@ -116,6 +116,17 @@ class RunStore:
             self._db.execute("UPDATE runs SET step = ?, updated_at = ? WHERE run_id = ?", (step, now, run_id))
         return self.add_event(run_id, "step", step, "", "", metrics)
 
+    def record_validation(self, run_id: str, step: int, metrics: dict[str, float]) -> None:
+        """Add a validation's metrics to the record of step ``step`` (step 0: before training), which may not
+        exist yet; the run's step does not move."""
+        with self._db:
+            self._db.execute("BEGIN")
+            row = self._db.execute("SELECT metrics_json FROM steps WHERE run_id = ? AND step = ?", (run_id, step))
+            found = row.fetchone()
+            merged = {**(json.loads(found[0]) if found else {}), **metrics}
+            self._db.execute("INSERT OR REPLACE INTO steps (run_id, step, time, metrics_json) VALUES (?, ?, ?, ?)",
+                             (run_id, step, time.time(), json.dumps(merged)))
+
     def add_event(self, run_id: str, kind: str, step: int, state: str, message: str, metrics: dict[str, float]) -> Event:
         now = time.time()
         cursor = self._db.execute(

@@ -95,9 +95,9 @@ class FakeRollout:
     """Samples response j of a prompt as its ground truth when j < RIGHT_PER_PROMPT[digits], else "x"; stamps
     each response with the version it last received."""
 
-    def __init__(self, address: str, trainer: FakeTrainer):
+    def __init__(self, address: str, trainer: FakeTrainer | None):
         self.address, self.trainer = address, trainer
-        self.run_id, self.version, self.generated = "", 0, 0
+        self.run_id, self.version, self.generated, self.calls = "", 0, 0, []
 
     async def info(self, timeout=30.0):
         return RolloutInfo(self.run_id, self.version, 1)
@@ -115,6 +115,9 @@ class FakeRollout:
         return Received(self.version, 0.001, 0.0)
 
     async def generate(self, prompts, sampling, seed, first_index, timeout):
+        version = self.version  # a real engine's swap gate keeps one version for the whole call
+        self.calls.append((seed, sampling, version))
+        await asyncio.sleep(0.01)  # long enough for the loop to get on with other work meanwhile
         responses = []
         for ids in prompts:
             digits = text(ids).rstrip("=")
@@ -123,7 +126,7 @@ class FakeRollout:
         self.generated += len(responses)
         lens = torch.tensor([len(r) for r in responses])
         return Generated(torch.tensor([t for r in responses for t in r]), lens, torch.full((int(lens.sum()),), -0.5),
-                         torch.zeros(len(responses), dtype=torch.bool), torch.full((len(responses),), self.version))
+                         torch.zeros(len(responses), dtype=torch.bool), torch.full((len(responses),), version))
 
     async def close(self):
         pass
@@ -135,7 +138,8 @@ class FakeReward:
 
     async def score(self, samples: list[RewardSample], timeout):
         self.scored += samples
-        return [ScoredSample(float(s.response == s.ground_truth), True, "") for s in samples], self.address
+        return [ScoredSample(float(s.response == s.ground_truth), True, "", s.response == s.ground_truth, s.response)
+                for s in samples], self.address
 
     async def close(self):
         pass
@@ -143,7 +147,7 @@ class FakeReward:
 
 class Reporter:
     def __init__(self):
-        self.steps, self.messages, self.checkpoints = {}, [], []
+        self.steps, self.messages, self.checkpoints, self.validations = {}, [], [], []
 
     def step(self, step, metrics):
         self.steps[step] = metrics
@@ -157,17 +161,22 @@ class Reporter:
     def waiting(self, reason):
         pass
 
+    def validation(self, validated):
+        self.validations.append(validated)
+
 
 class Mesh:
     """A PPOLoop over one fake trainer, the fake rollouts and reward services named, from a run config."""
 
     def __init__(self, tmp_path: Path, overrides: dict, rollouts=("rollout:1",), rewards=("reward-a:1", "reward-b:1"),
-                 stop_after: int | None = None):
-        config = validate(RunConfig, {"data": {"train_batch_size": 4, "shuffle": False, "max_response_length": 4},
-                                      "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4},
-                                                            "rollout": {"n": N}},
+                 stop_after: int | None = None, val_prompts=()):
+        data = {"train_batch_size": 4, "shuffle": False, "max_response_length": 4,
+                "val_files": ["held-out.jsonl"] if val_prompts else []}
+        config = validate(RunConfig, {"data": data, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4},
+                                                                          "rollout": {"n": N}},
                                       "trainer": {"total_training_steps": 3}, **overrides})
-        self.trainer, self.reporter = FakeTrainer(), Reporter()
+        only = config.trainer.val_only
+        self.trainer, self.reporter = None if only else FakeTrainer(), Reporter()
         self.rollouts = {address: FakeRollout(address, self.trainer) for address in rollouts}
         self.rewards = {address: FakeReward(address) for address in rewards}
         groups = {"group default": ["reward-a:1"], "group b": ["reward-b:1"]}
@@ -176,8 +185,9 @@ class Mesh:
                                  self.reporter, stop, connect=self.rollouts.__getitem__)
         reward_set = RewardSet(RewardTarget("group", "default"), lambda target: groups[str(target)], self.reporter,
                                stop, 60.0, connect=self.rewards.__getitem__)
-        self.loop = PPOLoop("run", loop_settings(config), "", Trainers(self.trainer, None, None), rollout_set,
-                            reward_set, PROMPTS, TOKENIZER, self.reporter, stop, tmp_path / "checkpoints")
+        self.loop = PPOLoop("run", loop_settings(config), "", None if only else Trainers(self.trainer, None, None),
+                            rollout_set, reward_set, [] if only else PROMPTS, list(val_prompts), TOKENIZER,
+                            self.reporter, stop, tmp_path / "checkpoints")
 
     def run(self, resume: Checkpoint | None = None) -> bool:
         return asyncio.run(self.loop.run(resume))
@@ -277,3 +287,79 @@ def test_a_stop_request_checkpoints_the_last_step_and_a_resume_goes_on_from_it(t
     assert sorted(again.reporter.steps) == [3]
     assert again.reporter.steps[3]["training/weight_version"] == 3.0
     assert again.rollouts["rollout:1"].generated == 4 * N  # only step 3 is generated
+
+
+HELD_OUT = [prompt(digits) for digits in ("12", "345")]  # the fake rollout answers 12 twice right, 345 once
+
+
+def test_validation_before_training_every_test_freq_steps_and_after_the_last(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3, "test_freq": 2}}, val_prompts=HELD_OUT)
+    assert mesh.run() is True
+    validations = mesh.reporter.validations
+    assert [(v.step, v.version) for v in validations] == [(0, 0), (2, 2), (3, 3)]
+    # greedy (val_kwargs' default), one response a prompt, all from the weights validated
+    rollout = mesh.rollouts["rollout:1"]
+    seed = mesh.loop.settings.validation.seed
+    calls = [(sampling, version) for call_seed, sampling, version in rollout.calls if call_seed == seed]
+    assert [(s.n, s.temperature, version) for s, version in calls] == [(1, 0.0, 0), (1, 0.0, 2), (1, 0.0, 3)]
+    # response 0 of each prompt is right for both held-out prompts: reward and acc 1, the answer read kept
+    metrics = validations[-1].metrics
+    assert metrics["val-core/meshrl/reverse/reward/mean@1"] == 1.0 and metrics["val-core/meshrl/reverse/acc/mean@1"] == 1.0
+    assert metrics["val/weight_version"] == 3.0 and metrics["timing_s/testing"] > 0
+    assert [(s["prompt"], s["response"], s["score"], s["pred"]) for s in validations[-1].samples] == [
+        ("12=", "21", 1.0, "21"), ("345=", "543", 1.0, "543")]
+
+
+def test_validation_sampling_n_measures_best_and_majority(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 1, "val_before_train": False, "test_freq": 1},
+                           "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}, "rollout": {
+                               "n": N, "val_kwargs": {"n": 4, "do_sample": True, "temperature": 1.0}}}},
+                val_prompts=HELD_OUT)
+    assert mesh.run() is True
+    [validated] = mesh.reporter.validations
+    metrics = validated.metrics
+    # 12: 2 of 4 right, 345: 1 of 4 right
+    assert metrics["val-core/meshrl/reverse/reward/mean@4"] == pytest.approx((0.5 + 0.25) / 2)
+    assert metrics["val-aux/meshrl/reverse/acc/pass@1"] == pytest.approx((0.5 + 0.25) / 2)
+    assert metrics["val-aux/meshrl/reverse/acc/pass@2"] == pytest.approx((5 / 6 + 1 / 2) / 2)  # 1 - C(2,2)/C(4,2)
+    assert "val-core/meshrl/reverse/acc/maj@4/mean" in metrics and "val-core/meshrl/reverse/reward/best@4/mean" in metrics
+
+
+def test_a_run_that_only_validates_needs_no_trainer(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"val_only": True}}, val_prompts=HELD_OUT)
+    assert mesh.run() is True
+    [validated] = mesh.reporter.validations
+    assert (validated.step, validated.version) == (0, 0) and not mesh.reporter.steps
+    assert mesh.rollouts["rollout:1"].run_id == "run"  # the rollout loaded the run's model itself
+
+
+def test_one_step_ahead_the_validation_of_a_step_runs_while_the_next_trains_and_holds_its_sync(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 2, "test_freq": 1, "val_before_train": False,
+                                       "async_": {"max_staleness": 1}}}, val_prompts=HELD_OUT)
+    timeline = []
+    rollout, trainer = mesh.rollouts["rollout:1"], mesh.trainer
+    generate, update, receive = rollout.generate, trainer.update_actor, rollout.receive_weights
+    seed = mesh.loop.settings.validation.seed
+
+    async def traced_generate(prompts, sampling, call_seed, first_index, timeout):
+        kind = "validation" if call_seed == seed else "generation"
+        timeline.append(f"{kind} from v{rollout.version} begins")
+        generated = await generate(prompts, sampling, call_seed, first_index, timeout)
+        timeline.append(f"{kind} from v{int(generated.weight_versions[0])} ends")
+        return generated
+
+    async def traced_update(batch, old, advantages, ref, step, timeout, rollout_logprobs=None):
+        timeline.append(f"update of step {step}")
+        return await update(batch, old, advantages, ref, step, timeout, rollout_logprobs)
+
+    async def traced_receive(channel_id, timeout, restart_in_flight=False):
+        received = await receive(channel_id, timeout, restart_in_flight)
+        timeline.append(f"sync of v{received.version}")
+        return received
+
+    rollout.generate, trainer.update_actor, rollout.receive_weights = traced_generate, traced_update, traced_receive
+    assert mesh.run() is True
+    assert timeline.index("validation from v1 begins") < timeline.index("update of step 2")  # beside step 2
+    assert timeline.index("validation from v1 ends") < timeline.index("sync of v2")  # v1 measured, whole
+    assert [(v.step, v.version) for v in mesh.reporter.validations] == [(1, 1), (2, 2)]
+    assert "timing_s/wait_validation" in mesh.reporter.steps[2]

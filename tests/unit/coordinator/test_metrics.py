@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import statistics
 
 import pytest
 import torch
 
-from services.coordinator.metrics import data_metrics, mismatch_metrics, summary
+from services.coordinator.metrics import (PromptResults, best_of_k, data_metrics, majority_of_k, mismatch_metrics,
+                                          pass_at_k, sample_counts, summary, validation_metrics, worst_of_k)
 
 
 def test_summary_by_hand():
@@ -108,3 +111,76 @@ def test_mismatch_metrics_of_identical_policies():
     # a single token: no spread, so no correlation
     one = mismatch_metrics(logprobs[:1], logprobs[:1], torch.tensor([1]))
     assert one["training/rollout_actor_probs_pearson_corr"] == 0.0
+
+
+# ---------------------------------------------------------------------------
+# validation metrics (verl's val-core / val-aux), against numbers worked out by hand
+
+
+def test_sample_counts_double_up_to_n():
+    assert [sample_counts(n) for n in (1, 2, 4, 5, 8)] == [[], [2], [2, 4], [2, 4, 5], [2, 4, 8]]
+
+
+def test_best_and_worst_of_k_by_hand():
+    # two draws from {0, 1} with replacement: the best is 1 unless both draws are 0 (1/4)
+    assert best_of_k([0.0, 1.0], 2) == pytest.approx((0.75, math.sqrt(0.75 - 0.75 ** 2)))
+    assert worst_of_k([1.0, 0.0], 2) == pytest.approx((0.25, math.sqrt(0.75 - 0.75 ** 2)))
+    # {0.2, 0.5, 0.9}, k = 2: the best is 0.2 w.p. 1/9, 0.5 w.p. 3/9, 0.9 w.p. 5/9
+    mean = (0.2 * 1 + 0.5 * 3 + 0.9 * 5) / 9
+    second = (0.04 * 1 + 0.25 * 3 + 0.81 * 5) / 9
+    assert best_of_k([0.9, 0.2, 0.5], 2) == pytest.approx((mean, math.sqrt(second - mean ** 2)))
+    assert best_of_k([0.3, 0.7], 1) == pytest.approx((0.5, 0.2))  # one draw: the mean, and the values' spread
+
+
+def test_best_of_k_against_enumerating_every_draw():
+    values, k = [0.1, 0.4, 0.4, 1.0], 3
+    draws = list(itertools.product(values, repeat=k))
+    best = [max(d) for d in draws]
+    assert best_of_k(values, k) == pytest.approx((statistics.fmean(best), statistics.pstdev(best)))
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(4, 1, 1) == 0.25
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # C(3, 2) / C(4, 2) of the pairs miss it
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 3, 2) == 1.0
+
+
+def majority_by_enumeration(values: list[float], preds: list[str], k: int) -> float:
+    """The expected majority value over every equally likely draw of k (the tie rule: first read wins)."""
+    order = list(dict.fromkeys(preds))
+    total = 0.0
+    for draw in itertools.product(range(len(values)), repeat=k):
+        counts = collections.Counter(preds[i] for i in draw)
+        winner = max(order, key=lambda answer: (counts[answer], -order.index(answer)))
+        total += values[preds.index(winner)]
+    return total / len(values) ** k
+
+
+@pytest.mark.parametrize(("values", "preds", "k"), [
+    ([1.0, 1.0, 0.0], ["a", "a", "b"], 1),
+    ([1.0, 0.0, 0.0, 1.0], ["7", "8", "8", "7"], 3),
+    ([0.0, 1.0, 0.5], ["x", "y", "z"], 2),
+])
+def test_majority_of_k_is_the_enumerated_expectation_within_bootstrap_noise(values, preds, k):
+    mean, std = majority_of_k(values, preds, k)
+    assert mean == pytest.approx(majority_by_enumeration(values, preds, k), abs=0.05)
+    assert majority_of_k(values, preds, k) == (mean, std)  # seeded: the same every time
+    assert majority_of_k([0.5] * 3, ["same"] * 3, 2) == (0.5, 0.0)
+
+
+def test_validation_metrics_by_hand():
+    results = [PromptResults("src", [1.0, 0.0], [True, False], ["3", "4"]),
+               PromptResults("src", [1.0, 1.0], [True, True], ["3", "3"]),
+               PromptResults("rm", [0.25], None, [""])]
+    metrics = validation_metrics(results)
+    # src: prompt 1 has mean 0.5, best of 2 0.75, worst of 2 0.25, pass@1 0.5, pass@2 1; prompt 2 all 1
+    assert metrics["val-core/src/reward/mean@2"] == 0.75 and metrics["val-core/src/acc/mean@2"] == 0.75
+    assert metrics["val-core/src/reward/best@2/mean"] == pytest.approx(0.875)
+    assert metrics["val-aux/src/reward/worst@2/mean"] == pytest.approx(0.625)
+    assert metrics["val-aux/src/reward/std@2"] == pytest.approx(0.25)
+    assert metrics["val-aux/src/acc/pass@1"] == 0.75 and metrics["val-aux/src/acc/pass@2"] == 1.0
+    # maj@2 of prompt 1: draws 33 -> 1, 44 -> 0, 34 and 43 tie -> "3" (read first) -> 1: 3/4; prompt 2: 1
+    assert metrics["val-core/src/acc/maj@2/mean"] == pytest.approx(0.875, abs=0.03)
+    assert "val-aux/src/reward/pass@1" not in metrics  # pass@k counts right answers: acc only
+    # a reward model's source: one response, no answers read or judged
+    assert {k: v for k, v in metrics.items() if "/rm/" in k} == {"val-core/rm/reward/mean@1": 0.25}

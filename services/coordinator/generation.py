@@ -1,0 +1,125 @@
+"""A batch generated over a run's rollouts and scored over its reward services: what a training step and a
+validation both do.
+
+- ``generate``: n responses per prompt, the prompts split into one shard per rollout replica; a shard whose
+  replica fails, or comes back sampled from weights older than ``oldest``, is redone on another; if every
+  replica fails, the rollouts are refreshed (waiting for one if none is left) and the whole batch generated
+  again: same prompts, same seeds (from (seed, prompt index)), so nothing is lost or counted twice.
+- ``score``: the responses decoded (on a worker thread: the event loop stays free for the calls in flight)
+  and scored by the reward replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from services.common.errors import Unavailable
+from services.common.sequences import SequenceBatch, join_ragged
+from services.coordinator.clients import Generated, RewardSample, RolloutClient, ScoredSample
+from services.coordinator.data import Prompt
+from services.coordinator.dispatch import map_shards_recovering
+from services.coordinator.reward_set import RewardSet
+from services.coordinator.rollout_set import RolloutSet
+from services.coordinator.settings import Sampling
+from services.coordinator.waiting import Notices
+
+GENERATION_ATTEMPTS = 3  # a batch generated again after every rollout of a shard failed, before giving up
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """Responses to a batch of prompts: n per prompt, sequence i*n+j is sample j of prompt i."""
+
+    batch: SequenceBatch
+    logprobs: torch.Tensor  # [T], from the rollout engine
+    truncated: torch.Tensor  # [B*n] bool
+    scores: torch.Tensor  # [B*n] float32 (zeros until scored)
+    versions: torch.Tensor  # [B*n] int64, the weight version that sampled each response
+    prompts: list[Prompt]  # [B]
+    n: int
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.prompts)).repeat_interleave(self.n)
+
+    def keep_prompts(self, keep: list[int]) -> Rollouts:
+        rows = torch.tensor([i * self.n + j for i in keep for j in range(self.n)], dtype=torch.int64)
+        return Rollouts(self.batch.select(rows), self.logprobs[self.batch.token_index(rows)], self.truncated[rows],
+                        self.scores[rows], self.versions[rows], [self.prompts[i] for i in keep], self.n)
+
+    def with_scores(self, scores: torch.Tensor) -> Rollouts:
+        return Rollouts(self.batch, self.logprobs, self.truncated, scores, self.versions, self.prompts, self.n)
+
+    @staticmethod
+    def concat(parts: list[Rollouts]) -> Rollouts:
+        return Rollouts(SequenceBatch.concat([p.batch for p in parts]), torch.cat([p.logprobs for p in parts]),
+                        torch.cat([p.truncated for p in parts]), torch.cat([p.scores for p in parts]),
+                        torch.cat([p.versions for p in parts]), [prompt for p in parts for prompt in p.prompts],
+                        parts[0].n)
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """A batch's rollouts with their scores, and what the reward services were sent and said of each response."""
+
+    rollouts: Rollouts
+    samples: list[RewardSample]  # the decoded responses, in the rollouts' order
+    scores: list[ScoredSample]
+    by_service: dict[str, int]  # service id -> samples it scored
+
+
+async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int,
+                   timeout_s: float, notices: Notices, what: str) -> tuple[Rollouts, dict[str, int]]:
+    """``sampling.n`` responses per prompt from weight versions >= ``oldest`` (not yet scored), and the samples
+    each replica produced (by address); ``what`` names the batch in events."""
+
+    async def call(replica: RolloutClient, lo: int, hi: int) -> Generated:
+        generated = await replica.generate([p.token_ids for p in prompts[lo:hi]], sampling, seed, lo, timeout_s)
+        if int(generated.weight_versions.min()) < oldest:
+            raise Unavailable(f"rollout {replica.address} generated with weight version "
+                              f"{int(generated.weight_versions.min())}, older than {oldest}")
+        return generated
+
+    async def refresh(failure: Unavailable) -> None:
+        notices.log(f"generation of {what} failed on every rollout ({failure}); refreshing the rollouts and "
+                    f"generating it again")
+        await rollouts.refresh()
+
+    done = await map_shards_recovering(lambda: rollouts.pool, len(prompts), call, GENERATION_ATTEMPTS, refresh)
+    counts: dict[str, int] = {}
+    for result, replica in done:
+        counts[replica.address] = counts.get(replica.address, 0) + len(result.response_lens)
+    shards = [result for result, _ in done]
+    prompt_ids, prompt_lens = join_ragged(
+        [torch.tensor(p.token_ids) for p in prompts for _ in range(sampling.n)], torch.int64)
+    batch = SequenceBatch(prompt_ids, prompt_lens, torch.cat([s.response_ids for s in shards]),
+                          torch.cat([s.response_lens for s in shards]))
+    return Rollouts(batch, torch.cat([s.logprobs for s in shards]), torch.cat([s.truncated for s in shards]),
+                    torch.zeros(len(batch)), torch.cat([s.weight_versions for s in shards]), prompts,
+                    sampling.n), counts
+
+
+async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Notices) -> Scoring:
+    """One score per response, spread over the reward replicas (an invalid sample scores 0, with an event)."""
+    samples = await asyncio.to_thread(reward_samples, rollouts, tokenizer)
+    scored = await rewards.score(samples)
+    invalid = [s.error for s in scored.scores if not s.valid]
+    if invalid:
+        notices.log(f"{len(invalid)} samples could not be scored (scored 0), first: {invalid[0]}")
+    scores = torch.tensor([s.score for s in scored.scores], dtype=torch.float32)
+    return Scoring(rollouts.with_scores(scores), samples, scored.scores, scored.by_service)
+
+
+def reward_samples(rollouts: Rollouts, tokenizer) -> list[RewardSample]:
+    """Each response decoded, with its prompt's data source, ground truth, extra info and text."""
+    responses = torch.split(rollouts.batch.response_ids, rollouts.batch.response_lens.tolist())
+    prompt_texts = [tokenizer.decode(p.token_ids, skip_special_tokens=True) for p in rollouts.prompts]
+    samples = []
+    for row, response in enumerate(responses):
+        prompt = rollouts.prompts[row // rollouts.n]
+        samples.append(RewardSample(prompt.data_source, tokenizer.decode(response.tolist(), skip_special_tokens=True),
+                                    prompt.ground_truth, prompt.extra_info, prompt_texts[row // rollouts.n]))
+    return samples
