@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Control a me
 COORDINATOR = typer.Option(os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:7070"), "--coordinator", "-c",
                            help="host:port of the coordinator (env MESHRL_COORDINATOR)")
 FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
+VALIDATION_KEY = re.compile(r"^val-(core|aux)/(?P<source>.+)/(?P<variable>reward|acc)/(?P<metric>[^/]+(/[^/]+)?)$")
 
 
 def default_config() -> dict:
@@ -83,26 +85,39 @@ async def follow(client: CoordinatorClient, run: RunStatus) -> RunStatus:
                 bar.update(update.step - bar.n)
                 bar.set_postfix(reward=f"{update.metrics.get('critic/score/mean', float('nan')):.3f}",
                                 step_s=f"{update.metrics.get('timing_s/step', float('nan')):.2f}")
-            elif update.kind in ("log", "reward"):
+            elif update.kind in ("log", "reward", "validation"):
                 bar.write(update.message)
             elif update.kind == "state":
                 bar.write(f"run {update.state}" + (f": {update.message}" if update.message else ""))
     return await client.get_run(run.run_id)
 
 
-def print_summary(client_status: RunStatus, rewards: list[float], seconds: float, state_dir: Path | None) -> None:
+def print_summary(client_status: RunStatus, lines: list[dict], seconds: float, state_dir: Path | None) -> None:
+    """What the run did, from its metrics.jsonl ``lines``: reward over the steps, validation before and after."""
     typer.echo("")
     typer.echo(f"run        {client_status.run_id}  ({client_status.state}, {client_status.step}/"
                f"{client_status.total_steps} steps in {seconds:.0f} s)")
+    rewards = [line["critic/score/mean"] for line in lines if "critic/score/mean" in line]
     if rewards:
         head, tail = rewards[: min(5, len(rewards))], rewards[-min(5, len(rewards)):]
         typer.echo(f"reward     first steps {sum(head) / len(head):.3f} -> last steps {sum(tail) / len(tail):.3f}"
                    f" (best step {max(rewards):.3f})")
+    validations = [line for line in lines if "val/weight_version" in line]
+    if validations:
+        first, last = validations[0], validations[-1]
+        for key in sorted(k for k in last if k.startswith("val-core/") and "/mean@" in k):
+            name = key.removeprefix("val-core/")
+            before = f"{first[key]:.3f} at step {first['step']} -> " if len(validations) > 1 and key in first else ""
+            best = max((line for line in validations if key in line), key=lambda line: line[key])
+            typer.echo(f"validation {name}: {before}{last[key]:.3f} at step {last['step']} "
+                       f"(best {best[key]:.3f} at step {best['step']}; held-out)")
     run_dir = Path(client_status.run_dir)
     typer.echo(f"run folder {run_dir}")
     typer.echo(f"  metrics  {run_dir / 'metrics.jsonl'}")
     typer.echo(f"  config   {run_dir / 'config.yaml'}")
     typer.echo(f"  plot     {run_dir / 'reward.png'}")
+    if validations:
+        typer.echo(f"  samples  {run_dir / 'validation'} (every validation's responses and scores)")
     if state_dir is not None:
         typer.echo(f"  run DB   {state_dir / 'meshrl.db'}")
         typer.echo(f"  logs     {state_dir / 'logs'}")
@@ -110,13 +125,14 @@ def print_summary(client_status: RunStatus, rewards: list[float], seconds: float
         typer.echo(f"error      {client_status.error}")
 
 
-def read_rewards(run_dir: str) -> list[float]:
+def read_metrics(run_dir: str) -> list[dict]:
+    """The lines of a run's metrics.jsonl (none when the file is not here: a coordinator on another host)."""
     import json
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line).get("critic/score/mean", 0.0) for line in path.read_text().splitlines() if line]
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 async def begin_and_follow(coordinator: str, begin, detach: bool, stop_on_interrupt: bool) -> RunStatus:
@@ -160,11 +176,12 @@ async def until_done_or_interrupted(task: asyncio.Future) -> bool:
             loop.remove_signal_handler(signum)
 
 
-async def run_local(begin, state_dir: Path) -> RunStatus:
-    """Start the local services on ``state_dir``, begin the run there and follow it; stop them all after."""
-    from services.coordctl.local import LocalCluster
+async def run_local(begin, state_dir: Path, kinds: tuple[str, ...] = ("trainer", "rollout", "reward")) -> RunStatus:
+    """Start the local services (one of each of ``kinds``, and the coordinator) on ``state_dir``, begin the run
+    there and follow it; stop them all after."""
+    from services.coordctl.local import LocalCluster, ServiceSpec
 
-    cluster = LocalCluster(state_dir)
+    cluster = LocalCluster(state_dir, tuple(ServiceSpec(kind) for kind in kinds))
     try:
         typer.echo(f"starting the local services (logs in {cluster.log_dir})")
         await cluster.start()
@@ -206,21 +223,27 @@ def require_valid_security_settings() -> None:
         raise typer.Exit(2)
 
 
-def drive(begin, coordinator: str, local: bool, state_dir: Path | None, detach: bool, started: float) -> None:
-    """Begin a run (start or resume) locally or on the coordinator, follow it, summarise; exit 1 unless it
-    finished."""
+def follow_run(begin, coordinator: str, local: bool, state_dir: Path | None, detach: bool,
+               kinds: tuple[str, ...] = ("trainer", "rollout", "reward")) -> RunStatus:
+    """Begin a run (start or resume) locally (with services of ``kinds``) or on the coordinator, and follow it;
+    its final status (its first, with ``detach``)."""
     require_valid_security_settings()
     try:
         if local:
-            final = asyncio.run(run_local(begin, state_dir.resolve()))
-        else:
-            final = asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
+            return asyncio.run(run_local(begin, state_dir.resolve(), kinds))
+        return asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
     except grpc.aio.AioRpcError as error:
         typer.echo(f"coordinator refused: {error.code().name}: {error.details()}", err=True)
         raise typer.Exit(1)
+
+
+def drive(begin, coordinator: str, local: bool, state_dir: Path | None, detach: bool, started: float) -> None:
+    """Begin a run (start or resume) locally or on the coordinator, follow it, summarise; exit 1 unless it
+    finished."""
+    final = follow_run(begin, coordinator, local, state_dir, detach)
     if detach:
         return
-    print_summary(final, read_rewards(final.run_dir), time.monotonic() - started, state_dir if local else None)
+    print_summary(final, read_metrics(final.run_dir), time.monotonic() - started, state_dir if local else None)
     if final.state != "finished":
         raise typer.Exit(1)
 
@@ -294,6 +317,107 @@ def watch(run_id: str, coordinator: str = COORDINATOR) -> None:
 def stop(run_id: str, coordinator: str = COORDINATOR) -> None:
     """Stop a run at its next step boundary."""
     typer.echo(call(coordinator, "stop_run", run_id).state)
+
+
+@app.command("export")
+def export_model(
+    run: str = typer.Argument(..., metavar="RUN", help="a run folder, or a run id (under --state-dir/runs, or asked "
+                                                       "of the coordinator)"),
+    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="the Hugging Face folder to write (new or empty)"),
+    step: Optional[int] = typer.Option(None, "--step", help="the checkpoint's step (default: the last)"),
+    role: str = typer.Option("actor", "--role", help="actor (a causal LM) or critic (a value model)"),
+    state_dir: Optional[Path] = typer.Option(None, help="the coordinator's state_dir, to find RUN by id here"),
+    coordinator: str = COORDINATOR,
+) -> None:
+    """Write a checkpoint of a run as a Hugging Face model folder (config, safetensors, tokenizer, generation
+    config) that transformers and vLLM load and a new run can start from; FSDP shards of any number of ranks
+    are merged."""
+    from services.coordctl.export import export
+
+    run_dir = find_run_dir(run, state_dir, coordinator)
+    try:
+        exported_step, folder = export(run_dir, out_dir, step, role)
+    except (ValueError, FileNotFoundError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"exported the {role} of step {exported_step} of {run_dir.name} to {folder}")
+
+
+def find_run_dir(run: str, state_dir: Path | None, coordinator: str) -> Path:
+    """The folder of a run named by its folder, or its id under ``state_dir``, or its id on the coordinator."""
+    if (Path(run) / "config.yaml").exists():
+        return Path(run)
+    if state_dir is not None:
+        folder = state_dir / "runs" / run
+        if not (folder / "config.yaml").exists():
+            typer.echo(f"error: no run {run} under {state_dir / 'runs'}", err=True)
+            raise typer.Exit(2)
+        return folder
+    folder = Path(call(coordinator, "get_run", run).run_dir)
+    if not (folder / "config.yaml").exists():
+        typer.echo(f"error: run {run}'s folder {folder} is not readable here: run coordctl on a host that sees "
+                   "it, or give the folder itself", err=True)
+        raise typer.Exit(2)
+    return folder
+
+
+@app.command("eval")
+def evaluate(
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="a Hugging Face model folder"),
+    data: list[Path] = typer.Option(..., "--data", help="parquet or JSONL in verl's schema; repeat for several"),
+    n: int = typer.Option(1, "--n", min=1, help="responses per prompt: mean@n, best@k, maj@k and pass@k"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0,
+                                                help="default: greedy for --n 1, 1.0 otherwise"),
+    max_response_length: int = typer.Option(512, "--max-response-length", min=1),
+    out: Optional[Path] = typer.Option(None, "--out", help="the per-response JSONL to write (default: "
+                                                           "<MODEL_DIR name>-eval.jsonl here)"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="more run config: key.path=value ..."),
+    local: bool = typer.Option(False, "--local", help="start a rollout and a reward service on this machine"),
+    coordinator: str = COORDINATOR,
+    state_dir: Optional[Path] = typer.Option(None, help="--local: folder for the run DB and logs"),
+) -> None:
+    """Score a model folder on a dataset through the rollout and reward services (a run that only validates):
+    print mean@n and pass@k per data source, write every response with its score."""
+    sampled = temperature if temperature is not None else (1.0 if n > 1 else 0.0)
+    try:
+        config = validate(RunConfig, apply_overrides({
+            "data": {"val_files": [str(path.resolve()) for path in data], "max_response_length": max_response_length},
+            "actor_rollout_ref": {"model": {"path": str(model_dir.resolve())}, "rollout": {"val_kwargs": {
+                "n": n, "do_sample": sampled > 0, "temperature": sampled}}},
+            "trainer": {"val_only": True, "experiment_name": f"eval-{model_dir.resolve().name}"}},
+            list(overrides or [])))
+        config.require_paths()
+    except (ConfigError, ValueError) as error:
+        typer.echo(f"bad config: {error}", err=True)
+        raise typer.Exit(2)
+    if local:
+        state_dir = state_dir or Path("meshrl-runs") / time.strftime("eval-%Y%m%d-%H%M%S")
+    final = follow_run(lambda client: client.start_run(to_yaml(config)), coordinator, local, state_dir, False,
+                       kinds=("rollout", "reward"))
+    if final.state != "finished":
+        typer.echo(f"eval {final.state}: {final.error}", err=True)
+        raise typer.Exit(1)
+    print_eval(final.metrics)
+    samples = Path(final.run_dir) / "validation" / "step_000000.jsonl"
+    if samples.exists():
+        out = out or Path(f"{model_dir.resolve().name}-eval.jsonl")
+        out.write_text(samples.read_text())
+        typer.echo(f"responses  {out} (prompt, response, score, acc, pred of each)")
+    else:
+        typer.echo(f"responses  {samples} on the coordinator's host")
+
+
+def print_eval(metrics: dict[str, float]) -> None:
+    """Per data source: each variable's mean@n, and pass@k where the scorer judges answers."""
+    rows: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        named = VALIDATION_KEY.match(key)  # a data source's name may hold "/" (openai/gsm8k)
+        if named and named["metric"].startswith(("mean@", "pass@")):
+            rows.setdefault(named["source"], {})[f"{named['variable']}/{named['metric']}"] = value
+    typer.echo("")
+    for source, values in sorted(rows.items()):
+        typer.echo(f"{source}: " + "  ".join(f"{name} {value:.3f}" for name, value in sorted(
+            values.items(), key=lambda item: (item[0].split("/")[0], item[0].split("@")[0], int(item[0].split("@")[1])))))
 
 
 reward_app = typer.Typer(no_args_is_help=True, help="The reward services of a running run.")

@@ -7,7 +7,7 @@ Only coordctl reads this section; it is taken off the config before the rest is 
 from __future__ import annotations
 
 import pydantic
-from pydantic import PositiveInt
+from pydantic import Field, PositiveInt
 
 from services.common.config import Section
 
@@ -42,6 +42,10 @@ class SyntheticTaskConfig(Section):
     """Most digits of a prompt."""
     seed: int = 1
     """Seed of the generated digits."""
+    val_rows: int = Field(256, ge=0)
+    """Held-out prompts for validation (data.val_files), drawn from strings training never sees; 0 = none."""
+    held_out_share: float = Field(0.1, gt=0, lt=1)
+    """Share of all digit strings held out of training for validation."""
 
 
 class LocalConfig(Section):
@@ -50,4 +54,4 @@ class LocalConfig(Section):
     tiny_model: TinyModelConfig = TinyModelConfig()
     """Used when actor_rollout_ref.model.path is empty."""
     synthetic_task: SyntheticTaskConfig = SyntheticTaskConfig()
-    """Used when data.train_files is empty."""
+    """Used when data.train_files is empty (and its held-out part when data.val_files is empty too)."""

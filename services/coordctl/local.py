@@ -66,10 +66,17 @@ def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[s
         overrides.append(f"actor_rollout_ref.model.path={folder}")
     task = local.synthetic_task
     if not config.data.train_files:
-        path = cache / "data" / f"reverse-{task.rows}-d{task.min_digits}-{task.max_digits}-s{task.seed}.jsonl"
-        if not path.exists():
-            write_jsonl(reverse_task_rows(task.rows, task.min_digits, task.max_digits, task.seed), path)
-        overrides.append(f"data.train_files=[{path}]")
+        name = f"reverse-d{task.min_digits}-{task.max_digits}-s{task.seed}-h{task.held_out_share:g}"
+        train, test = cache / "data" / f"{name}-train{task.rows}.jsonl", cache / "data" / f"{name}-test{task.val_rows}.jsonl"
+        if not train.exists():
+            write_jsonl(reverse_task_rows(task.rows, task.min_digits, task.max_digits, task.seed, "train",
+                                          task.held_out_share), train)
+        overrides.append(f"data.train_files=[{train}]")
+        if task.val_rows and not config.data.val_files:
+            if not test.exists():
+                write_jsonl(reverse_task_rows(task.val_rows, task.min_digits, task.max_digits, task.seed + 1,
+                                              "test", task.held_out_share), test)
+            overrides.append(f"data.val_files=[{test}]")
     return overrides
 
 

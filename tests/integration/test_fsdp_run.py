@@ -13,6 +13,7 @@ import torch
 
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_grpo_run import logprobs_both_ways, run_config, run_to_end
+from tests.integration.test_model_out import coordctl, transformers_logprobs
 
 
 @pytest.fixture
@@ -28,13 +29,14 @@ def children(pid: int) -> list[int]:
     return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def test_grpo_run_on_a_two_rank_trainer(two_rank_cluster, tiny_model, reverse_data):
+def test_grpo_run_on_a_two_rank_trainer(two_rank_cluster, tiny_model, reverse_data, tmp_path):
     cluster = two_rank_cluster
-    config = run_config(tiny_model, reverse_data, trainer__save_freq=2, actor_rollout_ref__actor__use_dynamic_bsz=True,
+    config = run_config(tiny_model, reverse_data, trainer__save_freq=2, trainer__total_training_steps=4,
+                        actor_rollout_ref__actor__use_dynamic_bsz=True,
                         actor_rollout_ref__actor__ppo_max_token_len_per_gpu=64)
     final, _, services = asyncio.run(run_to_end(cluster.coordinator, config))
     assert final.state == "finished", final.error
-    assert final.step == 3
+    assert final.step == 4
 
     # the run was trained by two FSDP ranks
     events = [json.loads(line) for line in (cluster.log_dir / "trainer.log").read_text().splitlines()
@@ -42,12 +44,20 @@ def test_grpo_run_on_a_two_rank_trainer(two_rank_cluster, tiny_model, reverse_da
     assert sorted(e["rank"] for e in events if e["event"] == "ranks_joined") == [0, 1]
     assert [e["ranks"] for e in events if e["event"] == "run_loaded"] == [2]
 
-    # the rollout serves the trainer's version 3, whose weights came from the shards: its logprobs are the trainer's
+    # the rollout serves the trainer's version 4, whose weights came from the shards: its logprobs are the trainer's
     address = {s.kind: s.address for s in services}
     generated, trainer_logprobs, version = asyncio.run(
         logprobs_both_ways(address["rollout"], address["trainer"], [5, 6, 7, 16]))
-    assert version == 3 and set(generated.weight_versions.tolist()) == {3}
+    assert version == 4 and set(generated.weight_versions.tolist()) == {4}
     assert torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
+
+    # the checkpoint of step 4, in two ranks' shards, exports to one Hugging Face folder with the trainer's weights
+    exported = tmp_path / "exported"
+    done = coordctl("export", final.run_dir, str(exported))
+    assert done.returncode == 0, done.stderr
+    response = generated.response_ids[:int(generated.response_lens[0])].tolist()
+    assert torch.allclose(transformers_logprobs(exported, [5, 6, 7, 16], response),
+                          trainer_logprobs[:len(response)], atol=1e-5, rtol=0)
 
     # both ranks wrote their shards into the checkpoint of step 2 (of the trainer group hosting the actor)
     saved = Path(final.run_dir) / "checkpoints" / "step_000002" / "actor"

@@ -1,0 +1,112 @@
+"""``coordctl export``: a checkpoint of a run as a Hugging Face model folder.
+
+A checkpoint is a torch.distributed.checkpoint folder per trainer service
+(``checkpoints/step_N/<roles>/``), each rank of the trainer having written its
+own shards. Here, in one process, one role's whole weights are read back
+(DCP gathers the shards of any number of ranks) into a model built from the
+run's model folder's config, and written with ``save_pretrained``: config,
+safetensors shards, generation config, beside the tokenizer files of the
+run's model folder. The actor becomes a causal LM (what transformers, vLLM
+and a new run load), the critic a token-classification model with one output
+(a value model, as the trainer builds its critic).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import yaml
+
+from services.common.config import validate
+from services.common.run_config import RunConfig
+
+STATE_FILE = "trainer_state.pt"  # written last into a trainer's checkpoint folder: the folder is complete
+
+
+def checkpoint_steps(run_dir: Path, role: str) -> dict[int, Path]:
+    """Step -> the complete checkpoint folder holding ``role`` (a trainer's folder is named by its roles)."""
+    found = {}
+    for step_dir in sorted((run_dir / "checkpoints").glob("step_*")):
+        for folder in step_dir.iterdir():
+            if role in folder.name.split("-") and (folder / STATE_FILE).exists():
+                found[int(step_dir.name.removeprefix("step_"))] = folder
+    return found
+
+
+def checkpoint_of(run_dir: Path, step: int | None, role: str) -> tuple[int, Path]:
+    """The checkpoint of ``step`` (None: the last), or ValueError saying which steps there are."""
+    steps = checkpoint_steps(run_dir, role)
+    if not steps:
+        raise ValueError(f"run folder {run_dir} holds no complete checkpoint of the {role} (trainer.save_freq sets "
+                         "how often a run saves one; a stopped run saves its last step)")
+    if step is None:
+        step = max(steps)
+    if step not in steps:
+        raise ValueError(f"run folder {run_dir} has no checkpoint of step {step}; it has steps {sorted(steps)}")
+    return step, steps[step]
+
+
+def role_model(config: RunConfig, role: str):
+    """The role's model as the trainer builds it, from its folder's config alone (the weights come after)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if role == "actor":
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.actor_rollout_ref.model.path))
+    model_config = AutoConfig.from_pretrained(config.critic.model.path or config.actor_rollout_ref.model.path,
+                                              num_labels=1)
+    model_config.classifier_dropout = 0.0
+    return AutoModelForTokenClassification.from_config(model_config)
+
+
+def load_role_weights(model, folder: Path, role: str) -> None:
+    """Read ``role``'s weights from a DCP checkpoint folder into ``model``; every parameter must be there (a
+    weight tied to another counts as there)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    prefix = f"{role}.model."
+    stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    wanted = {key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
+              for key, meta in stored.items() if key.startswith(prefix)}
+    request = {role: {"model": wanted}}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process reads every shard
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(request, checkpoint_id=str(folder), no_dist=True)
+    missing, unexpected = model.load_state_dict(request[role]["model"], strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    untied = [name for name in missing if name not in tied]
+    if untied or unexpected:
+        raise ValueError(f"checkpoint {folder} does not fit the run's model: missing {untied[:5]}, "
+                         f"unexpected {list(unexpected)[:5]}")
+    if tied:
+        model.tie_weights()
+
+
+def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "actor") -> tuple[int, Path]:
+    """Write the ``role``'s weights of ``step`` (None: the last checkpoint) as a Hugging Face folder into
+    ``out_dir``, in the run's actor_rollout_ref.model.dtype; returns the step and the folder."""
+    import torch
+
+    from services.common.models import load_tokenizer
+
+    if role not in ("actor", "critic"):
+        raise ValueError(f"role must be actor or critic, got {role!r}")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} is not empty: export into a new folder")
+    config = validate(RunConfig, yaml.safe_load((run_dir / "config.yaml").read_text()))
+    step, folder = checkpoint_of(run_dir, step, role)
+    model = role_model(config, role)
+    load_role_weights(model, folder, role)
+    model = model.to(getattr(torch, config.actor_rollout_ref.model.dtype))
+    tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
+    if getattr(model, "generation_config", None) is not None:  # a causal LM (the value model has none)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="4GB")
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "meshrl_export.json").write_text(json.dumps(
+        {"run_dir": str(run_dir), "step": step, "role": role, "checkpoint": str(folder)}, indent=1) + "\n")
+    return step, out_dir
