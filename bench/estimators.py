@@ -39,7 +39,7 @@ async def run_all(steps: int, state_dir: Path) -> dict[str, list[float]]:
         await cluster.start()
         client = CoordinatorClient(cluster.coordinator)
         for name, args in ESTIMATORS.items():
-            config = resolve_config(args + [f"trainer.total_training_steps={steps}",
+            config, _ = resolve_config(args + [f"trainer.total_training_steps={steps}",
                                             f"trainer.experiment_name=bench-{name}"], local=True)
             run = await client.start_run(to_yaml(config))
             async for _ in client.watch(run.run_id):

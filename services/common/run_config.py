@@ -105,7 +105,8 @@ class OptimConfig(Section):
 
 class WarmStartConfig(Section):
     steps: int = Field(0, ge=0)
-    """Supervised steps on the data's ground truth before RL (0 = none): a stand-in for an SFT model."""
+    """Supervised steps before RL (0 = none), a stand-in for an SFT model: each response taught is the row's
+    worked solution, extra_info.answer (as verl's GSM8K preprocessing keeps it), else its ground truth."""
     batch_size: PositiveInt = 64
     """Prompts per supervised step."""
     lr: PositiveFloat = 3e-3

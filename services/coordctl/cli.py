@@ -49,11 +49,12 @@ def merge(base: dict, top: dict) -> dict:
     return merged
 
 
-def resolve_config(args: list[str], local: bool) -> RunConfig:
-    """The run config from an optional YAML file and key=value overrides; exits naming the field if bad.
+def resolve_config(args: list[str], local: bool) -> tuple[RunConfig, LocalConfig | None]:
+    """The run config from an optional YAML file and key=value overrides, and (with ``local``) the ``local``
+    section; ConfigError naming the field if bad.
 
     With ``local``, the file and overrides are laid over the embedded default, and their ``local`` section
-    (what to build) is taken off before the rest is validated as the run config."""
+    (what to build, how to start the services) is taken off before the rest is validated as the run config."""
     files = [a for a in args if "=" not in a]
     overrides = [a for a in args if "=" in a]
     if len(files) > 1:
@@ -68,13 +69,14 @@ def resolve_config(args: list[str], local: bool) -> RunConfig:
     if local_section is not None and not local:
         raise ConfigError("local: only `coordctl start-run --local` reads this section (what it builds)")
     config = validate(RunConfig, data)
-    if local:
+    local_config = validate(LocalConfig, local_section or {}, "local") if local else None
+    if local_config is not None:
         from services.coordctl.local import cache_dir, prepare_assets
 
-        assets = prepare_assets(config, validate(LocalConfig, local_section or {}, "local"), cache_dir())
+        assets = prepare_assets(config, local_config, cache_dir())
         config = validate(RunConfig, apply_overrides(config.model_dump(mode="json"), assets))
     config.require_paths()
-    return config
+    return config, local_config
 
 
 async def follow(client: CoordinatorClient, run: RunStatus) -> RunStatus:
@@ -176,12 +178,12 @@ async def until_done_or_interrupted(task: asyncio.Future) -> bool:
             loop.remove_signal_handler(signum)
 
 
-async def run_local(begin, state_dir: Path, kinds: tuple[str, ...] = ("trainer", "rollout", "reward")) -> RunStatus:
-    """Start the local services (one of each of ``kinds``, and the coordinator) on ``state_dir``, begin the run
-    there and follow it; stop them all after."""
-    from services.coordctl.local import LocalCluster, ServiceSpec
+async def run_local(begin, state_dir: Path, services: tuple) -> RunStatus:
+    """Start the coordinator and ``services`` (ServiceSpecs) on ``state_dir``, begin the run there and follow it;
+    stop them all after."""
+    from services.coordctl.local import LocalCluster
 
-    cluster = LocalCluster(state_dir, tuple(ServiceSpec(kind) for kind in kinds))
+    cluster = LocalCluster(state_dir, services)
     try:
         typer.echo(f"starting the local services (logs in {cluster.log_dir})")
         await cluster.start()
@@ -204,13 +206,13 @@ def start_run(
     (a CONFIG.yaml given too is laid over it)."""
     started = time.monotonic()
     try:
-        config = resolve_config(list(args or []), local)
+        config, local_config = resolve_config(list(args or []), local)
     except (ConfigError, ValueError) as error:
         typer.echo(f"bad config: {error}", err=True)
         raise typer.Exit(2)
     if local:
         state_dir = state_dir or Path("meshrl-runs") / time.strftime("local-%Y%m%d-%H%M%S")
-    drive(lambda client: client.start_run(to_yaml(config)), coordinator, local, state_dir, detach, started)
+    drive(lambda client: client.start_run(to_yaml(config)), coordinator, local_config, state_dir, detach, started)
 
 
 def require_valid_security_settings() -> None:
@@ -223,27 +225,30 @@ def require_valid_security_settings() -> None:
         raise typer.Exit(2)
 
 
-def follow_run(begin, coordinator: str, local: bool, state_dir: Path | None, detach: bool,
-               kinds: tuple[str, ...] = ("trainer", "rollout", "reward")) -> RunStatus:
-    """Begin a run (start or resume) locally (with services of ``kinds``) or on the coordinator, and follow it;
-    its final status (its first, with ``detach``)."""
+def follow_run(begin, coordinator: str, local: tuple | None, state_dir: Path | None, detach: bool) -> RunStatus:
+    """Begin a run (start or resume) on the services of ``local`` (ServiceSpecs, started on this machine) or
+    on the coordinator's, and follow it; its final status (its first, with ``detach``)."""
     require_valid_security_settings()
     try:
-        if local:
-            return asyncio.run(run_local(begin, state_dir.resolve(), kinds))
+        if local is not None:
+            return asyncio.run(run_local(begin, state_dir.resolve(), local))
         return asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
     except grpc.aio.AioRpcError as error:
         typer.echo(f"coordinator refused: {error.code().name}: {error.details()}", err=True)
         raise typer.Exit(1)
 
 
-def drive(begin, coordinator: str, local: bool, state_dir: Path | None, detach: bool, started: float) -> None:
-    """Begin a run (start or resume) locally or on the coordinator, follow it, summarise; exit 1 unless it
-    finished."""
-    final = follow_run(begin, coordinator, local, state_dir, detach)
+def drive(begin, coordinator: str, local: LocalConfig | None, state_dir: Path | None, detach: bool,
+          started: float) -> None:
+    """Begin a run (start or resume) locally (the services ``local`` says) or on the coordinator, follow it,
+    summarise; exit 1 unless it finished."""
+    from services.coordctl.local import service_specs
+
+    final = follow_run(begin, coordinator, service_specs(local) if local else None, state_dir, detach)
     if detach:
         return
-    print_summary(final, read_metrics(final.run_dir), time.monotonic() - started, state_dir if local else None)
+    print_summary(final, read_metrics(final.run_dir), time.monotonic() - started,
+                  state_dir if local is not None else None)
     if final.state != "finished":
         raise typer.Exit(1)
 
@@ -275,7 +280,8 @@ def resume(
     """Continue a stopped, failed or interrupted run from its last complete checkpoint."""
     if local and (state_dir is None or not (state_dir / "meshrl.db").exists()):
         raise typer.BadParameter("--local resume needs --state-dir, the folder holding the run's meshrl.db")
-    drive(lambda client: client.resume_run(run_id), coordinator, local, state_dir, detach, time.monotonic())
+    drive(lambda client: client.resume_run(run_id), coordinator, LocalConfig() if local else None, state_dir, detach,
+          time.monotonic())
 
 
 @app.command("runs")
@@ -371,29 +377,35 @@ def evaluate(
     max_response_length: int = typer.Option(512, "--max-response-length", min=1),
     out: Optional[Path] = typer.Option(None, "--out", help="the per-response JSONL to write (default: "
                                                            "<MODEL_DIR name>-eval.jsonl here)"),
-    overrides: Optional[list[str]] = typer.Argument(None, help="more run config: key.path=value ..."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="more run config: key.path=value ... (and, with "
+                                                               "--local, local.services.rollout=[...])"),
     local: bool = typer.Option(False, "--local", help="start a rollout and a reward service on this machine"),
     coordinator: str = COORDINATOR,
     state_dir: Optional[Path] = typer.Option(None, help="--local: folder for the run DB and logs"),
 ) -> None:
     """Score a model folder on a dataset through the rollout and reward services (a run that only validates):
     print mean@n and pass@k per data source, write every response with its score."""
+    from services.coordctl.local import ServiceSpec
+
     sampled = temperature if temperature is not None else (1.0 if n > 1 else 0.0)
     try:
-        config = validate(RunConfig, apply_overrides({
+        data = apply_overrides({
             "data": {"val_files": [str(path.resolve()) for path in data], "max_response_length": max_response_length},
             "actor_rollout_ref": {"model": {"path": str(model_dir.resolve())}, "rollout": {"val_kwargs": {
                 "n": n, "do_sample": sampled > 0, "temperature": sampled}}},
             "trainer": {"val_only": True, "experiment_name": f"eval-{model_dir.resolve().name}"}},
-            list(overrides or [])))
+            list(overrides or []))
+        services = validate(LocalConfig, data.pop("local", {}), "local").services
+        config = validate(RunConfig, data)
         config.require_paths()
     except (ConfigError, ValueError) as error:
         typer.echo(f"bad config: {error}", err=True)
         raise typer.Exit(2)
     if local:
         state_dir = state_dir or Path("meshrl-runs") / time.strftime("eval-%Y%m%d-%H%M%S")
-    final = follow_run(lambda client: client.start_run(to_yaml(config)), coordinator, local, state_dir, False,
-                       kinds=("rollout", "reward"))
+    specs = tuple(ServiceSpec(kind, settings=tuple(services.get(kind, ()))) for kind in ("rollout", "reward"))
+    final = follow_run(lambda client: client.start_run(to_yaml(config)), coordinator, specs if local else None,
+                       state_dir, False)
     if final.state != "finished":
         typer.echo(f"eval {final.state}: {final.error}", err=True)
         raise typer.Exit(1)

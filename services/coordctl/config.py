@@ -6,6 +6,8 @@ Only coordctl reads this section; it is taken off the config before the rest is 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pydantic
 from pydantic import Field, PositiveInt
 
@@ -13,7 +15,9 @@ from services.common.config import Section
 
 
 class TinyModelConfig(Section):
-    """The random-init Qwen2-architecture model with a character tokenizer, built when no model path is given."""
+    """The random-init Qwen2-architecture model with a character tokenizer, built when no model path is given
+    (as small as the local default's or a few hundred million parameters: 1024 wide and 16 layers deep is
+    about 200M)."""
 
     hidden_size: PositiveInt = 128
     """Width of the model (the MLP is four times as wide)."""
@@ -48,10 +52,37 @@ class SyntheticTaskConfig(Section):
     """Share of all digit strings held out of training for validation."""
 
 
+class ArithmeticTaskConfig(Section):
+    """Multi-step arithmetic as word problems, answered GSM8K's way ("... #### 14") and scored by its rule."""
+
+    rows: PositiveInt = 50000
+    """Problems generated for training."""
+    min_steps: PositiveInt = 1
+    """Fewest operations of a problem (adding, giving away, multiplying by 2 to 4)."""
+    max_steps: PositiveInt = 3
+    """Most operations of a problem."""
+    largest: PositiveInt = 20
+    """Largest number a problem starts with or adds."""
+    seed: int = 1
+    """Seed of the generated problems."""
+    val_rows: int = Field(512, ge=0)
+    """Held-out problems for validation (data.val_files), never among the training problems; 0 = none."""
+    held_out_share: float = Field(0.1, gt=0, lt=1)
+    """Share of all problems held out of training for validation."""
+
+
 class LocalConfig(Section):
-    """What ``coordctl start-run --local`` builds, once, into its cache folder."""
+    """What ``coordctl start-run --local`` builds, once, into its cache folder, and how it starts the services."""
 
     tiny_model: TinyModelConfig = TinyModelConfig()
     """Used when actor_rollout_ref.model.path is empty."""
+    task: Literal["reverse", "arithmetic"] = "reverse"
+    """The synthetic task generated when data.train_files is empty (and its held-out part when data.val_files
+    is empty too): synthetic_task (reverse digit strings) or arithmetic_task."""
     synthetic_task: SyntheticTaskConfig = SyntheticTaskConfig()
-    """Used when data.train_files is empty (and its held-out part when data.val_files is empty too)."""
+    """The digit-reversal task."""
+    arithmetic_task: ArithmeticTaskConfig = ArithmeticTaskConfig()
+    """The arithmetic word problems."""
+    services: dict[Literal["trainer", "rollout", "reward"], list[str]] = {}
+    """key=value settings of the services started, by kind, e.g. {rollout: [engine=vllm, device=cuda]} on a GPU
+    machine (python -m services.<kind> --help lists them)."""

@@ -31,7 +31,7 @@ from services.common.auth import cluster_token
 from services.common.run_config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient
-from services.coordctl.synthetic import reverse_task_rows, write_jsonl
+from services.coordctl.synthetic import arithmetic_task_rows, reverse_task_rows, write_jsonl
 from services.coordctl.tiny_model import build_tiny_model
 
 @dataclass(frozen=True)
@@ -64,20 +64,43 @@ def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[s
         if not (folder / "config.json").exists():
             build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed)
         overrides.append(f"actor_rollout_ref.model.path={folder}")
-    task = local.synthetic_task
     if not config.data.train_files:
-        name = f"reverse-d{task.min_digits}-{task.max_digits}-s{task.seed}-h{task.held_out_share:g}"
-        train, test = cache / "data" / f"{name}-train{task.rows}.jsonl", cache / "data" / f"{name}-test{task.val_rows}.jsonl"
-        if not train.exists():
-            write_jsonl(reverse_task_rows(task.rows, task.min_digits, task.max_digits, task.seed, "train",
-                                          task.held_out_share), train)
+        train, test = task_files(local, cache)
         overrides.append(f"data.train_files=[{train}]")
-        if task.val_rows and not config.data.val_files:
-            if not test.exists():
-                write_jsonl(reverse_task_rows(task.val_rows, task.min_digits, task.max_digits, task.seed + 1,
-                                              "test", task.held_out_share), test)
+        if test is not None and not config.data.val_files:
             overrides.append(f"data.val_files=[{test}]")
     return overrides
+
+
+def task_files(local: LocalConfig, cache: Path) -> tuple[Path, Path | None]:
+    """The training and held-out files of the local task (None: no held-out rows), built if missing."""
+    if local.task == "arithmetic":
+        task = local.arithmetic_task
+        name = f"arithmetic-s{task.min_steps}-{task.max_steps}-n{task.largest}-s{task.seed}-h{task.held_out_share:g}"
+
+        def rows(count: int, seed: int, split: str) -> list[dict]:
+            return arithmetic_task_rows(count, task.min_steps, task.max_steps, task.largest, seed, split,
+                                        task.held_out_share)
+    else:
+        task = local.synthetic_task
+        name = f"reverse-d{task.min_digits}-{task.max_digits}-s{task.seed}-h{task.held_out_share:g}"
+
+        def rows(count: int, seed: int, split: str) -> list[dict]:
+            return reverse_task_rows(count, task.min_digits, task.max_digits, seed, split, task.held_out_share)
+    train, test = cache / "data" / f"{name}-train{task.rows}.jsonl", cache / "data" / f"{name}-test{task.val_rows}.jsonl"
+    if not train.exists():
+        write_jsonl(rows(task.rows, task.seed, "train"), train)
+    if not task.val_rows:
+        return train, None
+    if not test.exists():
+        write_jsonl(rows(task.val_rows, task.seed + 1, "test"), test)
+    return train, test
+
+
+def service_specs(local: LocalConfig) -> tuple[ServiceSpec, ...]:
+    """One trainer, rollout and reward service, each with the settings ``local.services`` gives its kind."""
+    return tuple(ServiceSpec(kind, settings=tuple(local.services.get(kind, ()))) for kind in ("trainer", "rollout",
+                                                                                           "reward"))
 
 
 def free_port() -> int:

@@ -1,4 +1,5 @@
-"""The synthetic task of the local default: reverse a string of digits.
+"""The synthetic tasks of ``--local``: reverse a string of digits (the default), or multi-step arithmetic
+written as word problems and answered GSM8K's way (the GPU example).
 
 Rows follow verl's data schema (``data_source``, ``prompt`` as chat messages,
 ``ability``, ``reward_model.ground_truth``, ``extra_info``), so the task goes
@@ -15,6 +16,9 @@ import zlib
 from pathlib import Path
 
 DATA_SOURCE = "meshrl/reverse"
+ARITHMETIC_SOURCE = "meshrl/arithmetic"  # scored by the GSM8K rule: the number after the last "#### "
+NAMES = ("Ann", "Ben", "Cal", "Dan", "Eva", "Fay", "Gus", "Ivy", "Joe", "Kim", "Leo", "Mia", "Ned", "Ola", "Pam")
+ITEMS = ("apples", "books", "coins", "cards", "eggs", "pens", "shells", "stamps", "balls", "cups")
 
 
 def held_out(digits: str, share: float) -> bool:
@@ -41,6 +45,57 @@ def reverse_task_rows(count: int, min_digits: int, max_digits: int, seed: int, s
             "ability": "reverse",
             "reward_model": {"style": "rule", "ground_truth": digits[::-1]},
             "extra_info": {"split": split, "index": len(rows)},
+        })
+    return rows
+
+
+def arithmetic_problem(rng: random.Random, steps: int, largest: int) -> tuple[str, str, int, tuple]:
+    """A word problem of ``steps`` operations on numbers up to ``largest``, its worked solution ending in
+    "#### <answer>", the answer, and what identifies the problem (for the held-out split)."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    value = rng.randint(2, largest)
+    sentences, lines, key = [f"{name} has {value} {item}."], [], [value]
+    for _ in range(steps):
+        operation = rng.choice(("add", "take", "times") if value <= largest else ("take",))
+        if operation == "times":
+            factor = rng.randint(2, 4)
+            sentences.append(f"Then {name} gets {factor} times as many.")
+            lines.append(f"{value}*{factor}={value * factor}.")
+            value *= factor
+        elif operation == "take" and value > 1:
+            amount = rng.randint(1, min(value - 1, largest))
+            sentences.append(f"{name} gives away {amount}.")
+            lines.append(f"{value}-{amount}={value - amount}.")
+            value -= amount
+        else:
+            amount = rng.randint(1, largest)
+            sentences.append(f"{name} finds {amount} more.")
+            lines.append(f"{value}+{amount}={value + amount}.")
+            value += amount
+        key.extend((operation, lines[-1]))
+    question = " ".join(sentences) + f" How many {item} does {name} have now?"
+    return question, " ".join(lines) + f" #### {value}", value, tuple(key)
+
+
+def arithmetic_task_rows(count: int, min_steps: int, max_steps: int, largest: int, seed: int, split: str = "train",
+                         held_out_share: float = 0.0) -> list[dict]:
+    """``count`` word problems of ``min_steps`` to ``max_steps`` operations in verl's GSM8K schema: the ground
+    truth is the number, extra_info.answer the worked solution that a warm start teaches. With
+    ``held_out_share``, the train split never holds a problem of the test split (by its numbers and steps)."""
+    if split == "test" and held_out_share <= 0:
+        raise ValueError("a test split needs a held-out share of the problems")
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < count:
+        question, answer, value, key = arithmetic_problem(rng, rng.randint(min_steps, max_steps), largest)
+        if held_out_share > 0 and held_out(repr(key), held_out_share) != (split == "test"):
+            continue
+        rows.append({
+            "data_source": ARITHMETIC_SOURCE,
+            "prompt": [{"role": "user", "content": question}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(value)},
+            "extra_info": {"split": split, "index": len(rows), "answer": answer},
         })
     return rows
 

@@ -410,8 +410,10 @@ class PPOLoop:
         return version
 
     def encode_target(self, prompt: Prompt) -> list[int]:
-        """The ground truth as the response the warm start teaches, ending in EOS."""
-        ids = self.tokenizer(prompt.ground_truth, add_special_tokens=False)["input_ids"]
+        """The response the warm start teaches, ending in EOS: the row's worked solution (extra_info.answer, as
+        verl's GSM8K preprocessing keeps it) where it has one, else its ground truth."""
+        target = prompt.extra_info.get("answer") or prompt.ground_truth
+        ids = self.tokenizer(str(target), add_special_tokens=False)["input_ids"]
         return ids + [self.tokenizer.eos_token_id]
 
     async def boundary(self, step: int) -> None:

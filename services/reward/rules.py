@@ -9,6 +9,8 @@ rule that judges answers reads as the response's answer (verl's ``pred``), and s
   the last one, ``flexible`` takes the last number anywhere in that tail;
   commas and ``$`` are stripped. Correct scores 1.0, a found but wrong answer
   scores ``format_score``, no answer scores 0.0.
+- ``meshrl/arithmetic`` (the word problems of the GPU example) is scored by
+  the GSM8K rule.
 - ``meshrl/reverse`` (the synthetic task of the local default) gives partial
   credit: the share of positions where the response matches the expected
   string, over the longer of the two lengths.
@@ -238,6 +240,7 @@ def format_score(
 SCORERS: dict[str, Callable[[str, str], float]] = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
+    "meshrl/arithmetic": gsm8k_score,
     "meshrl/reverse": reverse_score,
     "lighteval/MATH": math_score,
     "DigitalLearningGmbH/MATH-lighteval": math_score,
@@ -259,6 +262,7 @@ def math_answer(solution_str: str) -> str | None:
 ANSWERS: dict[str, Callable[[str], str | None]] = {
     "openai/gsm8k": extract_gsm8k_answer,
     "gsm8k": extract_gsm8k_answer,
+    "meshrl/arithmetic": extract_gsm8k_answer,
     "meshrl/reverse": str.strip,
     "lighteval/MATH": math_answer,
     "DigitalLearningGmbH/MATH-lighteval": math_answer,

@@ -31,7 +31,7 @@ def test_one_step_off_keeps_staleness_within_one_and_learns(tmp_path, monkeypatc
     try:
         asyncio.run(cluster.start(timeout_s=120))
         for k in (1, 0):
-            config = resolve_config([str(EXAMPLES / "local_grpo.yaml"), f"trainer.total_training_steps={STEPS}",
+            config, _ = resolve_config([str(EXAMPLES / "local_grpo.yaml"), f"trainer.total_training_steps={STEPS}",
                                      f"trainer.async_.max_staleness={k}"], local=True)
             run, _ = asyncio.run(run_to_end(cluster.coordinator, to_yaml(config)))
             assert run.state == "finished", run.error

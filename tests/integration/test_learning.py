@@ -55,9 +55,9 @@ def assert_learned(scores: list[float]) -> None:
 def test_ppo_with_gae_and_grpo_learn(cluster_with_two_trainers, tmp_path, monkeypatch):
     monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
     cluster = cluster_with_two_trainers
-    ppo = resolve_config([str(EXAMPLES / "local_ppo.yaml"), f"trainer.total_training_steps={STEPS}",
+    ppo, _ = resolve_config([str(EXAMPLES / "local_ppo.yaml"), f"trainer.total_training_steps={STEPS}",
                           "placement.critic=critics", "actor_rollout_ref.actor.use_kl_loss=true"], local=True)
-    grpo = resolve_config([str(EXAMPLES / "local_grpo.yaml"), f"trainer.total_training_steps={STEPS}"], local=True)
+    grpo, _ = resolve_config([str(EXAMPLES / "local_grpo.yaml"), f"trainer.total_training_steps={STEPS}"], local=True)
 
     ppo_run, services = asyncio.run(run_to_end(cluster.coordinator, to_yaml(ppo)))
     assert ppo_run.state == "finished", ppo_run.error

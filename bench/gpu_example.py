@@ -1,0 +1,94 @@
+"""The GPU example as a user runs it, and whether it learned: run, export, evaluate, report.
+
+    python bench/gpu_example.py [--config examples/gpu_arithmetic.yaml] [--out DIR] [key=value ...]
+
+1. ``coordctl start-run --local CONFIG`` (timed), the services on this machine's GPU;
+2. ``coordctl export`` of the run's last checkpoint into a Hugging Face folder;
+3. ``coordctl eval`` of that folder on the run's held-out file, with the run's validation sampling and seed,
+   on a vLLM rollout;
+4. a table of every validation (step, weight version, accuracy, reward), then the figures: the held-out
+   accuracy after the warm start and after GRPO, the gain in points, the wall time, and the exported
+   model's accuracy under ``coordctl eval`` against the last validation's.
+
+The run's metrics.jsonl, reward.png (reward per step and the validation curves) and the eval's responses
+are copied into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ACC = "val-core/meshrl/arithmetic/acc/mean@{n}"
+REWARD = "val-core/meshrl/arithmetic/reward/mean@{n}"
+
+
+def coordctl(*args: str) -> str:
+    """Run coordctl as a user would (its module, wherever the entry point is not installed); its output."""
+    done = subprocess.run([sys.executable, "-m", "services.coordctl.cli", *args], text=True, capture_output=True)
+    if done.returncode != 0:
+        sys.exit(f"coordctl {args[0]} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="examples/gpu_arithmetic.yaml")
+    parser.add_argument("--out", type=Path, default=Path("gpu-example"))
+    parser.add_argument("--eval-rollout", nargs="*", default=None,
+                        help="settings of eval's rollout service (default: the config's local.services.rollout)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    state_dir = args.out / "state"
+
+    started = time.monotonic()
+    summary = coordctl("start-run", "--local", args.config, *args.overrides, "--state-dir", str(state_dir))
+    run_seconds = time.monotonic() - started
+    print(summary[summary.find("run        "):])
+    [run_dir] = sorted((state_dir / "runs").iterdir())
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    val = config["actor_rollout_ref"]["rollout"]["val_kwargs"]
+    n = val["n"]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    validations = [line for line in lines if "val/weight_version" in line]
+
+    exported = args.out / "exported"
+    shutil.rmtree(exported, ignore_errors=True)
+    print(coordctl("export", str(run_dir), str(exported)).strip())
+    rollout = args.eval_rollout if args.eval_rollout is not None else \
+        yaml.safe_load(Path(args.config).read_text())["local"]["services"]["rollout"]
+    evaluated = coordctl(
+        "eval", str(exported), "--local", "--state-dir", str(args.out / "eval-state"),
+        *[arg for path in config["data"]["val_files"] for arg in ("--data", path)],
+        "--n", str(n), "--temperature", str(val["temperature"] if val["do_sample"] else 0.0),
+        "--max-response-length", str(config["data"]["max_response_length"]), "--out", str(args.out / "eval.jsonl"),
+        f"data.max_prompt_length={config['data']['max_prompt_length']}", f"trainer.seed={config['trainer']['seed']}",
+        f"local.services.rollout=[{','.join(rollout)}]")
+    responses = [json.loads(line) for line in (args.out / "eval.jsonl").read_text().splitlines()]
+    eval_acc = sum(bool(r["acc"]) for r in responses) / len(responses)
+    for name in ("metrics.jsonl", "reward.png"):
+        if (run_dir / name).exists():
+            shutil.copy(run_dir / name, args.out / name)
+
+    print(evaluated.strip())
+    print(f"\n{'step':>5} {'version':>8} {'acc mean@' + str(n):>12} {'reward mean@' + str(n):>15} {'testing s':>10}")
+    for v in validations:
+        print(f"{v['step']:>5} {int(v['val/weight_version']):>8} {v[ACC.format(n=n)]:>12.3f} "
+              f"{v[REWARD.format(n=n)]:>15.3f} {v['timing_s/testing']:>10.2f}")
+    first, last = validations[0][ACC.format(n=n)], validations[-1][ACC.format(n=n)]
+    print(f"\nrun wall time {run_seconds:.0f} s (services started, warm start, {len(lines) - len(validations)} GRPO "
+          f"steps, {len(validations)} validations)")
+    print(f"exported model under coordctl eval: acc {eval_acc:.3f} (last validation {last:.3f})")
+    print(f"held-out acc mean@{n}: warm start {first:.3f} -> after GRPO {last:.3f}: {100 * (last - first):+.1f} points")
+
+
+if __name__ == "__main__":
+    main()
