@@ -6,7 +6,9 @@ which:
    token check and the standard health service, on the configured host and
    port (0 = any free port), over mTLS when it is configured;
 2. registers with the coordinator and heartbeats, registering again whenever
-   the coordinator has forgotten it (it restarted);
+   the coordinator has forgotten it (it restarted) and retrying while it is
+   unreachable; a coordinator that refuses this process's cluster token ends
+   the service (exit code 2), as retrying cannot mend the token;
 3. on SIGTERM or SIGINT, marks itself NOT_SERVING, deregisters, lets the
    calls in flight finish within the grace period and exits.
 """
@@ -35,8 +37,14 @@ from services.common.auth import TokenServerInterceptor, cluster_token, server_c
 from services.common.rpc import SERVER_OPTIONS, open_channel
 
 PROTOCOL_VERSION = 1
+TOKEN_REFUSED_EXIT_CODE = 2
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 Config = TypeVar("Config", bound=ServeConfig)
 log = structlog.get_logger()
+
+
+class TokenRefused(Exception):
+    """The coordinator refused this process's cluster token (missing or wrong): the service cannot take part."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,9 @@ def identity_for(endpoint: Endpoint, port: int) -> common_pb2.ServiceIdentity:
 
 
 async def keep_registered(identity: common_pb2.ServiceIdentity, coordinator: str, stop: asyncio.Event) -> None:
-    """Register, then heartbeat until ``stop``; re-register when forgotten or after an outage."""
+    """Register, then heartbeat until ``stop``; re-register when forgotten or after an outage.
+
+    Raises TokenRefused, after setting ``stop``, when the coordinator refuses the token."""
     channel = open_channel(coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     interval, registered = 1.0, False
@@ -81,6 +91,9 @@ async def keep_registered(identity: common_pb2.ServiceIdentity, coordinator: str
                     beat = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(service_id=identity.service_id), timeout=5)
                     registered = beat.known
             except grpc.aio.AioRpcError as error:
+                if error.code() in REFUSALS:
+                    stop.set()
+                    raise _token_refused(coordinator, error.code()) from None
                 registered = False
                 log.warning("coordinator_unreachable", coordinator=coordinator, code=error.code().name)
             with _suppress_timeout():
@@ -89,6 +102,14 @@ async def keep_registered(identity: common_pb2.ServiceIdentity, coordinator: str
             await stub.Deregister(coordinator_pb2.HeartbeatRequest(service_id=identity.service_id), timeout=2)
     finally:
         await channel.close()
+
+
+def _token_refused(coordinator: str, code: grpc.StatusCode) -> TokenRefused:
+    """Log the refusal and say what to do about it."""
+    presented = "a wrong cluster token" if cluster_token() else "no cluster token"
+    fix = "set MESHRL_TOKEN to the cluster's token, or MESHRL_TOKEN_FILE to a file holding it"
+    log.error("token_refused", coordinator=coordinator, code=code.name, presented=presented, fix=fix)
+    return TokenRefused(f"the coordinator at {coordinator} refused this process ({code.name}: {presented}); {fix}")
 
 
 class _suppress_timeout:
@@ -133,10 +154,12 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     log.info("stopping", grace_s=endpoint.grace_s)
     await health_servicer.enter_graceful_shutdown()
     if heartbeat is not None:
-        await heartbeat
+        await asyncio.wait({heartbeat})
     await server.stop(endpoint.grace_s)
     await servicer.close()
     log.info("stopped")
+    if heartbeat is not None:
+        heartbeat.result()  # raises TokenRefused if that is what stopped us
 
 
 def die_with_parent() -> None:
@@ -172,3 +195,6 @@ def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.ai
         uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))
     except ValueError as error:  # what the servicer refuses to start with (a plugin that fails to import, ...)
         sys.exit(f"{kind}: cannot start: {error}")
+    except TokenRefused as refused:  # logged already; this line is for a person at a terminal
+        sys.stderr.write(f"{kind}: {refused}\n")
+        sys.exit(TOKEN_REFUSED_EXIT_CODE)
