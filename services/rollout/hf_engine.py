@@ -9,13 +9,22 @@ batch it lands in.
 The reported logprob of a sampled token is taken from the temperature-scaled
 distribution before top-p truncation, the same quantity the trainer computes.
 Temperature 0 decodes greedily (validation's default, as in verl).
+
+The KV cache is a ``DynamicCache`` made here and filled in place by every
+forward, so it is never read back from the output. transformers renamed the
+forward's ``past_key_values`` argument to ``cache``: 5.24 warns that the old
+name is deprecated, 5.17 knows only the old one and would silently drop a
+``cache`` into its ``**kwargs``. So the cache goes under the name the model's
+forward declares.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
+from transformers import DynamicCache
 
 from services import algos
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
@@ -56,12 +65,19 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings,
     return chosen, algos.token_logprobs(logits, chosen, sampling.temperature)
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which ``model.forward`` takes its KV cache: ``cache``, or ``past_key_values`` in
+    transformers versions without it."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class HFEngine:
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_ids: tuple[int, ...], batch_size: int):
         self.model = model.eval()
         self.pad_id = pad_id
         self.eos_ids = eos_ids
         self.batch_size = batch_size
+        self.cache_argument = cache_argument(model)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, first_index: int = 0,
                  interrupted: Callable[[], bool] = never) -> list[list[Completion]]:
@@ -95,17 +111,16 @@ class HFEngine:
         tokens: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         finished = torch.zeros(len(prompts), dtype=torch.bool)
-        past = None
+        cache = DynamicCache(config=self.model.config)
         step_ids = input_ids
         for _ in range(sampling.max_new_tokens):
             if interrupted():
                 raise GenerationInterrupted
             positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
             out = self.model(
-                input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
-                past_key_values=past, use_cache=True,
+                input_ids=step_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                **{self.cache_argument: cache},
             )
-            past = out.past_key_values
             logits = out.logits[:, -1].float()
             chosen, chosen_logprobs = choose_tokens(logits, sampling, generators)
             for row in torch.nonzero(~finished).flatten().tolist():
