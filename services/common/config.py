@@ -1,24 +1,27 @@
 """Config loading: YAML plus verl-style dotted overrides, validated by pydantic.
 
 ``load_config(Model, path, ["data.train_batch_size=64"])`` reads the YAML,
-applies each ``key.path=value`` (the value parsed as YAML, so ``1e-3``,
-``true`` and ``[a,b]`` mean what they say), and validates the result. Any
-problem raises ``ConfigError`` whose message names the field:
-``data.train_batch_size: Input should be greater than 0``.
+applies each override in Hydra's syntax (``key.path=value``, ``+key=value``,
+``~key``; values parsed as YAML, so ``1e-3``, ``true`` and ``[a,b]`` mean what
+they say; ``${other.key}`` interpolated), and validates the result. Any
+problem raises ``ConfigError`` whose message names the field, with the key
+meant where a name is misspelt:
+``data.train_batch_size: Input should be greater than 0``,
+``data.train_bach_size: unknown key (did you mean train_batch_size?)``.
 """
 
 from __future__ import annotations
 
-import re
+import difflib
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pydantic
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field
-
-
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)")
 
 
 class ConfigError(ValueError):
@@ -49,44 +52,88 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """A copy of ``data`` with each ``a.b.c=value`` applied (value parsed as YAML)."""
-    result = yaml.safe_load(yaml.safe_dump(data))
+    """A copy of ``data`` with Hydra's overrides applied, as verl's scripts write them (through OmegaConf):
+
+    - ``a.b=value`` sets a key; the value is read as YAML (``1e-3``, ``true``, ``[a,b]``, ``null``);
+    - ``+a.b=value`` and ``++a.b=value`` do the same (Hydra's "add" and "add or replace": the schema refuses an
+      unknown key when the config is validated, naming it);
+    - ``~a.b`` removes a key, so that its default applies;
+    - ``${a.b}`` in any value, from a file or an override, becomes that key's value once all are applied.
+    """
+    config = OmegaConf.create(data)
     for override in overrides:
-        key, sep, raw = override.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {override!r} must look like key.path=value")
-        node = result
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {override!r}: {part} is not a section")
-            node = child
-        try:
-            node[parts[-1]] = parse_value(raw)
-        except yaml.YAMLError as error:
-            raise ConfigError(f"override {override!r}: value is not valid YAML ({error})") from error
-    return result
+        if override.startswith("~"):
+            remove_key(config, override[1:].partition("=")[0], override)
+            continue
+        key, sep, raw = override.lstrip("+").partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {override!r} must look like key.path=value (or +key.path=value, ~key.path)")
+        config = set_key(config, key.strip(), raw.strip(), override)
+    try:
+        return OmegaConf.to_container(config, resolve=True)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{getattr(error, 'full_key', None) or '(a value)'}: {first_line(error)}") from None
 
 
-def parse_value(raw: str) -> Any:
-    """A command-line value as YAML, except that 1e-3 is a number (YAML 1.1 wants 1.0e-3)."""
-    if not raw.strip():
-        return ""
-    value = yaml.safe_load(raw)
-    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        return float(value)
-    return value
+def set_key(config: DictConfig, key: str, raw: str, override: str) -> DictConfig:
+    """``config`` with ``key`` set to ``raw`` read as YAML (empty: the empty string); a key through a value that
+    is not a section is refused."""
+    node = config
+    for part in key.split(".")[:-1]:
+        node = node.get(part) if isinstance(node, DictConfig) else None
+        if node is not None and not isinstance(node, DictConfig):
+            raise ConfigError(f"override {override!r}: {part} is not a section")
+    try:
+        if not raw:
+            OmegaConf.update(config, key, "", force_add=True)
+            return config
+        return OmegaConf.merge(config, OmegaConf.from_dotlist([f"{key}={raw}"]))
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {override!r}: value is not valid YAML ({first_line(error)})") from None
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"override {override!r}: {first_line(error)}") from None
 
 
-def describe_errors(error: pydantic.ValidationError, section: str = "") -> str:
-    """Every error of ``error``, each naming its field (from ``section``, if the model is a part of a config)."""
+def remove_key(config: DictConfig, key: str, override: str) -> None:
+    *parents, last = key.strip().split(".")
+    node = config
+    for part in parents:
+        node = node.get(part) if isinstance(node, DictConfig) else None
+    if not isinstance(node, DictConfig) or last not in node:
+        raise ConfigError(f"override {override!r}: there is no key {key.strip()} to remove")
+    del node[last]
+
+
+def first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def describe_errors(error: pydantic.ValidationError, section: str = "", model: type | None = None) -> str:
+    """Every error of ``error``, each naming its field (from ``section``, if the model is a part of a config); an
+    unknown key gets the nearest known ones of ``model`` at its place."""
     lines = []
     for item in error.errors():
         field = ".".join([*filter(None, [section]), *(str(part) for part in item["loc"])]) or "(top level)"
-        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
-        lines.append(f"{field}: {message}")
+        if item["type"] == "extra_forbidden":
+            near = known_keys_near(model, item["loc"]) if model is not None else []
+            lines.append(f"{field}: unknown key" + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+        else:
+            lines.append(f"{field}: {item['msg']}")
     return "; ".join(lines)
+
+
+def known_keys_near(model: type, loc: tuple) -> list[str]:
+    """The keys of the section at ``loc[:-1]`` of ``model`` closest to ``loc[-1]`` (none when nothing is close)."""
+    section = model
+    for part in loc[:-1]:
+        fields = getattr(section, "model_fields", {})
+        if part not in fields:
+            return []
+        section = next((arg for arg in (fields[part].annotation, *typing.get_args(fields[part].annotation))
+                        if isinstance(arg, type) and issubclass(arg, pydantic.BaseModel)), None)
+        if section is None:
+            return []
+    return difflib.get_close_matches(str(loc[-1]), list(getattr(section, "model_fields", {})), n=2, cutoff=0.6)
 
 
 def validate(model: type[Model], data: dict[str, Any], section: str = "") -> Model:
@@ -94,7 +141,7 @@ def validate(model: type[Model], data: dict[str, Any], section: str = "") -> Mod
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as error:
-        raise ConfigError(describe_errors(error, section)) from None
+        raise ConfigError(describe_errors(error, section, model)) from None
 
 
 def load_config(model: type[Model], path: str | Path | None, overrides: list[str] = ()) -> Model:
