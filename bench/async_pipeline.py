@@ -34,8 +34,10 @@ import yaml
 
 
 def run_cpu(state_dir: Path, overrides: list[str]) -> list[dict]:
+    """The embedded default's steps, without its validation (training alone is compared)."""
     subprocess.run([sys.executable, "-m", "services.coordctl.cli", "start-run", "--local", "--state-dir",
-                    str(state_dir), *overrides], check=True, stdout=subprocess.DEVNULL)
+                    str(state_dir), "trainer.test_freq=-1", "trainer.val_before_train=false", *overrides],
+                   check=True, stdout=subprocess.DEVNULL)
     [metrics] = state_dir.glob("runs/*/metrics.jsonl")
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 

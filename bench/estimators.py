@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from services.common.config import to_yaml
-from services.coordctl.cli import resolve_config
+from services.coordctl.resolve import resolve_config
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster
 
@@ -40,7 +40,8 @@ async def run_all(steps: int, state_dir: Path) -> dict[str, list[float]]:
         client = CoordinatorClient(cluster.coordinator)
         for name, args in ESTIMATORS.items():
             config, _ = resolve_config(args + [f"trainer.total_training_steps={steps}",
-                                            f"trainer.experiment_name=bench-{name}"], local=True)
+                                               f"trainer.experiment_name=bench-{name}", "trainer.test_freq=-1",
+                                               "trainer.val_before_train=false"], local=True)
             run = await client.start_run(to_yaml(config))
             async for _ in client.watch(run.run_id):
                 pass

@@ -35,7 +35,8 @@ def run_local(state_dir: Path, overrides: list[str]) -> tuple[list[dict], float,
                     "--state-dir", str(state_dir), *overrides], check=True, stdout=subprocess.DEVNULL)
     wall = time.time() - started
     [metrics_file] = state_dir.glob("runs/*/metrics.jsonl")
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    rows = [line for line in lines if "critic/score/mean" in line]  # the steps (the validations' lines left out)
     import sqlite3
 
     db = sqlite3.connect(state_dir / "meshrl.db")
@@ -51,7 +52,8 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     from services.common.config import validate
     from services.common.models import load_causal_lm, load_tokenizer
     from services.common.run_config import RunConfig
-    from services.coordinator.data import PromptSampler, load_prompts
+    from services.common.data import load_prompts
+    from services.coordinator.sampler import PromptSampler
     from services.coordinator.loop import make_batch
     from services.reward.rules import score_sample
     from services.rollout.hf_engine import HFEngine
@@ -65,7 +67,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     config = validate(RunConfig, yaml.safe_load(config_path.read_text()))
     model_path, data, rollout = config.actor_rollout_ref.model.path, config.data, config.actor_rollout_ref.rollout
     tokenizer = load_tokenizer(model_path)
-    prompts = load_prompts(data.train_files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length)
+    prompts, _ = load_prompts(data.train_files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length)
     actor = build_actor(config, config.trainer.seed, Ranks.single("cpu"))
     engine = HFEngine(load_causal_lm(model_path), actor.pad_id, (tokenizer.eos_token_id,), 256)
     sampler = PromptSampler(len(prompts), data.train_batch_size, True, config.trainer.seed)

@@ -1,4 +1,5 @@
-"""Prompts for a run: verl-schema rows from local parquet or JSONL files.
+"""Prompts for a run: verl-schema rows from local parquet or JSONL files (read by the coordinator, and by
+coordctl to check a run before anything starts).
 
 Each row needs ``data_source`` (picks the scorer), the prompt (chat messages
 or a string, under ``data.prompt_key``) and ``reward_model.ground_truth``.
@@ -13,8 +14,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -55,8 +54,11 @@ def render_prompt(prompt: Any, tokenizer) -> str:
     return "".join(message["content"] for message in messages)
 
 
-def prompt_from_row(row: Any, prompt_key: str, source_key: str, tokenizer, max_len: int) -> Prompt:
-    """One validated, tokenised prompt; ValueError names what is wrong with the row."""
+def prompt_from_row(row: Any, prompt_key: str, source_key: str, tokenizer, max_len: int,
+                    overlong: str = "error") -> Prompt | None:
+    """One validated, tokenised prompt; ValueError names what is wrong with the row. A prompt over ``max_len``
+    tokens: ``overlong`` error (ValueError), drop (None), or left / right / middle (truncated to its last /
+    first tokens / both ends, as verl's data.truncation)."""
     if not isinstance(row, dict):
         raise ValueError(f"a row must be a JSON object, not {type(row).__name__}")
     for key in (source_key, prompt_key, "reward_model"):
@@ -74,47 +76,45 @@ def prompt_from_row(row: Any, prompt_key: str, source_key: str, tokenizer, max_l
     if not token_ids:
         raise ValueError("empty prompt")
     if len(token_ids) > max_len:
-        raise ValueError(f"prompt has {len(token_ids)} tokens, over data.max_prompt_length={max_len}")
+        if overlong == "error":
+            raise ValueError(f"prompt has {len(token_ids)} tokens, over data.max_prompt_length={max_len} "
+                             "(data.filter_overlong_prompts=true drops such rows, data.truncation=left|right|middle "
+                             "cuts them)")
+        if overlong == "drop":
+            return None
+        token_ids = truncate(token_ids, max_len, overlong)
     extra = row.get("extra_info") or {}
     return Prompt(token_ids, str(row[source_key]), str(reward_model["ground_truth"]), dict(extra))
 
 
-def load_prompts(files: list[str], prompt_key: str, source_key: str, tokenizer, max_len: int) -> list[Prompt]:
-    prompts = []
+def truncate(token_ids: list[int], max_len: int, side: str) -> list[int]:
+    """``max_len`` tokens of ``token_ids``: its last (left: the start is cut), its first (right), or the first
+    and last halves (middle)."""
+    if side == "left":
+        return token_ids[-max_len:]
+    if side == "right":
+        return token_ids[:max_len]
+    head = max_len // 2
+    return token_ids[:head] + token_ids[len(token_ids) - (max_len - head):]
+
+
+def load_prompts(files: list[str], prompt_key: str, source_key: str, tokenizer, max_len: int,
+                 overlong: str = "error") -> tuple[list[Prompt], int]:
+    """Every row of ``files`` as a prompt, and how many over-long ones were dropped (``overlong`` drop); ValueError
+    naming the file and row of a bad one, or the files when none is left."""
+    prompts, dropped = [], 0
     for name in files:
         path = Path(name)
         for number, row in read_rows(path):
             try:
-                prompts.append(prompt_from_row(row, prompt_key, source_key, tokenizer, max_len))
+                prompt = prompt_from_row(row, prompt_key, source_key, tokenizer, max_len, overlong)
             except ValueError as error:
                 raise ValueError(f"{path} row {number}: {error}") from None
+            if prompt is None:
+                dropped += 1
+            else:
+                prompts.append(prompt)
     if not prompts:
-        raise ValueError(f"no prompts in {files}")
-    return prompts
-
-
-class PromptSampler:
-    """Batches of prompt indices, epoch after epoch, shuffled per epoch from a seed.
-
-    Its whole state is (epoch, position): the order is a function of the seed
-    and the epoch, so a run can be resumed from those two numbers.
-    """
-
-    def __init__(self, size: int, batch_size: int, shuffle: bool, seed: int):
-        if batch_size > size:
-            raise ValueError(f"data.train_batch_size ({batch_size}) is larger than the dataset ({size} prompts)")
-        self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
-        self.epoch, self.position = 0, 0
-
-    def _order(self) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.size)
-        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
-
-    def next_batch(self) -> list[int]:
-        """The next batch_size indices; a partial tail of an epoch is skipped."""
-        if self.position + self.batch_size > self.size:
-            self.epoch, self.position = self.epoch + 1, 0
-        batch = self._order()[self.position : self.position + self.batch_size].tolist()
-        self.position += self.batch_size
-        return batch
+        raise ValueError(f"no prompts in {files}" + (f" ({dropped} over data.max_prompt_length dropped)"
+                                                     if dropped else ""))
+    return prompts, dropped

@@ -7,6 +7,7 @@ same thing here. Batch sizes are counted in prompts, as verl counts them.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import pydantic
@@ -16,6 +17,11 @@ from services.common.config import Section
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+def as_list(value):
+    """verl takes one path or a list of them."""
+    return [value] if isinstance(value, str) else value
 
 
 class DataConfig(Section):
@@ -37,6 +43,18 @@ class DataConfig(Section):
     """Held-out parquet or JSONL files in the same schema, for validation (trainer.test_freq,
     trainer.val_before_train, trainer.val_only): every row is generated with rollout.val_kwargs and scored by
     the run's reward services; empty = no validation (verl's data.val_files)."""
+    val_batch_size: PositiveInt | None = None
+    """verl's key, deprecated there: validation sends every held-out prompt at once, spread over the rollouts;
+    accepted and not used."""
+    filter_overlong_prompts: bool = False
+    """Drop the rows whose prompt is longer than max_prompt_length (how many is an event of the run) instead of
+    truncating or refusing them (verl's key)."""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """A prompt longer than max_prompt_length that is not dropped: error = the data is refused, naming the
+    row; left = its last max_prompt_length tokens are kept; right = its first; middle = its first and last
+    halves (verl's key)."""
+
+    _one_or_more_files = pydantic.field_validator("train_files", "val_files", mode="before")(as_list)
 
 
 class ModelConfig(Section):
@@ -218,12 +236,39 @@ class RolloutConfig(Section):
     the compute thrown away."""
     val_kwargs: ValKwargsConfig = ValKwargsConfig()
     """Sampling of validation (verl's key)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """verl's share of a GPU's memory for vLLM. In meshrl a rollout service is started with its own
+    gpu_memory_utilization; coordctl start-run --local passes this one to the rollout it starts, a run on a
+    cluster reports it as not used."""
+    tensor_model_parallel_size: PositiveInt | None = None
+    """verl's tensor parallelism of vLLM. As gpu_memory_utilization: the rollout service's own
+    tensor_parallel_size; --local passes this one on, a cluster run reports it as not used."""
+
+
+class RefConfig(Section):
+    """The frozen reference policy (verl's actor_rollout_ref.ref): its passes and how the trainer holds it."""
+
+    log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
+    """Sequences per forward pass of the reference logprobs; null = the rollout's
+    log_prob_micro_batch_size_per_gpu (then the actor's ppo_micro_batch_size_per_gpu)."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Cut those passes by a token budget; null = the rollout's log_prob_use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: PositiveInt | None = None
+    """Their token budget; null = the rollout's log_prob_max_token_len_per_gpu."""
+    fsdp_config: FSDPConfig | None = None
+    """How the trainer holds the reference (param_offload: its weights in CPU memory between passes); null =
+    the actor's fsdp_config."""
 
 
 class ActorRolloutRefConfig(Section):
     model: ModelConfig = ModelConfig()
+    """The model every role starts from (actor, reference; the rollout serves it)."""
     actor: ActorConfig = ActorConfig()
+    """The policy being trained."""
     rollout: RolloutConfig = RolloutConfig()
+    """Sampling, and the rollout-side settings of the trainer's logprob passes."""
+    ref: RefConfig = RefConfig()
+    """The reference policy (used with actor.use_kl_loss or algorithm.use_kl_in_reward)."""
 
 
 class CriticModelConfig(Section):
@@ -351,17 +396,47 @@ class AsyncConfig(Section):
     """Most weight versions a rollout may lag behind the actor it trains (0 = synchronous)."""
 
 
+DEFAULT_TRAINING_STEPS = 100
+
+
 class TrainerConfig(Section):
-    total_training_steps: PositiveInt = 100
+    total_training_steps: PositiveInt | None = None
     """Steps the run trains (each: generate, score, update, sync weights); a resumed run goes on to it. Also
-    where the cosine learning-rate schedule ends. There is no total_epochs: the data is reshuffled each epoch
-    and repeats as long as steps remain (verl's trainer.total_training_steps)."""
+    where the cosine learning-rate schedule ends. Null: total_epochs passes over the training data (each of
+    len(data) // data.train_batch_size steps), or 100 steps without total_epochs (verl's key; set, it wins
+    over total_epochs, as in verl). The coordinator writes the number it comes to into the run's config."""
+    total_epochs: PositiveInt | None = None
+    """Passes over the training data when total_training_steps is null (verl's key; its default is 30, here
+    none: 100 steps)."""
     critic_warmup: int = Field(0, ge=0)
     """Steps that update only the critic before the actor starts updating."""
     max_recoveries: int = Field(3, ge=0)
     """Times a run waits out a service that went away (then continues from its last checkpoint) before failing."""
-    save_freq: int = Field(0, ge=0)
-    """Checkpoint every this many steps (0: only when the run is stopped); coordctl resume continues from the last."""
+    save_freq: int = Field(0, ge=-1)
+    """Checkpoint every this many steps (0 or -1, verl's "never": only when the run is stopped); coordctl resume
+    continues from the last."""
+    default_local_dir: str | None = None
+    """Where the checkpoints go, step_<N>/<roles>/ under it (verl's key); a relative path is under the run's
+    folder; null = the run's folder's checkpoints/. Every trainer must see it (one node, or a shared file
+    system)."""
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    """What starting a run does with checkpoints already in default_local_dir (verl's key): auto = if the
+    latest of them belongs to a run that stopped, failed or was interrupted, that run goes on from it
+    (coordctl resume does the same by run id); disable = always a new run; resume_path = the run whose
+    checkpoint resume_from_path is goes on from that checkpoint."""
+    resume_from_path: str | None = None
+    """With resume_mode resume_path: a checkpoint folder (<...>/step_<N>) of an earlier run."""
+    logger: list[str] = ["console"]
+    """verl's experiment loggers. meshrl always shows progress on the console and writes every metric to
+    metrics.jsonl and the run DB; tensorboard, wandb and the others are not written yet (reported as not
+    used)."""
+    n_gpus_per_node: PositiveInt | None = None
+    """verl's Ray placement: meshrl's services are placed per node (systemd, Slurm, --local), so this is
+    reported as not used."""
+    nnodes: PositiveInt | None = None
+    """verl's Ray placement; reported as not used."""
+    use_legacy_worker_impl: str | bool | None = None
+    """verl's choice between its worker implementations; meshrl has one (reported as not used)."""
     project_name: str = "meshrl"
     """verl's trainer.project_name, accepted so that verl configs load; meshrl only keeps it in the run's
     saved config."""
@@ -397,6 +472,17 @@ class TrainerConfig(Section):
     needed, no step is trained (verl's key; what coordctl eval runs)."""
     async_: AsyncConfig = AsyncConfig()
     """The asynchronous pipeline (``async`` is a Python keyword, hence the underscore)."""
+
+    _one_or_more_loggers = pydantic.field_validator("logger", mode="before")(as_list)
+
+    @property
+    def steps(self) -> int:
+        """The steps the run trains, once total_epochs has been turned into total_training_steps."""
+        if self.total_training_steps is not None:
+            return self.total_training_steps
+        if self.total_epochs is not None:
+            raise ValueError("trainer.total_epochs is only known as steps once the data is read (steps_for)")
+        return DEFAULT_TRAINING_STEPS
 
 
 class RunConfig(Section):
@@ -451,13 +537,19 @@ class RunConfig(Section):
     @pydantic.model_validator(mode="after")
     def _trainer_layout_agrees(self) -> RunConfig:
         actor, rollout, critic = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.critic
+        ref = self.actor_rollout_ref.ref
+        rollout_dynamic = rollout.log_prob_use_dynamic_bsz
+        ref_dynamic = rollout_dynamic if ref.log_prob_use_dynamic_bsz is None else ref.log_prob_use_dynamic_bsz
         longest = self.data.max_prompt_length + self.data.max_response_length
         budgets = (
             ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.use_dynamic_bsz,
              actor.ppo_max_token_len_per_gpu),
             ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-             actor.use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is None else rollout.log_prob_use_dynamic_bsz,
+             actor.use_dynamic_bsz if rollout_dynamic is None else rollout_dynamic,
              rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu),
+            ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", actor.use_dynamic_bsz if ref_dynamic is None
+             else ref_dynamic, ref.log_prob_max_token_len_per_gpu or rollout.log_prob_max_token_len_per_gpu
+             or actor.ppo_max_token_len_per_gpu),
             ("critic.ppo_max_token_len_per_gpu", critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
             ("critic.forward_max_token_len_per_gpu", critic.use_dynamic_bsz,
              critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu),
@@ -466,12 +558,61 @@ class RunConfig(Section):
             if dynamic and budget < longest:
                 raise ValueError(f"{field} ({budget}) must hold the longest sequence: data.max_prompt_length + "
                                  f"data.max_response_length = {longest}")
-        for role, strategy, fsdp in (("actor_rollout_ref.actor", actor.strategy, actor.fsdp_config),
-                                     ("critic", critic.strategy, critic.model.fsdp_config)):
+        held = (("actor_rollout_ref.actor.strategy", actor.strategy, "its fsdp_config", actor.fsdp_config),
+                ("actor_rollout_ref.actor.strategy", actor.strategy, "actor_rollout_ref.ref.fsdp_config",
+                 ref.fsdp_config or actor.fsdp_config),
+                ("critic.strategy", critic.strategy, "critic.model.fsdp_config", critic.model.fsdp_config))
+        for strategy_key, strategy, fsdp_key, fsdp in held:
             if strategy == "none" and fsdp.needs_fsdp:
-                raise ValueError(f"{role}.strategy=none cannot do the mixed precision or parameter offload its "
-                                 "fsdp_config asks for: use fsdp2 or auto")
+                raise ValueError(f"{strategy_key}=none cannot do the mixed precision or parameter offload {fsdp_key} "
+                                 "asks for: use fsdp2 or auto")
         return self
+
+    def checkpoint_dir(self, run_dir: Path) -> Path:
+        """Where the run's checkpoints go: trainer.default_local_dir (under ``run_dir`` if relative), or
+        ``run_dir``/checkpoints."""
+        chosen = self.trainer.default_local_dir
+        return run_dir / "checkpoints" if chosen is None else run_dir / chosen  # an absolute one stays itself
+
+    def steps_for(self, rows: int) -> RunConfig:
+        """This config with trainer.total_training_steps set, ``rows`` the training prompts (total_epochs passes
+        of rows // data.train_batch_size steps each)."""
+        trainer = self.trainer
+        if trainer.total_training_steps is not None or trainer.total_epochs is None:
+            steps = trainer.steps
+        else:
+            steps = trainer.total_epochs * max(1, rows // self.data.train_batch_size)
+        return self.model_copy(update={"trainer": trainer.model_copy(update={"total_training_steps": steps})})
+
+    def notices(self) -> list[str]:
+        """verl keys this config sets that meshrl accepts but does not act on, each with why (said once when a
+        run starts)."""
+        trainer, rollout, data = self.trainer, self.actor_rollout_ref.rollout, self.data
+        notices = []
+        if set(trainer.logger) - {"console"}:
+            notices.append(f"trainer.logger={trainer.logger}: only the console, metrics.jsonl and the run DB are "
+                           "written (no TensorBoard, W&B or other logger yet)")
+        placement = {key: value for key, value in (("trainer.n_gpus_per_node", trainer.n_gpus_per_node),
+                                                   ("trainer.nnodes", trainer.nnodes)) if value is not None}
+        if placement:
+            notices.append(", ".join(f"{key}={value}" for key, value in placement.items()) + ": verl's Ray "
+                           "placement; meshrl uses the services that registered with the coordinator")
+        if trainer.use_legacy_worker_impl is not None:
+            notices.append(f"trainer.use_legacy_worker_impl={trainer.use_legacy_worker_impl}: meshrl has one "
+                           "worker implementation")
+        for key, value, setting in (("gpu_memory_utilization", rollout.gpu_memory_utilization, "gpu_memory_utilization"),
+                                    ("tensor_model_parallel_size", rollout.tensor_model_parallel_size,
+                                     "tensor_parallel_size")):
+            if value is not None:
+                notices.append(f"actor_rollout_ref.rollout.{key}={value}: a setting of each rollout service "
+                               f"(python -m services.rollout {setting}={value}); coordctl start-run --local passes it "
+                               "to the rollout it starts")
+        if trainer.test_freq > 0 and not data.val_files:
+            notices.append(f"trainer.test_freq={trainer.test_freq}: no validation, data.val_files is empty")
+        if data.val_batch_size is not None:
+            notices.append(f"data.val_batch_size={data.val_batch_size}: validation sends every held-out prompt at "
+                           "once (verl deprecated this key too)")
+        return notices
 
     def require_paths(self) -> None:
         """Refuse a config that names no model or no data it needs (before anything starts)."""
@@ -479,8 +620,5 @@ class RunConfig(Section):
             raise ValueError("actor_rollout_ref.model.path: no model folder given")
         if not self.data.train_files and not self.trainer.val_only:
             raise ValueError("data.train_files: no training data given")
-        trainer = self.trainer
-        for key, asks in (("trainer.val_only", trainer.val_only),
-                          (f"trainer.test_freq={trainer.test_freq}", trainer.test_freq > 0)):
-            if asks and not self.data.val_files:
-                raise ValueError(f"{key} validates on data.val_files, which is empty")
+        if self.trainer.val_only and not self.data.val_files:
+            raise ValueError("trainer.val_only validates on data.val_files, which is empty")

@@ -25,26 +25,27 @@ from services.common.run_config import RunConfig
 STATE_FILE = "trainer_state.pt"  # written last into a trainer's checkpoint folder: the folder is complete
 
 
-def checkpoint_steps(run_dir: Path, role: str) -> dict[int, Path]:
-    """Step -> the complete checkpoint folder holding ``role`` (a trainer's folder is named by its roles)."""
+def checkpoint_steps(folder: Path, role: str) -> dict[int, Path]:
+    """Step -> the complete checkpoint folder in ``folder`` holding ``role`` (a trainer's folder is named by its
+    roles)."""
     found = {}
-    for step_dir in sorted((run_dir / "checkpoints").glob("step_*")):
+    for step_dir in sorted(folder.glob("step_*")):
         for folder in step_dir.iterdir():
             if role in folder.name.split("-") and (folder / STATE_FILE).exists():
                 found[int(step_dir.name.removeprefix("step_"))] = folder
     return found
 
 
-def checkpoint_of(run_dir: Path, step: int | None, role: str) -> tuple[int, Path]:
-    """The checkpoint of ``step`` (None: the last), or ValueError saying which steps there are."""
-    steps = checkpoint_steps(run_dir, role)
+def checkpoint_of(folder: Path, step: int | None, role: str) -> tuple[int, Path]:
+    """The checkpoint of ``step`` (None: the last) in ``folder``, or ValueError saying which steps there are."""
+    steps = checkpoint_steps(folder, role)
     if not steps:
-        raise ValueError(f"run folder {run_dir} holds no complete checkpoint of the {role} (trainer.save_freq sets "
-                         "how often a run saves one; a stopped run saves its last step)")
+        raise ValueError(f"{folder} holds no complete checkpoint of the {role} (trainer.save_freq sets how often a "
+                         "run saves one; a stopped run saves its last step)")
     if step is None:
         step = max(steps)
     if step not in steps:
-        raise ValueError(f"run folder {run_dir} has no checkpoint of step {step}; it has steps {sorted(steps)}")
+        raise ValueError(f"{folder} has no checkpoint of step {step}; it has steps {sorted(steps)}")
     return step, steps[step]
 
 
@@ -96,7 +97,7 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "a
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty: export into a new folder")
     config = validate(RunConfig, yaml.safe_load((run_dir / "config.yaml").read_text()))
-    step, folder = checkpoint_of(run_dir, step, role)
+    step, folder = checkpoint_of(config.checkpoint_dir(run_dir), step, role)
     model = role_model(config, role)
     load_role_weights(model, folder, role)
     model = model.to(getattr(torch, config.actor_rollout_ref.model.dtype))

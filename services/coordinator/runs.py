@@ -12,7 +12,6 @@ import asyncio
 import json
 import secrets
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -20,13 +19,12 @@ import grpc
 import structlog
 import yaml
 
-from services.common.config import to_yaml, validate
+from services.common.config import apply_overrides, to_yaml, validate
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.rpc import is_retryable
-from services.common.models import load_tokenizer
+from services.common.run_check import RunData, load_run_data
 from services.common.run_config import RunConfig
 from services.coordinator.clients import TrainerClient
-from services.coordinator.data import Prompt, load_prompts
 from services.coordinator.loop import PPOLoop, Trainers
 from services.coordinator.plot import plot_reward
 from services.coordinator.registry import Registry
@@ -58,18 +56,9 @@ def parse_run_config(config_yaml: str) -> RunConfig:
         raise ValueError(f"run config is not valid YAML: {error}") from None
     if not isinstance(data, dict):
         raise ValueError("run config must be a mapping")
-    config = validate(RunConfig, data)
+    config = validate(RunConfig, apply_overrides(data, []))  # its ${...} interpolations resolved
     config.require_paths()
     return config
-
-
-@dataclass(frozen=True)
-class RunData:
-    """What a run reads before it starts: the model's tokenizer, the training and the held-out prompts."""
-
-    tokenizer: object
-    prompts: list[Prompt]
-    val_prompts: list[Prompt]
 
 
 class RunReporter:
@@ -121,6 +110,8 @@ class RunManager:
         self._tasks: dict[str, asyncio.Task] = {}
         self._loops: dict[str, PPOLoop] = {}
         self._stop_requested: set[str] = set()
+        self._attempt_marks: dict[str, int] = {}  # run -> its last event before its latest resume
+        self._resuming: set[str] = set()  # runs whose resume is reading their data
         self._changed = asyncio.Condition()
         interrupted = [row.run_id for row in store.list_runs() if row.state not in FINAL_STATES]
         for run_id in interrupted:
@@ -135,33 +126,27 @@ class RunManager:
 
         asyncio.get_running_loop().create_task(wake())
 
-    async def _load_data(self, config: RunConfig) -> RunData:
-        """The run's tokenizer, training and held-out prompts; ValueError naming the file and row of a bad one."""
-        tokenizer = await asyncio.to_thread(load_tokenizer, config.actor_rollout_ref.model.path)
-        data = config.data
-
-        def load(files: list[str]) -> list[Prompt]:
-            return load_prompts(files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length)
-
-        prompts = await asyncio.to_thread(load, data.train_files) if not config.trainer.val_only else []
-        if len(prompts) < data.train_batch_size and not config.trainer.val_only:
-            raise ValueError(f"data.train_batch_size ({data.train_batch_size}) is larger than the data "
-                             f"({len(prompts)} prompts in {data.train_files})")
-        return RunData(tokenizer, prompts, await asyncio.to_thread(load, data.val_files) if data.val_files else [])
-
-    async def start_run(self, config_yaml: str) -> RunRow:
+    async def start_run(self, config_yaml: str) -> tuple[RunRow, int]:
+        """Check the run (model folder, data, batch sizes: ValueError naming the key, file or row), then start it;
+        its config is recorded with the steps total_epochs comes to, and what it does not use is said once.
+        Returns the run and the id of its last event before this call (0 for a new run)."""
         config = parse_run_config(config_yaml)
-        data = await self._load_data(config)
+        earlier = self._checkpoint_to_resume(config)
+        if earlier is not None:
+            return await self.resume_run(earlier.run_id, earlier, f"by trainer.resume_mode={config.trainer.resume_mode}")
+        data = await asyncio.to_thread(load_run_data, config)
+        config = config.steps_for(len(data.prompts))
         run_id = f"{config.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.state_dir / "runs" / run_id
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = to_yaml(config)
         (run_dir / "config.yaml").write_text(resolved)
-        self.store.create_run(run_id, config.trainer.experiment_name, resolved, str(run_dir),
-                              config.trainer.total_training_steps)
+        self.store.create_run(run_id, config.trainer.experiment_name, resolved, str(run_dir), config.trainer.steps)
+        for notice in [*config.notices(), *([f"{data.describe()}"] if data.dropped else [])]:
+            self.store.add_event(run_id, "log", 0, "", notice, {})
         self._tasks[run_id] = asyncio.create_task(self._execute(run_id, config, resolved, data, run_dir))
         log.info("run_started", run_id=run_id, run_dir=str(run_dir))
-        return self.store.get_run(run_id)
+        return self.store.get_run(run_id), 0
 
     async def _resume_all(self, run_ids: list[str]) -> None:
         """After a restart: continue the runs that were active from their last checkpoints."""
@@ -171,27 +156,61 @@ class RunManager:
             except Exception as error:  # noqa: BLE001 - such a run stays interrupted, for a person to look at
                 log.warning("run_not_resumed", run_id=run_id, error=str(error))
 
-    async def resume_run(self, run_id: str) -> RunRow:
-        """Continue a stopped, failed or interrupted run from its last complete checkpoint; an interrupted run
-        without one (the coordinator died before its first) runs again from the start."""
-        row = self.get_run(run_id)
+    def _checkpoint_to_resume(self, config: RunConfig) -> Checkpoint | None:
+        """The checkpoint a new run's trainer.resume_mode asks to go on from instead (verl's meaning): resume_path
+        its resume_from_path; auto the latest in default_local_dir, if its run did not finish; else none."""
+        trainer = config.trainer
+        if trainer.resume_mode == "resume_path":
+            if not trainer.resume_from_path:
+                raise ValueError("trainer.resume_from_path: trainer.resume_mode=resume_path needs a checkpoint folder")
+            found = self.store.checkpoint_at(str(Path(trainer.resume_from_path).resolve()))
+            if found is None:
+                raise ValueError(f"trainer.resume_from_path: {trainer.resume_from_path} is not the checkpoint of a run "
+                                 "of this coordinator")
+            return found
+        chosen = trainer.default_local_dir
+        if trainer.resume_mode == "auto" and chosen is not None and Path(chosen).is_absolute():
+            latest = self.store.latest_checkpoint_under(str(Path(chosen).resolve()))
+            if latest is not None and self.store.get_run(latest.run_id).state in ("stopped", "failed", "interrupted"):
+                return latest
+        return None
+
+    async def resume_run(self, run_id: str, checkpoint: Checkpoint | None = None, why: str = "") -> tuple[RunRow, int]:
+        """Continue a stopped, failed or interrupted run from ``checkpoint`` (by default its last complete one); an
+        interrupted run without one (the coordinator died before its first) runs again from the start. Returns
+        the run and the id of its last event before this call (what follows it is this resume)."""
+        row, mark = self.get_run(run_id), self.store.last_event_id(run_id)
+        if self._active(run_id):  # resumed already: by a coordinator that restarted, or by a call just before
+            return row, self._attempt_marks.get(run_id, mark)
         if row.state not in ("stopped", "failed", "interrupted"):
             raise FailedPrecondition(f"run {run_id} is {row.state}; only a stopped, failed or interrupted run resumes")
-        checkpoint = self.store.last_checkpoint(run_id)
+        checkpoint = checkpoint or self.store.last_checkpoint(run_id)
         if checkpoint is None and row.state != "interrupted":
             raise FailedPrecondition(f"run {run_id} has no checkpoint to resume from")
         config = parse_run_config(row.config_yaml)
-        data = await self._load_data(config)
-        run_dir, step = Path(row.run_dir), checkpoint.step if checkpoint else 0
-        self._rewind(run_id, run_dir, step)
-        if checkpoint is None:
-            self.store.add_event(run_id, "log", 0, "", "no checkpoint to resume from: running it again from the start",
-                                 {})
-        self._stop_requested.discard(run_id)
-        self._tasks[run_id] = asyncio.create_task(
-            self._execute(run_id, config, row.config_yaml, data, run_dir, checkpoint))
+        self._resuming.add(run_id)  # before the first await: a second resume meanwhile finds it active
+        self._attempt_marks[run_id] = mark
+        try:
+            data = await asyncio.to_thread(load_run_data, config)
+            run_dir, step = Path(row.run_dir), checkpoint.step if checkpoint else 0
+            self._rewind(run_id, run_dir, step)
+            if checkpoint is None:
+                self.store.add_event(run_id, "log", 0, "", "no checkpoint to resume from: running it again from the "
+                                     "start", {})
+            elif why:
+                self.store.add_event(run_id, "log", step, "", f"going on from the checkpoint of step {step} {why} "
+                                     "(with the run's own config)", {})
+            self._stop_requested.discard(run_id)
+            self._tasks[run_id] = asyncio.create_task(
+                self._execute(run_id, config, row.config_yaml, data, run_dir, checkpoint))
+        finally:
+            self._resuming.discard(run_id)
         log.info("run_resumed", run_id=run_id, step=step)
-        return self.store.get_run(run_id)
+        return self.store.get_run(run_id), mark
+
+    def _active(self, run_id: str) -> bool:
+        """Whether the run is being driven (or about to be) by this coordinator."""
+        return run_id in self._resuming or (run_id in self._tasks and not self._tasks[run_id].done())
 
     async def _execute(self, run_id: str, config: RunConfig, config_yaml: str, data: RunData, run_dir: Path,
                        resume: Checkpoint | None = None) -> None:
@@ -227,7 +246,8 @@ class RunManager:
                     await asyncio.to_thread(plot_reward, self.store.step_metrics(run_id), run_dir / "reward.png", run_id)
                 except ImportError as missing:  # a node without matplotlib still keeps the metrics
                     log.warning("plot_skipped", run_id=run_id, error=str(missing))
-                self._set_state(run_id, state, error)
+                finally:  # also when the coordinator shuts down while it draws
+                    self._set_state(run_id, state, error)
 
     async def _attempt(self, run_id: str, config: RunConfig, config_yaml: str, data: RunData, run_dir: Path,
                        resume: Checkpoint | None) -> bool:
@@ -236,7 +256,7 @@ class RunManager:
         A trainer of the run that stops heartbeating (killed, stopped, cut off) ends the attempt at once with
         Unavailable naming it, whatever call was waiting on it; a rollout that does leaves the run's rollout
         set, and the attempt goes on with the others. A run that only validates has no trainer."""
-        trainers = await self._connect(config)
+        trainers = await self._connect(run_id, config)
         reporter, should_stop = RunReporter(self, run_id, run_dir), lambda: run_id in self._stop_requested
         rollouts = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
                               lambda: [record.address for record in self.registry.up("rollout", config.placement.rollout)],
@@ -244,7 +264,7 @@ class RunManager:
         rewards = RewardSet(RewardTarget("group", config.placement.reward), self.reward_addresses, reporter,
                             should_stop, config.trainer.rpc_timeout_s)
         ppo = PPOLoop(run_id, loop_settings(config), config_yaml, trainers, rollouts, rewards, data.prompts,
-                      data.val_prompts, data.tokenizer, reporter, should_stop, run_dir / "checkpoints")
+                      data.val_prompts, data.tokenizer, reporter, should_stop, config.checkpoint_dir(run_dir).resolve())
         self._loops[run_id] = ppo
         try:
             addresses = {client.address for client in trainers.roles()} if trainers else set()
@@ -333,15 +353,23 @@ class RunManager:
     def _services_up(self, config: RunConfig) -> bool:
         return not self._missing(config)
 
-    async def _connect(self, config: RunConfig) -> Trainers | None:
+    async def _connect(self, run_id: str, config: RunConfig) -> Trainers | None:
         """Clients of the trainers of the run's placement, one per role (roles placed in the same group share
-        it), once every service of the placement is up (waiting for them); None for a run that only validates."""
+        it), once every service of the placement is up (waiting for them: state waiting, saying for what); None
+        for a run that only validates."""
         deadline = time.monotonic() + config.trainer.services_wait_s
+        waited = False
         while missing := self._missing(config):
             if time.monotonic() > deadline:
                 raise FailedPrecondition(f"no {', '.join(missing)} registered within "
                                          f"trainer.services_wait_s={config.trainer.services_wait_s}")
+            if not waited:
+                self._set_state(run_id, "waiting", f"no {', '.join(missing)} is up: waiting up to "
+                                                   f"{config.trainer.services_wait_s:.0f} s for one to register")
+                waited = True
             await asyncio.sleep(0.2)
+        if waited:
+            self._set_state(run_id, "running")
         place, roles = config.placement, self._roles(config)
         if not roles:
             return None
@@ -401,10 +429,11 @@ class RunManager:
         self.notify()
         return self.get_run(run_id)
 
-    async def watch(self, run_id: str) -> AsyncIterator[Event]:
-        """Every event of the run from its start, then live ones, until the run ends."""
+    async def watch(self, run_id: str, after_event_id: int = 0) -> AsyncIterator[Event]:
+        """Every event of the run after ``after_event_id`` (0: from its start), then live ones, until the run
+        ends."""
         self.get_run(run_id)
-        last = 0
+        last = after_event_id
         while True:
             events = self.store.events_after(run_id, last)
             for event in events:

@@ -59,7 +59,7 @@ class LoopSettings:
     """What the PPO loop of one run does each step."""
 
     total_steps: int
-    save_freq: int  # checkpoint every this many steps (0: only when stopped)
+    save_freq: int  # checkpoint every this many steps (0: only when stopped; verl's -1 is 0 here)
     max_staleness: int  # generation may run this many weight versions ahead of training
     seed: int
     rpc_timeout_s: float  # of each training, generation and scoring call
@@ -99,7 +99,7 @@ def loop_settings(config: RunConfig) -> LoopSettings:
     kl_in_reward = KLInReward(algorithm.kl_penalty, control.kl_coef, control.type == "adaptive", control.target_kl,
                               control.horizon) if algorithm.use_kl_in_reward else None
     return LoopSettings(
-        total_steps=trainer.total_training_steps, save_freq=trainer.save_freq,
+        total_steps=trainer.steps, save_freq=max(trainer.save_freq, 0),
         max_staleness=trainer.async_.max_staleness, seed=trainer.seed, rpc_timeout_s=trainer.rpc_timeout_s,
         batch_size=data.train_batch_size, shuffle=data.shuffle,
         sampling=Sampling(rollout.n, rollout.temperature, rollout.top_p, data.max_response_length,

@@ -160,6 +160,10 @@ class RunStore:
         found = row.fetchone()
         return json.loads(found[0]) if found else {}
 
+    def last_event_id(self, run_id: str) -> int:
+        row = self._db.execute("SELECT MAX(id) FROM events WHERE run_id = ?", (run_id,)).fetchone()
+        return row[0] or 0
+
     def events_after(self, run_id: str, after_id: int) -> list[Event]:
         rows = self._db.execute(
             "SELECT id, run_id, time, kind, step, state, message, metrics_json FROM events"
@@ -175,6 +179,18 @@ class RunStore:
     def last_checkpoint(self, run_id: str) -> Checkpoint | None:
         row = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE run_id = ?"
                                " ORDER BY step DESC LIMIT 1", (run_id,)).fetchone()
+        return Checkpoint(row[0], row[1], row[2], json.loads(row[3])) if row else None
+
+    def checkpoint_at(self, path: str) -> Checkpoint | None:
+        """The checkpoint recorded at ``path``, of whichever run."""
+        row = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE path = ?",
+                               (path,)).fetchone()
+        return Checkpoint(row[0], row[1], row[2], json.loads(row[3])) if row else None
+
+    def latest_checkpoint_under(self, folder: str) -> Checkpoint | None:
+        """The checkpoint saved last in ``folder`` (as step_<N>), of whichever run."""
+        row = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE path LIKE ?"
+                               " ORDER BY time DESC LIMIT 1", (f"{folder.rstrip('/')}/step_%",)).fetchone()
         return Checkpoint(row[0], row[1], row[2], json.loads(row[3])) if row else None
 
     def forget_steps_after(self, run_id: str, step: int) -> None:

@@ -62,7 +62,7 @@ def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
     torch.manual_seed(seed)
     model = load_causal_lm(model_config.path, weights_dtype(model_config.dtype, actor.fsdp_config))
     model = place(model, ranks, actor_sharding(config, ranks.world_size), model_config.enable_gradient_checkpointing)
-    optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.total_training_steps,
+    optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.steps,
                            actor.fsdp_config.optimizer_offload)
     return Actor(model, optim, actor.warm_start.lr, pad_id_of(model_config.path), seed, ranks)
 
@@ -74,29 +74,40 @@ def build_critic(config: RunConfig, seed: int, ranks: Ranks) -> Critic:
     torch.manual_seed(seed + 1)
     model = load_value_model(path, weights_dtype(config.actor_rollout_ref.model.dtype, critic.model.fsdp_config))
     model = place(model, ranks, critic_sharding(config, ranks.world_size), critic.model.enable_gradient_checkpointing)
-    optim = optim_settings(critic.optim, critic.grad_clip, config.trainer.total_training_steps,
+    optim = optim_settings(critic.optim, critic.grad_clip, config.trainer.steps,
                            critic.model.fsdp_config.optimizer_offload)
     return Critic(model, optim, pad_id_of(path), seed, ranks)
 
 
 def build_reference(config: RunConfig, ranks: Ranks) -> torch.nn.Module:
-    """The frozen reference policy: the actor's initial model, never updated, held as the actor is; under mixed
-    precision its weights are kept in the compute dtype, which is all it is ever used in."""
-    model_config, fsdp = config.actor_rollout_ref.model, config.actor_rollout_ref.actor.fsdp_config
-    dtype = fsdp.mixed_precision.param_dtype if fsdp.mixed_precision is not None else model_config.dtype
-    model = place(load_causal_lm(model_config.path, dtype), ranks, actor_sharding(config, ranks.world_size), False)
+    """The frozen reference policy: the actor's initial model, never updated, held as actor_rollout_ref.ref's
+    fsdp_config says (the actor's when null); under mixed precision its weights are kept in the compute dtype,
+    which is all it is ever used in."""
+    actor_rollout_ref = config.actor_rollout_ref
+    fsdp = actor_rollout_ref.ref.fsdp_config or actor_rollout_ref.actor.fsdp_config
+    dtype = fsdp.mixed_precision.param_dtype if fsdp.mixed_precision is not None else actor_rollout_ref.model.dtype
+    sharding = sharding_of(actor_rollout_ref.actor.strategy, fsdp, ranks.world_size, "actor_rollout_ref.ref")
+    model = place(load_causal_lm(actor_rollout_ref.model.path, dtype), ranks, sharding, False)
     model.eval().requires_grad_(False)
     return model
 
 
-def log_prob_micro(config: RunConfig) -> MicroBatching:
-    """Micro-batches of the old and reference logprob passes (verl's rollout.log_prob_* keys)."""
+def log_prob_micro(config: RunConfig, role: str = "actor") -> MicroBatching:
+    """Micro-batches of the old (actor) or reference (ref) logprob passes: verl's rollout.log_prob_* keys, and
+    for the reference its own ref.log_prob_* where set."""
     actor_rollout_ref = config.actor_rollout_ref
-    actor, rollout = actor_rollout_ref.actor, actor_rollout_ref.rollout
-    dynamic = actor.use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is None else rollout.log_prob_use_dynamic_bsz
-    budget = rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu
-    return MicroBatching(rollout.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
-                         budget if dynamic else None, actor_rollout_ref.model.use_remove_padding)
+    actor, rollout, ref = actor_rollout_ref.actor, actor_rollout_ref.rollout, actor_rollout_ref.ref
+    size = rollout.log_prob_micro_batch_size_per_gpu
+    dynamic = rollout.log_prob_use_dynamic_bsz
+    budget = rollout.log_prob_max_token_len_per_gpu
+    if role == "ref":
+        size = ref.log_prob_micro_batch_size_per_gpu or size
+        dynamic = ref.log_prob_use_dynamic_bsz if ref.log_prob_use_dynamic_bsz is not None else dynamic
+        budget = ref.log_prob_max_token_len_per_gpu or budget
+    dynamic = actor.use_dynamic_bsz if dynamic is None else dynamic
+    return MicroBatching(size or actor.ppo_micro_batch_size_per_gpu,
+                         (budget or actor.ppo_max_token_len_per_gpu) if dynamic else None,
+                         actor_rollout_ref.model.use_remove_padding)
 
 
 def values_micro(config: RunConfig) -> MicroBatching:

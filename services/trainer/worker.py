@@ -161,8 +161,8 @@ class Worker:
         roles = self._roles()
         model = roles.need("actor").model if role == "actor" else roles.need("ref")
         temperature = roles.config.actor_rollout_ref.rollout.temperature
-        return batched_logprobs(model, sequences(tensors), roles.pad_id, temperature, log_prob_micro(roles.config),
-                                self.ranks)
+        return batched_logprobs(model, sequences(tensors), roles.pad_id, temperature,
+                                log_prob_micro(roles.config, role), self.ranks)
 
     def compute_values(self, tensors) -> torch.Tensor | None:
         roles = self._roles()

@@ -9,7 +9,7 @@ import sqlite3
 from pathlib import Path
 
 from services.common.config import to_yaml
-from services.coordctl.cli import resolve_config
+from services.coordctl.resolve import resolve_config
 from services.coordctl.local import LocalCluster
 from tests.integration.test_faults import samples
 from tests.integration.test_learning import EXAMPLES, assert_learned, run_to_end
@@ -32,7 +32,8 @@ def test_one_step_off_keeps_staleness_within_one_and_learns(tmp_path, monkeypatc
         asyncio.run(cluster.start(timeout_s=120))
         for k in (1, 0):
             config, _ = resolve_config([str(EXAMPLES / "local_grpo.yaml"), f"trainer.total_training_steps={STEPS}",
-                                     f"trainer.async_.max_staleness={k}"], local=True)
+                                        f"trainer.async_.max_staleness={k}", "trainer.val_before_train=false",
+                                        "trainer.test_freq=-1"], local=True)  # training alone is compared
             run, _ = asyncio.run(run_to_end(cluster.coordinator, to_yaml(config)))
             assert run.state == "finished", run.error
             runs[k] = step_rows(cluster.state_dir, run.run_id), run.run_dir

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 import typing
 from importlib import resources
 
@@ -12,7 +13,7 @@ import yaml
 from services.common.config import (ConfigError, Section, ServeConfig, apply_overrides, load_config, read_yaml, to_yaml,
                                    validate)
 from services.common.run_config import RunConfig
-from services.coordctl.cli import resolve_config
+from services.coordctl.resolve import resolve_config
 from services.coordctl.config import LocalConfig
 from services.coordinator.config import CoordinatorServiceConfig
 from services.reward.config import RewardServiceConfig
@@ -128,13 +129,14 @@ def test_config_is_frozen():
 
 
 def test_unknown_key_names_its_dotted_path():
-    with pytest.raises(ConfigError, match=r"^data\.trian_batch_size: unknown key$"):
+    with pytest.raises(ConfigError, match=r"^data\.trian_batch_size: unknown key \(did you mean train_batch_size( or "
+                                          r"val_batch_size)?\?\)$"):
         load_config(RunConfig, None, ["data.trian_batch_size=64"])
 
 
 def test_unknown_key_in_yaml_names_its_dotted_path(tmp_path):
     path = write(tmp_path, "actor_rollout_ref:\n  rollout:\n    temprature: 0.5\n")
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.temprature: unknown key$"):
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.temprature: unknown key \(did you mean temperature\?\)$"):
         load_config(RunConfig, path)
 
 
@@ -152,7 +154,7 @@ def test_every_bad_field_is_named():
     ("actor_rollout_ref.actor.optim.betas=[0.9]", "actor_rollout_ref.actor.optim.betas"),
     ("actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.top_p"),
     ("actor_rollout_ref.rollout.partial_rollout=resume", "actor_rollout_ref.rollout.partial_rollout"),
-    ("data.train_files=notalist", "data.train_files"),
+    ("data.train_files={a: 1}", "data.train_files"),
     ("trainer=5", "trainer"),
 ])
 def test_wrong_type_names_the_field(override, field):
@@ -328,3 +330,11 @@ def test_undocumented_leaf_walk_names_fields_behind_optional_and_containers():
     missing, seen = _undocumented_leaves([Outer, Derived])
     assert missing == ["Inner.bare", "Outer.blank", "Derived.extra"]  # an inherited field is named once, by its class
     assert seen == {"Outer", "Inner", "Derived"}
+
+
+@pytest.mark.parametrize(("name", "model"), [("coordinator", CoordinatorServiceConfig), ("trainer", TrainerServiceConfig),
+                                             ("rollout", RolloutServiceConfig), ("reward", RewardServiceConfig)])
+def test_the_systemd_units_configs_are_valid(name, model):
+    """deploy/systemd/<service>.yaml, what meshrl@<service> starts with, binds every interface (other hosts reach it)."""
+    config = load_config(model, Path(__file__).resolve().parents[3] / "deploy" / "systemd" / f"{name}.yaml")
+    assert config.host == "0.0.0.0"

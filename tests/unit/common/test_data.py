@@ -1,4 +1,4 @@
-"""CPU tests of services/coordinator/data.py: loading verl-schema rows and sampling prompt batches."""
+"""CPU tests of services/common/data.py: loading verl-schema rows and sampling prompt batches."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.coordinator.data import Prompt, PromptSampler, load_prompts
+from services.common.data import Prompt, load_prompts
+from services.coordinator.sampler import PromptSampler
 from services.coordctl.tiny_model import build_char_tokenizer
 
 MAX_LEN = 8
@@ -44,7 +45,7 @@ def write_parquet(path: Path, rows: list[dict]) -> Path:
 
 
 def load(tokenizer, *paths: Path, max_len: int = MAX_LEN) -> list[Prompt]:
-    return load_prompts([str(p) for p in paths], "prompt", "data_source", tokenizer, max_len)
+    return load_prompts([str(p) for p in paths], "prompt", "data_source", tokenizer, max_len)[0]
 
 
 def ids(tokenizer, text: str) -> list[int]:

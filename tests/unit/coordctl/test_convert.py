@@ -20,7 +20,7 @@ from services.coordctl.convert import (
     schema,
     write_parquet,
 )
-from services.coordinator.data import load_prompts
+from services.common.data import load_prompts
 from services.coordctl.tiny_model import build_char_tokenizer
 
 GSM8K_ROWS = [
@@ -40,7 +40,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def load(path: Path) -> list:
-    return load_prompts([str(path)], "prompt", "data_source", build_char_tokenizer(), 4096)
+    return load_prompts([str(path)], "prompt", "data_source", build_char_tokenizer(), 4096)[0]
 
 
 # ---------------------------------------------------------------------------

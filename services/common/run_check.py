@@ -1,0 +1,98 @@
+"""What a run reads before it starts, checked before anything starts: the model folder, every data file, the
+batch sizes against the data, the sequence lengths against the model.
+
+coordctl runs it before it starts local services (and for --dry-run), the coordinator on every StartRun:
+each error names the config key, or the file and row, and a small dataset is read in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.data import Prompt, load_prompts
+from services.common.models import load_tokenizer
+from services.common.run_config import RunConfig
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class RunData:
+    """The model's tokenizer, the training and the held-out prompts of a run."""
+
+    tokenizer: object
+    prompts: list[Prompt]
+    val_prompts: list[Prompt]
+    dropped: int  # over-long prompts dropped (data.filter_overlong_prompts)
+
+    def describe(self) -> str:
+        dropped = f" ({self.dropped} over data.max_prompt_length dropped)" if self.dropped else ""
+        return f"{len(self.prompts)} training prompts{dropped}, {len(self.val_prompts)} held-out"
+
+
+def check_model_folder(path: str, key: str) -> dict:
+    """The folder's config.json, once the folder is known to hold a config, weights and a tokenizer; ValueError
+    naming ``key`` otherwise."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"{key}: {path} is not a folder (models are read from local folders; nothing is "
+                         "downloaded)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{key}: no config.json in {path}") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{key}: {folder / 'config.json'} cannot be read ({error})") from None
+    if not any((folder / name).exists() for name in WEIGHT_FILES) and not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{key}: no weights in {path} (looked for {', '.join(WEIGHT_FILES)})")
+    if not (folder / "tokenizer.json").exists() and not (folder / "tokenizer_config.json").exists():
+        raise ValueError(f"{key}: no tokenizer in {path} (tokenizer.json or tokenizer_config.json)")
+    return config
+
+
+def overlong_rule(config: RunConfig) -> str:
+    """What load_prompts does with a prompt over data.max_prompt_length: drop, refuse (error) or cut."""
+    return "drop" if config.data.filter_overlong_prompts else config.data.truncation
+
+
+def load_run_data(config: RunConfig) -> RunData:
+    """Check the model folders and read every data file; ValueError naming the key, or the file and row."""
+    model = config.actor_rollout_ref.model
+    model_config = check_model_folder(model.path, "actor_rollout_ref.model.path")
+    if config.use_critic and config.critic.model.path:
+        check_model_folder(config.critic.model.path, "critic.model.path")
+    data = config.data
+    longest = data.max_prompt_length + data.max_response_length
+    positions = model_config.get("max_position_embeddings")
+    if positions is not None and longest > positions:
+        raise ValueError(f"data.max_prompt_length + data.max_response_length = {longest} is more than the model "
+                         f"takes (max_position_embeddings {positions} in {model.path}/config.json)")
+    try:
+        tokenizer = load_tokenizer(model.path)
+    except Exception as error:  # noqa: BLE001 - any failure to read it names the folder
+        raise ValueError(f"actor_rollout_ref.model.path: the tokenizer in {model.path} cannot be loaded "
+                         f"({type(error).__name__}: {error})") from None
+
+    def load(files: list[str]) -> tuple[list[Prompt], int]:
+        return load_prompts(files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length,
+                            overlong_rule(config))
+
+    prompts, dropped = load(data.train_files) if not config.trainer.val_only else ([], 0)
+    val_prompts = load(data.val_files)[0] if data.val_files else []
+    if not config.trainer.val_only:
+        check_batch_sizes(config, len(prompts))
+    return RunData(tokenizer, prompts, val_prompts, dropped)
+
+
+def check_batch_sizes(config: RunConfig, rows: int) -> None:
+    """Every batch a run draws fits in its training data."""
+    data, warm_start = config.data, config.actor_rollout_ref.actor.warm_start
+    files = ", ".join(data.train_files)
+    if rows < data.train_batch_size:
+        raise ValueError(f"data.train_batch_size ({data.train_batch_size}) is larger than the data ({rows} prompts "
+                         f"in {files})")
+    if warm_start.steps and rows < warm_start.batch_size:
+        raise ValueError(f"actor_rollout_ref.actor.warm_start.batch_size ({warm_start.batch_size}) is larger than the "
+                         f"data ({rows} prompts in {files})")
