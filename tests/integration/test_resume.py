@@ -147,3 +147,40 @@ def test_rollout_stopped_with_sigstop_is_detected_and_the_run_goes_on(cluster, t
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert got[step] == expected[step], f"step {step} differs after the recovery"
+
+
+def test_verls_resume_modes_go_on_from_a_checkpoint_of_an_earlier_run(cluster, tiny_model, reverse_data, tmp_path):
+    """trainer.resume_mode (verl's key): resume_path goes on from the checkpoint named, auto from the latest one
+    in default_local_dir when its run stopped, disable starts anew; a finished run does not go on."""
+    shared = str(tmp_path / "checkpoints")
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2,
+                        trainer__default_local_dir=shared)
+    first = asyncio.run(run(cluster.coordinator, config, stop_after=3))
+    assert first.state == "stopped" and first.step >= 3
+
+    from_two = run_config(tiny_model, reverse_data, trainer__resume_mode="resume_path",
+                          trainer__resume_from_path=f"{shared}/step_000002")
+    resumed = asyncio.run(run(cluster.coordinator, from_two))  # goes on from step 2, not from its last checkpoint
+    assert resumed.run_id == first.run_id and resumed.state == "finished" and resumed.step == STEPS
+    assert sorted(comparable(resumed.run_dir)) == list(range(1, STEPS + 1))  # each step once
+
+    async def refused(config_yaml: str) -> grpc.aio.AioRpcError:
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await client.start_run(config_yaml)
+            return error.value
+        finally:
+            await client.close()
+
+    error = asyncio.run(refused(from_two))  # that run finished since
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "finished" in error.details()
+
+    second = asyncio.run(run(cluster.coordinator, config, stop_after=3))  # auto: its latest checkpoint finished
+    assert second.run_id != first.run_id and second.state == "stopped"
+    again = asyncio.run(run(cluster.coordinator, config))  # the same script again: auto finds the stopped run
+    assert again.run_id == second.run_id and again.state == "finished"
+    fresh = asyncio.run(run(cluster.coordinator, run_config(
+        tiny_model, reverse_data, trainer__total_training_steps=2, trainer__default_local_dir=shared,
+        trainer__resume_mode="disable")))
+    assert fresh.run_id not in (first.run_id, second.run_id) and fresh.state == "finished"
