@@ -1,218 +1,60 @@
-"""coordctl: start, watch and stop runs; list services.
+"""coordctl: start, watch and stop runs; list services; export and evaluate models.
 
     coordctl start-run --local                       # the embedded default, all on this machine
     coordctl start-run run.yaml data.train_batch_size=64 --coordinator host:7070
-    coordctl runs | status RUN | watch RUN | stop RUN | services
+    coordctl start-run --local --dry-run             # the resolved config and what would start
+    coordctl init FOLDER                             # a run config, model, data and token to start services by hand
+    coordctl runs | status RUN | watch RUN | stop RUN | resume RUN | services
+    coordctl export RUN OUT_DIR | eval MODEL_DIR --data FILE
     coordctl certs OUT_DIR --host node1 --host node2,10.0.0.2   # a CA and certificates for mTLS
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.resources
 import os
-import re
-import signal
+import secrets
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
 
 import grpc
 import typer
-from tqdm import tqdm
 
 from services.common.auth import cluster_tls, cluster_token
-from services.common.config import ConfigError, apply_overrides, read_yaml, to_yaml, validate
+from services.common.config import ConfigError, apply_overrides, to_yaml, validate
 from services.common.run_config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient, RunStatus
+from services.coordctl.follow import begin_and_follow, follow, print_eval, print_summary, read_metrics, run_local
+from services.coordctl.resolve import checked, local_services, plan, readable_here, resolve_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Control a meshrl coordinator.")
-COORDINATOR = typer.Option(os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:7070"), "--coordinator", "-c",
+DEFAULT_COORDINATOR = "127.0.0.1:7070"
+COORDINATOR = typer.Option(DEFAULT_COORDINATOR, "--coordinator", "-c", envvar="MESHRL_COORDINATOR",
                            help="host:port of the coordinator (env MESHRL_COORDINATOR)")
 FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
-VALIDATION_KEY = re.compile(r"^val-(core|aux)/(?P<source>.+)/(?P<variable>reward|acc)/(?P<metric>[^/]+(/[^/]+)?)$")
 
 
-def default_config() -> dict:
-    text = importlib.resources.files("services.coordctl").joinpath("defaults/local.yaml").read_text()
-    import yaml
-
-    return yaml.safe_load(text)
-
-
-def merge(base: dict, top: dict) -> dict:
-    """``top`` laid over ``base``, section by section."""
-    merged = dict(base)
-    for key, value in top.items():
-        merged[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-    return merged
+def show_version(asked: bool) -> None:
+    if asked:
+        try:
+            typer.echo(f"meshrl {version('meshrl')}")
+        except PackageNotFoundError:
+            typer.echo("meshrl (not installed: run from a checkout)")
+        raise typer.Exit()
 
 
-def resolve_config(args: list[str], local: bool) -> tuple[RunConfig, LocalConfig | None]:
-    """The run config from an optional YAML file and key=value overrides, and (with ``local``) the ``local``
-    section; ConfigError naming the field if bad.
-
-    With ``local``, the file and overrides are laid over the embedded default, and their ``local`` section
-    (what to build, how to start the services) is taken off before the rest is validated as the run config."""
-    files = [a for a in args if "=" not in a]
-    overrides = [a for a in args if "=" in a]
-    if len(files) > 1:
-        raise typer.BadParameter(f"one config file at most, got {files}")
-    if not files and not local:
-        raise typer.BadParameter("give a run config file, or --local for the embedded default")
-    data = read_yaml(files[0]) if files else {}
-    if local:  # a file given with --local is laid over the embedded default
-        data = merge(default_config(), data)
-    data = apply_overrides(data, overrides)
-    local_section = data.pop("local", None)
-    if local_section is not None and not local:
-        raise ConfigError("local: only `coordctl start-run --local` reads this section (what it builds)")
-    config = validate(RunConfig, data)
-    local_config = validate(LocalConfig, local_section or {}, "local") if local else None
-    if local_config is not None:
-        from services.coordctl.local import cache_dir, prepare_assets
-
-        assets = prepare_assets(config, local_config, cache_dir())
-        config = validate(RunConfig, apply_overrides(config.model_dump(mode="json"), assets))
-    config.require_paths()
-    return config, local_config
+@app.callback()
+def main(_: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                help="print the version and exit")) -> None:
+    """Control a meshrl coordinator."""
 
 
-async def follow(client: CoordinatorClient, run: RunStatus) -> RunStatus:
-    """Show the run's progress (step, reward, step time) until it ends; return its final status."""
-    with tqdm(total=run.total_steps, desc=run.run_id, unit="step", dynamic_ncols=True) as bar:
-        async for update in client.watch(run.run_id):
-            if update.kind == "step":
-                bar.update(update.step - bar.n)
-                bar.set_postfix(reward=f"{update.metrics.get('critic/score/mean', float('nan')):.3f}",
-                                step_s=f"{update.metrics.get('timing_s/step', float('nan')):.2f}")
-            elif update.kind in ("log", "reward", "validation"):
-                bar.write(update.message)
-            elif update.kind == "state":
-                bar.write(f"run {update.state}" + (f": {update.message}" if update.message else ""))
-    return await client.get_run(run.run_id)
-
-
-def print_summary(client_status: RunStatus, lines: list[dict], seconds: float, state_dir: Path | None) -> None:
-    """What the run did, from its metrics.jsonl ``lines``: reward over the steps, validation before and after."""
-    typer.echo("")
-    typer.echo(f"run        {client_status.run_id}  ({client_status.state}, {client_status.step}/"
-               f"{client_status.total_steps} steps in {seconds:.0f} s)")
-    rewards = [line["critic/score/mean"] for line in lines if "critic/score/mean" in line]
-    if rewards:
-        head, tail = rewards[: min(5, len(rewards))], rewards[-min(5, len(rewards)):]
-        typer.echo(f"reward     first steps {sum(head) / len(head):.3f} -> last steps {sum(tail) / len(tail):.3f}"
-                   f" (best step {max(rewards):.3f})")
-    validations = [line for line in lines if "val/weight_version" in line]
-    if validations:
-        first, last = validations[0], validations[-1]
-        for key in sorted(k for k in last if k.startswith("val-core/") and "/mean@" in k):
-            name = key.removeprefix("val-core/")
-            before = f"{first[key]:.3f} at step {first['step']} -> " if len(validations) > 1 and key in first else ""
-            best = max((line for line in validations if key in line), key=lambda line: line[key])
-            typer.echo(f"validation {name}: {before}{last[key]:.3f} at step {last['step']} "
-                       f"(best {best[key]:.3f} at step {best['step']}; held-out)")
-    run_dir = Path(client_status.run_dir)
-    typer.echo(f"run folder {run_dir}")
-    typer.echo(f"  metrics  {run_dir / 'metrics.jsonl'}")
-    typer.echo(f"  config   {run_dir / 'config.yaml'}")
-    typer.echo(f"  plot     {run_dir / 'reward.png'}")
-    if validations:
-        typer.echo(f"  samples  {run_dir / 'validation'} (every validation's responses and scores)")
-    if state_dir is not None:
-        typer.echo(f"  run DB   {state_dir / 'meshrl.db'}")
-        typer.echo(f"  logs     {state_dir / 'logs'}")
-    if client_status.error:
-        typer.echo(f"error      {client_status.error}")
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    """The lines of a run's metrics.jsonl (none when the file is not here: a coordinator on another host)."""
-    import json
-
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
-
-
-async def begin_and_follow(coordinator: str, begin, detach: bool, stop_on_interrupt: bool) -> RunStatus:
-    """Start (or resume) a run with ``begin(client)`` and follow it. Ctrl-C (or SIGTERM): with
-    ``stop_on_interrupt`` the run is stopped at its next step boundary (a second Ctrl-C stops following at
-    once); otherwise coordctl just detaches."""
-    client = CoordinatorClient(coordinator)
-    try:
-        run = await begin(client)
-        typer.echo(f"run {run.run_id} {run.state}, from step {run.step}")
-        if detach:
-            return run
-        watching = asyncio.ensure_future(follow(client, run))
-        if not await until_done_or_interrupted(watching):
-            if not stop_on_interrupt:
-                watching.cancel()
-                typer.echo(f"\ndetached; the run goes on (coordctl stop {run.run_id} stops it)")
-                return await client.get_run(run.run_id)
-            typer.echo("\nstopping the run at its next step boundary (Ctrl-C again to stop now)")
-            await client.stop_run(run.run_id)
-            if not await until_done_or_interrupted(watching):
-                watching.cancel()
-        return await client.get_run(run.run_id)
-    finally:
-        await client.close()
-
-
-async def until_done_or_interrupted(task: asyncio.Future) -> bool:
-    """Wait for ``task``; False if SIGINT or SIGTERM came first."""
-    loop = asyncio.get_running_loop()
-    interrupted = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, interrupted.set)
-    waiter = asyncio.ensure_future(interrupted.wait())
-    try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        return task.done()
-    finally:
-        waiter.cancel()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-
-
-async def run_local(begin, state_dir: Path, services: tuple) -> RunStatus:
-    """Start the coordinator and ``services`` (ServiceSpecs) on ``state_dir``, begin the run there and follow it;
-    stop them all after."""
-    from services.coordctl.local import LocalCluster
-
-    cluster = LocalCluster(state_dir, services)
-    try:
-        typer.echo(f"starting the local services (logs in {cluster.log_dir})")
-        await cluster.start()
-        typer.echo(f"coordinator at {cluster.coordinator}: more services can join it, e.g. "
-                   f"python -m services.reward --coordinator {cluster.coordinator} group=b")
-        return await begin_and_follow(cluster.coordinator, begin, detach=False, stop_on_interrupt=True)
-    finally:
-        cluster.stop()
-
-
-@app.command("start-run")
-def start_run(
-    args: Optional[list[str]] = typer.Argument(None, help="[CONFIG.yaml] [key.path=value ...]"),
-    local: bool = typer.Option(False, "--local", help="start every service on this machine and run there"),
-    coordinator: str = COORDINATOR,
-    detach: bool = typer.Option(False, "--detach", help="return once the run has started"),
-    state_dir: Optional[Path] = typer.Option(None, help="--local: folder for the run DB, runs and logs"),
-) -> None:
-    """Start a run and follow it to the end. With --local: on this machine, from the embedded default
-    (a CONFIG.yaml given too is laid over it)."""
-    started = time.monotonic()
-    try:
-        config, local_config = resolve_config(list(args or []), local)
-    except (ConfigError, ValueError) as error:
-        typer.echo(f"bad config: {error}", err=True)
-        raise typer.Exit(2)
-    if local:
-        state_dir = state_dir or Path("meshrl-runs") / time.strftime("local-%Y%m%d-%H%M%S")
-    drive(lambda client: client.start_run(to_yaml(config)), coordinator, local_config, state_dir, detach, started)
+def fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(message, err=True)
+    return typer.Exit(code)
 
 
 def require_valid_security_settings() -> None:
@@ -221,39 +63,23 @@ def require_valid_security_settings() -> None:
         cluster_token()
         cluster_tls()
     except ValueError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2)
+        raise fail(f"error: {error}")
 
 
-def follow_run(begin, coordinator: str, local: tuple | None, state_dir: Path | None, detach: bool) -> RunStatus:
-    """Begin a run (start or resume) on the services of ``local`` (ServiceSpecs, started on this machine) or
-    on the coordinator's, and follow it; its final status (its first, with ``detach``)."""
-    require_valid_security_settings()
-    try:
-        if local is not None:
-            return asyncio.run(run_local(begin, state_dir.resolve(), local))
-        return asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
-    except grpc.aio.AioRpcError as error:
-        typer.echo(f"coordinator refused: {error.code().name}: {error.details()}", err=True)
-        raise typer.Exit(1)
-
-
-def drive(begin, coordinator: str, local: LocalConfig | None, state_dir: Path | None, detach: bool,
-          started: float) -> None:
-    """Begin a run (start or resume) locally (the services ``local`` says) or on the coordinator, follow it,
-    summarise; exit 1 unless it finished."""
-    from services.coordctl.local import service_specs
-
-    final = follow_run(begin, coordinator, service_specs(local) if local else None, state_dir, detach)
-    if detach:
-        return
-    print_summary(final, read_metrics(final.run_dir), time.monotonic() - started,
-                  state_dir if local is not None else None)
-    if final.state != "finished":
-        raise typer.Exit(1)
+def refused(error: grpc.aio.AioRpcError, coordinator: str) -> str:
+    """A failed call to the coordinator, in words, with what to do where there is something to do."""
+    code = error.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return (f"no coordinator answers at {coordinator} ({code.name}): start one (python -m services.coordinator), "
+                "or point coordctl at it with --coordinator HOST:PORT or MESHRL_COORDINATOR")
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return (f"the coordinator at {coordinator} refused coordctl ({code.name}: {error.details()}): give coordctl "
+                "the cluster's token with MESHRL_TOKEN or MESHRL_TOKEN_FILE")
+    return f"the coordinator at {coordinator} refused: {code.name}: {error.details()}"
 
 
 def call(coordinator: str, method: str, *args):
+    """One call to the coordinator; exits with the reason if it fails."""
     async def go():
         client = CoordinatorClient(coordinator)
         try:
@@ -265,12 +91,122 @@ def call(coordinator: str, method: str, *args):
     try:
         return asyncio.run(go())
     except grpc.aio.AioRpcError as error:
-        typer.echo(f"{error.code().name}: {error.details()}", err=True)
+        raise fail(refused(error, coordinator), 1)
+
+
+def follow_run(begin, coordinator: str, services: tuple | None, state_dir: Path | None, detach: bool) -> RunStatus:
+    """Begin a run (start or resume) on ``services`` (ServiceSpecs, started on this machine) or on the
+    coordinator's, and follow it; its final status (its first, with ``detach``)."""
+    require_valid_security_settings()
+    try:
+        if services is not None:
+            return asyncio.run(run_local(begin, state_dir.resolve(), services))
+        return asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
+    except grpc.aio.AioRpcError as error:
+        raise fail(refused(error, coordinator), 1)
+
+
+def drive(begin, coordinator: str, services: tuple | None, state_dir: Path | None, detach: bool,
+          started: float) -> None:
+    """Begin a run locally or on the coordinator, follow it, summarise; exit 1 unless it finished."""
+    final = follow_run(begin, coordinator, services, state_dir, detach)
+    if detach:
+        return
+    print_summary(final, read_metrics(final.run_dir), time.monotonic() - started,
+                  state_dir if services is not None else None)
+    if final.state != "finished":
         raise typer.Exit(1)
+
+
+def refuse_coordinator_with_local(context: typer.Context) -> None:
+    source = context.get_parameter_source("coordinator")
+    if source is not None and source.name == "COMMANDLINE":
+        raise fail("--local starts its own coordinator on this machine: leave out --coordinator, or leave out "
+                   "--local to run on the coordinator named")
+
+
+@app.command("start-run")
+def start_run(
+    context: typer.Context,
+    args: Optional[list[str]] = typer.Argument(None, help="[CONFIG.yaml] [key.path=value | +key=value | ~key ...]"),
+    local: bool = typer.Option(False, "--local", help="start every service on this machine and run there"),
+    coordinator: str = COORDINATOR,
+    detach: bool = typer.Option(False, "--detach", help="return once the run has started"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and what would start; start "
+                                                          "nothing"),
+    state_dir: Optional[Path] = typer.Option(None, help="--local: folder for the run DB, runs and logs"),
+) -> None:
+    """Start a run and follow it to the end (Ctrl-C stops it at a step boundary). With --local: on this machine,
+    from the embedded default (a CONFIG.yaml given too is laid over it). The config, the model folder and the
+    data are checked before anything starts."""
+    started = time.monotonic()
+    if local:
+        refuse_coordinator_with_local(context)
+    try:
+        config, local_config = resolve_config(list(args or []), local)
+        data = None
+        if local or readable_here(config):
+            config, data = checked(config)
+    except (ConfigError, ValueError) as error:
+        raise fail(f"bad config: {error}")
+    services = local_services(local_config, config) if local_config is not None else None
+    if dry_run:
+        typer.echo(plan(config, data, services, coordinator))
+        return
+    for notice in config.notices():
+        typer.echo(f"note: {notice}")
+    if local:
+        state_dir = state_dir or Path("meshrl-runs") / time.strftime("local-%Y%m%d-%H%M%S")
+    drive(lambda client: client.start_run(to_yaml(config)), coordinator, services, state_dir, detach, started)
+
+
+@app.command("init")
+def init(
+    folder: Path = typer.Argument(..., metavar="FOLDER", help="where to write them (new or empty)"),
+    coordinator_host: str = typer.Option("coord-host", "--coordinator-host",
+                                         help="the host name or address other machines reach the coordinator by"),
+    port: int = typer.Option(7070, "--port", help="the coordinator's port"),
+) -> None:
+    """Write what starting the services by hand needs: a ready run config (run.yaml), the tiny model and the
+    synthetic data it trains on, and a cluster token (mode 0600); then print the commands."""
+    from services.coordctl.local import task_files
+    from services.coordctl.resolve import default_config
+    from services.coordctl.tiny_model import build_tiny_model
+
+    if folder.exists() and any(folder.iterdir()):
+        raise fail(f"{folder} is not empty: give a new folder")
+    folder = folder.resolve()
+    defaults = default_config()
+    local = validate(LocalConfig, defaults.pop("local"), "local")
+    tiny = local.tiny_model
+    model = build_tiny_model(folder / "model", tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed)
+    train, test = task_files(local, folder)
+    config = validate(RunConfig, apply_overrides(defaults, [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]"]))
+    (folder / "run.yaml").write_text(to_yaml(config))
+    token = folder / "token"
+    token.write_text(secrets.token_urlsafe(32) + "\n")
+    token.chmod(0o600)
+    coordinator = f"{coordinator_host}:{port}"
+    typer.echo(f"""wrote {folder / 'run.yaml'}, {model}, {train.parent}, {token}
+
+Copy {token} to every host (keep it private), then on every host:
+    export MESHRL_TOKEN_FILE={token}
+on the coordinator's host ({coordinator_host}):
+    python -m services.coordinator host=0.0.0.0 port={port} state_dir={folder / 'state'}
+on each host that trains, generates or scores (host=0.0.0.0: reachable by the others; each registers its
+host name with the coordinator):
+    python -m services.trainer --coordinator {coordinator} host=0.0.0.0
+    python -m services.rollout --coordinator {coordinator} host=0.0.0.0
+    python -m services.reward --coordinator {coordinator} host=0.0.0.0
+then, from any host with the token (the run config's paths must be readable on the trainer's and rollout's
+hosts: a shared folder, or the same path on each):
+    coordctl start-run {folder / 'run.yaml'} --coordinator {coordinator}""")
 
 
 @app.command("resume")
 def resume(
+    context: typer.Context,
     run_id: str,
     coordinator: str = COORDINATOR,
     local: bool = typer.Option(False, "--local", help="restart the local services on --state-dir and resume there"),
@@ -278,36 +214,42 @@ def resume(
     detach: bool = typer.Option(False, "--detach", help="return once the run has resumed"),
 ) -> None:
     """Continue a stopped, failed or interrupted run from its last complete checkpoint."""
-    if local and (state_dir is None or not (state_dir / "meshrl.db").exists()):
-        raise typer.BadParameter("--local resume needs --state-dir, the folder holding the run's meshrl.db")
-    drive(lambda client: client.resume_run(run_id), coordinator, LocalConfig() if local else None, state_dir, detach,
-          time.monotonic())
+    if local:
+        refuse_coordinator_with_local(context)
+        if state_dir is None or not (state_dir / "meshrl.db").exists():
+            raise fail("--local resume needs --state-dir, the folder holding the run's meshrl.db")
+    services = local_services(LocalConfig(), RunConfig()) if local else None
+    drive(lambda client: client.resume_run(run_id), coordinator, services, state_dir, detach, time.monotonic())
 
 
 @app.command("runs")
 def list_runs(coordinator: str = COORDINATOR) -> None:
     """List the coordinator's runs."""
-    for run in call(coordinator, "list_runs"):
+    runs = call(coordinator, "list_runs")
+    if not runs:
+        typer.echo(f"no runs on the coordinator at {coordinator}")
+        return
+    typer.echo(f"{'RUN':<44} {'STATE':<11} {'STEP':>11}  REWARD")
+    for run in runs:
         reward = run.metrics.get("critic/score/mean")
-        typer.echo(f"{run.run_id}  {run.state:<11} step {run.step}/{run.total_steps}"
-                   + (f"  reward {reward:.3f}" if reward is not None else ""))
+        typer.echo(f"{run.run_id:<44} {run.state:<11} {f'{run.step}/{run.total_steps}':>11}  "
+                   + (f"{reward:.3f}" if reward is not None else "-"))
 
 
 @app.command("status")
 def status(run_id: str, coordinator: str = COORDINATOR) -> None:
-    """One run's state and last metrics."""
+    """One run's state (and what it waits for, or why it failed) and last metrics."""
     run = call(coordinator, "get_run", run_id)
     typer.echo(f"{run.run_id}  {run.state}  step {run.step}/{run.total_steps}  {run.run_dir}")
     if run.error:
-        typer.echo(f"error: {run.error}")
+        typer.echo(f"{'waiting for' if run.state == 'waiting' else 'error'}: {run.error}")
     for key in sorted(run.metrics):
         typer.echo(f"  {key:<40} {run.metrics[key]:.6g}")
 
 
 @app.command("watch")
 def watch(run_id: str, coordinator: str = COORDINATOR) -> None:
-    """Follow a run's progress until it ends."""
-
+    """Follow a run's progress until it ends (Ctrl-C stops watching; the run goes on)."""
     async def go():
         client = CoordinatorClient(coordinator)
         try:
@@ -316,13 +258,41 @@ def watch(run_id: str, coordinator: str = COORDINATOR) -> None:
             await client.close()
 
     require_valid_security_settings()
-    typer.echo(asyncio.run(go()).state)
+    try:
+        final = asyncio.run(go())
+    except grpc.aio.AioRpcError as error:
+        raise fail(refused(error, coordinator), 1)
+    except KeyboardInterrupt:
+        raise fail(f"\nstopped watching; the run goes on (coordctl stop {run_id} stops it)", 130)
+    typer.echo(f"run {final.run_id} {final.state} at step {final.step}/{final.total_steps}"
+               + (f": {final.error}" if final.error else ""))
 
 
 @app.command("stop")
 def stop(run_id: str, coordinator: str = COORDINATOR) -> None:
-    """Stop a run at its next step boundary."""
-    typer.echo(call(coordinator, "stop_run", run_id).state)
+    """Stop a run at its next step boundary, where it saves a checkpoint; wait for it and print how it ended."""
+    async def go():
+        client = CoordinatorClient(coordinator)
+        try:
+            run = await client.stop_run(run_id)
+            if run.state not in FINAL_STATES:
+                typer.echo(f"run {run_id} stops at its next step boundary (now at step {run.step}); waiting "
+                           "(Ctrl-C stops waiting, not the stop)")
+                async for _ in client.watch(run_id, run.last_event_id):
+                    pass
+            return await client.get_run(run_id)
+        finally:
+            await client.close()
+
+    require_valid_security_settings()
+    try:
+        final = asyncio.run(go())
+    except grpc.aio.AioRpcError as error:
+        raise fail(refused(error, coordinator), 1)
+    except KeyboardInterrupt:
+        raise fail(f"\nstopped waiting; run {run_id} still stops at its next step boundary", 130)
+    typer.echo(f"run {final.run_id} {final.state} at step {final.step}/{final.total_steps}"
+               + (f": {final.error}" if final.error else ""))
 
 
 @app.command("export")
@@ -419,19 +389,6 @@ def evaluate(
         typer.echo(f"responses  {samples} on the coordinator's host")
 
 
-def print_eval(metrics: dict[str, float]) -> None:
-    """Per data source: each variable's mean@n, and pass@k where the scorer judges answers."""
-    rows: dict[str, dict[str, float]] = {}
-    for key, value in metrics.items():
-        named = VALIDATION_KEY.match(key)  # a data source's name may hold "/" (openai/gsm8k)
-        if named and named["metric"].startswith(("mean@", "pass@")):
-            rows.setdefault(named["source"], {})[f"{named['variable']}/{named['metric']}"] = value
-    typer.echo("")
-    for source, values in sorted(rows.items()):
-        typer.echo(f"{source}: " + "  ".join(f"{name} {value:.3f}" for name, value in sorted(
-            values.items(), key=lambda item: (item[0].split("/")[0], item[0].split("@")[0], int(item[0].split("@")[1])))))
-
-
 reward_app = typer.Typer(no_args_is_help=True, help="The reward services of a running run.")
 app.add_typer(reward_app, name="reward")
 
@@ -453,9 +410,14 @@ def reward_set(
 @app.command("services")
 def services(coordinator: str = COORDINATOR) -> None:
     """The coordinator's service registry."""
-    for entry in call(coordinator, "list_services"):
+    entries = call(coordinator, "list_services")
+    if not entries:
+        typer.echo(f"no service has registered with the coordinator at {coordinator}")
+        return
+    typer.echo(f"{'KIND':<8} {'ADDRESS':<22} {'GROUP':<10} {'STATE':<5} {'SEEN':>9}  ID")
+    for entry in entries:
         typer.echo(f"{entry.kind:<8} {entry.address:<22} {entry.group:<10} {entry.state:<5} "
-                   f"seen {entry.last_seen_s:.1f} s ago  {entry.service_id}")
+                   f"{entry.last_seen_s:>7.1f} s  {entry.service_id}")
 
 
 @app.command("data")

@@ -21,8 +21,9 @@ class RunStatus:
     step: int
     total_steps: int
     run_dir: str
-    error: str
+    error: str  # why it failed, or (state waiting) what it waits for
     metrics: dict[str, float]
+    last_event_id: int  # watch(after_event_id=this) follows on from here (StartRun, ResumeRun: what they began)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class ServiceEntry:
 
 def status_from_pb(info: coordinator_pb2.RunInfo) -> RunStatus:
     return RunStatus(info.run_id, info.name, info.state, info.step, info.total_steps, info.run_dir, info.error,
-                     dict(info.metrics))
+                     dict(info.metrics), info.last_event_id)
 
 
 class CoordinatorClient:
@@ -83,8 +84,10 @@ class CoordinatorClient:
         request = coordinator_pb2.SetRewardRequest(run_id=run_id, group=group, address=address)
         return status_from_pb(await self._stub.SetReward(request, timeout=TIMEOUT_S))
 
-    async def watch(self, run_id: str) -> AsyncIterator[RunUpdate]:
-        async for event in self._stub.WatchRun(coordinator_pb2.GetRunRequest(run_id=run_id)):
+    async def watch(self, run_id: str, after_event_id: int = 0) -> AsyncIterator[RunUpdate]:
+        """The run's events after ``after_event_id`` (0: all of them), then live ones, until the run ends."""
+        request = coordinator_pb2.GetRunRequest(run_id=run_id, after_event_id=after_event_id)
+        async for event in self._stub.WatchRun(request):
             yield RunUpdate(event.kind, event.step, event.state, event.message, dict(event.metrics))
 
     async def list_services(self) -> list[ServiceEntry]:

@@ -8,10 +8,11 @@
    3-20x), each logging to ``<state_dir>/logs/<kind>.log``.
 3. Make a fresh cluster token (unless MESHRL_TOKEN or MESHRL_TOKEN_FILE is
    set) that the services demand and this process's clients present.
-4. Stop them all on the way out (SIGTERM, then SIGKILL after a grace
-   period); a child also gets SIGTERM if coordctl itself dies. The children
-   run in their own session, so Ctrl-C in the terminal reaches coordctl
-   alone, which first stops the run at a step boundary.
+4. Stop them all on the way out, the coordinator first (SIGTERM, then
+   SIGKILL after a grace period); a child also gets SIGTERM if coordctl
+   itself dies. The children run in their own session, so Ctrl-C in the
+   terminal reaches coordctl alone, which first stops the run at a step
+   boundary.
 """
 
 from __future__ import annotations
@@ -181,10 +182,11 @@ class LocalCluster:
                 raise RuntimeError(f"the local {name} exited with code {process.returncode}; its log ends:\n{tail}")
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the services, then the coordinator; SIGKILL whatever outlives the grace period."""
-        services = [p for kind, p in self.processes.items() if kind != "coordinator"]
-        terminate(services, grace_s)
+        """SIGTERM the coordinator, then the services; SIGKILL whatever outlives the grace period. The coordinator
+        goes first: it then sees no service go, so it records no failure or recovery for them (a run still
+        active is stopped by its shutdown, and resumes from its last checkpoint)."""
         terminate([p for kind, p in self.processes.items() if kind == "coordinator"], grace_s)
+        terminate([p for kind, p in self.processes.items() if kind != "coordinator"], grace_s)
 
 
 def terminate(processes: list[subprocess.Popen], grace_s: float) -> None:

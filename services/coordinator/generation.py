@@ -19,7 +19,7 @@ import torch
 from services.common.errors import Unavailable
 from services.common.sequences import SequenceBatch, join_ragged
 from services.coordinator.clients import Generated, RewardSample, RolloutClient, ScoredSample
-from services.coordinator.data import Prompt
+from services.common.data import Prompt
 from services.coordinator.dispatch import map_shards_recovering
 from services.coordinator.reward_set import RewardSet
 from services.coordinator.rollout_set import RolloutSet
@@ -102,10 +102,11 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
                     sampling.n), counts
 
 
-async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Notices) -> Scoring:
-    """One score per response, spread over the reward replicas (an invalid sample scores 0, with an event)."""
+async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Notices, what: str) -> Scoring:
+    """One score per response, spread over the reward replicas (an invalid sample scores 0, with an event);
+    ``what`` names the batch in events."""
     samples = await asyncio.to_thread(reward_samples, rollouts, tokenizer)
-    scored = await rewards.score(samples)
+    scored = await rewards.score(samples, what)
     invalid = [s.error for s in scored.scores if not s.valid]
     if invalid:
         notices.log(f"{len(invalid)} samples could not be scored (scored 0), first: {invalid[0]}")

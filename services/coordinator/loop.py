@@ -47,7 +47,8 @@ from services.common.sequences import SequenceBatch, join_ragged
 from services.common.timing import StageTimer
 from services.coordinator import generation
 from services.coordinator.clients import TrainerClient
-from services.coordinator.data import Prompt, PromptSampler
+from services.common.data import Prompt
+from services.coordinator.sampler import PromptSampler
 from services.coordinator.generation import Rollouts
 from services.coordinator.metrics import data_metrics
 from services.coordinator.pipeline import Pipeline
@@ -374,7 +375,7 @@ class PPOLoop:
             rollouts, by_rollout = await generation.generate(self.rollouts, chosen, self.settings.sampling, seed,
                                                              oldest, self.timeout, self.reporter, f"step {step}")
         with timer("reward"):
-            scoring = await generation.score(self.rewards, rollouts, self.tokenizer, self.reporter)
+            scoring = await generation.score(self.rewards, rollouts, self.tokenizer, self.reporter, f"step {step}")
         for address, count in by_rollout.items():
             add_count(counts, f"rollout/samples_by/{address}", count)
         for service_id, count in scoring.by_service.items():

@@ -8,7 +8,8 @@ Mirrors the rollout set:
   the target answers an empty Score, and the batch is scored again.
 - A swap (``swap``, from ``coordctl reward set``) is probed first: each new service must score a probe
   batch (some prompts' ground truths as their responses) with valid scores, or the swap is refused and the
-  run keeps its services. An accepted swap applies at the next step boundary.
+  run keeps its services. An accepted swap applies at the next step boundary; its event names the first
+  batch the new services score (with generation ahead of training, a later step than the boundary's).
 - A client left at a boundary is closed one boundary later: a batch generated ahead may still be scoring
   on it.
 """
@@ -21,7 +22,7 @@ from typing import Callable
 
 from services.common.errors import FailedPrecondition, Unavailable
 from services.coordinator.clients import RewardClient, RewardSample, ScoredSample
-from services.coordinator.data import Prompt
+from services.common.data import Prompt
 from services.coordinator.dispatch import ReplicaPool, map_shards_recovering
 from services.coordinator.waiting import Notices, wait_for
 
@@ -74,11 +75,16 @@ class RewardSet:
         self.notices, self.should_stop, self.timeout_s = notices, should_stop, timeout_s
         self.clients: list[RewardClient] = [connect(address) for address in find(target)]
         self._next: tuple[list[RewardClient], RewardTarget] | None = None  # a swap waiting for the boundary
+        self._switched = False  # a swap was applied: the next score call says which batch it scores first
         self._retired: list[RewardClient] = []  # clients left at the last boundary, closed at the next
 
-    async def score(self, samples: list[RewardSample]) -> Scored:
+    async def score(self, samples: list[RewardSample], what: str) -> Scored:
         """One score per sample, the batch spread over the replicas (waiting for the target's services if every
-        replica fails it)."""
+        replica fails it); ``what`` names the batch ("step 5") in the event of a swap's first batch."""
+        if self._switched:
+            self._switched = False
+            self.notices.log(f"reward services switched to {self.target} from {what}: the first batch they score",
+                             kind="reward")
         async def call(replica: RewardClient, lo: int, hi: int) -> tuple[list[ScoredSample], str]:
             return await replica.score(samples[lo:hi], self.timeout_s)
 
@@ -111,11 +117,13 @@ class RewardSet:
         return addresses
 
     async def refresh(self, step: int) -> None:
-        """At a step boundary: apply an accepted swap, then follow the target's replicas as they come and go."""
+        """At a step boundary (before step ``step`` is trained): apply an accepted swap, then follow the target's
+        replicas as they come and go. A batch generated ahead may already be scored: the swap's event names the
+        first batch the new services score."""
         clients = self.clients
         if self._next is not None:
             (clients, self.target), self._next = self._next, None
-            self.notices.log(f"reward services switched to {self.target} from step {step}", kind="reward")
+            self._switched = True
         addresses = self.find(self.target) or [c.address for c in clients]  # none up: keep trying these
         await self._use(clients, addresses, f"from step {step}")
 

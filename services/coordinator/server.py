@@ -13,10 +13,10 @@ from services.coordinator.runs import RunManager
 from services.coordinator.store import Event, RunRow, RunStore
 
 
-def run_to_pb(row: RunRow, metrics: dict[str, float]) -> coordinator_pb2.RunInfo:
+def run_to_pb(row: RunRow, metrics: dict[str, float], last_event_id: int) -> coordinator_pb2.RunInfo:
     return coordinator_pb2.RunInfo(
         run_id=row.run_id, name=row.name, state=row.state, step=row.step, total_steps=row.total_steps,
-        run_dir=row.run_dir, error=row.error, created_at=row.created_at, metrics=metrics,
+        run_dir=row.run_dir, error=row.error, created_at=row.created_at, metrics=metrics, last_event_id=last_event_id,
     )
 
 
@@ -68,7 +68,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         ])
 
     async def StartRun(self, request, context):
-        return self._info(await self.runs.start_run(request.config_yaml))
+        return self._info(*await self.runs.start_run(request.config_yaml))
 
     async def GetRun(self, request, context):
         return self._info(self.runs.get_run(request.run_id))
@@ -80,17 +80,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return self._info(self.runs.stop_run(request.run_id))
 
     async def ResumeRun(self, request, context):
-        return self._info(await self.runs.resume_run(request.run_id))
+        return self._info(*await self.runs.resume_run(request.run_id))
 
     async def SetReward(self, request, context):
         return self._info(await self.runs.set_reward(request.run_id, request.group, request.address))
 
     async def WatchRun(self, request, context):
-        async for event in self.runs.watch(request.run_id):
+        async for event in self.runs.watch(request.run_id, request.after_event_id):
             yield event_to_pb(event)
 
-    def _info(self, row: RunRow) -> coordinator_pb2.RunInfo:
-        return run_to_pb(row, self.store.last_step_metrics(row.run_id))
+    def _info(self, row: RunRow, event_mark: int | None = None) -> coordinator_pb2.RunInfo:
+        """``event_mark``: the last event before the call that returns this (StartRun, ResumeRun); else the last
+        event now."""
+        mark = self.store.last_event_id(row.run_id) if event_mark is None else event_mark
+        return run_to_pb(row, self.store.last_step_metrics(row.run_id), mark)
 
     async def close(self) -> None:
         await self.runs.close()

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from services.coordinator import generation
-from services.coordinator.data import Prompt
+from services.common.data import Prompt
 from services.coordinator.generation import Scoring
 from services.coordinator.metrics import PromptResults, validation_metrics
 from services.coordinator.reward_set import RewardSet
@@ -47,7 +47,7 @@ async def validate(settings: ValidationSettings, prompts: list[Prompt], rollouts
     started = time.perf_counter()
     generated, _ = await generation.generate(rollouts, prompts, settings.sampling, settings.seed, version, timeout_s,
                                              notices, f"the validation of step {step}")
-    scoring = await generation.score(rewards, generated, tokenizer, notices)
+    scoring = await generation.score(rewards, generated, tokenizer, notices, f"the validation of step {step}")
     metrics = await asyncio.to_thread(validation_metrics, prompt_results(scoring))
     metrics |= {"val/weight_version": float(version), "timing_s/testing": time.perf_counter() - started}
     return Validated(step, version, metrics, sample_records(scoring))

@@ -58,10 +58,12 @@ class StartRunRequest(_message.Message):
     def __init__(self, config_yaml: _Optional[str] = ...) -> None: ...
 
 class GetRunRequest(_message.Message):
-    __slots__ = ("run_id",)
+    __slots__ = ("run_id", "after_event_id")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+    after_event_id: int
+    def __init__(self, run_id: _Optional[str] = ..., after_event_id: _Optional[int] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
     __slots__ = ()
@@ -78,7 +80,7 @@ class SetRewardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., group: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RunInfo(_message.Message):
-    __slots__ = ("run_id", "name", "state", "step", "total_steps", "run_dir", "error", "created_at", "metrics")
+    __slots__ = ("run_id", "name", "state", "step", "total_steps", "run_dir", "error", "created_at", "metrics", "last_event_id")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,7 @@ class RunInfo(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     name: str
     state: str
@@ -104,7 +107,8 @@ class RunInfo(_message.Message):
     error: str
     created_at: float
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., run_dir: _Optional[str] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    last_event_id: int
+    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., run_dir: _Optional[str] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., last_event_id: _Optional[int] = ...) -> None: ...
 
 class ListRunsResponse(_message.Message):
     __slots__ = ("runs",)

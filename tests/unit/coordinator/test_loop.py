@@ -21,7 +21,7 @@ from services.common.run_config import RunConfig
 from services.common.sequences import SequenceBatch
 from services.coordctl.tiny_model import build_char_tokenizer
 from services.coordinator.clients import Generated, Received, RewardSample, RolloutInfo, ScoredSample, SyncResult
-from services.coordinator.data import Prompt
+from services.common.data import Prompt
 from services.coordinator.loop import PPOLoop, Trainers
 from services.coordinator.reward_set import RewardSet, RewardTarget
 from services.coordinator.rollout_set import RolloutSet
@@ -271,7 +271,9 @@ def test_a_reward_swap_is_probed_and_scores_from_the_next_boundary(tmp_path):
     samples_a = len(mesh.rewards["reward-a:1"].scored)
     assert samples_a + len(scored_by_b) + 1 - len(PROMPTS) == 3 * 4 * N
     assert samples_a in (4 * N, 2 * 4 * N)  # the swap lands at the boundary after step 1 or 2
-    assert any("reward services switched to group b" in m for m in mesh.reporter.messages)
+    [switched] = [m for m in mesh.reporter.messages if "reward services switched to group b" in m]
+    first = int(switched.split("from step ")[1].split(":")[0])  # the first batch group b scored
+    assert samples_a == (first - 1) * 4 * N
     assert mesh.loop.loop_state(3)["reward_target"] == ["group", "b"]
 
 

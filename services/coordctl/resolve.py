@@ -1,0 +1,100 @@
+"""From what a user types to the run config coordctl sends: a config file (laid over the embedded default with
+--local), verl-style overrides, the ``local`` section, and the checks that run before anything starts."""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+import yaml
+
+from services.common.config import ConfigError, apply_overrides, read_yaml, to_yaml, validate
+from services.common.run_check import RunData, load_run_data
+from services.common.run_config import RunConfig
+from services.coordctl.config import LocalConfig
+
+
+def default_config() -> dict:
+    """The embedded default of --local (services/coordctl/defaults/local.yaml)."""
+    return yaml.safe_load(importlib.resources.files("services.coordctl").joinpath("defaults/local.yaml").read_text())
+
+
+def merge(base: dict, top: dict) -> dict:
+    """``top`` laid over ``base``, section by section."""
+    merged = dict(base)
+    for key, value in top.items():
+        merged[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return merged
+
+
+def resolve_config(args: list[str], local: bool) -> tuple[RunConfig, LocalConfig | None]:
+    """The run config from an optional YAML file and overrides, and (with ``local``) the ``local`` section;
+    ConfigError naming the field if bad.
+
+    With ``local``, the file and overrides are laid over the embedded default, and their ``local`` section
+    (what to build, how to start the services) is taken off before the rest is validated as the run config;
+    the model and data it names are built if missing."""
+    files = [a for a in args if "=" not in a and not a.startswith("~")]
+    overrides = [a for a in args if "=" in a or a.startswith("~")]
+    if len(files) > 1:
+        raise ConfigError(f"one config file at most, got {files}")
+    if not files and not local:
+        raise ConfigError("give a run config file, or --local for the embedded default")
+    data = read_yaml(files[0]) if files else {}
+    if local:  # a file given with --local is laid over the embedded default
+        data = merge(default_config(), data)
+    data = apply_overrides(data, overrides)
+    local_section = data.pop("local", None)
+    if local_section is not None and not local:
+        raise ConfigError("local: only `coordctl start-run --local` reads this section (what it builds)")
+    config = validate(RunConfig, data)
+    local_config = validate(LocalConfig, local_section or {}, "local") if local else None
+    if local_config is not None:
+        from services.coordctl.local import cache_dir, prepare_assets
+
+        assets = prepare_assets(config, local_config, cache_dir())
+        config = validate(RunConfig, apply_overrides(config.model_dump(mode="json"), assets))
+    config.require_paths()
+    return config, local_config
+
+
+def readable_here(config: RunConfig) -> bool:
+    """Whether every path the run reads is on this machine (else only the coordinator's host can check them)."""
+    paths = [config.actor_rollout_ref.model.path, *config.data.train_files, *config.data.val_files]
+    return all(Path(path).exists() for path in paths)
+
+
+def checked(config: RunConfig) -> tuple[RunConfig, RunData]:
+    """Read the model folder and the data as the coordinator will (ValueError naming the key, file or row), and
+    the config with the steps its total_epochs comes to."""
+    data = load_run_data(config)
+    return config.steps_for(len(data.prompts)), data
+
+
+def local_services(local: LocalConfig, config: RunConfig) -> tuple:
+    """The ServiceSpecs --local starts: local.services' settings, and the rollout's vLLM settings verl's keys
+    give (rollout.gpu_memory_utilization, tensor_model_parallel_size) when the run asks for vLLM."""
+    from services.coordctl.local import ServiceSpec
+
+    rollout = config.actor_rollout_ref.rollout
+    settings = {kind: list(local.services.get(kind, ())) for kind in ("trainer", "rollout", "reward")}
+    if rollout.name == "vllm":
+        for key, value in (("gpu_memory_utilization", rollout.gpu_memory_utilization),
+                           ("tensor_parallel_size", rollout.tensor_model_parallel_size)):
+            if value is not None and not any(s.startswith(f"{key}=") for s in settings["rollout"]):
+                settings["rollout"].append(f"{key}={value}")
+    return tuple(ServiceSpec(kind, settings=tuple(values)) for kind, values in settings.items())
+
+
+def plan(config: RunConfig, data: RunData | None, services: tuple | None, coordinator: str) -> str:
+    """What start-run would do, for --dry-run: the resolved config, what was read, and where it would run."""
+    lines = ["# the resolved run config", to_yaml(config).rstrip(), ""]
+    lines.append(f"# read: {data.describe()}, {config.trainer.steps} steps" if data is not None else
+                 "# not read here: the model or data are not on this machine (the coordinator reads them)")
+    lines += [f"# note: {notice}" for notice in config.notices()]
+    if services is not None:
+        lines.append("# would start on this machine: a coordinator, then " + ", ".join(
+            f"a {spec.kind}" + (f" ({' '.join(spec.settings)})" if spec.settings else "") for spec in services))
+    else:
+        lines.append(f"# would send it to the coordinator at {coordinator}")
+    return "\n".join(lines)
