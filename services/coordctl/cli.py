@@ -118,11 +118,14 @@ def drive(begin, coordinator: str, services: tuple | None, state_dir: Path | Non
         raise typer.Exit(1)
 
 
-def refuse_coordinator_with_local(context: typer.Context) -> None:
+def refuse_local_with(context: typer.Context, detach: bool) -> None:
+    """--local starts its own services and stops them when coordctl ends: --coordinator and --detach do not fit."""
     source = context.get_parameter_source("coordinator")
     if source is not None and source.name == "COMMANDLINE":
         raise fail("--local starts its own coordinator on this machine: leave out --coordinator, or leave out "
                    "--local to run on the coordinator named")
+    if detach:
+        raise fail("--detach does not go with --local: the local services stop when coordctl does")
 
 
 @app.command("start-run")
@@ -141,7 +144,7 @@ def start_run(
     data are checked before anything starts."""
     started = time.monotonic()
     if local:
-        refuse_coordinator_with_local(context)
+        refuse_local_with(context, detach)
     try:
         config, local_config = resolve_config(list(args or []), local)
         data = None
@@ -215,7 +218,7 @@ def resume(
 ) -> None:
     """Continue a stopped, failed or interrupted run from its last complete checkpoint."""
     if local:
-        refuse_coordinator_with_local(context)
+        refuse_local_with(context, detach)
         if state_dir is None or not (state_dir / "meshrl.db").exists():
             raise fail("--local resume needs --state-dir, the folder holding the run's meshrl.db")
     services = local_services(LocalConfig(), RunConfig()) if local else None

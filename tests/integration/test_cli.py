@@ -1,0 +1,149 @@
+"""coordctl as a person uses it, as real processes: Ctrl-C through a pipe, a second Ctrl-C, the messages of a
+newcomer's mistakes, and `coordctl init` feeding services started by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.coordctl.local import LocalCluster
+from tests.integration.test_grpo_run import run_to_end
+
+COORDCTL = [sys.executable, "-m", "services.coordctl.cli"]
+
+
+def coordctl(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*COORDCTL, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def steps_done(state_dir: Path) -> int:
+    lines = [json.loads(line) for path in state_dir.glob("runs/*/metrics.jsonl") for line in path.read_text().splitlines()]
+    return max((line["step"] for line in lines if "critic/score/mean" in line), default=0)
+
+
+def start_local(state_dir: Path, cache: Path, *overrides: str) -> subprocess.Popen:
+    """coordctl start-run --local writing into a pipe, as `... | tee log` does."""
+    return subprocess.Popen([*COORDCTL, "start-run", "--local", "trainer.total_training_steps=400",
+                             "trainer.test_freq=-1", "--state-dir", str(state_dir), *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "MESHRL_CACHE": str(cache)})
+
+
+def wait_for_step(state_dir: Path, step: int, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while steps_done(state_dir) < step:
+        assert process.poll() is None, process.stdout.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the run did not get going"
+        time.sleep(0.2)
+
+
+def run_row_and_events(state_dir: Path) -> tuple[tuple, list[tuple]]:
+    db = sqlite3.connect(state_dir / "meshrl.db")
+    [row] = db.execute("SELECT run_id, state, step, error FROM runs").fetchall()
+    return row, db.execute("SELECT kind, step, message FROM events ORDER BY id").fetchall()
+
+
+def test_ctrl_c_with_the_pipe_closed_stops_at_a_step_boundary_and_loses_nothing(tmp_path):
+    state_dir = tmp_path / "state"
+    process = start_local(state_dir, tmp_path / "cache")
+    wait_for_step(state_dir, 3, process)
+    process.stdout.close()  # the tee that Ctrl-C killed
+    process.send_signal(signal.SIGINT)  # and Ctrl-C itself
+    assert process.wait(timeout=120) == 1  # the run did not finish: exit 1, after a clean stop
+    (run_id, state, step, error), events = run_row_and_events(state_dir)
+    assert state == "stopped" and error == ""
+    checkpoints = [s for kind, s, _ in events if kind == "checkpoint"]
+    assert checkpoints == [step] and steps_done(state_dir) == step  # the last step trained is saved: none lost
+    messages = " | ".join(message for _, _, message in events)
+    assert "stop requested" in messages
+    assert "recovery" not in messages and "does not answer" not in messages and "shut down" not in messages
+    assert not list(state_dir.glob("runs/*/checkpoints/*.tmp"))
+
+
+def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path):
+    state_dir = tmp_path / "state"
+    process = start_local(state_dir, tmp_path / "cache", "trainer.save_freq=2")
+    wait_for_step(state_dir, 5, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    output = process.communicate(timeout=120)[0].decode()
+    assert "stopping the run at its next step boundary" in output
+    assert "stopping now: the run goes on from the last checkpoint (step" in output
+    assert f"coordctl resume --local --state-dir {state_dir.resolve()}" in output
+    (run_id, state, step, _), events = run_row_and_events(state_dir)
+    assert state in ("stopped", "interrupted") and not [m for _, _, m in events if "recovery" in m]
+    resumed = subprocess.Popen([*COORDCTL, "resume", "--local", "--state-dir", str(state_dir), run_id],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env={**os.environ, "MESHRL_CACHE": str(tmp_path / "cache")})
+    wait_for_step(state_dir, step + 2, resumed)
+    resumed.send_signal(signal.SIGINT)
+    output = resumed.communicate(timeout=120)[0].decode()
+    checkpoint = max(s for kind, s, _ in events if kind == "checkpoint")
+    assert f"run {run_id} " in output and f", from step {checkpoint}" in output
+    assert f"| {checkpoint}/400 [" in output  # the progress bar starts where the run goes on, not at step 1
+    assert "| 1/400 [" not in output
+
+
+def test_a_newcomers_mistakes_get_true_messages(tmp_path):
+    cache = {"MESHRL_CACHE": str(tmp_path / "cache")}
+    assert coordctl("--version").stdout.startswith("meshrl ")
+    unreachable = coordctl("runs", "--coordinator", "127.0.0.1:9")
+    assert unreachable.returncode == 1
+    assert "no coordinator answers at 127.0.0.1:9" in unreachable.stderr and "MESHRL_COORDINATOR" in unreachable.stderr
+    both = coordctl("start-run", "--local", "--coordinator", "10.0.0.1:7070", env=cache)
+    assert both.returncode == 2 and "--local starts its own coordinator" in both.stderr
+    misspelt = coordctl("start-run", "--local", "data.trian_batch_size=4", env=cache)
+    assert "did you mean train_batch_size" in misspelt.stderr
+    missing = coordctl("start-run", "--local", f"actor_rollout_ref.model.path={tmp_path / 'nothing'}", env=cache)
+    assert missing.returncode == 2 and "actor_rollout_ref.model.path:" in missing.stderr and "not a folder" in missing.stderr
+    started = time.monotonic()
+    planned = coordctl("start-run", "--local", "--dry-run", "trainer.total_epochs=2", "~trainer.total_training_steps",
+                       env=cache)
+    assert planned.returncode == 0, planned.stderr
+    assert "would start on this machine: a coordinator, then a trainer, a rollout, a reward" in planned.stdout
+    assert "# read: 20000 training prompts, 256 held-out, 1250 steps" in planned.stdout  # 2 epochs of 625 steps
+    assert yaml.safe_load(planned.stdout.split("# read:")[0])["trainer"]["total_training_steps"] == 1250
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "meshrl-runs").exists()  # nothing started
+
+
+def test_init_gives_services_started_by_hand_a_run_that_works(tmp_path):
+    folder = tmp_path / "demo"
+    done = coordctl("init", str(folder), "--coordinator-host", "coord-host")
+    assert done.returncode == 0, done.stderr
+    assert "python -m services.coordinator host=0.0.0.0 port=7070" in done.stdout
+    assert f"export MESHRL_TOKEN_FILE={folder / 'token'}" in done.stdout
+    assert (folder / "token").stat().st_mode & 0o777 == 0o600
+    config = yaml.safe_load((folder / "run.yaml").read_text())
+    assert Path(config["actor_rollout_ref"]["model"]["path"]).is_dir() and "local" not in config
+    config["trainer"]["total_training_steps"] = 2
+    cluster = LocalCluster(tmp_path / "state")
+    try:
+        asyncio.run(cluster.start(timeout_s=120))
+        final, _, _ = asyncio.run(run_to_end(cluster.coordinator, yaml.safe_dump(config)))
+    finally:
+        cluster.stop()
+    assert final.state == "finished", final.error
+    assert (Path(final.run_dir) / "validation" / "step_000002.jsonl").exists()  # its held-out data came too
+
+
+@pytest.mark.parametrize("command", [["stop", "no-such-run"], ["status", "no-such-run"]])
+def test_a_run_that_is_not_there_is_named(tmp_path, command):
+    cluster = LocalCluster(tmp_path / "state", ())
+    try:
+        asyncio.run(cluster.start(timeout_s=60))
+        done = coordctl(*command, "--coordinator", cluster.coordinator)
+    finally:
+        cluster.stop()
+    assert done.returncode == 1 and "NOT_FOUND" in done.stderr and "no-such-run" in done.stderr
