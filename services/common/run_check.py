@@ -2,7 +2,9 @@
 batch sizes against the data, the sequence lengths against the model.
 
 coordctl runs it before it starts local services (and for --dry-run), the coordinator on every StartRun:
-each error names the config key, or the file and row, and a small dataset is read in well under a second.
+each error names the config key, or the file and row. The model folder, the files, their schema and the batch
+sizes are checked first, in a fraction of a second; the prompts' lengths need the tokenizer (transformers
+takes a few seconds to import).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.data import Prompt, load_prompts
+from services.common.data import Prompt, count_rows, load_prompts
 from services.common.models import load_tokenizer
 from services.common.run_config import RunConfig
 
@@ -64,6 +66,9 @@ def load_run_data(config: RunConfig) -> RunData:
     if config.use_critic and config.critic.model.path:
         check_model_folder(config.critic.model.path, "critic.model.path")
     data = config.data
+    if not config.trainer.val_only:  # the files and their schema first: they need no tokenizer (which takes seconds)
+        check_batch_sizes(config, count_rows(data.train_files, data.prompt_key, data.reward_fn_key))
+    count_rows(data.val_files, data.prompt_key, data.reward_fn_key)
     longest = data.max_prompt_length + data.max_response_length
     positions = model_config.get("max_position_embeddings")
     if positions is not None and longest > positions:

@@ -616,9 +616,10 @@ class RunConfig(Section):
 
     def require_paths(self) -> None:
         """Refuse a config that names no model or no data it needs (before anything starts)."""
+        hint = " (coordctl start-run --local builds a tiny model and data; coordctl init FOLDER writes them with a run config)"
         if not self.actor_rollout_ref.model.path:
-            raise ValueError("actor_rollout_ref.model.path: no model folder given")
+            raise ValueError(f"actor_rollout_ref.model.path: no model folder given{hint}")
         if not self.data.train_files and not self.trainer.val_only:
-            raise ValueError("data.train_files: no training data given")
+            raise ValueError(f"data.train_files: no training data given{hint}")
         if self.trainer.val_only and not self.data.val_files:
             raise ValueError("trainer.val_only validates on data.val_files, which is empty")

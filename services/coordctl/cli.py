@@ -78,12 +78,13 @@ def refused(error: grpc.aio.AioRpcError, coordinator: str) -> str:
     return f"the coordinator at {coordinator} refused: {code.name}: {error.details()}"
 
 
-def call(coordinator: str, method: str, *args):
-    """One call to the coordinator; exits with the reason if it fails."""
+def with_client(coordinator: str, work, on_interrupt: str = ""):
+    """``await work(client)`` with a client of the coordinator; exits with the reason if a call fails, and on
+    Ctrl-C with ``on_interrupt`` (when given)."""
     async def go():
         client = CoordinatorClient(coordinator)
         try:
-            return await getattr(client, method)(*args)
+            return await work(client)
         finally:
             await client.close()
 
@@ -92,6 +93,20 @@ def call(coordinator: str, method: str, *args):
         return asyncio.run(go())
     except grpc.aio.AioRpcError as error:
         raise fail(refused(error, coordinator), 1)
+    except KeyboardInterrupt:
+        if not on_interrupt:
+            raise
+        raise fail(f"\n{on_interrupt}", 130)
+
+
+def call(coordinator: str, method: str, *args):
+    """One call to the coordinator; exits with the reason if it fails."""
+    return with_client(coordinator, lambda client: getattr(client, method)(*args))
+
+
+def print_final(run: RunStatus) -> None:
+    typer.echo(f"run {run.run_id} {run.state} at step {run.step}/{run.total_steps}" + (f": {run.error}" if run.error
+                                                                                      else ""))
 
 
 def follow_run(begin, coordinator: str, services: tuple | None, state_dir: Path | None, detach: bool) -> RunStatus:
@@ -253,49 +268,27 @@ def status(run_id: str, coordinator: str = COORDINATOR) -> None:
 @app.command("watch")
 def watch(run_id: str, coordinator: str = COORDINATOR) -> None:
     """Follow a run's progress until it ends (Ctrl-C stops watching; the run goes on)."""
-    async def go():
-        client = CoordinatorClient(coordinator)
-        try:
-            return await follow(client, await client.get_run(run_id))
-        finally:
-            await client.close()
+    async def follow_it(client: CoordinatorClient) -> RunStatus:
+        return await follow(client, await client.get_run(run_id))
 
-    require_valid_security_settings()
-    try:
-        final = asyncio.run(go())
-    except grpc.aio.AioRpcError as error:
-        raise fail(refused(error, coordinator), 1)
-    except KeyboardInterrupt:
-        raise fail(f"\nstopped watching; the run goes on (coordctl stop {run_id} stops it)", 130)
-    typer.echo(f"run {final.run_id} {final.state} at step {final.step}/{final.total_steps}"
-               + (f": {final.error}" if final.error else ""))
+    print_final(with_client(coordinator, follow_it,
+                            f"stopped watching; the run goes on (coordctl stop {run_id} stops it)"))
 
 
 @app.command("stop")
 def stop(run_id: str, coordinator: str = COORDINATOR) -> None:
     """Stop a run at its next step boundary, where it saves a checkpoint; wait for it and print how it ended."""
-    async def go():
-        client = CoordinatorClient(coordinator)
-        try:
-            run = await client.stop_run(run_id)
-            if run.state not in FINAL_STATES:
-                typer.echo(f"run {run_id} stops at its next step boundary (now at step {run.step}); waiting "
-                           "(Ctrl-C stops waiting, not the stop)")
-                async for _ in client.watch(run_id, run.last_event_id):
-                    pass
-            return await client.get_run(run_id)
-        finally:
-            await client.close()
+    async def stop_it(client: CoordinatorClient) -> RunStatus:
+        run = await client.stop_run(run_id)
+        if run.state not in FINAL_STATES:
+            typer.echo(f"run {run_id} stops at its next step boundary (now at step {run.step}); waiting "
+                       "(Ctrl-C stops waiting, not the stop)")
+            async for _ in client.watch(run_id, run.last_event_id):
+                pass
+        return await client.get_run(run_id)
 
-    require_valid_security_settings()
-    try:
-        final = asyncio.run(go())
-    except grpc.aio.AioRpcError as error:
-        raise fail(refused(error, coordinator), 1)
-    except KeyboardInterrupt:
-        raise fail(f"\nstopped waiting; run {run_id} still stops at its next step boundary", 130)
-    typer.echo(f"run {final.run_id} {final.state} at step {final.step}/{final.total_steps}"
-               + (f": {final.error}" if final.error else ""))
+    print_final(with_client(coordinator, stop_it, f"stopped waiting; run {run_id} still stops at its next step "
+                                                  "boundary"))
 
 
 @app.command("export")

@@ -35,40 +35,41 @@ class TinyModelConfig(Section):
         return self
 
 
-class SyntheticTaskConfig(Section):
-    """The digit-reversal task (verl's data schema), generated when no training files are given."""
+class TaskConfig(Section):
+    """What a synthetic task generates: training rows, and held-out rows training never sees."""
 
     rows: PositiveInt = 20000
-    """Prompts generated."""
+    """Rows generated for training."""
+    seed: int = 1
+    """Seed of the generated rows (the held-out ones use seed + 1)."""
+    val_rows: int = Field(256, ge=0)
+    """Held-out rows for validation (data.val_files), drawn from what training never sees; 0 = none."""
+    held_out_share: float = Field(0.1, gt=0, lt=1)
+    """Share of everything the task can ask that is held out of training for validation."""
+
+
+class SyntheticTaskConfig(TaskConfig):
+    """The digit-reversal task (verl's data schema)."""
+
     min_digits: PositiveInt = 2
     """Fewest digits of a prompt."""
     max_digits: PositiveInt = 5
     """Most digits of a prompt."""
-    seed: int = 1
-    """Seed of the generated digits."""
-    val_rows: int = Field(256, ge=0)
-    """Held-out prompts for validation (data.val_files), drawn from strings training never sees; 0 = none."""
-    held_out_share: float = Field(0.1, gt=0, lt=1)
-    """Share of all digit strings held out of training for validation."""
 
 
-class ArithmeticTaskConfig(Section):
+class ArithmeticTaskConfig(TaskConfig):
     """Multi-step arithmetic as word problems, answered GSM8K's way ("... #### 14") and scored by its rule."""
 
     rows: PositiveInt = 50000
     """Problems generated for training."""
+    val_rows: int = Field(512, ge=0)
+    """Held-out problems for validation (data.val_files), never among the training problems; 0 = none."""
     min_steps: PositiveInt = 1
     """Fewest operations of a problem (adding, giving away, multiplying by 2 to 4)."""
     max_steps: PositiveInt = 3
     """Most operations of a problem."""
     largest: PositiveInt = 20
     """Largest number a problem starts with or adds."""
-    seed: int = 1
-    """Seed of the generated problems."""
-    val_rows: int = Field(512, ge=0)
-    """Held-out problems for validation (data.val_files), never among the training problems; 0 = none."""
-    held_out_share: float = Field(0.1, gt=0, lt=1)
-    """Share of all problems held out of training for validation."""
 
 
 class LocalConfig(Section):

@@ -98,7 +98,8 @@ def test_the_services_own_channels_and_coordctl_speak_mtls(tls_cluster):
     assert asyncio.run(reward_info()) == "reward"
     listed = CliRunner().invoke(app, ["services", "--coordinator", tls_cluster.coordinator])
     assert listed.exit_code == 0, listed.output
-    assert listed.output.startswith("reward ") and " up " in listed.output
+    header, row = listed.output.splitlines()
+    assert header.startswith("KIND") and row.startswith("reward ") and " up " in row
 
 
 def test_a_plaintext_client_is_refused(tls_cluster):
