@@ -3,7 +3,8 @@
 The token comes from ``MESHRL_TOKEN`` or from the file named by
 ``MESHRL_TOKEN_FILE`` (read once, never logged). With neither set the
 cluster runs open, as a single-user loopback setup may; ``coordctl
-start-run --local`` always makes a token for its own services. The gRPC
+start-run --local`` always makes a token for its own services (in its
+state folder's ``token`` file). The gRPC
 health service answers without a token, so that supervisors can probe.
 
 mTLS comes on with ``MESHRL_TLS_CERT``, ``MESHRL_TLS_KEY`` and
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import hmac
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,14 @@ def cluster_token() -> str | None:
         if not token:
             raise ValueError(f"MESHRL_TOKEN_FILE {path} is empty")
     return token or None
+
+
+def write_token(path: Path) -> Path:
+    """A fresh cluster token in ``path``, readable by its owner only (as ``MESHRL_TOKEN_FILE`` it is then read)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(secrets.token_urlsafe(32) + "\n")
+    return path
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Optional
 import grpc
 import typer
 
-from services.common.auth import cluster_tls, cluster_token
+from services.common.auth import cluster_tls, cluster_token, write_token
 from services.common.config import ConfigError, apply_overrides, to_yaml, validate
 from services.common.run_config import RunConfig
 from services.coordctl.config import LocalConfig
@@ -202,9 +201,7 @@ def init(
     config = validate(RunConfig, apply_overrides(defaults, [
         f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]"]))
     (folder / "run.yaml").write_text(to_yaml(config))
-    token = folder / "token"
-    token.write_text(secrets.token_urlsafe(32) + "\n")
-    token.chmod(0o600)
+    token = write_token(folder / "token")
     coordinator = f"{coordinator_host}:{port}"
     typer.echo(f"""wrote {folder / 'run.yaml'}, {model}, {train.parent}, {token}
 

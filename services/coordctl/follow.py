@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import re
 import signal
 import sys
@@ -187,12 +188,20 @@ async def run_local(begin, state_dir: Path, services: tuple) -> RunStatus:
     try:
         typer.echo(f"starting the local services (logs in {cluster.log_dir})")
         await cluster.start()
-        typer.echo(f"coordinator at {cluster.coordinator}: more services can join it, e.g. "
-                   f"python -m services.reward --coordinator {cluster.coordinator} group=b")
+        typer.echo(how_to_reach(cluster.coordinator))
         return await begin_and_follow(cluster.coordinator, begin, detach=False, stop_on_interrupt=True,
                                       resume_hint=f"coordctl resume --local --state-dir {state_dir}")
     finally:
         cluster.stop()
+
+
+def how_to_reach(coordinator: str) -> str:
+    """How another terminal reaches the local cluster: its address and its token file (or the user's token)."""
+    token_file = os.environ.get("MESHRL_TOKEN_FILE")
+    token = f"MESHRL_TOKEN_FILE={token_file}" if token_file else "MESHRL_TOKEN (yours)"
+    return (f"coordinator at {coordinator}; from another terminal, with {token}:\n"
+            f"    coordctl runs --coordinator {coordinator}                      # and status RUN, stop RUN\n"
+            f"    python -m services.reward --coordinator {coordinator} group=b  # one more service joins")
 
 
 def print_summary(run: RunStatus, lines: list[dict], seconds: float, state_dir: Path | None) -> None:

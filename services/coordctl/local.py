@@ -7,7 +7,9 @@
    (on 2 cores, several torch processes with 2 threads each slow each other
    3-20x), each logging to ``<state_dir>/logs/<kind>.log``.
 3. Make a fresh cluster token (unless MESHRL_TOKEN or MESHRL_TOKEN_FILE is
-   set) that the services demand and this process's clients present.
+   set) that the services demand and this process's clients present, in
+   ``<state_dir>/token`` (mode 0600), so that ``coordctl status`` in another
+   terminal, or a service started by hand, can present it too.
 4. Stop them all on the way out, the coordinator first (SIGTERM, then
    SIGKILL after a grace period); a child also gets SIGTERM if coordctl
    itself dies. The children run in their own session, so Ctrl-C in the
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.auth import cluster_token
+from services.common.auth import cluster_token, write_token
 from services.common.run_config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient
@@ -121,8 +122,8 @@ class LocalCluster:
         self.log_level = log_level
         self.coordinator = f"127.0.0.1:{free_port()}"
         self.processes: dict[str, subprocess.Popen] = {}
-        if cluster_token() is None:  # the local services take calls from this process and its children only
-            os.environ["MESHRL_TOKEN"] = secrets.token_urlsafe(32)
+        if cluster_token() is None:  # the local services take calls from holders of the token file only
+            os.environ["MESHRL_TOKEN_FILE"] = str(write_token(state_dir / "token"))
             cluster_token.cache_clear()
 
     def _spawn(self, name: str, kind: str, *settings: str, env: tuple[tuple[str, str], ...] = (),

@@ -311,8 +311,8 @@ class RunManager:
         start), or STOPPED if the run was stopped meanwhile."""
         reason = failure.details() if isinstance(failure, grpc.aio.AioRpcError) else str(failure)
         checkpoint = self.store.last_checkpoint(run_id)
+        self._rewind(run_id, run_dir, checkpoint.step if checkpoint else 0)  # before the state: it clears the error
         self._set_state(run_id, "waiting", f"{type(failure).__name__}: {reason}")
-        self._rewind(run_id, run_dir, checkpoint.step if checkpoint else 0)
         where = f"the checkpoint of step {checkpoint.step}" if checkpoint else "the start"
         self.store.add_event(run_id, "log", checkpoint.step if checkpoint else 0, "",
                              f"a service failed ({reason}); waiting for the services, then going on from {where} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -93,6 +94,46 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path):
     assert f"run {run_id} " in output and f", from step {checkpoint}" in output
     assert f"| {checkpoint}/400 [" in output  # the progress bar starts where the run goes on, not at step 1
     assert "| 1/400 [" not in output
+
+
+def read_until(process: subprocess.Popen, text: str) -> str:
+    """The output of ``process`` up to the line holding ``text``, and that line's following two (read as it comes)."""
+    lines: list[str] = []
+    while not any(text in line for line in lines[:-2]) or len(lines) < 3:
+        line = process.stdout.readline().decode()
+        assert line, "".join(lines)[-2000:]
+        lines.append(line)
+    return "".join(lines)
+
+
+def test_another_terminal_sees_the_local_run_and_what_it_waits_for(tmp_path):
+    state_dir = tmp_path / "state"
+    process = start_local(state_dir, tmp_path / "cache")
+    try:
+        said = read_until(process, "from another terminal")
+        coordinator = re.search(r"coordinator at (\S+);", said).group(1)
+        assert f"MESHRL_TOKEN_FILE={state_dir.resolve() / 'token'}" in said
+        assert (state_dir / "token").stat().st_mode & 0o777 == 0o600
+        wait_for_step(state_dir, 3, process)
+        terminal = {name: value for name, value in os.environ.items() if not name.startswith("MESHRL_TOKEN")}
+        terminal["MESHRL_TOKEN_FILE"] = str(state_dir / "token")
+        runs = subprocess.run([*COORDCTL, "runs", "--coordinator", coordinator], capture_output=True, text=True,
+                              env=terminal, timeout=60)
+        assert " running " in runs.stdout, runs.stderr
+        run_id = runs.stdout.splitlines()[1].split()[0]
+        trainer = subprocess.run(["pgrep", "-P", str(process.pid), "-f", "services.trainer"], capture_output=True,
+                                 text=True).stdout.split()
+        os.kill(int(trainer[0]), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "waiting for: Unavailable: the trainer at" not in (status := subprocess.run(
+                [*COORDCTL, "status", run_id, "--coordinator", coordinator], capture_output=True, text=True,
+                env=terminal, timeout=60).stdout):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.5)
+        assert f"{run_id}  waiting  step 0/400" in status  # no checkpoint yet: it goes on from the start
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=120)
 
 
 def test_a_newcomers_mistakes_get_true_messages(tmp_path):
