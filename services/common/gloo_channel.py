@@ -17,6 +17,7 @@ connection of the group.
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 
 import torch
@@ -32,6 +33,15 @@ def prepare_gloo_rendezvous(host: str, timeout_s: float) -> tuple[dist.TCPStore,
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     return store, f"{host}:{store.port}".encode()
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to ``host``: where the other members, which reach ``host``, reach
+    this one too (the rendezvous host is the root's; a member on another machine cannot listen on it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # a UDP connect only picks the route and source address: nothing is sent
+        return probe.getsockname()[0]
 
 
 POKE_TAG = (1 << 31) - 1  # a point-to-point tag that no transfer uses: nothing ever receives a poke
@@ -54,7 +64,7 @@ class GlooChannel:
         store = dist.PrefixStore(f"channel/{channel_id}/", dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_towards(host))]
         try:
             self._group = dist.ProcessGroupGloo(store, rank, world_size, options)
         except dist.DistStoreError as error:

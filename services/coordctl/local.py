@@ -126,15 +126,18 @@ class LocalCluster:
             os.environ["MESHRL_TOKEN_FILE"] = str(write_token(state_dir / "token"))
             cluster_token.cache_clear()
 
+    def command(self, name: str, kind: str, settings: tuple[str, ...], ranks: int) -> list[str]:
+        """The command line that starts service ``name`` (bound to loopback)."""
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+        return [sys.executable, *launcher, "-m", f"services.{kind}", "host=127.0.0.1", f"log_level={self.log_level}",
+                *settings]
+
     def _spawn(self, name: str, kind: str, *settings: str, env: tuple[tuple[str, str], ...] = (),
                ranks: int = 1) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.log_dir / f"{name}.log").open("ab")
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-        command = [sys.executable, *launcher, "-m", f"services.{kind}", "host=127.0.0.1", f"log_level={self.log_level}",
-                   *settings]
         self.processes[name] = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.command(name, kind, settings, ranks), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **CHILD_ENV, "MESHRL_PARENT_PID": str(os.getpid()), **dict(env)},
             start_new_session=True,  # a terminal's Ctrl-C reaches coordctl only, which stops the run first
         )

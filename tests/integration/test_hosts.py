@@ -1,0 +1,148 @@
+"""The mesh over four hosts (network namespaces on one machine, tests/integration/hosts.py), as a cluster runs:
+the coordinator and a reward service on one host, the trainer on a second, a rollout on each of a third and a
+fourth; the cluster token and mTLS on; every service bound to its own host's address. A GRPO run crosses the
+hosts (weights from the trainer's host to both rollout hosts), then survives a rollout host and the trainer
+host losing their network for a while, with every step once and every sample there."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from services.common.auth import cluster_tls, cluster_token, write_token
+from services.coordinator.clients import RolloutClient
+from services.coordctl.cli import app
+from services.coordctl.control import CoordinatorClient
+from services.coordctl.local import ServiceSpec
+from tests.integration.hosts import HostCluster, Hosts, unavailable
+from tests.integration.test_faults import LogTail, check_nothing_lost
+from tests.integration.test_grpo_run import run_config
+
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"no hosts to run on: {unavailable()}")
+
+HOSTS = ("coord", "train", "gen1", "gen2")
+PLACEMENT = {"coordinator": "coord", "reward": "coord", "trainer": "train", "rollout-1": "gen1", "rollout-2": "gen2"}
+SERVICES = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout"), ServiceSpec("reward"))
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with Hosts(*HOSTS) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory, hosts):
+    """A CA and a certificate per host, naming the host and its address; one for this test process too."""
+    folder = tmp_path_factory.mktemp("certs") / "cluster"
+    specs = [f"{name},{hosts.address(name)}" for name in HOSTS] + ["tester"]
+    done = CliRunner().invoke(app, ["certs", str(folder), *[arg for spec in specs for arg in ("--host", spec)]])
+    assert done.exit_code == 0, done.output
+    return folder
+
+
+@pytest.fixture
+def make_cluster(tmp_path, hosts, certs, monkeypatch):
+    """A HostCluster on ``hosts`` with a fresh token; this process holds the token and the tester's certificate."""
+    monkeypatch.setenv("MESHRL_TOKEN_FILE", str(write_token(tmp_path / "token")))
+    monkeypatch.delenv("MESHRL_TOKEN", raising=False)
+    monkeypatch.setenv("MESHRL_TLS_CERT", str(certs / "tester.pem"))
+    monkeypatch.setenv("MESHRL_TLS_KEY", str(certs / "tester-key.pem"))
+    monkeypatch.setenv("MESHRL_TLS_CA", str(certs / "ca.pem"))
+    cluster_token.cache_clear()
+    cluster_tls.cache_clear()
+    clusters = []
+
+    def make(*services: ServiceSpec) -> HostCluster:
+        cluster = HostCluster(tmp_path / "state", hosts, certs, PLACEMENT, services or SERVICES)
+        clusters.append(cluster)
+        asyncio.run(cluster.start(timeout_s=120))
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+    for host in HOSTS:
+        hosts.reconnect(host)
+    cluster_token.cache_clear()
+    cluster_tls.cache_clear()
+
+
+def addresses(cluster: HostCluster) -> dict[str, str]:
+    """Each service's registered address, by the name the cluster gave it."""
+
+    async def listed():
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            return await client.list_services()
+        finally:
+            await client.close()
+
+    by_address = {s.address: s for s in asyncio.run(listed())}
+    names = {}
+    for name, host in PLACEMENT.items():
+        if name != "coordinator":
+            [address] = [a for a, s in by_address.items() if a.startswith(cluster.hosts.address(host) + ":")
+                         and s.kind == name.partition("-")[0]]
+            names[name] = address
+    return names
+
+
+def answers_on_loopback(hosts: Hosts, host: str, port: int) -> bool:
+    """Whether anything listens on 127.0.0.1:``port`` in ``host`` (a service bound to 0.0.0.0 or loopback would)."""
+    probe = (f"import socket\ntry:\n socket.create_connection(('127.0.0.1', {port}), timeout=5)\nexcept OSError:\n"
+             f" raise SystemExit(1)")
+    return subprocess.run(hosts.command(host, [sys.executable, "-c", probe])).returncode == 0
+
+
+async def run_and_watch(cluster: HostCluster, config: str, during=None):
+    """Start the run, call ``during(client, run_id, messages)`` beside it if given; the final state, messages."""
+    client = CoordinatorClient(cluster.coordinator)
+    messages: list[str] = []
+    try:
+        started = await client.start_run(config)
+
+        async def watch():
+            async for update in client.watch(started.run_id):
+                messages.append(update.message)
+
+        await asyncio.gather(watch(), *([during(client, started.run_id, messages)] if during else []))
+        return await client.get_run(started.run_id), messages
+    finally:
+        await client.close()
+
+
+async def weight_versions(addresses_: list[str]) -> list[int]:
+    clients = [RolloutClient(address) for address in addresses_]
+    try:
+        return [(await client.info()).weight_version for client in clients]
+    finally:
+        await asyncio.gather(*(client.close() for client in clients))
+
+
+def test_a_grpo_run_across_four_hosts_with_token_and_mtls(make_cluster, tiny_model, reverse_data):
+    steps = 4
+    cluster = make_cluster()
+    placed = addresses(cluster)
+    for name, address in placed.items():
+        host = PLACEMENT[name]
+        assert address.startswith(cluster.hosts.address(host) + ":")
+        assert not answers_on_loopback(cluster.hosts, host, int(address.rpartition(":")[2])), name
+    assert not answers_on_loopback(cluster.hosts, "coord", int(cluster.coordinator.rpartition(":")[2]))
+
+    final, messages = asyncio.run(run_and_watch(cluster, run_config(
+        tiny_model, reverse_data, trainer__total_training_steps=steps)))
+    rows = check_nothing_lost(cluster, final, steps)
+    rollouts = [placed["rollout-1"], placed["rollout-2"]]
+    channel = next(m for m in messages if m.startswith("weight channel"))
+    assert all(address in channel for address in rollouts)  # one channel from the trainer's host to both
+    for step in range(1, steps + 1):
+        assert all(rows[step][f"rollout/samples_by/{address}"] > 0 for address in rollouts)  # both served
+    # both rollout hosts hold the weights of the last step: they came over the wire from the trainer's host
+    assert asyncio.run(weight_versions(rollouts)) == [rows[steps]["training/weight_version"]] * 2
+    received = [e for e in LogTail(cluster, "rollout-2").read() if e["event"] == "weights_received"]
+    assert len(received) >= steps
