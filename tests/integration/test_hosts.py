@@ -146,3 +146,54 @@ def test_a_grpo_run_across_four_hosts_with_token_and_mtls(make_cluster, tiny_mod
     assert asyncio.run(weight_versions(rollouts)) == [rows[steps]["training/weight_version"]] * 2
     received = [e for e in LogTail(cluster, "rollout-2").read() if e["event"] == "weights_received"]
     assert len(received) >= steps
+
+
+def test_a_rollout_host_cut_off_mid_run_is_left_out_then_taken_back_in_synced(make_cluster, tiny_model, reverse_data):
+    steps, cut_at = 24, 3
+    one_at_a_time = ServiceSpec("rollout", settings=("batch_size=1",))  # the cut lands inside its share of a step
+    cluster = make_cluster(ServiceSpec("trainer"), one_at_a_time, one_at_a_time, ServiceSpec("reward"))
+    cut = addresses(cluster)["rollout-2"]
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps, data__max_response_length=16)
+
+    async def pull_the_cable(client, run_id, messages):
+        await LogTail(cluster, "rollout-2").wait_for("generating", cut_at)
+        cluster.hosts.cut("gen2")
+        while not any(m.startswith(f"rollout {cut} left the run") for m in messages):
+            await asyncio.sleep(0.2)
+        cluster.hosts.reconnect("gen2")
+
+    final, messages = asyncio.run(run_and_watch(cluster, config, pull_the_cable))
+    rows = check_nothing_lost(cluster, final, steps)
+    left = next(i for i, m in enumerate(messages) if m.startswith(f"rollout {cut} left the run"))
+    assert any(f"taken in: {cut}" in message for message in messages[left:])
+    serving = [step for step in rows if f"rollout/samples_by/{cut}" in rows[step]]
+    back = [step for step in serving if step > cut_at]
+    assert back and back == list(range(back[0], steps + 1)), "back in at a boundary, then every step"
+    assert back[0] - 1 not in serving  # it was out for a while
+    # check_nothing_lost saw every sample of every step generated with the weights of the step before (the
+    # least weight version over the step's samples): so it was synced before it served again
+    assert asyncio.run(weight_versions([cut])) == [rows[steps]["training/weight_version"]]
+
+def test_the_trainer_host_cut_off_past_the_heartbeat_window_the_run_waits_and_resumes(
+        make_cluster, tiny_model, reverse_data):
+    steps, cut_at = 10, 4
+    cluster = make_cluster()
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps, trainer__save_freq=2,
+                        trainer__channel_timeout_s=10)
+    states = []
+
+    async def pull_the_cable(client, run_id, messages):
+        await LogTail(cluster, "trainer").wait_for("actor_updated", cut_at)
+        cluster.hosts.cut("train")
+        while (run := await client.get_run(run_id)).state != "waiting":
+            await asyncio.sleep(0.2)
+        states.append(run)
+        await asyncio.sleep(8)  # past the heartbeat window (5 s): the trainer is down, not just slow
+        states.append(await client.get_run(run_id))
+        cluster.hosts.reconnect("train")
+
+    final, messages = asyncio.run(run_and_watch(cluster, config, pull_the_cable))
+    check_nothing_lost(cluster, final, steps)
+    assert [s.state for s in states] == ["waiting", "waiting"]
+    assert "the trainer at" in states[0].error
+    assert any("then going on from the checkpoint of step" in message for message in messages)
