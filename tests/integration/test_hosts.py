@@ -7,8 +7,14 @@ host losing their network for a while, with every step once and every sample the
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
+import sqlite3
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -17,15 +23,16 @@ from services.common.auth import cluster_tls, cluster_token, write_token
 from services.coordinator.clients import RolloutClient
 from services.coordctl.cli import app
 from services.coordctl.control import CoordinatorClient
-from services.coordctl.local import ServiceSpec
+from services.coordctl.local import CHILD_ENV, ServiceSpec
 from tests.integration.hosts import HostCluster, Hosts, unavailable
 from tests.integration.test_faults import LogTail, check_nothing_lost
 from tests.integration.test_grpo_run import run_config
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"no hosts to run on: {unavailable()}")
 
-HOSTS = ("coord", "train", "gen1", "gen2")
-PLACEMENT = {"coordinator": "coord", "reward": "coord", "trainer": "train", "rollout-1": "gen1", "rollout-2": "gen2"}
+HOSTS = ("node1", "node2", "node3", "node4")  # as README "Running on a cluster" names them
+PLACEMENT = {"coordinator": "node1", "reward": "node1", "trainer": "node2", "rollout-1": "node3", "rollout-2": "node4"}
+README = Path(__file__).resolve().parents[2] / "README.md"
 SERVICES = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout"), ServiceSpec("reward"))
 
 
@@ -132,7 +139,7 @@ def test_a_grpo_run_across_four_hosts_with_token_and_mtls(make_cluster, tiny_mod
         host = PLACEMENT[name]
         assert address.startswith(cluster.hosts.address(host) + ":")
         assert not answers_on_loopback(cluster.hosts, host, int(address.rpartition(":")[2])), name
-    assert not answers_on_loopback(cluster.hosts, "coord", int(cluster.coordinator.rpartition(":")[2]))
+    assert not answers_on_loopback(cluster.hosts, "node1", int(cluster.coordinator.rpartition(":")[2]))
 
     final, messages = asyncio.run(run_and_watch(cluster, run_config(
         tiny_model, reverse_data, trainer__total_training_steps=steps)))
@@ -157,10 +164,10 @@ def test_a_rollout_host_cut_off_mid_run_is_left_out_then_taken_back_in_synced(ma
 
     async def pull_the_cable(client, run_id, messages):
         await LogTail(cluster, "rollout-2").wait_for("generating", cut_at)
-        cluster.hosts.cut("gen2")
+        cluster.hosts.cut("node4")
         while not any(m.startswith(f"rollout {cut} left the run") for m in messages):
             await asyncio.sleep(0.2)
-        cluster.hosts.reconnect("gen2")
+        cluster.hosts.reconnect("node4")
 
     final, messages = asyncio.run(run_and_watch(cluster, config, pull_the_cable))
     rows = check_nothing_lost(cluster, final, steps)
@@ -184,16 +191,77 @@ def test_the_trainer_host_cut_off_past_the_heartbeat_window_the_run_waits_and_re
 
     async def pull_the_cable(client, run_id, messages):
         await LogTail(cluster, "trainer").wait_for("actor_updated", cut_at)
-        cluster.hosts.cut("train")
+        cluster.hosts.cut("node2")
         while (run := await client.get_run(run_id)).state != "waiting":
             await asyncio.sleep(0.2)
         states.append(run)
         await asyncio.sleep(8)  # past the heartbeat window (5 s): the trainer is down, not just slow
         states.append(await client.get_run(run_id))
-        cluster.hosts.reconnect("train")
+        cluster.hosts.reconnect("node2")
 
     final, messages = asyncio.run(run_and_watch(cluster, config, pull_the_cable))
     check_nothing_lost(cluster, final, steps)
     assert [s.state for s in states] == ["waiting", "waiting"]
     assert "the trainer at" in states[0].error
     assert any("then going on from the checkpoint of step" in message for message in messages)
+
+
+def readme_cluster_commands() -> list[tuple[str, list[str]]]:
+    """README "Running on a cluster"'s hand-start block: (the comment that says where, its commands), in order."""
+    text = README.read_text()
+    section = text[text.index("### By hand, machine by machine"):]
+    block = re.search(r"\n\n((?: {4}.*\n)+)", section).group(1)
+    parts: list[tuple[str, list[str]]] = []
+    for line in (line[4:] for line in block.splitlines()):
+        if line.startswith("# "):
+            parts.append((line[2:], []))
+        else:
+            parts[-1][1].append(line)
+    return parts
+
+
+def on_hosts(where: str) -> list[str]:
+    """The hosts a README comment names (``on node3 and on node4``); the last host for ``any machine``."""
+    return re.findall(r"node\d", where.partition(":")[0]) or ([HOSTS[-1]] if "any machine" in where else [])
+
+
+def test_the_readmes_cluster_commands_run_as_written_machine_by_machine(hosts, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {name: value for name, value in os.environ.items() if not name.startswith("MESHRL_")}
+    env.update(HOME=str(home), PATH=f"{Path(sys.executable).parent}:{env['PATH']}", **CHILD_ENV)
+    parts = readme_cluster_commands()
+    [(once, setup), (every, exports), *starts, (then, checks)] = parts
+    assert (on_hosts(once), "every machine" in every, on_hosts(then)) == (["node1"], True, ["node4"]), parts
+
+    def shell(host: str, commands: list[str], **options) -> subprocess.Popen:
+        script = "set -e\n" + "\n".join([*exports, *commands, "wait"])
+        return subprocess.Popen(hosts.command(host, ["bash", "-c", script]), cwd=home, env=env,
+                                start_new_session=True, **options)
+
+    done = shell("node1", setup, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert done.wait(timeout=300) == 0, done.stdout.read().decode()
+    running = [shell(host, commands) for where, commands in starts for host in on_hosts(where)]
+    try:
+        assert sorted(h for where, _ in starts for h in on_hosts(where)) == ["node1", "node2", "node3", "node4"]
+        listed = ""
+        deadline = time.monotonic() + 120
+        while listed.count(" up ") < 4:  # a person would look until all four are up, as this does
+            assert time.monotonic() < deadline, listed
+            time.sleep(1)
+            probe = shell("node4", [checks[0]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            listed = probe.communicate(timeout=60)[0].decode()
+        for host in HOSTS:
+            assert host in listed  # every service registered under its machine's name
+        final = shell("node4", checks, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        output = final.communicate(timeout=600)[0].decode()
+        assert final.returncode == 0, output[-3000:]
+        assert "(finished, 20/20 steps" in output
+    finally:
+        for process in running:
+            os.killpg(process.pid, signal.SIGTERM)
+        for process in running:
+            process.wait(timeout=60)
+    with sqlite3.connect(home / "meshrl-demo" / "state" / "meshrl.db") as db:
+        steps = [s for (s,) in db.execute("SELECT step FROM steps ORDER BY step")]
+    assert steps == list(range(0, 21))  # step 0: the validation before training
