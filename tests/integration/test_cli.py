@@ -33,11 +33,16 @@ def steps_done(state_dir: Path) -> int:
     return max((line["step"] for line in lines if "critic/score/mean" in line), default=0)
 
 
+def terminal_env(**changes: str) -> dict[str, str]:
+    """A user's fresh terminal: no cluster token set (this test process may hold one from an earlier test)."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("MESHRL_TOKEN")}, **changes}
+
+
 def start_local(state_dir: Path, cache: Path, *overrides: str) -> subprocess.Popen:
     """coordctl start-run --local writing into a pipe, as `... | tee log` does."""
     return subprocess.Popen([*COORDCTL, "start-run", "--local", "trainer.total_training_steps=400",
                              "trainer.test_freq=-1", "--state-dir", str(state_dir), *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "MESHRL_CACHE": str(cache)})
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=terminal_env(MESHRL_CACHE=str(cache)))
 
 
 def wait_for_step(state_dir: Path, step: int, process: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -86,7 +91,7 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path):
     assert state in ("stopped", "interrupted") and not [m for _, _, m in events if "recovery" in m]
     resumed = subprocess.Popen([*COORDCTL, "resume", "--local", "--state-dir", str(state_dir), run_id],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env={**os.environ, "MESHRL_CACHE": str(tmp_path / "cache")})
+                               env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
     wait_for_step(state_dir, step + 2, resumed)
     resumed.send_signal(signal.SIGINT)
     output = resumed.communicate(timeout=120)[0].decode()
@@ -115,8 +120,7 @@ def test_another_terminal_sees_the_local_run_and_what_it_waits_for(tmp_path):
         assert f"MESHRL_TOKEN_FILE={state_dir.resolve() / 'token'}" in said
         assert (state_dir / "token").stat().st_mode & 0o777 == 0o600
         wait_for_step(state_dir, 3, process)
-        terminal = {name: value for name, value in os.environ.items() if not name.startswith("MESHRL_TOKEN")}
-        terminal["MESHRL_TOKEN_FILE"] = str(state_dir / "token")
+        terminal = terminal_env(MESHRL_TOKEN_FILE=str(state_dir / "token"))
         runs = subprocess.run([*COORDCTL, "runs", "--coordinator", coordinator], capture_output=True, text=True,
                               env=terminal, timeout=60)
         assert " running " in runs.stdout, runs.stderr
