@@ -24,14 +24,20 @@ import torch
 import torch.distributed as dist
 
 
-def prepare_gloo_rendezvous(host: str, timeout_s: float) -> tuple[dist.TCPStore, bytes]:
-    """Open the store that a gloo channel meets at, on a free port of ``host``.
+def prepare_gloo_rendezvous(host: str, timeout_s: float, listen_host: str | None = None
+                            ) -> tuple[dist.TCPStore, bytes]:
+    """Open the store that a gloo channel meets at, where members reach it at ``host``, on a free port of
+    ``listen_host`` (default ``host``): the address the service itself is bound to, since a store bound to
+    every interface would take anyone's keys from any network.
 
     Returns the store (keep it alive until the channel is joined) and its
     address as the rendezvous bytes that members pass to ``GlooChannel``.
     """
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    listen_host = listen_host or host
+    listener = socket.create_server((listen_host, 0), family=socket.AF_INET6 if ":" in listen_host else socket.AF_INET,
+                                    backlog=128)
+    store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
     return store, f"{host}:{store.port}".encode()
 
 

@@ -189,7 +189,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if request.backend == "nccl":
             return trainer_pb2.PrepareChannelResponse(rendezvous=await asyncio.to_thread(new_unique_id))
         host = self.identity.address.rpartition(":")[0] or socket.gethostname()
-        store, rendezvous = await asyncio.to_thread(prepare_gloo_rendezvous, host, 60.0)
+        store, rendezvous = await asyncio.to_thread(prepare_gloo_rendezvous, host, 60.0, self.config.host)
         self.stores[request.channel_id] = store
         return trainer_pb2.PrepareChannelResponse(rendezvous=rendezvous)
 
