@@ -2,10 +2,12 @@
 
 The token comes from ``MESHRL_TOKEN`` or from the file named by
 ``MESHRL_TOKEN_FILE`` (read once, never logged). With neither set the
-cluster runs open, as a single-user loopback setup may; ``coordctl
-start-run --local`` always makes a token for its own services (in its
-state folder's ``token`` file). The gRPC
-health service answers without a token, so that supervisors can probe.
+cluster runs open, as a single-user loopback setup may: a service asked to
+listen beyond loopback (``is_loopback``) without a token refuses to start
+unless its ``allow_open`` setting says so. ``coordctl start-run --local``
+always makes a token for its own services (in its state folder's ``token``
+file). The gRPC health service answers without a token, so that
+supervisors can probe.
 
 mTLS comes on with ``MESHRL_TLS_CERT``, ``MESHRL_TLS_KEY`` and
 ``MESHRL_TLS_CA``: the paths of this process's PEM certificate, its private
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import functools
 import hmac
+import ipaddress
 import os
 import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +47,32 @@ def cluster_token() -> str | None:
         if not token:
             raise ValueError(f"MESHRL_TOKEN_FILE {path} is empty")
     return token or None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` listens on loopback only: ``host`` is an address in 127.0.0.0/8 or ::1
+    (also bracketed, or IPv4-mapped), or a name every address of which is one (gRPC binds them all). The
+    wildcards 0.0.0.0 and ::, an empty host, any other address, and a name that does not resolve are not."""
+    name = host.strip()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    if not name:
+        return False
+    try:
+        return _is_loopback_address(name)
+    except ValueError:  # a name, not an address
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(addresses) and all(_is_loopback_address(address) for address in addresses)
+
+
+def _is_loopback_address(text: str) -> bool:
+    address = ipaddress.ip_address(text)
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 (Python 3.11 does not call it loopback)
+    return (mapped or address).is_loopback
 
 
 def write_token(path: Path) -> Path:

@@ -157,7 +157,11 @@ class ServeConfig(Section):
     """Where a service process listens and whom it reports to (every service has these)."""
 
     host: str = "127.0.0.1"
-    """Interface to bind; 0.0.0.0 for every interface."""
+    """Interface to bind; 0.0.0.0 for every interface. Beyond loopback the service demands a cluster token
+    (MESHRL_TOKEN_FILE or MESHRL_TOKEN) and refuses to start without one, unless allow_open says otherwise."""
+    allow_open: bool = False
+    """Serve without a cluster token on a host beyond loopback (0.0.0.0, a LAN address or name): anyone who
+    reaches the port may call every RPC. Only for a network no one else uses; a token is the fix otherwise."""
     port: int = Field(0, ge=0, le=65535)
     """Port to bind; 0 picks a free one (the registry then tells the coordinator)."""
     coordinator: str = ""

@@ -2,6 +2,8 @@
 
 Every service's ``__main__`` builds its servicer and calls ``run_service``,
 which:
+0. refuses to start (exit code 2), before it binds, when it would listen
+   beyond loopback without a cluster token and ``allow_open`` is not set;
 1. starts a grpc.aio server (on uvloop) with the error interceptor, the
    token check and the standard health service, on the configured host and
    port (0 = any free port), over mTLS when it is configured;
@@ -33,11 +35,11 @@ from services.common.cli import log_config, parse_service_config
 from services.common.config import ServeConfig
 from services.common.errors import ErrorInterceptor
 from services.common.logging import configure_logging
-from services.common.auth import TokenServerInterceptor, cluster_token, server_credentials
+from services.common.auth import TokenServerInterceptor, cluster_token, is_loopback, server_credentials
 from services.common.rpc import SERVER_OPTIONS, open_channel
 
 PROTOCOL_VERSION = 1
-TOKEN_REFUSED_EXIT_CODE = 2
+REFUSED_EXIT_CODE = 2  # the token refused, or an open bind refused: restarting mends neither
 REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 Config = TypeVar("Config", bound=ServeConfig)
 log = structlog.get_logger()
@@ -180,11 +182,32 @@ def die_with_parent() -> None:
         sys.exit(f"launcher {parent} is gone")
 
 
+def refuse_open_bind(kind: str, config: ServeConfig) -> None:
+    """Exit (code 2) if the service would listen beyond loopback with no cluster token, unless ``allow_open``
+    asks for exactly that; say both fixes."""
+    try:
+        token = cluster_token()
+    except ValueError as error:  # MESHRL_TOKEN_FILE unreadable or empty
+        sys.exit(f"{kind}: cannot start: {error}")
+    if token is not None or is_loopback(config.host):
+        return
+    if config.allow_open:
+        log.warning("serving_open", host=config.host, reason="allow_open=true and no cluster token")
+        return
+    fix = ("set MESHRL_TOKEN_FILE to a file holding the cluster's token (or MESHRL_TOKEN to the token), or set "
+           "allow_open=true to serve without one on purpose")
+    log.error("open_bind_refused", host=config.host, fix=fix)
+    sys.stderr.write(f"{kind}: cannot start: host={config.host} listens beyond loopback and no cluster token is "
+                     f"set, so anyone who can reach this machine could call every RPC; {fix}\n")
+    sys.exit(REFUSED_EXIT_CODE)
+
+
 def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.aio.Server, Config, common_pb2.ServiceIdentity], Attached]) -> None:
-    """The whole ``__main__`` of a service: parse the config, log it, serve on uvloop."""
+    """The whole ``__main__`` of a service: parse the config, log it, check its bind, serve on uvloop."""
     die_with_parent()
     config = parse_service_config(kind, config_model)
     log_config(configure_logging(kind, config.log_level), config)
+    refuse_open_bind(kind, config)
     if config.torch_threads:
         import torch
 
@@ -197,4 +220,4 @@ def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.ai
         sys.exit(f"{kind}: cannot start: {error}")
     except TokenRefused as refused:  # logged already; this line is for a person at a terminal
         sys.stderr.write(f"{kind}: {refused}\n")
-        sys.exit(TOKEN_REFUSED_EXIT_CODE)
+        sys.exit(REFUSED_EXIT_CODE)

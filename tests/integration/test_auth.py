@@ -1,19 +1,22 @@
-"""Services refuse callers without the cluster's token, and never log it; a service whose token is refused exits."""
+"""Services refuse callers without the cluster's token, and never log it; a service whose token is refused exits;
+a service asked to listen beyond loopback without a token refuses to start, unless allow_open says so."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from datetime import datetime
 
 import grpc
 import pytest
 
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.common.auth import cluster_token
+from services.common.auth import cluster_token, write_token
 from services.common.rpc import CHANNEL_OPTIONS, open_channel
 from services.coordctl.local import CHILD_ENV, LocalCluster
 
@@ -96,3 +99,57 @@ def test_a_service_whose_token_is_refused_exits_saying_how_to_set_it(coordinator
     assert (stopped - serving).total_seconds() < 5
     assert last_line.startswith(f"reward: the coordinator at {coordinator_alone.coordinator} refused this process")
     assert "MESHRL_TOKEN" in last_line and "MESHRL_TOKEN_FILE" in last_line
+
+
+def without_token(**extra: str) -> dict[str, str]:
+    """This process's environment with no cluster token, as a service started by hand might have it."""
+    env = {name: value for name, value in os.environ.items() if name not in ("MESHRL_TOKEN", "MESHRL_TOKEN_FILE")}
+    return {**env, **CHILD_ENV, **extra}
+
+
+@pytest.mark.parametrize("kind", ["coordinator", "trainer", "rollout", "reward"])
+def test_a_service_open_beyond_loopback_without_a_token_refuses_to_start(kind, tmp_path):
+    command = [sys.executable, "-m", f"services.{kind}", "host=0.0.0.0", "port=0", "torch_threads=1",
+               *([f"state_dir={tmp_path}"] if kind == "coordinator" else [])]
+    started = subprocess.run(command, env=without_token(), capture_output=True, text=True, timeout=120)
+    assert started.returncode == 2, started.stderr[-2000:]
+    *logged, last_line = started.stderr.strip().splitlines()
+    events = [json.loads(line)["event"] for line in logged]
+    assert events[-1] == "open_bind_refused" and "serving" not in events  # refused before it bound
+    assert last_line.startswith(f"{kind}: cannot start: host=0.0.0.0 listens beyond loopback and no cluster token")
+    assert "set MESHRL_TOKEN_FILE" in last_line and "MESHRL_TOKEN to" in last_line
+    assert "set allow_open=true" in last_line
+
+
+def serve_then_stop(command: list[str], env: dict[str, str], log_path) -> list[dict]:
+    """Start a service, wait for its serving event, SIGTERM it; its log records (it must exit 0)."""
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while '"event": "serving"' not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the service did not start serving"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+
+
+def test_a_service_open_beyond_loopback_starts_when_allow_open_says_so(tmp_path):
+    command = [sys.executable, "-m", "services.coordinator", "host=0.0.0.0", "port=0", f"state_dir={tmp_path}",
+               "allow_open=true"]
+    records = {record["event"]: record for record in serve_then_stop(command, without_token(), tmp_path / "log")}
+    assert records["serving_open"]["host"] == "0.0.0.0" and records["serving_open"]["level"] == "warning"
+    assert records["serving"]["authentication"] == "none"
+
+
+def test_a_service_open_beyond_loopback_starts_with_a_token(tmp_path):
+    token = write_token(tmp_path / "token")
+    command = [sys.executable, "-m", "services.coordinator", "host=0.0.0.0", "port=0", f"state_dir={tmp_path}"]
+    records = {record["event"]: record for record in
+               serve_then_stop(command, without_token(MESHRL_TOKEN_FILE=str(token)), tmp_path / "log")}
+    assert records["serving"]["authentication"] == "cluster token" and "serving_open" not in records

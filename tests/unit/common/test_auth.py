@@ -1,8 +1,9 @@
-"""CPU tests of the mTLS settings (services/common/auth.py) and of ``coordctl certs``."""
+"""CPU tests of services/common/auth.py (what counts as loopback, the mTLS settings) and of ``coordctl certs``."""
 
 from __future__ import annotations
 
 import ipaddress
+import socket
 import stat
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from cryptography import x509
 from typer.testing import CliRunner
 
-from services.common.auth import TLS_VARIABLES, channel_credentials, cluster_tls, server_credentials
+from services.common.auth import TLS_VARIABLES, channel_credentials, cluster_tls, is_loopback, server_credentials
 from services.coordctl.cli import app
 
 
@@ -128,3 +129,38 @@ def test_coordctl_names_a_broken_setting_before_connecting(tls_env, certs):
     result = CliRunner().invoke(app, ["runs", "--coordinator", "127.0.0.1:1"])
     assert result.exit_code == 2
     assert "MESHRL_TLS_CERT set but MESHRL_TLS_KEY, MESHRL_TLS_CA not" in result.output
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.1.1", "127.255.255.254", "::1", "[::1]", "::ffff:127.0.0.1",
+                                  " 127.0.0.1 "])
+def test_loopback_addresses_are_loopback(host):
+    assert is_loopback(host)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "", "10.0.0.5", "192.168.1.20", "fe80::1", "::ffff:10.0.0.5",
+                                  "128.0.0.1"])
+def test_the_wildcards_and_other_addresses_are_not(host):
+    assert not is_loopback(host)
+
+
+def resolving(monkeypatch, table: dict[str, list[str]]) -> None:
+    """Names resolve through ``table`` only (an address a name; a name not in it does not resolve)."""
+    def getaddrinfo(name, port, *args, **kwargs):
+        if name not in table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in table[name]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_a_name_is_loopback_when_every_address_it_resolves_to_is(monkeypatch):
+    resolving(monkeypatch, {"localhost": ["127.0.0.1", "::1"], "node1": ["127.0.1.1"], "node2": ["10.0.0.5"],
+                            "mixed": ["127.0.0.1", "10.0.0.5"], "nothing": []})
+    assert is_loopback("localhost") and is_loopback("node1")  # Debian names the machine 127.0.1.1
+    assert not is_loopback("node2")
+    assert not is_loopback("mixed")  # gRPC binds every address of the name
+    assert not is_loopback("nothing") and not is_loopback("no-such-host")
+
+
+def test_localhost_is_loopback_on_this_machine():
+    assert is_loopback("localhost")
