@@ -174,3 +174,7 @@ class ServeConfig(Section):
     """Least severe level logged, a Python logging level name in any case: debug, info, warning, error."""
     grace_s: float = Field(10.0, ge=0)
     """On SIGTERM, how long calls in flight may take to finish."""
+
+    def compute_devices(self) -> tuple[str, ...]:
+        """The torch devices the service computes on, as its settings name them (none: the coordinator)."""
+        return ()

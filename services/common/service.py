@@ -7,10 +7,12 @@ which:
 1. starts a grpc.aio server (on uvloop) with the error interceptor, the
    token check and the standard health service, on the configured host and
    port (0 = any free port), over mTLS when it is configured;
-2. registers with the coordinator and heartbeats, registering again whenever
-   the coordinator has forgotten it (it restarted) and retrying while it is
-   unreachable; a coordinator that refuses this process's cluster token ends
-   the service (exit code 2), as retrying cannot mend the token;
+2. registers with the coordinator (with its host name, meshrl version and
+   GPUs) and heartbeats (with the weight version it holds), registering
+   again whenever the coordinator has forgotten it (it restarted) and
+   retrying while it is unreachable; a coordinator that refuses this
+   process's cluster token ends the service (exit code 2), as retrying
+   cannot mend the token;
 3. on SIGTERM or SIGINT, marks itself NOT_SERVING, deregisters, lets the
    calls in flight finish within the grace period and exits.
 """
@@ -31,6 +33,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.common.about import describe_gpus, meshrl_version
 from services.common.cli import log_config, parse_service_config
 from services.common.config import ServeConfig
 from services.common.errors import ErrorInterceptor
@@ -59,6 +62,7 @@ class Endpoint:
     group: str
     coordinator: str  # host:port, or "" for the coordinator itself
     grace_s: float = 10.0
+    gpu: str = "cpu"  # its GPUs, described (about.describe_gpus)
 
 
 def identity_for(endpoint: Endpoint, port: int) -> common_pb2.ServiceIdentity:
@@ -72,11 +76,15 @@ def identity_for(endpoint: Endpoint, port: int) -> common_pb2.ServiceIdentity:
         protocol_version=PROTOCOL_VERSION,
         pid=os.getpid(),
         hostname=hostname,
+        meshrl_version=meshrl_version(),
+        gpu=endpoint.gpu,
     )
 
 
-async def keep_registered(identity: common_pb2.ServiceIdentity, coordinator: str, stop: asyncio.Event) -> None:
-    """Register, then heartbeat until ``stop``; re-register when forgotten or after an outage.
+async def keep_registered(identity: common_pb2.ServiceIdentity, coordinator: str, stop: asyncio.Event,
+                          weight_version: Callable[[], int | None]) -> None:
+    """Register, then heartbeat until ``stop``; re-register when forgotten or after an outage. Each Register and
+    Heartbeat carries ``weight_version()``, the version the service holds then (None: none).
 
     Raises TokenRefused, after setting ``stop``, when the coordinator refuses the token."""
     channel = open_channel(coordinator)
@@ -86,11 +94,13 @@ async def keep_registered(identity: common_pb2.ServiceIdentity, coordinator: str
         while not stop.is_set():
             try:
                 if not registered:
-                    reply = await stub.Register(coordinator_pb2.RegisterRequest(identity=identity), timeout=5)
+                    request = coordinator_pb2.RegisterRequest(identity=identity, weight_version=weight_version())
+                    reply = await stub.Register(request, timeout=5)
                     interval, registered = reply.heartbeat_interval_s, True
                     log.info("registered", coordinator=coordinator, service_id=identity.service_id)
                 else:
-                    beat = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(service_id=identity.service_id), timeout=5)
+                    beat = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(
+                        service_id=identity.service_id, weight_version=weight_version()), timeout=5)
                     registered = beat.known
             except grpc.aio.AioRpcError as error:
                 if error.code() in REFUSALS:
@@ -123,6 +133,10 @@ class _suppress_timeout:
 
 
 class Attached(Protocol):
+    def weight_version(self) -> int | None:
+        """The actor weight version the service holds (trainer) or serves (rollout) now, or None where it holds
+        none; read on the event loop at each heartbeat, so it must not block."""
+
     async def close(self) -> None:
         """Release what the servicer holds (channels, engines) after the server stopped."""
 
@@ -143,15 +157,16 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     structlog.contextvars.bind_contextvars(service_id=identity.service_id)
-    log.info("serving", address=identity.address, kind=endpoint.kind, pid=os.getpid(),
-             authentication="cluster token" if token else "none",
+    log.info("serving", address=identity.address, kind=endpoint.kind, pid=os.getpid(), gpu=identity.gpu,
+             meshrl_version=identity.meshrl_version, authentication="cluster token" if token else "none",
              transport="mtls" if credentials else "plaintext")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    heartbeat = asyncio.create_task(keep_registered(identity, endpoint.coordinator, stop)) if endpoint.coordinator else None
+    heartbeat = (asyncio.create_task(keep_registered(identity, endpoint.coordinator, stop, servicer.weight_version))
+                 if endpoint.coordinator else None)
     await stop.wait()
     log.info("stopping", grace_s=endpoint.grace_s)
     await health_servicer.enter_graceful_shutdown()
@@ -213,7 +228,8 @@ def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.ai
 
         torch.set_num_threads(config.torch_threads)
         torch.set_num_interop_threads(config.torch_threads)
-    endpoint = Endpoint(kind, config.host, config.port, config.group, config.coordinator, config.grace_s)
+    endpoint = Endpoint(kind, config.host, config.port, config.group, config.coordinator, config.grace_s,
+                        describe_gpus(config.compute_devices()))
     try:
         uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))
     except ValueError as error:  # what the servicer refuses to start with (a plugin that fails to import, ...)

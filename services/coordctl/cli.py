@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
 
 import grpc
 import typer
 
+from services.common.about import meshrl_version
 from services.common.auth import cluster_tls, cluster_token, write_token
 from services.common.config import ConfigError, apply_overrides, to_yaml, validate
 from services.common.run_config import RunConfig
@@ -38,10 +38,7 @@ FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
 
 def show_version(asked: bool) -> None:
     if asked:
-        try:
-            typer.echo(f"meshrl {version('meshrl')}")
-        except PackageNotFoundError:
-            typer.echo("meshrl (not installed: run from a checkout)")
+        typer.echo(f"meshrl {meshrl_version() or '(not installed: run from a checkout)'}")
         raise typer.Exit()
 
 

@@ -43,6 +43,10 @@ class ServiceEntry:
     state: str
     last_seen_s: float
     service_id: str
+    hostname: str = ""
+    gpu: str = ""  # "" from a service too old to say
+    meshrl_version: str = ""
+    weight_version: int | None = None  # None: it holds no weights
 
 
 def status_from_pb(info: coordinator_pb2.RunInfo) -> RunStatus:
@@ -93,7 +97,8 @@ class CoordinatorClient:
     async def list_services(self) -> list[ServiceEntry]:
         reply = await self._stub.ListServices(coordinator_pb2.ListServicesRequest(), timeout=TIMEOUT_S)
         return [ServiceEntry(s.identity.kind, s.identity.address, s.identity.group, s.state, s.last_seen_s,
-                             s.identity.service_id) for s in reply.services]
+                             s.identity.service_id, s.identity.hostname, s.identity.gpu, s.identity.meshrl_version,
+                             s.weight_version if s.HasField("weight_version") else None) for s in reply.services]
 
     async def close(self) -> None:
         await self._channel.close()

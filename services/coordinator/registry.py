@@ -1,4 +1,5 @@
-"""The service registry: who is up, of which kind and group, at which address."""
+"""The service registry: who is up, of which kind and group, at which address; on which host and GPUs, with
+which meshrl, serving which weight version."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ class ServiceRecord:
     group: str
     protocol_version: int
     last_seen: float  # time.monotonic() of the last Register or Heartbeat
+    hostname: str = ""
+    pid: int = 0
+    meshrl_version: str = ""  # "" from a service too old to say, or not installed as a package
+    gpu: str = ""  # "cpu", or its GPUs: "cuda:0 NVIDIA H200"
+    weight_version: int | None = None  # of its last Register or Heartbeat; None where it holds no weights
 
 
 class Registry:
@@ -29,12 +35,13 @@ class Registry:
                 del self._records[service_id]
         self._records[record.service_id] = replace(record, last_seen=time.monotonic())
 
-    def heartbeat(self, service_id: str) -> bool:
-        """Refresh a service's last-seen time; False if it is unknown (it must register again)."""
+    def heartbeat(self, service_id: str, weight_version: int | None = None) -> bool:
+        """Refresh a service's last-seen time and the weight version it reports; False if it is unknown (it must
+        register again)."""
         record = self._records.get(service_id)
         if record is None:
             return False
-        self._records[service_id] = replace(record, last_seen=time.monotonic())
+        self._records[service_id] = replace(record, last_seen=time.monotonic(), weight_version=weight_version)
         return True
 
     def deregister(self, service_id: str) -> None:

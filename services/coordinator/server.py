@@ -27,7 +27,13 @@ def event_to_pb(event: Event) -> coordinator_pb2.RunEvent:
     )
 
 
-def record_from_pb(identity: common_pb2.ServiceIdentity) -> ServiceRecord:
+def optional_version(message: coordinator_pb2.RegisterRequest | coordinator_pb2.HeartbeatRequest) -> int | None:
+    """The message's weight_version, None where it was not sent."""
+    return message.weight_version if message.HasField("weight_version") else None
+
+
+def record_from_pb(request: coordinator_pb2.RegisterRequest) -> ServiceRecord:
+    identity = request.identity
     if identity.kind not in ("rollout", "trainer", "reward"):
         raise ValueError(f"identity.kind must be rollout, trainer or reward, got {identity.kind!r}")
     if not identity.service_id or ":" not in identity.address:
@@ -36,7 +42,17 @@ def record_from_pb(identity: common_pb2.ServiceIdentity) -> ServiceRecord:
         raise ValueError(f"protocol_version {identity.protocol_version} is not {PROTOCOL_VERSION}, which this "
                          f"coordinator speaks")
     return ServiceRecord(identity.service_id, identity.kind, identity.address, identity.group or "default",
-                         identity.protocol_version, 0.0)
+                         identity.protocol_version, 0.0, identity.hostname, identity.pid, identity.meshrl_version,
+                         identity.gpu, optional_version(request))
+
+
+def status_to_pb(record: ServiceRecord, up: bool, now: float) -> coordinator_pb2.ServiceStatus:
+    identity = common_pb2.ServiceIdentity(
+        service_id=record.service_id, kind=record.kind, address=record.address, group=record.group,
+        protocol_version=record.protocol_version, pid=record.pid, hostname=record.hostname,
+        meshrl_version=record.meshrl_version, gpu=record.gpu)
+    return coordinator_pb2.ServiceStatus(identity=identity, state="up" if up else "down",
+                                         last_seen_s=now - record.last_seen, weight_version=record.weight_version)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -47,11 +63,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.runs = RunManager(self.store, self.registry, state_dir)
 
     async def Register(self, request, context):
-        self.registry.register(record_from_pb(request.identity))
+        self.registry.register(record_from_pb(request))
         return coordinator_pb2.RegisterResponse(heartbeat_interval_s=self.registry.heartbeat_interval_s)
 
     async def Heartbeat(self, request, context):
-        return coordinator_pb2.HeartbeatResponse(known=self.registry.heartbeat(request.service_id))
+        return coordinator_pb2.HeartbeatResponse(
+            known=self.registry.heartbeat(request.service_id, optional_version(request)))
 
     async def Deregister(self, request, context):
         self.registry.deregister(request.service_id)
@@ -60,12 +77,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def ListServices(self, request, context):
         now = time.monotonic()
         return coordinator_pb2.ListServicesResponse(services=[
-            coordinator_pb2.ServiceStatus(
-                identity=common_pb2.ServiceIdentity(service_id=r.service_id, kind=r.kind, address=r.address,
-                                                    group=r.group, protocol_version=r.protocol_version),
-                state="up" if self.registry.is_up(r) else "down", last_seen_s=now - r.last_seen)
-            for r in self.registry.all()
-        ])
+            status_to_pb(record, self.registry.is_up(record), now) for record in self.registry.all()])
 
     async def StartRun(self, request, context):
         return self._info(*await self.runs.start_run(request.config_yaml))
@@ -94,6 +106,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         event now."""
         mark = self.store.last_event_id(row.run_id) if event_mark is None else event_mark
         return run_to_pb(row, self.store.last_step_metrics(row.run_id), mark)
+
+    def weight_version(self) -> None:
+        return None  # the coordinator neither holds weights nor heartbeats
 
     async def close(self) -> None:
         await self.runs.close()

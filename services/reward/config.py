@@ -53,3 +53,6 @@ class RewardServiceConfig(ServeConfig):
     """torch device of reward models."""
     reward_model_batch_size: PositiveInt = 32
     """Sequences per reward-model forward pass."""
+
+    def compute_devices(self) -> tuple[str, ...]:
+        return (self.device,)

@@ -67,6 +67,9 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         return common_pb2.ServiceInfo(identity=self.identity, details={
             "scorers": json.dumps(scorers), "default": json.dumps([c.name for c in self.config.default or []])})
 
+    def weight_version(self) -> None:
+        return None  # a scorer; a reward model's weights do not change
+
     async def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.scorer.close)

@@ -35,3 +35,8 @@ class RolloutServiceConfig(ServeConfig):
     by many samples."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + response vLLM plans for (null = the model's)."""
+
+    def compute_devices(self) -> tuple[str, ...]:
+        if self.engine == "vllm":  # the first tensor_parallel_size GPUs it sees
+            return tuple(f"cuda:{index}" for index in range(self.tensor_parallel_size))
+        return (self.device,)

@@ -108,6 +108,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def Info(self, request, context):
         return self._info()
 
+    def weight_version(self) -> int | None:
+        return self.engine.weight_version if self.engine is not None else None
+
     def _info(self) -> common_pb2.ServiceInfo:
         details = {"engine": self.config.engine, "model_path": self.model_path, "device": self.config.device,
                    "asleep": str(self.asleep).lower()}

@@ -13,3 +13,6 @@ class TrainerServiceConfig(ServeConfig):
     collective_timeout_s: PositiveFloat = 600.0
     """Under torchrun: deadline of each collective among the ranks (a rank that does not take part in time
     ends the group)."""
+
+    def compute_devices(self) -> tuple[str, ...]:
+        return (self.device,)  # rank 0's: the process that registers

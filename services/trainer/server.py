@@ -237,6 +237,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def Info(self, request, context):
         return self._info()
 
+    def weight_version(self) -> int | None:
+        """The actor's version, when this trainer hosts the actor of a loaded run."""
+        roles = self.worker.roles
+        return self.worker.weight_version if roles is not None and roles.actor is not None else None
+
     def _info(self) -> common_pb2.ServiceInfo:
         roles = self.worker.roles
         return common_pb2.ServiceInfo(

@@ -31,7 +31,7 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ServiceIdentity(_message.Message):
-    __slots__ = ("service_id", "kind", "address", "group", "protocol_version", "pid", "hostname")
+    __slots__ = ("service_id", "kind", "address", "group", "protocol_version", "pid", "hostname", "meshrl_version", "gpu")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class ServiceIdentity(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    MESHRL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     kind: str
     address: str
@@ -46,7 +48,9 @@ class ServiceIdentity(_message.Message):
     protocol_version: int
     pid: int
     hostname: str
-    def __init__(self, service_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., group: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
+    meshrl_version: str
+    gpu: str
+    def __init__(self, service_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., group: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., meshrl_version: _Optional[str] = ..., gpu: _Optional[str] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
     __slots__ = ("version", "transfer_s", "pause_s")

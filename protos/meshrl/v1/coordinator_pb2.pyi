@@ -8,10 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("identity",)
+    __slots__ = ("identity", "weight_version")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     identity: _common_pb2.ServiceIdentity
-    def __init__(self, identity: _Optional[_Union[_common_pb2.ServiceIdentity, _Mapping]] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, identity: _Optional[_Union[_common_pb2.ServiceIdentity, _Mapping]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
@@ -20,10 +22,12 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("service_id",)
+    __slots__ = ("service_id", "weight_version")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     service_id: str
-    def __init__(self, service_id: _Optional[str] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, service_id: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)
@@ -36,14 +40,16 @@ class ListServicesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceStatus(_message.Message):
-    __slots__ = ("identity", "state", "last_seen_s")
+    __slots__ = ("identity", "state", "last_seen_s", "weight_version")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     identity: _common_pb2.ServiceIdentity
     state: str
     last_seen_s: float
-    def __init__(self, identity: _Optional[_Union[_common_pb2.ServiceIdentity, _Mapping]] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, identity: _Optional[_Union[_common_pb2.ServiceIdentity, _Mapping]] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class ListServicesResponse(_message.Message):
     __slots__ = ("services",)

@@ -63,3 +63,32 @@ def test_up_filters_kind_and_group_in_a_stable_order():
     assert [r.service_id for r in registry.up("rollout", "g1")] == ["c", "b"]
     assert [r.service_id for r in registry.up("trainer", "g2")] == []
     assert [r.service_id for r in registry.up("reward")] == []
+
+
+def test_the_weight_version_is_the_last_reported_and_none_where_none_was():
+    registry = Registry(heartbeat_interval_s=10, misses=3)
+    registry.register(record("r1"))
+    assert registry.all()[0].weight_version is None
+    registry.heartbeat("r1", 0)
+    assert registry.all()[0].weight_version == 0
+    registry.heartbeat("r1", 3)
+    assert registry.all()[0].weight_version == 3
+    registry.heartbeat("r1")  # it unloaded its model, or is too old to say
+    assert registry.all()[0].weight_version is None
+
+
+def test_the_wire_keeps_what_a_service_says_about_itself_and_tells_version_0_from_none():
+    from meshrl.v1 import common_pb2, coordinator_pb2
+    from services.coordinator.server import record_from_pb, status_to_pb
+
+    identity = common_pb2.ServiceIdentity(service_id="r1", kind="rollout", address="node1:7072", group="fast",
+                                          protocol_version=1, pid=42, hostname="node1", meshrl_version="0.1.0",
+                                          gpu="cuda:1 NVIDIA H200")
+    served = record_from_pb(coordinator_pb2.RegisterRequest(identity=identity, weight_version=0))
+    assert (served.hostname, served.pid, served.meshrl_version, served.gpu, served.weight_version) == (
+        "node1", 42, "0.1.0", "cuda:1 NVIDIA H200", 0)
+    assert record_from_pb(coordinator_pb2.RegisterRequest(identity=identity)).weight_version is None
+    status = status_to_pb(served, up=True, now=served.last_seen + 1.5)
+    assert status.identity == identity and status.state == "up" and status.last_seen_s == 1.5
+    assert status.HasField("weight_version") and status.weight_version == 0
+    assert not status_to_pb(record("r2"), up=False, now=0.0).HasField("weight_version")
