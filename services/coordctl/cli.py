@@ -399,15 +399,17 @@ def reward_set(
 
 @app.command("services")
 def services(coordinator: str = COORDINATOR) -> None:
-    """The coordinator's service registry."""
+    """Every service registered with the coordinator: its host, kind, group and address, its GPUs, the meshrl
+    version it runs, the weight version it holds (trainer) or serves (rollout), and how long ago it was last
+    heard from (a service silent for the heartbeat window is down)."""
+    from services.coordctl.tables import SERVICE_COLUMNS, aligned, service_rows
+
     entries = call(coordinator, "list_services")
     if not entries:
         typer.echo(f"no service has registered with the coordinator at {coordinator}")
         return
-    typer.echo(f"{'KIND':<8} {'ADDRESS':<22} {'GROUP':<10} {'STATE':<5} {'SEEN':>9}  ID")
-    for entry in entries:
-        typer.echo(f"{entry.kind:<8} {entry.address:<22} {entry.group:<10} {entry.state:<5} "
-                   f"{entry.last_seen_s:>7.1f} s  {entry.service_id}")
+    for line in aligned(SERVICE_COLUMNS, service_rows(entries), right=("WEIGHTS", "SEEN")):
+        typer.echo(line)
 
 
 @app.command("data")

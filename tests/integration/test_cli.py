@@ -1,5 +1,5 @@
 """coordctl as a person uses it, as real processes: Ctrl-C through a pipe, a second Ctrl-C, the messages of a
-newcomer's mistakes, and `coordctl init` feeding services started by hand."""
+newcomer's mistakes, `coordctl init` feeding services started by hand, and the services table after a run."""
 
 from __future__ import annotations
 
@@ -8,17 +8,20 @@ import json
 import os
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import yaml
 
+from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster
-from tests.integration.test_grpo_run import run_to_end
+from tests.integration.test_grpo_run import run_config, run_to_end
 
 COORDCTL = [sys.executable, "-m", "services.coordctl.cli"]
 
@@ -192,3 +195,50 @@ def test_a_run_that_is_not_there_is_named(tmp_path, command):
     finally:
         cluster.stop()
     assert done.returncode == 1 and "NOT_FOUND" in done.stderr and "no-such-run" in done.stderr
+
+
+def services_table(output: str) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The header of `coordctl services` and its rows by kind, each a dict by column (cells are two or more spaces
+    apart; a cell holds single spaces at most: "0.4 s", "cuda:0 NVIDIA H200")."""
+    header, *lines = output.splitlines()
+    columns = header.split()
+    rows = [dict(zip(columns, re.split(r" {2,}", line.strip()), strict=True)) for line in lines]
+    return columns, {row["KIND"]: row for row in rows}
+
+
+async def reported_weight_versions(coordinator: str) -> dict[str, int | None]:
+    client = CoordinatorClient(coordinator)
+    try:
+        return {entry.kind: entry.weight_version for entry in await client.list_services()}
+    finally:
+        await client.close()
+
+
+def test_the_services_table_shows_each_services_host_gpu_version_and_weights_after_a_run(cluster, tiny_model,
+                                                                                        reverse_data):
+    final, _, _ = asyncio.run(run_to_end(cluster.coordinator, run_config(tiny_model, reverse_data,
+                                                                         trainer__total_training_steps=2)))
+    assert final.state == "finished", final.error
+    synced = int(final.metrics["training/weight_version"])  # the last step trained it, then synced it to the rollout
+    assert synced == 2
+    deadline = time.monotonic() + 5  # the heartbeat after the sync (every 1 s) carries it
+    while (reported := asyncio.run(reported_weight_versions(cluster.coordinator))) != {
+            "trainer": synced, "rollout": synced, "reward": None}:
+        assert time.monotonic() < deadline, reported
+        time.sleep(0.2)
+
+    listed = coordctl("services", "--coordinator", cluster.coordinator)
+    assert listed.returncode == 0, listed.stderr
+    columns, rows = services_table(listed.stdout)
+    assert columns == ["HOST", "KIND", "GROUP", "ADDRESS", "GPU", "VERSION", "WEIGHTS", "SEEN", "STATE", "ID"]
+    assert sorted(rows) == ["reward", "rollout", "trainer"]
+    for kind, row in rows.items():
+        assert row["HOST"] == socket.gethostname() and row["GROUP"] == "default" and row["STATE"] == "up"
+        assert row["GPU"] == "cpu" and row["VERSION"] == version("meshrl")
+        assert row["ADDRESS"].startswith("127.0.0.1:") and row["ID"].startswith(f"{kind}-")
+        seen, unit = row["SEEN"].split()
+        assert unit == "s" and 0 <= float(seen) < 5.0  # within the down window (1 s heartbeats, 5 missed)
+    assert rows["trainer"]["WEIGHTS"] == rows["rollout"]["WEIGHTS"] == str(synced)
+    assert rows["reward"]["WEIGHTS"] == "-"
+    header, *lines = listed.stdout.splitlines()
+    assert {line.index(" up ") + 1 for line in lines} == {header.index("STATE")}  # aligned under its header

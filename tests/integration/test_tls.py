@@ -99,7 +99,7 @@ def test_the_services_own_channels_and_coordctl_speak_mtls(tls_cluster):
     listed = CliRunner().invoke(app, ["services", "--coordinator", tls_cluster.coordinator])
     assert listed.exit_code == 0, listed.output
     header, row = listed.output.splitlines()
-    assert header.startswith("KIND") and row.startswith("reward ") and " up " in row
+    assert header.split()[:2] == ["HOST", "KIND"] and row.split()[1] == "reward" and " up " in row
 
 
 def test_a_plaintext_client_is_refused(tls_cluster):
