@@ -3,27 +3,32 @@ node a network namespace with its own address and host name (tests/integration/h
 four nodes: the coordinator and a reward service on node1, a trainer of two CPU ranks over node2 and node3
 (torchrun, c10d rendezvous across the nodes), a rollout on node4.
 
-Checked: the run finishes with every step; every service ran on its role's node (the network namespace of
-its process, the host name it registered under, the address it bound); the token file is 0600 and the token
-in no process's command line or environment; nothing of the job is left when it ends. Then, mid-run: a
-plain scancel (every process of the job gets SIGTERM at once: the run is recorded stopped at the last step it
-completed, every service stops by itself); scancel of the batch script alone (it stops the run at its next
-step boundary, where it saves a checkpoint, then the services); a service that dies (its step ends: the
-script stops the run the same way and fails the job). None leaves a process behind."""
+Checked: the README's Slurm commands, run as written, give a run that finishes with every step; every service
+ran on its role's node (the network namespace of its process, the host name it registered under, the address
+it bound); the token file is 0600 and the token in no process's command line or environment; the command the
+job prints to follow the run works from the login node; nothing of the job is left when it ends. Then,
+mid-run: a plain scancel (every process of the job gets SIGTERM at once: the run is recorded stopped at the
+last step it completed, every service stops by itself); scancel of the batch script alone (it stops the run at
+its next step boundary, where it saves a checkpoint, then the services; a second job with --resume finishes
+it); a service that dies (its step ends: the script stops the run the same way and fails the job). None leaves
+a process behind."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import signal
 import sqlite3
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from services.common.auth import cluster_token
 from services.coordctl.control import CoordinatorClient
@@ -33,11 +38,13 @@ from tests.integration.test_grpo_run import run_config
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"no Slurm cluster to run on: {unavailable()}")
 
-SBATCH = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "meshrl.sbatch"
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+SBATCH = REPO / "deploy" / "slurm" / "meshrl.sbatch"
 NODES = ("node1", "node2", "node3", "node4")
 PLACES = {"coordinator": {"node1"}, "reward": {"node1"}, "trainer": {"node2", "node3"}, "rollout": {"node4"}}
 KILL_WAIT_S = 30
-BATCH = 8 * 4  # train_batch_size x rollout.n of run_config
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +109,20 @@ def submit(slurm: SlurmCluster, folder: Path, model: Path, data: Path, **changes
     service with one torch thread."""
     folder.mkdir()
     (folder / "run.yaml").write_text(run_config(model, data, **changes))
+    return sbatch_meshrl(slurm, folder, "job", str(folder / "run.yaml"))
+
+
+def sbatch_meshrl(slurm: SlurmCluster, folder: Path, name: str, *arguments: str) -> Job:
+    """meshrl.sbatch ``arguments`` as job ``name`` (its output in ``folder``/``name``.out) with state in
+    ``folder``/state."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("MESHRL_")}
     env.update({"MESHRL_PYTHON": sys.executable, "MESHRL_TRAINER_NODES": "2", "MESHRL_IFNAME": "eth0",
-                "MESHRL_STATE": str(folder / "state"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+                "MESHRL_STATE": str(folder / "state"), **THREADS})
     env.update({f"MESHRL_{kind}_SETTINGS": "torch_threads=1" for kind in ("COORDINATOR", "TRAINER", "ROLLOUT",
                                                                             "REWARD")})
-    job_id = slurm.sbatch("--nodes=4", f"--output={folder / 'job.out'}", str(SBATCH), str(folder / "run.yaml"),
-                          env=env)
-    return Job(slurm, job_id, folder / "state", folder / "job.out")
+    output = folder / f"{name}.out"
+    job_id = slurm.sbatch("--nodes=4", f"--output={output}", str(SBATCH), *arguments, env=env)
+    return Job(slurm, job_id, folder / "state", output)
 
 
 def job_processes(slurm: SlurmCluster, job: Job) -> dict[int, tuple[list[str], str]]:
@@ -178,10 +190,30 @@ def check_stopped_by_themselves(job: Job, kinds=tuple(PLACES)) -> None:
         assert "stopped_by_leader" in service_events(job, "trainer")
 
 
-def test_a_run_across_four_slurm_nodes(slurm, tmp_path, tiny_model, reverse_data, monkeypatch):
-    steps = 6
-    job = submit(slurm, tmp_path / "job", tiny_model, reverse_data, trainer__total_training_steps=steps)
-    job.wait_until(lambda: job.steps(), 240, "first step")
+def readme_slurm_commands() -> list[str]:
+    """README "With Slurm, one job over several nodes"'s block, comments and all."""
+    text = README.read_text()
+    section = text[text.index("### With Slurm, one job over several nodes"):]
+    block = re.search(r"\n\n((?: {4}.*\n)+)", section).group(1)
+    return [line[4:] for line in block.splitlines()]
+
+
+def test_the_readmes_slurm_job_runs_as_written_across_four_nodes(slurm, tmp_path, monkeypatch):
+    """The README's commands, as written, on the login node (this machine's own network, where slurmctld runs) in
+    a checkout, from a terminal with no meshrl settings: a job over the four nodes, the trainer on two."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {key: value for key, value in slurm.env.items() if not key.startswith("MESHRL_")}
+    env.update(HOME=str(home), PATH=f"{Path(sys.executable).parent}:{env['PATH']}", **THREADS)
+    commands = readme_slurm_commands()
+    assert commands[0].startswith("# on the login node, in the meshrl checkout"), commands
+    done = subprocess.run(["bash", "-c", "set -e\n" + "\n".join(commands)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
+    folder = home / "meshrl-demo"
+    job = Job(slurm, job_id, folder / "meshrl-state" / job_id, folder / f"slurm-{job_id}.out")
+    job.wait_until(lambda: [step for step in job.steps() if step > 0], 300, "first step")
 
     # while it runs: each service runs in its role's node, and the token is in no command line or environment
     token = (job.state / "token").read_text().strip()
@@ -211,29 +243,40 @@ def test_a_run_across_four_slurm_nodes(slurm, tmp_path, tiny_model, reverse_data
     cluster_token.cache_clear()
     assert sorted(s.kind for s in services) == ["reward", "rollout", "trainer"]
     for service in services:
-        node = service.service_id.split("-")[1]  # kind-hostname-port-pid
-        assert node in PLACES[service.kind], service
-        assert service.address.startswith(slurm.hosts.address(node) + ":"), service
+        assert service.hostname in PLACES[service.kind], service
+        assert service.address.startswith(slurm.hosts.address(service.hostname) + ":"), service
 
-    final = slurm.wait(job.id, 240)
+    # the output says how another machine follows the run; that command, as printed, from the login node
+    follow = job.wait_until(lambda: re.search(r"from any machine that reaches node1: (.*); after the job",
+                                              job.output.read_text()), 60, "how to follow the run")
+    watched = subprocess.run(["bash", "-c", f"{follow.group(1)} | head -n 3"], env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert watched.returncode == 0 and watched.stdout.startswith("run running"), watched.stdout + watched.stderr
+
+    final = slurm.wait(job.id, 600)
     assert (final["JobState"], final["ExitCode"]) == ("COMPLETED", "0:0"), job.tail()
     run_id, state, error, run_dir = job.run()
     assert (state, error) == ("finished", "")
-    assert job.steps() == list(range(1, steps + 1))
+    assert job.steps() == list(range(0, 21))  # step 0: the validation before training
+    config = yaml.safe_load((folder / "run.yaml").read_text())
+    batch = config["data"]["train_batch_size"] * config["actor_rollout_ref"]["rollout"]["n"]
     metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    for m in metrics:  # every sample generated on node4 and scored on node1
+    trained = [m for m in metrics if "critic/score/mean" in m]
+    assert [m["step"] for m in trained] == list(range(1, 21))
+    for m in trained:  # every sample generated on node4
         rollout = {k: v for k, v in m.items() if k.startswith("rollout/samples_by/")}
-        assert list(rollout.values()) == [BATCH], rollout
+        assert list(rollout.values()) == [batch], rollout
         assert all(k.removeprefix("rollout/samples_by/").startswith(slurm.hosts.address("node4") + ":")
                    for k in rollout)
     assert (job.state / "token").stat().st_mode & 0o777 == 0o600
 
     # the logs: one per service and node; each bound to its node's address (not 0.0.0.0 or loopback)
-    for kind, nodes in PLACES.items():
-        for node in nodes:
-            bound = [e["address"] for e in job.events(f"{kind}-{node}.log") if e["event"] == "serving"]
-            assert all(address.startswith(slurm.hosts.address(node) + ":") for address in bound), (kind, node)
+    for kind, nodes in PLACES.items():  # (the trainer's rank 0 serves, on one of its nodes)
+        bound = {node: [e["address"] for e in job.events(f"{kind}-{node}.log") if e["event"] == "serving"]
+                 for node in nodes}
+        assert any(bound.values()), kind
+        for node, addresses in bound.items():
+            assert all(address.startswith(slurm.hosts.address(node) + ":") for address in addresses), (kind, node)
     ranks = {node: [e["rank"] for e in job.events(f"trainer-{node}.log") if e["event"] == "ranks_joined"]
              for node in ("node2", "node3")}
     assert sorted(ranks["node2"] + ranks["node3"]) == [0, 1], ranks  # one rank on each trainer node
@@ -257,7 +300,8 @@ STOPS = {
 
 @pytest.mark.parametrize("stop", STOPS)
 def test_a_job_stopped_mid_run_leaves_nothing(slurm, tmp_path, tiny_model, reverse_data, stop):
-    job = submit(slurm, tmp_path / "job", tiny_model, reverse_data, trainer__total_training_steps=2000,
+    total = 14 if stop == "scancel-batch-term" else 2000  # that one is then resumed to its end
+    job = submit(slurm, tmp_path / "job", tiny_model, reverse_data, trainer__total_training_steps=total,
                  trainer__save_freq=1)
     job.wait_until(lambda: len(job.checkpoints()) >= 2, 240, "two steps checkpointed")
     STOPS[stop](slurm, job)
@@ -286,8 +330,17 @@ def test_a_job_stopped_mid_run_leaves_nothing(slurm, tmp_path, tiny_model, rever
         # services, each of which stopped by itself
         assert (final["JobState"], final["ExitCode"]) == ("FAILED", "143:0"), job.tail()
         assert f"SIGTERM: stopping run {run_id} at its next step boundary" in output
-        assert error == "" and steps[-1] == checkpoints[-1]
+        assert error == "" and steps[-1] == checkpoints[-1] < total
         check_stopped_by_themselves(job)
+
+        # a second job, on the first's folder, continues the run from that checkpoint to its end
+        resumed = sbatch_meshrl(slurm, tmp_path / "job", "resumed", "--resume", run_id)
+        final = slurm.wait(resumed.id, 300)
+        assert (final["JobState"], final["ExitCode"]) == ("COMPLETED", "0:0"), resumed.tail()
+        assert job.run()[1:3] == ("finished", "")
+        assert job.steps() == list(range(1, total + 1))
+        assert f"run {run_id} finished" in resumed.output.read_text()
+        check_nothing_left(slurm, resumed)
     else:
         # the rollout's step ended: the script stopped the run (waiting for a rollout by then), then the others
         # (the trainer too, unless the rollout died in the middle of a weight sync: then its two ranks end there)
