@@ -11,7 +11,7 @@ mid-run: a plain scancel (every process of the job gets SIGTERM at once: the run
 last step it completed, every service stops by itself); scancel of the batch script alone (it stops the run at
 its next step boundary, where it saves a checkpoint, then the services; a second job with --resume finishes
 it); a service that dies (its step ends: the script stops the run the same way and fails the job). None leaves
-a process behind."""
+a process behind. A misspelt key fails the job before any service starts."""
 
 from __future__ import annotations
 
@@ -349,3 +349,14 @@ def test_a_job_stopped_mid_run_leaves_nothing(slurm, tmp_path, tiny_model, rever
         assert f"no rollout: stopping run {run_id} at its next step boundary" in output
         assert "no rollout" in error
         check_stopped_by_themselves(job, ["coordinator", "reward"])
+
+
+def test_a_bad_run_config_is_refused_before_any_service_starts(slurm, tmp_path, tiny_model, reverse_data):
+    job = submit(slurm, tmp_path / "job", tiny_model, reverse_data, trainer__total_trainig_steps=3)
+    final = slurm.wait(job.id, 120)
+    assert (final["JobState"], final["ExitCode"]) == ("FAILED", "1:0")
+    output = job.output.read_text()
+    assert "trainer.total_trainig_steps: unknown key (did you mean total_training_steps?)" in output, output
+    assert "nothing was started" in output
+    assert not list((job.state / "logs").glob("*.log"))  # no service wrote a log: none started
+    check_nothing_left(slurm, job)
