@@ -9,10 +9,12 @@ from typing import TypeVar
 from services.common.config import ConfigError, ServeConfig, load_config, to_yaml
 
 Config = TypeVar("Config", bound=ServeConfig)
+REFUSED_EXIT_CODE = 2  # a bad config, an open bind or a refused token: restarting the process mends none
 
 
 def parse_service_config(kind: str, model: type[Config], argv: list[str] | None = None) -> Config:
-    """Read ``--config`` plus overrides; exit with the message naming the field on a bad config."""
+    """Read ``--config`` plus overrides; on a bad config exit (REFUSED_EXIT_CODE) with the message naming the
+    field."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{kind}", description=f"Run a meshrl {kind} service.")
     parser.add_argument("--config", help="YAML file with this service's settings")
     parser.add_argument("--port", type=int, help="shorthand for port=N")
@@ -27,7 +29,8 @@ def parse_service_config(kind: str, model: type[Config], argv: list[str] | None 
     try:
         return load_config(model, args.config, overrides)
     except ConfigError as error:
-        sys.exit(f"{kind}: bad config: {error}")
+        print(f"{kind}: bad config: {error}", file=sys.stderr)
+        sys.exit(REFUSED_EXIT_CODE)
 
 
 def log_config(log, config: ServeConfig) -> None:

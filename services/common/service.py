@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.about import describe_gpus, meshrl_version
-from services.common.cli import log_config, parse_service_config
+from services.common.cli import REFUSED_EXIT_CODE, log_config, parse_service_config
 from services.common.config import ServeConfig
 from services.common.errors import ErrorInterceptor
 from services.common.logging import configure_logging
@@ -42,7 +42,6 @@ from services.common.auth import TokenServerInterceptor, cluster_token, is_loopb
 from services.common.rpc import SERVER_OPTIONS, open_channel
 
 PROTOCOL_VERSION = 1
-REFUSED_EXIT_CODE = 2  # the token refused, or an open bind refused: restarting mends neither
 REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 Config = TypeVar("Config", bound=ServeConfig)
 log = structlog.get_logger()
