@@ -135,7 +135,7 @@ def test_rollout_killed_mid_step_its_share_is_redone_and_a_restarted_one_is_take
 
 def test_rollout_stopped_during_a_weight_broadcast_is_named_and_the_run_goes_on_without_it(
         make_cluster, tiny_model, reverse_data):
-    steps, stop_at, deadline = 10, 3, 60
+    steps, stop_at, deadline = 20, 3, 60  # the steps after it leave it the time to come back, even on a busy machine
     cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"),
                            ServiceSpec("rollout", settings=("batch_size=1",)), ServiceSpec("reward"))
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps,
