@@ -9,7 +9,8 @@ from services.reward.config import RewardServiceConfig
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["bogus_key=1"], "reward: bad config: bogus_key: unknown key\n"),
-    (["--config", "/nonexistent/reward.yaml"], "reward: bad config: config file /nonexistent/reward.yaml does not exist\n"),
+    (["--config", "/nonexistent/reward.yaml"],
+     "reward: bad config: config file /nonexistent/reward.yaml does not exist\n"),
 ])
 def test_a_bad_config_exits_with_code_2_naming_what_is_wrong(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
