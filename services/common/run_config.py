@@ -128,7 +128,14 @@ class WarmStartConfig(Section):
     batch_size: PositiveInt = 64
     """Prompts per supervised step."""
     lr: PositiveFloat = 3e-3
-    """Learning rate of the warm start's own AdamW (betas as the actor's, no weight decay)."""
+    """Peak learning rate of the warm start's own AdamW (betas and grad_clip as the actor's, no weight decay)."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Warm-start steps W of linear warm-up (0 = none): step k (1-based) runs at lr * k / W up to k = W, as the
+    actor's optim.lr_warmup_steps."""
+    warmup_style: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: constant, or cosine decay to min_lr_ratio * lr at the warm start's last step."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Floor of the cosine decay, as a fraction of lr."""
 
 
 class ActorConfig(Section):

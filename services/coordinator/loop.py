@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Protocol
@@ -402,12 +403,14 @@ class PPOLoop:
         if not steps:
             return version
         sampler = PromptSampler(len(self.prompts), self.settings.warm_start_batch_size, True, self.settings.seed + 1)
+        started = time.monotonic()
         for index in range(steps):
             chosen = [self.prompts[i] for i in sampler.next_batch()]
             batch = make_batch([p.token_ids for p in chosen], [self.encode_target(p) for p in chosen])
             metrics, version = await self.trainers.actor.train_supervised(batch, 0, self.timeout)
             if (index + 1) % max(1, steps // 5) == 0:
-                self.reporter.log(f"warm start {index + 1}/{steps}: loss {metrics['warm_start/loss']:.3f}")
+                self.reporter.log(f"warm start {index + 1}/{steps}: loss {metrics['warm_start/loss']:.3f}, "
+                                  f"lr {metrics['warm_start/lr']:.2g} ({time.monotonic() - started:.0f} s)")
         return version
 
     def encode_target(self, prompt: Prompt) -> list[int]:

@@ -61,16 +61,17 @@ class UpdateInputs:
 
 
 class Actor:
-    def __init__(self, model: torch.nn.Module, optim: OptimSettings, warm_start_lr: float, pad_id: int, seed: int,
+    def __init__(self, model: torch.nn.Module, optim: OptimSettings, warm_start: OptimSettings, pad_id: int, seed: int,
                  ranks: Ranks | None = None):
-        """``ranks``: where the (placed, maybe sharded) model trains; None = one rank, on the model's device."""
+        """``warm_start``: the settings of the warm start's own optimizer and schedule (one scheduler step per
+        supervised step). ``ranks``: where the (placed, maybe sharded) model trains; None = one rank, on the
+        model's device."""
         self.model = model
         self.ranks = ranks or Ranks.single(next(model.parameters()).device)
         self.pad_id = pad_id
         self.vocab_size = model.config.vocab_size
         self.optimizer = Optimizer(model.parameters(), optim)
-        self.warm_start = Optimizer(model.parameters(), OptimSettings(
-            warm_start_lr, 0.0, optim.betas, optim.grad_clip, 0, "constant", 0.0, 1, optim.offload))
+        self.warm_start = Optimizer(model.parameters(), warm_start)
         self.shuffle = torch.Generator().manual_seed(seed)
 
     def compute_log_probs(self, batch: SequenceBatch, temperature: float, micro: MicroBatching) -> torch.Tensor | None:
@@ -153,7 +154,10 @@ class Actor:
                 ((self.ranks.grad_scale if real else 0.0) * loss).backward()
                 total += float(loss.detach()) if real else 0.0
             total = self.ranks.sum_metrics({"warm_start/loss": total})["warm_start/loss"]
-            return {"warm_start/loss": total, "warm_start/grad_norm": self.warm_start.step()}
+            lr = self.warm_start.lr  # the rate this step runs at
+            metrics = {"warm_start/loss": total, "warm_start/grad_norm": self.warm_start.step(), "warm_start/lr": lr}
+        self.warm_start.advance_schedule()
+        return metrics
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The model's parameters under their Hugging Face names, in a fixed order (a tied lm_head once)."""

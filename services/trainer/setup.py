@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from services.common.models import load_causal_lm, load_tokenizer, load_value_model
-from services.common.run_config import FSDPConfig, OptimConfig, RunConfig
+from services.common.run_config import ActorConfig, FSDPConfig, OptimConfig, RunConfig
 from services.trainer.actor import Actor, ActorSettings
 from services.trainer.batching import MicroBatching
 from services.trainer.critic import Critic, CriticSettings
@@ -23,6 +23,14 @@ ROLES = ("actor", "critic", "ref")
 def optim_settings(optim: OptimConfig, grad_clip: float, total_steps: int, offload: bool) -> OptimSettings:
     return OptimSettings(optim.lr, optim.weight_decay, tuple(optim.betas), grad_clip, optim.lr_warmup_steps,
                          optim.warmup_style, optim.min_lr_ratio, total_steps, offload)
+
+
+def warm_start_settings(actor: ActorConfig) -> OptimSettings:
+    """The warm start's own AdamW: its lr and schedule over its steps, the actor's betas and grad_clip, no weight
+    decay."""
+    warm = actor.warm_start
+    return OptimSettings(warm.lr, 0.0, tuple(actor.optim.betas), actor.grad_clip, warm.lr_warmup_steps,
+                         warm.warmup_style, warm.min_lr_ratio, warm.steps, actor.fsdp_config.optimizer_offload)
 
 
 def pad_id_of(model_path: str) -> int:
@@ -64,7 +72,7 @@ def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
     model = place(model, ranks, actor_sharding(config, ranks.world_size), model_config.enable_gradient_checkpointing)
     optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.steps,
                            actor.fsdp_config.optimizer_offload)
-    return Actor(model, optim, actor.warm_start.lr, pad_id_of(model_config.path), seed, ranks)
+    return Actor(model, optim, warm_start_settings(actor), pad_id_of(model_config.path), seed, ranks)
 
 
 def build_critic(config: RunConfig, seed: int, ranks: Ranks) -> Critic:

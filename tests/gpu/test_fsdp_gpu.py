@@ -81,7 +81,7 @@ def job(rank: int, world_size: int, port: int, model_path: Path, offload: bool, 
     ranks = join("cuda", 600.0)
     sharding = Sharding(fsdp=True, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, param_offload=offload)
     model = place(load_causal_lm(model_path, "float32"), ranks, sharding, gradient_checkpointing=True)
-    actor = Actor(model, OPTIM, LR, pad_id=0, seed=0, ranks=ranks)
+    actor = Actor(model, OPTIM, OPTIM, pad_id=0, seed=0, ranks=ranks)
     batch, advantages, noise = synthetic(model.config.vocab_size)
     actor.compute_log_probs(batch, 1.0, LOG_PROB_PASS)
     logprobs, logprob_seconds = timed(lambda: actor.compute_log_probs(batch, 1.0, LOG_PROB_PASS))

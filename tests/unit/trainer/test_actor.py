@@ -17,6 +17,7 @@ from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.optim import OptimSettings, chunks
 
 OPTIM = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 10)
+WARM_START = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 1)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def settings(mode: str, micro: int) -> ActorSettings:
 def tiny_case(model_path) -> tuple[Actor, SequenceBatch, UpdateInputs]:
     """A float64 actor and six sequences (responses of 7, 1, 4, 6, 3 and 5 tokens) with random inputs."""
     torch.manual_seed(0)
-    actor = Actor(load_causal_lm(model_path).double(), OPTIM, 1e-3, pad_id=0, seed=0)
+    actor = Actor(load_causal_lm(model_path).double(), OPTIM, WARM_START, pad_id=0, seed=0)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in (2, 5, 3, 4, 1, 6)]
     responses = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in (7, 1, 4, 6, 3, 5)]
@@ -127,6 +128,22 @@ def test_masked_response_drops_out_of_the_gradient_like_a_zero_advantage(model_p
 def test_the_lr_logged_is_the_one_the_update_ran_at(model_path):
     """With a 4-step warm-up the first updates run at lr/4, lr/2 (lr_factor), and that is what actor/lr says."""
     _, batch, inputs = tiny_case(model_path)
-    actor = Actor(load_causal_lm(model_path).double(), replace(OPTIM, warmup_steps=4), 1e-3, pad_id=0, seed=0)
+    actor = Actor(load_causal_lm(model_path).double(), replace(OPTIM, warmup_steps=4), WARM_START, pad_id=0,
+                  seed=0)
     logged = [actor.update(batch, inputs, settings("token-mean", 6))["actor/lr"] for _ in range(2)]
     assert logged == pytest.approx([1e-3 / 4, 1e-3 / 2])
+
+
+def test_the_warm_start_follows_its_own_schedule(model_path):
+    """A warm start of 6 steps with a 2-step warm-up and a cosine to 0.1: lr/2, lr, then down the cosine
+    (algos.lr_factor over the warm start's steps), logged as warm_start/lr; the actor's RL schedule is untouched."""
+    _, batch, _ = tiny_case(model_path)
+    warm = replace(WARM_START, warmup_steps=2, warmup_style="cosine", min_lr_ratio=0.1, total_steps=6)
+    actor = Actor(load_causal_lm(model_path).double(), replace(OPTIM, warmup_steps=4), warm, pad_id=0, seed=0)
+    micro = settings("token-mean", 6).micro
+    logged = [actor.train_supervised(batch, micro)["warm_start/lr"] for _ in range(6)]
+    expected = [1e-3 * algos.lr_factor(step, 2, 6, "cosine", 0.1) for step in range(6)]
+    assert logged == pytest.approx(expected)
+    assert logged[:2] == pytest.approx([5e-4, 1e-3])
+    assert logged[2] > logged[3] > logged[4] > logged[5] > 1e-4
+    assert actor.optimizer.lr == pytest.approx(1e-3 / 4)  # the RL update's warm-up has not begun

@@ -68,7 +68,7 @@ def actor(model_path: Path, ranks=None, sharding: Sharding | None = None, checkp
     model = load_causal_lm(model_path).double()
     if ranks is not None:
         model = place(model, ranks, sharding, checkpointing)
-    return Actor(model, OPTIM, 1e-3, pad_id=0, seed=SEED, ranks=ranks)
+    return Actor(model, OPTIM, OPTIM, pad_id=0, seed=SEED, ranks=ranks)
 
 
 def critic(model_path: Path, ranks=None) -> Critic:
