@@ -6,9 +6,9 @@
 2. ``coordctl export`` of the run's last checkpoint into a Hugging Face folder;
 3. ``coordctl eval`` of that folder on the run's held-out file, with the run's validation sampling and seed,
    on a vLLM rollout;
-4. a table of every validation (step, weight version, accuracy, reward), then the figures: the held-out
-   accuracy after the warm start and after GRPO, the gain in points, the wall time, and the exported
-   model's accuracy under ``coordctl eval`` against the last validation's.
+4. the warm start's loss lines, a table of every validation (step, weight version, accuracy, reward), then
+   the figures: the held-out accuracy after the warm start and after GRPO, the gain in points, the wall time,
+   and the exported model's accuracy under ``coordctl eval`` against the last validation's.
 
 The run's metrics.jsonl, reward.png (reward per step and the validation curves) and the eval's responses
 are copied into --out.
@@ -52,6 +52,8 @@ def main() -> None:
     started = time.monotonic()
     summary = coordctl("start-run", "--local", args.config, *args.overrides, "--state-dir", str(state_dir))
     run_seconds = time.monotonic() - started
+    print("\n".join(part[part.find("warm start "):].strip() for line in summary.splitlines()
+                    for part in line.split("\r") if "warm start " in part))  # from under the progress bar
     print(summary[summary.find("run        "):])
     [run_dir] = sorted((state_dir / "runs").iterdir())
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
