@@ -50,6 +50,20 @@ def comparable(run_dir: str) -> dict[int, dict[str, float]]:
             for r in rows}
 
 
+def refusal(coordinator: str, call) -> grpc.aio.AioRpcError:
+    """The error the coordinator answers ``call(client)`` with (the test fails if it answers)."""
+    async def go():
+        client = CoordinatorClient(coordinator)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await call(client)
+            return error.value
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
 def test_stopped_and_resumed_run_equals_an_uninterrupted_one(cluster, tiny_model, reverse_data):
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2)
     straight = asyncio.run(run(cluster.coordinator, config))
@@ -72,16 +86,7 @@ def test_a_run_without_checkpoint_or_still_running_is_not_resumed(cluster, tiny_
     finished = asyncio.run(run(cluster.coordinator, run_config(tiny_model, reverse_data,
                                                                trainer__total_training_steps=1)))
 
-    async def refused(run_id: str):
-        client = CoordinatorClient(cluster.coordinator)
-        try:
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await client.resume_run(run_id)
-            return error.value
-        finally:
-            await client.close()
-
-    error = asyncio.run(refused(finished.run_id))
+    error = refusal(cluster.coordinator, lambda client: client.resume_run(finished.run_id))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "is finished" in error.details()
 
 
@@ -164,16 +169,7 @@ def test_verls_resume_modes_go_on_from_a_checkpoint_of_an_earlier_run(cluster, t
     assert resumed.run_id == first.run_id and resumed.state == "finished" and resumed.step == STEPS
     assert sorted(comparable(resumed.run_dir)) == list(range(1, STEPS + 1))  # each step once
 
-    async def refused(config_yaml: str) -> grpc.aio.AioRpcError:
-        client = CoordinatorClient(cluster.coordinator)
-        try:
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await client.start_run(config_yaml)
-            return error.value
-        finally:
-            await client.close()
-
-    error = asyncio.run(refused(from_two))  # that run finished since
+    error = refusal(cluster.coordinator, lambda client: client.start_run(from_two))  # that run finished since
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "finished" in error.details()
 
     second = asyncio.run(run(cluster.coordinator, config, stop_after=3))  # auto: its latest checkpoint finished
