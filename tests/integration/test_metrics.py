@@ -108,7 +108,7 @@ def wait_for_steps(targets: Path, steps: int, timeout_s: float = 120) -> dict[st
         if max((s.value for s in samples(texts["meshrl-coordinator"]).get("meshrl_coordinator_run_step", [])),
                default=0) >= steps:
             return texts
-        assert time.monotonic() < deadline, "the coordinator's metrics never reached step {steps}"
+        assert time.monotonic() < deadline, f"the coordinator's metrics never reached step {steps}"
         time.sleep(0.5)
 
 
