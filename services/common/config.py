@@ -164,6 +164,9 @@ class ServeConfig(Section):
     reaches the port may call every RPC. Only for a network no one else uses; a token is the fix otherwise."""
     port: int = Field(0, ge=0, le=65535)
     """Port to bind; 0 picks a free one (the registry then tells the coordinator)."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Port of the Prometheus ``/metrics`` endpoint (plain HTTP, on ``host`` as the gRPC port is); unset: none is
+    served; 0 picks a free one (logged as metrics_address). Anyone who reaches it can read the metrics."""
     coordinator: str = ""
     """host:port of the coordinator to register with."""
     group: str = "default"

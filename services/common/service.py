@@ -4,9 +4,10 @@ Every service's ``__main__`` builds its servicer and calls ``run_service``,
 which:
 0. refuses to start (exit code 2), before it binds, when it would listen
    beyond loopback without a cluster token and ``allow_open`` is not set;
-1. starts a grpc.aio server (on uvloop) with the error interceptor, the
-   token check and the standard health service, on the configured host and
-   port (0 = any free port), over mTLS when it is configured;
+1. starts a grpc.aio server (on uvloop) with the RPC metrics interceptor,
+   the token check, the error interceptor and the standard health service,
+   on the configured host and port (0 = any free port), over mTLS when it is
+   configured, and Prometheus's /metrics on ``metrics_port`` when it is set;
 2. registers with the coordinator (with its host name, meshrl version and
    GPUs) and heartbeats (with the weight version it holds), registering
    again whenever the coordinator has forgotten it (it restarted) and
@@ -40,6 +41,7 @@ from services.common.errors import ErrorInterceptor
 from services.common.logging import configure_logging
 from services.common.auth import TokenServerInterceptor, cluster_token, is_loopback, server_credentials
 from services.common.rpc import SERVER_OPTIONS, open_channel
+from services.common.telemetry import MetricsServer, RpcMetricsInterceptor
 
 PROTOCOL_VERSION = 1
 REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -62,6 +64,7 @@ class Endpoint:
     coordinator: str  # host:port, or "" for the coordinator itself
     grace_s: float = 10.0
     gpu: str = "cpu"  # its GPUs, described (about.describe_gpus)
+    metrics_port: int | None = None  # of its Prometheus /metrics (None: none served)
 
 
 def identity_for(endpoint: Endpoint, port: int) -> common_pb2.ServiceIdentity:
@@ -143,7 +146,7 @@ class Attached(Protocol):
 async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb2.ServiceIdentity], Attached]) -> None:
     """Serve until SIGTERM/SIGINT. ``attach`` adds the servicer to the server and returns it."""
     token, credentials = cluster_token(), server_credentials()
-    interceptors = ([TokenServerInterceptor(token)] if token else []) + [ErrorInterceptor()]
+    interceptors = [RpcMetricsInterceptor(), *([TokenServerInterceptor(token)] if token else []), ErrorInterceptor()]
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     address = f"{endpoint.host}:{endpoint.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
@@ -153,10 +156,13 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     servicer = attach(server, identity)
+    metrics = (MetricsServer(endpoint.host, endpoint.metrics_port, servicer.weight_version)
+               if endpoint.metrics_port is not None else None)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     structlog.contextvars.bind_contextvars(service_id=identity.service_id)
     log.info("serving", address=identity.address, kind=endpoint.kind, pid=os.getpid(), gpu=identity.gpu,
+             metrics_address=metrics.address if metrics else None,
              meshrl_version=identity.meshrl_version, authentication="cluster token" if token else "none",
              transport="mtls" if credentials else "plaintext")
 
@@ -172,6 +178,8 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     if heartbeat is not None:
         await asyncio.wait({heartbeat})
     await server.stop(endpoint.grace_s)
+    if metrics is not None:
+        metrics.close()
     await servicer.close()
     log.info("stopped")
     if heartbeat is not None:
@@ -228,7 +236,7 @@ def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.ai
         torch.set_num_threads(config.torch_threads)
         torch.set_num_interop_threads(config.torch_threads)
     endpoint = Endpoint(kind, config.host, config.port, config.group, config.coordinator, config.grace_s,
-                        describe_gpus(config.compute_devices()))
+                        describe_gpus(config.compute_devices()), config.metrics_port)
     try:
         uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))
     except ValueError as error:  # what the servicer refuses to start with (a plugin that fails to import, ...)

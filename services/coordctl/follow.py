@@ -188,20 +188,22 @@ async def run_local(begin, state_dir: Path, services: tuple) -> RunStatus:
     try:
         typer.echo(f"starting the local services (logs in {cluster.log_dir})")
         await cluster.start()
-        typer.echo(how_to_reach(cluster.coordinator))
+        typer.echo(how_to_reach(cluster.coordinator, cluster.targets_file))
         return await begin_and_follow(cluster.coordinator, begin, detach=False, stop_on_interrupt=True,
                                       resume_hint=f"coordctl resume --local --state-dir {state_dir}")
     finally:
         cluster.stop()
 
 
-def how_to_reach(coordinator: str) -> str:
-    """How another terminal reaches the local cluster: its address and its token file (or the user's token)."""
+def how_to_reach(coordinator: str, targets_file: Path) -> str:
+    """How another terminal reaches the local cluster: its address and its token file (or the user's token), and
+    where Prometheus finds the services' /metrics."""
     token_file = os.environ.get("MESHRL_TOKEN_FILE")
     token = f"MESHRL_TOKEN_FILE={token_file}" if token_file else "MESHRL_TOKEN (yours)"
     return (f"coordinator at {coordinator}; from another terminal, with {token}:\n"
             f"    coordctl runs --coordinator {coordinator}                      # and status RUN, stop RUN\n"
-            f"    python -m services.reward --coordinator {coordinator} group=b  # one more service joins")
+            f"    python -m services.reward --coordinator {coordinator} group=b  # one more service joins\n"
+            f"each service's Prometheus /metrics, for file_sd_configs: {targets_file}")
 
 
 def print_summary(run: RunStatus, lines: list[dict], seconds: float, state_dir: Path | None) -> None:

@@ -10,7 +10,10 @@
    set) that the services demand and this process's clients present, in
    ``<state_dir>/token`` (mode 0600), so that ``coordctl status`` in another
    terminal, or a service started by hand, can present it too.
-4. Stop them all on the way out, the coordinator first (SIGTERM, then
+4. Give each a Prometheus ``/metrics`` port of its own on loopback, listed
+   in ``<state_dir>/prometheus-targets.json`` (Prometheus's file_sd format,
+   each labelled with its job: meshrl-coordinator, meshrl-trainer, ...).
+5. Stop them all on the way out, the coordinator first (SIGTERM, then
    SIGKILL after a grace period); a child also gets SIGTERM if coordctl
    itself dies. The children run in their own session, so Ctrl-C in the
    terminal reaches coordctl alone, which first stops the run at a step
@@ -20,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -122,6 +126,8 @@ class LocalCluster:
         self.log_level = log_level
         self.coordinator = f"127.0.0.1:{free_port()}"
         self.processes: dict[str, subprocess.Popen] = {}
+        self.metrics_ports: dict[str, tuple[str, int]] = {}  # name -> (kind, its /metrics port)
+        self.targets_file = state_dir / "prometheus-targets.json"
         if cluster_token() is None:  # the local services take calls from holders of the token file only
             os.environ["MESHRL_TOKEN_FILE"] = str(write_token(state_dir / "token"))
             cluster_token.cache_clear()
@@ -135,9 +141,11 @@ class LocalCluster:
     def _spawn(self, name: str, kind: str, *settings: str, env: tuple[tuple[str, str], ...] = (),
                ranks: int = 1) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        metrics_port = self.metrics_ports.setdefault(name, (kind, free_port()))[1]  # kept when it is restarted
+        write_targets(self.targets_file, self.metrics_ports)
         log = (self.log_dir / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
-            self.command(name, kind, settings, ranks), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.command(name, kind, (f"metrics_port={metrics_port}", *settings), ranks), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **CHILD_ENV, "MESHRL_PARENT_PID": str(os.getpid()), **dict(env)},
             start_new_session=True,  # a terminal's Ctrl-C reaches coordctl only, which stops the run first
         )
@@ -191,6 +199,21 @@ class LocalCluster:
         active is stopped by its shutdown, and resumes from its last checkpoint)."""
         terminate([p for kind, p in self.processes.items() if kind == "coordinator"], grace_s)
         terminate([p for kind, p in self.processes.items() if kind != "coordinator"], grace_s)
+
+
+def scrape_targets(metrics_ports: dict[str, tuple[str, int]]) -> list[dict]:
+    """Prometheus's file_sd groups for services named ``name -> (kind, port)`` on loopback: one group per
+    service, its job meshrl-KIND, its name the label service."""
+    return [{"targets": [f"127.0.0.1:{port}"], "labels": {"job": f"meshrl-{kind}", "service": name}}
+            for name, (kind, port) in sorted(metrics_ports.items())]
+
+
+def write_targets(path: Path, metrics_ports: dict[str, tuple[str, int]]) -> None:
+    """Replace ``path`` at once (Prometheus may read it at any time)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(scrape_targets(metrics_ports), indent=1) + "\n")
+    partial.replace(path)
 
 
 def terminate(processes: list[subprocess.Popen], grace_s: float) -> None:

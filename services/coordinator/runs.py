@@ -24,6 +24,7 @@ from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.rpc import is_retryable
 from services.common.run_check import RunData, load_run_data
 from services.common.run_config import RunConfig
+from services.coordinator import telemetry
 from services.coordinator.clients import TrainerClient
 from services.coordinator.loop import PPOLoop, Trainers
 from services.coordinator.plot import plot_reward
@@ -70,6 +71,7 @@ class RunReporter:
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self.manager.store.record_step(self.run_id, step, metrics)
+        telemetry.step_done(self.run_id, step, metrics)
         with self.metrics_file.open("a") as out:
             out.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         log.info("step_done", run_id=self.run_id, step=step, reward=metrics.get("critic/score/mean"),
@@ -380,6 +382,7 @@ class RunManager:
 
     def _set_state(self, run_id: str, state: str, error: str = "") -> None:
         self.store.set_state(run_id, state, error)
+        telemetry.count_runs(self.store.list_runs())
         log.info("run_state", run_id=run_id, state=state, error=error or None)
         self.notify()
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.service import PROTOCOL_VERSION
+from services.coordinator import telemetry
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.registry import Registry, ServiceRecord
 from services.coordinator.runs import RunManager
@@ -61,6 +62,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.registry = Registry(config.heartbeat_interval_s, config.heartbeat_misses)
         self.store = RunStore(state_dir / "meshrl.db")
         self.runs = RunManager(self.store, self.registry, state_dir)
+        telemetry.watch(self.registry, self.store.list_runs())
 
     async def Register(self, request, context):
         self.registry.register(record_from_pb(request))

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from services.reward import telemetry
 from services.reward.config import RewardServiceConfig
 from services.reward.scoring import Sample, Scorer
 
@@ -55,6 +56,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                 loop.run_in_executor(self._threads, self.scorer.score_batch, samples[start:start + size])
                 for start in range(0, len(samples), size)))
         results = [result for part in parts for result in part]
+        telemetry.count(results)
         invalid = [r.error for r in results if not r.valid]
         if invalid:
             log.warning("samples_not_scored", count=len(invalid), first_error=invalid[0][:300])

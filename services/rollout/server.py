@@ -9,6 +9,7 @@ from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.errors import FailedPrecondition
 from services.common.sequences import join_ragged
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
+from services.rollout import telemetry
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engines import Engine, load_engine
 from services.rollout.sampling import SamplingSettings
@@ -66,8 +67,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         batch = assembler.result(required=("prompt_ids", "prompt_lens"))
         prompts = prompt_lists(batch["prompt_ids"], batch["prompt_lens"], engine.vocab_size)
         log.info("generating", run_id=self.run_id, prompts=len(prompts), n=sampling.n)
-        completions = await engine.generate(prompts, sampling, params.first_index)
+        with telemetry.REQUESTS_IN_FLIGHT.track_inprogress():
+            completions = await engine.generate(prompts, sampling, params.first_index)
         flat = [c for group in completions for c in group]
+        telemetry.GENERATED_SEQUENCES.inc(len(flat))
+        telemetry.GENERATED_TOKENS.inc(sum(len(c.token_ids) for c in flat))
         response_ids, response_lens = join_ragged([c.token_ids for c in flat], torch.int64)
         logprobs, _ = join_ragged([c.logprobs for c in flat], torch.float32)
         truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)

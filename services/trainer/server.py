@@ -30,7 +30,7 @@ from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
 from services.common.run_config import RunConfig
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
-from services.trainer import checkpoint
+from services.trainer import checkpoint, telemetry
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ranks import join
 from services.trainer.setup import actor_settings, actor_sharding, critic_sharding
@@ -106,7 +106,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def _run(self, op: str, args: dict, tensors: dict[str, torch.Tensor], **local):
         """Do one op on every rank (on the model thread); rank 0's result."""
-        return await self._on_model(self.worker.run, op, args, tensors, **local)
+        with telemetry.OP_SECONDS.labels(op).time():
+            return await self._on_model(self.worker.run, op, args, tensors, **local)
 
     def _roles(self) -> Roles:
         if self.worker.roles is None:
@@ -262,5 +263,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 def attach(server, config: TrainerServiceConfig, identity: common_pb2.ServiceIdentity) -> TrainerServicer:
     """Rank 0's servicer; under torchrun this first waits for the other ranks to join."""
     servicer = TrainerServicer(config, identity, Worker(join(config.device, config.collective_timeout_s)))
+    telemetry.watch_memory(servicer.worker.ranks.device)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     return servicer

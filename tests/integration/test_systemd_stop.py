@@ -27,12 +27,13 @@ PR_SET_CHILD_SUBREAPER = 36
 
 def unit_command() -> list[str]:
     """The unit's ExecStart here: this virtual environment, two ranks on the CPU, the trainer.yaml beside the unit with
-    no coordinator, on loopback."""
+    no coordinator, on loopback (its /metrics on a free port: another test may hold the unit's)."""
     command = []
     for word in exec_start(UNIT):
         word = word.replace(VENV_BIN, sysconfig.get_path("scripts") + "/").replace(CONFIG_DIR, f"{UNIT_DIR}/")
         command.append("--nproc-per-node=2" if word == "--nproc-per-node=gpu" else word)
-    return [*command, "device=cpu", "host=127.0.0.1", "port=0", "coordinator=", "torch_threads=1"]
+    return [*command, "device=cpu", "host=127.0.0.1", "port=0", "metrics_port=0", "coordinator=",
+            "torch_threads=1"]
 
 
 def stop_like_systemd(command: list[str], log: Path, stop_timeout_s: float) -> dict:

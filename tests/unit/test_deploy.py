@@ -61,9 +61,10 @@ def words(unit: dict, section: str, key: str) -> list[str]:
     return [word for value in unit.get(section, {}).get(key, []) for word in value.split()]
 
 
-def exec_start(name: str) -> list[str]:
+def exec_start(name: str, gpu: int = 0) -> list[str]:
+    """The command line systemd runs (a template's for instance ``gpu``, its %i)."""
     [command] = directives(UNIT_DIR / name)["Service"]["ExecStart"]
-    return shlex.split(command)
+    return shlex.split(command.replace("%i", str(gpu)))
 
 
 def instance(name: str) -> str:

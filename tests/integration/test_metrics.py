@@ -1,0 +1,178 @@
+"""Prometheus /metrics of a `coordctl start-run --local` run, as an operator reads them: each service's exposition
+parsed with prometheus_client's own parser, and a real Prometheus server (Debian's package) scraping the run
+through the targets file coordctl prints, whose query API sees the step rise. One local run serves the module."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.test_cli import coordctl, start_local, terminal_env
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMETHEUS = shutil.which("prometheus")
+SMALL_RUN = ("actor_rollout_ref.actor.warm_start.steps=0", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "local.synthetic_task.rows=400")
+
+
+def fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return reply.read().decode()
+
+
+def samples(text: str) -> dict[str, list]:
+    """Every sample of an exposition, by sample name (histogram buckets under NAME_bucket, ...)."""
+    by_name: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            by_name.setdefault(sample.name, []).append(sample)
+    return by_name
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """The one sample ``name`` with ``labels`` among its labels."""
+    [match] = [s.value for s in samples(text).get(name, []) if labels.items() <= s.labels.items()]
+    return match
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """A --local run going on, and a Prometheus server scraping it from the start (None without Debian's
+    package): the coordinator's address, the targets file coordctl printed, Prometheus's address. Stopped after
+    the module, the run with two Ctrl-C (at once: nothing of it is looked at after)."""
+    folder = tmp_path_factory.mktemp("metrics")
+    process = start_local(folder / "state", folder / "cache", *SMALL_RUN)
+    prometheus = None
+    try:
+        said = ""
+        while "for file_sd_configs:" not in said:
+            line = process.stdout.readline().decode()
+            assert line, said[-2000:]
+            said += line
+        coordinator = re.search(r"coordinator at (\S+);", said).group(1)
+        targets = Path(re.search(r"for file_sd_configs: (\S+)", said).group(1))
+        address = f"127.0.0.1:{free_port()}"
+        if PROMETHEUS is not None:
+            prometheus = start_prometheus(address, targets, folder / "prometheus")
+        yield process, coordinator, targets, address if prometheus else None
+    finally:
+        for _ in range(2):
+            process.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+        process.communicate(timeout=120)
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(timeout=30)
+
+
+def start_prometheus(address: str, targets: Path, folder: Path) -> subprocess.Popen:
+    """Prometheus on ``address``, scraping the services ``targets`` lists every second, as the README says."""
+    folder.mkdir()
+    config = folder / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "meshrl-local", "file_sd_configs": [{"files": [str(targets)]}]}]}))
+    return subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
+                             f"--web.listen-address={address}"], stdout=subprocess.DEVNULL,
+                            stderr=(folder / "prometheus.log").open("w"))
+
+
+def metrics_of(targets: Path) -> dict[str, str]:
+    """Each service's /metrics text, by its job."""
+    return {group["labels"]["job"]: fetch(f"http://{group['targets'][0]}/metrics")
+            for group in json.loads(targets.read_text())}
+
+
+def wait_for_steps(targets: Path, steps: int, timeout_s: float = 120) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        texts = metrics_of(targets)
+        if max((s.value for s in samples(texts["meshrl-coordinator"]).get("meshrl_coordinator_run_step", [])),
+               default=0) >= steps:
+            return texts
+        assert time.monotonic() < deadline, f"the coordinator's metrics never reached step {steps}"
+        time.sleep(0.5)
+
+
+def test_every_service_kind_exports_its_metrics(local_run):
+    process, coordinator, targets, _ = local_run
+    assert sorted(group["labels"]["job"] for group in json.loads(targets.read_text())) == [
+        "meshrl-coordinator", "meshrl-reward", "meshrl-rollout", "meshrl-trainer"]
+    token = terminal_env(MESHRL_TOKEN_FILE=str(targets.parent / "token"))
+    assert coordctl("status", "no-such-run", "--coordinator", coordinator, env=token).returncode != 0
+    texts = wait_for_steps(targets, 2)
+
+    coordinator_text = texts["meshrl-coordinator"]
+    assert value(coordinator_text, "meshrl_coordinator_runs", state="running") == 1
+    assert value(coordinator_text, "meshrl_coordinator_step_seconds") > 0
+    assert 0 <= value(coordinator_text, "meshrl_coordinator_reward_mean") <= 1
+    ages = {s.labels["kind"]: s.value for s in samples(coordinator_text)["meshrl_coordinator_heartbeat_age_seconds"]}
+    assert ages.keys() == {"trainer", "rollout", "reward"} and max(ages.values()) < 5
+    assert value(coordinator_text, "meshrl_rpc_duration_seconds_count", grpc_method="GetRun",
+                 grpc_code="NOT_FOUND") == 1
+    assert value(coordinator_text, "meshrl_rpc_duration_seconds_count", grpc_method="Heartbeat", grpc_code="OK") > 0
+
+    rollout = texts["meshrl-rollout"]
+    assert value(rollout, "meshrl_rollout_generated_tokens_total") >= value(
+        rollout, "meshrl_rollout_generated_sequences_total") > 0
+    assert value(rollout, "meshrl_rollout_requests_in_flight") in (0, 1)
+    assert value(rollout, "meshrl_rpc_duration_seconds_count", grpc_method="Generate", grpc_code="OK") >= 2
+
+    trainer = texts["meshrl-trainer"]
+    assert value(trainer, "meshrl_trainer_op_seconds_count", op="update_actor") >= 2
+    assert value(trainer, "meshrl_trainer_memory_bytes", device="cpu", measure="allocated") > 10 ** 7
+    assert value(trainer, "meshrl_weight_version") >= 2
+    assert value(rollout, "meshrl_weight_version") >= 1  # synced after each step
+
+    reward = texts["meshrl-reward"]
+    assert value(reward, "meshrl_reward_samples_total", outcome="scored") > 0
+    assert value(reward, "meshrl_reward_samples_total", outcome="timed_out") == 0
+    assert "meshrl_weight_version" not in samples(reward) and "meshrl_weight_version" not in samples(coordinator_text)
+    for text in texts.values():
+        assert value(text, "process_resident_memory_bytes") > 0
+    assert process.poll() is None
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus package is not installed (apt-get install "
+                                               "prometheus): no Prometheus server to scrape the run")
+def test_prometheus_scrapes_the_run_and_sees_the_step_rise(local_run):
+    *_, prometheus = local_run
+    assert subprocess.run(["promtool", "check", "config", ROOT / "deploy" / "prometheus" / "prometheus.yml"],
+                          capture_output=True).returncode == 0
+
+    def query(expression: str) -> list[dict]:
+        try:
+            reply = json.loads(fetch(f"http://{prometheus}/api/v1/query?" + urllib.parse.urlencode(
+                {"query": expression})))
+        except OSError:
+            return []  # not listening yet
+        return reply["data"]["result"]
+
+    deadline, steps = time.monotonic() + 120, []
+    while len(set(steps)) < 2:
+        assert time.monotonic() < deadline, f"Prometheus saw the steps {steps}"
+        time.sleep(1)
+        series = query("meshrl_coordinator_run_step[5m]")
+        steps = [float(v) for _, v in series[0]["values"]] if series else []
+    assert steps == sorted(steps)
+    assert series[0]["metric"]["job"] == "meshrl-coordinator"  # the job label of coordctl's targets file
+    up = {result["metric"]["job"]: result["value"][1] for result in query("up")}
+    assert up == {f"meshrl-{kind}": "1" for kind in ("coordinator", "trainer", "rollout", "reward")}
