@@ -433,6 +433,11 @@ class TrainerConfig(Section):
     checkpoint resume_from_path is goes on from that checkpoint."""
     resume_from_path: str | None = None
     """With resume_mode resume_path: a checkpoint folder (<...>/step_<N>) of an earlier run."""
+    rollout_data_dir: str | None = None
+    """Where each step's samples go, <step>.jsonl (verl's key and file): prompt, response, score and its
+    components, the weight version that sampled it and its staleness, the rollout and the reward service that
+    handled it, its advantage (`coordctl samples RUN --step N` prints them). A relative path is under the run's
+    folder; null = not written."""
     logger: list[str] = ["console"]
     """verl's experiment loggers. meshrl always shows progress on the console and writes every metric to
     metrics.jsonl and the run DB; tensorboard, wandb and the others are not written yet (reported as not
@@ -580,6 +585,11 @@ class RunConfig(Section):
         ``run_dir``/checkpoints."""
         chosen = self.trainer.default_local_dir
         return run_dir / "checkpoints" if chosen is None else run_dir / chosen  # an absolute one stays itself
+
+    def samples_dir(self, run_dir: Path) -> Path | None:
+        """Where the run's samples go: trainer.rollout_data_dir (under ``run_dir`` if relative); None: nowhere."""
+        chosen = self.trainer.rollout_data_dir
+        return None if chosen is None else run_dir / chosen  # an absolute one stays itself
 
     def steps_for(self, rows: int) -> RunConfig:
         """This config with trainer.total_training_steps set, ``rows`` the training prompts (total_epochs passes

@@ -73,6 +73,7 @@ class ScoredSample:
     error: str
     acc: bool | None = None  # whether the answer is right, where the scorer says (verl's "acc")
     pred: str = ""  # the answer the scorer read in the response (verl's "pred")
+    components: tuple[tuple[str, float, float], ...] = ()  # (name, weight, value) of each part of the score
 
 
 @dataclass(frozen=True)
@@ -273,7 +274,8 @@ class RewardClient:
             reply = await self._stub.Score(request, timeout=timeout)
         if len(reply.scores) != len(samples):
             raise ValueError(f"reward {self.address} returned {len(reply.scores)} scores for {len(samples)} samples")
-        return [ScoredSample(s.score, s.valid, s.error, s.acc if s.HasField("acc") else None, s.pred)
+        return [ScoredSample(s.score, s.valid, s.error, s.acc if s.HasField("acc") else None, s.pred,
+                             tuple((c.name, c.weight, c.value) for c in s.components))
                 for s in reply.scores], reply.service_id
 
     async def close(self) -> None:

@@ -21,12 +21,23 @@ from services.common.sequences import SequenceBatch, join_ragged
 from services.coordinator.clients import Generated, RewardSample, RolloutClient, ScoredSample
 from services.common.data import Prompt
 from services.coordinator.dispatch import map_shards_recovering
-from services.coordinator.reward_set import RewardSet
+from services.coordinator.reward_set import RewardSet, Scored, ScoredBy
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import Sampling
 from services.coordinator.waiting import Notices
 
 GENERATION_ATTEMPTS = 3  # a batch generated again after every rollout of a shard failed, before giving up
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Who made one response: the rollout replica that sampled it and, once it is scored, the reward replica that
+    scored it, the decoded prompt and response it scored, and what it said."""
+
+    rollout: str  # the rollout replica's address
+    scored_by: ScoredBy | None = None
+    sample: RewardSample | None = None
+    scored: ScoredSample | None = None
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,7 @@ class Rollouts:
     versions: torch.Tensor  # [B*n] int64, the weight version that sampled each response
     prompts: list[Prompt]  # [B]
     n: int
+    lineage: tuple[Lineage, ...]  # [B*n]
 
     @property
     def group_ids(self) -> torch.Tensor:
@@ -48,17 +60,22 @@ class Rollouts:
     def keep_prompts(self, keep: list[int]) -> Rollouts:
         rows = torch.tensor([i * self.n + j for i in keep for j in range(self.n)], dtype=torch.int64)
         return Rollouts(self.batch.select(rows), self.logprobs[self.batch.token_index(rows)], self.truncated[rows],
-                        self.scores[rows], self.versions[rows], [self.prompts[i] for i in keep], self.n)
+                        self.scores[rows], self.versions[rows], [self.prompts[i] for i in keep], self.n,
+                        tuple(self.lineage[row] for row in rows.tolist()))
 
-    def with_scores(self, scores: torch.Tensor) -> Rollouts:
-        return Rollouts(self.batch, self.logprobs, self.truncated, scores, self.versions, self.prompts, self.n)
+    def with_scores(self, samples: list[RewardSample], scored: Scored) -> Rollouts:
+        """These rollouts with the scores of ``scored`` (of ``samples``, their decoded responses)."""
+        scores = torch.tensor([s.score for s in scored.scores], dtype=torch.float32)
+        lineage = tuple(Lineage(origin.rollout, by, sample, score) for origin, by, sample, score
+                        in zip(self.lineage, scored.scored_by, samples, scored.scores, strict=True))
+        return Rollouts(self.batch, self.logprobs, self.truncated, scores, self.versions, self.prompts, self.n, lineage)
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
         return Rollouts(SequenceBatch.concat([p.batch for p in parts]), torch.cat([p.logprobs for p in parts]),
                         torch.cat([p.truncated for p in parts]), torch.cat([p.scores for p in parts]),
                         torch.cat([p.versions for p in parts]), [prompt for p in parts for prompt in p.prompts],
-                        parts[0].n)
+                        parts[0].n, tuple(origin for p in parts for origin in p.lineage))
 
 
 @dataclass(frozen=True)
@@ -93,13 +110,14 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
     for result, replica in done:
         counts[replica.address] = counts.get(replica.address, 0) + len(result.response_lens)
     shards = [result for result, _ in done]
+    lineage = tuple(Lineage(replica.address) for result, replica in done for _ in range(len(result.response_lens)))
     prompt_ids, prompt_lens = join_ragged(
         [torch.tensor(p.token_ids) for p in prompts for _ in range(sampling.n)], torch.int64)
     batch = SequenceBatch(prompt_ids, prompt_lens, torch.cat([s.response_ids for s in shards]),
                           torch.cat([s.response_lens for s in shards]))
     return Rollouts(batch, torch.cat([s.logprobs for s in shards]), torch.cat([s.truncated for s in shards]),
                     torch.zeros(len(batch)), torch.cat([s.weight_versions for s in shards]), prompts,
-                    sampling.n), counts
+                    sampling.n, lineage), counts
 
 
 async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Notices, what: str) -> Scoring:
@@ -110,8 +128,7 @@ async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Noti
     invalid = [s.error for s in scored.scores if not s.valid]
     if invalid:
         notices.log(f"{len(invalid)} samples could not be scored (scored 0), first: {invalid[0]}")
-    scores = torch.tensor([s.score for s in scored.scores], dtype=torch.float32)
-    return Scoring(rollouts.with_scores(scores), samples, scored.scores, scored.by_service)
+    return Scoring(rollouts.with_scores(samples, scored), samples, scored.scores, scored.by_service)
 
 
 def reward_samples(rollouts: Rollouts, tokenizer) -> list[RewardSample]:

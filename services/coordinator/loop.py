@@ -50,6 +50,7 @@ from services.coordinator import generation
 from services.coordinator.clients import TrainerClient
 from services.common.data import Prompt
 from services.coordinator.sampler import PromptSampler
+from services.coordinator.samples import step_records
 from services.coordinator.generation import Rollouts
 from services.coordinator.metrics import data_metrics
 from services.coordinator.pipeline import Pipeline
@@ -75,6 +76,10 @@ class Reporter(Protocol):
 
     def validation(self, validated: Validated) -> None:
         """A validation is done: its metrics (recorded with its step's) and every response it scored."""
+
+    def samples(self, step: int, records: list[dict]) -> None:
+        """Step ``step``'s responses with their lineage (samples.step_records), to keep (called on a worker
+        thread, with trainer.rollout_data_dir set)."""
 
 
 @dataclass
@@ -219,10 +224,12 @@ class PPOLoop:
     async def train(self, step: int, produced: Produced, timer: StageTimer) -> dict[str, float]:
         """The training side of a step: logprobs, advantages, updates, weight sync; returns the step's metrics."""
         timer.seconds.update(produced.seconds)
+        served = self.rollouts.served                                               #    the weights updated from
         rollouts, staleness = self.within_staleness(produced.rollouts)              # 1. responses and scores
         async with self.rollouts_asleep(timer):                                     #    (the GPU is the trainer's)
             evaluated = await self.evaluate(rollouts.batch, step, timer)            # 2. what the update needs
             estimate = await self.estimate(rollouts, evaluated, timer)              # 3. rewards and advantages
+            await self.keep_samples(step, rollouts, served, estimate)               #    (their lineage kept)
             updated = await self.update(rollouts, evaluated, estimate, step, timer)  # 4. critic and actor updates
         await self.sync_weights(updated, timer)                                     # 5. rollouts serve the new weights
         metrics = {**updated.metrics, **estimate.metrics, **produced.metrics, **staleness, **timer.metrics()}
@@ -275,6 +282,13 @@ class PPOLoop:
             self.kl_coef = algos.adaptive_kl_coef(self.kl_coef, estimate.metrics["actor/reward_kl_penalty"],
                                                   len(rollouts.batch), control.target_kl, control.horizon)
         return estimate
+
+    async def keep_samples(self, step: int, rollouts: Rollouts, served: int, estimate: Estimate) -> None:
+        """With trainer.rollout_data_dir: every response of the step with its lineage, to the reporter (on a
+        worker thread: records and the file are the size of the batch)."""
+        if self.settings.keep_samples:
+            await asyncio.to_thread(
+                lambda: self.reporter.samples(step, step_records(step, rollouts, served, estimate.advantages)))
 
     async def update(self, rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, step: int,
                      timer: StageTimer) -> Updated:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from services.common.errors import FailedPrecondition, Unavailable
 from services.coordinator.clients import RewardClient, RewardSample, ScoredSample
@@ -43,12 +43,27 @@ class RewardTarget:
         return f"{self.kind} {self.name}"
 
 
+class ScoredBy(NamedTuple):
+    """The reward replica that scored a sample."""
+
+    service_id: str
+    address: str
+
+
 @dataclass(frozen=True)
 class Scored:
-    """A batch's scores, in sample order, and how many samples each reward service scored."""
+    """A batch's scores, and the reward replica that scored each, in sample order."""
 
     scores: list[ScoredSample]
-    by_service: dict[str, int]  # service id -> samples
+    scored_by: list[ScoredBy]
+
+    @property
+    def by_service(self) -> dict[str, int]:
+        """Service id -> samples it scored."""
+        counts: dict[str, int] = {}
+        for service_id, _ in self.scored_by:
+            counts[service_id] = counts.get(service_id, 0) + 1
+        return counts
 
 
 def probe_samples(prompts: list[Prompt]) -> list[RewardSample]:
@@ -95,10 +110,9 @@ class RewardSet:
 
         shards = await map_shards_recovering(lambda: ReplicaPool("reward", self.clients), len(samples), call,
                                              SCORING_ATTEMPTS, wait)
-        by_service: dict[str, int] = {}
-        for (scores, service_id), _ in shards:
-            by_service[service_id] = by_service.get(service_id, 0) + len(scores)
-        return Scored([score for (scores, _), _ in shards for score in scores], by_service)
+        return Scored([score for (scores, _), _ in shards for score in scores],
+                      [ScoredBy(service_id, replica.address) for (scores, service_id), replica in shards
+                       for _ in scores])
 
     async def swap(self, target: RewardTarget, probe_batch: list[RewardSample]) -> list[str]:
         """Probe the target's services; if every one scores the probe, use them from the next step boundary on.

@@ -65,8 +65,9 @@ def parse_run_config(config_yaml: str) -> RunConfig:
 class RunReporter:
     """Where a run's loop reports: the run DB, metrics.jsonl, the log, and the watchers."""
 
-    def __init__(self, manager: RunManager, run_id: str, run_dir: Path):
-        self.manager, self.run_id, self.run_dir = manager, run_id, run_dir
+    def __init__(self, manager: RunManager, run_id: str, run_dir: Path, samples_dir: Path | None = None):
+        """``samples_dir``: where each step's samples go (trainer.rollout_data_dir; None: nowhere)."""
+        self.manager, self.run_id, self.run_dir, self.samples_dir = manager, run_id, run_dir, samples_dir
         self.metrics_file = run_dir / "metrics.jsonl"
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
@@ -89,6 +90,11 @@ class RunReporter:
 
     def waiting(self, reason: str | None) -> None:
         self.manager._set_state(self.run_id, "waiting" if reason else "running", reason or "")
+
+    def samples(self, step: int, records: list[dict]) -> None:
+        """Into <samples_dir>/<step>.jsonl (verl's file), replacing the one of an earlier attempt at the step."""
+        self.samples_dir.mkdir(parents=True, exist_ok=True)
+        (self.samples_dir / f"{step}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
 
     def validation(self, validated: Validated) -> None:
         """Its metrics into the step's record and metrics.jsonl, its responses into validation/step_N.jsonl."""
@@ -259,7 +265,8 @@ class RunManager:
         Unavailable naming it, whatever call was waiting on it; a rollout that does leaves the run's rollout
         set, and the attempt goes on with the others. A run that only validates has no trainer."""
         trainers = await self._connect(run_id, config)
-        reporter, should_stop = RunReporter(self, run_id, run_dir), lambda: run_id in self._stop_requested
+        reporter, should_stop = (RunReporter(self, run_id, run_dir, config.samples_dir(run_dir)),
+                                 lambda: run_id in self._stop_requested)
         rollouts = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
                               lambda: [record.address for record in self.registry.up("rollout", config.placement.rollout)],
                               reporter, should_stop)

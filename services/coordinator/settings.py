@@ -76,6 +76,7 @@ class LoopSettings:
     warm_start_steps: int
     warm_start_batch_size: int
     validation: ValidationSettings | None  # None: the run has no held-out data
+    keep_samples: bool  # report each step's samples with their lineage (trainer.rollout_data_dir)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def loop_settings(config: RunConfig) -> LoopSettings:
         rollout_correction=config.use_rollout_correction, sleep_rollouts=rollout.free_cache_engine,
         filter_groups=algorithm.filter_groups.enable, max_gen_rounds=algorithm.filter_groups.max_num_gen_batches,
         warm_start_steps=warm_start.steps, warm_start_batch_size=warm_start.batch_size,
-        validation=validation_settings(config),
+        validation=validation_settings(config), keep_samples=trainer.rollout_data_dir is not None,
     )
 
 

@@ -44,6 +44,7 @@ class SampleResult:
     seconds: float
     acc: bool | None = None  # whether the answer is right, from the first component that says (None: none does)
     pred: str = ""  # the answer read in the response, from the first component that reads one
+    components: tuple[tuple[str, float, float], ...] = ()  # (name, weight, value) of each part of the score
 
 
 @dataclass(frozen=True)
@@ -119,12 +120,13 @@ class Scorer:
     def _score_one(self, index: int, sample: Sample, model_scores) -> SampleResult:
         started = time.perf_counter()
         try:
-            parts = [(component.weight, self._component_score(component, index, sample, model_scores))
+            parts = [(component, self._component_score(component, index, sample, model_scores))
                      for component in self.components_for(sample.data_source)]
             acc = next((part.acc for _, part in parts if part.acc is not None), None)
             pred = next((part.pred for _, part in parts if part.pred), "")
-            return SampleResult(sum(weight * part.value for weight, part in parts), True, "",
-                                time.perf_counter() - started, acc, pred)
+            components = tuple((component.name, component.weight, part.value) for component, part in parts)
+            return SampleResult(sum(weight * value for _, weight, value in components), True, "",
+                                time.perf_counter() - started, acc, pred, components)
         except Exception as error:  # noqa: BLE001 - one bad sample must not fail the batch
             return SampleResult(0.0, False, f"{type(error).__name__}: {error}", time.perf_counter() - started)
 

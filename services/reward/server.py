@@ -61,7 +61,9 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         if invalid:
             log.warning("samples_not_scored", count=len(invalid), first_error=invalid[0][:300])
         return reward_pb2.ScoreResponse(service_id=self.identity.service_id, scores=[
-            reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds, pred=r.pred, acc=r.acc)
+            reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds, pred=r.pred, acc=r.acc,
+                                   components=[reward_pb2.RewardComponent(name=name, weight=weight, value=value)
+                                               for name, weight, value in r.components])
             for r in results])
 
     async def Info(self, request, context):

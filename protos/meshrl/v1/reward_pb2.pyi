@@ -28,20 +28,32 @@ class ScoreRequest(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class SampleScore(_message.Message):
-    __slots__ = ("score", "valid", "error", "seconds", "pred", "acc")
+    __slots__ = ("score", "valid", "error", "seconds", "pred", "acc", "components")
     SCORE_FIELD_NUMBER: _ClassVar[int]
     VALID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     PRED_FIELD_NUMBER: _ClassVar[int]
     ACC_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     score: float
     valid: bool
     error: str
     seconds: float
     pred: str
     acc: bool
-    def __init__(self, score: _Optional[float] = ..., valid: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., pred: _Optional[str] = ..., acc: _Optional[bool] = ...) -> None: ...
+    components: _containers.RepeatedCompositeFieldContainer[RewardComponent]
+    def __init__(self, score: _Optional[float] = ..., valid: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., pred: _Optional[str] = ..., acc: _Optional[bool] = ..., components: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ...) -> None: ...
+
+class RewardComponent(_message.Message):
+    __slots__ = ("name", "weight", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    value: float
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., value: _Optional[float] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("scores", "service_id")

@@ -138,8 +138,9 @@ class FakeReward:
 
     async def score(self, samples: list[RewardSample], timeout):
         self.scored += samples
-        return [ScoredSample(float(s.response == s.ground_truth), True, "", s.response == s.ground_truth, s.response)
-                for s in samples], self.address
+        return [ScoredSample(float(s.response == s.ground_truth), True, "", s.response == s.ground_truth, s.response,
+                             (("exact", 1.0, float(s.response == s.ground_truth)),))
+                for s in samples], f"id-of-{self.address}"
 
     async def close(self):
         pass
@@ -147,7 +148,7 @@ class FakeReward:
 
 class Reporter:
     def __init__(self):
-        self.steps, self.messages, self.checkpoints, self.validations = {}, [], [], []
+        self.steps, self.messages, self.checkpoints, self.validations, self.samples_of = {}, [], [], [], {}
 
     def step(self, step, metrics):
         self.steps[step] = metrics
@@ -163,6 +164,9 @@ class Reporter:
 
     def validation(self, validated):
         self.validations.append(validated)
+
+    def samples(self, step, records):
+        self.samples_of[step] = records
 
 
 class Mesh:
@@ -229,7 +233,7 @@ def test_a_grpo_step_trains_on_hand_worked_advantages_and_every_rollout_serves_t
     # every sample generated once and scored once, all by the default group's service
     assert mesh.rollouts["rollout:1"].generated == 3 * 4 * N
     assert len(mesh.rewards["reward-a:1"].scored) == 3 * 4 * N and not mesh.rewards["reward-b:1"].scored
-    assert metrics[2]["reward/samples_by/reward-a:1"] == 4 * N
+    assert metrics[2]["reward/samples_by/id-of-reward-a:1"] == 4 * N
     # save_freq 2: one checkpoint, after step 2, with the sampler right after step 2's batch (4 of 4 prompts:
     # the next epoch starts at the next batch)
     [(step, path, state)] = mesh.reporter.checkpoints
@@ -249,6 +253,32 @@ def test_generating_one_step_ahead_trains_samples_one_version_old_with_rollout_c
     # with staleness, the rollout's own logprobs go with every update (rollout correction, enable: auto)
     assert all(u["rollout_logprobs"] is not None for u in mesh.trainer.updates)
     assert mesh.rollouts["rollout:1"].generated == 3 * 4 * N
+
+
+def test_each_steps_samples_carry_their_text_score_versions_replicas_and_advantage(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3, "rollout_data_dir": "rollouts",
+                                       "async_": {"max_staleness": 1}}}, rollouts=("rollout:1", "rollout:2"))
+    assert mesh.run() is True
+    expected = [a for right in RIGHT_PER_PROMPT.values() for a in grpo_by_hand(right)]
+    for step, records in mesh.reporter.samples_of.items():
+        assert len(records) == 4 * N and {r["step"] for r in records} == {step}
+        assert [r["advantage"] for r in records] == pytest.approx(expected, abs=1e-5)
+        for index, record in enumerate(records):
+            digits = list(RIGHT_PER_PROMPT)[index // N]
+            right = index % N < RIGHT_PER_PROMPT[digits]
+            assert (record["input"], record["gts"], record["group"]) == (f"{digits}=", digits[::-1], index // N)
+            assert record["output"] == (digits[::-1] if right else "x")
+            assert record["score"] == float(right) and record["acc"] is right
+            assert record["reward_components"] == [{"name": "exact", "weight": 1.0, "value": float(right)}]
+            assert (record["reward_service"], record["reward_address"]) == ("id-of-reward-a:1", "reward-a:1")
+        # the batch is split over both rollouts, prompts 0-1 on the first and 2-3 on the second
+        assert [r["rollout"] for r in records] == ["rollout:1"] * 2 * N + ["rollout:2"] * 2 * N
+    # one step ahead: step 1 sampled by and trained from version 0, step 2 by 0 trained from 1, step 3 by 1 from 2
+    versions = {step: {(r["weight_version"], r["staleness"]) for r in records}
+                for step, records in mesh.reporter.samples_of.items()}
+    assert versions == {1: {(0, 0)}, 2: {(0, 1)}, 3: {(1, 1)}}
+    plain = Mesh(tmp_path, {})  # no trainer.rollout_data_dir: nothing kept
+    assert plain.run() is True and plain.reporter.samples_of == {}
 
 
 def test_a_reward_swap_is_probed_and_scores_from_the_next_boundary(tmp_path):

@@ -299,4 +299,5 @@ def test_each_sample_carries_the_answer_read_and_whether_it_is_right():
         (pytest.approx(2 / 3), "3x1", False), (1.0, r"\frac{1}{2}", True)]
     both = results[6]
     assert (both.score, both.pred, both.acc) == (0.5, "7", True)  # format fails; it reads no answer, gsm8k does
+    assert both.components == (("format", 0.5, 0.0), ("openai/gsm8k", 0.5, 1.0))  # the parts of the score
     assert not results[7].valid and (results[7].pred, results[7].acc) == ("", None)

@@ -1,0 +1,43 @@
+"""Each step's samples with their lineage: what trainer.rollout_data_dir keeps, one JSON line per response.
+
+Choices:
+- verl's file and keys first: ``<rollout_data_dir>/<step>.jsonl`` with ``input``, ``output``, ``gts``,
+  ``score`` and ``step`` per response, so that what reads verl's dumps reads these.
+- Then where the response came from: the weight version that sampled it and its staleness (the versions
+  between it and the weights the update started from), the rollout replica that generated it, the reward
+  service that scored it (id and address), the parts of its score (each component's name, weight and value),
+  and its advantage.
+- A response's advantage is the mean over its response tokens: every token's own for the outcome estimators
+  (GRPO, RLOO, REINFORCE++), the average of GAE's per-token ones.
+- ``group`` numbers the step's prompts: the responses of one prompt (one GRPO group) share it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.coordinator.generation import Rollouts
+
+
+def step_records(step: int, rollouts: Rollouts, served: int, advantages: torch.Tensor) -> list[dict]:
+    """One record per response of a step's scored ``rollouts``, trained from weight version ``served``;
+    ``advantages`` [T] over their response tokens."""
+    lens = rollouts.batch.response_lens
+    per_token = torch.split(advantages.float(), lens.tolist())
+    records = []
+    for row, origin in enumerate(rollouts.lineage):
+        sample, scored, by = origin.sample, origin.scored, origin.scored_by
+        version = int(rollouts.versions[row])
+        records.append({
+            "step": step, "input": sample.prompt, "output": sample.response, "gts": sample.ground_truth,
+            "score": scored.score, "data_source": sample.data_source, "acc": scored.acc, "pred": scored.pred,
+            "valid": scored.valid, "error": scored.error,
+            "reward_components": [{"name": name, "weight": weight, "value": value}
+                                  for name, weight, value in scored.components],
+            "weight_version": version, "staleness": served - version,
+            "rollout": origin.rollout, "reward_service": by.service_id, "reward_address": by.address,
+            "advantage": float(per_token[row].mean()) if len(per_token[row]) else 0.0,
+            "response_length": int(lens[row]), "truncated": bool(rollouts.truncated[row]),
+            "group": row // rollouts.n,
+        })
+    return records
