@@ -5,6 +5,8 @@
     coordctl start-run --local --dry-run             # the resolved config and what would start
     coordctl init FOLDER                             # a run config, model, data and token to start services by hand
     coordctl runs | status RUN | watch RUN | stop RUN | resume RUN | services
+    coordctl samples RUN --step N                    # a step's responses, scores, weight versions, services
+    coordctl plot RUN [METRIC ...]                   # PNGs of the run's metrics
     coordctl export RUN OUT_DIR | eval MODEL_DIR --data FILE
     coordctl certs OUT_DIR --host node1 --host node2,10.0.0.2   # a CA and certificates for mTLS
 """
@@ -325,6 +327,45 @@ def find_run_dir(run: str, state_dir: Path | None, coordinator: str) -> Path:
                    "it, or give the folder itself", err=True)
         raise typer.Exit(2)
     return folder
+
+
+@app.command("samples")
+def samples(
+    run: str = typer.Argument(..., metavar="RUN", help="a run folder, or a run id (under --state-dir/runs, or asked "
+                                                       "of the coordinator)"),
+    step: Optional[int] = typer.Option(None, "--step", help="the step (default: the last kept)"),
+    limit: int = typer.Option(8, "--limit", min=1, help="print at most this many of the step's samples"),
+    state_dir: Optional[Path] = typer.Option(None, help="the coordinator's state_dir, to find RUN by id here"),
+    coordinator: str = COORDINATOR,
+) -> None:
+    """Print a step's samples as the run kept them (trainer.rollout_data_dir): each response with its prompt,
+    score and its parts, the weight version that sampled it and its staleness, the rollout and the reward
+    service that handled it, and its advantage."""
+    import shutil
+
+    from services.coordctl.samples import describe, read_samples, samples_dir, steps_kept
+
+    run_dir = find_run_dir(run, state_dir, coordinator)
+    folder = samples_dir(run_dir)
+    if folder is None:
+        raise fail(f"run {run_dir.name} keeps no samples: start it with trainer.rollout_data_dir=FOLDER")
+    kept = steps_kept(folder) if folder.is_dir() else []
+    if not kept:
+        raise fail(f"no step's samples in {folder} yet")
+    step = kept[-1] if step is None else step
+    if step not in kept:
+        raise fail(f"no samples of step {step} in {folder}: it has steps {kept[0]} to {kept[-1]}")
+    path = folder / f"{step}.jsonl"
+    try:
+        records = read_samples(path)
+    except ValueError as error:
+        raise fail(f"error: {error}")
+    width = shutil.get_terminal_size().columns
+    typer.echo(f"{path}: {min(limit, len(records))} of {len(records)} samples of step {step}")
+    for index, record in enumerate(records[:limit]):
+        typer.echo("")
+        for line in describe(index, record, width):
+            typer.echo(line)
 
 
 @app.command("eval")

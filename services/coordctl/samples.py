@@ -1,0 +1,70 @@
+"""A run's kept samples (trainer.rollout_data_dir), read back and laid out for a person."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import yaml
+
+
+def samples_dir(run_dir: Path) -> Path | None:
+    """The folder the run keeps its steps' samples in, from its config.yaml (None: it keeps none, or its folder is
+    not readable here)."""
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return None
+    config = yaml.safe_load(path.read_text()) or {}
+    chosen = (config.get("trainer") or {}).get("rollout_data_dir")
+    return None if chosen is None else run_dir / chosen  # an absolute one stays itself
+
+
+def steps_kept(folder: Path) -> list[int]:
+    """The steps whose samples are in ``folder`` (<step>.jsonl), in order."""
+    return sorted(int(path.stem) for path in folder.glob("*.jsonl") if path.stem.isdigit())
+
+
+def read_samples(path: Path) -> list[dict]:
+    """The records of one step's file; ValueError naming the file and line of one that is not a JSON object."""
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object")
+        records.append(record)
+    return records
+
+
+def wrapped(label: str, text: str, width: int) -> list[str]:
+    """``text`` beside ``label``, wrapped to ``width`` columns under itself, its own line breaks kept; "(empty)"
+    for none."""
+    room = max(20, width - len(label))
+    rows = [row for paragraph in (text.splitlines() or ["(empty)"])
+            for row in textwrap.wrap(paragraph, room, replace_whitespace=False) or [""]]
+    return [(label if index == 0 else " " * len(label)) + row for index, row in enumerate(rows)]
+
+
+def describe(index: int, record: dict, width: int) -> list[str]:
+    """One kept sample as lines for a terminal ``width`` wide: its score, advantage, weight version and the
+    services that handled it, then its prompt, response and expected answer, wrapped. A field the record lacks
+    shows as "?"."""
+    get = lambda key: record.get(key, "?")  # noqa: E731
+    number = lambda key, form: format(record[key], form) if isinstance(record.get(key), (int, float)) else "?"  # noqa: E731
+    judged = f" (acc {record['acc']}, pred {record.get('pred', '')!r})" if record.get("acc") is not None else ""
+    length = f"{get('response_length')} tokens" + (", truncated" if record.get("truncated") else "")
+    lines = [f"#{index}  step {get('step')}  group {get('group')}  score {number('score', '.3f')}{judged}  "
+             f"advantage {number('advantage', '+.3f')}  {length}",
+             f"    version {get('weight_version')} (staleness {get('staleness')})  rollout {get('rollout')}  "
+             f"reward {get('reward_service')} ({get('reward_address')})"]
+    parts = record.get("reward_components") or []
+    if parts:
+        lines.append("    parts     " + ", ".join(f"{c['name']} {c['value']:.3f} x{c['weight']:g}" for c in parts))
+    if not record.get("valid", True):
+        lines.append(f"    unscored  {get('error')}")
+    for label, key in (("prompt", "input"), ("response", "output"), ("expected", "gts")):
+        lines += wrapped(f"    {label:<10}", str(get(key)), width)
+    return lines

@@ -1,0 +1,54 @@
+"""coordctl samples' reading and layout of a run's kept samples (services/coordctl/samples.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.coordctl.samples import describe, read_samples, samples_dir, steps_kept, wrapped
+
+RECORD = {"step": 7, "input": "12=", "output": "21", "gts": "21", "score": 1.0, "acc": True, "pred": "21",
+          "valid": True, "error": "", "reward_components": [{"name": "meshrl/reverse", "weight": 1.0, "value": 1.0}],
+          "weight_version": 36, "staleness": 1, "rollout": "127.0.0.1:4001", "reward_service": "reward-1",
+          "reward_address": "127.0.0.1:4002", "advantage": 0.625, "response_length": 3, "truncated": False,
+          "group": 0}
+
+
+def test_a_sample_reads_as_its_score_lineage_and_text():
+    lines = describe(0, RECORD, 100)
+    assert lines == [
+        "#0  step 7  group 0  score 1.000 (acc True, pred '21')  advantage +0.625  3 tokens",
+        "    version 36 (staleness 1)  rollout 127.0.0.1:4001  reward reward-1 (127.0.0.1:4002)",
+        "    parts     meshrl/reverse 1.000 x1",
+        "    prompt    12=",
+        "    response  21",
+        "    expected  21"]
+    unscored = describe(3, {**RECORD, "valid": False, "error": "TimeoutError: 5 s", "reward_components": [],
+                            "acc": None}, 100)
+    assert "    unscored  TimeoutError: 5 s" in unscored and not any("parts" in line for line in unscored)
+    assert describe(1, {"step": 2}, 100)[0] == "#1  step 2  group ?  score ?  advantage ?  ? tokens"
+
+
+def test_long_text_wraps_under_its_label_and_keeps_its_line_breaks():
+    lines = wrapped("    response  ", "word " * 30 + "\nsecond paragraph", 60)
+    assert lines[0].startswith("    response  word") and all(len(line) <= 60 for line in lines)
+    assert all(line.startswith(" " * 14) for line in lines[1:])
+    assert lines[-1] == " " * 14 + "second paragraph"
+    assert wrapped("  x ", "", 60) == ["  x (empty)"]
+
+
+def test_the_folder_and_steps_come_from_the_runs_config_and_a_bad_line_is_named(tmp_path):
+    (tmp_path / "config.yaml").write_text("trainer:\n  rollout_data_dir: rollout_data\n")
+    folder = samples_dir(tmp_path)
+    assert folder == tmp_path / "rollout_data"
+    folder.mkdir()
+    for step in (10, 2, 1):
+        (folder / f"{step}.jsonl").write_text(json.dumps(RECORD) + "\n")
+    assert steps_kept(folder) == [1, 2, 10]
+    assert read_samples(folder / "2.jsonl") == [RECORD]
+    (folder / "3.jsonl").write_text(json.dumps(RECORD) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"3\.jsonl:2: not JSON"):
+        read_samples(folder / "3.jsonl")
+    (tmp_path / "config.yaml").write_text("trainer:\n  experiment_name: x\n")
+    assert samples_dir(tmp_path) is None and samples_dir(tmp_path / "elsewhere") is None
