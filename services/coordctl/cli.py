@@ -6,7 +6,6 @@
     coordctl init FOLDER                             # a run config, model, data and token to start services by hand
     coordctl runs | status RUN | watch RUN | stop RUN | resume RUN | services
     coordctl samples RUN --step N                    # a step's responses, scores, weight versions, services
-    coordctl plot RUN [METRIC ...]                   # PNGs of the run's metrics
     coordctl export RUN OUT_DIR | eval MODEL_DIR --data FILE
     coordctl certs OUT_DIR --host node1 --host node2,10.0.0.2   # a CA and certificates for mTLS
 """
@@ -15,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -28,7 +28,7 @@ from services.common.config import ConfigError, apply_overrides, to_yaml, valida
 from services.common.run_config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient, RunStatus
-from services.coordctl.follow import begin_and_follow, follow, print_eval, print_summary, read_metrics, run_local
+from services.coordctl.follow import begin_and_follow, print_eval, print_summary, read_metrics, run_local
 from services.coordctl.resolve import checked, local_services, plan, readable_here, resolve_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Control a meshrl coordinator.")
@@ -263,12 +263,20 @@ def status(run_id: str, coordinator: str = COORDINATOR) -> None:
 
 @app.command("watch")
 def watch(run_id: str, coordinator: str = COORDINATOR) -> None:
-    """Follow a run's progress until it ends (Ctrl-C stops watching; the run goes on)."""
-    async def follow_it(client: CoordinatorClient) -> RunStatus:
-        return await follow(client, await client.get_run(run_id))
+    """Follow a run until it ends (Ctrl-C stops watching; the run goes on). In a terminal: a table of its last
+    steps (reward, validation, the step's time by stage, tokens/s, staleness), the services up and its last
+    events, redrawn in place; piped: one line per event."""
+    from services.coordctl.live import watch_run
 
-    print_final(with_client(coordinator, follow_it,
-                            f"stopped watching; the run goes on (coordctl stop {run_id} stops it)"))
+    async def follow_it(client: CoordinatorClient) -> RunStatus:
+        await watch_run(client, run_id, sys.stdout, sys.stdout.isatty())
+        return await client.get_run(run_id)
+
+    try:
+        print_final(with_client(coordinator, follow_it,
+                                f"stopped watching; the run goes on (coordctl stop {run_id} stops it)"))
+    except BrokenPipeError:  # `coordctl watch RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 @app.command("stop")
