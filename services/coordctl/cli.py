@@ -6,6 +6,7 @@
     coordctl init FOLDER                             # a run config, model, data and token to start services by hand
     coordctl runs | status RUN | watch RUN | stop RUN | resume RUN | services
     coordctl samples RUN --step N                    # a step's responses, scores, weight versions, services
+    coordctl plot RUN [METRIC ...]                   # PNGs of the run's metrics
     coordctl export RUN OUT_DIR | eval MODEL_DIR --data FILE
     coordctl certs OUT_DIR --host node1 --host node2,10.0.0.2   # a CA and certificates for mTLS
 """
@@ -374,6 +375,37 @@ def samples(
         typer.echo("")
         for line in describe(index, record, width):
             typer.echo(line)
+
+
+@app.command("plot")
+def plot(
+    run: str = typer.Argument(..., metavar="RUN", help="a run folder, or a run id (under --state-dir/runs, or asked "
+                                                       "of the coordinator)"),
+    metrics: Optional[list[str]] = typer.Argument(None, metavar="[METRIC]...",
+                                                  help="metric names or patterns (timing_s/*), one PNG each; "
+                                                       "default: reward, validation, step times, tokens/s, staleness"),
+    out: Optional[Path] = typer.Option(None, "--out", help="the folder for the PNGs (default: the run's plots/)"),
+    state_dir: Optional[Path] = typer.Option(None, help="the coordinator's state_dir, to find RUN by id here"),
+    coordinator: str = COORDINATOR,
+) -> None:
+    """Draw metrics of a run over its steps, from its metrics.jsonl: one PNG per METRIC (a pattern draws every
+    metric it matches on one)."""
+    from services.coordctl.plotting import file_name, plotted, steps_of
+    from services.coordinator.plot import plot_metrics
+
+    run_dir = find_run_dir(run, state_dir, coordinator)
+    steps = steps_of(read_metrics(str(run_dir)))
+    try:
+        wanted = plotted(metrics or [], {key for _, values in steps for key in values})
+    except ValueError as error:
+        raise fail(f"error: {error}")
+    if not wanted:
+        raise fail(f"run {run_dir.name} has no metrics yet")
+    out = out or run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, keys in wanted.items():
+        written = plot_metrics(steps, keys, out / file_name(name), f"{run_dir.name}: {name}")
+        typer.echo(f"wrote {written}  ({', '.join(keys)})")
 
 
 @app.command("eval")

@@ -1,11 +1,14 @@
-"""The PNG a person looks at after a run: reward per step, and held-out validation where the run has it."""
+"""PNGs of a run's metrics: reward.png, which the coordinator draws at a run's end (reward per step and held-out
+validation), and any metrics over the steps (``coordctl plot``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+Steps = list[tuple[int, dict[str, float]]]  # (step, its metrics), by step
 
-def validation_curves(steps: list[tuple[int, dict[str, float]]]) -> dict[str, list[tuple[int, float]]]:
+
+def validation_curves(steps: Steps) -> dict[str, list[tuple[int, float]]]:
     """Each val-core mean (per data source and variable) over the steps that have it."""
     curves: dict[str, list[tuple[int, float]]] = {}
     for step, metrics in steps:
@@ -15,19 +18,44 @@ def validation_curves(steps: list[tuple[int, dict[str, float]]]) -> dict[str, li
     return curves
 
 
-def plot_reward(steps: list[tuple[int, dict[str, float]]], path: Path, title: str) -> Path | None:
-    """Mean score per step, its 10-step moving average, and the validation curves; None when there is nothing
-    to plot."""
-    training = [(step, m["critic/score/mean"]) for step, m in steps if "critic/score/mean" in m]
-    curves = validation_curves(steps)
-    if not training and not curves:
-        return None
+def curve(steps: Steps, key: str) -> list[tuple[int, float]]:
+    """``key``'s value over the steps that have it."""
+    return [(step, metrics[key]) for step, metrics in steps if key in metrics]
+
+
+def axes_for(title: str, ylabel: str):
+    """A figure of the size every plot has, and its axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
+    axes.set_xlabel("step")
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    return figure, axes
+
+
+def save(figure, axes, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    axes.legend(loc="best", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def plot_reward(steps: Steps, path: Path, title: str) -> Path | None:
+    """Mean score per step, its 10-step moving average, and the validation curves; None when there is nothing
+    to plot."""
+    training = curve(steps, "critic/score/mean")
+    curves = validation_curves(steps)
+    if not training and not curves:
+        return None
+    figure, axes = axes_for(title, "reward (critic/score), validation")
     if training:
         xs, mean = [step for step, _ in training], [value for _, value in training]
         window = 10
@@ -38,12 +66,18 @@ def plot_reward(steps: list[tuple[int, dict[str, float]]], path: Path, title: st
     for name, points in sorted(curves.items()):
         axes.plot([s for s, _ in points], [v for _, v in points], marker="o", linewidth=1.5,
                   label=f"validation {name}")
-    axes.set_xlabel("step")
-    axes.set_ylabel("reward (critic/score), validation")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    axes.legend(loc="lower right", fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return save(figure, axes, path)
+
+
+def plot_metrics(steps: Steps, keys: list[str], path: Path, title: str) -> Path | None:
+    """Each of ``keys`` over the steps that have it, one line each (with markers where a metric has few points,
+    as validations do); None when none of them has a value."""
+    curves = {key: curve(steps, key) for key in keys}
+    if not any(curves.values()):
+        return None
+    figure, axes = axes_for(title, keys[0] if len(keys) == 1 else "value")
+    for key, points in curves.items():
+        if points:
+            axes.plot([s for s, _ in points], [v for _, v in points], marker="o" if len(points) <= 20 else None,
+                      markersize=3, label=key)
+    return save(figure, axes, path)
