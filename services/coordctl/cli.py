@@ -391,7 +391,7 @@ def plot(
     """Draw metrics of a run over its steps, from its metrics.jsonl: one PNG per METRIC (a pattern draws every
     metric it matches on one)."""
     from services.coordctl.plotting import file_name, plotted, steps_of
-    from services.coordinator.plot import plot_metrics
+    from services.common.plot import plot_metrics
 
     run_dir = find_run_dir(run, state_dir, coordinator)
     steps = steps_of(read_metrics(str(run_dir)))

@@ -27,7 +27,7 @@ from services.common.run_config import RunConfig
 from services.coordinator import telemetry
 from services.coordinator.clients import TrainerClient
 from services.coordinator.loop import PPOLoop, Trainers
-from services.coordinator.plot import plot_reward
+from services.common.plot import plot_reward
 from services.coordinator.registry import Registry
 from services.coordinator.reward_set import RewardSet, RewardTarget, probe_samples
 from services.coordinator.rollout_set import RolloutSet
