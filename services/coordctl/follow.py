@@ -229,9 +229,11 @@ def print_summary(run: RunStatus, lines: list[dict], seconds: float, state_dir: 
     run_dir = Path(run.run_dir)
     files = [("run folder", run_dir, ""), ("  metrics ", run_dir / "metrics.jsonl", ""),
              ("  config  ", run_dir / "config.yaml", ""), ("  plot    ", run_dir / "reward.png", ""),
-             ("  samples ", run_dir / "validation", " (every validation's responses and scores)"),
-             ("  rollouts", samples_dir(run_dir) or run_dir / "rollout_data",
-              f" (each step's responses and their lineage: coordctl samples {run.run_id} --step N)")]
+             ("  samples ", run_dir / "validation", " (every validation's responses and scores)")]
+    kept = samples_dir(run_dir)
+    if kept is not None:
+        files.append(("  rollouts", kept, f" (each step's responses and their lineage: coordctl samples "
+                                          f"{run.run_id} --step N)"))
     if state_dir is not None:
         files += [("  run DB  ", state_dir / "meshrl.db", ""), ("  logs    ", state_dir / "logs", "")]
     for label, path, note in files:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from services.coordctl.control import CoordinatorClient, RunUpdate, ServiceEntry
+from services.coordctl.tables import aligned
 
 REDRAW_S = 0.25
 SERVICES_EVERY_S = 2.0
@@ -114,8 +115,6 @@ class RunView:
 def render(view: RunView, width: int, height: int, colour: bool) -> list[str]:
     """The view as the lines of one block for a terminal of ``width`` x ``height``: each line cut to the width,
     the table holding the last steps that fit; ANSI colours when ``colour``."""
-    from services.coordctl.tables import aligned
-
     def paint(code: str, line: str) -> str:
         return f"{code}{line}{RESET}" if colour and code else line
 
@@ -123,7 +122,8 @@ def render(view: RunView, width: int, height: int, colour: bool) -> list[str]:
     room = max(1, height - 6 - len(events))  # title, services, blank, header, blank line before events, prompt
     shown = sorted(view.steps)[-room:]
     table = aligned(COLUMNS, [step_cells(step, view.steps[step]) for step in shown], right=COLUMNS)
-    cut = lambda line: line[: max(1, width - 1)]  # noqa: E731 - the last column stays free: no wrap
+    def cut(line: str) -> str:
+        return line[: max(1, width - 1)]  # the last column stays free: no line wraps
     title = f"{view.run_id}  {view.state}  step {view.step}/{view.total_steps}"
     lines = [paint(BOLD + STATE_COLOURS.get(view.state, ""), cut(title)),
              paint(GREEN if view.all_up() else YELLOW, cut(view.services_line())), "",
@@ -139,13 +139,16 @@ class Block:
     """A block of lines redrawn in place on a terminal."""
 
     def __init__(self, out: TextIO):
-        self.out, self.height = out, 0
+        self.out, self.drawn = out, []
 
     def draw(self, lines: list[str]) -> None:
-        back = f"\x1b[{self.height}F" if self.height else ""  # to the first column of the block's first line
+        """Write ``lines`` over the block drawn last (nothing when they are the same)."""
+        if lines == self.drawn:
+            return
+        back = f"\x1b[{len(self.drawn)}F" if self.drawn else ""  # to the first column of the block's first line
         self.out.write(back + "\x1b[J" + "".join(line + "\n" for line in lines))
         self.out.flush()
-        self.height = len(lines)
+        self.drawn = lines
 
 
 async def watch_run(client: CoordinatorClient, run_id: str, out: TextIO, live: bool) -> None:

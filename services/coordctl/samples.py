@@ -48,23 +48,32 @@ def wrapped(label: str, text: str, width: int) -> list[str]:
     return [(label if index == 0 else " " * len(label)) + row for index, row in enumerate(rows)]
 
 
+def shown(record: dict, key: str, form: str = "") -> str:
+    """A field of a record formatted for a person: "?" when the record lacks it (or a number is not one)."""
+    value = record.get(key)
+    if value is None:
+        return "?"
+    if form and not isinstance(value, (int, float)):
+        return "?"
+    return format(value, form)
+
+
 def describe(index: int, record: dict, width: int) -> list[str]:
     """One kept sample as lines for a terminal ``width`` wide: its score, advantage, weight version and the
     services that handled it, then its prompt, response and expected answer, wrapped. A field the record lacks
     shows as "?"."""
-    get = lambda key: record.get(key, "?")  # noqa: E731
-    number = lambda key, form: format(record[key], form) if isinstance(record.get(key), (int, float)) else "?"  # noqa: E731
     judged = f" (acc {record['acc']}, pred {record.get('pred', '')!r})" if record.get("acc") is not None else ""
-    length = f"{get('response_length')} tokens" + (", truncated" if record.get("truncated") else "")
-    lines = [f"#{index}  step {get('step')}  group {get('group')}  score {number('score', '.3f')}{judged}  "
-             f"advantage {number('advantage', '+.3f')}  {length}",
-             f"    version {get('weight_version')} (staleness {get('staleness')})  rollout {get('rollout')}  "
-             f"reward {get('reward_service')} ({get('reward_address')})"]
+    length = f"{shown(record, 'response_length')} tokens" + (", truncated" if record.get("truncated") else "")
+    lines = [f"#{index}  step {shown(record, 'step')}  group {shown(record, 'group')}  "
+             f"score {shown(record, 'score', '.3f')}{judged}  advantage {shown(record, 'advantage', '+.3f')}  {length}",
+             f"    version {shown(record, 'weight_version')} (staleness {shown(record, 'staleness')})  "
+             f"rollout {shown(record, 'rollout')}  "
+             f"reward {shown(record, 'reward_service')} ({shown(record, 'reward_address')})"]
     parts = record.get("reward_components") or []
     if parts:
         lines.append("    parts     " + ", ".join(f"{c['name']} {c['value']:.3f} x{c['weight']:g}" for c in parts))
     if not record.get("valid", True):
-        lines.append(f"    unscored  {get('error')}")
+        lines.append(f"    unscored  {shown(record, 'error')}")
     for label, key in (("prompt", "input"), ("response", "output"), ("expected", "gts")):
-        lines += wrapped(f"    {label:<10}", str(get(key)), width)
+        lines += wrapped(f"    {label:<10}", shown(record, key), width)
     return lines

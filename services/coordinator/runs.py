@@ -92,9 +92,13 @@ class RunReporter:
         self.manager._set_state(self.run_id, "waiting" if reason else "running", reason or "")
 
     def samples(self, step: int, records: list[dict]) -> None:
-        """Into <samples_dir>/<step>.jsonl (verl's file), replacing the one of an earlier attempt at the step."""
+        """Into <samples_dir>/<step>.jsonl (verl's file), replacing the one of an earlier attempt at the step; whole
+        or not at all for a reader (written aside, then renamed)."""
         self.samples_dir.mkdir(parents=True, exist_ok=True)
-        (self.samples_dir / f"{step}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+        path = self.samples_dir / f"{step}.jsonl"
+        written = path.with_name(path.name + ".tmp")
+        written.write_text("".join(json.dumps(record) + "\n" for record in records))
+        written.replace(path)
 
     def validation(self, validated: Validated) -> None:
         """Its metrics into the step's record and metrics.jsonl, its responses into validation/step_N.jsonl."""

@@ -61,4 +61,5 @@ def test_the_block_is_redrawn_over_itself():
     block = Block(out)
     block.draw(["a", "b", "c"])
     block.draw(["a", "b"])
+    block.draw(["a", "b"])  # nothing changed: nothing written
     assert out.getvalue() == "\x1b[J" + "a\nb\nc\n" + "\x1b[3F\x1b[J" + "a\nb\n"
