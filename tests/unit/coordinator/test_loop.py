@@ -281,6 +281,21 @@ def test_each_steps_samples_carry_their_text_score_versions_replicas_and_advanta
     assert plain.run() is True and plain.reporter.samples_of == {}
 
 
+def test_samples_kept_after_dapo_filtering_are_those_trained_each_with_its_own_prompt(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 1, "rollout_data_dir": "rollouts"},
+                           "algorithm": {"filter_groups": {"enable": True}}})
+    assert mesh.run() is True
+    # "67" (all right) and "890" (all wrong) carry no signal and are dropped; two rounds refill the batch
+    records = mesh.reporter.samples_of[1]
+    assert [r["input"] for r in records] == [f"{digits}=" for digits in ("12", "345", "12", "345") for _ in range(N)]
+    assert [r["group"] for r in records] == [g for g in range(4) for _ in range(N)]
+    for group in range(4):
+        answers = [r for r in records if r["group"] == group]
+        right = sum(r["output"] == r["gts"] == r["input"][:-1][::-1] for r in answers)
+        assert right == RIGHT_PER_PROMPT[answers[0]["input"][:-1]]
+    assert len(mesh.trainer.updates[0]["batch"]) == len(records)
+
+
 def test_a_reward_swap_is_probed_and_scores_from_the_next_boundary(tmp_path):
     mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3}})
     swapped = {}
