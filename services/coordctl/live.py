@@ -6,7 +6,8 @@ Choices:
   written again, at most a few times a second. Lines are cut to the terminal's width, so that none wraps and
   the block keeps its height; the table keeps the last steps that fit the terminal's height.
 - Piped or redirected (a log file, a Slurm job's output, ``| head``), each event is one plain line as it
-  comes, and the services up are a line when they change: nothing to redraw, nothing lost.
+  comes, and the services up are a line when they change (after the run's first line): nothing to redraw,
+  nothing lost.
 - A step's time is split the way the loop spends it: generating and scoring (ahead of training when the run
   is asynchronous), logprobs and values, the updates, the weight sync; concurrent stages count as their
   longest.
@@ -156,21 +157,27 @@ async def watch_run(client: CoordinatorClient, run_id: str, out: TextIO, live: b
     run = await client.get_run(run_id)
     view = RunView(run.run_id, run.state, run.step, run.total_steps)
 
+    told = 0  # piped: the lines written
+
+    def tell(line: str) -> None:
+        nonlocal told
+        out.write(line + "\n")
+        out.flush()
+        told += 1
+
     async def read_events() -> None:
         async for update in client.watch(run_id):
             line = view.apply(update)
             if not live:
-                out.write(line + "\n")
-                out.flush()
+                tell(line)
 
     async def ask_services() -> None:
+        said = None  # piped: the services up last written, after the run's first line and as they change
         while True:
-            found = services_up(await client.list_services())
-            if found != view.services:
-                view.services = found
-                if not live:
-                    out.write(view.services_line() + "\n")
-                    out.flush()
+            view.services = services_up(await client.list_services())
+            if not live and told and view.services != said:
+                said = view.services
+                tell(view.services_line())
             await asyncio.sleep(SERVICES_EVERY_S)
 
     events, services = asyncio.ensure_future(read_events()), asyncio.ensure_future(ask_services())

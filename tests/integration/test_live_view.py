@@ -90,6 +90,12 @@ def test_watch_redraws_one_table_in_place_as_the_steps_go_by(local_run):
     validated = next(line for line in later if re.match(r"\s*0\s", line))  # the validation before training
     assert re.match(r"\s*0\s+-\s+0\.\d{3}\s", validated), validated
 
+    piped = subprocess.run(["bash", "-c", f"{' '.join(COORDCTL)} watch {run_id} --coordinator {coordinator} | head -n 8"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    lines = piped.stdout.splitlines()
+    assert lines[0] == "run running" and piped.stderr == "", piped.stdout + piped.stderr  # and quiet once head is done
+    assert any(re.match(r"step 1/400  reward \d\.\d{3}  step_s \d+\.\d\d  gen_s ", line) for line in lines), lines
+
 
 def test_each_kept_sample_names_the_weights_rollout_and_reward_service_that_made_it(local_run):
     state_dir, coordinator, run_id, process = local_run
