@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -350,8 +351,6 @@ def samples(
     """Print a step's samples as the run kept them (trainer.rollout_data_dir): each response with its prompt,
     score and its parts, the weight version that sampled it and its staleness, the rollout and the reward
     service that handled it, and its advantage."""
-    import shutil
-
     from services.coordctl.samples import describe, read_samples, samples_dir, steps_kept
 
     run_dir = find_run_dir(run, state_dir, coordinator)

@@ -229,8 +229,9 @@ class PPOLoop:
         async with self.rollouts_asleep(timer):                                     #    (the GPU is the trainer's)
             evaluated = await self.evaluate(rollouts.batch, step, timer)            # 2. what the update needs
             estimate = await self.estimate(rollouts, evaluated, timer)              # 3. rewards and advantages
-            await self.keep_samples(step, rollouts, served, estimate)               #    (their lineage kept)
-            updated = await self.update(rollouts, evaluated, estimate, step, timer)  # 4. critic and actor updates
+            updated, _ = await asyncio.gather(
+                self.update(rollouts, evaluated, estimate, step, timer),            # 4. critic and actor updates
+                self.keep_samples(step, rollouts, served, estimate))                #    (and the samples' lineage)
         await self.sync_weights(updated, timer)                                     # 5. rollouts serve the new weights
         metrics = {**updated.metrics, **estimate.metrics, **produced.metrics, **staleness, **timer.metrics()}
         return {**metrics, **self.batch_metrics(rollouts, evaluated, estimate, updated, metrics["timing_s/step"])}
