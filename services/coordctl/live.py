@@ -53,7 +53,8 @@ def step_cells(step: int, metrics: dict[str, float]) -> tuple[str, ...]:
 
     return (str(step), cell(metrics.get("critic/score/mean"), ".3f"), cell(validation_value(metrics), ".3f"),
             cell(metrics.get("timing_s/step"), ".2f"), cell(longest("gen"), ".2f"), cell(longest("reward"), ".2f"),
-            cell(longest("old_log_prob", "ref", "values"), ".2f"), cell(longest("update_actor", "update_critic"), ".2f"),
+            cell(longest("old_log_prob", "ref", "values"), ".2f"),
+            cell(longest("update_actor", "update_critic"), ".2f"),
             cell(longest("update_weights"), ".2f"), cell(metrics.get("perf/throughput"), ".0f"),
             cell(metrics.get("training/off_policy/staleness/max"), ".0f"))
 

@@ -15,8 +15,8 @@ def steps_of(lines: list[dict]) -> list[tuple[int, dict[str, float]]]:
     """metrics.jsonl's lines as (step, metrics) by step, a validation's line merged into its step's."""
     merged: dict[int, dict[str, float]] = {}
     for line in lines:
-        merged.setdefault(line["step"], {}).update(
-            {key: value for key, value in line.items() if key not in ("step", "time") and isinstance(value, (int, float))})
+        metrics = {key: value for key, value in line.items() if isinstance(value, (int, float))}
+        merged.setdefault(line["step"], {}).update({k: v for k, v in metrics.items() if k not in ("step", "time")})
     return sorted(merged.items())
 
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.integration.test_cli import (COORDCTL, read_until, start_local, terminal_env, wait_for_step)
+from tests.integration.test_cli import COORDCTL, read_until, start_local, terminal_env, wait_for_step
 
 TMUX = shutil.which("tmux")
 
@@ -26,7 +26,7 @@ class Pane:
     def __init__(self, command: list[str], env: dict[str, str], width: int = 120, height: int = 30):
         self.server = ["tmux", "-L", f"meshrl-test-{id(self)}"]
         subprocess.run([*self.server, "new-session", "-d", "-x", str(width), "-y", str(height),
-                        " ".join(command)], env=env, check=True, timeout=30)
+                        shlex.join(command)], env=env, check=True, timeout=30)
 
     def lines(self) -> list[str]:
         shown = subprocess.run([*self.server, "capture-pane", "-p"], capture_output=True, text=True, check=True,
@@ -90,8 +90,8 @@ def test_watch_redraws_one_table_in_place_as_the_steps_go_by(local_run):
     validated = next(line for line in later if re.match(r"\s*0\s", line))  # the validation before training
     assert re.match(r"\s*0\s+-\s+0\.\d{3}\s", validated), validated
 
-    piped = subprocess.run(["bash", "-c", f"{' '.join(COORDCTL)} watch {run_id} --coordinator {coordinator} | head -n 8"],
-                           capture_output=True, text=True, env=env, timeout=60)
+    watch = f"{shlex.join(COORDCTL)} watch {run_id} --coordinator {coordinator}"
+    piped = subprocess.run(["bash", "-c", f"{watch} | head -n 8"], capture_output=True, text=True, env=env, timeout=60)
     lines = piped.stdout.splitlines()
     assert lines[0] == "run running" and piped.stderr == "", piped.stdout + piped.stderr  # and quiet once head is done
     assert any(re.match(r"step 1/400  reward \d\.\d{3}  step_s \d+\.\d\d  gen_s ", line) for line in lines), lines
@@ -125,5 +125,6 @@ def test_each_kept_sample_names_the_weights_rollout_and_reward_service_that_made
                            capture_output=True, text=True, env={**env, "COLUMNS": "100"}, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert f"{run_dir.resolve() / 'rollout_data' / '2.jsonl'}: 2 of 256 samples of step 2" in shown.stdout
-    assert f"rollout {services['rollout'][3]}  reward {services['reward'][-1]} ({services['reward'][3]})" in shown.stdout
+    rollout, reward = services["rollout"], services["reward"]
+    assert f"rollout {rollout[3]}  reward {reward[-1]} ({reward[3]})" in shown.stdout
     assert f"    prompt    {records[1]['input']}" in shown.stdout and "#2 " not in shown.stdout

@@ -9,8 +9,8 @@ from services.coordctl.control import RunUpdate, ServiceEntry
 from services.coordctl.live import COLUMNS, Block, RunView, render, services_up
 
 STEP = {"critic/score/mean": 0.6125, "timing_s/step": 1.5, "timing_s/gen": 0.7, "timing_s/reward": 0.02,
-        "timing_s/old_log_prob": 0.3, "timing_s/ref": 0.4, "timing_s/update_actor": 0.9, "timing_s/update_weights": 0.05,
-        "perf/throughput": 1234.4, "training/off_policy/staleness/max": 1.0}
+        "timing_s/old_log_prob": 0.3, "timing_s/ref": 0.4, "timing_s/update_actor": 0.9,
+        "timing_s/update_weights": 0.05, "perf/throughput": 1234.4, "training/off_policy/staleness/max": 1.0}
 
 
 def update(kind: str, step: int = 0, state: str = "", message: str = "", metrics: dict | None = None) -> RunUpdate:
