@@ -202,7 +202,7 @@ def how_to_reach(coordinator: str, targets_file: Path) -> str:
     token_file = os.environ.get("MESHRL_TOKEN_FILE")
     token = f"MESHRL_TOKEN_FILE={token_file}" if token_file else "MESHRL_TOKEN (yours)"
     return (f"coordinator at {coordinator}; from another terminal, with {token}:\n"
-            f"    coordctl runs --coordinator {coordinator}                      # and watch RUN, status RUN, stop RUN\n"
+            f"    coordctl runs --coordinator {coordinator}                      # and watch, status, stop RUN\n"
             f"    python -m services.reward --coordinator {coordinator} group=b  # one more service joins\n"
             f"each service's Prometheus /metrics, for file_sd_configs: {targets_file}")
 
