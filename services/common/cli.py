@@ -9,7 +9,12 @@ from typing import TypeVar
 from services.common.config import ConfigError, ServeConfig, load_config, to_yaml
 
 Config = TypeVar("Config", bound=ServeConfig)
-REFUSED_EXIT_CODE = 2  # a bad config, an open bind or a refused token: restarting the process mends none
+REFUSED_EXIT_CODE = 2  # a bad config, an open bind, a refused token or a damaged file: restarting mends none
+
+
+class CannotStart(Exception):
+    """What a service finds at start that a restart would find again (a damaged run DB): it exits with
+    REFUSED_EXIT_CODE and this message, which names the file and what to do."""
 
 
 def parse_service_config(kind: str, model: type[Config], argv: list[str] | None = None) -> Config:

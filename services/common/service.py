@@ -35,7 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.about import describe_gpus, meshrl_version
-from services.common.cli import REFUSED_EXIT_CODE, log_config, parse_service_config
+from services.common.cli import REFUSED_EXIT_CODE, CannotStart, log_config, parse_service_config
 from services.common.config import ServeConfig
 from services.common.errors import ErrorInterceptor
 from services.common.logging import configure_logging
@@ -241,6 +241,10 @@ def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.ai
         uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))
     except ValueError as error:  # what the servicer refuses to start with (a plugin that fails to import, ...)
         sys.exit(f"{kind}: cannot start: {error}")
+    except CannotStart as refused:
+        log.error("cannot_start", reason=str(refused))
+        sys.stderr.write(f"{kind}: cannot start: {refused}\n")
+        sys.exit(REFUSED_EXIT_CODE)
     except TokenRefused as refused:  # logged already; this line is for a person at a terminal
         sys.stderr.write(f"{kind}: {refused}\n")
         sys.exit(REFUSED_EXIT_CODE)

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.cli import CannotStart
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -87,12 +89,26 @@ class Event:
     metrics: dict[str, float]
 
 
+class DamagedRunDB(CannotStart):
+    """The run DB file is not a SQLite database, or one whose pages are damaged: the coordinator cannot start on
+    it. The message names the file and what to do."""
+
+
 class RunStore:
     def __init__(self, path: Path):
+        """Open (or create) the run DB at ``path``; DamagedRunDB if the file is damaged."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(SCHEMA)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(SCHEMA)
+            problems = [row[0] for row in self._db.execute("PRAGMA quick_check")]
+        except sqlite3.DatabaseError as error:
+            problems = [str(error)]
+        if problems != ["ok"]:
+            self._db.close()
+            raise DamagedRunDB(damaged_message(path, problems[0]))
 
     def create_run(self, run_id: str, name: str, config_yaml: str, run_dir: str, total_steps: int) -> None:
         now = time.time()
@@ -155,6 +171,11 @@ class RunStore:
         rows = self._db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ? ORDER BY step", (run_id,))
         return [(step, json.loads(metrics)) for step, metrics in rows]
 
+    def step_records(self, run_id: str) -> list[tuple[int, float, dict[str, float]]]:
+        """(step, time of its last record, metrics) of every recorded step, in order."""
+        rows = self._db.execute("SELECT step, time, metrics_json FROM steps WHERE run_id = ? ORDER BY step", (run_id,))
+        return [(step, at, json.loads(metrics)) for step, at, metrics in rows]
+
     def last_step_metrics(self, run_id: str) -> dict[str, float]:
         row = self._db.execute("SELECT metrics_json FROM steps WHERE run_id = ? ORDER BY step DESC LIMIT 1", (run_id,))
         found = row.fetchone()
@@ -203,3 +224,12 @@ class RunStore:
 
     def close(self) -> None:
         self._db.close()
+
+
+def damaged_message(path: Path, problem: str) -> str:
+    """What a person reads when the run DB at ``path`` is damaged (``problem``: SQLite's words)."""
+    return (f"the run DB {path} is damaged ({problem}). Move it aside (mv {path} {path}.damaged, and its -wal and "
+            f"-shm files likewise if they are there) and start the coordinator again: it starts with a new, empty "
+            f"run DB. The runs recorded in the damaged file cannot be listed or resumed from it; their folders under "
+            f"{path.parent / 'runs'} keep each run's config.yaml, metrics.jsonl and checkpoints, and `sqlite3 "
+            f"{path}.damaged .recover` may salvage rows the damage spared")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 
 import pytest
 
-from services.coordinator.store import RunStore
+from services.coordinator.store import DamagedRunDB, RunStore
 
 
 @pytest.fixture
@@ -90,3 +91,31 @@ def test_list_runs_in_creation_order(db_path):
     with pytest.raises(sqlite3.IntegrityError):  # run ids are unique
         store.create_run("a", "again", "", "/d", 1)
     store.close()
+
+
+def test_step_records_carry_the_time_of_each_steps_last_record(db_path):
+    store = RunStore(db_path)
+    store.create_run("r1", "first", "", "/d", 10)
+    store.record_step("r1", 1, {"loss": 1.0})
+    store.record_validation("r1", 1, {"val-core/x": 0.5})
+    [(step, at, metrics)] = store.step_records("r1")
+    assert (step, metrics) == (1, {"loss": 1.0, "val-core/x": 0.5}) and at > 0
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["header", "truncated"])
+def test_a_damaged_run_db_is_refused_naming_the_file_and_what_to_do(db_path, damage):
+    store = RunStore(db_path)
+    store.create_run("r1", "first", "", "/d", 10)
+    for index in range(500):
+        store.add_event("r1", "log", index, "", "x" * 100, {})
+    store.close()
+    if damage == "header":
+        with db_path.open("r+b") as db:
+            db.write(b"\xff" * 100)
+    else:
+        os.truncate(db_path, db_path.stat().st_size // 2)
+    with pytest.raises(DamagedRunDB) as refused:
+        RunStore(db_path)
+    message = str(refused.value)
+    assert f"the run DB {db_path} is damaged" in message and f"mv {db_path} {db_path}.damaged" in message
