@@ -13,6 +13,27 @@ import sys
 import structlog
 
 
+class DiskErrorsDropLines:
+    """A log stream where a line the disk refuses (full, read-only) is not raised into the code that logged it:
+    a service whose log file's disk fills up goes on working; such lines are lost, or written late from the
+    stream's buffer once the disk takes them."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> None:
+        try:
+            self._stream.write(text)
+        except OSError:
+            pass
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            pass
+
+
 def configure_logging(service: str, level: str = "info") -> structlog.stdlib.BoundLogger:
     numeric = logging.getLevelName(level.upper())
     logging.basicConfig(stream=sys.stderr, level=numeric, format="%(message)s")
@@ -25,7 +46,8 @@ def configure_logging(service: str, level: str = "info") -> structlog.stdlib.Bou
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),  # one write per line: ranks share a log file
+        # one write per line: ranks share a log file
+        logger_factory=structlog.WriteLoggerFactory(file=DiskErrorsDropLines(sys.stderr)),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
