@@ -62,8 +62,8 @@ from services.coordinator.validation import Validated, validate
 
 
 class Reporter(Protocol):
-    def step(self, step: int, metrics: dict[str, float]) -> None:
-        """A step finished with these metrics."""
+    async def step(self, step: int, metrics: dict[str, float]) -> None:
+        """A step finished with these metrics (returns once they are recorded)."""
 
     def log(self, message: str, kind: str = "log") -> None:
         """Something a person watching the run should see (kind: log, or reward for reward swaps)."""
@@ -177,7 +177,7 @@ class PPOLoop:
                 metrics = await self.train(step, ahead.batch, timer)      # trained, synced
                 self.data_after[step] = ahead.data_state
                 metrics["perf/rollout_idle_fraction"] = pipeline.idle_fraction(since=timer.started)
-                self.reporter.step(step, metrics)
+                await self.reporter.step(step, metrics)
                 if self.validation_due(step):
                     self.start_validation(step)                           # beside the next step's work
                 if settings.save_freq and step % settings.save_freq == 0:

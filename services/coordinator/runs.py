@@ -9,11 +9,12 @@ metrics and each log line is an event in the run DB, which WatchRun streams.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -26,6 +27,7 @@ from services.common.run_check import RunData, load_run_data
 from services.common.run_config import RunConfig
 from services.coordinator import telemetry
 from services.coordinator.clients import TrainerClient
+from services.coordinator.disk import RunWrites, append_line, disk_fault, metrics_lines
 from services.coordinator.loop import PPOLoop, Trainers
 from services.common.plot import plot_reward
 from services.coordinator.registry import Registry
@@ -63,28 +65,36 @@ def parse_run_config(config_yaml: str) -> RunConfig:
 
 
 class RunReporter:
-    """Where a run's loop reports: the run DB, metrics.jsonl, the log, and the watchers."""
+    """Where a run's loop reports: the run DB, metrics.jsonl, the log, and the watchers. Every record goes
+    through the run's ``RunWrites``: one the disk refuses is held, and the run waits for the disk at the end of
+    its step."""
 
-    def __init__(self, manager: RunManager, run_id: str, run_dir: Path, samples_dir: Path | None = None):
+    def __init__(self, manager: RunManager, run_id: str, run_dir: Path, writes: RunWrites,
+                 samples_dir: Path | None = None):
         """``samples_dir``: where each step's samples go (trainer.rollout_data_dir; None: nowhere)."""
-        self.manager, self.run_id, self.run_dir, self.samples_dir = manager, run_id, run_dir, samples_dir
+        self.manager, self.run_id, self.run_dir, self.writes = manager, run_id, run_dir, writes
+        self.samples_dir = samples_dir
         self.metrics_file = run_dir / "metrics.jsonl"
 
-    def step(self, step: int, metrics: dict[str, float]) -> None:
-        self.manager.store.record_step(self.run_id, step, metrics)
+    async def step(self, step: int, metrics: dict[str, float]) -> None:
+        store, line = self.manager.store, json.dumps({"step": step, "time": time.time(), **metrics})
+        self.writes.write(lambda: store.record_step(self.run_id, step, metrics), store.path)
         telemetry.step_done(self.run_id, step, metrics)
-        with self.metrics_file.open("a") as out:
-            out.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self.writes.write(lambda: append_line(self.metrics_file, line), self.metrics_file)
         log.info("step_done", run_id=self.run_id, step=step, reward=metrics.get("critic/score/mean"),
                  step_s=metrics.get("timing_s/step"))
         self.manager.notify()
+        await self.writes.settle()
 
     def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
-        self.manager.store.add_checkpoint(self.run_id, step, path, loop_state)
+        store = self.manager.store
+        self.writes.write(lambda: store.add_checkpoint(self.run_id, step, path, loop_state), store.path)
         self.log(f"checkpoint of step {step} saved in {path}", kind="checkpoint")
 
     def log(self, message: str, kind: str = "log") -> None:
-        self.manager.store.add_event(self.run_id, kind, self.manager.store.get_run(self.run_id).step, "", message, {})
+        store = self.manager.store
+        step = store.get_run(self.run_id).step
+        self.writes.write(lambda: store.add_event(self.run_id, kind, step, "", message, {}), store.path)
         log.info("run_log", run_id=self.run_id, kind=kind, message=message)
         self.manager.notify()
 
@@ -102,17 +112,22 @@ class RunReporter:
 
     def validation(self, validated: Validated) -> None:
         """Its metrics into the step's record and metrics.jsonl, its responses into validation/step_N.jsonl."""
-        store = self.manager.store
-        store.record_validation(self.run_id, validated.step, validated.metrics)
-        with self.metrics_file.open("a") as out:
-            out.write(json.dumps({"step": validated.step, "time": time.time(), **validated.metrics}) + "\n")
-        samples_file = self.run_dir / "validation" / f"step_{validated.step:06d}.jsonl"
-        samples_file.parent.mkdir(exist_ok=True)
-        samples_file.write_text("".join(json.dumps(sample) + "\n" for sample in validated.samples))
+        store, run_id, step, metrics = self.manager.store, self.run_id, validated.step, validated.metrics
+        line = json.dumps({"step": step, "time": time.time(), **metrics})
+        samples_file = self.run_dir / "validation" / f"step_{step:06d}.jsonl"
+        samples = "".join(json.dumps(sample) + "\n" for sample in validated.samples)
+        self.writes.write(lambda: store.record_validation(run_id, step, metrics), store.path)
+        self.writes.write(lambda: append_line(self.metrics_file, line), self.metrics_file)
+
+        def write_samples() -> None:
+            samples_file.parent.mkdir(exist_ok=True)
+            samples_file.write_text(samples)
+
+        self.writes.write(write_samples, samples_file)
         message = headline(validated)
-        store.add_event(self.run_id, "validation", validated.step, "", message, validated.metrics)
-        log.info("validated", run_id=self.run_id, step=validated.step, weight_version=validated.version,
-                 samples=len(validated.samples), seconds=validated.metrics.get("timing_s/testing"))
+        self.writes.write(lambda: store.add_event(run_id, "validation", step, "", message, metrics), store.path)
+        log.info("validated", run_id=run_id, step=step, weight_version=validated.version,
+                 samples=len(validated.samples), seconds=metrics.get("timing_s/testing"))
         self.manager.notify()
 
 
@@ -124,6 +139,7 @@ class RunManager:
         self._stop_requested: set[str] = set()
         self._attempt_marks: dict[str, int] = {}  # run -> its last event before its latest resume
         self._resuming: set[str] = set()  # runs whose resume is reading their data
+        self._writes: dict[str, RunWrites] = {}  # active run -> its writes to the state directory
         self._changed = asyncio.Condition()
         interrupted = [row.run_id for row in store.list_runs() if row.state not in FINAL_STATES]
         for run_id in interrupted:
@@ -228,7 +244,9 @@ class RunManager:
                        resume: Checkpoint | None = None) -> None:
         """Drive the run to its end. When a service goes away mid-run (a retryable failure), the run waits
         for the services of its placement and continues from its last checkpoint (or from the start)."""
-        state, error, recoveries = "failed", "", 0
+        state, error, recoveries, shut_down = "failed", "", 0, False
+        writes = self._writes[run_id] = RunWrites(lambda state, error: self.store.set_state(run_id, state, error),
+                                                  self.store.path, lambda cause: self._disk_changed(run_id, cause))
         with structlog.contextvars.bound_contextvars(run_id=run_id):
             try:
                 self._set_state(run_id, "running")
@@ -248,18 +266,26 @@ class RunManager:
             except RunStopped as stopped:
                 state, error = "stopped", str(stopped)
             except asyncio.CancelledError:
-                state, error = "stopped", "the coordinator shut down"
+                state, error, shut_down = "stopped", "the coordinator shut down", True
                 raise
             except Exception as failure:  # noqa: BLE001 - a run's failure is recorded, not raised
                 log.exception("run_failed", run_id=run_id)
                 error = f"{type(failure).__name__}: {failure}"
             finally:
+                plot = run_dir / "reward.png"
                 try:  # before the final state, so that whoever sees the run end finds its plot
-                    await asyncio.to_thread(plot_reward, self.store.step_metrics(run_id), run_dir / "reward.png", run_id)
+                    await asyncio.to_thread(plot_reward, self.store.step_metrics(run_id), plot, run_id)
                 except ImportError as missing:  # a node without matplotlib still keeps the metrics
                     log.warning("plot_skipped", run_id=run_id, error=str(missing))
+                except OSError as refused:  # drawn again, with the run's other records, once the disk takes it
+                    if disk_fault(refused, plot) is None:
+                        raise
+                    writes.write(lambda: plot_reward(self.store.step_metrics(run_id), plot, run_id), plot)
                 finally:  # also when the coordinator shuts down while it draws
                     self._set_state(run_id, state, error)
+                    if not shut_down:  # a shutdown does not wait for the disk
+                        await writes.settle(then=None)
+                    del self._writes[run_id]
 
     async def _attempt(self, run_id: str, config: RunConfig, config_yaml: str, data: RunData, run_dir: Path,
                        resume: Checkpoint | None) -> bool:
@@ -269,8 +295,8 @@ class RunManager:
         Unavailable naming it, whatever call was waiting on it; a rollout that does leaves the run's rollout
         set, and the attempt goes on with the others. A run that only validates has no trainer."""
         trainers = await self._connect(run_id, config)
-        reporter, should_stop = (RunReporter(self, run_id, run_dir, config.samples_dir(run_dir)),
-                                 lambda: run_id in self._stop_requested)
+        reporter = RunReporter(self, run_id, run_dir, self._writes[run_id], config.samples_dir(run_dir))
+        should_stop = lambda: run_id in self._stop_requested  # noqa: E731
         rollouts = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
                               lambda: [record.address for record in self.registry.up("rollout", config.placement.rollout)],
                               reporter, should_stop)
@@ -327,9 +353,10 @@ class RunManager:
         self._rewind(run_id, run_dir, checkpoint.step if checkpoint else 0)  # before the state: it clears the error
         self._set_state(run_id, "waiting", f"{type(failure).__name__}: {reason}")
         where = f"the checkpoint of step {checkpoint.step}" if checkpoint else "the start"
-        self.store.add_event(run_id, "log", checkpoint.step if checkpoint else 0, "",
-                             f"a service failed ({reason}); waiting for the services, then going on from {where} "
-                             f"(recovery {attempt} of {config.trainer.max_recoveries})", {})
+        message = (f"a service failed ({reason}); waiting for the services, then going on from {where} (recovery "
+                   f"{attempt} of {config.trainer.max_recoveries})")
+        self._record(run_id, lambda: self.store.add_event(run_id, "log", checkpoint.step if checkpoint else 0, "",
+                                                          message, {}))
         self.notify()
         # A dead service stays listed until it misses its heartbeats: wait that long before looking again.
         await asyncio.sleep(self.registry.down_after_s)
@@ -341,12 +368,12 @@ class RunManager:
         return checkpoint
 
     def _rewind(self, run_id: str, run_dir: Path, step: int) -> None:
-        """Forget the metrics of steps after ``step``: they will be run again, and counted once."""
-        self.store.forget_steps_after(run_id, step)
+        """Forget the metrics of steps after ``step``: they will be run again, and counted once. metrics.jsonl
+        is written again from the run DB, which is the truth (the file may end in a line a crash tore)."""
         metrics_file = run_dir / "metrics.jsonl"
-        if metrics_file.exists():
-            kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= step]
-            metrics_file.write_text("".join(line + "\n" for line in kept))
+        self._record(run_id, lambda: self.store.forget_steps_after(run_id, step))
+        self._record(run_id, lambda: metrics_file.write_text(metrics_lines(self.store.step_records(run_id))),
+                     metrics_file)
 
     @staticmethod
     def _roles(config: RunConfig) -> list[str]:
@@ -392,22 +419,50 @@ class RunManager:
                         trainers[place.ref] if config.use_reference else None)
 
     def _set_state(self, run_id: str, state: str, error: str = "") -> None:
-        self.store.set_state(run_id, state, error)
+        self._record(run_id, lambda: self.store.set_state(run_id, state, error))
         telemetry.count_runs(self.store.list_runs())
         log.info("run_state", run_id=run_id, state=state, error=error or None)
         self.notify()
 
+    def _record(self, run_id: str, do: Callable[[], object], path: Path | None = None) -> None:
+        """A write of the run's (into the run DB, or ``path``): through its ``RunWrites`` while it is active,
+        so that one the disk refuses waits; else now."""
+        writes = self._writes.get(run_id)
+        if writes is None:
+            do()
+        else:
+            writes.write(do, path or self.store.path)
+
+    def _disk_changed(self, run_id: str, cause: str | None) -> None:
+        if cause is None:
+            log.info("disk_takes_writes_again", run_id=run_id)
+        else:
+            log.warning("run_waits_for_disk", run_id=run_id, cause=cause)
+        self.notify()
+
     def get_run(self, run_id: str) -> RunRow:
+        """The run as a person should see it: waiting, for the disk's refusal, while its records wait for the
+        disk (the run DB itself may not take that state)."""
         try:
-            return self.store.get_run(run_id)
+            return self._as_seen(self.store.get_run(run_id))
         except LookupError:
             raise NotFound(f"no run {run_id!r}") from None
+
+    def list_runs(self) -> list[RunRow]:
+        return [self._as_seen(row) for row in self.store.list_runs()]
+
+    def _as_seen(self, row: RunRow) -> RunRow:
+        writes = self._writes.get(row.run_id)
+        if writes is None or writes.waiting_for is None:
+            return row
+        return dataclasses.replace(row, state="waiting", error=writes.waiting_for)
 
     def stop_run(self, run_id: str) -> RunRow:
         row = self.get_run(run_id)
         if row.state not in FINAL_STATES:
             self._stop_requested.add(run_id)
-            self.store.add_event(run_id, "log", row.step, "", "stop requested: stopping at the next step boundary", {})
+            self._record(run_id, lambda: self.store.add_event(run_id, "log", row.step, "", "stop requested: stopping "
+                                                              "at the next step boundary", {}))
             self.notify()
         return self.get_run(run_id)
 
@@ -433,12 +488,12 @@ class RunManager:
         except Exception as error:  # noqa: BLE001 - any failure refuses the swap
             reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
             message = f"reward swap to {target} refused: {reason}"
-            self.store.add_event(run_id, "reward", row.step, "", message, {})
+            self._record(run_id, lambda: self.store.add_event(run_id, "reward", row.step, "", message, {}))
             log.warning("reward_swap_refused", run_id=run_id, target=str(target), error=str(error))
             self.notify()
             raise FailedPrecondition(message) from None
-        self.store.add_event(run_id, "reward", row.step, "", f"reward swap to {target} accepted; applies at the "
-                             "next step boundary", {})
+        accepted = f"reward swap to {target} accepted; applies at the next step boundary"
+        self._record(run_id, lambda: self.store.add_event(run_id, "reward", row.step, "", accepted, {}))
         log.info("reward_swap_accepted", run_id=run_id, target=str(target), addresses=addresses)
         self.notify()
         return self.get_run(run_id)

@@ -88,7 +88,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return self._info(self.runs.get_run(request.run_id))
 
     async def ListRuns(self, request, context):
-        return coordinator_pb2.ListRunsResponse(runs=[self._info(row) for row in self.store.list_runs()])
+        return coordinator_pb2.ListRunsResponse(runs=[self._info(row) for row in self.runs.list_runs()])
 
     async def StopRun(self, request, context):
         return self._info(self.runs.stop_run(request.run_id))

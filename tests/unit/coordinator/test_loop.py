@@ -150,7 +150,7 @@ class Reporter:
     def __init__(self):
         self.steps, self.messages, self.checkpoints, self.validations, self.samples_of = {}, [], [], [], {}
 
-    def step(self, step, metrics):
+    async def step(self, step, metrics):
         self.steps[step] = metrics
 
     def log(self, message, kind="log"):

@@ -1,0 +1,120 @@
+"""When the state directory's disk refuses a run's write (full, read-only, failing): what to tell a person, and
+the run's writes, kept in order until the disk takes them again.
+
+A run's records are its run DB rows, metrics.jsonl, its validation files and reward.png. A write the disk
+refuses is held in memory with every write after it; the run goes on to the end of its step, then waits
+(state ``waiting``, the cause naming the file and the error) and tries again every ``WAIT_POLL_S``, so that
+nothing it recorded is lost and no later record lands before an earlier one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import sqlite3
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from services.coordinator.waiting import WAIT_POLL_S
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO)
+SQLITE_DISK_ERRORS = {  # SQLite's own words for a refused write -> the errno a person knows
+    "database or disk is full": errno.ENOSPC,
+    "attempt to write a readonly database": errno.EROFS,
+    "disk I/O error": errno.EIO,
+}
+
+
+def disk_fault(error: BaseException, path: Path) -> str | None:
+    """The cause of a write to ``path`` that the disk refused, for a person, after 'waiting for' (the file, and
+    the error as the system says it: 'No space left on device', 'Read-only file system'); None when ``error`` is
+    not the disk's."""
+    if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
+        return f"the disk: cannot write {error.filename or path}: {error.strerror}"
+    if isinstance(error, sqlite3.OperationalError) and str(error) in SQLITE_DISK_ERRORS:
+        return f"the disk: cannot write {path}: {os.strerror(SQLITE_DISK_ERRORS[str(error)])} ({error})"
+    return None
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` and a newline to ``path``, keeping the file whole lines: a torn last line (a write cut
+    short by a crash) is dropped first, and a write the disk cuts short is taken back."""
+    with path.open("a+b") as out:
+        size = out.seek(0, os.SEEK_END)
+        if size and (out.seek(size - 1), out.read(1))[1] != b"\n":
+            out.seek(0)
+            size = out.read().rfind(b"\n") + 1
+            out.truncate(size)
+        try:
+            out.write(line.encode() + b"\n")
+            out.flush()
+        except OSError:
+            out.truncate(size)
+            raise
+
+
+def metrics_lines(steps: list[tuple[int, float, dict[str, float]]]) -> str:
+    """metrics.jsonl for ``steps`` (step, time, metrics), one line a step."""
+    return "".join(json.dumps({"step": step, "time": at, **metrics}) + "\n" for step, at, metrics in steps)
+
+
+@dataclass(frozen=True)
+class Write:
+    do: Callable[[], object]
+    path: Path  # the file it writes, named when the disk refuses it
+
+
+class RunWrites:
+    """A run's writes to the state directory, done in order; those the disk refuses are held, in order, until it
+    takes them again."""
+
+    def __init__(self, record_state: Callable[[str, str], None], db_path: Path,
+                 changed: Callable[[str | None], None]):
+        """``record_state(state, error)``: the run's state into the run DB; ``changed(cause)``: the run starts
+        waiting for the disk (the cause) or stops (None)."""
+        self._record_state, self._db_path, self._changed = record_state, db_path, changed
+        self._held: deque[Write] = deque()
+        self._refused: str | None = None  # why the first held write was refused; None while none is held
+        self.waiting_for: str | None = None  # the refusal the run waits on now (in ``settle``), if it does
+
+    def write(self, do: Callable[[], object], path: Path) -> None:
+        """``do()`` now, or after the writes held before it; held with them if the disk refuses it. Any other
+        failure raises."""
+        self._held.append(Write(do, path))
+        self._flush()
+
+    def _flush(self) -> None:
+        while self._held:
+            write = self._held[0]
+            try:
+                write.do()
+            except Exception as error:
+                self._refused = disk_fault(error, write.path)
+                if self._refused is None:
+                    self._held.popleft()
+                    raise
+                return
+            self._held.popleft()
+        self._refused = None
+
+    async def settle(self, then: str | None = "running") -> None:
+        """Return once every write is done. While the disk refuses one, the run waits: state ``waiting`` with the
+        cause (recorded before the held writes, as soon as the run DB takes it), then state ``then`` (None:
+        none, the last held write being the run's final state)."""
+        while self._refused is not None:
+            self.waiting_for = cause = self._refused
+            self._held.appendleft(Write(lambda: self._record_state("waiting", cause), self._db_path))
+            self._changed(cause)
+            self._flush()
+            while self._refused is not None:
+                await asyncio.sleep(WAIT_POLL_S)
+                self._flush()
+            if then is not None:
+                self.write(lambda: self._record_state(then, ""), self._db_path)
+        if self.waiting_for is not None:
+            self.waiting_for = None
+            self._changed(None)
