@@ -6,20 +6,33 @@ into gRPC status codes at the edge:
 | exception                         | status              |
 | --------------------------------- | ------------------- |
 | ValueError, KeyError, TypeError   | INVALID_ARGUMENT    |
+| ResourceExhausted, MemoryError    | RESOURCE_EXHAUSTED  |
 | FailedPrecondition                | FAILED_PRECONDITION |
 | NotFound                          | NOT_FOUND           |
 | Unavailable, ConnectionError,     | UNAVAILABLE         |
 | a failed call to another service  |                     |
 | TimeoutError                      | DEADLINE_EXCEEDED   |
 | anything else                     | INTERNAL (logged)   |
+
+"Anything else" is any ``BaseException`` a handler or a library under it
+raises (torch's ``CheckpointException`` is one), but for those that end a
+task or the process: ``KeyboardInterrupt``, ``SystemExit``,
+``asyncio.CancelledError`` and ``GeneratorExit`` go on up. Every status the
+interceptor sets carries the trailing metadata ``meshrl-origin: handler``,
+which tells a caller that the service itself decided it (``rpc.is_retryable``
+reads it) rather than the transport or a process that died mid-call.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import structlog
 
 log = structlog.get_logger()
+ORIGIN_KEY, FROM_HANDLER = "meshrl-origin", "handler"
+PASSED_UP = (KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit, grpc.aio.AbortError)
 
 
 class FailedPrecondition(RuntimeError):
@@ -30,6 +43,10 @@ class NotFound(LookupError):
     """The named thing (run, channel) does not exist."""
 
 
+class ResourceExhausted(RuntimeError):
+    """The request asks for more than a limit of the service allows; the message names the field and setting."""
+
+
 class Unavailable(RuntimeError):
     """A dependency is down; the caller may retry, elsewhere or later."""
 
@@ -37,6 +54,8 @@ class Unavailable(RuntimeError):
 def status_for(error: BaseException) -> grpc.StatusCode:
     if isinstance(error, (ValueError, KeyError, TypeError)):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, (ResourceExhausted, MemoryError)):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(error, NotFound):
@@ -59,7 +78,7 @@ async def _abort(context, method: str, error: BaseException) -> None:
         log.exception("rpc_failed", method=method)
     else:
         log.warning("rpc_refused", method=method, code=code.name, error=_message(error))
-    await context.abort(code, _message(error))
+    await context.abort(code, _message(error), trailing_metadata=((ORIGIN_KEY, FROM_HANDLER),))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -88,9 +107,9 @@ def _wrap(behaviour, method: str):
     async def call(request, context):
         try:
             return await behaviour(request, context)
-        except grpc.aio.AbortError:
+        except PASSED_UP:
             raise
-        except Exception as error:  # noqa: BLE001 - the point of this interceptor
+        except BaseException as error:  # noqa: BLE001 - the point of this interceptor
             await _abort(context, method, error)
 
     return call
@@ -101,9 +120,9 @@ def _wrap_stream(behaviour, method: str):
         try:
             async for response in behaviour(request, context):
                 yield response
-        except grpc.aio.AbortError:
+        except PASSED_UP:
             raise
-        except Exception as error:  # noqa: BLE001
+        except BaseException as error:  # noqa: BLE001
             await _abort(context, method, error)
 
     return call
