@@ -13,6 +13,7 @@ import contextlib
 import grpc
 
 from services.common.auth import channel_credentials, token_interceptors
+from services.common.errors import FROM_HANDLER, ORIGIN_KEY
 
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_CALLS_IN_FLIGHT = 512  # 2,000 in flight on one channel ended some calls CANCELLED; 1,000 did not
@@ -62,10 +63,25 @@ class Connection:
         await self.channel.close()
 
 
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
+                       grpc.StatusCode.CANCELLED})
+TRANSIENT_FROM_TRANSPORT = TRANSIENT | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+                                        grpc.StatusCode.UNKNOWN}
+
+
 def is_retryable(error: BaseException) -> bool:
-    """True for failures where the same call may succeed on another replica or later."""
+    """True for failures where the same call may succeed on another replica or later.
+
+    A status the called service set (its error interceptor marks it) is transient when it is UNAVAILABLE,
+    DEADLINE_EXCEEDED, ABORTED or CANCELLED; its RESOURCE_EXHAUSTED (a request over a limit), INTERNAL (a
+    permanent error) and every other code fail the same way again, so they are not retried. A status gRPC
+    made up itself (a connection reset mid-call, a process killed, a server out of memory quota) may also be
+    RESOURCE_EXHAUSTED, INTERNAL or UNKNOWN, and is transient."""
     if isinstance(error, grpc.aio.AioRpcError):
-        return error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+        return error.code() in (TRANSIENT if from_handler(error) else TRANSIENT_FROM_TRANSPORT)
     return isinstance(error, (ConnectionError, TimeoutError))
+
+
+def from_handler(error: grpc.aio.AioRpcError) -> bool:
+    """Whether the called service's error interceptor set this status (rather than gRPC itself)."""
+    return (ORIGIN_KEY, FROM_HANDLER) in tuple(error.trailing_metadata() or ())
