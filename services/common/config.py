@@ -23,6 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field
 
+from services.common.limits import StreamLimits
+
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names every offending field."""
@@ -35,17 +37,31 @@ class Section(pydantic.BaseModel):
 
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
+MAX_YAML_DEPTH = 64
+
+
+def parse_yaml(text: str, what: str) -> Any:
+    """``text`` read as YAML by the safe loader (no tag builds an object or runs code); ConfigError naming
+    ``what`` if it is not YAML or nests deeper than MAX_YAML_DEPTH (which would overflow the loader's stack)."""
+    try:
+        depth = 0
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events: no recursion, however deep
+            depth += isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
+            depth -= isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent))
+            if depth > MAX_YAML_DEPTH:
+                raise ConfigError(f"{what} nests deeper than {MAX_YAML_DEPTH} levels")
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{what} is not valid YAML: {error}") from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = parse_yaml(Path(path).read_text(), f"config file {path}") or {}
     except FileNotFoundError as error:
         raise ConfigError(f"config file {path} does not exist") from error
     except OSError as error:
         raise ConfigError(f"config file {path} cannot be read: {error.strerror}") from error
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top, not {type(data).__name__}")
     return data
@@ -181,3 +197,18 @@ class ServeConfig(Section):
     def compute_devices(self) -> tuple[str, ...]:
         """The torch devices the service computes on, as its settings name them (none: the coordinator)."""
         return ()
+
+
+class StreamingServeConfig(ServeConfig):
+    """A service that takes client-streamed batches (trainer, rollout): how much one stream may carry, and how
+    long it may stay open. Both are checked as the stream arrives (``wire.read_stream``)."""
+
+    max_request_bytes: int = Field(1 << 30, gt=0)
+    """Bytes one streamed request may send in all (each message counting at least 1 KiB); more is refused with
+    RESOURCE_EXHAUSTED as soon as it passes this, not after it is held."""
+    request_stream_timeout_s: float = Field(300.0, gt=0, le=86_400)
+    """Seconds a client may take to send a streamed request to its end; a stream still open after that is
+    refused with DEADLINE_EXCEEDED, whatever deadline the client set (or none)."""
+
+    def stream_limits(self) -> StreamLimits:
+        return StreamLimits(self.max_request_bytes, self.request_stream_timeout_s)

@@ -18,9 +18,8 @@ from typing import AsyncIterator, Callable
 
 import grpc
 import structlog
-import yaml
 
-from services.common.config import apply_overrides, to_yaml, validate
+from services.common.config import apply_overrides, parse_yaml, to_yaml, validate
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.rpc import is_retryable
 from services.common.run_check import RunData, load_run_data
@@ -53,10 +52,7 @@ def recoverable(failure: Exception) -> bool:
 
 
 def parse_run_config(config_yaml: str) -> RunConfig:
-    try:
-        data = yaml.safe_load(config_yaml) or {}
-    except yaml.YAMLError as error:
-        raise ValueError(f"run config is not valid YAML: {error}") from None
+    data = parse_yaml(config_yaml, "run config") or {}
     if not isinstance(data, dict):
         raise ValueError("run config must be a mapping")
     config = validate(RunConfig, apply_overrides(data, []))  # its ${...} interpolations resolved

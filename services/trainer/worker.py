@@ -26,7 +26,7 @@ from typing import NamedTuple
 import structlog
 import torch
 
-from services.common.config import validate
+from services.common.config import parse_yaml, validate
 from services.common.errors import FailedPrecondition
 from services.common.run_config import RunConfig
 from services.common.sequences import SequenceBatch
@@ -149,10 +149,8 @@ class Worker:
     # ------------------------------------------------------------ ops
 
     def init_run(self, tensors, run_id: str, run_config_yaml: str, roles: list[str], seed: int) -> Roles:
-        import yaml
-
         self.roles = None  # the previous run's models go before the next run's are built
-        config = validate(RunConfig, yaml.safe_load(run_config_yaml) or {})
+        config = validate(RunConfig, parse_yaml(run_config_yaml, "run_config_yaml") or {})
         self.roles = build_roles(run_id, config, roles, seed, self.ranks)
         self.weight_version = 0
         return self.roles

@@ -9,8 +9,8 @@ from importlib import resources
 import pytest
 import yaml
 
-from services.common.config import (ConfigError, Section, ServeConfig, apply_overrides, load_config, read_yaml, to_yaml,
-                                   validate)
+from services.common.config import (ConfigError, Section, ServeConfig, apply_overrides, load_config, parse_yaml,
+                                   read_yaml, to_yaml, validate)
 from services.common.run_config import RunConfig
 from services.coordctl.resolve import resolve_config
 from services.coordctl.config import LocalConfig
@@ -329,3 +329,14 @@ def test_undocumented_leaf_walk_names_fields_behind_optional_and_containers():
     missing, seen = _undocumented_leaves([Outer, Derived])
     assert missing == ["Inner.bare", "Outer.blank", "Derived.extra"]  # an inherited field is named once, by its class
     assert seen == {"Outer", "Inner", "Derived"}
+
+
+def test_yaml_nested_deeper_than_the_limit_is_refused_before_it_is_loaded():
+    with pytest.raises(ConfigError, match="run_config_yaml nests deeper than 64 levels"):
+        parse_yaml("a: " + "[" * 100_000 + "]" * 100_000, "run_config_yaml")
+    assert parse_yaml("a: " + "[" * 63 + "]" * 63, "x") is not None  # the mapping and 63 lists: 64 deep
+
+
+def test_yaml_tags_that_build_objects_are_refused_naming_the_text():
+    with pytest.raises(ConfigError, match="run_config_yaml is not valid YAML: could not determine a constructor"):
+        parse_yaml('a: !!python/object/apply:os.system ["true"]', "run_config_yaml")

@@ -1,0 +1,56 @@
+"""What one request may ask for: the bounds each service checks at its edge, before any work starts.
+
+A value that means nothing (NaN, infinite, negative, a temperature too small to divide by) is refused with
+ValueError (INVALID_ARGUMENT); a request over a limit a setting could raise is refused with ResourceExhausted
+(RESOURCE_EXHAUSTED), naming the field, the limit and the setting. README's "Limits" table lists them all.
+A streamed request is counted as it arrives (``wire.read_stream``), so a stream over its limit is refused
+after the limit's worth of bytes, never held whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.common.errors import ResourceExhausted
+
+MAX_WAIT_S = 86_400.0
+"""The longest a JoinChannel, ReceiveWeights or BroadcastWeights may be asked to wait (a day)."""
+MIN_TEMPERATURE = 1e-3
+"""The least non-zero sampling temperature: below it logits / temperature overflows float32 and the logprobs are
+NaN (0 asks for greedy decoding)."""
+MAX_STOP_TOKENS = 1024
+"""The most stop token ids one Generate call may give (each generated token is checked against them)."""
+MESSAGE_FLOOR_BYTES = 1024
+"""Each message of a request stream counts at least this much against its byte limit, so a stream of empty
+messages is bounded too."""
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """What a client-streamed request may send: ``max_bytes`` in all, within ``timeout_s`` of its start."""
+
+    max_bytes: int
+    timeout_s: float
+    setting: str = "max_request_bytes"  # the service setting that raises max_bytes, for the refusal
+
+
+def check_wait(field: str, seconds: float) -> float:
+    """``seconds`` if it is a wait a request may ask for: positive, finite, at most MAX_WAIT_S."""
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_WAIT_S):
+        raise ValueError(f"{field} must be a number of seconds in (0, {MAX_WAIT_S:.0f}], got {seconds}")
+    return seconds
+
+
+def check_temperature(field: str, temperature: float) -> float:
+    """``temperature`` if it is 0 (greedy) or a finite number >= MIN_TEMPERATURE."""
+    if not (temperature == 0 or (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE)):
+        raise ValueError(f"{field} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature}")
+    return temperature
+
+
+def check_at_most(field: str, value: int, limit: int, setting: str) -> int:
+    """``value`` if it is within ``limit``; ResourceExhausted naming the ``setting`` that raises the limit."""
+    if value > limit:
+        raise ResourceExhausted(f"{field} = {value} is over this service's limit of {limit} (setting {setting})")
+    return value
