@@ -7,13 +7,15 @@ same thing here. Batch sizes are counted in prompts, as verl counts them.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt
 
 from services.common.config import Section
+from services.common.limits import MAX_WAIT_S, MIN_TEMPERATURE, check_temperature
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -190,8 +192,8 @@ class ValKwargsConfig(Section):
 
     n: PositiveInt = 1
     """Responses per validation prompt: mean@n, and best@k, worst@k and maj@k for k = 2, 4, ..., n."""
-    temperature: float = Field(0.0, ge=0)
-    """Sampling temperature of validation when do_sample is true (0 = greedy)."""
+    temperature: Annotated[float, AfterValidator(partial(check_temperature, "temperature"))] = 0.0
+    """Sampling temperature of validation when do_sample is true: 0 (greedy) or at least 0.001."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling of validation when do_sample is true."""
     top_k: Literal[-1] = -1
@@ -214,10 +216,10 @@ class RolloutConfig(Section):
     """Engine the rollout services must run; checked against what registered."""
     n: PositiveInt = 8
     """Responses sampled per prompt."""
-    temperature: PositiveFloat = 1.0
-    """Sampling temperature: responses are drawn from softmax(logits / temperature). The trainer divides the
-    logits by the same temperature for the old, reference and updated logprobs and the entropy, so the PPO
-    ratio compares the distribution the samples came from."""
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False)
+    """Sampling temperature, at least 0.001: responses are drawn from softmax(logits / temperature). The trainer
+    divides the logits by the same temperature for the old, reference and updated logprobs and the entropy, so
+    the PPO ratio compares the distribution the samples came from."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling: each token is drawn from the smallest set of most likely tokens whose probabilities
     add up to top_p (1 = the whole vocabulary). Only sampling applies it: the trainer's logprobs are those of
@@ -467,8 +469,8 @@ class TrainerConfig(Section):
     the rollouts run on the trainer's GPU (NCCL refuses two ranks on one GPU), nccl otherwise."""
     rpc_timeout_s: PositiveFloat = 600.0
     """Deadline of each training or generation call."""
-    channel_timeout_s: PositiveFloat = 120.0
-    """Deadline of joining the weight channel and of each weight broadcast."""
+    channel_timeout_s: float = Field(120.0, gt=0, le=MAX_WAIT_S)
+    """Deadline of joining the weight channel and of each weight broadcast (at most a day)."""
     services_wait_s: PositiveFloat = 60.0
     """How long a starting run waits for the trainer, rollout and reward services to be up."""
     test_freq: int = Field(-1, ge=-1)

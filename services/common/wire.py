@@ -10,12 +10,15 @@ names the tensor.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Iterable, Iterator
 
 import torch
 
 from meshrl.v1 import common_pb2
+from services.common.errors import ResourceExhausted
+from services.common.limits import MESSAGE_FLOOR_BYTES, StreamLimits
 
 CHUNK_BYTES = 1 << 20
 MAX_TENSOR_BYTES = 1 << 33  # 8 GiB: anything claiming more is refused before allocation
@@ -97,20 +100,32 @@ def batch_to_chunks(batch: dict[str, torch.Tensor], chunk_bytes: int = CHUNK_BYT
         yield pending
 
 
-async def read_stream(request_iterator, assembler: "BatchAssembler"):
+async def read_stream(request_iterator, assembler: "BatchAssembler", limits: StreamLimits):
     """Read a whole request stream into ``assembler``; returns its first message (for its other fields), or None.
 
     A bad chunk does not end the reading: the rest of the stream is drained first, then its ValueError is
-    raised, so that the caller's stream ends cleanly and it gets the refusal, not a broken stream.
+    raised, so that the caller's stream ends cleanly and it gets the refusal, not a broken stream. A stream over
+    ``limits`` is refused as soon as it passes them: ResourceExhausted once it has sent more than
+    ``limits.max_bytes`` (each message counting at least MESSAGE_FLOOR_BYTES), TimeoutError once it has been
+    open ``limits.timeout_s``.
     """
-    first, error = None, None
-    async for message in request_iterator:
-        first = first or message
-        if error is None:
-            try:
-                assembler.add(message.chunks)
-            except ValueError as bad:
-                error = bad
+    first, error, received = None, None, 0
+    try:
+        async with asyncio.timeout(limits.timeout_s):
+            async for message in request_iterator:
+                received += max(message.ByteSize(), MESSAGE_FLOOR_BYTES)
+                if received > limits.max_bytes:
+                    raise ResourceExhausted(f"the request stream passed this service's limit of {limits.max_bytes} "
+                                            f"bytes (setting {limits.setting})")
+                first = first or message
+                if error is None:
+                    try:
+                        assembler.add(message.chunks)
+                    except ValueError as bad:
+                        error = bad
+    except TimeoutError:
+        raise TimeoutError(f"the request stream did not end within {limits.timeout_s} s "
+                           "(setting request_stream_timeout_s)") from None
     if error is not None:
         raise error
     return first

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt
 
-from services.common.config import ServeConfig
+from services.common.config import StreamingServeConfig
 
 
-class RolloutServiceConfig(ServeConfig):
+class RolloutServiceConfig(StreamingServeConfig):
     engine: Literal["hf", "vllm"] = "hf"
     """Inference engine: hf (transformers, CPU or GPU) or vllm (GPU)."""
     batch_size: PositiveInt = 256
@@ -35,6 +35,17 @@ class RolloutServiceConfig(ServeConfig):
     by many samples."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + response vLLM plans for (null = the model's)."""
+    max_request_bytes: PositiveInt = 64 << 20
+    """Bytes one Generate request stream may send in all (its prompts: 64 MiB holds 8 million prompt tokens);
+    more is refused with RESOURCE_EXHAUSTED as soon as it passes this."""
+    max_n: PositiveInt = 1024
+    """Most responses per prompt (params.n) one Generate call may ask for."""
+    max_new_tokens: PositiveInt = 65_536
+    """Longest response (params.max_new_tokens) one Generate call may ask for."""
+    max_tokens_per_call: PositiveInt = 1 << 26
+    """Most tokens one Generate call may ask for: prompts x n x max_new_tokens (67 million, e.g. 1024 prompts x
+    16 x 4096; the coordinator sends each replica one call per batch). A larger call is refused with
+    RESOURCE_EXHAUSTED before anything is generated."""
 
     def compute_devices(self) -> tuple[str, ...]:
         if self.engine == "vllm":  # the first tensor_parallel_size GPUs it sees

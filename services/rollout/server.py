@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import structlog
 import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, NotFound
+from services.common.limits import MAX_STOP_TOKENS, check_at_most, check_temperature, check_wait
 from services.common.sequences import join_ragged
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.rollout import telemetry
@@ -15,20 +18,32 @@ from services.rollout.engines import Engine, load_engine
 from services.rollout.sampling import SamplingSettings
 
 log = structlog.get_logger()
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def sampling_from_pb(params: rollout_pb2.SamplingParams) -> SamplingSettings:
+def sampling_from_pb(params: rollout_pb2.SamplingParams, config: RolloutServiceConfig) -> SamplingSettings:
+    """The call's sampling, once each parameter is known to mean something and to be within the service's
+    limits (ValueError or ResourceExhausted naming the field)."""
     if params.n < 1:
         raise ValueError(f"params.n must be >= 1, got {params.n}")
-    if not 0 <= params.temperature < float("inf"):
-        raise ValueError(f"params.temperature must be >= 0 (0: greedy), got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"params.top_p must be in (0, 1], got {params.top_p}")
     if params.max_new_tokens < 1:
         raise ValueError(f"params.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if not 0 < params.top_p <= 1:  # NaN too
+        raise ValueError(f"params.top_p must be in (0, 1], got {params.top_p}")
+    if len(params.stop_token_ids) > MAX_STOP_TOKENS:
+        raise ValueError(f"params.stop_token_ids holds {len(params.stop_token_ids)} ids, more than {MAX_STOP_TOKENS}")
     return SamplingSettings(
-        params.n, params.temperature, params.top_p, params.max_new_tokens, params.seed, tuple(params.stop_token_ids)
+        check_at_most("params.n", params.n, config.max_n, "max_n"),
+        check_temperature("params.temperature", params.temperature), params.top_p,
+        check_at_most("params.max_new_tokens", params.max_new_tokens, config.max_new_tokens, "max_new_tokens"),
+        params.seed, tuple(params.stop_token_ids),
     )
+
+
+def check_call_size(prompts: int, sampling: SamplingSettings, config: RolloutServiceConfig) -> None:
+    """Refuse a call whose prompts x n x max_new_tokens is over max_tokens_per_call."""
+    check_at_most(f"{prompts} prompts x params.n {sampling.n} x params.max_new_tokens {sampling.max_new_tokens}",
+                  prompts * sampling.n * sampling.max_new_tokens, config.max_tokens_per_call, "max_tokens_per_call")
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -48,24 +63,38 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return self.engine
 
     async def InitRun(self, request, context):
-        if self.engine is not None:
+        """Load the run's model. The engine held before serves on until the new one is loaded, and stays if
+        that fails; but a vLLM engine goes first (its GPUs hold one)."""
+        dtype = request.dtype or "float32"
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {list(MODEL_DTYPES)}, got {dtype!r}")
+        check_model_folder(request.model_path)
+        if self.config.engine == "vllm" and self.engine is not None:
             await self.engine.close()
             self.engine = None
-        self.engine = await load_engine(self.config, request.model_path, request.dtype or "float32")
+        try:
+            engine = await load_engine(self.config, request.model_path, dtype)
+        except (OSError, ValueError, KeyError) as error:  # what transformers and vLLM raise for a folder they refuse
+            raise ValueError(f"model_path {request.model_path}: the model cannot be loaded "
+                             f"({type(error).__name__}: {error})") from None
+        held, self.engine = self.engine, engine
         self.run_id, self.model_path, self.asleep = request.run_id, request.model_path, False
+        if held is not None:
+            await held.close()
         log.info("model_loaded", run_id=request.run_id, model_path=request.model_path, engine=self.config.engine)
         return self._info()
 
     async def Generate(self, request_iterator, context):
         assembler = BatchAssembler()
-        first = await read_stream(request_iterator, assembler)  # to its end before anything is refused
+        first = await read_stream(request_iterator, assembler, self.config.stream_limits())
         engine = self._require_engine()
         if first is None:
             raise ValueError("empty Generate stream")
         params = first.params
-        sampling = sampling_from_pb(params)
+        sampling = sampling_from_pb(params, self.config)
         batch = assembler.result(required=("prompt_ids", "prompt_lens"))
         prompts = prompt_lists(batch["prompt_ids"], batch["prompt_lens"], engine.vocab_size)
+        check_call_size(len(prompts), sampling, self.config)
         log.info("generating", run_id=self.run_id, prompts=len(prompts), n=sampling.n)
         with telemetry.REQUESTS_IN_FLIGHT.track_inprogress():
             completions = await engine.generate(prompts, sampling, params.first_index)
@@ -83,14 +112,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             yield rollout_pb2.GenerateResponse(chunks=chunks, weight_version=oldest)
 
     async def JoinChannel(self, request, context):
+        timeout_s = check_wait("timeout_s", request.timeout_s)
         await self._require_engine().join_channel(
-            request.channel_id, request.backend, request.rendezvous, request.rank, request.world_size, request.timeout_s)
+            request.channel_id, request.backend, request.rendezvous, request.rank, request.world_size, timeout_s)
         log.info("channel_joined", channel_id=request.channel_id, rank=request.rank, world_size=request.world_size)
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 
     async def ReceiveWeights(self, request, context):
-        swap = await self._require_engine().receive_weights(request.channel_id, request.timeout_s,
-                                                            request.restart_in_flight)
+        timeout_s = check_wait("timeout_s", request.timeout_s)
+        swap = await self._require_engine().receive_weights(request.channel_id, timeout_s, request.restart_in_flight)
         log.info("weights_received", weight_version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s,
                  restart_in_flight=request.restart_in_flight)
         return common_pb2.WeightVersion(version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s)
@@ -128,6 +158,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.close()
+
+
+def check_model_folder(model_path: str) -> None:
+    """NotFound unless ``model_path`` is a folder; ValueError unless it holds a model's config.json."""
+    if not model_path or not Path(model_path).is_dir():
+        raise NotFound(f"model_path: no folder {model_path!r}")
+    if not (Path(model_path) / "config.json").is_file():
+        raise ValueError(f"model_path: no config.json in model folder {model_path}")
 
 
 def prompt_lists(prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, vocab_size: int) -> list[list[int]]:

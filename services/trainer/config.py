@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import PositiveFloat
 
-from services.common.config import ServeConfig
+from services.common.config import StreamingServeConfig
 
 
-class TrainerServiceConfig(ServeConfig):
+class TrainerServiceConfig(StreamingServeConfig):
     device: str = "cpu"
     """torch device of the models: cpu, or cuda (under torchrun each rank takes cuda:LOCAL_RANK)."""
     collective_timeout_s: PositiveFloat = 600.0

@@ -25,9 +25,10 @@ import torch
 from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.channel import ChannelTable, gpu_uuid
 from services.common.gloo_channel import prepare_gloo_rendezvous
-from services.common.config import validate
+from services.common.config import parse_yaml, validate
 from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
+from services.common.limits import StreamLimits, check_wait
 from services.common.run_config import RunConfig
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.trainer import checkpoint, telemetry
@@ -39,10 +40,11 @@ from services.trainer.worker import SEQUENCE_KEYS, Roles, Worker, check_roles
 log = structlog.get_logger()
 
 
-async def read_batch(request_iterator, extra: tuple[str, ...] = ()) -> tuple[int, str, dict[str, torch.Tensor]]:
-    """Assemble a streamed BatchRequest into (step, role, tensors), checking the tensors agree."""
+async def read_batch(request_iterator, limits: StreamLimits,
+                     extra: tuple[str, ...] = ()) -> tuple[int, str, dict[str, torch.Tensor]]:
+    """Assemble a streamed BatchRequest (within ``limits``) into (step, role, tensors), checking they agree."""
     assembler = BatchAssembler()
-    first = await read_stream(request_iterator, assembler)
+    first = await read_stream(request_iterator, assembler, limits)
     batch = assembler.result(required=SEQUENCE_KEYS + extra)
     for key in SEQUENCE_KEYS:
         if batch[key].dtype != torch.int64 or batch[key].dim() != 1:
@@ -115,9 +117,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self.worker.roles
 
     async def InitRun(self, request, context):
-        import yaml
-
-        run_config = validate(RunConfig, yaml.safe_load(request.run_config_yaml) or {})
+        run_config = validate(RunConfig, parse_yaml(request.run_config_yaml, "run_config_yaml") or {},
+                              "run_config_yaml")
         check_init(run_config, list(request.roles), self.worker.ranks.world_size)
         await self._run("init_run", {"run_id": request.run_id, "run_config_yaml": request.run_config_yaml,
                                      "roles": list(request.roles), "seed": request.seed}, {})
@@ -126,7 +127,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self._info()
 
     async def ComputeLogProbs(self, request_iterator, context):
-        step, role, batch = await read_batch(request_iterator)
+        step, role, batch = await read_batch(request_iterator, self.config.stream_limits())
         roles = self._roles()
         role = role or "actor"
         if role not in ("actor", "ref"):
@@ -137,14 +138,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
     async def ComputeValues(self, request_iterator, context):
-        _, _, batch = await read_batch(request_iterator)
+        _, _, batch = await read_batch(request_iterator, self.config.stream_limits())
         critic = self._roles().need("critic")
         values = await self._run("compute_values", {}, check_vocab(batch, critic.model))
         for chunks in batch_to_chunks({"values": values}):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
     async def UpdateActor(self, request_iterator, context):
-        step, _, batch = await read_batch(request_iterator, extra=("old_logprobs", "advantages"))
+        step, _, batch = await read_batch(request_iterator, self.config.stream_limits(),
+                                          extra=("old_logprobs", "advantages"))
         roles = self._roles()
         actor = roles.need("actor")
         settings = actor_settings(roles.config)
@@ -163,7 +165,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.UpdateResponse(metrics=updated.metrics, weight_version=updated.weight_version)
 
     async def UpdateCritic(self, request_iterator, context):
-        step, _, batch = await read_batch(request_iterator, extra=("values", "returns"))
+        step, _, batch = await read_batch(request_iterator, self.config.stream_limits(), extra=("values", "returns"))
         roles = self._roles()
         critic = roles.need("critic")
         tensors = {**check_vocab(batch, critic.model), "values": batch["values"].float(),
@@ -173,7 +175,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.worker.weight_version)
 
     async def TrainSupervised(self, request_iterator, context):
-        _, _, batch = await read_batch(request_iterator)
+        _, _, batch = await read_batch(request_iterator, self.config.stream_limits())
         actor = self._roles().need("actor")
         updated = await self._run("train_supervised", {}, check_vocab(batch, actor.model))
         return trainer_pb2.UpdateResponse(metrics=updated.metrics, weight_version=updated.weight_version)
@@ -197,9 +199,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def JoinChannel(self, request, context):
         if request.rank != 0:
             raise ValueError(f"the trainer is the channel's root and joins as rank 0, not {request.rank}")
-        await self.channels.join(
-            request.channel_id, request.backend, request.rendezvous, request.rank, request.world_size, request.timeout_s
-        )
+        await self.channels.join(request.channel_id, request.backend, request.rendezvous, request.rank,
+                                 request.world_size, check_wait("timeout_s", request.timeout_s))
         log.info("channel_joined", channel_id=request.channel_id, rank=request.rank, world_size=request.world_size)
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 

@@ -9,6 +9,8 @@ and each service must still answer afterwards.
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,15 +18,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from meshrl.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2,
+                       rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc)
 from services.common.rpc import open_channel
-from services.common.wire import DTYPES, tensor_bytes
+from services.common.wire import DTYPES, batch_to_chunks, tensor_bytes
 from services.coordctl.control import CoordinatorClient
 from tests.integration.test_grpo_run import run_config
 
 ACCEPTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
 NAMES = ["prompt_ids", "prompt_lens", "response_ids", "response_lens", "old_logprobs", "advantages", "rollout_logprobs",
          "x", ""]
+STREAM_TIMEOUT_S = 4.0  # the trainer's request_stream_timeout_s here
 FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
@@ -49,9 +53,11 @@ def chunks(draw):
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory, tiny_model, reverse_data):
     """The cluster, with a run finished on it so that the trainer and rollout hold a model."""
-    from services.coordctl.local import LocalCluster
+    from services.coordctl.local import LocalCluster, ServiceSpec
 
-    cluster = LocalCluster(tmp_path_factory.mktemp("fuzz") / "state")
+    services = (ServiceSpec("trainer", settings=(f"request_stream_timeout_s={STREAM_TIMEOUT_S}",)),
+                ServiceSpec("rollout"), ServiceSpec("reward"))
+    cluster = LocalCluster(tmp_path_factory.mktemp("fuzz") / "state", services)
     asyncio.run(cluster.start(timeout_s=120))
 
     async def prepare():
@@ -60,7 +66,7 @@ def loaded(tmp_path_factory, tiny_model, reverse_data):
             run = await client.start_run(run_config(tiny_model, reverse_data, trainer__total_training_steps=1))
             async for _ in client.watch(run.run_id):
                 pass
-            return {s.kind: s.address for s in await client.list_services()}
+            return {**{s.kind: s.address for s in await client.list_services()}, "coordinator": cluster.coordinator}
         finally:
             await client.close()
 
@@ -69,15 +75,20 @@ def loaded(tmp_path_factory, tiny_model, reverse_data):
     cluster.stop()
 
 
-async def call(address: str, invoke) -> grpc.StatusCode:
+async def answer(address: str, invoke) -> tuple[grpc.StatusCode, str]:
+    """The status and details ``invoke(channel)`` ends with."""
     channel = open_channel(address)
     try:
         await invoke(channel)
-        return grpc.StatusCode.OK
+        return grpc.StatusCode.OK, ""
     except grpc.aio.AioRpcError as error:
-        return error.code()
+        return error.code(), error.details() or ""
     finally:
         await channel.close()
+
+
+async def call(address: str, invoke) -> grpc.StatusCode:
+    return (await answer(address, invoke))[0]
 
 
 async def info(address: str, stub_class) -> None:
@@ -135,3 +146,191 @@ def test_reward_scores_or_refuses_any_batch(loaded, samples):
 
     assert asyncio.run(call(loaded["reward"], invoke)) in ACCEPTED
     asyncio.run(info(loaded["reward"], reward_pb2_grpc.RewardStub))
+
+
+def generate(n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, stop=(), prompts=1):
+    """A Generate call of ``prompts`` one-token prompts with these sampling parameters."""
+    params = rollout_pb2.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                        seed=1, stop_token_ids=list(stop))
+    batch = {"prompt_ids": torch.full((prompts,), 5, dtype=torch.int64),
+             "prompt_lens": torch.ones(prompts, dtype=torch.int64)}
+
+    async def invoke(channel):
+        requests = [rollout_pb2.GenerateRequest(params=params if i == 0 else None, chunks=c)
+                    for i, c in enumerate(batch_to_chunks(batch))]
+        async for _ in rollout_pb2_grpc.RolloutStub(channel).Generate(iter(requests), timeout=30):
+            pass
+
+    return invoke
+
+
+def unary(stub_class, method: str, request):
+    async def invoke(channel):
+        await getattr(stub_class(channel), method)(request, timeout=30)
+
+    return invoke
+
+
+DEEP_YAML = "a: " + "[" * 100_000 + "]" * 100_000
+PYTHON_TAG = 'a: !!python/object/apply:os.system ["echo ran > {marker}"]'
+JOIN_FOREVER = common_pb2.JoinChannelRequest(channel_id="c", backend="gloo", rank=0, world_size=2,
+                                             rendezvous=b"127.0.0.1:1", timeout_s=float("inf"))
+HOSTILE = [  # (what, service, invoke, the status it must get, a word its details must hold)
+    ("n 2^31-1", "rollout", generate(n=2**31 - 1), grpc.StatusCode.RESOURCE_EXHAUSTED, "max_n"),
+    ("n x max tokens", "rollout", generate(n=1000, max_new_tokens=65_536, prompts=2),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "max_tokens_per_call"),
+    ("max tokens 2^31-1", "rollout", generate(max_new_tokens=2**31 - 1), grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "max_new_tokens"),
+    ("temperature 1e-300", "rollout", generate(temperature=1e-300), grpc.StatusCode.INVALID_ARGUMENT,
+     "params.temperature"),
+    ("temperature nan", "rollout", generate(temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT,
+     "params.temperature"),
+    ("top_p nan", "rollout", generate(top_p=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "params.top_p"),
+    ("2,000 stop tokens", "rollout", generate(stop=range(2000)), grpc.StatusCode.INVALID_ARGUMENT,
+     "stop_token_ids"),
+    ("rollout JoinChannel timeout inf", "rollout", unary(rollout_pb2_grpc.RolloutStub, "JoinChannel", JOIN_FOREVER),
+     grpc.StatusCode.INVALID_ARGUMENT, "timeout_s"),
+    ("ReceiveWeights timeout nan", "rollout", unary(rollout_pb2_grpc.RolloutStub, "ReceiveWeights",
+                                                    rollout_pb2.ReceiveWeightsRequest(channel_id="c",
+                                                                                      timeout_s=float("nan"))),
+     grpc.StatusCode.INVALID_ARGUMENT, "timeout_s"),
+    ("rollout InitRun of a missing folder", "rollout",
+     unary(rollout_pb2_grpc.RolloutStub, "InitRun", rollout_pb2.RolloutInitRequest(run_id="x", model_path="/no/such")),
+     grpc.StatusCode.NOT_FOUND, "model_path"),
+    ("rollout InitRun of a folder without a model", "rollout",
+     unary(rollout_pb2_grpc.RolloutStub, "InitRun", rollout_pb2.RolloutInitRequest(run_id="x", model_path="/")),
+     grpc.StatusCode.INVALID_ARGUMENT, "config.json"),
+    ("rollout InitRun dtype os", "rollout",
+     unary(rollout_pb2_grpc.RolloutStub, "InitRun", rollout_pb2.RolloutInitRequest(run_id="x", model_path="/",
+                                                                                   dtype="os")),
+     grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
+    ("trainer InitRun nested 100,000 deep", "trainer",
+     unary(trainer_pb2_grpc.TrainerStub, "InitRun", trainer_pb2.TrainerInitRequest(run_id="x",
+                                                                                   run_config_yaml=DEEP_YAML)),
+     grpc.StatusCode.INVALID_ARGUMENT, "run_config_yaml"),
+    ("trainer JoinChannel timeout inf", "trainer", unary(trainer_pb2_grpc.TrainerStub, "JoinChannel", JOIN_FOREVER),
+     grpc.StatusCode.INVALID_ARGUMENT, "timeout_s"),
+    ("StartRun nested 100,000 deep", "coordinator",
+     unary(coordinator_pb2_grpc.CoordinatorStub, "StartRun", coordinator_pb2.StartRunRequest(config_yaml=DEEP_YAML)),
+     grpc.StatusCode.INVALID_ARGUMENT, "nests deeper"),
+    ("StartRun temperature 1e-300", "coordinator",
+     unary(coordinator_pb2_grpc.CoordinatorStub, "StartRun", coordinator_pb2.StartRunRequest(
+         config_yaml="actor_rollout_ref: {rollout: {temperature: 1.0e-300}}")),
+     grpc.StatusCode.INVALID_ARGUMENT, "actor_rollout_ref.rollout.temperature"),
+]
+
+
+@pytest.mark.parametrize("what, kind, invoke, expected, word", HOSTILE, ids=[row[0] for row in HOSTILE])
+def test_hostile_requests_are_refused_at_the_edge(loaded, what, kind, invoke, expected, word):
+    code, details = asyncio.run(answer(loaded[kind], invoke))
+    assert (code, word in details) == (expected, True), details
+
+
+def test_a_failed_init_run_leaves_the_service_as_it_was(loaded, tmp_path):
+    """The rollout keeps serving the model it held, also when the new model fails while it loads; the trainer keeps
+    its run, and a `!!python` tag runs nothing."""
+    marker, broken = tmp_path / "ran", tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+
+    async def check():
+        channel = open_channel(loaded["rollout"])
+        trainer_channel = open_channel(loaded["trainer"])
+        rollout, trainer = rollout_pb2_grpc.RolloutStub(channel), trainer_pb2_grpc.TrainerStub(trainer_channel)
+        try:
+            held = await rollout.Info(common_pb2.InfoRequest(), timeout=10)
+            trained = await trainer.Info(common_pb2.InfoRequest(), timeout=10)
+            for request in (rollout_pb2.RolloutInitRequest(run_id="other", model_path="/no/such"),
+                            rollout_pb2.RolloutInitRequest(run_id="other", model_path="/"),
+                            rollout_pb2.RolloutInitRequest(run_id="other", model_path=str(broken))):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await rollout.InitRun(request, timeout=30)
+                assert refused.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+                assert "model_path" in refused.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await trainer.InitRun(trainer_pb2.TrainerInitRequest(
+                    run_id="other", run_config_yaml=PYTHON_TAG.format(marker=marker)), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "run_config_yaml" in refused.value.details()
+            after = await rollout.Info(common_pb2.InfoRequest(), timeout=10)
+            assert (after.run_id, after.details["model_path"]) == (held.run_id, held.details["model_path"])
+            assert (await trainer.Info(common_pb2.InfoRequest(), timeout=10)).run_id == trained.run_id
+        finally:
+            await channel.close()
+            await trainer_channel.close()
+        assert await call(loaded["rollout"], generate()) == grpc.StatusCode.OK
+
+    asyncio.run(check())
+    assert not marker.exists()
+
+
+def resident_bytes(pid: int) -> int:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) * 1024
+
+
+def test_a_request_stream_over_its_limit_is_refused_as_it_arrives(loaded):
+    """A 512 MiB Generate stream is refused once it passes the rollout's 64 MiB limit, not held whole."""
+    sent = []
+
+    def stream():
+        shape = [512 << 17]  # int64: 512 MiB
+        for index in range(512):
+            sent.append(index)
+            chunk = common_pb2.TensorChunk(name="prompt_ids", dtype="int64", shape=shape, offset=index << 20,
+                                           data=bytes(1 << 20))
+            yield rollout_pb2.GenerateRequest(params=rollout_pb2.SamplingParams(n=1) if index == 0 else None,
+                                              chunks=[chunk])
+
+    async def invoke(channel):
+        async for _ in rollout_pb2_grpc.RolloutStub(channel).Generate(stream(), timeout=60):
+            pass
+
+    async def pid():
+        channel = open_channel(loaded["rollout"])
+        try:
+            return (await rollout_pb2_grpc.RolloutStub(channel).Info(common_pb2.InfoRequest(), timeout=10)).identity.pid
+        finally:
+            await channel.close()
+
+    rollout_pid = asyncio.run(pid())
+    before = resident_bytes(rollout_pid)
+    code, details = asyncio.run(answer(loaded["rollout"], invoke))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_request_bytes" in details, details
+    assert len(sent) < 160, f"{len(sent)} of 512 MiB were sent before the refusal"
+    assert resident_bytes(rollout_pid) - before < 160 << 20
+
+
+def test_a_request_stream_that_never_ends_meets_the_server_deadline(loaded):
+    """A client with no deadline of its own that never finishes its UpdateActor stream is ended by the trainer."""
+    async def never_ending():
+        yield trainer_pb2.BatchRequest(step=1)
+        await asyncio.Event().wait()
+
+    async def invoke(channel):
+        await trainer_pb2_grpc.TrainerStub(channel).UpdateActor(never_ending())
+
+    started = time.monotonic()
+    code, details = asyncio.run(asyncio.wait_for(answer(loaded["trainer"], invoke), 60))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "request_stream_timeout_s" in details, details
+    assert STREAM_TIMEOUT_S <= time.monotonic() - started < STREAM_TIMEOUT_S + 20
+
+
+def test_a_permanent_refusal_fails_the_run_at_once_with_its_cause(loaded, tiny_model, reverse_data):
+    """A run whose rollout.n is over the rollout's max_n fails at its first Generate, naming the limit: no
+    retry, no recovery (a RESOURCE_EXHAUSTED the service decided is not transient)."""
+    async def run():
+        client = CoordinatorClient(loaded["coordinator"])
+        try:
+            started = time.monotonic()
+            run = await client.start_run(run_config(tiny_model, reverse_data, actor_rollout_ref__rollout__n=2048,
+                                                    trainer__total_training_steps=1))
+            events = [update async for update in client.watch(run.run_id)]
+            return await client.get_run(run.run_id), events, time.monotonic() - started
+        finally:
+            await client.close()
+
+    finished, events, seconds = asyncio.run(run())
+    assert finished.state == "failed" and "max_n" in finished.error, finished.error
+    assert not [update for update in events if update.state == "waiting"], "the run tried to recover"
+    assert seconds < 30

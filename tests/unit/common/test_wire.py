@@ -1,7 +1,8 @@
-"""CPU tests of services/common/wire.py: the tensor codec and the chunked batch stream."""
+"""CPU tests of services/common/wire.py: the tensor codec, the chunked batch stream and its limits."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import hypothesis.extra.numpy as hnp
@@ -11,13 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshrl.v1 import common_pb2
+from meshrl.v1 import common_pb2, rollout_pb2
+from services.common.errors import ResourceExhausted
+from services.common.limits import MESSAGE_FLOOR_BYTES, StreamLimits
 from services.common.wire import (
     CHUNK_BYTES,
     DTYPES,
     MAX_TENSOR_BYTES,
     BatchAssembler,
     batch_to_chunks,
+    read_stream,
     tensor_bytes,
     tensor_from_pb,
     tensor_to_pb,
@@ -319,3 +323,51 @@ def test_fuzz_garbage_chunks_only_raise_value_error(chunks, required):
         return
     for tensor in result.values():  # whatever got through is a whole, well-formed tensor
         assert isinstance(tensor, torch.Tensor)
+
+
+def stream_of(messages: list, pulled: list):
+    async def stream():
+        for message in messages:
+            pulled.append(message)
+            yield message
+    return stream()
+
+
+def prompt_message(index: int, piece: int = 1 << 10) -> rollout_pb2.GenerateRequest:
+    chunk = common_pb2.TensorChunk(name="prompt_ids", dtype="uint8", shape=[1 << 30], offset=index * piece,
+                                   data=bytes(piece))
+    return rollout_pb2.GenerateRequest(chunks=[chunk])
+
+
+def test_read_stream_refuses_a_stream_once_it_passes_its_byte_limit():
+    pulled = []
+    messages = [prompt_message(index) for index in range(100)]
+    with pytest.raises(ResourceExhausted, match="limit of 10000 bytes .setting max_request_bytes"):
+        asyncio.run(read_stream(stream_of(messages, pulled), BatchAssembler(), StreamLimits(10_000, 10.0)))
+    assert len(pulled) == 10  # each just over 1 KiB (its data and the chunk header): the tenth passes 10,000
+
+
+def test_read_stream_counts_each_empty_message_as_a_kibibyte():
+    pulled = []
+    with pytest.raises(ResourceExhausted):
+        asyncio.run(read_stream(stream_of([rollout_pb2.GenerateRequest()] * 100, pulled), BatchAssembler(),
+                                StreamLimits(10 * MESSAGE_FLOOR_BYTES, 10.0)))
+    assert len(pulled) == 11
+
+
+def test_read_stream_ends_a_stream_still_open_at_its_deadline():
+    async def never_ending():
+        yield prompt_message(0)
+        await asyncio.Event().wait()
+
+    with pytest.raises(TimeoutError, match="did not end within 0.2 s .setting request_stream_timeout_s"):
+        asyncio.run(read_stream(never_ending(), BatchAssembler(), StreamLimits(1 << 20, 0.2)))
+
+
+def test_read_stream_drains_a_stream_within_its_limit_before_refusing_a_bad_chunk():
+    pulled = []
+    bad = common_pb2.TensorChunk(name="x", dtype="complex64", shape=[1], data=b"")
+    messages = [rollout_pb2.GenerateRequest(chunks=[bad]), *[prompt_message(index) for index in range(5)]]
+    with pytest.raises(ValueError, match="unknown dtype"):
+        asyncio.run(read_stream(stream_of(messages, pulled), BatchAssembler(), StreamLimits(1 << 20, 10.0)))
+    assert len(pulled) == 6
