@@ -38,11 +38,15 @@ class Section(pydantic.BaseModel):
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
 MAX_YAML_DEPTH = 64
+MAX_YAML_CHARS = 64 << 10  # a whole run config written out is about 4 KB
 
 
 def parse_yaml(text: str, what: str) -> Any:
     """``text`` read as YAML by the safe loader (no tag builds an object or runs code); ConfigError naming
-    ``what`` if it is not YAML or nests deeper than MAX_YAML_DEPTH (which would overflow the loader's stack)."""
+    ``what`` if it is not YAML, is longer than MAX_YAML_CHARS (pure-Python YAML reads about 100 KB a second) or
+    nests deeper than MAX_YAML_DEPTH (which would overflow the loader's stack)."""
+    if len(text) > MAX_YAML_CHARS:
+        raise ConfigError(f"{what} is {len(text)} characters long, more than {MAX_YAML_CHARS}")
     try:
         depth = 0
         for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events: no recursion, however deep

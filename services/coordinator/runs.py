@@ -154,7 +154,7 @@ class RunManager:
         """Check the run (model folder, data, batch sizes: ValueError naming the key, file or row), then start it;
         its config is recorded with the steps total_epochs comes to, and what it does not use is said once.
         Returns the run and the id of its last event before this call (0 for a new run)."""
-        config = parse_run_config(config_yaml)
+        config = await asyncio.to_thread(parse_run_config, config_yaml)  # not on the loop: heartbeats go on
         earlier = self._checkpoint_to_resume(config)
         if earlier is not None:
             return await self.resume_run(earlier.run_id, earlier, f"by trainer.resume_mode={config.trainer.resume_mode}")

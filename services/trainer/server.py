@@ -117,8 +117,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self.worker.roles
 
     async def InitRun(self, request, context):
-        run_config = validate(RunConfig, parse_yaml(request.run_config_yaml, "run_config_yaml") or {},
-                              "run_config_yaml")
+        data = await asyncio.to_thread(parse_yaml, request.run_config_yaml, "run_config_yaml")  # off the loop
+        run_config = validate(RunConfig, data or {}, "run_config_yaml")
         check_init(run_config, list(request.roles), self.worker.ranks.world_size)
         await self._run("init_run", {"run_id": request.run_id, "run_config_yaml": request.run_config_yaml,
                                      "roles": list(request.roles), "seed": request.seed}, {})

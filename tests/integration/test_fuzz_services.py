@@ -171,7 +171,7 @@ def unary(stub_class, method: str, request):
     return invoke
 
 
-DEEP_YAML = "a: " + "[" * 100_000 + "]" * 100_000
+DEEP_YAML = "a: " + "[" * 30_000 + "]" * 30_000
 PYTHON_TAG = 'a: !!python/object/apply:os.system ["echo ran > {marker}"]'
 JOIN_FOREVER = common_pb2.JoinChannelRequest(channel_id="c", backend="gloo", rank=0, world_size=2,
                                              rendezvous=b"127.0.0.1:1", timeout_s=float("inf"))
@@ -204,15 +204,19 @@ HOSTILE = [  # (what, service, invoke, the status it must get, a word its detail
      unary(rollout_pb2_grpc.RolloutStub, "InitRun", rollout_pb2.RolloutInitRequest(run_id="x", model_path="/",
                                                                                    dtype="os")),
      grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
-    ("trainer InitRun nested 100,000 deep", "trainer",
+    ("trainer InitRun nested 30,000 deep", "trainer",
      unary(trainer_pb2_grpc.TrainerStub, "InitRun", trainer_pb2.TrainerInitRequest(run_id="x",
                                                                                    run_config_yaml=DEEP_YAML)),
      grpc.StatusCode.INVALID_ARGUMENT, "run_config_yaml"),
     ("trainer JoinChannel timeout inf", "trainer", unary(trainer_pb2_grpc.TrainerStub, "JoinChannel", JOIN_FOREVER),
      grpc.StatusCode.INVALID_ARGUMENT, "timeout_s"),
-    ("StartRun nested 100,000 deep", "coordinator",
+    ("StartRun nested 30,000 deep", "coordinator",
      unary(coordinator_pb2_grpc.CoordinatorStub, "StartRun", coordinator_pb2.StartRunRequest(config_yaml=DEEP_YAML)),
      grpc.StatusCode.INVALID_ARGUMENT, "nests deeper"),
+    ("StartRun of 10 MB of YAML", "coordinator",
+     unary(coordinator_pb2_grpc.CoordinatorStub, "StartRun", coordinator_pb2.StartRunRequest(
+         config_yaml="a: [" + "1, " * 3_000_000 + "1]")),
+     grpc.StatusCode.INVALID_ARGUMENT, "characters long"),
     ("StartRun temperature 1e-300", "coordinator",
      unary(coordinator_pb2_grpc.CoordinatorStub, "StartRun", coordinator_pb2.StartRunRequest(
          config_yaml="actor_rollout_ref: {rollout: {temperature: 1.0e-300}}")),

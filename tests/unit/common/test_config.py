@@ -333,8 +333,13 @@ def test_undocumented_leaf_walk_names_fields_behind_optional_and_containers():
 
 def test_yaml_nested_deeper_than_the_limit_is_refused_before_it_is_loaded():
     with pytest.raises(ConfigError, match="run_config_yaml nests deeper than 64 levels"):
-        parse_yaml("a: " + "[" * 100_000 + "]" * 100_000, "run_config_yaml")
+        parse_yaml("a: " + "[" * 30_000 + "]" * 30_000, "run_config_yaml")
     assert parse_yaml("a: " + "[" * 63 + "]" * 63, "x") is not None  # the mapping and 63 lists: 64 deep
+
+
+def test_yaml_longer_than_the_limit_is_refused_before_it_is_read():
+    with pytest.raises(ConfigError, match=f"run config is {65 << 10} characters long, more than {64 << 10}"):
+        parse_yaml("#" * (65 << 10), "run config")
 
 
 def test_yaml_tags_that_build_objects_are_refused_naming_the_text():
