@@ -208,8 +208,8 @@ class StreamingServeConfig(ServeConfig):
     long it may stay open. Both are checked as the stream arrives (``wire.read_stream``)."""
 
     max_request_bytes: int = Field(1 << 30, gt=0)
-    """Bytes one streamed request may send in all (each message counting at least 1 KiB); more is refused with
-    RESOURCE_EXHAUSTED as soon as it passes this, not after it is held."""
+    """Bytes one streamed request may send in all (each message counting at least 1 KiB); what comes past it is
+    dropped as it arrives, not held, and the call is refused with RESOURCE_EXHAUSTED."""
     request_stream_timeout_s: float = Field(300.0, gt=0, le=86_400)
     """Seconds a client may take to send a streamed request to its end; a stream still open after that is
     refused with DEADLINE_EXCEEDED, whatever deadline the client set (or none)."""

@@ -103,29 +103,31 @@ def batch_to_chunks(batch: dict[str, torch.Tensor], chunk_bytes: int = CHUNK_BYT
 async def read_stream(request_iterator, assembler: "BatchAssembler", limits: StreamLimits):
     """Read a whole request stream into ``assembler``; returns its first message (for its other fields), or None.
 
-    A bad chunk does not end the reading: the rest of the stream is drained first, then its ValueError is
-    raised, so that the caller's stream ends cleanly and it gets the refusal, not a broken stream. A stream over
-    ``limits`` is refused as soon as it passes them: ResourceExhausted once it has sent more than
-    ``limits.max_bytes`` (each message counting at least MESSAGE_FLOOR_BYTES), TimeoutError once it has been
-    open ``limits.timeout_s``.
+    The stream is counted as it arrives, each message at least MESSAGE_FLOOR_BYTES: once past
+    ``limits.max_bytes`` nothing more of it is held, and the call is refused with ResourceExhausted. A bad chunk
+    is refused with its ValueError. Either refusal waits for the caller's stream to end (its rest read and
+    dropped), so that the caller gets the refusal: a gRPC client still sending when the call ends sees a
+    broken stream (INTERNAL) instead. A stream still open ``limits.timeout_s`` after it began is refused then
+    (TimeoutError, or the refusal it had earned).
     """
     first, error, received = None, None, 0
     try:
         async with asyncio.timeout(limits.timeout_s):
             async for message in request_iterator:
                 received += max(message.ByteSize(), MESSAGE_FLOOR_BYTES)
-                if received > limits.max_bytes:
-                    raise ResourceExhausted(f"the request stream passed this service's limit of {limits.max_bytes} "
-                                            f"bytes (setting {limits.setting})")
-                first = first or message
+                if error is None and received > limits.max_bytes:
+                    error = ResourceExhausted(f"the request stream passed this service's limit of "
+                                              f"{limits.max_bytes} bytes (setting {limits.setting})")
                 if error is None:
+                    first = first or message
                     try:
                         assembler.add(message.chunks)
                     except ValueError as bad:
                         error = bad
     except TimeoutError:
-        raise TimeoutError(f"the request stream did not end within {limits.timeout_s} s "
-                           "(setting request_stream_timeout_s)") from None
+        if error is None:
+            raise TimeoutError(f"the request stream did not end within {limits.timeout_s} s "
+                               "(setting request_stream_timeout_s)") from None
     if error is not None:
         raise error
     return first

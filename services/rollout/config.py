@@ -37,7 +37,7 @@ class RolloutServiceConfig(StreamingServeConfig):
     """Longest prompt + response vLLM plans for (null = the model's)."""
     max_request_bytes: PositiveInt = 64 << 20
     """Bytes one Generate request stream may send in all (its prompts: 64 MiB holds 8 million prompt tokens);
-    more is refused with RESOURCE_EXHAUSTED as soon as it passes this."""
+    what comes past it is dropped as it arrives, and the call refused with RESOURCE_EXHAUSTED."""
     max_n: PositiveInt = 1024
     """Most responses per prompt (params.n) one Generate call may ask for."""
     max_new_tokens: PositiveInt = 65_536

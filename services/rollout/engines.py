@@ -32,6 +32,7 @@ from services.rollout.swap import GenerationCall, SwapGate, WeightSwap
 
 class Engine(Protocol):
     vocab_size: int
+    max_model_len: int  # the longest prompt + response its model takes
     channel_ranks: int  # ranks this engine takes in a weight channel (one per worker)
     weight_version: int  # of the weights it serves now (0 until the first sync)
     gpus: tuple[str, ...]  # UUIDs of the GPUs its workers use (none on CPU): where weights must reach it
@@ -72,6 +73,7 @@ class HFRolloutEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.engine = HFEngine(model, pad, (eos,), config.batch_size)
         self.vocab_size = model.config.vocab_size
+        self.max_model_len = model.config.max_position_embeddings
         self.gpus = (gpu_uuid(config.device),) if torch.device(config.device).type == "cuda" else ()
         self.weight_version = 0  # changed only inside a swap, when no generation is in flight
         self.gate = SwapGate()

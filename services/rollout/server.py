@@ -95,6 +95,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         batch = assembler.result(required=("prompt_ids", "prompt_lens"))
         prompts = prompt_lists(batch["prompt_ids"], batch["prompt_lens"], engine.vocab_size)
         check_call_size(len(prompts), sampling, self.config)
+        check_prompt_lengths(prompts, sampling.max_new_tokens, engine.max_model_len)
         log.info("generating", run_id=self.run_id, prompts=len(prompts), n=sampling.n)
         with telemetry.REQUESTS_IN_FLIGHT.track_inprogress():
             completions = await engine.generate(prompts, sampling, params.first_index)
@@ -158,6 +159,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.close()
+
+
+def check_prompt_lengths(prompts: list[list[int]], max_new_tokens: int, max_model_len: int) -> None:
+    """Refuse a prompt that, with max_new_tokens more, is longer than the model takes."""
+    for index, prompt in enumerate(prompts):
+        if len(prompt) + max_new_tokens > max_model_len:
+            raise ValueError(f"prompt {index} has {len(prompt)} tokens: with params.max_new_tokens {max_new_tokens} "
+                             f"that is more than the {max_model_len} the model takes")
 
 
 def check_model_folder(model_path: str) -> None:

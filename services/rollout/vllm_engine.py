@@ -53,6 +53,7 @@ class VLLMEngine:
         self.weight_version = 0
         self.damaged: str | None = None  # why the model is not one whole version (a swap failed partway)
         self.vocab_size = vocab_size
+        self.max_model_len = llm.vllm_config.model_config.max_model_len
         self.eos_id = eos_id
         self.channel_ranks = config.tensor_parallel_size
         self.prefix_caching = config.enable_prefix_caching

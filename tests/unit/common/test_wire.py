@@ -339,20 +339,41 @@ def prompt_message(index: int, piece: int = 1 << 10) -> rollout_pb2.GenerateRequ
     return rollout_pb2.GenerateRequest(chunks=[chunk])
 
 
-def test_read_stream_refuses_a_stream_once_it_passes_its_byte_limit():
-    pulled = []
+class CountingAssembler(BatchAssembler):
+    def __init__(self):
+        super().__init__()
+        self.taken = 0
+
+    def add(self, chunks):
+        self.taken += 1
+        super().add(chunks)
+
+
+def test_read_stream_holds_nothing_of_a_stream_past_its_byte_limit_and_refuses_it_at_its_end():
+    pulled, assembler = [], CountingAssembler()
     messages = [prompt_message(index) for index in range(100)]
     with pytest.raises(ResourceExhausted, match="limit of 10000 bytes .setting max_request_bytes"):
-        asyncio.run(read_stream(stream_of(messages, pulled), BatchAssembler(), StreamLimits(10_000, 10.0)))
-    assert len(pulled) == 10  # each just over 1 KiB (its data and the chunk header): the tenth passes 10,000
+        asyncio.run(read_stream(stream_of(messages, pulled), assembler, StreamLimits(10_000, 10.0)))
+    assert (assembler.taken, len(pulled)) == (9, 100)  # each just over 1 KiB: the tenth passes 10,000
 
 
 def test_read_stream_counts_each_empty_message_as_a_kibibyte():
     pulled = []
+    assembler = CountingAssembler()
     with pytest.raises(ResourceExhausted):
-        asyncio.run(read_stream(stream_of([rollout_pb2.GenerateRequest()] * 100, pulled), BatchAssembler(),
+        asyncio.run(read_stream(stream_of([rollout_pb2.GenerateRequest()] * 100, pulled), assembler,
                                 StreamLimits(10 * MESSAGE_FLOOR_BYTES, 10.0)))
-    assert len(pulled) == 11
+    assert assembler.taken == 10
+
+
+def test_read_stream_refuses_a_stream_past_its_limit_at_its_deadline_if_it_does_not_end():
+    async def never_ending():
+        for index in range(20):
+            yield prompt_message(index)
+        await asyncio.Event().wait()
+
+    with pytest.raises(ResourceExhausted):
+        asyncio.run(read_stream(never_ending(), BatchAssembler(), StreamLimits(10_000, 0.2)))
 
 
 def test_read_stream_ends_a_stream_still_open_at_its_deadline():

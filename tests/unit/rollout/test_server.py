@@ -7,7 +7,7 @@ import pytest
 from meshrl.v1 import rollout_pb2
 from services.common.errors import NotFound, ResourceExhausted
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.server import check_call_size, check_model_folder, sampling_from_pb
+from services.rollout.server import check_call_size, check_model_folder, check_prompt_lengths, sampling_from_pb
 
 CONFIG = RolloutServiceConfig(max_n=16, max_new_tokens=100, max_tokens_per_call=1000)
 
@@ -44,6 +44,12 @@ def test_a_call_of_more_tokens_than_max_tokens_per_call_is_refused():
     check_call_size(62, sampling_from_pb(params(n=2, max_new_tokens=8), CONFIG), CONFIG)  # 992 tokens
     with pytest.raises(ResourceExhausted, match=r"63 prompts x params.n 2 x params.max_new_tokens 8 = 1008 .* 1000"):
         check_call_size(63, sampling_from_pb(params(n=2, max_new_tokens=8), CONFIG), CONFIG)
+
+
+def test_a_prompt_longer_with_its_response_than_the_model_takes_is_refused_naming_it():
+    check_prompt_lengths([[1] * 3, [1] * 92, []], 8, 100)
+    with pytest.raises(ValueError, match="prompt 1 has 93 tokens: with params.max_new_tokens 8 that is more than"):
+        check_prompt_lengths([[1] * 3, [1] * 93, [1] * 5], 8, 100)
 
 
 def test_a_model_folder_must_exist_and_hold_a_config(tmp_path):
