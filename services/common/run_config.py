@@ -467,11 +467,11 @@ class TrainerConfig(Section):
     """Transport of the weight channel: gloo (CPU), nccl (trainer and rollouts each on GPUs of their own),
     cuda_ipc (one host; rollouts may share the trainer's GPU). auto = gloo for a trainer on CPU, cuda_ipc when
     the rollouts run on the trainer's GPU (NCCL refuses two ranks on one GPU), nccl otherwise."""
-    rpc_timeout_s: PositiveFloat = 600.0
-    """Deadline of each training or generation call."""
+    rpc_timeout_s: float = Field(600.0, gt=0, le=MAX_WAIT_S)
+    """Deadline of each training or generation call (at most a day: gRPC takes an infinite one as none left)."""
     channel_timeout_s: float = Field(120.0, gt=0, le=MAX_WAIT_S)
     """Deadline of joining the weight channel and of each weight broadcast (at most a day)."""
-    services_wait_s: PositiveFloat = 60.0
+    services_wait_s: float = Field(60.0, gt=0, le=MAX_WAIT_S)
     """How long a starting run waits for the trainer, rollout and reward services to be up."""
     test_freq: int = Field(-1, ge=-1)
     """Validate on data.val_files every this many steps, and after the last step (-1 or 0: never during

@@ -345,3 +345,14 @@ def test_yaml_longer_than_the_limit_is_refused_before_it_is_read():
 def test_yaml_tags_that_build_objects_are_refused_naming_the_text():
     with pytest.raises(ConfigError, match="run_config_yaml is not valid YAML: could not determine a constructor"):
         parse_yaml('a: !!python/object/apply:os.system ["true"]', "run_config_yaml")
+
+
+@pytest.mark.parametrize("key, value", [("actor_rollout_ref.rollout.temperature", "1e-300"),
+                                        ("actor_rollout_ref.rollout.val_kwargs.temperature", "1e-5"),
+                                        ("actor_rollout_ref.rollout.val_kwargs.temperature", ".inf"),
+                                        ("trainer.rpc_timeout_s", ".inf"), ("trainer.channel_timeout_s", ".inf"),
+                                        ("trainer.services_wait_s", "1e9")])
+def test_a_run_config_asks_the_services_for_nothing_they_refuse(key, value):
+    """What a run sends the services is within their limits (temperature, timeouts), or refused at StartRun."""
+    with pytest.raises(ConfigError, match=key):
+        load_config(RunConfig, None, [f"{key}={value}"])
