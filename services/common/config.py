@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field
 
-from services.common.limits import StreamLimits
+from services.common.limits import MAX_WAIT_S, StreamLimits
 
 
 class ConfigError(ValueError):
@@ -210,7 +210,7 @@ class StreamingServeConfig(ServeConfig):
     max_request_bytes: int = Field(1 << 30, gt=0)
     """Bytes one streamed request may send in all (each message counting at least 1 KiB); what comes past it is
     dropped as it arrives, not held, and the call is refused with RESOURCE_EXHAUSTED."""
-    request_stream_timeout_s: float = Field(300.0, gt=0, le=86_400)
+    request_stream_timeout_s: float = Field(300.0, gt=0, le=MAX_WAIT_S)
     """Seconds a client may take to send a streamed request to its end; a stream still open after that is
     refused with DEADLINE_EXCEEDED, whatever deadline the client set (or none)."""
 

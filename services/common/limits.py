@@ -30,9 +30,8 @@ messages is bounded too."""
 class StreamLimits:
     """What a client-streamed request may send: ``max_bytes`` in all, within ``timeout_s`` of its start."""
 
-    max_bytes: int
-    timeout_s: float
-    setting: str = "max_request_bytes"  # the service setting that raises max_bytes, for the refusal
+    max_bytes: int  # the setting max_request_bytes
+    timeout_s: float  # the setting request_stream_timeout_s
 
 
 def check_wait(field: str, seconds: float) -> float:

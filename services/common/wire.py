@@ -117,7 +117,7 @@ async def read_stream(request_iterator, assembler: "BatchAssembler", limits: Str
                 received += max(message.ByteSize(), MESSAGE_FLOOR_BYTES)
                 if error is None and received > limits.max_bytes:
                     error = ResourceExhausted(f"the request stream passed this service's limit of "
-                                              f"{limits.max_bytes} bytes (setting {limits.setting})")
+                                              f"{limits.max_bytes} bytes (setting max_request_bytes)")
                 if error is None:
                     first = first or message
                     try:
