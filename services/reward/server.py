@@ -60,10 +60,15 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         invalid = [r.error for r in results if not r.valid]
         if invalid:
             log.warning("samples_not_scored", count=len(invalid), first_error=invalid[0][:300])
+        timed_out = [sample.data_source for sample, r in zip(samples, results) if r.timed_out]
+        if timed_out:
+            log.warning("samples_timed_out", count=len(timed_out), first_data_source=timed_out[0],
+                        timeout_s=self.config.sample_timeout_s)
         return reward_pb2.ScoreResponse(service_id=self.identity.service_id, scores=[
             reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds, pred=r.pred, acc=r.acc,
                                    components=[reward_pb2.RewardComponent(name=name, weight=weight, value=value)
-                                               for name, weight, value in r.components])
+                                               for name, weight, value in r.components],
+                                   timed_out=r.timed_out)
             for r in results])
 
     async def Info(self, request, context):
