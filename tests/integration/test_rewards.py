@@ -1,5 +1,6 @@
 """Reward services as real processes: users' functions that fail or hang, answers no rule can check in time,
-a plugin that cannot be imported, a replica killed mid-run, and a swap of reward services while a run goes on."""
+requests nested too deep, a plugin that cannot be imported, a replica killed mid-run, and a swap of reward
+services while a run goes on."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import grpc
 import pytest
 import yaml
 
+from meshrl.v1 import reward_pb2, reward_pb2_grpc
+from services.common.rpc import open_channel
 from services.coordinator.clients import RewardClient, RewardSample
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
@@ -114,6 +117,26 @@ def test_math_answers_too_big_to_check_time_out_score_zero_and_the_service_goes_
     for batch in (first, scores[3:], after):
         assert [(s.score, s.acc, s.timed_out) for s in batch] == expected
     assert elapsed < 10
+
+
+def test_extra_info_nested_too_deep_is_refused_naming_the_field(reward_cluster):
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    request = reward_pb2.ScoreRequest(samples=[
+        reward_pb2.Sample(data_source="exact_match", response="1", ground_truth="1"),
+        reward_pb2.Sample(data_source="exact_match", response="1", ground_truth="1", extra_info_json=deep)])
+
+    async def score() -> grpc.aio.AioRpcError:
+        channel = open_channel(await reward_address(reward_cluster.coordinator))
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await reward_pb2_grpc.RewardStub(channel).Score(request, timeout=30)
+            return refused.value
+        finally:
+            await channel.close()
+
+    refused = asyncio.run(score())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "samples[1].extra_info_json nests deeper than 64 levels" in refused.details()
 
 
 def test_a_plugin_that_fails_to_import_is_refused_at_start(tmp_path):
