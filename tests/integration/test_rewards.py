@@ -109,9 +109,9 @@ def test_math_answers_too_big_to_check_time_out_score_zero_and_the_service_goes_
                RewardSample("math_and_form", r"so \boxed{9^{9^{9}}}", "3", {})]
     [(first, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [normal]))  # the rules warm up
     started = time.monotonic()
-    [(scores, _), (after, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [hostile + normal,
-                                                                                              normal]))
+    [(scores, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [hostile + normal]))
     elapsed = time.monotonic() - started
+    [(after, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [normal]))
     assert all((s.score, s.valid, s.acc, s.timed_out) == (0.0, True, False, True) for s in scores[:2])
     assert (scores[2].score, scores[2].valid, scores[2].timed_out) == (pytest.approx(0.2), True, True)  # the format's
     for batch in (first, scores[3:], after):
