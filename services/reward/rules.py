@@ -19,9 +19,8 @@ rule that judges answers reads as the response's answer (verl's ``pred``), and s
   last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; also ``\\boxed 5``)
   in the response; it and the ground truth (with or without ``\\boxed{}``) go
   through the Hendrycks / lm-eval-harness string normalisation and must be
-  equal: 1.0, else 0.0 (an unbalanced, missing or empty box scores 0.0).
-  This is string equivalence only: symbolic equivalence would need
-  ``math-verify``, which is not installed here.
+  equal, or else equal in value for math-verify (``math_equivalent``): 1.0,
+  else 0.0 (an unbalanced, missing or empty box scores 0.0).
 - ``exact_match``: 1.0 if response and ground truth are equal after stripping
   and collapsing whitespace runs to one space (case-sensitive), else 0.0.
 - ``format``: 1.0 if the response matches a regex (default: ends with a GSM8K
