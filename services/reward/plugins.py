@@ -127,7 +127,7 @@ class FunctionWorkers:
         self.ref, self.timeout_s = ref, timeout_s
         self._warm_up: tuple | None = None  # once a call asks for one: a replacement makes it as soon as it starts
         self._context = multiprocessing.get_context("spawn")
-        self._idle: queue.LifoQueue[Worker] = queue.LifoQueue()  # the last back is warm; a new one may still be starting
+        self._idle: queue.LifoQueue[Worker] = queue.LifoQueue()  # the last back is warm; a new one may be starting
         self._all: list[Worker] = []
         self._lock = threading.Lock()
         for _ in range(workers):

@@ -95,7 +95,8 @@ def test_user_functions_that_raise_hang_or_return_garbage_cost_only_their_sample
 def test_reward_model_scores_prompt_and_response_in_batches(reward_cluster):
     batch = [RewardSample("rm", response, "", {}, prompt) for prompt, response in (("12=", "21"), ("345=", "543"), ("7=", ""))]
     [(scores, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [batch]))
-    expected = RewardModel(str(reward_cluster.state_dir.parent / "rm"), "cpu", batch_size=1).score(["12=21", "345=543", "7="])
+    model = RewardModel(str(reward_cluster.state_dir.parent / "rm"), "cpu", batch_size=1)
+    expected = model.score(["12=21", "345=543", "7="])
     assert all(s.valid for s in scores)
     assert [s.score for s in scores] == pytest.approx(expected, abs=1e-5)
 
