@@ -38,6 +38,7 @@ from services.common.about import describe_gpus, meshrl_version
 from services.common.cli import REFUSED_EXIT_CODE, CannotStart, log_config, parse_service_config
 from services.common.config import ServeConfig
 from services.common.errors import ErrorInterceptor
+from services.common.lifetime import die_with_parent
 from services.common.logging import configure_logging
 from services.common.auth import TokenServerInterceptor, cluster_token, is_loopback, server_credentials
 from services.common.rpc import SERVER_OPTIONS, open_channel
@@ -186,22 +187,15 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
         heartbeat.result()  # raises TokenRefused if that is what stopped us
 
 
-def die_with_parent() -> None:
-    """Started by a launcher that set MESHRL_PARENT_PID (coordctl --local): get SIGTERM when it dies (Linux).
+def die_with_launcher() -> None:
+    """Started by a launcher that set MESHRL_PARENT_PID (coordctl --local, a torchrun agent): get SIGTERM when it
+    dies, and stop as on any SIGTERM.
 
     Done here, in the child, rather than in a preexec_fn: running Python between fork and exec in a
     process that holds gRPC threads can deadlock the child."""
     parent = os.environ.get("MESHRL_PARENT_PID")
-    if not parent:
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != int(parent):  # the launcher died before the line above
-        sys.exit(f"launcher {parent} is gone")
+    if parent:
+        die_with_parent(int(parent), signal.SIGTERM)
 
 
 def refuse_open_bind(kind: str, config: ServeConfig) -> None:
@@ -226,7 +220,7 @@ def refuse_open_bind(kind: str, config: ServeConfig) -> None:
 
 def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.aio.Server, Config, common_pb2.ServiceIdentity], Attached]) -> None:
     """The whole ``__main__`` of a service: parse the config, log it, check its bind, serve on uvloop."""
-    die_with_parent()
+    die_with_launcher()
     config = parse_service_config(kind, config_model)
     log_config(configure_logging(kind, config.log_level), config)
     refuse_open_bind(kind, config)

@@ -134,7 +134,8 @@ class LocalCluster:
 
     def command(self, name: str, kind: str, settings: tuple[str, ...], ranks: int) -> list[str]:
         """The command line that starts service ``name`` (bound to loopback)."""
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+        launcher = (["-m", "services.coordctl.torchrun", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1
+                    else [])
         return [sys.executable, *launcher, "-m", f"services.{kind}", "host=127.0.0.1", f"log_level={self.log_level}",
                 *settings]
 

@@ -74,6 +74,7 @@ class ScoredSample:
     acc: bool | None = None  # whether the answer is right, where the scorer says (verl's "acc")
     pred: str = ""  # the answer the scorer read in the response (verl's "pred")
     components: tuple[tuple[str, float, float], ...] = ()  # (name, weight, value) of each part of the score
+    timed_out: bool = False  # the scorer ran out of time on it (a rule's sample then scores 0)
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,7 @@ class RewardClient:
         if len(reply.scores) != len(samples):
             raise ValueError(f"reward {self.address} returned {len(reply.scores)} scores for {len(samples)} samples")
         return [ScoredSample(s.score, s.valid, s.error, s.acc if s.HasField("acc") else None, s.pred,
-                             tuple((c.name, c.weight, c.value) for c in s.components))
+                             tuple((c.name, c.weight, c.value) for c in s.components), s.timed_out)
                 for s in reply.scores], reply.service_id
 
     async def close(self) -> None:

@@ -396,6 +396,7 @@ class PPOLoop:
             add_count(counts, f"rollout/samples_by/{address}", count)
         for service_id, count in scoring.by_service.items():
             add_count(counts, f"reward/samples_by/{service_id}", count)
+        add_count(counts, "reward/timeouts", sum(s.timed_out for s in scoring.scores))
         return scoring.rollouts
 
     # ------------------------------------------------------------------ set-up, boundaries, checkpoints

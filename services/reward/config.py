@@ -42,9 +42,10 @@ class RewardServiceConfig(ServeConfig):
     default: list[ComponentConfig] | None = None
     """Components for a data_source not in scorers (null: the built-in rule of that name, else an error)."""
     sample_timeout_s: PositiveFloat = 10.0
-    """Longest a user function may take on one sample; past it the sample is invalid and its worker replaced."""
+    """Longest a rule or a user function may take on one sample; past it its worker is replaced, and the sample
+    scores the rule's failure value (0), or is invalid (a user function)."""
     function_workers: PositiveInt = Field(2, le=64)
-    """Worker processes per user function."""
+    """Worker processes per user function, and for the built-in rules."""
     max_concurrent_batches: PositiveInt = 4
     """Score calls served at once; more wait their turn."""
     score_threads: PositiveInt = 4

@@ -19,18 +19,22 @@ rule that judges answers reads as the response's answer (verl's ``pred``), and s
   last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; also ``\\boxed 5``)
   in the response; it and the ground truth (with or without ``\\boxed{}``) go
   through the Hendrycks / lm-eval-harness string normalisation and must be
-  equal: 1.0, else 0.0 (an unbalanced, missing or empty box scores 0.0).
-  This is string equivalence only: symbolic equivalence would need
-  ``math-verify``, which is not installed here.
+  equal, or else equal in value for math-verify (``math_equivalent``): 1.0,
+  else 0.0 (an unbalanced, missing or empty box scores 0.0).
 - ``exact_match``: 1.0 if response and ground truth are equal after stripping
   and collapsing whitespace runs to one space (case-sensitive), else 0.0.
 - ``format``: 1.0 if the response matches a regex (default: ends with a GSM8K
   ``#### N`` line) and is at most ``max_chars`` long, else 0.0; the ground
   truth is unused.
+
+The reward service runs the rules in worker processes, each sample under its
+per-sample timeout (``judge``): a response no rule can read in time (``\\boxed{9^{9^{9}}}``
+for math-verify) scores ``FAILURE_SCORE`` and cannot stall the service.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from typing import Callable
@@ -270,6 +274,26 @@ ANSWERS: dict[str, Callable[[str], str | None]] = {
     "math": math_answer,
     "exact_match": lambda solution_str: " ".join(solution_str.split()),
 }
+
+
+SYMBOLIC_RULES = frozenset(name for name, scorer in SCORERS.items() if scorer is math_score)
+"""The rules that may call math-verify (sympy): its import and first parse take seconds."""
+
+FAILURE_SCORE = 0.0
+"""What every rule gives a response whose answer it cannot accept: none found, or none read in time."""
+
+
+def judge(rule: str, options: dict, solution_str: str, ground_truth: str) -> dict:
+    """What ``rule`` (with its ``options``) says of one response: ``{"score": ...}``, and for a rule that judges
+    answers, whether the answer is right (its full marks) and the answer read, as ``acc`` and ``pred`` ("" for
+    none). The reward service calls this in its worker processes, under its per-sample timeout."""
+    score = SCORERS[rule](solution_str, ground_truth, **options)
+    if rule not in ANSWERS:  # a rule of form, not of answers
+        return {"score": score}
+    read = ANSWERS[rule]
+    accepted = set(inspect.signature(read).parameters) if options else set()
+    answer = read(solution_str, **{k: v for k, v in options.items() if k in accepted})
+    return {"score": score, "acc": score >= 1.0, "pred": answer or ""}
 
 
 def score_sample(data_source: str, solution_str: str, ground_truth: str) -> float:

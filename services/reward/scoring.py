@@ -6,7 +6,11 @@ function (``services/reward/plugins.py``) or a reward model
 not name uses ``default`` when given, else the built-in rule registered
 under the data_source's own name. Each sample is scored on its own: an error
 or a timeout in any of its components marks that sample invalid (score 0,
-with the error), and the rest of the batch is unaffected. Besides its score, a
+with the error), and the rest of the batch is unaffected; but a rule that runs
+out of time gives its failure value (``rules.FAILURE_SCORE``): a response it
+cannot read in time has no answer it accepts. Rules and user functions run in
+worker processes under ``sample_timeout_s``; a sample that ran out of time in
+any component says so (``timed_out``). Besides its score, a
 sample carries the answer read in its response and whether it is right
 (verl's ``pred`` and ``acc``, for validation metrics): from the first
 component that gives them (a rule: its reading and its full marks; a user's
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 
 from services.reward import rules
 from services.reward.config import ComponentConfig, RewardServiceConfig
-from services.reward.plugins import FunctionWorkers
+from services.reward.plugins import FunctionScore, FunctionWorkers
 from services.reward.reward_model import RewardModel
 
 
@@ -45,6 +49,7 @@ class SampleResult:
     acc: bool | None = None  # whether the answer is right, from the first component that says (None: none does)
     pred: str = ""  # the answer read in the response, from the first component that reads one
     components: tuple[tuple[str, float, float], ...] = ()  # (name, weight, value) of each part of the score
+    timed_out: bool = False  # some component ran out of time on it
 
 
 @dataclass(frozen=True)
@@ -54,15 +59,14 @@ class ComponentScore:
     value: float
     acc: bool | None = None
     pred: str = ""
+    timed_out: bool = False
+    seconds: float = 0.0  # its worker's time on it (a reward model's batch is not counted)
 
 
-def rule_answer(component: ComponentConfig, response: str) -> str:
-    """What a rule reads as the response's answer ("" for none), with the options its reading takes (gsm8k's
-    method)."""
-    read = rules.ANSWERS[component.rule]
-    accepted = set(inspect.signature(read).parameters) if component.options else set()
-    answer = read(response, **{k: v for k, v in component.options.items() if k in accepted})
-    return answer or ""
+RULES = "services.reward.rules:judge"
+SYMBOLIC_WARM_UP = ("math", {}, "\\boxed{\\frac{1}{2}}", "0.5")
+"""A rules worker's first call to a symbolic rule imports math-verify and builds its parser: seconds, which no
+sample's timeout should pay for."""
 
 
 class Scorer:
@@ -80,6 +84,7 @@ class Scorer:
                     raise ValueError(f"rule {component.rule} has no options {unknown}; it takes {sorted(accepted)}")
         self.functions = {ref: FunctionWorkers(ref, config.function_workers, config.sample_timeout_s)
                           for ref in sorted({c.function for c in components if c.function})}
+        self.rules = FunctionWorkers(RULES, config.function_workers, config.sample_timeout_s)
         self.reward_models = {path: RewardModel(path, config.device, config.reward_model_batch_size)
                               for path in sorted({c.reward_model for c in components if c.reward_model})}
 
@@ -95,9 +100,34 @@ class Scorer:
 
     def score_batch(self, samples: list[Sample]) -> list[SampleResult]:
         """Blocking: each sample's weighted score, or an invalid result with its error. Reward models see the
-        batch at once; the rest go sample by sample."""
+        batch at once, and each pool of worker processes (the rules', a user function's) its part of it."""
         model_scores = self._reward_model_scores(samples)
-        return [self._score_one(index, sample, model_scores) for index, sample in enumerate(samples)]
+        judged = self._worker_results(samples)
+        return [self._score_one(index, sample, model_scores, judged) for index, sample in enumerate(samples)]
+
+    def _worker_results(self, samples: list[Sample]) -> dict[tuple[int, int], FunctionScore | Exception]:
+        """(sample index, component position) -> what the workers said, for each component that is a rule or a
+        user's function."""
+        tasks: dict[FunctionWorkers, list[tuple[tuple[int, int], tuple]]] = {}
+        for index, sample in enumerate(samples):
+            try:
+                components = self.components_for(sample.data_source)
+            except ValueError:
+                continue  # reported when the sample itself is scored
+            for position, component in enumerate(components):
+                if component.rule:
+                    arguments = (component.rule, component.options, sample.response, sample.ground_truth)
+                    tasks.setdefault(self.rules, []).append(((index, position), arguments))
+                elif component.function:
+                    arguments = (sample.data_source, sample.response, sample.ground_truth, sample.extra_info)
+                    tasks.setdefault(self.functions[component.function], []).append(((index, position), arguments))
+        results: dict[tuple[int, int], FunctionScore | Exception] = {}
+        for workers, keyed in tasks.items():
+            calls = [arguments for _, arguments in keyed]
+            symbolic = workers is self.rules and any(call[0] in rules.SYMBOLIC_RULES for call in calls)
+            answers = workers.score_all(calls, SYMBOLIC_WARM_UP if symbolic else None)
+            results.update(zip([key for key, _ in keyed], answers))
+        return results
 
     def _reward_model_scores(self, samples: list[Sample]) -> dict[tuple[str, int], float | Exception]:
         wanted: dict[str, list[int]] = {}
@@ -117,34 +147,36 @@ class Scorer:
             scores.update({(path, i): v for i, v in zip(indices, values)})
         return scores
 
-    def _score_one(self, index: int, sample: Sample, model_scores) -> SampleResult:
+    def _score_one(self, index: int, sample: Sample, model_scores, judged) -> SampleResult:
         started = time.perf_counter()
         try:
-            parts = [(component, self._component_score(component, index, sample, model_scores))
-                     for component in self.components_for(sample.data_source)]
+            parts = [(component, self._component_score(component, index, position, model_scores, judged))
+                     for position, component in enumerate(self.components_for(sample.data_source))]
             acc = next((part.acc for _, part in parts if part.acc is not None), None)
             pred = next((part.pred for _, part in parts if part.pred), "")
             components = tuple((component.name, component.weight, part.value) for component, part in parts)
-            return SampleResult(sum(weight * value for _, weight, value in components), True, "",
-                                time.perf_counter() - started, acc, pred, components)
+            seconds = time.perf_counter() - started + sum(part.seconds for _, part in parts)
+            return SampleResult(sum(weight * value for _, weight, value in components), True, "", seconds, acc, pred,
+                                components, any(part.timed_out for _, part in parts))
         except Exception as error:  # noqa: BLE001 - one bad sample must not fail the batch
-            return SampleResult(0.0, False, f"{type(error).__name__}: {error}", time.perf_counter() - started)
+            return SampleResult(0.0, False, f"{type(error).__name__}: {error}", time.perf_counter() - started,
+                                timed_out=isinstance(error, TimeoutError))
 
-    def _component_score(self, component: ComponentConfig, index: int, sample: Sample, model_scores) -> ComponentScore:
-        if component.function:
-            result = self.functions[component.function].score(sample.data_source, sample.response,
-                                                              sample.ground_truth, sample.extra_info)
-            return ComponentScore(result.score, result.acc, result.pred)
+    def _component_score(self, component: ComponentConfig, index: int, position: int, model_scores,
+                         judged) -> ComponentScore:
         if component.reward_model:
             value = model_scores[(component.reward_model, index)]
             if isinstance(value, Exception):
                 raise value
             return ComponentScore(value)
-        value = rules.SCORERS[component.rule](sample.response, sample.ground_truth, **component.options)
-        if component.rule not in rules.ANSWERS:  # a rule of form, not of answers
-            return ComponentScore(value)
-        return ComponentScore(value, value >= 1.0, rule_answer(component, sample.response))
+        result = judged[(index, position)]
+        if component.rule and isinstance(result, TimeoutError):
+            acc = False if component.rule in rules.ANSWERS else None  # a rule of form says nothing of answers
+            return ComponentScore(rules.FAILURE_SCORE, acc, timed_out=True, seconds=self.config.sample_timeout_s)
+        if isinstance(result, Exception):
+            raise result
+        return ComponentScore(result.score, result.acc, result.pred, seconds=result.seconds)
 
     def close(self) -> None:
-        for workers in self.functions.values():
+        for workers in [*self.functions.values(), self.rules]:
             workers.close()

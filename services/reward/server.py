@@ -21,16 +21,33 @@ from services.reward.scoring import Sample, Scorer
 
 log = structlog.get_logger()
 
+EXTRA_INFO_MAX_DEPTH = 64
+"""Deepest nesting of lists and objects a sample's extra_info may have (a dataset row's holds a few levels)."""
+
+
+def nesting_depth(value) -> int:
+    """Levels of lists and dicts in a JSON value: 0 for a scalar, 1 for ``{"a": 1}``, 2 for ``{"a": [1]}``."""
+    depth, level = 0, [value]
+    while containers := [v for v in level if isinstance(v, (dict, list))]:
+        depth += 1
+        level = [child for v in containers for child in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
 
 def extra_info_of(sample: reward_pb2.Sample, index: int) -> dict:
     if not sample.extra_info_json:
         return {}
+    too_deep = f"samples[{index}].extra_info_json nests deeper than {EXTRA_INFO_MAX_DEPTH} levels"
     try:
         extra = json.loads(sample.extra_info_json)
     except json.JSONDecodeError as error:
         raise ValueError(f"samples[{index}].extra_info_json is not valid JSON: {error.msg}") from None
+    except RecursionError:
+        raise ValueError(too_deep) from None
     if not isinstance(extra, dict):
         raise ValueError(f"samples[{index}].extra_info_json must be a JSON object")
+    if nesting_depth(extra) > EXTRA_INFO_MAX_DEPTH:
+        raise ValueError(too_deep)
     return extra
 
 
@@ -60,10 +77,15 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         invalid = [r.error for r in results if not r.valid]
         if invalid:
             log.warning("samples_not_scored", count=len(invalid), first_error=invalid[0][:300])
+        timed_out = [sample.data_source for sample, r in zip(samples, results) if r.timed_out]
+        if timed_out:
+            log.warning("samples_timed_out", count=len(timed_out), first_data_source=timed_out[0],
+                        timeout_s=self.config.sample_timeout_s)
         return reward_pb2.ScoreResponse(service_id=self.identity.service_id, scores=[
             reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds, pred=r.pred, acc=r.acc,
                                    components=[reward_pb2.RewardComponent(name=name, weight=weight, value=value)
-                                               for name, weight, value in r.components])
+                                               for name, weight, value in r.components],
+                                   timed_out=r.timed_out)
             for r in results])
 
     async def Info(self, request, context):

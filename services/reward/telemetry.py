@@ -12,10 +12,11 @@ for _outcome in OUTCOMES:
 
 
 def outcome(result: SampleResult) -> str:
-    """scored, timed_out or failed: a timeout is the error a component raised as TimeoutError."""
-    if result.valid:
-        return "scored"
-    return "timed_out" if result.error.startswith("TimeoutError") else "failed"
+    """timed_out (a rule's sample that ran out of time still has a score, its failure value; a user function's is
+    invalid), else scored or failed."""
+    if result.timed_out:
+        return "timed_out"
+    return "scored" if result.valid else "failed"
 
 
 def count(results: list[SampleResult]) -> None:

@@ -1,5 +1,6 @@
-"""Reward services as real processes: users' functions that fail or hang, a plugin that cannot be imported,
-a replica killed mid-run, and a swap of reward services while a run goes on."""
+"""Reward services as real processes: users' functions that fail or hang, answers no rule can check in time,
+requests nested too deep, a plugin that cannot be imported, a replica killed mid-run, and a swap of reward
+services while a run goes on."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import grpc
 import pytest
 import yaml
 
+from meshrl.v1 import reward_pb2, reward_pb2_grpc
+from services.common.rpc import open_channel
 from services.coordinator.clients import RewardClient, RewardSample
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
@@ -36,24 +39,32 @@ def component(function: str) -> list[dict]:
     return [{"function": f"{PLUGINS / 'user_rewards.py'}:{function}"}]
 
 
-@pytest.fixture
-def reward_cluster(tmp_path):
-    """Coordinator and one reward service whose data sources map to users' functions (1 s per sample)."""
+@pytest.fixture(scope="module")
+def reward_cluster(tmp_path_factory):
+    """Coordinator and one reward service whose data sources map to users' functions and rules (1 s per sample);
+    its reward model is in the folder ``rm`` beside the state dir."""
+    root = tmp_path_factory.mktemp("rewards")
     scorers = {name: component(name) for name in ("length_match", "raises", "hangs", "garbage", "verdict")}
     scorers["combined"] = [{"rule": "meshrl/reverse", "weight": 0.5}, *[dict(c, weight=0.5) for c in component("length_match")]]
-    scorers["rm"] = [{"reward_model": str(build_tiny_reward_model(tmp_path / "rm", 32, 1, seed=0))}]
-    config = reward_config(tmp_path, "reward", scorers, sample_timeout_s=1.0, function_workers=2)
-    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("reward", settings=("--config", config)),))
+    scorers["rm"] = [{"reward_model": str(build_tiny_reward_model(root / "rm", 32, 1, seed=0))}]
+    scorers["math_and_form"] = [{"rule": "lighteval/MATH", "weight": 0.8},
+                                {"rule": "format", "options": {"pattern": "boxed"}, "weight": 0.2}]
+    config = reward_config(root, "reward", scorers, sample_timeout_s=1.0, function_workers=2)
+    cluster = LocalCluster(root / "state", (ServiceSpec("reward", settings=("--config", config)),))
     asyncio.run(cluster.start(timeout_s=60))
     yield cluster
     cluster.stop()
 
 
-async def score_through_service(coordinator: str, batches: list[list[RewardSample]]):
+async def reward_address(coordinator: str) -> str:
     control = CoordinatorClient(coordinator)
     [service] = await control.list_services()
     await control.close()
-    client = RewardClient(service.address)
+    return service.address
+
+
+async def score_through_service(coordinator: str, batches: list[list[RewardSample]]):
+    client = RewardClient(await reward_address(coordinator))
     try:
         return [await client.score(samples, timeout=30) for samples in batches]
     finally:
@@ -81,12 +92,52 @@ def test_user_functions_that_raise_hang_or_return_garbage_cost_only_their_sample
     assert elapsed < 20
 
 
-def test_reward_model_scores_prompt_and_response_in_batches(reward_cluster, tmp_path):
+def test_reward_model_scores_prompt_and_response_in_batches(reward_cluster):
     batch = [RewardSample("rm", response, "", {}, prompt) for prompt, response in (("12=", "21"), ("345=", "543"), ("7=", ""))]
     [(scores, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [batch]))
-    expected = RewardModel(str(tmp_path / "rm"), "cpu", batch_size=1).score(["12=21", "345=543", "7="])
+    model = RewardModel(str(reward_cluster.state_dir.parent / "rm"), "cpu", batch_size=1)
+    expected = model.score(["12=21", "345=543", "7="])
     assert all(s.valid for s in scores)
     assert [s.score for s in scores] == pytest.approx(expected, abs=1e-5)
+
+
+def test_math_answers_too_big_to_check_time_out_score_zero_and_the_service_goes_on(reward_cluster):
+    normal = [RewardSample("lighteval/MATH", r"so \boxed{\frac{1}{2}}", "0.5", {}),  # equal for math-verify only
+              RewardSample("math", r"\boxed{4}", "5", {}), RewardSample("openai/gsm8k", "so #### 7", "7", {})]
+    expected = [(1.0, True, False), (0.0, False, False), (1.0, True, False)]  # score, acc, timed_out
+    hostile = [RewardSample("lighteval/MATH", r"so \boxed{9^{9^{9}}}", "3", {}),  # math-verify: hours on either
+               RewardSample("math", r"\boxed{99999999!}", "3", {}),
+               RewardSample("math_and_form", r"so \boxed{9^{9^{9}}}", "3", {})]
+    [(first, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [normal]))  # the rules warm up
+    started = time.monotonic()
+    [(scores, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [hostile + normal]))
+    elapsed = time.monotonic() - started
+    [(after, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [normal]))
+    assert all((s.score, s.valid, s.acc, s.timed_out) == (0.0, True, False, True) for s in scores[:2])
+    assert (scores[2].score, scores[2].valid, scores[2].timed_out) == (pytest.approx(0.2), True, True)  # the format's
+    for batch in (first, scores[3:], after):
+        assert [(s.score, s.acc, s.timed_out) for s in batch] == expected
+    assert elapsed < 10
+
+
+def test_extra_info_nested_too_deep_is_refused_naming_the_field(reward_cluster):
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    request = reward_pb2.ScoreRequest(samples=[
+        reward_pb2.Sample(data_source="exact_match", response="1", ground_truth="1"),
+        reward_pb2.Sample(data_source="exact_match", response="1", ground_truth="1", extra_info_json=deep)])
+
+    async def score() -> grpc.aio.AioRpcError:
+        channel = open_channel(await reward_address(reward_cluster.coordinator))
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await reward_pb2_grpc.RewardStub(channel).Score(request, timeout=30)
+            return refused.value
+        finally:
+            await channel.close()
+
+    refused = asyncio.run(score())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "samples[1].extra_info_json nests deeper than 64 levels" in refused.details()
 
 
 def test_a_plugin_that_fails_to_import_is_refused_at_start(tmp_path):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/reward.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"n\n\x06Sample\x12\x13\n\x0b\x64\x61ta_source\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\"2\n\x0cScoreRequest\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.meshrl.v1.Sample\"\xa3\x01\n\x0bSampleScore\x12\r\n\x05score\x18\x01 \x01(\x01\x12\r\n\x05valid\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x0c\n\x04pred\x18\x05 \x01(\t\x12\x10\n\x03\x61\x63\x63\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12.\n\ncomponents\x18\x07 \x03(\x0b\x32\x1a.meshrl.v1.RewardComponentB\x06\n\x04_acc\">\n\x0fRewardComponent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\r\n\x05value\x18\x03 \x01(\x01\"K\n\rScoreResponse\x12&\n\x06scores\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.SampleScore\x12\x12\n\nservice_id\x18\x02 \x01(\t2|\n\x06Reward\x12:\n\x05Score\x12\x17.meshrl.v1.ScoreRequest\x1a\x18.meshrl.v1.ScoreResponse\x12\x36\n\x04Info\x12\x16.meshrl.v1.InfoRequest\x1a\x16.meshrl.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/reward.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"n\n\x06Sample\x12\x13\n\x0b\x64\x61ta_source\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\"2\n\x0cScoreRequest\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.meshrl.v1.Sample\"\xb6\x01\n\x0bSampleScore\x12\r\n\x05score\x18\x01 \x01(\x01\x12\r\n\x05valid\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x0c\n\x04pred\x18\x05 \x01(\t\x12\x10\n\x03\x61\x63\x63\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12.\n\ncomponents\x18\x07 \x03(\x0b\x32\x1a.meshrl.v1.RewardComponent\x12\x11\n\ttimed_out\x18\x08 \x01(\x08\x42\x06\n\x04_acc\">\n\x0fRewardComponent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\r\n\x05value\x18\x03 \x01(\x01\"K\n\rScoreResponse\x12&\n\x06scores\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.SampleScore\x12\x12\n\nservice_id\x18\x02 \x01(\t2|\n\x06Reward\x12:\n\x05Score\x12\x17.meshrl.v1.ScoreRequest\x1a\x18.meshrl.v1.ScoreResponse\x12\x36\n\x04Info\x12\x16.meshrl.v1.InfoRequest\x1a\x16.meshrl.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,11 +37,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREREQUEST']._serialized_start=173
   _globals['_SCOREREQUEST']._serialized_end=223
   _globals['_SAMPLESCORE']._serialized_start=226
-  _globals['_SAMPLESCORE']._serialized_end=389
-  _globals['_REWARDCOMPONENT']._serialized_start=391
-  _globals['_REWARDCOMPONENT']._serialized_end=453
-  _globals['_SCORERESPONSE']._serialized_start=455
-  _globals['_SCORERESPONSE']._serialized_end=530
-  _globals['_REWARD']._serialized_start=532
-  _globals['_REWARD']._serialized_end=656
+  _globals['_SAMPLESCORE']._serialized_end=408
+  _globals['_REWARDCOMPONENT']._serialized_start=410
+  _globals['_REWARDCOMPONENT']._serialized_end=472
+  _globals['_SCORERESPONSE']._serialized_start=474
+  _globals['_SCORERESPONSE']._serialized_end=549
+  _globals['_REWARD']._serialized_start=551
+  _globals['_REWARD']._serialized_end=675
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class ScoreRequest(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class SampleScore(_message.Message):
-    __slots__ = ("score", "valid", "error", "seconds", "pred", "acc", "components")
+    __slots__ = ("score", "valid", "error", "seconds", "pred", "acc", "components", "timed_out")
     SCORE_FIELD_NUMBER: _ClassVar[int]
     VALID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class SampleScore(_message.Message):
     PRED_FIELD_NUMBER: _ClassVar[int]
     ACC_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     score: float
     valid: bool
     error: str
@@ -43,7 +44,8 @@ class SampleScore(_message.Message):
     pred: str
     acc: bool
     components: _containers.RepeatedCompositeFieldContainer[RewardComponent]
-    def __init__(self, score: _Optional[float] = ..., valid: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., pred: _Optional[str] = ..., acc: _Optional[bool] = ..., components: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ...) -> None: ...
+    timed_out: bool
+    def __init__(self, score: _Optional[float] = ..., valid: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., pred: _Optional[str] = ..., acc: _Optional[bool] = ..., components: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ..., timed_out: _Optional[bool] = ...) -> None: ...
 
 class RewardComponent(_message.Message):
     __slots__ = ("name", "weight", "value")

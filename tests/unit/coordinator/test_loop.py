@@ -139,7 +139,8 @@ class FakeReward:
     async def score(self, samples: list[RewardSample], timeout):
         self.scored += samples
         return [ScoredSample(float(s.response == s.ground_truth), True, "", s.response == s.ground_truth, s.response,
-                             (("exact", 1.0, float(s.response == s.ground_truth)),))
+                             (("exact", 1.0, float(s.response == s.ground_truth)),),
+                             timed_out=s.response != s.ground_truth)  # as if it ran out of time on every wrong one
                 for s in samples], f"id-of-{self.address}"
 
     async def close(self):
@@ -234,6 +235,7 @@ def test_a_grpo_step_trains_on_hand_worked_advantages_and_every_rollout_serves_t
     assert mesh.rollouts["rollout:1"].generated == 3 * 4 * N
     assert len(mesh.rewards["reward-a:1"].scored) == 3 * 4 * N and not mesh.rewards["reward-b:1"].scored
     assert metrics[2]["reward/samples_by/id-of-reward-a:1"] == 4 * N
+    assert all(metrics[s]["reward/timeouts"] == 4 * N - sum(RIGHT_PER_PROMPT.values()) for s in (1, 2, 3))
     # save_freq 2: one checkpoint, after step 2, with the sampler right after step 2's batch (4 of 4 prompts:
     # the next epoch starts at the next batch)
     [(step, path, state)] = mesh.reporter.checkpoints

@@ -1,0 +1,33 @@
+"""The reward servicer's reading of a request: a sample's extra_info."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshrl.v1 import reward_pb2
+from services.reward.server import EXTRA_INFO_MAX_DEPTH, extra_info_of, nesting_depth
+
+
+def nested(depth: int) -> str:
+    """A JSON object ``depth`` levels deep: {"a": [[...]]}."""
+    return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+def test_nesting_depth_counts_levels_of_lists_and_objects():
+    assert nesting_depth(3) == 0
+    assert nesting_depth({"a": 1}) == 1
+    assert nesting_depth({"a": [1], "b": {"c": [[]]}}) == 4
+    assert nesting_depth(json.loads(nested(10))) == 10
+
+
+@pytest.mark.parametrize("depth", [EXTRA_INFO_MAX_DEPTH + 1, 100_000])
+def test_extra_info_nested_too_deep_is_refused_naming_the_sample(depth):
+    with pytest.raises(ValueError, match=rf"samples\[7\].extra_info_json nests deeper than {EXTRA_INFO_MAX_DEPTH}"):
+        extra_info_of(reward_pb2.Sample(extra_info_json=nested(depth)), 7)
+
+
+def test_extra_info_at_the_depth_limit_is_read():
+    text = nested(EXTRA_INFO_MAX_DEPTH)
+    assert extra_info_of(reward_pb2.Sample(extra_info_json=text), 0) == json.loads(text)
