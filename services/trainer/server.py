@@ -26,6 +26,7 @@ from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.channel import ChannelTable, gpu_uuid
 from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.common.config import parse_yaml, validate
+from services.common.models import check_weights
 from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
 from services.common.limits import StreamLimits, check_wait
@@ -34,7 +35,7 @@ from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.trainer import checkpoint, telemetry
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ranks import join
-from services.trainer.setup import actor_settings, actor_sharding, critic_sharding
+from services.trainer.setup import actor_settings, actor_sharding, critic_sharding, pad_id_of
 from services.trainer.worker import SEQUENCE_KEYS, Roles, Worker, check_roles
 
 log = structlog.get_logger()
@@ -81,14 +82,23 @@ def check_vocab(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[
 
 
 def check_init(config: RunConfig, roles: list[str], world_size: int) -> None:
-    """Refuse what building the roles would fail on, before any rank starts on it."""
+    """Refuse what building the roles would fail on, before any rank starts on it and before the run loaded now is
+    let go: roles, sharding, the model folders' config.json, tokenizer and safetensors headers (not the weights)."""
     check_roles(roles)
     actor_sharding(config, world_size)
     critic_sharding(config, world_size)
-    for field, folder in (("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path),
-                          ("critic.model.path", config.critic.model.path)):
+    actor_path = config.actor_rollout_ref.model.path
+    for field, folder in (("actor_rollout_ref.model.path", actor_path), ("critic.model.path", config.critic.model.path)):
         if folder and not (Path(folder) / "config.json").exists():
             raise ValueError(f"{field}: no config.json in model folder {folder}")
+    try:
+        pad_id_of(actor_path)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"actor_rollout_ref.model.path: no tokenizer loads from {actor_path} ({error})") from None
+    if {"actor", "ref"} & set(roles):
+        check_weights(actor_path)
+    if "critic" in roles:
+        check_weights(config.critic.model.path or actor_path, body_only=True)
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -119,7 +129,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def InitRun(self, request, context):
         data = await asyncio.to_thread(parse_yaml, request.run_config_yaml, "run_config_yaml")  # off the loop
         run_config = validate(RunConfig, data or {}, "run_config_yaml")
-        check_init(run_config, list(request.roles), self.worker.ranks.world_size)
+        await asyncio.to_thread(check_init, run_config, list(request.roles), self.worker.ranks.world_size)
         await self._run("init_run", {"run_id": request.run_id, "run_config_yaml": request.run_config_yaml,
                                      "roles": list(request.roles), "seed": request.seed}, {})
         log.info("run_loaded", run_id=request.run_id, roles=list(request.roles),

@@ -108,6 +108,15 @@ def build_roles(run_id: str, config: RunConfig, roles: list[str], seed: int, ran
     )
 
 
+def unloaded_notice(held: Roles | None, beside: bool) -> str:
+    """What a failed InitRun left loaded."""
+    if held is None:
+        return "no run is loaded"
+    if beside:
+        return f"run {held.run_id} is still loaded"
+    return f"run {held.run_id} was let go first to make room: no run is loaded now; InitRun it again to go on"
+
+
 def sequences(tensors: dict[str, torch.Tensor]) -> SequenceBatch:
     return SequenceBatch(*(tensors[key] for key in SEQUENCE_KEYS))
 
@@ -149,10 +158,24 @@ class Worker:
     # ------------------------------------------------------------ ops
 
     def init_run(self, tensors, run_id: str, run_config_yaml: str, roles: list[str], seed: int) -> Roles:
-        self.roles = None  # the previous run's models go before the next run's are built
+        """Build the run's roles (the servicer checked what can be checked without loading weights). On one CPU
+        rank they are built beside the run held now, which stays if they fail to load; on a GPU the run held now
+        goes first (the device holds one), and a failure leaves no run loaded, to be given one by another
+        InitRun."""
         config = validate(RunConfig, parse_yaml(run_config_yaml, "run_config_yaml") or {})
-        self.roles = build_roles(run_id, config, roles, seed, self.ranks)
-        self.weight_version = 0
+        held = self.roles
+        beside = self.ranks.world_size == 1 and self.ranks.device.type == "cpu"
+        if not beside:
+            self.roles = None
+        try:
+            built = build_roles(run_id, config, roles, seed, self.ranks)
+        except torch.OutOfMemoryError:
+            raise
+        except (OSError, ValueError, KeyError, RuntimeError) as error:  # what transformers raises for bad weights
+            raise ValueError(f"actor_rollout_ref.model.path {config.actor_rollout_ref.model.path}: the run's models "
+                             f"cannot be loaded ({type(error).__name__}: {error}); "
+                             + unloaded_notice(held, beside)) from None
+        self.roles, self.weight_version = built, 0
         return self.roles
 
     def compute_log_probs(self, tensors, role: str) -> torch.Tensor | None:

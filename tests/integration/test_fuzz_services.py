@@ -9,6 +9,7 @@ and each service must still answer afterwards.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 from meshrl.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2,
                        rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc)
@@ -232,12 +234,43 @@ def test_hostile_requests_are_refused_at_the_edge(loaded, what, kind, invoke, ex
     assert (code, word in details) == (expected, True), details
 
 
-def test_a_failed_init_run_leaves_the_service_as_it_was(loaded, tmp_path):
+def damaged_copies(tiny_model: Path, folder: Path) -> dict[str, tuple[Path, str]]:
+    """Copies of the tiny model whose weights the trainer cannot load: (folder, what its refusal must name)."""
+    name = "model.layers.0.mlp.up_proj.weight"
+    truncated, wrong_shape = folder / "truncated", folder / "wrong_shape"
+    for copy in (truncated, wrong_shape):
+        shutil.copytree(tiny_model, copy)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    tensors = load_file(wrong_shape / "model.safetensors")
+    tensors[name] = torch.zeros(tensors[name].shape[0], 7)
+    save_file(tensors, wrong_shape / "model.safetensors", metadata={"format": "pt"})
+    return {"truncated": (truncated, f"{weights}: tensor '"),
+            "wrong shape": (wrong_shape, f"{wrong_shape / 'model.safetensors'}: tensor '{name}' has shape")}
+
+
+def log_probs(trainer) -> list[float]:
+    """The actor's logprobs of one short sequence."""
+    batch = {"prompt_ids": torch.tensor([5, 6], dtype=torch.int64), "prompt_lens": torch.tensor([2]),
+             "response_ids": torch.tensor([7, 8], dtype=torch.int64), "response_lens": torch.tensor([2])}
+
+    async def read():
+        requests = iter([trainer_pb2.BatchRequest(step=1, role="actor", chunks=c) for c in batch_to_chunks(batch)])
+        return [chunk async for reply in trainer.ComputeLogProbs(requests, timeout=30) for chunk in reply.chunks]
+
+    return read()
+
+
+def test_a_failed_init_run_leaves_the_service_as_it_was(loaded, tmp_path, tiny_model, reverse_data):
     """The rollout keeps serving the model it held, also when the new model fails while it loads; the trainer keeps
-    its run, and a `!!python` tag runs nothing."""
+    its run, whose weights still compute, when the new run's model folder has no model, weights cut short or of
+    the wrong shape (named, with the file), and a `!!python` tag runs nothing."""
     marker, broken = tmp_path / "ran", tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    for tokenizer_file in tiny_model.glob("*token*"):
+        shutil.copy(tokenizer_file, broken)
+    damaged = {**damaged_copies(tiny_model, tmp_path), "no model": (broken, "config.json")}
 
     async def check():
         channel = open_channel(loaded["rollout"])
@@ -258,6 +291,14 @@ def test_a_failed_init_run_leaves_the_service_as_it_was(loaded, tmp_path):
                     run_id="other", run_config_yaml=PYTHON_TAG.format(marker=marker)), timeout=30)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "run_config_yaml" in refused.value.details()
+            for what, (folder, named) in damaged.items():
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await trainer.InitRun(trainer_pb2.TrainerInitRequest(
+                        run_id="other", run_config_yaml=run_config(folder, reverse_data), roles=["actor", "ref"]),
+                        timeout=60)
+                assert (refused.value.code(), named in refused.value.details()) == (
+                    grpc.StatusCode.INVALID_ARGUMENT, True), (what, refused.value.details())
+            assert [(chunk.name, list(chunk.shape)) for chunk in await log_probs(trainer)] == [("logprobs", [2])]
             after = await rollout.Info(common_pb2.InfoRequest(), timeout=10)
             assert (after.run_id, after.details["model_path"]) == (held.run_id, held.details["model_path"])
             assert (await trainer.Info(common_pb2.InfoRequest(), timeout=10)).run_id == trained.run_id

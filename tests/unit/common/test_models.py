@@ -1,0 +1,66 @@
+"""The cheap check of a model folder's safetensors weights: from the headers alone, naming the file and tensor."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.common.models import check_weights, load_causal_lm
+from services.coordctl.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", hidden_size=32, num_layers=1, num_heads=2,
+                            seed=0)
+
+
+def copy_with(tiny: Path, folder: Path, change) -> Path:
+    """A copy of the tiny model whose tensors ``change`` edits (a dict, in place)."""
+    shutil.copytree(tiny, folder)
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_loadable_folder_passes(tiny):
+    check_weights(tiny)
+    check_weights(tiny, body_only=True)
+    load_causal_lm(tiny)
+
+
+def test_a_truncated_file_is_refused_naming_it_and_a_tensor(tiny, tmp_path):
+    shutil.copytree(tiny, tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor '.+' lies at bytes .* truncated"):
+        check_weights(tmp_path / "cut")
+    weights.write_bytes(weights.read_bytes()[:20])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a safetensors file, or truncated"):
+        check_weights(tmp_path / "cut")
+
+
+def test_a_tensor_of_another_shape_or_missing_is_refused(tiny, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+    wide = copy_with(tiny, tmp_path / "wide", lambda t: t.update({name: torch.zeros(t[name].shape[0], 7)}))
+    with pytest.raises(ValueError, match=rf"model\.safetensors: tensor '{name}' has shape \[\d+, 7\], its config"):
+        check_weights(wide)
+    with pytest.raises(RuntimeError):  # what the loader itself would do with it, after the check
+        load_causal_lm(wide)
+    missing = copy_with(tiny, tmp_path / "missing", lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=rf"no tensor '{name}'"):
+        check_weights(missing)
+    ints = copy_with(tiny, tmp_path / "ints", lambda t: t.update({name: t[name].to(torch.int32)}))
+    with pytest.raises(ValueError, match=rf"tensor '{name}' has dtype I32, not a float"):
+        check_weights(ints)
+
+
+def test_a_folder_without_safetensors_is_left_to_the_loader(tiny, tmp_path):
+    shutil.copytree(tiny, tmp_path / "bare")
+    (tmp_path / "bare" / "model.safetensors").unlink()
+    check_weights(tmp_path / "bare")
