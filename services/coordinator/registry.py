@@ -4,7 +4,8 @@ which meshrl, serving which weight version."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class ServiceRecord:
     meshrl_version: str = ""  # "" from a service too old to say, or not installed as a package
     gpu: str = ""  # "cpu", or its GPUs: "cuda:0 NVIDIA H200"
     weight_version: int | None = None  # of its last Register or Heartbeat; None where it holds no weights
+    limits: Mapping[str, int] = field(default_factory=dict)  # what one request may ask of it, by setting
 
 
 class Registry:

@@ -32,7 +32,7 @@ from services.common.plot import plot_reward
 from services.coordinator.registry import Registry
 from services.coordinator.reward_set import RewardSet, RewardTarget, probe_samples
 from services.coordinator.rollout_set import RolloutSet
-from services.coordinator.settings import loop_settings, rollout_set_settings
+from services.coordinator.settings import check_within_rollout_limits, loop_settings, rollout_set_settings
 from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
 from services.coordinator.validation import Validated, headline
 from services.coordinator.waiting import RunStopped, describe
@@ -155,6 +155,8 @@ class RunManager:
         its config is recorded with the steps total_epochs comes to, and what it does not use is said once.
         Returns the run and the id of its last event before this call (0 for a new run)."""
         config = await asyncio.to_thread(parse_run_config, config_yaml)  # not on the loop: heartbeats go on
+        check_within_rollout_limits(config, {record.address: record.limits
+                                             for record in self.registry.up("rollout", config.placement.rollout)})
         earlier = self._checkpoint_to_resume(config)
         if earlier is not None:
             return await self.resume_run(earlier.run_id, earlier, f"by trainer.resume_mode={config.trainer.resume_mode}")

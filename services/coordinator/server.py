@@ -44,14 +44,14 @@ def record_from_pb(request: coordinator_pb2.RegisterRequest) -> ServiceRecord:
                          f"coordinator speaks")
     return ServiceRecord(identity.service_id, identity.kind, identity.address, identity.group or "default",
                          identity.protocol_version, 0.0, identity.hostname, identity.pid, identity.meshrl_version,
-                         identity.gpu, optional_version(request))
+                         identity.gpu, optional_version(request), dict(identity.limits))
 
 
 def status_to_pb(record: ServiceRecord, up: bool, now: float) -> coordinator_pb2.ServiceStatus:
     identity = common_pb2.ServiceIdentity(
         service_id=record.service_id, kind=record.kind, address=record.address, group=record.group,
         protocol_version=record.protocol_version, pid=record.pid, hostname=record.hostname,
-        meshrl_version=record.meshrl_version, gpu=record.gpu)
+        meshrl_version=record.meshrl_version, gpu=record.gpu, limits=record.limits)
     return coordinator_pb2.ServiceStatus(identity=identity, state="up" if up else "down",
                                          last_seen_s=now - record.last_seen, weight_version=record.weight_version)
 

@@ -6,6 +6,7 @@ trainer's roles take ``setup.actor_settings``: each value is named for what the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.common.run_config import RunConfig
@@ -132,3 +133,19 @@ def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
         bucket_bytes=trainer.weight_sync_bucket_mb << 20,
         restart_in_flight=config.actor_rollout_ref.rollout.partial_rollout == "restart",
     )
+
+
+def check_within_rollout_limits(config: RunConfig, limits: Mapping[str, Mapping[str, int]]) -> None:
+    """Refuse a run that would ask a rollout (address -> the limits it registered) for more than one Generate
+    call may: ValueError naming the config key, the rollout and its limit's setting. Rollouts that say no
+    limits (or are not up yet) refuse such a call themselves, at the run's first Generate."""
+    rollout = config.actor_rollout_ref.rollout
+    asks = [("actor_rollout_ref.rollout.n", rollout.n, "max_n"),
+            ("data.max_response_length", config.data.max_response_length, "max_new_tokens")]
+    if config.data.val_files:
+        asks.append(("actor_rollout_ref.rollout.val_kwargs.n", rollout.val_kwargs.n, "max_n"))
+    for address, said in sorted(limits.items()):
+        for key, value, setting in asks:
+            if setting in said and value > said[setting]:
+                raise ValueError(f"{key} = {value} is over the limit of rollout {address}: {setting} = "
+                                 f"{said[setting]}; lower {key}, or start the rollout with a larger {setting}")

@@ -47,6 +47,11 @@ class RolloutServiceConfig(StreamingServeConfig):
     16 x 4096; the coordinator sends each replica one call per batch). A larger call is refused with
     RESOURCE_EXHAUSTED before anything is generated."""
 
+    def request_limits(self) -> dict[str, int]:
+        """The limits it registers with, by setting: a coordinator refuses a run over them at StartRun."""
+        return {"max_n": self.max_n, "max_new_tokens": self.max_new_tokens,
+                "max_tokens_per_call": self.max_tokens_per_call}
+
     def compute_devices(self) -> tuple[str, ...]:
         if self.engine == "vllm":  # the first tensor_parallel_size GPUs it sees
             return tuple(f"cuda:{index}" for index in range(self.tensor_parallel_size))

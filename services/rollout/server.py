@@ -188,6 +188,7 @@ def prompt_lists(prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, vocab_size
 
 
 def attach(server, config: RolloutServiceConfig, identity: common_pb2.ServiceIdentity) -> RolloutServicer:
+    identity.limits.update(config.request_limits())  # registered with: a run over them is refused at StartRun
     servicer = RolloutServicer(config, identity)
     rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
     return servicer

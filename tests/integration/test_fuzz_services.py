@@ -359,21 +359,11 @@ def test_a_request_stream_that_never_ends_meets_the_server_deadline(loaded):
     assert STREAM_TIMEOUT_S <= time.monotonic() - started < STREAM_TIMEOUT_S + 20
 
 
-def test_a_permanent_refusal_fails_the_run_at_once_with_its_cause(loaded, tiny_model, reverse_data):
-    """A run whose rollout.n is over the rollout's max_n fails at its first Generate, naming the limit: no
-    retry, no recovery (a RESOURCE_EXHAUSTED the service decided is not transient)."""
-    async def run():
-        client = CoordinatorClient(loaded["coordinator"])
-        try:
-            started = time.monotonic()
-            run = await client.start_run(run_config(tiny_model, reverse_data, actor_rollout_ref__rollout__n=2048,
-                                                    trainer__total_training_steps=1))
-            events = [update async for update in client.watch(run.run_id)]
-            return await client.get_run(run.run_id), events, time.monotonic() - started
-        finally:
-            await client.close()
-
-    finished, events, seconds = asyncio.run(run())
-    assert finished.state == "failed" and "max_n" in finished.error, finished.error
-    assert not [update for update in events if update.state == "waiting"], "the run tried to recover"
-    assert seconds < 30
+def test_a_run_over_a_rollouts_limits_is_refused_at_start_run(loaded, tiny_model, reverse_data):
+    """A run whose rollout.n is over the registered rollout's max_n is refused by StartRun, naming the key and the
+    limit, before anything starts (it used to fail at its first Generate)."""
+    config_yaml = run_config(tiny_model, reverse_data, actor_rollout_ref__rollout__n=2048)
+    code, details = asyncio.run(answer(loaded["coordinator"], unary(
+        coordinator_pb2_grpc.CoordinatorStub, "StartRun", coordinator_pb2.StartRunRequest(config_yaml=config_yaml))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "actor_rollout_ref.rollout.n = 2048" in details and "max_n = 1024" in details, details

@@ -31,7 +31,14 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ServiceIdentity(_message.Message):
-    __slots__ = ("service_id", "kind", "address", "group", "protocol_version", "pid", "hostname", "meshrl_version", "gpu")
+    __slots__ = ("service_id", "kind", "address", "group", "protocol_version", "pid", "hostname", "meshrl_version", "gpu", "limits")
+    class LimitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +48,7 @@ class ServiceIdentity(_message.Message):
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     MESHRL_VERSION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     kind: str
     address: str
@@ -50,7 +58,8 @@ class ServiceIdentity(_message.Message):
     hostname: str
     meshrl_version: str
     gpu: str
-    def __init__(self, service_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., group: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., meshrl_version: _Optional[str] = ..., gpu: _Optional[str] = ...) -> None: ...
+    limits: _containers.ScalarMap[str, int]
+    def __init__(self, service_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., group: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., meshrl_version: _Optional[str] = ..., gpu: _Optional[str] = ..., limits: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
     __slots__ = ("version", "transfer_s", "pause_s")
