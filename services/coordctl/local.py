@@ -7,7 +7,8 @@
    (on 2 cores, several torch processes with 2 threads each slow each other
    3-20x), each logging to ``<state_dir>/logs/<kind>.log``.
 3. Make a fresh cluster token (unless MESHRL_TOKEN or MESHRL_TOKEN_FILE is
-   set) that the services demand and this process's clients present, in
+   set, or the state folder has one: a resumed run's checkpoints are signed
+   with it) that the services demand and this process's clients present, in
    ``<state_dir>/token`` (mode 0600), so that ``coordctl status`` in another
    terminal, or a service started by hand, can present it too.
 4. Give each a Prometheus ``/metrics`` port of its own on loopback, listed
@@ -129,7 +130,8 @@ class LocalCluster:
         self.metrics_ports: dict[str, tuple[str, int]] = {}  # name -> (kind, its /metrics port)
         self.targets_file = state_dir / "prometheus-targets.json"
         if cluster_token() is None:  # the local services take calls from holders of the token file only
-            os.environ["MESHRL_TOKEN_FILE"] = str(write_token(state_dir / "token"))
+            token = state_dir / "token"  # a resumed run's: its checkpoints are signed with it
+            os.environ["MESHRL_TOKEN_FILE"] = str(token if token.is_file() else write_token(token))
             cluster_token.cache_clear()
 
     def command(self, name: str, kind: str, settings: tuple[str, ...], ranks: int) -> list[str]:
@@ -158,7 +160,7 @@ class LocalCluster:
         for index, spec in enumerate(self.services):  # they retry registering until the coordinator is up
             name = spec.kind if kinds.count(spec.kind) == 1 else f"{spec.kind}-{index}"
             self._spawn(name, spec.kind, "port=0", f"coordinator={self.coordinator}", f"group={spec.group}",
-                        "torch_threads=1", *spec.settings, env=spec.env, ranks=spec.ranks)
+                        "torch_threads=1", *self._roots(spec.kind), *spec.settings, env=spec.env, ranks=spec.ranks)
         client = CoordinatorClient(self.coordinator)
         try:
             await asyncio.wait_for(self._wait(client.wait_ready(timeout_s)), timeout_s)
@@ -171,10 +173,14 @@ class LocalCluster:
         port = self.coordinator.rpartition(":")[2]
         self._spawn("coordinator", "coordinator", f"port={port}", f"state_dir={self.state_dir}")
 
+    def _roots(self, kind: str) -> tuple[str, ...]:
+        """A trainer saves and loads checkpoints inside the state folder, where the runs keep them."""
+        return (f"checkpoint_root={self.state_dir}",) if kind == "trainer" else ()
+
     def add_service(self, spec: ServiceSpec, name: str) -> None:
         """Start one more service (it registers by itself), e.g. to replace one that died."""
         self._spawn(name, spec.kind, "port=0", f"coordinator={self.coordinator}", f"group={spec.group}",
-                    "torch_threads=1", *spec.settings, env=spec.env, ranks=spec.ranks)
+                    "torch_threads=1", *self._roots(spec.kind), *spec.settings, env=spec.env, ranks=spec.ranks)
 
     async def _wait(self, ready):
         """Await ``ready`` while checking that no child has died."""

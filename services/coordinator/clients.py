@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -18,6 +19,10 @@ from services.common.wire import BatchAssembler, batch_to_chunks
 from services.coordinator.settings import Sampling
 
 CONTROL_TIMEOUT_S = 30.0
+
+
+class CheckpointRefused(ValueError):
+    """A trainer would not load a checkpoint folder; the message says why (the trainer's words)."""
 
 
 def sequence_tensors(batch: SequenceBatch) -> dict[str, torch.Tensor]:
@@ -248,10 +253,16 @@ class TrainerClient:
         return reply.total_bytes
 
     async def load_checkpoint(self, run_id: str, path: str, timeout: float) -> int:
-        """Restore the hosted roles from ``path``; returns the actor weight version there."""
+        """Restore the hosted roles from ``path``; returns the actor weight version there. CheckpointRefused
+        when the trainer refuses the folder (damaged, incomplete, not of these roles)."""
         async with self._conn.slot():
-            reply = await self._stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(run_id=run_id, path=path),
-                                                    timeout=timeout)
+            try:
+                reply = await self._stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(run_id=run_id, path=path),
+                                                        timeout=timeout)
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise CheckpointRefused(error.details()) from None
+                raise
         return reply.weight_version
 
     async def close(self) -> None:

@@ -154,10 +154,10 @@ def test_rollout_stopped_with_sigstop_is_detected_and_the_run_goes_on(cluster, t
         assert got[step] == expected[step], f"step {step} differs after the recovery"
 
 
-def test_verls_resume_modes_go_on_from_a_checkpoint_of_an_earlier_run(cluster, tiny_model, reverse_data, tmp_path):
+def test_verls_resume_modes_go_on_from_a_checkpoint_of_an_earlier_run(cluster, tiny_model, reverse_data):
     """trainer.resume_mode (verl's key): resume_path goes on from the checkpoint named, auto from the latest one
     in default_local_dir when its run stopped, disable starts anew; a finished run does not go on."""
-    shared = str(tmp_path / "checkpoints")
+    shared = str(cluster.state_dir / "checkpoints")
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2,
                         trainer__default_local_dir=shared)
     first = asyncio.run(run(cluster.coordinator, config, stop_after=3))
