@@ -66,6 +66,10 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights on the rollout engine, and on the trainer unless its fsdp_config.mixed_precision is
     set (then the trainer keeps fp32 master weights and sends the rollout its weights cast to this dtype)."""
+    allow_pickle: bool = False
+    """Load a model folder whose weights are pickled (pytorch_model.bin, *.pt) when it has no safetensors: a
+    pickle can run code when loaded, so this is refused unless set, for the actor's, reference's, critic's and
+    rollouts' model folders alike."""
     enable_gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them (less memory,
     about a third more compute)."""

@@ -30,6 +30,7 @@ from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
 from services.common.limits import StreamLimits, check_wait
 from services.common.manifest import checkpoint_key
+from services.common.models import check_weights
 from services.common.paths import inside
 from services.common.run_config import RunConfig
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
@@ -91,6 +92,8 @@ def check_init(config: RunConfig, roles: list[str], world_size: int) -> None:
                           ("critic.model.path", config.critic.model.path)):
         if folder and not (Path(folder) / "config.json").exists():
             raise ValueError(f"{field}: no config.json in model folder {folder}")
+        if folder:
+            check_weights(folder, config.actor_rollout_ref.model.allow_pickle, field)
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
