@@ -438,7 +438,8 @@ class TrainerConfig(Section):
     """What starting a run does with checkpoints already in default_local_dir (verl's key): auto = if the
     latest of them belongs to a run that stopped, failed or was interrupted, that run goes on from it
     (coordctl resume does the same by run id); disable = always a new run; resume_path = the run whose
-    checkpoint resume_from_path is goes on from that checkpoint."""
+    checkpoint resume_from_path is goes on from that checkpoint. A new run is refused where default_local_dir
+    holds another run's checkpoints, which its saves would replace."""
     resume_from_path: str | None = None
     """With resume_mode resume_path: a checkpoint folder (<...>/step_<N>) of an earlier run, inside the
     coordinator's state_dir (a relative path is under it)."""

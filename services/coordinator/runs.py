@@ -171,7 +171,7 @@ class RunManager:
         config = config.steps_for(len(data.prompts))
         run_id = f"{config.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.state_dir / "runs" / run_id
-        self._checkpoint_dir(config, run_dir)  # refused before anything is made
+        self._check_checkpoint_dir(config, run_dir)  # before anything is made
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = to_yaml(config)
         (run_dir / "config.yaml").write_text(resolved)
@@ -209,6 +209,16 @@ class RunManager:
             if latest is not None and self.store.get_run(latest.run_id).state in ("stopped", "failed", "interrupted"):
                 return latest
         return None
+
+    def _check_checkpoint_dir(self, config: RunConfig, run_dir: Path) -> None:
+        """Refuse (ValueError naming trainer.default_local_dir) a new run's checkpoint folder outside state_dir, or
+        one that holds another run's checkpoints: its saves would replace them."""
+        folder = self._checkpoint_dir(config, run_dir)
+        taken = self.store.latest_checkpoint_under(str(folder))
+        if taken is not None:
+            raise ValueError(f"trainer.default_local_dir: {folder} holds the checkpoints of run {taken.run_id} "
+                             f"({self.store.get_run(taken.run_id).state}), which a new run's would replace: give it "
+                             "a folder of its own")
 
     def _checkpoint_dir(self, config: RunConfig, run_dir: Path) -> Path:
         """Where the run's checkpoints go, resolved, once known to lie inside state_dir (else ValueError naming
