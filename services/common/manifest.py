@@ -11,14 +11,15 @@ what is wrong) and nothing in it is read. The manifest also says whose
 checkpoint a folder is (its run), so that a save replaces only a checkpoint
 of its own run.
 
-The key is the cluster token (``MESHRL_TOKEN_FILE`` or ``MESHRL_TOKEN``, see
-``auth``). A process without one set (``coordctl export`` in a fresh
-terminal) takes the ``token`` file of the folder the checkpoints are kept
-under (a trainer's checkpoint_root, the coordinator's state_dir), where
-``coordctl start-run --local`` and the Slurm job keep theirs. Without either,
-the key is 32 random bytes in that folder's ``checkpoint.key``, made with
-mode 0600 by the first save; every process that loads the checkpoints must
-then see that file.
+The key is the cluster's checkpoint secret: 32 random bytes in
+``checkpoint.key`` in the folder the checkpoints are kept under (a trainer's
+checkpoint_root, the coordinator's state_dir), made with mode 0600 by the
+first save, and read by every process that saves or loads them there (they
+see that folder already). It is not the cluster token: a token is made
+afresh for each Slurm job and each ``--local`` session, and a run resumed by
+the next one must still load its checkpoints; whoever may read the key file
+is trusted as the token's holders are (keep the folder's owner the
+services').
 """
 
 from __future__ import annotations
@@ -30,11 +31,8 @@ import os
 import secrets
 from pathlib import Path
 
-from services.common.auth import cluster_token
-
 MANIFEST = "meshrl_manifest.json"
 KEY_FILE = "checkpoint.key"
-TOKEN_FILE = "token"
 FORMAT = 1
 CHUNK = 1 << 20
 
@@ -45,22 +43,23 @@ class DamagedCheckpoint(ValueError):
 
 
 def checkpoint_key(root: Path) -> bytes:
-    """The key manifests are signed with: the cluster token, or else ``root``/token, or else ``root``/checkpoint.key
-    (made, 0600, when missing)."""
-    token = cluster_token()
-    if token is not None:
-        return token.encode()
-    if (root / TOKEN_FILE).is_file():
-        return (root / TOKEN_FILE).read_text().strip().encode()
+    """The key manifests under ``root`` are signed with: ``root``/checkpoint.key, made (0600) when missing. Made
+    whole under another name and linked into place, so that a process racing to make it reads the one that
+    won."""
     path = root / KEY_FILE
-    try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_bytes()
-    with os.fdopen(descriptor, "wb") as out:
-        key = secrets.token_bytes(32)
-        out.write(key)
-    return key
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        fresh = root / f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+        descriptor = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(descriptor, "wb") as out:
+                out.write(secrets.token_bytes(32))
+            os.link(fresh, path)
+        except FileExistsError:
+            pass  # another process made it first
+        finally:
+            fresh.unlink()
+    return path.read_bytes()
 
 
 def file_digest(path: Path) -> str:
@@ -99,8 +98,8 @@ def read_manifest(folder: Path, key: bytes) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise DamagedCheckpoint(f"{path} cannot be read as a manifest ({type(error).__name__}: {error})") from None
     if not isinstance(signature, str) or not hmac.compare_digest(signature, _signature(body, key)):
-        raise DamagedCheckpoint(f"{path} is not signed with this cluster's key (the cluster token, or "
-                                f"{KEY_FILE} without one): written elsewhere, or altered")
+        raise DamagedCheckpoint(f"{path} is not signed with this cluster's key ({KEY_FILE} of the checkpoints' "
+                                "folder): written elsewhere, or altered")
     return body
 
 

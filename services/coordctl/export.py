@@ -7,8 +7,7 @@ own shards. Here, in one process, one role's whole weights are read back
 run's model folder's config, and written with ``save_pretrained``: config,
 safetensors shards, generation config, beside the tokenizer files of the
 run's model folder. The checkpoint's signed manifest is checked first (see
-``services.common.manifest``; without a cluster token, the key is the
-state_dir's checkpoint.key). The actor becomes a causal LM (what transformers, vLLM
+``services.common.manifest``; the key is the state_dir's checkpoint.key). The actor becomes a causal LM (what transformers, vLLM
 and a new run load), the critic a token-classification model with one output
 (a value model, as the trainer builds its critic).
 """
@@ -99,7 +98,7 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "a
         raise ValueError(f"{out_dir} is not empty: export into a new folder")
     config = validate(RunConfig, yaml.safe_load((run_dir / "config.yaml").read_text()))
     step, folder = checkpoint_of(config.checkpoint_dir(run_dir), step, role)
-    verify(folder, checkpoint_key(run_dir.parent.parent))  # the state_dir: its checkpoint.key, without a token
+    verify(folder, checkpoint_key(run_dir.parent.parent))  # the key of the state_dir, which holds runs/<run_id>
     model = role_model(config, role)
     load_role_weights(model, folder, role)
     model = model.to(getattr(torch, config.actor_rollout_ref.model.dtype))

@@ -7,8 +7,7 @@
    (on 2 cores, several torch processes with 2 threads each slow each other
    3-20x), each logging to ``<state_dir>/logs/<kind>.log``.
 3. Make a fresh cluster token (unless MESHRL_TOKEN or MESHRL_TOKEN_FILE is
-   set, or the state folder has one: a resumed run's checkpoints are signed
-   with it) that the services demand and this process's clients present, in
+   set) that the services demand and this process's clients present, in
    ``<state_dir>/token`` (mode 0600), so that ``coordctl status`` in another
    terminal, or a service started by hand, can present it too.
 4. Give each a Prometheus ``/metrics`` port of its own on loopback, listed
@@ -130,8 +129,7 @@ class LocalCluster:
         self.metrics_ports: dict[str, tuple[str, int]] = {}  # name -> (kind, its /metrics port)
         self.targets_file = state_dir / "prometheus-targets.json"
         if cluster_token() is None:  # the local services take calls from holders of the token file only
-            token = state_dir / "token"  # a resumed run's: its checkpoints are signed with it
-            os.environ["MESHRL_TOKEN_FILE"] = str(token if token.is_file() else write_token(token))
+            os.environ["MESHRL_TOKEN_FILE"] = str(write_token(state_dir / "token"))
             cluster_token.cache_clear()
 
     def command(self, name: str, kind: str, settings: tuple[str, ...], ranks: int) -> list[str]:

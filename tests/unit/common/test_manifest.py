@@ -8,7 +8,6 @@ import stat
 
 import pytest
 
-from services.common import auth
 from services.common.manifest import KEY_FILE, MANIFEST, DamagedCheckpoint, checkpoint_key, verify, write_manifest
 
 KEY = b"k" * 32
@@ -53,18 +52,9 @@ def test_a_manifest_altered_or_signed_with_another_key_is_refused(folder):
         verify(folder, KEY)
 
 
-def test_the_key_is_the_token_else_the_roots_token_file_else_a_key_file_made_owner_only(tmp_path, monkeypatch):
-    monkeypatch.delenv("MESHRL_TOKEN_FILE", raising=False)
-    monkeypatch.setenv("MESHRL_TOKEN", "the-cluster-token")
-    auth.cluster_token.cache_clear()
-    try:
-        assert checkpoint_key(tmp_path) == b"the-cluster-token"
-        monkeypatch.delenv("MESHRL_TOKEN")
-        auth.cluster_token.cache_clear()
-        made = checkpoint_key(tmp_path)
-        assert len(made) == 32 and checkpoint_key(tmp_path) == made
-        assert stat.S_IMODE((tmp_path / KEY_FILE).stat().st_mode) == 0o600
-        (tmp_path / "token").write_text("local-token\n")
-        assert checkpoint_key(tmp_path) == b"local-token"
-    finally:
-        auth.cluster_token.cache_clear()
+def test_the_key_is_made_once_owner_only_and_read_by_every_later_caller(tmp_path):
+    root = tmp_path / "state"
+    made = checkpoint_key(root)
+    assert len(made) == 32 and checkpoint_key(root) == made
+    assert stat.S_IMODE((root / KEY_FILE).stat().st_mode) == 0o600
+    assert sorted(p.name for p in root.iterdir()) == [KEY_FILE]  # nothing half-made left beside it
