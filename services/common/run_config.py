@@ -447,7 +447,7 @@ class TrainerConfig(Section):
     """Where each step's samples go, <step>.jsonl (verl's key and file): prompt, response, score and its
     components, the weight version that sampled it and its staleness, the rollout and the reward service that
     handled it, its advantage (`coordctl samples RUN --step N` prints them). A relative path is under the run's
-    folder; null = not written."""
+    folder; it must lie inside the coordinator's state_dir; null = not written."""
     logger: list[str] = ["console"]
     """verl's experiment loggers. meshrl always shows progress on the console and writes every metric to
     metrics.jsonl and the run DB; tensorboard, wandb and the others are not written yet (reported as not

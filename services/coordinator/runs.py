@@ -172,6 +172,7 @@ class RunManager:
         run_id = f"{config.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.state_dir / "runs" / run_id
         self._check_checkpoint_dir(config, run_dir)  # before anything is made
+        self._samples_dir(config, run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = to_yaml(config)
         (run_dir / "config.yaml").write_text(resolved)
@@ -219,6 +220,12 @@ class RunManager:
             raise ValueError(f"trainer.default_local_dir: {folder} holds the checkpoints of run {taken.run_id} "
                              f"({self.store.get_run(taken.run_id).state}), which a new run's would replace: give it "
                              "a folder of its own")
+
+    def _samples_dir(self, config: RunConfig, run_dir: Path) -> Path | None:
+        """Where the run's samples go, resolved, once known to lie inside state_dir (else ValueError naming
+        trainer.rollout_data_dir); None: nowhere."""
+        chosen = config.samples_dir(run_dir)
+        return None if chosen is None else inside(self.state_dir, chosen, "trainer.rollout_data_dir")
 
     def _checkpoint_dir(self, config: RunConfig, run_dir: Path) -> Path:
         """Where the run's checkpoints go, resolved, once known to lie inside state_dir (else ValueError naming
@@ -317,7 +324,7 @@ class RunManager:
         Unavailable naming it, whatever call was waiting on it; a rollout that does leaves the run's rollout
         set, and the attempt goes on with the others. A run that only validates has no trainer."""
         trainers = await self._connect(run_id, config)
-        reporter = RunReporter(self, run_id, run_dir, self._writes[run_id], config.samples_dir(run_dir))
+        reporter = RunReporter(self, run_id, run_dir, self._writes[run_id], self._samples_dir(config, run_dir))
         should_stop = lambda: run_id in self._stop_requested  # noqa: E731
         rollouts = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
                               lambda: [record.address for record in self.registry.up("rollout", config.placement.rollout)],

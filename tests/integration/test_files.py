@@ -164,9 +164,10 @@ def test_run_folders_and_checkpoint_folders_stay_inside_the_state_folder(cluster
         error = refusal(cluster.coordinator, lambda client: client.start_run(
             run_config(tiny_model, reverse_data, trainer__experiment_name=name)))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "trainer.experiment_name" in error.details()
-    error = refusal(cluster.coordinator, lambda client: client.start_run(
-        run_config(tiny_model, reverse_data, trainer__default_local_dir="../../../elsewhere")))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "trainer.default_local_dir" in error.details()
+    for key in ("default_local_dir", "rollout_data_dir"):
+        error = refusal(cluster.coordinator, lambda client: client.start_run(
+            run_config(tiny_model, reverse_data, **{f"trainer__{key}": "../../../elsewhere"})))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and f"trainer.{key}: " in error.details()
     assert not (outside / "x").exists() and not (outside / "elsewhere").exists()
     assert not list((cluster.state_dir / "runs").glob("*x-*"))
 
