@@ -78,7 +78,7 @@ trainer)
     exec "$python" -m torch.distributed.run --nnodes="$MESHRL_TRAINER_NODES" --nproc-per-node="$ranks" \
         --rdzv-backend=c10d --rdzv-endpoint="$MESHRL_RENDEZVOUS" --rdzv-id="meshrl-$SLURM_JOB_ID" \
         --rdzv-conf="is_host=$host" --local-addr="$address" \
-        -m services.trainer "${common[@]}" device="$device" ${MESHRL_TRAINER_SETTINGS:-} \
+        -m services.trainer "${common[@]}" device="$device" checkpoint_root="$MESHRL_STATE" ${MESHRL_TRAINER_SETTINGS:-} \
         >>"$logs/trainer-$node.log" 2>&1
     ;;
 rollout)

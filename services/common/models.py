@@ -1,5 +1,11 @@
 """Loading models and tokenizers from local folders (nothing is fetched), and checking a folder's weights
-cheaply, from the safetensors headers alone, before anything is let go to make room for them."""
+cheaply, from the safetensors headers alone, before anything is let go to make room for them.
+
+Weights load from safetensors: a pickled weights file (``pytorch_model.bin``,
+``*.pt``) can run code when it is loaded, so a folder holding only those is
+refused with a message, unless the run opts in with
+``actor_rollout_ref.model.allow_pickle=true``.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,21 @@ SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1,
 SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 MAX_HEADER_BYTES = 100 << 20
 """The longest header the safetensors library itself reads."""
+
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def refuse_pickled_weights(path: str | Path, allow_pickle: bool, field: str) -> None:
+    """Refuse (ValueError naming ``field`` and the file) a model folder whose weights are pickled only, unless
+    ``allow_pickle``."""
+    folder = Path(path)
+    if allow_pickle or any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in folder.glob(pattern))
+    if pickled:
+        raise ValueError(f"{field}: {folder / pickled[0]} holds pickled weights, which can run code when loaded: "
+                         "save the model as safetensors (save_pretrained(..., safe_serialization=True)), or set "
+                         "actor_rollout_ref.model.allow_pickle=true if you trust the file")
 
 
 def load_tokenizer(path: str | Path):
@@ -32,18 +53,21 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32"):
-    """A causal LM from a local Hugging Face folder, in the given dtype, on CPU."""
+def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool = False):
+    """A causal LM from a local Hugging Face folder, in the given dtype, on CPU; from safetensors unless
+    ``allow_pickle``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     folder = Path(path)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"no config.json in model folder {folder}")
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    refuse_pickled_weights(folder, allow_pickle, "model folder")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
+                                                use_safetensors=None if allow_pickle else True)
 
 
-def load_value_model(path: str | Path, dtype: str = "float32"):
+def load_value_model(path: str | Path, dtype: str = "float32", allow_pickle: bool = False):
     """A causal LM's body with a one-output token head (a value per position), from a local folder.
 
     The head is freshly initialised when the folder holds a plain causal LM. Dropout in the head is off,
@@ -57,7 +81,9 @@ def load_value_model(path: str | Path, dtype: str = "float32"):
         raise FileNotFoundError(f"no config.json in model folder {folder}")
     config = AutoConfig.from_pretrained(folder, num_labels=1)
     config.classifier_dropout = 0.0
-    return AutoModelForTokenClassification.from_pretrained(folder, config=config, dtype=getattr(torch, dtype))
+    refuse_pickled_weights(folder, allow_pickle, "model folder")
+    return AutoModelForTokenClassification.from_pretrained(folder, config=config, dtype=getattr(torch, dtype),
+                                                           use_safetensors=None if allow_pickle else True)
 
 
 def safetensors_header(file: Path) -> dict[str, dict]:

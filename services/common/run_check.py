@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.data import Prompt, count_rows, load_prompts
-from services.common.models import load_tokenizer
+from services.common.models import load_tokenizer, refuse_pickled_weights
 from services.common.run_config import RunConfig
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -63,8 +63,10 @@ def load_run_data(config: RunConfig) -> RunData:
     """Check the model folders and read every data file; ValueError naming the key, or the file and row."""
     model = config.actor_rollout_ref.model
     model_config = check_model_folder(model.path, "actor_rollout_ref.model.path")
+    refuse_pickled_weights(model.path, model.allow_pickle, "actor_rollout_ref.model.path")
     if config.use_critic and config.critic.model.path:
         check_model_folder(config.critic.model.path, "critic.model.path")
+        refuse_pickled_weights(config.critic.model.path, model.allow_pickle, "critic.model.path")
     data = config.data
     if not config.trainer.val_only:  # the files and their schema first: they need no tokenizer (which takes seconds)
         check_batch_sizes(config, count_rows(data.train_files, data.prompt_key, data.reward_fn_key))

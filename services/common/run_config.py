@@ -16,6 +16,7 @@ from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt
 
 from services.common.config import Section
 from services.common.limits import MAX_WAIT_S, MIN_TEMPERATURE, check_temperature
+from services.common.paths import check_name
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -65,6 +66,10 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights on the rollout engine, and on the trainer unless its fsdp_config.mixed_precision is
     set (then the trainer keeps fp32 master weights and sends the rollout its weights cast to this dtype)."""
+    allow_pickle: bool = False
+    """Load a model folder whose weights are pickled (pytorch_model.bin, *.pt) when it has no safetensors: a
+    pickle can run code when loaded, so this is refused unless set, for the actor's, reference's, critic's and
+    rollouts' model folders alike."""
     enable_gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them (less memory,
     about a third more compute)."""
@@ -426,20 +431,23 @@ class TrainerConfig(Section):
     continues from the last."""
     default_local_dir: str | None = None
     """Where the checkpoints go, step_<N>/<roles>/ under it (verl's key); a relative path is under the run's
-    folder; null = the run's folder's checkpoints/. Every trainer must see it (one node, or a shared file
-    system)."""
+    folder; null = the run's folder's checkpoints/. It must lie inside the coordinator's state_dir and each
+    trainer's checkpoint_root (a run naming another folder is refused), and every trainer must see it (one
+    node, or a shared file system)."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     """What starting a run does with checkpoints already in default_local_dir (verl's key): auto = if the
     latest of them belongs to a run that stopped, failed or was interrupted, that run goes on from it
     (coordctl resume does the same by run id); disable = always a new run; resume_path = the run whose
-    checkpoint resume_from_path is goes on from that checkpoint."""
+    checkpoint resume_from_path is goes on from that checkpoint. A new run is refused where default_local_dir
+    holds another run's checkpoints, which its saves would replace."""
     resume_from_path: str | None = None
-    """With resume_mode resume_path: a checkpoint folder (<...>/step_<N>) of an earlier run."""
+    """With resume_mode resume_path: a checkpoint folder (<...>/step_<N>) of an earlier run, inside the
+    coordinator's state_dir (a relative path is under it)."""
     rollout_data_dir: str | None = None
     """Where each step's samples go, <step>.jsonl (verl's key and file): prompt, response, score and its
     components, the weight version that sampled it and its staleness, the rollout and the reward service that
     handled it, its advantage (`coordctl samples RUN --step N` prints them). A relative path is under the run's
-    folder; null = not written."""
+    folder; it must lie inside the coordinator's state_dir; null = not written."""
     logger: list[str] = ["console"]
     """verl's experiment loggers. meshrl always shows progress on the console and writes every metric to
     metrics.jsonl and the run DB; tensorboard, wandb and the others are not written yet (reported as not
@@ -457,7 +465,7 @@ class TrainerConfig(Section):
     experiment_name: str = "run"
     """Names the run: its id is <experiment_name>-<YYYYmmdd-HHMMSS>-<4 hex digits>, its folder
     runs/<run_id>/ under the coordinator's state_dir, and it is the run's name in the run DB (verl's
-    trainer.experiment_name)."""
+    trainer.experiment_name). A name, not a path: no '/', not '..'."""
     seed: int = 0
     """Seeds data order, sampling and initialisation of optimizer state."""
     weight_sync_bucket_mb: PositiveInt = 1024
@@ -488,6 +496,7 @@ class TrainerConfig(Section):
     """The asynchronous pipeline (``async`` is a Python keyword, hence the underscore)."""
 
     _one_or_more_loggers = pydantic.field_validator("logger", mode="before")(as_list)
+    _a_name = pydantic.field_validator("experiment_name")(check_name)
 
     @property
     def steps(self) -> int:

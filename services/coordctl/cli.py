@@ -212,7 +212,7 @@ on the coordinator's host ({coordinator_host}):
     python -m services.coordinator host=0.0.0.0 port={port} state_dir={folder / 'state'}
 on each host that trains, generates or scores (host=0.0.0.0: reachable by the others; each registers its
 host name with the coordinator):
-    python -m services.trainer --coordinator {coordinator} host=0.0.0.0
+    python -m services.trainer --coordinator {coordinator} host=0.0.0.0 checkpoint_root={folder / 'state'}
     python -m services.rollout --coordinator {coordinator} host=0.0.0.0
     python -m services.reward --coordinator {coordinator} host=0.0.0.0
 then, from any host with the token (the run config's paths must be readable on the trainer's and rollout's

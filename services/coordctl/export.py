@@ -6,7 +6,8 @@ own shards. Here, in one process, one role's whole weights are read back
 (DCP gathers the shards of any number of ranks) into a model built from the
 run's model folder's config, and written with ``save_pretrained``: config,
 safetensors shards, generation config, beside the tokenizer files of the
-run's model folder. The actor becomes a causal LM (what transformers, vLLM
+run's model folder. The checkpoint's signed manifest is checked first (see
+``services.common.manifest``; the key is the state_dir's checkpoint.key). The actor becomes a causal LM (what transformers, vLLM
 and a new run load), the critic a token-classification model with one output
 (a value model, as the trainer builds its critic).
 """
@@ -20,9 +21,8 @@ from pathlib import Path
 import yaml
 
 from services.common.config import validate
+from services.common.manifest import MANIFEST, checkpoint_key, verify
 from services.common.run_config import RunConfig
-
-STATE_FILE = "trainer_state.pt"  # written last into a trainer's checkpoint folder: the folder is complete
 
 
 def checkpoint_steps(folder: Path, role: str) -> dict[int, Path]:
@@ -31,7 +31,7 @@ def checkpoint_steps(folder: Path, role: str) -> dict[int, Path]:
     found = {}
     for step_dir in sorted(folder.glob("step_*")):
         for folder in step_dir.iterdir():
-            if role in folder.name.split("-") and (folder / STATE_FILE).exists():
+            if role in folder.name.split("-") and (folder / MANIFEST).exists():  # written last: complete
                 found[int(step_dir.name.removeprefix("step_"))] = folder
     return found
 
@@ -98,6 +98,7 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "a
         raise ValueError(f"{out_dir} is not empty: export into a new folder")
     config = validate(RunConfig, yaml.safe_load((run_dir / "config.yaml").read_text()))
     step, folder = checkpoint_of(config.checkpoint_dir(run_dir), step, role)
+    verify(folder, checkpoint_key(run_dir.parent.parent))  # the key of the state_dir, which holds runs/<run_id>
     model = role_model(config, role)
     load_role_weights(model, folder, role)
     model = model.to(getattr(torch, config.actor_rollout_ref.model.dtype))

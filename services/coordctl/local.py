@@ -158,7 +158,7 @@ class LocalCluster:
         for index, spec in enumerate(self.services):  # they retry registering until the coordinator is up
             name = spec.kind if kinds.count(spec.kind) == 1 else f"{spec.kind}-{index}"
             self._spawn(name, spec.kind, "port=0", f"coordinator={self.coordinator}", f"group={spec.group}",
-                        "torch_threads=1", *spec.settings, env=spec.env, ranks=spec.ranks)
+                        "torch_threads=1", *self._roots(spec.kind), *spec.settings, env=spec.env, ranks=spec.ranks)
         client = CoordinatorClient(self.coordinator)
         try:
             await asyncio.wait_for(self._wait(client.wait_ready(timeout_s)), timeout_s)
@@ -171,10 +171,14 @@ class LocalCluster:
         port = self.coordinator.rpartition(":")[2]
         self._spawn("coordinator", "coordinator", f"port={port}", f"state_dir={self.state_dir}")
 
+    def _roots(self, kind: str) -> tuple[str, ...]:
+        """A trainer saves and loads checkpoints inside the state folder, where the runs keep them."""
+        return (f"checkpoint_root={self.state_dir}",) if kind == "trainer" else ()
+
     def add_service(self, spec: ServiceSpec, name: str) -> None:
         """Start one more service (it registers by itself), e.g. to replace one that died."""
         self._spawn(name, spec.kind, "port=0", f"coordinator={self.coordinator}", f"group={spec.group}",
-                    "torch_threads=1", *spec.settings, env=spec.env, ranks=spec.ranks)
+                    "torch_threads=1", *self._roots(spec.kind), *spec.settings, env=spec.env, ranks=spec.ranks)
 
     async def _wait(self, ready):
         """Await ``ready`` while checking that no child has died."""

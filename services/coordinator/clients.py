@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -18,6 +19,10 @@ from services.common.wire import BatchAssembler, batch_to_chunks
 from services.coordinator.settings import Sampling
 
 CONTROL_TIMEOUT_S = 30.0
+
+
+class CheckpointRefused(ValueError):
+    """A trainer would not load a checkpoint folder; the message says why (the trainer's words)."""
 
 
 def sequence_tensors(batch: SequenceBatch) -> dict[str, torch.Tensor]:
@@ -91,11 +96,11 @@ class RolloutClient:
         self._conn = Connection(address)
         self._stub = rollout_pb2_grpc.RolloutStub(self._conn.channel)
 
-    async def init_run(self, run_id: str, model_path: str, dtype: str, timeout: float) -> int:
+    async def init_run(self, run_id: str, model_path: str, dtype: str, timeout: float, allow_pickle: bool = False) -> int:
         """Load the run's model; returns how many ranks the engine takes in a weight channel."""
         async with self._conn.slot():
-            info = await self._stub.InitRun(
-                rollout_pb2.RolloutInitRequest(run_id=run_id, model_path=model_path, dtype=dtype), timeout=timeout)
+            info = await self._stub.InitRun(rollout_pb2.RolloutInitRequest(
+                run_id=run_id, model_path=model_path, dtype=dtype, allow_pickle=allow_pickle), timeout=timeout)
         return int(info.details.get("channel_ranks", "1"))
 
     async def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int, first_index: int,
@@ -248,10 +253,16 @@ class TrainerClient:
         return reply.total_bytes
 
     async def load_checkpoint(self, run_id: str, path: str, timeout: float) -> int:
-        """Restore the hosted roles from ``path``; returns the actor weight version there."""
+        """Restore the hosted roles from ``path``; returns the actor weight version there. CheckpointRefused
+        when the trainer refuses the folder (damaged, incomplete, not of these roles)."""
         async with self._conn.slot():
-            reply = await self._stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(run_id=run_id, path=path),
-                                                    timeout=timeout)
+            try:
+                reply = await self._stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(run_id=run_id, path=path),
+                                                        timeout=timeout)
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise CheckpointRefused(error.details()) from None
+                raise
         return reply.weight_version
 
     async def close(self) -> None:

@@ -47,7 +47,7 @@ from services import algos
 from services.common.sequences import SequenceBatch, join_ragged
 from services.common.timing import StageTimer
 from services.coordinator import generation
-from services.coordinator.clients import TrainerClient
+from services.coordinator.clients import CheckpointRefused, TrainerClient
 from services.common.data import Prompt
 from services.coordinator.sampler import PromptSampler
 from services.coordinator.samples import step_records
@@ -70,6 +70,10 @@ class Reporter(Protocol):
 
     def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
         """Every trainer has saved step ``step`` under ``path``; ``loop_state`` is the coordinator's part."""
+
+    def damaged(self, checkpoint: Checkpoint, reason: str) -> Checkpoint | None:
+        """A trainer refused to load ``checkpoint`` (``reason``): say so, and give the run's newest checkpoint
+        before it, its later steps forgotten (None: there is none)."""
 
     def waiting(self, reason: str | None) -> None:
         """The run waits for ``reason`` (state waiting); None: it goes on (state running)."""
@@ -460,11 +464,21 @@ class PPOLoop:
         self.data_after = {later: state for later, state in self.data_after.items() if later > step}
 
     async def restore(self, resume: Checkpoint) -> int:
-        """Load every trainer's roles and the loop's own state; returns the actor's weight version."""
-        folder, roles = Path(resume.path), self.trainers.roles()
-        versions = await asyncio.gather(*(trainer.load_checkpoint(self.run_id, str(folder / "-".join(names)),
-                                                                  self.timeout)
-                                          for trainer, names in roles.items()))
+        """Load every trainer's roles and the loop's own state; returns the actor's weight version. A checkpoint
+        a trainer refuses (damaged: its manifest does not match its files) gives way to the one before it."""
+        roles = self.trainers.roles()
+        while True:
+            folder = Path(resume.path)
+            try:
+                versions = await asyncio.gather(*(trainer.load_checkpoint(
+                    self.run_id, str(folder / "-".join(names)), self.timeout) for trainer, names in roles.items()))
+                break
+            except CheckpointRefused as refused:
+                earlier = self.reporter.damaged(resume, str(refused))
+                if earlier is None:
+                    raise ValueError(f"no checkpoint of run {self.run_id} can be loaded: the checkpoint of step "
+                                     f"{resume.step} is refused ({refused}) and none is older") from None
+                resume = earlier
         state = resume.loop_state
         self.sampler.epoch, self.sampler.position, self.kl_coef = state["epoch"], state["position"], state["kl_coef"]
         self.rewards.restore(RewardTarget(*state["reward_target"]))

@@ -264,7 +264,8 @@ class RolloutSet:
         loading = [client for client, info in found.values() if info.run_id != self.run_id]
         settings = self.settings
         loaded = await asyncio.gather(*(c.init_run(self.run_id, settings.model_path, settings.dtype,
-                                                   settings.rpc_timeout_s) for c in loading), return_exceptions=True)
+                                                   settings.rpc_timeout_s, allow_pickle=settings.allow_pickle)
+                                        for c in loading), return_exceptions=True)
         admitted = []
         for client, info in found.values():
             result = loaded[loading.index(client)] if client in loading else info.channel_ranks

@@ -21,6 +21,7 @@ import structlog
 
 from services.common.config import apply_overrides, parse_yaml, to_yaml, validate
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.paths import inside
 from services.common.rpc import is_retryable
 from services.common.run_check import RunData, load_run_data
 from services.common.run_config import RunConfig
@@ -86,6 +87,14 @@ class RunReporter:
         store = self.manager.store
         self.writes.write(lambda: store.add_checkpoint(self.run_id, step, path, loop_state), store.path)
         self.log(f"checkpoint of step {step} saved in {path}", kind="checkpoint")
+
+    def damaged(self, checkpoint: Checkpoint, reason: str) -> Checkpoint | None:
+        earlier = self.manager.store.last_checkpoint(self.run_id, before=checkpoint.step)
+        instead = f"going on from the checkpoint of step {earlier.step} before it" if earlier else "none is older"
+        self.log(f"the checkpoint of step {checkpoint.step} cannot be loaded ({reason}): {instead}")
+        if earlier is not None:
+            self.manager._rewind(self.run_id, self.run_dir, earlier.step)
+        return earlier
 
     def log(self, message: str, kind: str = "log") -> None:
         store = self.manager.store
@@ -164,6 +173,8 @@ class RunManager:
         config = config.steps_for(len(data.prompts))
         run_id = f"{config.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.state_dir / "runs" / run_id
+        self._check_checkpoint_dir(config, run_dir)  # before anything is made
+        self._samples_dir(config, run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = to_yaml(config)
         (run_dir / "config.yaml").write_text(resolved)
@@ -189,17 +200,39 @@ class RunManager:
         if trainer.resume_mode == "resume_path":
             if not trainer.resume_from_path:
                 raise ValueError("trainer.resume_from_path: trainer.resume_mode=resume_path needs a checkpoint folder")
-            found = self.store.checkpoint_at(str(Path(trainer.resume_from_path).resolve()))
+            found = self.store.checkpoint_at(str(inside(self.state_dir, trainer.resume_from_path,
+                                                        "trainer.resume_from_path")))
             if found is None:
                 raise ValueError(f"trainer.resume_from_path: {trainer.resume_from_path} is not the checkpoint of a run "
                                  "of this coordinator")
             return found
         chosen = trainer.default_local_dir
         if trainer.resume_mode == "auto" and chosen is not None and Path(chosen).is_absolute():
-            latest = self.store.latest_checkpoint_under(str(Path(chosen).resolve()))
+            latest = self.store.latest_checkpoint_under(str(inside(self.state_dir, chosen, "trainer.default_local_dir")))
             if latest is not None and self.store.get_run(latest.run_id).state in ("stopped", "failed", "interrupted"):
                 return latest
         return None
+
+    def _check_checkpoint_dir(self, config: RunConfig, run_dir: Path) -> None:
+        """Refuse (ValueError naming trainer.default_local_dir) a new run's checkpoint folder outside state_dir, or
+        one that holds another run's checkpoints: its saves would replace them."""
+        folder = self._checkpoint_dir(config, run_dir)
+        taken = self.store.latest_checkpoint_under(str(folder))
+        if taken is not None:
+            raise ValueError(f"trainer.default_local_dir: {folder} holds the checkpoints of run {taken.run_id} "
+                             f"({self.store.get_run(taken.run_id).state}), which a new run's would replace: give it "
+                             "a folder of its own")
+
+    def _samples_dir(self, config: RunConfig, run_dir: Path) -> Path | None:
+        """Where the run's samples go, resolved, once known to lie inside state_dir (else ValueError naming
+        trainer.rollout_data_dir); None: nowhere."""
+        chosen = config.samples_dir(run_dir)
+        return None if chosen is None else inside(self.state_dir, chosen, "trainer.rollout_data_dir")
+
+    def _checkpoint_dir(self, config: RunConfig, run_dir: Path) -> Path:
+        """Where the run's checkpoints go, resolved, once known to lie inside state_dir (else ValueError naming
+        trainer.default_local_dir)."""
+        return inside(self.state_dir, config.checkpoint_dir(run_dir), "trainer.default_local_dir")
 
     async def resume_run(self, run_id: str, checkpoint: Checkpoint | None = None, why: str = "") -> tuple[RunRow, int]:
         """Continue a stopped, failed or interrupted run from ``checkpoint`` (by default its last complete one); an
@@ -293,7 +326,7 @@ class RunManager:
         Unavailable naming it, whatever call was waiting on it; a rollout that does leaves the run's rollout
         set, and the attempt goes on with the others. A run that only validates has no trainer."""
         trainers = await self._connect(run_id, config)
-        reporter = RunReporter(self, run_id, run_dir, self._writes[run_id], config.samples_dir(run_dir))
+        reporter = RunReporter(self, run_id, run_dir, self._writes[run_id], self._samples_dir(config, run_dir))
         should_stop = lambda: run_id in self._stop_requested  # noqa: E731
         rollouts = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
                               lambda: [record.address for record in self.registry.up("rollout", config.placement.rollout)],
@@ -301,7 +334,7 @@ class RunManager:
         rewards = RewardSet(RewardTarget("group", config.placement.reward), self.reward_addresses, reporter,
                             should_stop, config.trainer.rpc_timeout_s)
         ppo = PPOLoop(run_id, loop_settings(config), config_yaml, trainers, rollouts, rewards, data.prompts,
-                      data.val_prompts, data.tokenizer, reporter, should_stop, config.checkpoint_dir(run_dir).resolve())
+                      data.val_prompts, data.tokenizer, reporter, should_stop, self._checkpoint_dir(config, run_dir))
         self._loops[run_id] = ppo
         try:
             addresses = {client.address for client in trainers.roles()} if trainers else set()

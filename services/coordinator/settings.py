@@ -86,6 +86,7 @@ class RolloutSetSettings:
 
     model_path: str
     dtype: str
+    allow_pickle: bool  # load pickled weights (actor_rollout_ref.model.allow_pickle)
     group: str  # the placement's rollout group
     backend: str  # weight channel transport: gloo, nccl, cuda_ipc, or auto (resolved when a channel forms)
     channel_timeout_s: float  # joining a channel, and each broadcast
@@ -128,7 +129,7 @@ def validation_settings(config: RunConfig) -> ValidationSettings | None:
 def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
     model, trainer = config.actor_rollout_ref.model, config.trainer
     return RolloutSetSettings(
-        model_path=model.path, dtype=model.dtype, group=config.placement.rollout, backend=trainer.weight_sync_backend,
+        model_path=model.path, dtype=model.dtype, allow_pickle=model.allow_pickle, group=config.placement.rollout, backend=trainer.weight_sync_backend,
         channel_timeout_s=trainer.channel_timeout_s, rpc_timeout_s=trainer.rpc_timeout_s,
         bucket_bytes=trainer.weight_sync_bucket_mb << 20,
         restart_in_flight=config.actor_rollout_ref.rollout.partial_rollout == "restart",

@@ -197,9 +197,11 @@ class RunStore:
         self._db.execute("INSERT OR REPLACE INTO checkpoints (run_id, step, path, loop_state_json, time)"
                          " VALUES (?, ?, ?, ?, ?)", (run_id, step, path, json.dumps(loop_state), time.time()))
 
-    def last_checkpoint(self, run_id: str) -> Checkpoint | None:
+    def last_checkpoint(self, run_id: str, before: int | None = None) -> Checkpoint | None:
+        """The run's checkpoint of the highest step (below ``before`` if given)."""
         row = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE run_id = ?"
-                               " ORDER BY step DESC LIMIT 1", (run_id,)).fetchone()
+                               " AND step < ? ORDER BY step DESC LIMIT 1",
+                               (run_id, before if before is not None else 2**62)).fetchone()
         return Checkpoint(row[0], row[1], row[2], json.loads(row[3])) if row else None
 
     def checkpoint_at(self, path: str) -> Checkpoint | None:

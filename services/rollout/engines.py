@@ -66,9 +66,9 @@ class HFRolloutEngine:
 
     channel_ranks = 1
 
-    def __init__(self, model_path: str, dtype: str, config: RolloutServiceConfig):
+    def __init__(self, model_path: str, dtype: str, config: RolloutServiceConfig, allow_pickle: bool = False):
         tokenizer = load_tokenizer(model_path)
-        model = load_causal_lm(model_path, dtype).to(config.device)
+        model = load_causal_lm(model_path, dtype, allow_pickle).to(config.device)
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.engine = HFEngine(model, pad, (eos,), config.batch_size)
@@ -142,10 +142,11 @@ class HFRolloutEngine:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-async def load_engine(config: RolloutServiceConfig, model_path: str, dtype: str) -> Engine:
-    """The engine the service is configured for, with the run's model loaded."""
+async def load_engine(config: RolloutServiceConfig, model_path: str, dtype: str, allow_pickle: bool = False) -> Engine:
+    """The engine the service is configured for, with the run's model loaded (from safetensors unless
+    ``allow_pickle``)."""
     if config.engine == "vllm":
         from services.rollout.vllm_engine import VLLMEngine
 
-        return await VLLMEngine.create(model_path, dtype, config)
-    return await asyncio.to_thread(HFRolloutEngine, model_path, dtype, config)
+        return await VLLMEngine.create(model_path, dtype, config, allow_pickle)
+    return await asyncio.to_thread(HFRolloutEngine, model_path, dtype, config, allow_pickle)

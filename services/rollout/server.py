@@ -10,6 +10,7 @@ import torch
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.errors import FailedPrecondition, NotFound
 from services.common.limits import MAX_STOP_TOKENS, check_at_most, check_temperature, check_wait
+from services.common.models import refuse_pickled_weights
 from services.common.sequences import join_ragged
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.rollout import telemetry
@@ -69,11 +70,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {list(MODEL_DTYPES)}, got {dtype!r}")
         check_model_folder(request.model_path)
+        refuse_pickled_weights(request.model_path, request.allow_pickle, "model_path")
         if self.config.engine == "vllm" and self.engine is not None:
             await self.engine.close()
             self.engine = None
         try:
-            engine = await load_engine(self.config, request.model_path, dtype)
+            engine = await load_engine(self.config, request.model_path, dtype, request.allow_pickle)
         except (OSError, ValueError, KeyError) as error:  # what transformers and vLLM raise for a folder they refuse
             raise ValueError(f"model_path {request.model_path}: the model cannot be loaded "
                              f"({type(error).__name__}: {error})") from None

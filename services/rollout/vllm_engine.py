@@ -60,7 +60,8 @@ class VLLMEngine:
         self.gpus = gpus
 
     @classmethod
-    async def create(cls, model_path: str, dtype: str, config: RolloutServiceConfig) -> VLLMEngine:
+    async def create(cls, model_path: str, dtype: str, config: RolloutServiceConfig,
+                     allow_pickle: bool = False) -> VLLMEngine:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -72,7 +73,7 @@ class VLLMEngine:
             enable_sleep_mode=config.enable_sleep_mode, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching, logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
+            worker_extension_cls=WORKER_EXTENSION, load_format="auto" if allow_pickle else "safetensors",
         )
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         tokenizer = await asyncio.to_thread(load_tokenizer, model_path)

@@ -8,55 +8,137 @@ shared file system). The LR schedules, shuffle generators and RNG state are
 the same on every rank; rank 0 writes them.
 
 A checkpoint is written into ``<path>.tmp`` and renamed to ``<path>`` once
-complete (by rank 0, after every rank's shards are written), so a crash
+complete (by rank 0, after every rank's shards are written, with the signed
+manifest of its files last: ``services.common.manifest``), so a crash
 mid-save leaves the previous checkpoint as it was and no half-written one
-under a checkpoint's name.
+under a checkpoint's name. A save replaces only a checkpoint of its own run
+(its manifest says whose it is) and a staging folder its run left; a load
+checks the manifest before anything in the folder is read.
+
+A write that fails (a full or read-only disk) ends the save at once with
+``CheckpointNotWritten`` naming the folder, the cause and the space left on
+its disk, the partial folder removed; torch.distributed.checkpoint's own
+``CheckpointException`` (a BaseException, which nothing above would catch)
+becomes that too.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from services.common.errors import FailedPrecondition
+from services.common.manifest import read_manifest, verify, write_manifest
 from services.trainer.ranks import Ranks
 
 EXTRA = "trainer_state.pt"
+STAGING = "meshrl_staging.json"  # in a folder being saved: whose run it is
+
+
+class CheckpointNotWritten(FailedPrecondition):
+    """A save that failed to write (disk full, read-only, gone); nothing of it is left."""
 
 
 def trainable(roles) -> dict[str, object]:
     return {name: role for name, role in (("actor", roles.actor), ("critic", roles.critic)) if role is not None}
 
 
-def save(roles, path: Path, weight_version: int, ranks: Ranks) -> int:
-    """Write the roles' state into ``path`` atomically; returns the bytes written (0 on ranks other than 0)."""
-    staging = path.with_name(path.name + ".tmp")
-    if ranks.rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    ranks.barrier()
-    state, extra = {}, {"weight_version": weight_version, "torch_rng": torch.get_rng_state()}
-    for name, role in trainable(roles).items():
-        model_state, optim_state = get_state_dict(role.model, role.optimizer.adamw)
-        state[name] = {"model": model_state, "optim": optim_state}
-        extra[name] = {"schedule": role.optimizer.schedule.state_dict(), "shuffle": role.shuffle.get_state()}
-    dcp.save(state, checkpoint_id=staging)  # returns once every rank's shards and the metadata are written
-    if ranks.rank != 0:
-        return 0
-    torch.save(extra, staging / EXTRA)
-    if path.exists():
-        shutil.rmtree(path)
-    staging.rename(path)
+def staging_of(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+def check_replaceable(path: Path, run_id: str, key: bytes) -> None:
+    """Refuse (ValueError naming the folder) a save into ``path`` that would remove anything but a checkpoint of
+    ``run_id`` or the staging folder of one of its saves."""
+    if path.exists() and read_owner(path, key) != run_id:
+        raise ValueError(f"path: {path} exists and is not a checkpoint of run {run_id}; a save replaces nothing "
+                         "else (move it away or choose another path)")
+    staging = staging_of(path)
+    if staging.exists() and staging_owner(staging) != run_id:
+        raise ValueError(f"path: {staging} exists and is not a checkpoint that run {run_id} was saving; a save "
+                         "replaces nothing else")
+
+
+def read_owner(path: Path, key: bytes) -> str | None:
+    """The run whose checkpoint ``path`` is (by its signed manifest), or None."""
+    try:
+        return read_manifest(path, key)["run_id"] if path.is_dir() else None
+    except ValueError:
+        return None
+
+
+def staging_owner(staging: Path) -> str | None:
+    try:
+        return json.loads((staging / STAGING).read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save(roles, path: Path, weight_version: int, ranks: Ranks, key: bytes) -> int:
+    """Write the roles' state into ``path`` atomically; returns the bytes written (0 on ranks other than 0).
+    ``check_replaceable`` has passed."""
+    staging = staging_of(path)
+    try:
+        if ranks.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            (staging / STAGING).write_text(json.dumps({"run_id": roles.run_id}))
+        ranks.barrier()
+        state, extra = {}, {"weight_version": weight_version, "torch_rng": torch.get_rng_state()}
+        for name, role in trainable(roles).items():
+            model_state, optim_state = get_state_dict(role.model, role.optimizer.adamw)
+            state[name] = {"model": model_state, "optim": optim_state}
+            extra[name] = {"schedule": role.optimizer.schedule.state_dict(), "shuffle": role.shuffle.get_state()}
+        dcp.save(state, checkpoint_id=staging)  # returns once every rank's shards and the metadata are written
+        if ranks.rank != 0:
+            return 0
+        torch.save(extra, staging / EXTRA)
+        (staging / STAGING).unlink()
+        write_manifest(staging, roles.run_id, key)
+        if path.exists():
+            shutil.rmtree(path)
+        staging.rename(path)
+    except (CheckpointException, OSError, RuntimeError) as error:
+        if ranks.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointNotWritten(f"the checkpoint was not written to {path}: {cause_of(error)}; "
+                                   f"{free_space(path)}") from None
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def check_complete(roles, path: Path) -> dict:
-    """The state saved beside the weights, once ``path`` is known to hold a complete checkpoint of the roles."""
-    if not (path / EXTRA).exists():
-        raise FileNotFoundError(f"no complete checkpoint at {path}")
+def cause_of(error: BaseException) -> str:
+    """What went wrong, from the first OSError under ``error`` (a CheckpointException holds each rank's)."""
+    failures = [failure for failure, _ in error.failures.values()] if isinstance(error, CheckpointException) else []
+    for candidate in [error, *failures]:
+        while candidate is not None:
+            if isinstance(candidate, OSError) and candidate.strerror:
+                where = f" ({candidate.filename})" if candidate.filename else ""
+                return f"{candidate.strerror}{where}"
+            candidate = candidate.__cause__ or candidate.__context__
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def free_space(path: Path) -> str:
+    """The space left on the disk that holds ``path`` (the nearest folder of it that exists)."""
+    folder = next(parent for parent in [path, *path.parents] if parent.exists())
+    free = shutil.disk_usage(folder).free
+    return f"{free / 2**20:.1f} MiB free on the disk of {folder}"
+
+
+def check_complete(roles, path: Path, key: bytes) -> dict:
+    """The state saved beside the weights, once ``path``'s signed manifest matches its files (checked before
+    anything in it is read; else DamagedCheckpoint naming the file) and it holds every role of ``roles``."""
+    verify(path, key)
+    return read_extra(roles, path)
+
+
+def read_extra(roles, path: Path) -> dict:
     extra = torch.load(path / EXTRA, weights_only=True)
     for name in trainable(roles):
         if name not in extra:
@@ -65,13 +147,17 @@ def check_complete(roles, path: Path) -> dict:
 
 
 def load(roles, path: Path) -> int:
-    """Restore the roles from ``path``; returns the actor weight version saved there."""
-    extra = check_complete(roles, path)
+    """Restore the roles from ``path`` (``check_complete`` has passed); returns the actor weight version saved
+    there."""
+    extra = read_extra(roles, path)
     state = {}
     for name, role in trainable(roles).items():
         model_state, optim_state = get_state_dict(role.model, role.optimizer.adamw)
         state[name] = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as error:
+        raise ValueError(f"checkpoint {path} cannot be loaded: {cause_of(error)}") from None
     for name, role in trainable(roles).items():
         set_state_dict(role.model, role.optimizer.adamw, model_state_dict=state[name]["model"],
                        optim_state_dict=state[name]["optim"])

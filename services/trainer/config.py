@@ -10,6 +10,11 @@ from services.common.config import StreamingServeConfig
 class TrainerServiceConfig(StreamingServeConfig):
     device: str = "cpu"
     """torch device of the models: cpu, or cuda (under torchrun each rank takes cuda:LOCAL_RANK)."""
+    checkpoint_root: str = "meshrl-state"
+    """The folder SaveCheckpoint and LoadCheckpoint work in: a path outside it is refused (INVALID_ARGUMENT), a
+    relative one is under it. Each run's checkpoints must land in it: set it to the coordinator's state_dir (the
+    default is the coordinator's default), or to a folder holding every run's trainer.default_local_dir. Checkpoint
+    manifests are signed with its checkpoint.key (made, 0600, by the first save)."""
     collective_timeout_s: PositiveFloat = 600.0
     """Under torchrun: deadline of each collective among the ranks (a rank that does not take part in time
     ends the group)."""

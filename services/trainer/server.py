@@ -26,10 +26,12 @@ from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.channel import ChannelTable, gpu_uuid
 from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.common.config import parse_yaml, validate
-from services.common.models import check_weights
 from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
 from services.common.limits import StreamLimits, check_wait
+from services.common.manifest import checkpoint_key
+from services.common.models import check_weights, refuse_pickled_weights
+from services.common.paths import inside
 from services.common.run_config import RunConfig
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.trainer import checkpoint, telemetry
@@ -91,6 +93,8 @@ def check_init(config: RunConfig, roles: list[str], world_size: int) -> None:
     for field, folder in (("actor_rollout_ref.model.path", actor_path), ("critic.model.path", config.critic.model.path)):
         if folder and not (Path(folder) / "config.json").exists():
             raise ValueError(f"{field}: no config.json in model folder {folder}")
+        if folder:
+            refuse_pickled_weights(folder, config.actor_rollout_ref.model.allow_pickle, field)
     try:
         pad_id_of(actor_path)
     except (OSError, ValueError) as error:
@@ -230,8 +234,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def SaveCheckpoint(self, request, context):
         roles = self._roles()
+        path = inside(self.config.checkpoint_root, request.path, "path")
+        key = await asyncio.to_thread(checkpoint_key, Path(self.config.checkpoint_root))
+        await asyncio.to_thread(checkpoint.check_replaceable, path, roles.run_id, key)
         started = time.perf_counter()
-        saved = await self._run("save_checkpoint", {"path": request.path}, {})
+        saved = await self._run("save_checkpoint", {"path": str(path)}, {}, key=key)
         log.info("checkpoint_saved", run_id=roles.run_id, path=request.path, bytes=saved.total_bytes)
         return trainer_pb2.CheckpointResponse(path=request.path, total_bytes=saved.total_bytes,
                                               weight_version=saved.weight_version,
@@ -239,9 +246,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def LoadCheckpoint(self, request, context):
         roles = self._roles()
-        await asyncio.to_thread(checkpoint.check_complete, roles, Path(request.path))
+        path = inside(self.config.checkpoint_root, request.path, "path")
+        key = await asyncio.to_thread(checkpoint_key, Path(self.config.checkpoint_root))
+        await asyncio.to_thread(checkpoint.check_complete, roles, path, key)
         started = time.perf_counter()
-        version = await self._run("load_checkpoint", {"path": request.path}, {})
+        version = await self._run("load_checkpoint", {"path": str(path)}, {})
         log.info("checkpoint_loaded", run_id=roles.run_id, path=request.path, weight_version=version)
         return trainer_pb2.CheckpointResponse(path=request.path, weight_version=version,
                                               seconds=time.perf_counter() - started)

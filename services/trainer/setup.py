@@ -68,7 +68,8 @@ def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
     """The actor model named by the run config, placed on the ranks, with its optimizer; seeded from ``seed``."""
     model_config, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
     torch.manual_seed(seed)
-    model = load_causal_lm(model_config.path, weights_dtype(model_config.dtype, actor.fsdp_config))
+    model = load_causal_lm(model_config.path, weights_dtype(model_config.dtype, actor.fsdp_config),
+                           model_config.allow_pickle)
     model = place(model, ranks, actor_sharding(config, ranks.world_size), model_config.enable_gradient_checkpointing)
     optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.steps,
                            actor.fsdp_config.optimizer_offload)
@@ -80,7 +81,8 @@ def build_critic(config: RunConfig, seed: int, ranks: Ranks) -> Critic:
     critic = config.critic
     path = critic.model.path or config.actor_rollout_ref.model.path
     torch.manual_seed(seed + 1)
-    model = load_value_model(path, weights_dtype(config.actor_rollout_ref.model.dtype, critic.model.fsdp_config))
+    model = load_value_model(path, weights_dtype(config.actor_rollout_ref.model.dtype, critic.model.fsdp_config),
+                             config.actor_rollout_ref.model.allow_pickle)
     model = place(model, ranks, critic_sharding(config, ranks.world_size), critic.model.enable_gradient_checkpointing)
     optim = optim_settings(critic.optim, critic.grad_clip, config.trainer.steps,
                            critic.model.fsdp_config.optimizer_offload)
@@ -95,7 +97,8 @@ def build_reference(config: RunConfig, ranks: Ranks) -> torch.nn.Module:
     fsdp = actor_rollout_ref.ref.fsdp_config or actor_rollout_ref.actor.fsdp_config
     dtype = fsdp.mixed_precision.param_dtype if fsdp.mixed_precision is not None else actor_rollout_ref.model.dtype
     sharding = sharding_of(actor_rollout_ref.actor.strategy, fsdp, ranks.world_size, "actor_rollout_ref.ref")
-    model = place(load_causal_lm(actor_rollout_ref.model.path, dtype), ranks, sharding, False)
+    model = place(load_causal_lm(actor_rollout_ref.model.path, dtype, actor_rollout_ref.model.allow_pickle), ranks,
+                  sharding, False)
     model.eval().requires_grad_(False)
     return model
 

@@ -220,9 +220,11 @@ class Worker:
         total, buckets = send_weights(channel, named, self.weight_version, bucket_bytes, dtype=dtype)
         return Sent(total, buckets, self.weight_version)
 
-    def save_checkpoint(self, tensors, path: str) -> Saved:
-        """The roles' state into ``path``, with the weight version, which ``load_checkpoint`` restores."""
-        return Saved(checkpoint.save(self._roles(), Path(path), self.weight_version, self.ranks), self.weight_version)
+    def save_checkpoint(self, tensors, path: str, key: bytes = b"") -> Saved:
+        """The roles' state into ``path``, with the weight version, which ``load_checkpoint`` restores; ``key``
+        (rank 0's alone: it writes the manifest) signs its manifest."""
+        saved = checkpoint.save(self._roles(), Path(path), self.weight_version, self.ranks, key)
+        return Saved(saved, self.weight_version)
 
     def load_checkpoint(self, tensors, path: str) -> int:
         """The roles' state from ``path``; returns the weight version saved there, which the actor's is now."""

@@ -154,10 +154,11 @@ def test_rollout_stopped_with_sigstop_is_detected_and_the_run_goes_on(cluster, t
         assert got[step] == expected[step], f"step {step} differs after the recovery"
 
 
-def test_verls_resume_modes_go_on_from_a_checkpoint_of_an_earlier_run(cluster, tiny_model, reverse_data, tmp_path):
+def test_verls_resume_modes_go_on_from_a_checkpoint_of_an_earlier_run(cluster, tiny_model, reverse_data):
     """trainer.resume_mode (verl's key): resume_path goes on from the checkpoint named, auto from the latest one
-    in default_local_dir when its run stopped, disable starts anew; a finished run does not go on."""
-    shared = str(tmp_path / "checkpoints")
+    in default_local_dir when its run stopped; a finished run does not go on. A new run (auto after a finished
+    one, or disable) does not save into a folder holding another run's checkpoints: it is refused, naming it."""
+    shared = str(cluster.state_dir / "checkpoints")
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2,
                         trainer__default_local_dir=shared)
     first = asyncio.run(run(cluster.coordinator, config, stop_after=3))
@@ -172,11 +173,16 @@ def test_verls_resume_modes_go_on_from_a_checkpoint_of_an_earlier_run(cluster, t
     error = refusal(cluster.coordinator, lambda client: client.start_run(from_two))  # that run finished since
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "finished" in error.details()
 
-    second = asyncio.run(run(cluster.coordinator, config, stop_after=3))  # auto: its latest checkpoint finished
+    error = refusal(cluster.coordinator, lambda client: client.start_run(config))  # auto: its latest run finished
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"trainer.default_local_dir: {shared} holds the checkpoints of run {first.run_id} (finished)" in error.details()
+
+    elsewhere = config.replace(shared, shared + "-2")
+    second = asyncio.run(run(cluster.coordinator, elsewhere, stop_after=3))
     assert second.run_id != first.run_id and second.state == "stopped"
-    again = asyncio.run(run(cluster.coordinator, config))  # the same script again: auto finds the stopped run
+    disabled = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2,
+                          trainer__default_local_dir=shared + "-2", trainer__resume_mode="disable")
+    error = refusal(cluster.coordinator, lambda client: client.start_run(disabled))
+    assert f"holds the checkpoints of run {second.run_id} (stopped)" in error.details()
+    again = asyncio.run(run(cluster.coordinator, elsewhere))  # the same script again: auto finds the stopped run
     assert again.run_id == second.run_id and again.state == "finished"
-    fresh = asyncio.run(run(cluster.coordinator, run_config(
-        tiny_model, reverse_data, trainer__total_training_steps=2, trainer__default_local_dir=shared,
-        trainer__resume_mode="disable")))
-    assert fresh.run_id not in (first.run_id, second.run_id) and fresh.state == "finished"

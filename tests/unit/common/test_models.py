@@ -1,4 +1,5 @@
-"""The cheap check of a model folder's safetensors weights: from the headers alone, naming the file and tensor."""
+"""The cheap check of a model folder's safetensors weights (from the headers alone, naming the file and tensor), and
+the refusal of pickled weights unless the run allows them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.common.models import check_weights, load_causal_lm
+from services.common.models import check_weights, load_causal_lm, refuse_pickled_weights
 from services.coordctl.tiny_model import build_tiny_model
 
 
@@ -64,3 +65,13 @@ def test_a_folder_without_safetensors_is_left_to_the_loader(tiny, tmp_path):
     shutil.copytree(tiny, tmp_path / "bare")
     (tmp_path / "bare" / "model.safetensors").unlink()
     check_weights(tmp_path / "bare")
+
+
+def test_pickled_weights_are_refused_unless_allowed_and_safetensors_pass(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.path: .*pytorch_model.bin holds pickled weights.*"
+                                         r"allow_pickle=true"):
+        refuse_pickled_weights(tmp_path, False, "actor_rollout_ref.model.path")
+    refuse_pickled_weights(tmp_path, True, "actor_rollout_ref.model.path")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    refuse_pickled_weights(tmp_path, False, "actor_rollout_ref.model.path")

@@ -36,6 +36,7 @@ from services.trainer.sharding import Sharding, place
 
 OPTIM = OptimSettings(1e-3, 0.01, (0.9, 0.99), 1.0, 0, "constant", 0.0, 10)
 SEED = 5
+CHECKPOINT_KEY = b"k" * 32  # the manifest's signing key (a trainer reads it from its checkpoint root)
 MODES = ("token-mean", "seq-mean-token-mean")
 PROMPTS = (2, 5, 3, 4, 1, 6, 2, 3)
 RESPONSES = (9, 1, 4, 20, 3, 5, 8, 2)  # one long response: the rank that takes it has fewer micro-batches
@@ -109,8 +110,8 @@ def two_rank_job(rank: int, port: int, model_path: Path, out: Path) -> None:
             results["logprobs"] = sharded.compute_log_probs(batch, 0.9, LOG_PROB_PASS)
         results[mode] = (sharded.update(batch, inputs, settings(mode)), full_weights(sharded.model))
     results["critic"] = critic_case(model_path, ranks)
-    roles = SimpleNamespace(actor=sharded, critic=None)
-    checkpoint.save(roles, out / "checkpoint", 7, ranks)
+    roles = SimpleNamespace(actor=sharded, critic=None, run_id="run-a")
+    checkpoint.save(roles, out / "checkpoint", 7, ranks, CHECKPOINT_KEY)
     sharded.update(batch, inputs, settings(MODES[-1]))  # move away from the saved weights
     results["loaded_version"] = checkpoint.load(roles, out / "checkpoint")
     results["loaded"] = full_weights(sharded.model)
@@ -208,7 +209,9 @@ def test_checkpoint_saved_on_two_ranks_loads_on_two_ranks_and_on_one(two_ranks, 
         for name, weight in saved.items():
             assert torch.equal(rank["loaded"][name], weight), name
     whole = actor(model_path)
-    version = checkpoint.load(SimpleNamespace(actor=whole, critic=None), out / "checkpoint")
+    roles = SimpleNamespace(actor=whole, critic=None, run_id="run-a")
+    checkpoint.check_complete(roles, out / "checkpoint", CHECKPOINT_KEY)  # the manifest two ranks wrote holds
+    version = checkpoint.load(roles, out / "checkpoint")
     assert version == 7
     loaded = full_weights(whole.model)
     for name, weight in saved.items():
