@@ -30,6 +30,8 @@ from pathlib import Path
 
 import grpc
 
+from services.common.handlers import wrap_behaviour
+
 HEADER = "authorization"
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
 TLS_VARIABLES = ("MESHRL_TLS_CERT", "MESHRL_TLS_KEY", "MESHRL_TLS_CA")
@@ -182,15 +184,8 @@ def token_interceptors() -> list:
     return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
 
 
-def _refuse(kind: str):
-    async def refuse(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
-
-    async def refuse_stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
-        yield  # pragma: no cover - makes this an async generator, as stream handlers are
-
-    return refuse_stream if kind.endswith("_stream") else refuse
+async def _refuse(request, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
 
 
 class TokenServerInterceptor(grpc.aio.ServerInterceptor):
@@ -206,10 +201,4 @@ class TokenServerInterceptor(grpc.aio.ServerInterceptor):
         presented = dict(details.invocation_metadata or ()).get(HEADER, "")
         if hmac.compare_digest(presented.encode(), self._expected):
             return handler
-        kinds = {"unary_unary": grpc.unary_unary_rpc_method_handler, "unary_stream": grpc.unary_stream_rpc_method_handler,
-                 "stream_unary": grpc.stream_unary_rpc_method_handler,
-                 "stream_stream": grpc.stream_stream_rpc_method_handler}
-        for kind, make in kinds.items():
-            if getattr(handler, kind) is not None:
-                return make(_refuse(kind), handler.request_deserializer, handler.response_serializer)
-        return handler
+        return wrap_behaviour(handler, coroutine=lambda _: _refuse, generator=lambda _: _refuse)

@@ -9,7 +9,7 @@ from typing import TypeVar
 from services.common.config import ConfigError, ServeConfig, load_config, to_yaml
 
 Config = TypeVar("Config", bound=ServeConfig)
-REFUSED_EXIT_CODE = 2  # a bad config, an open bind, a refused token or a damaged file: restarting mends none
+REFUSED_EXIT_CODE = 2  # a bad config, an open bind, a taken port, a refused token or a damaged file: restarts mend none
 
 
 class CannotStart(Exception):

@@ -197,6 +197,10 @@ class ServeConfig(Section):
     """Least severe level logged, a Python logging level name in any case: debug, info, warning, error."""
     grace_s: float = Field(10.0, ge=0)
     """On SIGTERM, how long calls in flight may take to finish."""
+    response_write_timeout_s: float = Field(60.0, gt=0, le=MAX_WAIT_S)
+    """Seconds a streamed response (Generate, ComputeLogProbs, WatchRun, ...) may wait for its client to take
+    the next message; a client that stops reading longer has its call ended with DEADLINE_EXCEEDED and the
+    work the call drives cancelled."""
 
     def compute_devices(self) -> tuple[str, ...]:
         """The torch devices the service computes on, as its settings name them (none: the coordinator)."""

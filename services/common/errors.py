@@ -30,6 +30,8 @@ import asyncio
 import grpc
 import structlog
 
+from services.common.handlers import wrap_behaviour
+
 log = structlog.get_logger()
 ORIGIN_KEY, FROM_HANDLER = "meshrl-origin", "handler"
 PASSED_UP = (KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit, grpc.aio.AbortError)
@@ -85,22 +87,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every handler so that an exception becomes the status code above."""
 
     async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
         method = handler_call_details.method
-        kinds = {
-            "unary_unary": grpc.unary_unary_rpc_method_handler,
-            "stream_unary": grpc.stream_unary_rpc_method_handler,
-            "unary_stream": grpc.unary_stream_rpc_method_handler,
-            "stream_stream": grpc.stream_stream_rpc_method_handler,
-        }
-        for attribute, make in kinds.items():
-            behaviour = getattr(handler, attribute)
-            if behaviour is not None:
-                wrapped = _wrap_stream(behaviour, method) if attribute.endswith("_stream") else _wrap(behaviour, method)
-                return make(wrapped, handler.request_deserializer, handler.response_serializer)
-        return handler
+        return wrap_behaviour(await continuation(handler_call_details),
+                              coroutine=lambda behaviour: _wrap(behaviour, method),
+                              generator=lambda behaviour: _wrap_stream(behaviour, method))
 
 
 def _wrap(behaviour, method: str):

@@ -5,9 +5,13 @@ which:
 0. refuses to start (exit code 2), before it binds, when it would listen
    beyond loopback without a cluster token and ``allow_open`` is not set;
 1. starts a grpc.aio server (on uvloop) with the RPC metrics interceptor,
-   the token check, the error interceptor and the standard health service,
+   the token check, the error interceptor, the response write deadline and
+   the standard health service,
    on the configured host and port (0 = any free port), over mTLS when it is
-   configured, and Prometheus's /metrics on ``metrics_port`` when it is set;
+   configured, and Prometheus's /metrics on ``metrics_port`` when it is set
+   (either port taken: exit code 2, naming the port and its setting); a
+   streamed response whose client takes no message for
+   ``response_write_timeout_s`` is ended (handlers.ResponseWriteDeadline);
 2. registers with the coordinator (with its host name, meshrl version and
    GPUs) and heartbeats (with the weight version it holds), registering
    again whenever the coordinator has forgotten it (it restarted) and
@@ -38,6 +42,7 @@ from services.common.about import describe_gpus, meshrl_version
 from services.common.cli import REFUSED_EXIT_CODE, CannotStart, log_config, parse_service_config
 from services.common.config import ServeConfig
 from services.common.errors import ErrorInterceptor
+from services.common.handlers import ResponseWriteDeadline
 from services.common.lifetime import die_with_parent
 from services.common.logging import configure_logging
 from services.common.auth import TokenServerInterceptor, cluster_token, is_loopback, server_credentials
@@ -66,6 +71,7 @@ class Endpoint:
     grace_s: float = 10.0
     gpu: str = "cpu"  # its GPUs, described (about.describe_gpus)
     metrics_port: int | None = None  # of its Prometheus /metrics (None: none served)
+    response_write_timeout_s: float = 60.0  # how long a response stream may wait for its client to read
 
 
 def identity_for(endpoint: Endpoint, port: int) -> common_pb2.ServiceIdentity:
@@ -147,12 +153,10 @@ class Attached(Protocol):
 async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb2.ServiceIdentity], Attached]) -> None:
     """Serve until SIGTERM/SIGINT. ``attach`` adds the servicer to the server and returns it."""
     token, credentials = cluster_token(), server_credentials()
-    interceptors = [RpcMetricsInterceptor(), *([TokenServerInterceptor(token)] if token else []), ErrorInterceptor()]
+    interceptors = [RpcMetricsInterceptor(), *([TokenServerInterceptor(token)] if token else []), ErrorInterceptor(),
+                    ResponseWriteDeadline(endpoint.response_write_timeout_s)]
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-    address = f"{endpoint.host}:{endpoint.port}"
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {endpoint.host}:{endpoint.port}")
+    port = _bind(server, endpoint, credentials)
     identity = identity_for(endpoint, port)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -185,6 +189,19 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     log.info("stopped")
     if heartbeat is not None:
         heartbeat.result()  # raises TokenRefused if that is what stopped us
+
+
+def _bind(server: grpc.aio.Server, endpoint: Endpoint, credentials: grpc.ServerCredentials | None) -> int:
+    """The port ``server`` listens on; CannotStart naming the address and the setting where it cannot bind."""
+    address = f"{endpoint.host}:{endpoint.port}"
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        port = 0
+    if port == 0:
+        raise CannotStart(f"cannot listen on {address} (setting port): the port is in use or the host is not an "
+                          "address of this machine; choose another port (0 picks a free one) or stop what holds it")
+    return port
 
 
 def die_with_launcher() -> None:
@@ -230,7 +247,8 @@ def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.ai
         torch.set_num_threads(config.torch_threads)
         torch.set_num_interop_threads(config.torch_threads)
     endpoint = Endpoint(kind, config.host, config.port, config.group, config.coordinator, config.grace_s,
-                        describe_gpus(config.compute_devices()), config.metrics_port)
+                        describe_gpus(config.compute_devices()), config.metrics_port,
+                        config.response_write_timeout_s)
     try:
         uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))
     except ValueError as error:  # what the servicer refuses to start with (a plugin that fails to import, ...)

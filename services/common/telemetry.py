@@ -20,7 +20,6 @@ heartbeats).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from typing import Callable
 
@@ -28,6 +27,9 @@ import grpc
 from prometheus_client import REGISTRY, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from services.common.cli import CannotStart
+from services.common.handlers import wrap_behaviour
 
 RPC_SECONDS = Histogram(
     "meshrl_rpc_duration_seconds", "Time from an RPC's arrival to its final status, by method and status code",
@@ -54,17 +56,10 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     one, and calls the client cancelled) into RPC_SECONDS. Put it first, so that it sees them all."""
 
     async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
         service, method = split_method(handler_call_details.method)
-        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
-            behaviour = getattr(handler, kind)
-            if behaviour is not None:
-                # a streaming handler is an async generator or a coroutine that writes to its context
-                timed = _timed_stream if inspect.isasyncgenfunction(behaviour) else _timed
-                return handler._replace(**{kind: timed(behaviour, service, method)})
-        return handler
+        return wrap_behaviour(await continuation(handler_call_details),
+                              coroutine=lambda behaviour: _timed(behaviour, service, method),
+                              generator=lambda behaviour: _timed_stream(behaviour, service, method))
 
 
 class _Timing:
@@ -128,7 +123,8 @@ class MetricsServer:
         try:
             self.server, self.thread = start_http_server(port, addr=host.strip("[]"))
         except OSError as error:
-            raise OSError(f"cannot serve /metrics on {host}:{port} (metrics_port): {error.strerror}") from None
+            raise CannotStart(f"cannot serve /metrics on {host}:{port} (setting metrics_port): {error.strerror}; "
+                              "choose another port (0 picks a free one) or stop what holds it") from None
         self.address = f"{host}:{self.server.server_port}"
         self.collector = WeightVersion(weight_version)
         REGISTRY.register(self.collector)

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,9 +23,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshrl.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2,
                        rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc)
+from services.common.auth import token_interceptors
+from services.common.cli import REFUSED_EXIT_CODE
 from services.common.rpc import open_channel
 from services.common.wire import DTYPES, batch_to_chunks, tensor_bytes
 from services.coordctl.control import CoordinatorClient
@@ -31,6 +39,7 @@ ACCEPTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCod
 NAMES = ["prompt_ids", "prompt_lens", "response_ids", "response_lens", "old_logprobs", "advantages", "rollout_logprobs",
          "x", ""]
 STREAM_TIMEOUT_S = 4.0  # the trainer's request_stream_timeout_s here
+WRITE_TIMEOUT_S = 2.0  # the rollout's response_write_timeout_s here
 FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
@@ -58,7 +67,8 @@ def loaded(tmp_path_factory, tiny_model, reverse_data):
     from services.coordctl.local import LocalCluster, ServiceSpec
 
     services = (ServiceSpec("trainer", settings=(f"request_stream_timeout_s={STREAM_TIMEOUT_S}",)),
-                ServiceSpec("rollout"), ServiceSpec("reward"))
+                ServiceSpec("rollout", settings=(f"response_write_timeout_s={WRITE_TIMEOUT_S}",)),
+                ServiceSpec("reward"))
     cluster = LocalCluster(tmp_path_factory.mktemp("fuzz") / "state", services)
     asyncio.run(cluster.start(timeout_s=120))
 
@@ -68,7 +78,8 @@ def loaded(tmp_path_factory, tiny_model, reverse_data):
             run = await client.start_run(run_config(tiny_model, reverse_data, trainer__total_training_steps=1))
             async for _ in client.watch(run.run_id):
                 pass
-            return {**{s.kind: s.address for s in await client.list_services()}, "coordinator": cluster.coordinator}
+            return {**{s.kind: s.address for s in await client.list_services()}, "coordinator": cluster.coordinator,
+                    "rollout_metrics": f"127.0.0.1:{cluster.metrics_ports['rollout'][1]}"}
         finally:
             await client.close()
 
@@ -150,16 +161,21 @@ def test_reward_scores_or_refuses_any_batch(loaded, samples):
     asyncio.run(info(loaded["reward"], reward_pb2_grpc.RewardStub))
 
 
-def generate(n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, stop=(), prompts=1, prompt_len=1):
-    """A Generate call of ``prompts`` prompts of ``prompt_len`` tokens with these sampling parameters."""
+def generate_requests(n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, stop=(), prompts=1, prompt_len=1):
+    """The request stream of a Generate call of ``prompts`` prompts of ``prompt_len`` tokens with these sampling
+    parameters."""
     params = rollout_pb2.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                         seed=1, stop_token_ids=list(stop))
     batch = {"prompt_ids": torch.full((prompts * prompt_len,), 5, dtype=torch.int64),
              "prompt_lens": torch.full((prompts,), prompt_len, dtype=torch.int64)}
+    return [rollout_pb2.GenerateRequest(params=params if i == 0 else None, chunks=c)
+            for i, c in enumerate(batch_to_chunks(batch))]
 
+
+def generate(**sampling):
+    """A Generate call (``generate_requests`` says what ``sampling`` may hold), read to its end."""
     async def invoke(channel):
-        requests = [rollout_pb2.GenerateRequest(params=params if i == 0 else None, chunks=c)
-                    for i, c in enumerate(batch_to_chunks(batch))]
+        requests = generate_requests(**sampling)
         async for _ in rollout_pb2_grpc.RolloutStub(channel).Generate(iter(requests), timeout=30):
             pass
 
@@ -367,3 +383,61 @@ def test_a_run_over_a_rollouts_limits_is_refused_at_start_run(loaded, tiny_model
         coordinator_pb2_grpc.CoordinatorStub, "StartRun", coordinator_pb2.StartRunRequest(config_yaml=config_yaml))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details
     assert "actor_rollout_ref.rollout.n = 2048" in details and "max_n = 1024" in details, details
+
+
+def rpcs_ended(metrics_address: str, method: str, code: str) -> float:
+    """How many ``method`` calls the service's /metrics counts as ended with ``code``."""
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "meshrl_rpc_duration_seconds_count"
+               and (sample.labels["grpc_method"], sample.labels["grpc_code"]) == (method, code))
+
+
+def test_a_response_stream_its_client_stops_reading_is_ended_by_the_service(loaded):
+    """A client that opens a Generate whose answer (about 200 KB) is more than its flow-control window and never
+    reads it holds the rollout's call for response_write_timeout_s at most: /metrics then counts the Generate
+    as DEADLINE_EXCEEDED, and the rollout serves the next call."""
+    before = rpcs_ended(loaded["rollout_metrics"], "Generate", "DEADLINE_EXCEEDED")
+
+    async def stall():
+        small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+        channel = grpc.aio.insecure_channel(loaded["rollout"], options=small_window, interceptors=token_interceptors())
+        stalled = rollout_pb2_grpc.RolloutStub(channel).Generate(iter(generate_requests(n=8, max_new_tokens=128,
+                                                                                       prompts=16)))
+        started = time.monotonic()
+        while rpcs_ended(loaded["rollout_metrics"], "Generate", "DEADLINE_EXCEEDED") == before:
+            assert time.monotonic() - started < WRITE_TIMEOUT_S + 40, "the rollout still holds the call"
+            await asyncio.sleep(0.2)
+        stalled.cancel()
+        await channel.close()
+
+    asyncio.run(stall())
+    assert asyncio.run(call(loaded["rollout"], generate())) == grpc.StatusCode.OK
+
+
+def test_health_watch_answers_serving_on_every_service(loaded):
+    async def watch(address):
+        channel = open_channel(address)
+        try:
+            stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+            first = await stream.read()
+            stream.cancel()
+            return first.status
+        finally:
+            await channel.close()
+
+    for kind in ("coordinator", "trainer", "rollout", "reward"):
+        assert asyncio.run(watch(loaded[kind])) == health_pb2.HealthCheckResponse.SERVING, kind
+
+
+def test_a_service_whose_port_is_taken_exits_2_naming_it(tmp_path):
+    """(A taken metrics_port takes the same way out: test_telemetry checks its message.)"""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        finished = subprocess.run([sys.executable, "-m", "services.coordinator", "host=127.0.0.1",
+                                   f"state_dir={tmp_path}", f"port={port}"], capture_output=True, text=True, timeout=60)
+    assert finished.returncode == REFUSED_EXIT_CODE, finished.stderr
+    assert f"127.0.0.1:{port} (setting port)" in finished.stderr and "Traceback" not in finished.stderr, \
+        finished.stderr

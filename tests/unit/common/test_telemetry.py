@@ -4,12 +4,14 @@ the client cancels), and the names it records them under."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.telemetry import RPC_SECONDS, RpcMetricsInterceptor, split_method, status_name
+from services.common.cli import CannotStart
+from services.common.telemetry import RPC_SECONDS, MetricsServer, RpcMetricsInterceptor, split_method, status_name
 
 
 def test_a_method_splits_into_its_service_and_name():
@@ -21,6 +23,15 @@ def test_the_status_is_cancelled_when_the_client_left_else_the_code():
     assert status_name(None, cancelled=False) == "OK"
     assert status_name(grpc.StatusCode.NOT_FOUND, cancelled=False) == "NOT_FOUND"
     assert status_name(None, cancelled=True) == "CANCELLED"
+
+
+def test_a_taken_metrics_port_cannot_start_the_service_and_is_named():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(CannotStart, match=rf"127.0.0.1:{port} \(setting metrics_port\)"):
+            MetricsServer("127.0.0.1", port, lambda: None)
 
 
 @pytest.mark.timeout(60)
