@@ -1,5 +1,5 @@
 """What a run reads before it starts, checked before anything starts: the model folder, every data file, the
-batch sizes against the data, the sequence lengths against the model.
+batch sizes against the data, the sequence lengths against the model; and the experiment loggers it writes.
 
 coordctl runs it before it starts local services (and for --dry-run), the coordinator on every StartRun:
 each error names the config key, or the file and row. The model folder, the files, their schema and the batch
@@ -9,6 +9,7 @@ takes a few seconds to import).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,11 @@ from services.common.data import Prompt, count_rows, load_prompts
 from services.common.models import load_tokenizer, refuse_pickled_weights
 from services.common.run_config import RunConfig
 
+LOGGER_NEEDS = {  # experiment logger -> the modules it imports, and what installs them
+    "tensorboard": (("tensorboard",), "tensorboard"),
+    "wandb": (("wandb",), "'meshrl[wandb]'"),
+    "mlflow": (("mlflow", "sqlalchemy", "alembic"), "'meshrl[mlflow]'"),
+}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -52,6 +58,17 @@ def check_model_folder(path: str, key: str) -> dict:
     if not (folder / "tokenizer.json").exists() and not (folder / "tokenizer_config.json").exists():
         raise ValueError(f"{key}: no tokenizer in {path} (tokenizer.json or tokenizer_config.json)")
     return config
+
+
+def check_loggers_installed(loggers: list[str]) -> None:
+    """Every experiment logger of trainer.logger can be written from this Python (the coordinator's, or coordctl's
+    for --local); ValueError naming the key, the loggers missing and what installs them otherwise."""
+    missing = [name for name in loggers if name in LOGGER_NEEDS
+               and not all(importlib.util.find_spec(module) for module in LOGGER_NEEDS[name][0])]
+    if missing:
+        install = " ".join(LOGGER_NEEDS[name][1] for name in missing)
+        raise ValueError(f"trainer.logger: not installed where the coordinator runs: {', '.join(missing)} (pip install "
+                         f"{install}, or take it off the list)")
 
 
 def overlong_rule(config: RunConfig) -> str:

@@ -20,6 +20,9 @@ from services.common.paths import check_name
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+WRITTEN_LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
+VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml", "trackio", "file")  # verl's: accepted, not written
+LoggerName = Literal[WRITTEN_LOGGERS + VERL_ONLY_LOGGERS]
 
 
 def as_list(value):
@@ -448,10 +451,11 @@ class TrainerConfig(Section):
     components, the weight version that sampled it and its staleness, the rollout and the reward service that
     handled it, its advantage (`coordctl samples RUN --step N` prints them). A relative path is under the run's
     folder; it must lie inside the coordinator's state_dir; null = not written."""
-    logger: list[str] = ["console"]
-    """verl's experiment loggers. meshrl always shows progress on the console and writes every metric to
-    metrics.jsonl and the run DB; tensorboard, wandb and the others are not written yet (reported as not
-    used)."""
+    logger: list[LoggerName] = ["console", "tensorboard"]
+    """verl's experiment loggers, each given every metric of every step: tensorboard (event files in the run's
+    folder), wandb, mlflow (extras of the same names, installed where the coordinator runs; see
+    services/coordinator/loggers.py). The console shows progress whatever is listed, and every metric always
+    goes to metrics.jsonl and the run DB. verl's other loggers are accepted and reported as not written."""
     n_gpus_per_node: PositiveInt | None = None
     """verl's Ray placement: meshrl's services are placed per node (systemd, Slurm, --local), so this is
     reported as not used."""
@@ -460,12 +464,11 @@ class TrainerConfig(Section):
     use_legacy_worker_impl: str | bool | None = None
     """verl's choice between its worker implementations; meshrl has one (reported as not used)."""
     project_name: str = "meshrl"
-    """verl's trainer.project_name, accepted so that verl configs load; meshrl only keeps it in the run's
-    saved config."""
+    """verl's trainer.project_name: the W&B project and the MLflow experiment the run is logged to."""
     experiment_name: str = "run"
     """Names the run: its id is <experiment_name>-<YYYYmmdd-HHMMSS>-<4 hex digits>, its folder
-    runs/<run_id>/ under the coordinator's state_dir, and it is the run's name in the run DB (verl's
-    trainer.experiment_name). A name, not a path: no '/', not '..'."""
+    runs/<run_id>/ under the coordinator's state_dir, and it is the run's name in the run DB, W&B and MLflow
+    (verl's trainer.experiment_name). A name, not a path: no '/', not '..'."""
     seed: int = 0
     """Seeds data order, sampling and initialisation of optimizer state."""
     weight_sync_bucket_mb: PositiveInt = 1024
@@ -617,9 +620,10 @@ class RunConfig(Section):
         run starts)."""
         trainer, rollout, data = self.trainer, self.actor_rollout_ref.rollout, self.data
         notices = []
-        if set(trainer.logger) - {"console"}:
-            notices.append(f"trainer.logger={trainer.logger}: only the console, metrics.jsonl and the run DB are "
-                           "written (no TensorBoard, W&B or other logger yet)")
+        unwritten = [name for name in trainer.logger if name in VERL_ONLY_LOGGERS]
+        if unwritten:
+            notices.append(f"trainer.logger={trainer.logger}: {', '.join(unwritten)} not written (meshrl writes the "
+                           "console, tensorboard, wandb and mlflow; metrics.jsonl and the run DB always)")
         placement = {key: value for key, value in (("trainer.n_gpus_per_node", trainer.n_gpus_per_node),
                                                    ("trainer.nnodes", trainer.nnodes)) if value is not None}
         if placement:

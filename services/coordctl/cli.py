@@ -27,6 +27,7 @@ import typer
 from services.common.about import meshrl_version
 from services.common.auth import cluster_tls, cluster_token, write_token
 from services.common.config import ConfigError, apply_overrides, to_yaml, validate
+from services.common.run_check import check_loggers_installed
 from services.common.run_config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient, RunStatus
@@ -165,6 +166,8 @@ def start_run(
         data = None
         if local or readable_here(config):
             config, data = checked(config)
+        if local:  # the coordinator will run here, with this Python
+            check_loggers_installed(config.trainer.logger)
     except (ConfigError, ValueError) as error:
         raise fail(f"bad config: {error}")
     services = local_services(local_config, config) if local_config is not None else None

@@ -229,6 +229,7 @@ def print_summary(run: RunStatus, lines: list[dict], seconds: float, state_dir: 
     run_dir = Path(run.run_dir)
     files = [("run folder", run_dir, ""), ("  metrics ", run_dir / "metrics.jsonl", ""),
              ("  config  ", run_dir / "config.yaml", ""), ("  plot    ", run_dir / "reward.png", ""),
+             ("  curves  ", run_dir / "tensorboard", f" (tensorboard --logdir {run_dir.parent})"),
              ("  samples ", run_dir / "validation", " (every validation's responses and scores)")]
     kept = samples_dir(run_dir)
     if kept is not None:

@@ -23,11 +23,12 @@ from services.common.config import apply_overrides, parse_yaml, to_yaml, validat
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.paths import inside
 from services.common.rpc import is_retryable
-from services.common.run_check import RunData, load_run_data
+from services.common.run_check import RunData, check_loggers_installed, load_run_data
 from services.common.run_config import RunConfig
 from services.coordinator import telemetry
 from services.coordinator.clients import TrainerClient
 from services.coordinator.disk import RunWrites, append_line, disk_fault, metrics_lines
+from services.coordinator.loggers import Loggers, RunNames, open_loggers
 from services.coordinator.loop import PPOLoop, Trainers
 from services.common.plot import plot_reward
 from services.coordinator.registry import Registry
@@ -62,9 +63,9 @@ def parse_run_config(config_yaml: str) -> RunConfig:
 
 
 class RunReporter:
-    """Where a run's loop reports: the run DB, metrics.jsonl, the log, and the watchers. Every record goes
-    through the run's ``RunWrites``: one the disk refuses is held, and the run waits for the disk at the end of
-    its step."""
+    """Where a run's loop reports: the run DB, metrics.jsonl, the experiment loggers, the log, and the watchers.
+    Every record goes through the run's ``RunWrites``: one the disk refuses is held, and the run waits for the
+    disk at the end of its step (the experiment loggers are not records: one that fails is logged)."""
 
     def __init__(self, manager: RunManager, run_id: str, run_dir: Path, writes: RunWrites,
                  samples_dir: Path | None = None):
@@ -72,12 +73,22 @@ class RunReporter:
         self.manager, self.run_id, self.run_dir, self.writes = manager, run_id, run_dir, writes
         self.samples_dir = samples_dir
         self.metrics_file = run_dir / "metrics.jsonl"
+        self.loggers = Loggers({})  # trainer.logger's, from open_loggers to close
+
+    async def open_loggers(self, config: RunConfig, first_step: int) -> None:
+        names = RunNames(self.run_id, config.trainer.project_name, config.trainer.experiment_name,
+                         config.model_dump(mode="json"))
+        self.loggers = await asyncio.to_thread(open_loggers, config.trainer.logger, self.run_dir, names, first_step)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.loggers.close)
 
     async def step(self, step: int, metrics: dict[str, float]) -> None:
         store, line = self.manager.store, json.dumps({"step": step, "time": time.time(), **metrics})
         self.writes.write(lambda: store.record_step(self.run_id, step, metrics), store.path)
         telemetry.step_done(self.run_id, step, metrics)
         self.writes.write(lambda: append_line(self.metrics_file, line), self.metrics_file)
+        self.loggers.log(step, metrics)
         log.info("step_done", run_id=self.run_id, step=step, reward=metrics.get("critic/score/mean"),
                  step_s=metrics.get("timing_s/step"))
         self.manager.notify()
@@ -129,6 +140,7 @@ class RunReporter:
             samples_file.write_text(samples)
 
         self.writes.write(write_samples, samples_file)
+        self.loggers.log(step, metrics)
         message = headline(validated)
         self.writes.write(lambda: store.add_event(run_id, "validation", step, "", message, metrics), store.path)
         log.info("validated", run_id=run_id, step=step, weight_version=validated.version,
@@ -166,6 +178,7 @@ class RunManager:
         config = await asyncio.to_thread(parse_run_config, config_yaml)  # not on the loop: heartbeats go on
         check_within_rollout_limits(config, {record.address: record.limits
                                              for record in self.registry.up("rollout", config.placement.rollout)})
+        check_loggers_installed(config.trainer.logger)
         earlier = self._checkpoint_to_resume(config)
         if earlier is not None:
             return await self.resume_run(earlier.run_id, earlier, f"by trainer.resume_mode={config.trainer.resume_mode}")
@@ -337,6 +350,7 @@ class RunManager:
                       data.val_prompts, data.tokenizer, reporter, should_stop, self._checkpoint_dir(config, run_dir))
         self._loops[run_id] = ppo
         try:
+            await reporter.open_loggers(config, resume.step + 1 if resume else 0)
             addresses = {client.address for client in trainers.roles()} if trainers else set()
             loop = asyncio.ensure_future(ppo.run(resume))
             watchdog = asyncio.ensure_future(self._watch_members(addresses, rollouts))
@@ -352,7 +366,7 @@ class RunManager:
         finally:
             self._loops.pop(run_id, None)
             await asyncio.gather(*(client.close() for client in (trainers.roles() if trainers else ())), rollouts.close(),
-                                 rewards.close())
+                                 rewards.close(), reporter.close())
 
     async def _watch_members(self, trainers: set[str], rollouts: RolloutSet) -> bool:
         """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer

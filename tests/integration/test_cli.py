@@ -22,6 +22,7 @@ import yaml
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster
 from tests.integration.test_grpo_run import run_config, run_to_end
+from tests.logger_files import tensorboard_scalars
 
 COORDCTL = [sys.executable, "-m", "services.coordctl.cli"]
 
@@ -102,6 +103,12 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path):
     assert f"run {run_id} " in output and f", from step {checkpoint}" in output
     assert f"| {checkpoint}/400 [" in output  # the progress bar starts where the run goes on, not at step 1
     assert "| 1/400 [" not in output
+    # TensorBoard (the default logger) shows each step once, as metrics.jsonl does: a step after the checkpoint
+    # that the first attempt trained is the resumed attempt's
+    [run_dir] = state_dir.glob("runs/*")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = {row["step"]: row["critic/score/mean"] for row in rows if "critic/score/mean" in row}
+    assert tensorboard_scalars(run_dir / "tensorboard")["critic/score/mean"] == pytest.approx(rewards, rel=1e-6)
 
 
 def read_until(process: subprocess.Popen, text: str) -> str:

@@ -1,7 +1,8 @@
 """The local examples learn the synthetic task through the real services (a small step budget).
 
 One cluster serves both runs, one after the other, as long-running services do: PPO with GAE (its
-critic placed on a second trainer service, a KL loss against the reference on the first) and GRPO.
+critic placed on a second trainer service, a KL loss against the reference on the first) and GRPO, which
+also writes W&B (offline), and whose TensorBoard and W&B files are read back with their own readers.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from services.common.config import to_yaml
 from services.coordctl.resolve import resolve_config
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
+from tests.logger_files import tensorboard_scalars, wandb_history
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 40
 
 
 @pytest.fixture
-def cluster_with_two_trainers(tmp_path):
+def cluster_with_two_trainers(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the coordinator's W&B writes its run folder only
     services = (ServiceSpec("trainer"), ServiceSpec("trainer", "critics"), ServiceSpec("rollout"), ServiceSpec("reward"))
     local = LocalCluster(tmp_path / "state", services)
     asyncio.run(local.start(timeout_s=120))
@@ -48,6 +51,31 @@ def rewards(run_dir: str) -> list[float]:
     return [line["critic/score/mean"] for line in lines if "critic/score/mean" in line]
 
 
+def metrics_by_name(run_dir: str) -> dict[str, dict[int, float]]:
+    """metrics.jsonl as name -> step -> value."""
+    by_name: dict[str, dict[int, float]] = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        for name, value in row.items():
+            if name not in ("step", "time"):
+                by_name.setdefault(name, {})[row["step"]] = value
+    return by_name
+
+
+def assert_loggers_hold(run_dir: str) -> None:
+    """TensorBoard's event files and W&B's offline run hold every metric of every step that metrics.jsonl does."""
+    written = metrics_by_name(run_dir)
+    assert {"critic/score/mean", "actor/pg_loss", "timing_s/gen", "val-core/meshrl/reverse/acc/mean@1"} <= set(written)
+    scalars = tensorboard_scalars(Path(run_dir) / "tensorboard")
+    assert set(scalars) == set(written)
+    for name, steps in written.items():
+        assert scalars[name] == pytest.approx(steps, rel=1e-6, nan_ok=True), name  # float32 in the event files
+    history = wandb_history(Path(run_dir))
+    assert set(history) == {step for steps in written.values() for step in steps}
+    for name, steps in written.items():
+        assert {step: history[step][name] for step in steps} == pytest.approx(steps, nan_ok=True), name
+
+
 def assert_learned(scores: list[float]) -> None:
     first, last = sum(scores[:5]) / 5, sum(scores[-10:]) / 10
     assert last > first + 0.1 and last > 0.75, f"reward did not rise clearly: {first:.3f} -> {last:.3f}"
@@ -58,7 +86,8 @@ def test_ppo_with_gae_and_grpo_learn(cluster_with_two_trainers, tmp_path, monkey
     cluster = cluster_with_two_trainers
     ppo, _ = resolve_config([str(EXAMPLES / "local_ppo.yaml"), f"trainer.total_training_steps={STEPS}",
                           "placement.critic=critics", "actor_rollout_ref.actor.use_kl_loss=true"], local=True)
-    grpo, _ = resolve_config([str(EXAMPLES / "local_grpo.yaml"), f"trainer.total_training_steps={STEPS}"], local=True)
+    grpo, _ = resolve_config([str(EXAMPLES / "local_grpo.yaml"), f"trainer.total_training_steps={STEPS}",
+                              "trainer.logger=[console,tensorboard,wandb]"], local=True)
 
     ppo_run, services = asyncio.run(run_to_end(cluster.coordinator, to_yaml(ppo)))
     assert ppo_run.state == "finished", ppo_run.error
@@ -66,6 +95,7 @@ def test_ppo_with_gae_and_grpo_learn(cluster_with_two_trainers, tmp_path, monkey
     grpo_run, _ = asyncio.run(run_to_end(cluster.coordinator, to_yaml(grpo)))
     assert grpo_run.state == "finished", grpo_run.error
     assert_learned(rewards(grpo_run.run_dir))
+    assert_loggers_hold(grpo_run.run_dir)
 
     db = sqlite3.connect(cluster.state_dir / "meshrl.db")
     (ppo_metrics,) = db.execute("SELECT metrics_json FROM steps WHERE run_id = ? AND step = ?",
