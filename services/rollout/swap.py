@@ -8,8 +8,8 @@ returns exactly what a fresh call under the new weights returns.
 
 An engine runs each Generate call through ``SwapGate.run`` as a
 ``GenerationCall``; a call that a restarting swap interrupts stops by raising
-``GenerationInterrupted`` and is run again once the swap is done. Each sync
-ends in a ``WeightSwap``, what the engine reports of it.
+``GenerationInterrupted`` and is run again once the swap is done.
+Each sync ends in a ``WeightSwap``, what the engine reports of it.
 """
 
 from __future__ import annotations
@@ -76,12 +76,16 @@ class SwapGate:
 
     A swap holds new calls back until it is done, and the calls in flight either finish first (``restart``
     false) or are interrupted: an interrupted call drops its work, waits for the swap to end and runs again
-    from scratch under the new weights."""
+    from scratch under the new weights.
+
+    The gate's state changes only between awaits, and every change that must be undone is undone in a
+    ``finally`` without awaiting: a call or a swap cancelled at any point (a client gone, a deadline passed)
+    leaves the gate as it found it."""
 
     def __init__(self) -> None:
         self._calls: set[GenerationCall] = set()
         self._swapping = False
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()  # set (and replaced) at each change: wakes whoever waits for one
 
     @property
     def generating(self) -> int:
@@ -93,9 +97,8 @@ class SwapGate:
         GenerationInterrupted, or ``call.unless_interrupted`` raises it)."""
         while True:
             call = GenerationCall()
-            async with self._changed:
-                await self._changed.wait_for(lambda: not self._swapping)
-                self._calls.add(call)
+            await self._until(lambda: not self._swapping)
+            self._calls.add(call)
             try:
                 return await attempt(call)
             except GenerationInterrupted:
@@ -103,26 +106,31 @@ class SwapGate:
                     raise
                 call.dropped = True
             finally:
-                async with self._changed:
-                    self._calls.discard(call)
-                    self._changed.notify_all()
+                self._calls.discard(call)
+                self._changed_now()
 
     @contextlib.asynccontextmanager
     async def swap(self, restart: bool = False):
         """Hold generation back (finishing or interrupting the calls in flight) for the body of the ``with``."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._swapping)
-            self._swapping = True
+        await self._until(lambda: not self._swapping)
+        self._swapping = True
+        try:
             stopped = list(self._calls) if restart else []
             for call in stopped:
                 call.interrupt()
-            await self._changed.wait_for(lambda: not self._calls)
-        restarted = sum(call.dropped for call in stopped)
-        if restarted:
-            log.info("generate_calls_restarted", calls=restarted)
-        try:
+            await self._until(lambda: not self._calls)
+            restarted = sum(call.dropped for call in stopped)
+            if restarted:
+                log.info("generate_calls_restarted", calls=restarted)
             yield
         finally:
-            async with self._changed:
-                self._swapping = False
-                self._changed.notify_all()
+            self._swapping = False
+            self._changed_now()
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._changed.wait()
+
+    def _changed_now(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()

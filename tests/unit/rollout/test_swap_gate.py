@@ -6,6 +6,7 @@ its work is done, as an engine stamps its samples."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -122,3 +123,74 @@ async def test_calls_that_fail_or_are_cancelled_leave_the_gate():
 
 def _raise_interrupted() -> int:
     raise GenerationInterrupted
+
+
+class Timeline:
+    """Every wait a swap can meet, each a few event-loop turns long: a call in flight that an earlier swap waits
+    for, a call that arrives during the earlier swap, then the swap under test (which waits for the earlier swap
+    to end and for the second call to finish, or interrupts it, then applies for a few turns)."""
+
+    TURNS = 3
+
+    def __init__(self, gate: SwapGate):
+        self.gate, self.tasks, self.applying, self.applied = gate, {}, False, False
+
+    async def work(self, call: GenerationCall) -> None:
+        async def turns() -> None:
+            for _ in range(self.TURNS):
+                await asyncio.sleep(0)
+
+        await call.unless_interrupted(turns())
+
+    async def earlier_swap(self) -> None:
+        async with self.gate.swap():
+            for _ in range(self.TURNS):
+                await asyncio.sleep(0)
+
+    async def swap_under_test(self, restart: bool) -> None:
+        async with self.gate.swap(restart):
+            self.applying = True
+            for _ in range(self.TURNS):
+                await asyncio.sleep(0)
+            self.applied = True
+
+    async def start(self, restart: bool) -> None:
+        self.tasks["first call"] = asyncio.create_task(self.gate.run(self.work))
+        await asyncio.sleep(0)
+        self.tasks["earlier swap"] = asyncio.create_task(self.earlier_swap())
+        await asyncio.sleep(0)
+        self.tasks["second call"] = asyncio.create_task(self.gate.run(self.work))
+        self.tasks["swap"] = asyncio.create_task(self.swap_under_test(restart))
+
+    def phase(self) -> str:
+        """Where the swap under test is, as seen from outside."""
+        if not self.tasks["earlier swap"].done():
+            return "behind the earlier swap"
+        return "applying" if self.applying else "draining the calls"
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["finish", "restart"])
+@pytest.mark.parametrize("cancelled", ["swap", "second call"])
+async def test_a_task_cancelled_at_any_turn_leaves_the_gate_open(restart, cancelled):
+    """Cancel one task (a ReceiveWeights' swap, or a Generate call) after 0, 1, 2, ... event-loop turns, until
+    it finishes first: whatever it was waiting for then, Generate calls and swaps go on afterwards."""
+    phases = set()
+    for turns in itertools.count():
+        gate = SwapGate()
+        timeline = Timeline(gate)
+        await timeline.start(restart)
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        victim = timeline.tasks[cancelled]
+        if victim.done():
+            break
+        phases.add(timeline.phase())
+        victim.cancel()
+        await asyncio.wait_for(asyncio.gather(*timeline.tasks.values(), return_exceptions=True), 5)
+        assert gate.generating == 0
+        await asyncio.wait_for(gate.run(timeline.work), 5)  # a Generate call goes through
+        await asyncio.wait_for(timeline.earlier_swap(), 5)  # and so does a swap
+    # cancelled while it waited for the earlier swap, while the swap under test waited for the second call, and
+    # while the swap applied (a call then waits to run again, if the swap interrupted it)
+    applying = ["applying"] if cancelled == "swap" or restart else []
+    assert phases == {"behind the earlier swap", "draining the calls", *applying}
