@@ -87,7 +87,7 @@ class HFRolloutEngine:
     async def generate(self, prompts, sampling, first_index):
         def attempt(call: GenerationCall) -> list[list[Completion]]:
             version = self.weight_version
-            groups = self.engine.generate(prompts, sampling, first_index, lambda: call.interrupted)
+            groups = self.engine.generate(prompts, sampling, first_index, call.should_stop)
             return [[dataclasses.replace(c, weight_version=version) for c in group] for group in groups]
 
         return await self.gate.run(lambda call: self._on_engine(attempt, call))

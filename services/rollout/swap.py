@@ -8,7 +8,10 @@ returns exactly what a fresh call under the new weights returns.
 
 An engine runs each Generate call through ``SwapGate.run`` as a
 ``GenerationCall``; a call that a restarting swap interrupts stops by raising
-``GenerationInterrupted`` and is run again once the swap is done.
+``GenerationInterrupted`` and is run again once the swap is done. A call
+whose client goes away is cancelled: async work (vLLM's requests) is
+cancelled with it, work on a thread (the hf engine) sees ``should_stop`` and
+ends at its next token step, so abandoned work does not hold the engine.
 Each sync ends in a ``WeightSwap``, what the engine reports of it.
 """
 
@@ -46,11 +49,20 @@ class GenerationCall:
     def __init__(self) -> None:
         self.interrupted = False  # set by a restarting swap; read by the engine between token steps (any thread)
         self.dropped = False  # it stopped on the interrupt (rather than finishing just before it)
+        self.abandoned = False  # its Generate call was cancelled (the client gone, its deadline passed)
         self._stop = asyncio.Event()
 
     def interrupt(self) -> None:
         self.interrupted = True
         self._stop.set()
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+    def should_stop(self) -> bool:
+        """Whether work on a thread, which cancelling the call does not reach, should stop at its next step
+        (GenerationInterrupted): interrupted by a swap, or abandoned."""
+        return self.interrupted or self.abandoned
 
     async def unless_interrupted(self, work: Awaitable[Result]) -> Result:
         """``work``'s result; if the call is interrupted first, ``work`` is cancelled and GenerationInterrupted
@@ -94,7 +106,8 @@ class SwapGate:
 
     async def run(self, attempt: Callable[[GenerationCall], Awaitable[Result]]) -> Result:
         """``attempt(call)`` outside any swap, again each time a swap interrupts it (it then raises
-        GenerationInterrupted, or ``call.unless_interrupted`` raises it)."""
+        GenerationInterrupted, or ``call.unless_interrupted`` raises it). A cancelled run abandons its call
+        (``call.abandoned``), for work the cancellation does not reach (on a thread)."""
         while True:
             call = GenerationCall()
             await self._until(lambda: not self._swapping)
@@ -105,6 +118,9 @@ class SwapGate:
                 if not call.interrupted:
                     raise
                 call.dropped = True
+            except asyncio.CancelledError:
+                call.abandon()
+                raise
             finally:
                 self._calls.discard(call)
                 self._changed_now()

@@ -88,14 +88,14 @@ class VLLMEngine:
 
         stops = sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set()))
 
-        async def one(index: int, prompt: list[int], version: int) -> list[Completion]:
+        async def one(index: int, prompt: list[int], version: int, request_id: str) -> list[Completion]:
             params = SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens, seed=hash_seed(sampling.seed, first_index + index, 0) % (1 << 31),
                 stop_token_ids=stops, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
             )
             final = None
-            async for output in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=uuid.uuid4().hex):
+            async for output in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
                 final = output
             return [completion_of(c, stops, version) for c in sorted(final.outputs, key=lambda c: c.index)]
 
@@ -104,9 +104,13 @@ class VLLMEngine:
                 raise Unavailable(f"this rollout's weights are not one whole version ({self.damaged}); it generates "
                                   "again once a sync swaps one in")
             version = self.weight_version  # a swap waits for this attempt or drops it: all come from this version
-            # an interrupt cancels the requests, and cancelling AsyncLLM.generate aborts them in vLLM
-            return list(await call.unless_interrupted(
-                asyncio.gather(*(one(i, p, version) for i, p in enumerate(prompts)))))
+            request_ids = [uuid.uuid4().hex for _ in prompts]
+            try:  # an interrupt cancels the requests (cancelling AsyncLLM.generate aborts its request in vLLM)
+                return list(await call.unless_interrupted(
+                    asyncio.gather(*(one(i, p, version, r) for i, (p, r) in enumerate(zip(prompts, request_ids))))))
+            except BaseException:  # nothing goes on generating for no one: neither the requests beside one that
+                await self.llm.abort(request_ids)  # failed, nor those of a call cancelled (its client gone, its
+                raise  # deadline passed); vLLM ignores the ids it has finished
 
         return await self.gate.run(attempt)
 
