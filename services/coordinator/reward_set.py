@@ -4,8 +4,11 @@ Mirrors the rollout set:
 - The run scores with the reward services up in its target (a group, or one address). At each step
   boundary (``refresh``) the set follows the target's services as they come and go.
 - A batch is spread over the replicas (``score``, through ReplicaPool): a shard whose replica fails is
-  redone on another; when every replica failed it, the run waits (state ``waiting``) until a service of
-  the target answers an empty Score, and the batch is scored again.
+  redone on another; when every replica failed it, the run waits (state ``waiting``, naming the services
+  that left) until a service of the target answers an empty Score, and the batch is scored again.
+- A replica that stops heartbeating (stopped, cut off: its calls would hang until their deadline) is
+  dropped at once (``drop``, called by the run's watchdog): its calls in flight are cancelled and their
+  shards scored on the others; it is taken back at a step boundary once it is up again.
 - A swap (``swap``, from ``coordctl reward set``) is probed first: each new service must score a probe
   batch (some prompts' ground truths as their responses) with valid scores, or the swap is refused and the
   run keeps its services. An accepted swap applies at the next step boundary; its event names the first
@@ -17,6 +20,7 @@ Mirrors the rollout set:
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -92,6 +96,26 @@ class RewardSet:
         self._next: tuple[list[RewardClient], RewardTarget] | None = None  # a swap waiting for the boundary
         self._switched = False  # a swap was applied: the next score call says which batch it scores first
         self._retired: list[RewardClient] = []  # clients left at the last boundary, closed at the next
+        self._pools: weakref.WeakSet[ReplicaPool] = weakref.WeakSet()  # of the batches scoring now: drop reaches them
+        self.left: dict[str, str] = {}  # address -> why it was dropped, until it scores for the run again
+
+    def addresses(self) -> list[str]:
+        return [client.address for client in self.clients]
+
+    async def drop(self, address: str, reason: str) -> None:
+        """Take a replica out now: no further shard goes to it, its calls in flight are cancelled and their shards
+        scored on the others (or, with none left, once one answers)."""
+        client = next((c for c in self.clients if c.address == address), None)
+        if client is None:
+            return
+        self.clients = [c for c in self.clients if c is not client]
+        for pool in list(self._pools):
+            pool.drop(client)
+        self.left[address] = reason
+        rest = (f"its batches go to {', '.join(self.addresses())}" if self.clients
+                else "no reward service is left: the run waits for one")
+        self.notices.log(f"reward {address} left the run ({reason}); {rest}", kind="reward")
+        await client.close()
 
     async def score(self, samples: list[RewardSample], what: str) -> Scored:
         """One score per sample, the batch spread over the replicas (waiting for the target's services if every
@@ -108,8 +132,11 @@ class RewardSet:
                              f"services and scoring the batch again")
             await self._wait_for_answering()
 
-        shards = await map_shards_recovering(lambda: ReplicaPool("reward", self.clients), len(samples), call,
-                                             SCORING_ATTEMPTS, wait)
+        def pool() -> ReplicaPool[RewardClient]:
+            self._pools.add(replicas := ReplicaPool("reward", self.clients))
+            return replicas
+
+        shards = await map_shards_recovering(pool, len(samples), call, SCORING_ATTEMPTS, wait)
         return Scored([score for (scores, _), _ in shards for score in scores],
                       [ScoredBy(service_id, replica.address) for (scores, service_id), replica in shards
                        for _ in scores])
@@ -158,8 +185,9 @@ class RewardSet:
             await asyncio.gather(*(c.close() for c in clients))
             return [c.address for c, answer in zip(clients, answers) if not isinstance(answer, BaseException)]
 
-        addresses = await wait_for(answering, self.notices, self.should_stop,
-                                   f"no reward service of {self.target} answers: waiting for one to register")
+        gone = "; ".join(f"{address} left the run: {reason}" for address, reason in self.left.items())
+        addresses = await wait_for(answering, self.notices, self.should_stop, f"no reward service of {self.target} "
+                                   f"answers{f' ({gone})' if gone else ''}; waiting for one to answer")
         await self._use(self.clients, addresses, "to score the batch again")
 
     async def _use(self, clients: list[RewardClient], addresses: list[str], when: str) -> None:
@@ -168,6 +196,8 @@ class RewardSet:
         if set(addresses) != set(by_address):
             self.notices.log(f"reward replicas of {self.target} {when}: {sorted(addresses)}", kind="reward")
         new = [by_address.get(address) or self.connect(address) for address in addresses]
+        for address in addresses:
+            self.left.pop(address, None)
         retired = [c for c in {*self.clients, *clients} if c not in new]
         self.clients = new
         # closed one boundary later: a batch generated ahead may still be scoring on them

@@ -336,8 +336,9 @@ class RunManager:
         """One go at the run with the services up now, from ``resume`` (or the start); True if it completed.
 
         A trainer of the run that stops heartbeating (killed, stopped, cut off) ends the attempt at once with
-        Unavailable naming it, whatever call was waiting on it; a rollout that does leaves the run's rollout
-        set, and the attempt goes on with the others. A run that only validates has no trainer."""
+        Unavailable naming it, whatever call was waiting on it; a rollout or reward service that does leaves the
+        run's rollout or reward set, and the attempt goes on with the others. A run that only validates has no
+        trainer."""
         trainers = await self._connect(run_id, config)
         reporter = RunReporter(self, run_id, run_dir, self._writes[run_id], self._samples_dir(config, run_dir))
         should_stop = lambda: run_id in self._stop_requested  # noqa: E731
@@ -353,7 +354,7 @@ class RunManager:
             await reporter.open_loggers(config, resume.step + 1 if resume else 0)
             addresses = {client.address for client in trainers.roles()} if trainers else set()
             loop = asyncio.ensure_future(ppo.run(resume))
-            watchdog = asyncio.ensure_future(self._watch_members(addresses, rollouts))
+            watchdog = asyncio.ensure_future(self._watch_members(addresses, rollouts, rewards))
             await asyncio.wait({loop, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if not loop.done():
                 loop.cancel()
@@ -368,17 +369,21 @@ class RunManager:
             await asyncio.gather(*(client.close() for client in (trainers.roles() if trainers else ())), rollouts.close(),
                                  rewards.close(), reporter.close())
 
-    async def _watch_members(self, trainers: set[str], rollouts: RolloutSet) -> bool:
+    async def _watch_members(self, trainers: set[str], rollouts: RolloutSet, rewards: RewardSet) -> bool:
         """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer
-        up from the run's rollout set."""
+        up from the run's rollout set, and a reward service that is registered but silent from its reward set
+        (one a swap named by address may be one that does not register)."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             up = {record.address for record in self.registry.all() if self.registry.is_up(record)}
+            down = {record.address for record in self.registry.all()} - up
             silent = f"no heartbeat for {self.registry.down_after_s:.0f} s"
             for address in trainers - up:
                 raise Unavailable(f"the trainer at {address} stopped answering ({silent})")
             for address in set(rollouts.addresses()) - up:
                 await rollouts.drop(address, silent)
+            for address in set(rewards.addresses()) & down:
+                await rewards.drop(address, silent)
 
     @staticmethod
     async def _name_silent_trainers(trainers: list[TrainerClient], failure: Exception) -> Exception:
