@@ -6,6 +6,18 @@ told to join with its rank, concurrently, since joining blocks until all
 have arrived. Each channel is a torch.distributed gloo group of its own, not
 the process's default group, so a process may be in several.
 
+The store is reachable by whoever can reach the root's address (TCPStore has
+no authentication: anyone there may read, list and write its keys). So the
+rendezvous carries a fresh secret of the channel besides the store's address
+(``host:port secret``; the coordinator hands it to the members in their
+JoinChannel requests, over the cluster's authenticated gRPC), and every value
+a member writes is signed with it (HMAC-SHA256 of key and value,
+``SignedStore``): a value that a stranger wrote is never taken, its reader
+waits for a signed one until the deadline. A stranger cannot redirect a
+member to an address of its own, so it can neither read the weights nor
+send its own; it can still delay a channel's formation, as a flood of its
+port would.
+
 Every collective has the channel's deadline: a member that does not show up
 makes the call fail with ``TimeoutError`` instead of hanging. ``abandon``
 (from any thread) ends the transfers on the group at once, here and at the
@@ -17,28 +29,87 @@ connection of the group.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import secrets
 import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 
-def prepare_gloo_rendezvous(host: str, timeout_s: float, listen_host: str | None = None
-                            ) -> tuple[dist.TCPStore, bytes]:
-    """Open the store that a gloo channel meets at, where members reach it at ``host``, on a free port of
-    ``listen_host`` (default ``host``): the address the service itself is bound to, since a store bound to
-    every interface would take anyone's keys from any network.
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 
-    Returns the store (keep it alive until the channel is joined) and its
-    address as the rendezvous bytes that members pass to ``GlooChannel``.
+
+def rendezvous_host(bound_host: str, coordinator: str) -> str:
+    """Where a service's rendezvous stores listen, and members reach them: the address the service is bound to;
+    for a service bound to every interface, its address towards the coordinator (the network the cluster's
+    members share). Never every interface: a store there would take anyone's keys from any network."""
+    if bound_host not in WILDCARDS:
+        return bound_host.strip("[]")
+    return address_towards(coordinator.rpartition(":")[0].strip("[]") or "127.0.0.1")
+
+
+def prepare_gloo_rendezvous(host: str, timeout_s: float) -> tuple[dist.TCPStore, bytes]:
+    """Open the store that a gloo channel meets at, listening on ``host`` only (``rendezvous_host``), where
+    members reach it, on a free port.
+
+    Returns the store (keep it alive until the channel is joined) and the
+    rendezvous bytes that members pass to ``GlooChannel``: its address and a
+    fresh secret, ``host:port secret``.
     """
-    listen_host = listen_host or host
-    listener = socket.create_server((listen_host, 0), family=socket.AF_INET6 if ":" in listen_host else socket.AF_INET,
-                                    backlog=128)
+    listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128)
     store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
-    return store, f"{host}:{store.port}".encode()
+    return store, f"{host}:{store.port} {secrets.token_hex(16)}".encode()
+
+
+def parse_rendezvous(rendezvous: bytes) -> tuple[str, int, bytes]:
+    """(host, port, secret) of a gloo rendezvous ``host:port secret``; ValueError naming the form otherwise."""
+    address, _, secret = rendezvous.decode(errors="replace").partition(" ")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not secret:
+        raise ValueError(f"gloo rendezvous must be 'host:port secret', got {rendezvous[:80]!r}")
+    return host, int(port), secret.encode()
+
+
+class SignedStore(dist.Store):
+    """The rendezvous store as the members use it: every value is written with an HMAC-SHA256 of its key and
+    value under the channel's secret, and read only with a valid one. A value without (a stranger's) is passed
+    over: the reader waits for the key to be written again, by a member, until the deadline.
+
+    gloo calls ``set``, ``wait`` and ``get`` only. Keep a reference to this object for as long as the group
+    uses it: torch holds the C++ side only."""
+
+    POLL_S = 0.01
+
+    def __init__(self, store: dist.Store, secret: bytes, timeout: datetime.timedelta):
+        super().__init__()
+        self.store, self.secret, self.timeout_s = store, secret, timeout.total_seconds()
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, self._mac(key, value) + value)
+
+    def get(self, key: str) -> bytes:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            signed = self.store.get(key)
+            mac, value = signed[:32], signed[32:]
+            if hmac.compare_digest(mac, self._mac(key, value)):
+                return value
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"rendezvous key {key!r} holds a value not signed with the channel's "
+                                          f"secret (written by a stranger), and no member wrote it again within "
+                                          f"{self.timeout_s} s")
+            time.sleep(self.POLL_S)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self.store.wait(keys, timeout or datetime.timedelta(seconds=self.timeout_s))
 
 
 def address_towards(host: str) -> str:
@@ -57,9 +128,7 @@ class GlooChannel:
     """A torch.distributed gloo group of its own (not the process's default group)."""
 
     def __init__(self, channel_id: str, rendezvous: bytes, rank: int, world_size: int, timeout_s: float):
-        host, _, port = rendezvous.decode().rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"gloo rendezvous must be host:port, got {rendezvous!r}")
+        host, port, secret = parse_rendezvous(rendezvous)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -67,7 +136,8 @@ class GlooChannel:
         self.device = torch.device("cpu")
         self.abandoned = False
         self._lock = threading.Lock()  # a transfer is started on the group, or the channel abandoned, not both
-        store = dist.PrefixStore(f"channel/{channel_id}/", dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
+        self._signed = SignedStore(dist.TCPStore(host, port, is_master=False, timeout=timeout), secret, timeout)
+        store = dist.PrefixStore(f"channel/{channel_id}/", self._signed)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_towards(host))]

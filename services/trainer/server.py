@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.channel import ChannelTable, gpu_uuid
-from services.common.gloo_channel import prepare_gloo_rendezvous
+from services.common.gloo_channel import prepare_gloo_rendezvous, rendezvous_host
 from services.common.config import parse_yaml, validate
 from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
@@ -205,8 +204,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.stores.clear()
         if request.backend == "nccl":
             return trainer_pb2.PrepareChannelResponse(rendezvous=await asyncio.to_thread(new_unique_id))
-        host = self.identity.address.rpartition(":")[0] or socket.gethostname()
-        store, rendezvous = await asyncio.to_thread(prepare_gloo_rendezvous, host, 60.0, self.config.host)
+        host = rendezvous_host(self.config.host, self.config.coordinator)
+        store, rendezvous = await asyncio.to_thread(prepare_gloo_rendezvous, host, 60.0)
         self.stores[request.channel_id] = store
         return trainer_pb2.PrepareChannelResponse(rendezvous=rendezvous)
 

@@ -359,10 +359,9 @@ def test_receive_with_no_sender_times_out():
 
 
 @pytest.mark.parametrize(("rendezvous", "rank", "message"), [
-    (b"no-port", 0, "gloo rendezvous must be host:port"),
-    (b"127.0.0.1:http", 0, "gloo rendezvous must be host:port"),
-    (b"127.0.0.1:1", 3, "rank 3 is outside world_size 3"),
-    (b"127.0.0.1:1", -1, "rank -1 is outside world_size 3"),
+    (b"no-port secret", 0, "gloo rendezvous must be 'host:port secret'"),
+    (b"127.0.0.1:1 secret", 3, "rank 3 is outside world_size 3"),
+    (b"127.0.0.1:1 secret", -1, "rank -1 is outside world_size 3"),
 ])
 def test_bad_join_arguments_are_refused_at_once(rendezvous, rank, message):
     with pytest.raises(ValueError, match=message):
