@@ -29,6 +29,12 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.down_after_s = heartbeat_interval_s * misses
         self._records: dict[str, ServiceRecord] = {}
+        self._awake_since = 0.0  # time.monotonic() when this process last came back from not running
+
+    def woke(self) -> None:
+        """This process did not run for a while (SIGSTOP, a starved machine): the heartbeats sent meanwhile could
+        not be taken, so every service gets a fresh window of down_after_s from now to be seen again."""
+        self._awake_since = time.monotonic()
 
     def register(self, record: ServiceRecord) -> None:
         """Add or refresh a service; an older entry at the same address is replaced (a restart)."""
@@ -50,7 +56,7 @@ class Registry:
         self._records.pop(service_id, None)
 
     def is_up(self, record: ServiceRecord) -> bool:
-        return time.monotonic() - record.last_seen < self.down_after_s
+        return time.monotonic() - max(record.last_seen, self._awake_since) < self.down_after_s
 
     def all(self) -> list[ServiceRecord]:
         return sorted(self._records.values(), key=lambda r: (r.kind, r.address))

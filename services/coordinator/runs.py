@@ -372,9 +372,14 @@ class RunManager:
     async def _watch_members(self, trainers: set[str], rollouts: RolloutSet, rewards: RewardSet) -> bool:
         """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer
         up from the run's rollout set, and a reward service that is registered but silent from its reward set
-        (one a swap named by address may be one that does not register)."""
+        (one a swap named by address may be one that does not register). Silence while the coordinator itself
+        did not run (stopped, starved) is not the services': they get a fresh window."""
+        last = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            if time.monotonic() - last > WATCH_INTERVAL_S + self.registry.heartbeat_interval_s:
+                self.registry.woke()
+            last = time.monotonic()
             up = {record.address for record in self.registry.all() if self.registry.is_up(record)}
             down = {record.address for record in self.registry.all()} - up
             silent = f"no heartbeat for {self.registry.down_after_s:.0f} s"

@@ -92,3 +92,14 @@ def test_the_wire_keeps_what_a_service_says_about_itself_and_tells_version_0_fro
     assert status.identity == identity and status.state == "up" and status.last_seen_s == 1.5
     assert status.HasField("weight_version") and status.weight_version == 0
     assert not status_to_pb(record("r2"), up=False, now=0.0).HasField("weight_version")
+
+
+def test_after_the_coordinator_did_not_run_every_service_gets_a_fresh_window():
+    registry = Registry(heartbeat_interval_s=0.1, misses=3)  # down after 0.3 s
+    registry.register(record("r1"))
+    time.sleep(0.4)  # the coordinator stopped (SIGSTOP): no heartbeat could be taken
+    assert registry.up("rollout") == []
+    registry.woke()
+    assert [r.service_id for r in registry.up("rollout")] == ["r1"]
+    time.sleep(0.35)  # and still silent a whole window after the coordinator came back: down
+    assert registry.up("rollout") == []
