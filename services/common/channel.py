@@ -4,8 +4,9 @@ table of the channels it has joined.
 A channel is a fixed group of ranks; rank 0 (the trainer) sends, the others
 (rollout engines) receive. The coordinator arranges it: the root prepares a
 rendezvous (for gloo, ``gloo_channel.prepare_gloo_rendezvous`` opens a store
-and returns its address), every member (root included) is then told to join
-with its rank, concurrently, since joining blocks until all have arrived.
+and returns its address and the channel's secret), every member (root
+included) is then told to join with its rank, concurrently, since joining
+blocks until all have arrived.
 On CPU the channel is a gloo group (``gloo_channel``); on GPU the same
 interface sits on NCCL through cupy (``nccl_channel``), or on CUDA IPC where
 members share a GPU (``ipc_channel``).

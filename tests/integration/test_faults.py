@@ -233,7 +233,8 @@ def test_seeded_random_faults_on_the_coordinator_too_with_generation_ahead_lose_
     the wrong moment left a rollout's swap gate shut."""
     steps, rng = 12, random.Random(7)
     schedule = random_schedule(rng, 3, steps)
-    assert [(f.kind, f.how) for f in schedule] == [("rollout", "kill"), ("coordinator", "stop"), ("coordinator", "kill")]
+    assert [(f.kind, f.how) for f in schedule] == [("rollout", "kill"), ("coordinator", "stop"),
+                                                   ("coordinator", "kill")]
     assert schedule[1].stop_s > 5  # longer than the services' heartbeat window
     cluster = make_cluster(*SERVICES)
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps, trainer__save_freq=2,

@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 
+from bench.faults import service_address
 from services.coordinator.clients import RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.control import CoordinatorClient
@@ -91,7 +92,7 @@ def test_a_stopped_reward_service_is_dropped_or_waited_for_by_name(cluster, tiny
                 os.kill(pid, signal.SIGCONT)
             await client.close()
 
-    final = asyncio.run(scenario())
+    final = asyncio.run(asyncio.wait_for(scenario(), 300))
     assert final.state == "stopped", final.error
     assert list(seen) == ["stopped first", "first left", "stopped second", "waiting"]
     with sqlite3.connect(cluster.state_dir / "meshrl.db") as db:
@@ -107,12 +108,6 @@ def test_a_stopped_reward_service_is_dropped_or_waited_for_by_name(cluster, tiny
 
 def scorers(metrics: dict[str, float]) -> list[str]:
     return [k.removeprefix("reward/samples_by/") for k in metrics if k.startswith("reward/samples_by/")]
-
-
-def service_address(cluster: LocalCluster, name: str) -> str:
-    from bench.faults import service_address as address
-
-    return address(cluster, name)
 
 
 async def cluster_services(cluster: LocalCluster):
