@@ -16,6 +16,7 @@ from services.common.errors import FailedPrecondition, ResourceExhausted, status
 from services.coordinator import disk
 from services.coordinator.disk import (RunWrites, append_line, disk_fault, metrics_lines, refused_by_state_dir,
                                        trainer_disk_fault)
+from services.coordinator.runs import RunReporter
 
 
 def test_disk_fault_names_the_file_and_the_systems_words():
@@ -155,3 +156,31 @@ def test_a_wait_for_a_checkpoints_disk_is_shown_at_once_and_recorded_when_the_ru
         "state waiting the disk: the trainer at t:1 cannot save the checkpoint: No space left on device",
         "state running"]
     assert changes == [changes[0], None]
+
+
+def test_a_steps_samples_file_the_disk_refuses_is_held_with_the_runs_records_and_written_once_it_takes_them(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(disk, "WAIT_POLL_S", 0.01)
+    full, write_text, changes = [True], Path.write_text, []
+
+    def refusing_write_text(path, text):
+        if full[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write_text(path, text)
+
+    monkeypatch.setattr(Path, "write_text", refusing_write_text)
+    writes = RunWrites(lambda state, error: changes.append((state, error)), tmp_path / "db", lambda cause: None)
+    reporter = RunReporter(None, "r", tmp_path, writes, tmp_path / "rollout_data")
+
+    async def scenario():
+        await reporter.samples(3, [{"step": 3, "output": "a"}, {"step": 3, "output": "b"}])  # held, not raised
+        settling = asyncio.ensure_future(writes.settle())
+        await asyncio.sleep(0.05)
+        assert not settling.done() and "rollout_data/3.jsonl.tmp: No space left on device" in writes.waiting_for
+        full[0] = False
+        await asyncio.wait_for(settling, 1)
+
+    asyncio.run(scenario())
+    assert [json.loads(line)["output"] for line in (tmp_path / "rollout_data" / "3.jsonl").read_text().splitlines()] \
+        == ["a", "b"]
+    assert [state for state, _ in changes] == ["waiting", "running"]
