@@ -1,15 +1,21 @@
 """When the state directory's disk refuses a run's write (full, read-only, failing): what to tell a person, and
 the run's writes, kept in order until the disk takes them again.
 
-A run's records are its run DB rows, metrics.jsonl, its validation files and reward.png. A write the disk
-refuses is held in memory with every write after it; the run goes on to the end of its step, then waits
-(state ``waiting``, the cause naming the file and the error) and tries again every ``WAIT_POLL_S``, so that
-nothing it recorded is lost and no later record lands before an earlier one.
+A run's records are its run DB rows, metrics.jsonl, its validation files, its samples files
+(trainer.rollout_data_dir) and reward.png. A write the disk refuses is held in memory with every write after
+it; the run goes on to the end of its step, then waits (state ``waiting``, the cause naming the file and the
+error) and tries again every ``WAIT_POLL_S``, so that nothing it recorded is lost and no later record lands
+before an earlier one. A checkpoint the trainer's disk refuses makes the run wait the same way (``wait``).
+
+A call that must write into the state directory before a run exists (StartRun, ResumeRun) is refused instead
+(``refused_by_state_dir``): RESOURCE_EXHAUSTED when the disk is full (free space, then call again),
+FAILED_PRECONDITION when it is read-only or failing (fix the disk, then call again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -19,9 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import grpc
+
+from services.common.errors import FailedPrecondition, ResourceExhausted
 from services.coordinator.waiting import WAIT_POLL_S
 
 DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO)
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 SQLITE_DISK_ERRORS = {  # SQLite's own words for a refused write -> the errno a person knows
     "database or disk is full": errno.ENOSPC,
     "attempt to write a readonly database": errno.EROFS,
@@ -29,15 +39,58 @@ SQLITE_DISK_ERRORS = {  # SQLite's own words for a refused write -> the errno a 
 }
 
 
+def refusing_errno(error: BaseException) -> int | None:
+    """The errno of a write the disk refused (one of DISK_ERRNOS); None when ``error`` is not the disk's."""
+    if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
+        return error.errno
+    if isinstance(error, sqlite3.OperationalError):
+        return SQLITE_DISK_ERRORS.get(str(error))
+    return None
+
+
 def disk_fault(error: BaseException, path: Path) -> str | None:
     """The cause of a write to ``path`` that the disk refused, for a person, after 'waiting for' (the file, and
     the error as the system says it: 'No space left on device', 'Read-only file system'); None when ``error`` is
     not the disk's."""
-    if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
+    number = refusing_errno(error)
+    if number is None:
+        return None
+    if isinstance(error, OSError):
         return f"the disk: cannot write {error.filename or path}: {error.strerror}"
-    if isinstance(error, sqlite3.OperationalError) and str(error) in SQLITE_DISK_ERRORS:
-        return f"the disk: cannot write {path}: {os.strerror(SQLITE_DISK_ERRORS[str(error)])} ({error})"
-    return None
+    return f"the disk: cannot write {path}: {os.strerror(number)} ({error})"
+
+
+def trainer_disk_fault(error: BaseException, address: str) -> str | None:
+    """The cause, for a person, of a checkpoint save that the trainer at ``address`` failed with ``error``, when
+    its status names a disk's refusal in the system's words ('No space left on device', ...); else None."""
+    details = (error.details() or "") if isinstance(error, grpc.aio.AioRpcError) else ""
+    words = [os.strerror(number) for number in DISK_ERRNOS]
+    line = next((line.strip() for line in details.splitlines() if any(word in line for word in words)), None)
+    return None if line is None else f"the disk: the trainer at {address} cannot save the checkpoint: {line[:500]}"
+
+
+class DiskRefused(Exception):
+    """A write outside the run's records that its disk refused (a trainer's checkpoint); the message is the
+    cause, for a person."""
+
+
+@contextlib.contextmanager
+def refused_by_state_dir(doing: str, path: Path):
+    """Around writes into the state directory (``path``: the file they write, if the error does not name it)
+    that a call makes before its run exists: a write the disk refuses ends the call with ResourceExhausted (no
+    space: free some, then call again) or FailedPrecondition (read-only or failing: fix the disk, then call
+    again), naming ``doing``, the file and the system's error."""
+    try:
+        yield
+    except Exception as error:
+        number, cause = refusing_errno(error), disk_fault(error, path)
+        if cause is None:
+            raise
+        if number in NO_SPACE_ERRNOS:
+            raise ResourceExhausted(f"cannot {doing}: {cause.removeprefix('the disk: ')} (the state directory's "
+                                    "disk is full: free space on it, then try again)") from None
+        raise FailedPrecondition(f"cannot {doing}: {cause.removeprefix('the disk: ')} (the state directory's disk "
+                                 "refuses writes: make it writable, then try again)") from None
 
 
 def append_line(path: Path, line: str) -> None:
@@ -118,3 +171,10 @@ class RunWrites:
         if self.waiting_for is not None:
             self.waiting_for = None
             self._changed(None)
+
+    def wait(self, cause: str | None) -> None:
+        """The run waits for a disk that refused a write outside its records (a checkpoint's): state ``waiting``
+        with ``cause``, shown at once whatever the run DB takes; None: it goes on (state ``running``)."""
+        self.waiting_for = cause
+        self.write(lambda: self._record_state("waiting" if cause else "running", cause or ""), self._db_path)
+        self._changed(cause)

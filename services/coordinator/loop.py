@@ -48,6 +48,7 @@ from services.common.sequences import SequenceBatch, join_ragged
 from services.common.timing import StageTimer
 from services.coordinator import generation
 from services.coordinator.clients import CheckpointRefused, TrainerClient
+from services.coordinator.disk import DiskRefused, trainer_disk_fault
 from services.common.data import Prompt
 from services.coordinator.sampler import PromptSampler
 from services.coordinator.samples import step_records
@@ -59,6 +60,9 @@ from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import LoopSettings
 from services.coordinator.store import Checkpoint
 from services.coordinator.validation import Validated, validate
+from services.coordinator.waiting import retry_while
+
+SAVE_RETRY_S = 2.0  # a checkpoint save its disk refused is tried again this often (each try writes until refused)
 
 
 class Reporter(Protocol):
@@ -81,9 +85,13 @@ class Reporter(Protocol):
     def validation(self, validated: Validated) -> None:
         """A validation is done: its metrics (recorded with its step's) and every response it scored."""
 
-    def samples(self, step: int, records: list[dict]) -> None:
-        """Step ``step``'s responses with their lineage (samples.step_records), to keep (called on a worker
-        thread, with trainer.rollout_data_dir set)."""
+    async def samples(self, step: int, records: list[dict]) -> None:
+        """Step ``step``'s responses with their lineage (samples.step_records), to keep (with
+        trainer.rollout_data_dir set; written on a worker thread, held while the disk refuses them)."""
+
+    def disk_waiting(self, cause: str | None) -> None:
+        """A checkpoint's disk refuses it (``cause``): the run waits for it (state waiting, shown at once);
+        None: it goes on."""
 
 
 @dataclass
@@ -289,11 +297,11 @@ class PPOLoop:
         return estimate
 
     async def keep_samples(self, step: int, rollouts: Rollouts, served: int, estimate: Estimate) -> None:
-        """With trainer.rollout_data_dir: every response of the step with its lineage, to the reporter (on a
-        worker thread: records and the file are the size of the batch)."""
+        """With trainer.rollout_data_dir: every response of the step with its lineage, to the reporter (made on a
+        worker thread: the records are the size of the batch)."""
         if self.settings.keep_samples:
-            await asyncio.to_thread(
-                lambda: self.reporter.samples(step, step_records(step, rollouts, served, estimate.advantages)))
+            records = await asyncio.to_thread(step_records, step, rollouts, served, estimate.advantages)
+            await self.reporter.samples(step, records)
 
     async def update(self, rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, step: int,
                      timer: StageTimer) -> Updated:
@@ -455,10 +463,22 @@ class PPOLoop:
         return {**self.data_after[step], "kl_coef": self.kl_coef, "reward_target": [target.kind, target.name]}
 
     async def save_checkpoint(self, step: int) -> None:
-        """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step."""
-        folder = self.checkpoint_dir / f"step_{step:06d}"
-        await asyncio.gather(*(trainer.save_checkpoint(self.run_id, str(folder / "-".join(roles)), self.timeout)
-                               for trainer, roles in self.trainers.roles().items()))
+        """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step. A save
+        a trainer's disk refuses (full, read-only) makes the run wait, saying so, and is tried again every
+        SAVE_RETRY_S until the disk takes it (or the run is stopped)."""
+        folder, roles = self.checkpoint_dir / f"step_{step:06d}", self.trainers.roles()
+
+        async def save_all() -> None:
+            outcomes = await asyncio.gather(*(trainer.save_checkpoint(self.run_id, str(folder / "-".join(names)),
+                                                                      self.timeout)
+                                              for trainer, names in roles.items()), return_exceptions=True)
+            for trainer, outcome in zip(roles, outcomes):
+                if isinstance(outcome, BaseException):
+                    cause = trainer_disk_fault(outcome, trainer.address)
+                    raise outcome if cause is None else DiskRefused(cause)
+
+        await retry_while(save_all, lambda error: str(error) if isinstance(error, DiskRefused) else None,
+                          self.reporter.disk_waiting, self.should_stop, SAVE_RETRY_S)
         self.reporter.checkpoint(step, str(folder), self.loop_state(step))
         self.saved_step = step
         self.data_after = {later: state for later, state in self.data_after.items() if later > step}

@@ -27,7 +27,7 @@ from services.common.run_check import RunData, check_loggers_installed, load_run
 from services.common.run_config import RunConfig
 from services.coordinator import telemetry
 from services.coordinator.clients import TrainerClient
-from services.coordinator.disk import RunWrites, append_line, disk_fault, metrics_lines
+from services.coordinator.disk import RunWrites, append_line, disk_fault, metrics_lines, refused_by_state_dir
 from services.coordinator.loggers import Loggers, RunNames, open_loggers
 from services.coordinator.loop import PPOLoop, Trainers
 from services.common.plot import plot_reward
@@ -117,14 +117,28 @@ class RunReporter:
     def waiting(self, reason: str | None) -> None:
         self.manager._set_state(self.run_id, "waiting" if reason else "running", reason or "")
 
-    def samples(self, step: int, records: list[dict]) -> None:
+    async def samples(self, step: int, records: list[dict]) -> None:
         """Into <samples_dir>/<step>.jsonl (verl's file), replacing the one of an earlier attempt at the step; whole
-        or not at all for a reader (written aside, then renamed)."""
-        self.samples_dir.mkdir(parents=True, exist_ok=True)
+        or not at all for a reader (written aside, then renamed). Written on a worker thread; one the disk refuses
+        is held with the run's records, and written again with them once it takes them."""
         path = self.samples_dir / f"{step}.jsonl"
-        written = path.with_name(path.name + ".tmp")
-        written.write_text("".join(json.dumps(record) + "\n" for record in records))
-        written.replace(path)
+        text = await asyncio.to_thread(lambda: "".join(json.dumps(record) + "\n" for record in records))
+
+        def write() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            written = path.with_name(path.name + ".tmp")
+            written.write_text(text)
+            written.replace(path)
+
+        try:
+            await asyncio.to_thread(write)
+        except OSError as refused:
+            if disk_fault(refused, path) is None:
+                raise
+            self.writes.write(write, path)
+
+    def disk_waiting(self, cause: str | None) -> None:
+        self.writes.wait(cause)
 
     def validation(self, validated: Validated) -> None:
         """Its metrics into the step's record and metrics.jsonl, its responses into validation/step_N.jsonl."""
@@ -188,12 +202,13 @@ class RunManager:
         run_dir = self.state_dir / "runs" / run_id
         self._check_checkpoint_dir(config, run_dir)  # before anything is made
         self._samples_dir(config, run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         resolved = to_yaml(config)
-        (run_dir / "config.yaml").write_text(resolved)
-        self.store.create_run(run_id, config.trainer.experiment_name, resolved, str(run_dir), config.trainer.steps)
-        for notice in [*config.notices(), *([f"{data.describe()}"] if data.dropped else [])]:
-            self.store.add_event(run_id, "log", 0, "", notice, {})
+        with refused_by_state_dir("start the run", self.store.path):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(resolved)
+            self.store.create_run(run_id, config.trainer.experiment_name, resolved, str(run_dir), config.trainer.steps)
+            for notice in [*config.notices(), *([f"{data.describe()}"] if data.dropped else [])]:
+                self.store.add_event(run_id, "log", 0, "", notice, {})
         self._tasks[run_id] = asyncio.create_task(self._execute(run_id, config, resolved, data, run_dir))
         log.info("run_started", run_id=run_id, run_dir=str(run_dir))
         return self.store.get_run(run_id), 0
@@ -265,13 +280,14 @@ class RunManager:
         try:
             data = await asyncio.to_thread(load_run_data, config)
             run_dir, step = Path(row.run_dir), checkpoint.step if checkpoint else 0
-            self._rewind(run_id, run_dir, step)
-            if checkpoint is None:
-                self.store.add_event(run_id, "log", 0, "", "no checkpoint to resume from: running it again from the "
-                                     "start", {})
-            elif why:
-                self.store.add_event(run_id, "log", step, "", f"going on from the checkpoint of step {step} {why} "
-                                     "(with the run's own config)", {})
+            with refused_by_state_dir(f"resume run {run_id}", self.store.path):
+                self._rewind(run_id, run_dir, step)
+                if checkpoint is None:
+                    self.store.add_event(run_id, "log", 0, "", "no checkpoint to resume from: running it again from "
+                                         "the start", {})
+                elif why:
+                    self.store.add_event(run_id, "log", step, "", f"going on from the checkpoint of step {step} {why} "
+                                         "(with the run's own config)", {})
             self._stop_requested.discard(run_id)
             self._tasks[run_id] = asyncio.create_task(
                 self._execute(run_id, config, row.config_yaml, data, run_dir, checkpoint))

@@ -1,7 +1,8 @@
 """How a run waits for services: the notices it gives while waiting, and the stop that ends a wait.
 
 A run that has no rollout or reward service to go on with waits (state ``waiting``, with the reason) and
-looks again every ``WAIT_POLL_S``; the run's own stop request ends the wait with ``RunStopped``.
+looks again every ``WAIT_POLL_S``; the run's own stop request ends the wait with ``RunStopped``. A call that
+fails for a reason the run can wait out (a checkpoint its disk refuses) is tried again (``retry_while``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,31 @@ async def wait_for(look: Callable[[], Awaitable[Found]], notices: Notices, shoul
     if waiting:
         notices.waiting(None)
     return found
+
+
+async def retry_while(attempt: Callable[[], Awaitable[Found]], refusal: Callable[[Exception], str | None],
+                      waiting: Callable[[str | None], None], should_stop: Callable[[], bool],
+                      every_s: float) -> Found:
+    """``await attempt()`` until it succeeds. While it fails with an error that ``refusal`` gives a reason for,
+    the run waits (``waiting(reason)``, then ``waiting(None)``) and tries again every ``every_s``; any other
+    error is raised, and RunStopped if the run is stopped meanwhile."""
+    reason = None
+    while True:
+        try:
+            found = await attempt()
+        except Exception as error:
+            now = refusal(error)
+            if now is None:
+                raise
+            if now != reason:
+                waiting(reason := now)
+            if should_stop():
+                raise RunStopped(f"the run was stopped while it waited ({reason})") from None
+            await asyncio.sleep(every_s)
+            continue
+        if reason is not None:
+            waiting(None)
+        return found
 
 
 def describe(error: BaseException) -> str:

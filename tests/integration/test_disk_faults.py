@@ -1,7 +1,9 @@
 """Disk faults under the coordinator's state directory, on real processes: a full and then a read-only state
 directory (a small tmpfs; CI runs as root) make the run wait, saying why, and it goes on when the disk
-recovers, nothing lost; a torn last line of metrics.jsonl does not block a resume; a damaged run DB stops
-the coordinator at start with a message naming the file and what to do."""
+recovers, nothing lost (its records and its samples files); meanwhile StartRun and ResumeRun are refused
+naming the file; a full checkpoint disk (a second tmpfs) makes the run wait for the trainer's save; a torn
+last line of metrics.jsonl does not block a resume; a damaged run DB stops the coordinator at start with a
+message naming the file and what to do."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from services.common.cli import REFUSED_EXIT_CODE
@@ -22,7 +25,7 @@ from services.coordctl.local import LocalCluster
 from services.coordinator.store import RunStore
 from tests.integration.test_grpo_run import run_config
 
-STEPS = 8  # the run is stopped after about step 5: a full disk, a read-only one, a stop, each a step apart
+STEPS = 8  # stopped after about step 6: a full disk, a read-only one, a full checkpoint disk, a stop, a step apart
 
 
 def mount(*args: str) -> None:
@@ -31,18 +34,22 @@ def mount(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster_on_tmpfs(tmp_path_factory):
-    """The four services, the coordinator's state directory (run DB, run folders, logs) on a 64 MB tmpfs."""
+    """The four services, the coordinator's state directory (run DB, run folders, logs) on a 64 MB tmpfs, and
+    its ckpt folder on an 8 MB one of its own."""
     state = tmp_path_factory.mktemp("state")
     try:
         mount("-t", "tmpfs", "-o", "size=64m", "tmpfs", str(state))
     except (subprocess.CalledProcessError, FileNotFoundError) as refused:
         pytest.skip(f"cannot mount a tmpfs (needs root): {getattr(refused, 'stderr', refused)}")
+    (state / "ckpt").mkdir()
+    mount("-t", "tmpfs", "-o", "size=8m", "tmpfs", str(state / "ckpt"))
     local = LocalCluster(state)
     try:
         asyncio.run(local.start(timeout_s=120))
         yield local
     finally:
         local.stop()
+        subprocess.run(["umount", "--lazy", str(state / "ckpt")], check=False)
         subprocess.run(["umount", "--lazy", str(state)], check=False)  # twice if a read-only layer stayed
         subprocess.run(["umount", "--lazy", str(state)], check=False, capture_output=True)
 
@@ -70,10 +77,23 @@ async def wait_for_state(client: CoordinatorClient, run_id: str, state: str, tim
     return run, listed
 
 
+async def refusal(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call
+    return refused.value
+
+
+def read_only(folder: Path) -> None:
+    """``folder`` read-only (its submounts not): files open already stay writable, new ones are not."""
+    mount("--rbind", str(folder), str(folder))
+    mount("-o", "remount,bind,ro", str(folder))
+
+
 def test_full_then_read_only_state_dir_the_run_waits_says_why_and_loses_nothing(cluster_on_tmpfs, tiny_model,
                                                                                 reverse_data):
     state = cluster_on_tmpfs.state_dir
-    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS)
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=1,
+                        trainer__default_local_dir=str(state / "ckpt"), trainer__rollout_data_dir="rollout_data")
     seen = {}
 
     async def run_through_faults():
@@ -88,32 +108,51 @@ def test_full_then_read_only_state_dir_the_run_waits_says_why_and_loses_nothing(
                 if "full" not in seen:
                     filler = fill(state)
                     seen["full"] = await wait_for_state(client, started.run_id, "waiting")
+                    seen["start refused"] = await refusal(client.start_run(run_config(tiny_model, reverse_data)))
                     filler.unlink()
                     await wait_for_state(client, started.run_id, "running")
                 elif "read-only" not in seen:
-                    mount("--bind", str(state), str(state))  # files open already stay writable, new ones are not
-                    mount("-o", "remount,bind,ro", str(state))
+                    read_only(state)
                     try:
                         seen["read-only"] = await wait_for_state(client, started.run_id, "waiting")
                     finally:
                         subprocess.run(["umount", "--lazy", str(state)], check=True)
                     await wait_for_state(client, started.run_id, "running")
+                elif "checkpoint disk full" not in seen:
+                    filler = fill(state / "ckpt")
+                    seen["checkpoint disk full"] = await wait_for_state(client, started.run_id, "waiting")
+                    filler.unlink()
+                    await wait_for_state(client, started.run_id, "running")
                 elif "stop" not in seen:
                     seen["stop"] = await client.stop_run(started.run_id)
-            return await client.get_run(started.run_id), events
+            stopped = await client.get_run(started.run_id)
+            read_only(state)
+            try:
+                seen["resume refused"] = await refusal(client.resume_run(started.run_id))
+            finally:
+                subprocess.run(["umount", "--lazy", str(state)], check=True)
+            return stopped, events
         finally:
             await client.close()
 
     stopped, events = asyncio.run(run_through_faults())
-    for fault, words in (("full", "No space left on device"), ("read-only", "Read-only file system")):
+    for fault, words in (("full", "No space left on device"), ("read-only", "Read-only file system"),
+                         ("checkpoint disk full", "No space left on device")):
         run, listed = seen[fault]
-        assert words in run.error and f"cannot write {state}/" in run.error, run.error  # names the file
+        named = f"cannot write {state}/" if fault != "checkpoint disk full" else "cannot save the checkpoint"
+        assert words in run.error and named in run.error and str(state) in run.error, run.error  # names the file
         assert (listed.state, listed.error) == ("waiting", run.error)  # coordctl runs says so too
-        waits = [e for e in events if e.kind == "state" and e.state == "waiting" and words in e.message]
+        waits = [e for e in events if e.kind == "state" and e.state == "waiting" and words in e.message
+                 and named in e.message]
         assert waits, f"no waiting event for the {fault} disk"
         after = events[events.index(waits[0]) + 1:]
         assert any(e.kind == "state" and e.state == "running" for e in after)  # and it went on
     assert stopped.state == "stopped", stopped.error
+    start_refused, resume_refused = seen["start refused"], seen["resume refused"]
+    assert start_refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, start_refused.details()
+    assert f"cannot write {state}/" in start_refused.details() and "No space left on device" in start_refused.details()
+    assert resume_refused.code() == grpc.StatusCode.FAILED_PRECONDITION, resume_refused.details()
+    assert f"cannot write {state}/" in resume_refused.details() and "Read-only" in resume_refused.details()
 
     metrics_file = Path(stopped.run_dir) / "metrics.jsonl"
     whole = metrics_file.read_bytes()
@@ -128,6 +167,9 @@ def test_full_then_read_only_state_dir_the_run_waits_says_why_and_loses_nothing(
     lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))  # every step, once
     assert all("critic/score/mean" in line for line in lines)
+    samples_dir = Path(stopped.run_dir) / "rollout_data"  # every step's samples, none lost to a fault
+    assert sorted(int(path.stem) for path in samples_dir.glob("*.jsonl")) == list(range(1, STEPS + 1))
+    assert all(len((samples_dir / f"{step}.jsonl").read_text().splitlines()) == 8 * 4 for step in range(1, STEPS + 1))
 
 
 async def final_run(coordinator: str, run_id: str):

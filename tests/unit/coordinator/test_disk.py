@@ -9,10 +9,14 @@ import os
 import sqlite3
 from pathlib import Path
 
+import grpc
 import pytest
 
+from services.common.errors import FailedPrecondition, ResourceExhausted, status_for
 from services.coordinator import disk
-from services.coordinator.disk import RunWrites, append_line, disk_fault, metrics_lines
+from services.coordinator.disk import (RunWrites, append_line, disk_fault, metrics_lines, refused_by_state_dir,
+                                       trainer_disk_fault)
+from services.coordinator.runs import RunReporter
 
 
 def test_disk_fault_names_the_file_and_the_systems_words():
@@ -98,3 +102,85 @@ def test_a_write_that_fails_for_another_reason_raises_and_is_not_held():
         writes.write(broken, Path("/state/db"))
     writes.write(store.write("next"), Path("/state/db"))
     assert store.written == ["next"]
+
+
+def test_a_trainers_save_refused_by_its_disk_is_told_by_the_systems_words_in_its_status():
+    def status(code, details):
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    not_written = status(grpc.StatusCode.FAILED_PRECONDITION, "CheckpointNotWritten: the checkpoint was not written "
+                         "to /c/step_2/actor: Read-only file system (/c/step_2.tmp); 3.0 MiB free on the disk of /c")
+    assert trainer_disk_fault(not_written, "t:1") == (
+        "the disk: the trainer at t:1 cannot save the checkpoint: CheckpointNotWritten: the checkpoint was not "
+        "written to /c/step_2/actor: Read-only file system (/c/step_2.tmp); 3.0 MiB free on the disk of /c")
+    raised = status(grpc.StatusCode.INTERNAL, "CheckpointException ranks:dict_keys([0])\nTraceback (most recent "
+                    "call last):\n  ...\nOSError: [Errno 28] No space left on device: '/c/step_2.tmp/__0_0.distcp'")
+    assert trainer_disk_fault(raised, "t:1") == ("the disk: the trainer at t:1 cannot save the checkpoint: OSError: "
+                                                 "[Errno 28] No space left on device: '/c/step_2.tmp/__0_0.distcp'")
+    for other in (status(grpc.StatusCode.UNAVAILABLE, "Socket closed"), status(grpc.StatusCode.INTERNAL, None),
+                  OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))):  # the coordinator's own disk: not the trainer's
+        assert trainer_disk_fault(other, "t:1") is None
+
+
+@pytest.mark.parametrize("error, refusal, words", [
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/state/runs/r/config.yaml"), ResourceExhausted,
+     "/state/runs/r/config.yaml: No space left on device"),
+    (sqlite3.OperationalError("database or disk is full"), ResourceExhausted,
+     "/state/meshrl.db: No space left on device"),
+    (OSError(errno.EROFS, os.strerror(errno.EROFS), "/state/runs/r"), FailedPrecondition,
+     "/state/runs/r: Read-only file system"),
+])
+def test_a_call_whose_state_dir_write_the_disk_refuses_is_refused_naming_the_file(error, refusal, words):
+    with pytest.raises(refusal) as refused:
+        with refused_by_state_dir("start the run", Path("/state/meshrl.db")):
+            raise error
+    assert str(refused.value).startswith(f"cannot start the run: cannot write {words}")
+    assert "then try again" in str(refused.value)
+    assert status_for(refused.value) == (grpc.StatusCode.RESOURCE_EXHAUSTED if refusal is ResourceExhausted
+                                         else grpc.StatusCode.FAILED_PRECONDITION)
+    with pytest.raises(FileNotFoundError):  # not the disk's refusal: as it was
+        with refused_by_state_dir("start the run", Path("/state/meshrl.db")):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", "/state/x")
+
+
+def test_a_wait_for_a_checkpoints_disk_is_shown_at_once_and_recorded_when_the_run_db_takes_it():
+    store, changes = Disk(), []
+    writes = RunWrites(lambda state, error: store.write(f"state {state} {error}".strip())(), Path("/state/db"),
+                       changes.append)
+    store.full = True
+    writes.wait("the disk: the trainer at t:1 cannot save the checkpoint: No space left on device")
+    assert writes.waiting_for.endswith("No space left on device") and store.written == []
+    store.full = False
+    writes.wait(None)
+    assert writes.waiting_for is None and store.written == [
+        "state waiting the disk: the trainer at t:1 cannot save the checkpoint: No space left on device",
+        "state running"]
+    assert changes == [changes[0], None]
+
+
+def test_a_steps_samples_file_the_disk_refuses_is_held_with_the_runs_records_and_written_once_it_takes_them(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(disk, "WAIT_POLL_S", 0.01)
+    full, write_text, changes = [True], Path.write_text, []
+
+    def refusing_write_text(path, text):
+        if full[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write_text(path, text)
+
+    monkeypatch.setattr(Path, "write_text", refusing_write_text)
+    writes = RunWrites(lambda state, error: changes.append((state, error)), tmp_path / "db", lambda cause: None)
+    reporter = RunReporter(None, "r", tmp_path, writes, tmp_path / "rollout_data")
+
+    async def scenario():
+        await reporter.samples(3, [{"step": 3, "output": "a"}, {"step": 3, "output": "b"}])  # held, not raised
+        settling = asyncio.ensure_future(writes.settle())
+        await asyncio.sleep(0.05)
+        assert not settling.done() and "rollout_data/3.jsonl.tmp: No space left on device" in writes.waiting_for
+        full[0] = False
+        await asyncio.wait_for(settling, 1)
+
+    asyncio.run(scenario())
+    assert [json.loads(line)["output"] for line in (tmp_path / "rollout_data" / "3.jsonl").read_text().splitlines()] \
+        == ["a", "b"]
+    assert [state for state, _ in changes] == ["waiting", "running"]

@@ -13,6 +13,7 @@ import asyncio
 import math
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -22,6 +23,7 @@ from services.common.sequences import SequenceBatch
 from services.coordctl.tiny_model import build_char_tokenizer
 from services.coordinator.clients import Generated, Received, RewardSample, RolloutInfo, ScoredSample, SyncResult
 from services.common.data import Prompt
+from services.coordinator import loop as loop_module
 from services.coordinator.loop import PPOLoop, Trainers
 from services.coordinator.reward_set import RewardSet, RewardTarget
 from services.coordinator.rollout_set import RolloutSet
@@ -166,8 +168,11 @@ class Reporter:
     def validation(self, validated):
         self.validations.append(validated)
 
-    def samples(self, step, records):
+    async def samples(self, step, records):
         self.samples_of[step] = records
+
+    def disk_waiting(self, cause):
+        self.messages.append(f"waiting: {cause}")
 
 
 class Mesh:
@@ -412,3 +417,38 @@ def test_one_step_ahead_the_validation_of_a_step_runs_while_the_next_trains_and_
     assert timeline.index("validation from v1 ends") < timeline.index("sync of v2")  # v1 measured, whole
     assert [(v.step, v.version) for v in mesh.reporter.validations] == [(1, 1), (2, 2)]
     assert "timing_s/wait_validation" in mesh.reporter.steps[2]
+
+
+def test_a_checkpoint_save_the_trainers_disk_refuses_waits_saying_why_and_is_tried_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop_module, "SAVE_RETRY_S", 0.01)
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 2, "save_freq": 2}})
+    refusals = ["CheckpointNotWritten: the checkpoint was not written to /ckpt/step_000002/actor: No space left on "
+                "device (/ckpt/step_000002.tmp/__0_0.distcp); 0.0 MiB free on the disk of /ckpt"] * 2
+    save = mesh.trainer.save_checkpoint
+
+    async def refused_twice(run_id, path, timeout):
+        if refusals:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       refusals.pop())
+        return await save(run_id, path, timeout)
+
+    mesh.trainer.save_checkpoint = refused_twice
+    assert mesh.run() is True
+    assert [step for step, _, _ in mesh.reporter.checkpoints] == [2] and len(mesh.trainer.saved) == 1
+    waits = [m for m in mesh.reporter.messages if m.startswith("waiting: ")]
+    assert waits == ["waiting: the disk: the trainer at trainer:1 cannot save the checkpoint: CheckpointNotWritten: "
+                     "the checkpoint was not written to /ckpt/step_000002/actor: No space left on device "
+                     "(/ckpt/step_000002.tmp/__0_0.distcp); 0.0 MiB free on the disk of /ckpt", "waiting: None"]
+
+
+def test_a_checkpoint_save_that_fails_for_another_reason_fails_the_run(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 2, "save_freq": 2}})
+
+    async def broken(run_id, path, timeout):
+        raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "ValueError: no actor")
+
+    mesh.trainer.save_checkpoint = broken
+    with pytest.raises(grpc.aio.AioRpcError, match="no actor"):
+        mesh.run()
+    assert not mesh.reporter.checkpoints and not any(m.startswith("waiting") for m in mesh.reporter.messages)
