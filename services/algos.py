@@ -366,15 +366,20 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
 # ---------------------------------------------------------------- per-token model outputs
 
 
+def upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in fp32, or in their own dtype where it is wider (float64 stays float64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of each token under temperature-scaled logits, in fp32. [..., V], [...] -> [...]."""
-    scaled = logits.float() / temperature
+    """Log-probability of each token under temperature-scaled logits, in fp32 (or wider). [..., V], [...] -> [...]."""
+    scaled = upcast(logits) / temperature
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the temperature-scaled distribution at each position. [..., V] -> [...]."""
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    log_probs = torch.log_softmax(upcast(logits) / temperature, dim=-1)
     return -(log_probs.exp() * log_probs).sum(-1)
 
 

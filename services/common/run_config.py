@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import pydantic
-from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt
+from pydantic import AfterValidator, Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from services.common.config import Section
 from services.common.limits import MAX_WAIT_S, MIN_TEMPERATURE, check_temperature
@@ -81,6 +81,12 @@ class ModelConfig(Section):
     every row to the longest; the outputs are the same. It pays off with a variable-length attention kernel
     (flash_attention_2); under sdpa, the default, attention spans the whole packed row under a block mask,
     which on CPU is slower than padding once a micro-batch holds more than a few sequences."""
+    logprob_chunk_tokens: NonNegativeInt = 1024
+    """The trainer computes logprobs and entropies (actor and reference) from the final hidden states of the
+    response tokens, through the output layer this many tokens at a time, recomputing each chunk's logits in the
+    backward pass: the fp32 logits it holds are chunk x vocabulary (1024 x 152k: 0.6 GB) instead of the whole
+    micro-batch's. Larger chunks make fewer, larger matrix products; 0 = the whole micro-batch's logits at once
+    (also what a model whose logits are not its output layer's alone, e.g. soft-capped, always gets)."""
 
 
 class MixedPrecisionConfig(Section):

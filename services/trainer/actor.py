@@ -44,10 +44,11 @@ class ActorSettings:
     rollout_is_threshold: float = 2.0
     max_token_len: int | None = None  # token budget per micro-batch instead of micro_batch_size (use_dynamic_bsz)
     remove_padding: bool = False  # forward passes pack their sequences into one row
+    logprob_chunk_tokens: int = 0  # logprobs from the hidden states this many tokens at a time; 0 = all at once
 
     @property
     def micro(self) -> MicroBatching:
-        return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding)
+        return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding, self.logprob_chunk_tokens)
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class Actor:
         tokens = batch.token_index(micro)
         device = self.ranks.device
         logprobs, entropy = response_logprobs(self.model, part, self.pad_id, settings.temperature, True, device,
-                                              settings.remove_padding)
+                                              settings.remove_padding, settings.logprob_chunk_tokens)
         lengths = part.response_lens
         old_logprobs = inputs.old_logprobs[tokens].to(device)
         tis = algos.rollout_is_weights(
@@ -149,7 +150,7 @@ class Actor:
         with self.warm_start.resident():
             for part, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
                 logprobs, _ = response_logprobs(self.model, batch.select(part), self.pad_id, 1.0, False,
-                                                self.ranks.device, micro.remove_padding)
+                                                self.ranks.device, micro.remove_padding, micro.chunk_tokens)
                 loss = algos.sequence_nll(logprobs, num_tokens)
                 ((self.ranks.grad_scale if real else 0.0) * loss).backward()
                 total += float(loss.detach()) if real else 0.0

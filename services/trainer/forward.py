@@ -4,7 +4,10 @@ A micro-batch goes through the model right-padded to its longest row, or,
 with ``remove_padding``, packed into one row whose position ids restart for
 each sequence (no pad tokens at all; the same outputs). Logprobs and
 entropies come from the logits upcast to fp32 (``algos.token_logprobs``),
-whatever dtype the model computes in.
+whatever dtype the model computes in. With ``chunk_tokens`` they are computed
+from the final hidden states of the response positions alone, that many
+tokens' logits at a time (``chunked_head``); without it, from the whole
+micro-batch's logits.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from services import algos
 from services.common.sequences import Padded, SequenceBatch
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
+from services.trainer.chunked_head import chunkable, head_replaced
 from services.trainer.ranks import Ranks
 
 
@@ -30,10 +34,17 @@ def run_model(model: torch.nn.Module, inputs: Padded) -> torch.Tensor:
 
 
 def response_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,
-                      with_entropy: bool, device: torch.device,
-                      remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs (fp32, from temperature-scaled logits) of the response tokens, flat [T], and their entropies."""
+                      with_entropy: bool, device: torch.device, remove_padding: bool = False,
+                      chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (fp32, from temperature-scaled logits) of the response tokens, flat [T], and their entropies;
+    ``chunk_tokens`` > 0: at most that many tokens' logits at once, where the model allows (``chunkable``)."""
     inputs = model_inputs(batch, pad_id, remove_padding, device)
+    if chunk_tokens > 0 and chunkable(model):
+        positions = torch.nn.functional.pad(inputs.response_mask, (0, 1))  # [rows, L]: the last predicts nothing
+        targets = inputs.input_ids[:, 1:][inputs.response_mask]
+        with head_replaced(model, positions, targets, temperature, chunk_tokens, with_entropy):
+            scores = run_model(model, inputs)
+        return scores[:, 0], scores[:, 1] if with_entropy else None
     logits = run_model(model, inputs)[:, :-1]
     logprobs = inputs.gather_response(algos.token_logprobs(logits, inputs.input_ids[:, 1:], temperature))
     entropy = inputs.gather_response(algos.token_entropy(logits, temperature)) if with_entropy else None
@@ -76,7 +87,7 @@ def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, 
     """Logprobs of every response token without gradients: flat [T] on rank 0 (CPU), None on the others."""
     model.eval()
     return per_token(lambda part: response_logprobs(model, part, pad_id, temperature, False, ranks.device,
-                                                    micro.remove_padding)[0], batch, micro, ranks)
+                                                    micro.remove_padding, micro.chunk_tokens)[0], batch, micro, ranks)
 
 
 def batched_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, micro: MicroBatching,

@@ -118,7 +118,7 @@ def log_prob_micro(config: RunConfig, role: str = "actor") -> MicroBatching:
     dynamic = actor.use_dynamic_bsz if dynamic is None else dynamic
     return MicroBatching(size or actor.ppo_micro_batch_size_per_gpu,
                          (budget or actor.ppo_max_token_len_per_gpu) if dynamic else None,
-                         actor_rollout_ref.model.use_remove_padding)
+                         actor_rollout_ref.model.use_remove_padding, actor_rollout_ref.model.logprob_chunk_tokens)
 
 
 def values_micro(config: RunConfig) -> MicroBatching:
@@ -153,6 +153,7 @@ def actor_settings(config: RunConfig) -> ActorSettings:
         rollout_is_threshold=correction.rollout_is_threshold,
         max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
         remove_padding=config.actor_rollout_ref.model.use_remove_padding,
+        logprob_chunk_tokens=config.actor_rollout_ref.model.logprob_chunk_tokens,
     )
 
 

@@ -4,12 +4,12 @@ logprobs gathered back in order, token-budget micro-batches, checkpoints across 
 The models are float64, so that what is compared is the math and not the rounding: summing the same
 gradients in another order (two ranks' shares, other micro-batches) changes them by ~1e-16 relative, and
 AdamW's step lr * m / (sqrt(v) + eps) amplifies an error in the gradient by at most lr / eps = 1e5 (where the
-gradient is ~0), so weights within 1e-10 are equal math (measured: 3e-15). Logprobs, entropies and clip
-fractions are float32 whatever the model's dtype (``algos`` upcasts logits to fp32, which for float64 is a
-rounding): logprobs agree within a float32 ulp (2e-6 at |logp| < 16), metrics summed over other micro-batches
-within 1e-6 relative or 1e-7 absolute near 0 (measured: 2e-8, 2e-9). A wrong loss scale (gradients averaged
-instead of summed over ranks, a divisor of one rank's share instead of the mini-batch's) moves weights by
-~lr = 1e-3 and metrics by 2x.
+gradient is ~0), so weights within 1e-10 are equal math (measured: 3e-15). Logprobs and entropies are
+computed in chunks of 8 tokens through the output layer (``chunked_head``, inside the root's FSDP forward, the
+output layer tied to the embeddings) and stay float64: logprobs agree with one rank's whole-logits pass within
+2e-6, metrics summed over other micro-batches within 1e-6 relative or 1e-7 absolute near 0 (measured: 2e-8,
+2e-9). A wrong loss scale (gradients averaged instead of summed over ranks, a divisor of one rank's share instead
+of the mini-batch's) moves weights by ~lr = 1e-3 and metrics by 2x.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ CHECKPOINT_KEY = b"k" * 32  # the manifest's signing key (a trainer reads it fro
 MODES = ("token-mean", "seq-mean-token-mean")
 PROMPTS = (2, 5, 3, 4, 1, 6, 2, 3)
 RESPONSES = (9, 1, 4, 20, 3, 5, 8, 2)  # one long response: the rank that takes it has fewer micro-batches
-LOG_PROB_PASS = MicroBatching(2, max_tokens=30, remove_padding=True)
+CHUNK_TOKENS = 8  # logprobs from the hidden states, 8 tokens at a time
+LOG_PROB_PASS = MicroBatching(2, max_tokens=30, remove_padding=True, chunk_tokens=CHUNK_TOKENS)
 COMMAND = {"ids": torch.arange(5), "half": torch.linspace(-2, 2, 6, dtype=torch.bfloat16).reshape(2, 3),
            "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5, dtype=torch.float64)}
 
@@ -49,7 +50,7 @@ def settings(mode: str, micro: int = 2, max_tokens: int | None = None, remove_pa
     return ActorSettings(mini_batch_size=4, micro_batch_size=micro, epochs=2, clip_ratio_low=0.2, clip_ratio_high=0.28,
                          clip_ratio_c=3.0, loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                          kl_loss_type="low_var_kl", temperature=0.9, max_response_length=20, max_token_len=max_tokens,
-                         remove_padding=remove_padding)
+                         remove_padding=remove_padding, logprob_chunk_tokens=CHUNK_TOKENS)
 
 
 def case():
