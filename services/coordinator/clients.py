@@ -7,7 +7,7 @@ Every call has a deadline; batches are streamed in chunks.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -48,6 +48,7 @@ class Received:
     version: int
     transfer_s: float  # receiving (generation may go on meanwhile)
     pause_s: float  # generation held back for the swap
+    memory: dict[str, float] = field(default_factory=dict)  # the engine's since its previous sync (verl-named)
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ class RolloutClient:
                                                     restart_in_flight=restart_in_flight)
         async with self._conn.slot():
             reply = await self._stub.ReceiveWeights(request, timeout=timeout + 5)
-        return Received(reply.version, reply.transfer_s, reply.pause_s)
+        return Received(reply.version, reply.transfer_s, reply.pause_s, dict(reply.memory))
 
     async def sleep(self, timeout: float) -> None:
         """Free the engine's GPU memory for a trainer on the same GPU; Generate is refused until wake_up."""

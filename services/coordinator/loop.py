@@ -245,7 +245,8 @@ class PPOLoop:
                 self.update(rollouts, evaluated, estimate, step, timer),            # 4. critic and actor updates
                 self.keep_samples(step, rollouts, served, estimate))                #    (and the samples' lineage)
         await self.sync_weights(updated, timer)                                     # 5. rollouts serve the new weights
-        metrics = {**updated.metrics, **estimate.metrics, **produced.metrics, **staleness, **timer.metrics()}
+        metrics = {**updated.metrics, **estimate.metrics, **produced.metrics, **staleness, **timer.metrics(),
+                   **{f"perf/rollout/{key}": value for key, value in self.rollouts.memory.items()}}
         return {**metrics, **self.batch_metrics(rollouts, evaluated, estimate, updated, metrics["timing_s/step"])}
 
     # ------------------------------------------------------------------ the stages of a step

@@ -83,6 +83,7 @@ class RolloutSet:
         self.version = -1  # the weights every member must serve
         self.served = -1  # the weights every member is known to serve (version, once its sync is done)
         self.pause_s = 0.0  # of the last sync: the longest a member held generation back for the swap
+        self.memory: dict[str, float] = {}  # of the last sync: the most memory any member reported, by metric
         self.stale = True  # the channel lacks a member or has one too many: form a new one before a sync
         self.channel_id = ""
         self._joined: set[str] = set()  # the rollouts of the last channel formed
@@ -214,6 +215,8 @@ class RolloutSet:
                        if not isinstance(answer, Received) or answer.version != version}
         if sent is not None and not not_serving:
             self.pause_s = max(answer.pause_s for answer in answers)
+            self.memory = {key: max(answer.memory.get(key, 0.0) for answer in answers)
+                           for key in {key for answer in answers for key in answer.memory}}
             return None
         left = [address for address in not_serving if address not in self.addresses()]
         if left and not trouble:

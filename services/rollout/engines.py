@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from services.common.channel import ChannelTable, gpu_uuid
+from services.common.memory import memory_metrics
 from services.common.models import load_causal_lm, load_tokenizer
 from services.common.weight_sync import StagedWeights
 from services.rollout.config import RolloutServiceConfig
@@ -50,6 +51,10 @@ class Engine(Protocol):
         """Receive one broadcast while generation goes on and swap it in; the Generate calls in flight at the
         swap finish under the old weights first, or with ``restart`` are sampled again under the new ones."""
 
+    async def memory(self) -> dict[str, float]:
+        """verl's memory metrics of the process holding the model since the previous call (``memory_metrics``;
+        the largest worker's where there are several)."""
+
     async def sleep(self) -> None:
         """Free the GPU memory the engine holds (weights and KV cache) for a trainer on the same GPU."""
 
@@ -74,12 +79,16 @@ class HFRolloutEngine:
         self.engine = HFEngine(model, pad, (eos,), config.batch_size)
         self.vocab_size = model.config.vocab_size
         self.max_model_len = model.config.max_position_embeddings
+        self.device = config.device
         self.gpus = (gpu_uuid(config.device),) if torch.device(config.device).type == "cuda" else ()
         self.weight_version = 0  # changed only inside a swap, when no generation is in flight
         self.gate = SwapGate()
         self.channels = ChannelTable(config.device)
         self._staging: StagedWeights | None = None  # the last receive, which may still be on the wire
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def memory(self):
+        return memory_metrics(torch.device(self.device))
 
     async def _on_engine(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)

@@ -126,7 +126,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         swap = await self._require_engine().receive_weights(request.channel_id, timeout_s, request.restart_in_flight)
         log.info("weights_received", weight_version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s,
                  restart_in_flight=request.restart_in_flight)
-        return common_pb2.WeightVersion(version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s)
+        return common_pb2.WeightVersion(version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s,
+                                        memory=await self._require_engine().memory())
 
     async def Sleep(self, request, context):
         if not self.asleep:

@@ -185,6 +185,10 @@ class VLLMEngine:
         """Each worker's checksum of each of its parameters (tests compare them with the trainer's)."""
         return await self.llm.collective_rpc("meshrl_weight_checksums")
 
+    async def memory(self) -> dict[str, float]:
+        workers = await self.llm.collective_rpc("meshrl_memory", timeout=30)
+        return {key: max(worker[key] for worker in workers) for key in workers[0]}
+
     async def sleep(self) -> None:
         await self.llm.sleep(level=1)
 

@@ -13,6 +13,7 @@ import time
 import torch
 
 from services.common.channel import gpu_uuid, open_channel
+from services.common.memory import memory_metrics
 from services.common.timing import StageTimer
 from services.common.weight_sync import StagedWeights, receive_weights, tensor_checksum
 from services.rollout.direct_load import DirectLoader
@@ -22,6 +23,10 @@ class MeshrlWorkerExtension:
     def meshrl_gpu(self) -> str:
         """The UUID of this worker's GPU."""
         return gpu_uuid(self.device)
+
+    def meshrl_memory(self) -> dict[str, float]:
+        """verl's memory metrics of this worker since the previous call."""
+        return memory_metrics(self.device)
 
     def meshrl_join_channel(self, channel_id: str, backend: str, rendezvous: bytes, first_rank: int,
                             world_size: int, timeout_s: float) -> int:

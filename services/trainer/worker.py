@@ -15,6 +15,10 @@ The actor's weight version is kept here, on every rank alike: 0 when a run
 is loaded, one more after each op that changes the actor's weights
 (``update_actor``, ``train_supervised``), the saved one after
 ``load_checkpoint``. Broadcasts and checkpoints carry it.
+
+Each update's metrics carry verl's memory metrics of this rank 0 (``telemetry.step_memory_metrics``): the
+actor's as verl names them (``perf/max_memory_allocated_gb``, ``perf/max_memory_reserved_gb``,
+``perf/cpu_memory_used_gb``), the critic's under ``perf/critic/``.
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ from services.trainer.forward import batched_logprobs
 from services.trainer.ranks import Ranks, fatal
 from services.trainer.setup import (ROLES, actor_settings, build_actor, build_critic, build_reference, critic_settings,
                                     log_prob_micro, pad_id_of, values_micro)
+from services.trainer.telemetry import release_cached_memory, step_memory_metrics
 
 log = structlog.get_logger()
 SEQUENCE_KEYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
 OPS = ("init_run", "compute_log_probs", "compute_values", "update_actor", "update_critic", "train_supervised",
        "broadcast_weights", "save_checkpoint", "load_checkpoint")
+MODEL_OPS = ("compute_log_probs", "compute_values", "update_actor", "update_critic", "train_supervised")
 STOP = "stop"
 
 
@@ -141,9 +147,14 @@ class Worker:
             fatal("relayed_command_failed", op=op, rank=self.ranks.rank)
 
     def execute(self, op: str, args: dict, tensors: dict[str, torch.Tensor], **local):
+        """Do ``op`` here. Colocated (actor_rollout_ref.rollout.free_cache_engine), after an op that ran the
+        models their cached GPU memory goes back to the device: the rollout engine wakes up on the same GPU."""
         if op not in OPS:
             raise ValueError(f"unknown trainer command {op!r}")
-        return getattr(self, op)(tensors, **args, **local)
+        result = getattr(self, op)(tensors, **args, **local)
+        if op in MODEL_OPS and self.roles is not None and self.roles.config.actor_rollout_ref.rollout.free_cache_engine:
+            release_cached_memory(self.ranks.device)
+        return result
 
     def stop(self) -> None:
         """Rank 0, on the way out: tell the other ranks to end."""
@@ -195,12 +206,13 @@ class Worker:
                               tensors.get("rollout_logprobs"))
         metrics = roles.need("actor").update(sequences(tensors), inputs, actor_settings(roles.config))
         self.weight_version += 1
-        return Updated(metrics, self.weight_version)
+        return Updated({**metrics, **step_memory_metrics(self.ranks.device)}, self.weight_version)
 
     def update_critic(self, tensors) -> dict[str, float]:
         roles = self._roles()
-        return roles.need("critic").update(sequences(tensors), tensors["values"], tensors["returns"],
-                                           critic_settings(roles.config))
+        metrics = roles.need("critic").update(sequences(tensors), tensors["values"], tensors["returns"],
+                                              critic_settings(roles.config))
+        return {**metrics, **step_memory_metrics(self.ranks.device, "perf/critic")}
 
     def train_supervised(self, tensors) -> Updated:
         roles = self._roles()

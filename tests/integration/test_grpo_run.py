@@ -73,8 +73,12 @@ def test_three_grpo_steps(cluster, tiny_model, reverse_data):
     assert [step for step, _ in rows] == [1, 2, 3]
     metrics = yaml.safe_load(rows[-1][1])
     for name in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean",
-                 "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights", "perf/throughput"):
+                 "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights", "perf/throughput",
+                 "perf/cpu_memory_used_gb", "perf/rollout/cpu_memory_used_gb"):
         assert name in metrics
+    # the trainer's and the rollout's resident sets (on a CPU there are no device peaks)
+    assert metrics["perf/cpu_memory_used_gb"] > 0.05 and metrics["perf/rollout/cpu_memory_used_gb"] > 0.05
+    assert "perf/max_memory_allocated_gb" not in metrics and "perf/rollout/max_memory_allocated_gb" not in metrics
     assert [u.step for u in updates if u.kind == "step"] == [1, 2, 3]
     run_dir = Path(final.run_dir)
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3

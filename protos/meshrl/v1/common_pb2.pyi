@@ -62,14 +62,23 @@ class ServiceIdentity(_message.Message):
     def __init__(self, service_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., group: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., meshrl_version: _Optional[str] = ..., gpu: _Optional[str] = ..., limits: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
-    __slots__ = ("version", "transfer_s", "pause_s")
+    __slots__ = ("version", "transfer_s", "pause_s", "memory")
+    class MemoryEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     version: int
     transfer_s: float
     pause_s: float
-    def __init__(self, version: _Optional[int] = ..., transfer_s: _Optional[float] = ..., pause_s: _Optional[float] = ...) -> None: ...
+    memory: _containers.ScalarMap[str, float]
+    def __init__(self, version: _Optional[int] = ..., transfer_s: _Optional[float] = ..., pause_s: _Optional[float] = ..., memory: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JoinChannelRequest(_message.Message):
     __slots__ = ("channel_id", "backend", "rank", "world_size", "rendezvous", "timeout_s")
