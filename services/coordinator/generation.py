@@ -1,7 +1,9 @@
 """A batch generated over a run's rollouts and scored over its reward services: what a training step and a
 validation both do.
 
-- ``generate``: n responses per prompt, the prompts split into one shard per rollout replica; a shard whose
+- ``generate``: n responses per prompt, the prompts split into one shard per rollout replica, sized in
+  proportion to the replica's measured speed (response tokens per second of its Generate calls, as the
+  coordinator times them; equal shares until measured), so the replicas finish together; a shard whose
   replica fails, or comes back sampled from weights older than ``oldest``, is redone on another; if every
   replica fails, the rollouts are refreshed (waiting for one if none is left) and the whole batch generated
   again: same prompts, same seeds (from (seed, prompt index)), so nothing is lost or counted twice.
@@ -12,6 +14,7 @@ validation both do.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +97,9 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
     each replica produced (by address); ``what`` names the batch in events."""
 
     async def call(replica: RolloutClient, lo: int, hi: int) -> Generated:
+        started = time.monotonic()
         generated = await replica.generate([p.token_ids for p in prompts[lo:hi]], sampling, seed, lo, timeout_s)
+        rollouts.speeds.record(replica.address, int(generated.response_lens.sum()), time.monotonic() - started)
         if int(generated.weight_versions.min()) < oldest:
             raise Unavailable(f"rollout {replica.address} generated with weight version "
                               f"{int(generated.weight_versions.min())}, older than {oldest}")
