@@ -1,4 +1,5 @@
-"""Spreading one batch over replicas, and redoing a failed shard on another replica."""
+"""Spreading one batch over replicas, in shards sized by their measured speeds, and redoing a failed shard on
+another replica."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def split_by_speed(count: int, speeds: Sequence[float | None], least: float = LE
 
 
 def _with_floor(count: int, weights: list[float], floor: int) -> list[float]:
-    """``count`` split in proportion to ``weights`` (exact fractions), every part raised to at least ``floor``
+    """``count`` split in proportion to ``weights`` (in fractions of an item), every part raised to at least ``floor``
     and what that takes shared among the others in proportion to their weights."""
     raised: set[int] = set()
     while True:

@@ -1,12 +1,13 @@
 """A batch generated over a run's rollouts and scored over its reward services: what a training step and a
 validation both do.
 
-- ``generate``: n responses per prompt, the prompts split into one shard per rollout replica, sized in
-  proportion to the replica's measured speed (response tokens per second of its Generate calls, as the
-  coordinator times them; equal shares until measured), so the replicas finish together; a shard whose
-  replica fails, or comes back sampled from weights older than ``oldest``, is redone on another; if every
-  replica fails, the rollouts are refreshed (waiting for one if none is left) and the whole batch generated
-  again: same prompts, same seeds (from (seed, prompt index)), so nothing is lost or counted twice.
+- ``generate``: n responses per prompt, the prompts split into one shard per rollout replica, sized by the
+  replica's measured speed (``RolloutSet.speeds``: response tokens per second of its Generate calls as timed
+  here; a call that shared its replica with another, a shard redone there, counts slower) so that the
+  replicas finish together; a shard whose replica fails, or comes back sampled from weights older than
+  ``oldest``, is redone on another; if every replica fails, the rollouts are refreshed (waiting for one if
+  none is left) and the whole batch generated again: same prompts, same seeds (from (seed, prompt index)),
+  so nothing is lost or counted twice.
 - ``score``: the responses decoded (on a worker thread: the event loop stays free for the calls in flight)
   and scored by the reward replicas.
 """

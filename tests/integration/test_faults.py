@@ -146,7 +146,8 @@ def check_shares_follow_speeds(rows: dict[int, dict[str, float]], slow: str, fas
     for step in both[1:]:
         before, now = rows[step - 1], rows[step]
         speeds = [before[f"rollout/tokens_per_s/{slow}"], before[f"rollout/tokens_per_s/{fast}"]]
-        assert [round(now[f"rollout/share/{a}"] * prompts) for a in (slow, fast)] == split_by_speed(prompts, speeds), step
+        shares = [round(now[f"rollout/share/{a}"] * prompts) for a in (slow, fast)]
+        assert shares == split_by_speed(prompts, speeds), (step, shares, speeds)
     last = rows[both[-1]]
     assert last[f"rollout/tokens_per_s/{fast}"] > 2 * last[f"rollout/tokens_per_s/{slow}"], last
     assert last[f"rollout/share/{fast}"] > last[f"rollout/share/{slow}"] > 0, last
