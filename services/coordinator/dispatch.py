@@ -1,4 +1,5 @@
-"""Spreading one batch over replicas, and redoing a failed shard on another replica."""
+"""Spreading one batch over replicas, in shards sized by their measured speeds, and redoing a failed shard on
+another replica."""
 
 from __future__ import annotations
 
@@ -15,18 +16,62 @@ Replica = TypeVar("Replica")
 Result = TypeVar("Result")
 
 
-def shard_bounds(count: int, shards: int) -> list[tuple[int, int]]:
-    """Split range(count) into ``shards`` contiguous, near-equal, non-empty [lo, hi) ranges (none if count is 0)."""
-    if count <= 0:
+LEAST_SHARE = 0.1  # of an equal share: the least a replica is given, so that its speed keeps being measured
+SPEED_SMOOTHING = 0.5  # weight of a replica's latest call in its measured speed
+
+
+def split_by_speed(count: int, speeds: Sequence[float | None], least: float = LEAST_SHARE) -> list[int]:
+    """How many of ``count`` items each replica takes, in proportion to its speed (any unit; None: not yet
+    measured, counted as the mean of those measured, all equal while none is). Each takes at least ``least`` of
+    an equal share, and at least one item when there are as many items as replicas; the rest goes by largest
+    remainder, ties to the earlier replica, so the shares sum to ``count``."""
+    if not speeds:
         return []
-    shards = max(1, min(shards, count))
-    base, extra = divmod(count, shards)
-    bounds, lo = [], 0
-    for index in range(shards):
-        hi = lo + base + (1 if index < extra else 0)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
+    measured = [s for s in speeds if s is not None]
+    mean = sum(measured) / len(measured) if measured else 1.0
+    weights = [mean if s is None else s for s in speeds]
+    floor = max(1, int(least * count / len(speeds))) if count >= len(speeds) else 0
+    ideal = _with_floor(count, weights, floor)
+    shares = [int(x) for x in ideal]
+    by_remainder = sorted(range(len(ideal)), key=lambda i: shares[i] - ideal[i])  # stable: ties to the earlier
+    for i in by_remainder[:count - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def _with_floor(count: int, weights: list[float], floor: int) -> list[float]:
+    """``count`` split in proportion to ``weights`` (in fractions of an item), every part raised to at least ``floor``
+    and what that takes shared among the others in proportion to their weights."""
+    raised: set[int] = set()
+    while True:
+        free = [i for i in range(len(weights)) if i not in raised]
+        left, total = count - floor * len(raised), sum(weights[i] for i in free)
+        ideal = [float(floor) if i in raised else left * weights[i] / total if total > 0 else left / len(free)
+                 for i in range(len(weights))]
+        low = {i for i in free if ideal[i] < floor}
+        if not low:
+            return ideal
+        raised |= low
+
+
+class ReplicaSpeeds:
+    """Each replica's speed (work per second) as an exponential moving average over its calls: the latest call
+    weighs SPEED_SMOOTHING."""
+
+    def __init__(self) -> None:
+        self.speeds: dict[str, float] = {}
+
+    def record(self, address: str, work: float, seconds: float) -> None:
+        if work <= 0 or seconds <= 0:
+            return  # nothing to measure a speed from
+        speed, before = work / seconds, self.speeds.get(address)
+        self.speeds[address] = speed if before is None else SPEED_SMOOTHING * speed + (1 - SPEED_SMOOTHING) * before
+
+    def of(self, address: str) -> float | None:
+        return self.speeds.get(address)
+
+    def forget(self, address: str) -> None:
+        self.speeds.pop(address, None)
 
 
 class ReplicaPool(Generic[Replica]):
@@ -36,12 +81,14 @@ class ReplicaPool(Generic[Replica]):
     answered but cannot be used, e.g. one serving other weights), and when its replica is dropped. It goes
     to the next replica that has not failed in the same batch (a dead one fails every call until the registry
     forgets it); only when all have failed does it try failed ones again, up to ``attempts`` tries in all
-    (at least one per replica)."""
+    (at least one per replica). ``speed(replica)`` (None: not measured) sizes each replica's shard
+    (``split_by_speed``); without it the shards are equal."""
 
-    def __init__(self, kind: str, replicas: Sequence[Replica], attempts: int = 3):
+    def __init__(self, kind: str, replicas: Sequence[Replica], attempts: int = 3,
+                 speed: Callable[[Replica], float | None] = lambda replica: None):
         if not replicas:
             raise Unavailable(f"no {kind} replica is up")
-        self.kind, self.replicas, self.attempts = kind, list(replicas), attempts
+        self.kind, self.replicas, self.attempts, self.speed = kind, list(replicas), attempts, speed
         self._in_flight: list[tuple[Replica, asyncio.Task]] = []
 
     def drop(self, replica: Replica) -> None:
@@ -55,13 +102,18 @@ class ReplicaPool(Generic[Replica]):
     async def map_shards(
         self, count: int, call: Callable[[Replica, int, int], Awaitable[Result]]
     ) -> list[tuple[Result, Replica]]:
-        """Run ``call(replica, lo, hi)`` on one shard per replica; a shard that fails is redone elsewhere.
+        """Run ``call(replica, lo, hi)`` on one contiguous shard per replica (none on a replica whose share is
+        empty); a shard that fails is redone elsewhere.
 
         Returns (result, replica that produced it) per shard, in shard order.
         """
-        bounds, failed = shard_bounds(count, len(self.replicas)), []
-        shards = [asyncio.ensure_future(self._shard(index, lo, hi, call, failed))
-                  for index, (lo, hi) in enumerate(bounds)]
+        if not self.replicas:
+            raise Unavailable(f"no {self.kind} replica left for a batch of {count}")
+        sizes, failed, shards = split_by_speed(count, [self.speed(r) for r in self.replicas]), [], []
+        for index, size in enumerate(sizes):  # shard ``index`` goes first to replica ``index``
+            lo = sum(sizes[:index])
+            if size:
+                shards.append(asyncio.ensure_future(self._shard(index, lo, lo + size, call, failed)))
         try:
             return list(await asyncio.gather(*shards))
         finally:  # a shard that failed for good fails the batch: the others' work would be thrown away

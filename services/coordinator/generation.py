@@ -1,10 +1,13 @@
 """A batch generated over a run's rollouts and scored over its reward services: what a training step and a
 validation both do.
 
-- ``generate``: n responses per prompt, the prompts split into one shard per rollout replica; a shard whose
-  replica fails, or comes back sampled from weights older than ``oldest``, is redone on another; if every
-  replica fails, the rollouts are refreshed (waiting for one if none is left) and the whole batch generated
-  again: same prompts, same seeds (from (seed, prompt index)), so nothing is lost or counted twice.
+- ``generate``: n responses per prompt, the prompts split into one shard per rollout replica, sized by the
+  replica's measured speed (``RolloutSet.speeds``: response tokens per second of its Generate calls as timed
+  here; a call that shared its replica with another, a shard redone there, counts slower) so that the
+  replicas finish together; a shard whose replica fails, or comes back sampled from weights older than
+  ``oldest``, is redone on another; if every replica fails, the rollouts are refreshed (waiting for one if
+  none is left) and the whole batch generated again: same prompts, same seeds (from (seed, prompt index)),
+  so nothing is lost or counted twice.
 - ``score``: the responses decoded (on a worker thread: the event loop stays free for the calls in flight)
   and scored by the reward replicas.
 """
@@ -12,6 +15,7 @@ validation both do.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +98,9 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
     each replica produced (by address); ``what`` names the batch in events."""
 
     async def call(replica: RolloutClient, lo: int, hi: int) -> Generated:
+        started = time.monotonic()
         generated = await replica.generate([p.token_ids for p in prompts[lo:hi]], sampling, seed, lo, timeout_s)
+        rollouts.speeds.record(replica.address, int(generated.response_lens.sum()), time.monotonic() - started)
         if int(generated.weight_versions.min()) < oldest:
             raise Unavailable(f"rollout {replica.address} generated with weight version "
                               f"{int(generated.weight_versions.min())}, older than {oldest}")

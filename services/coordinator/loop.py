@@ -53,7 +53,7 @@ from services.common.data import Prompt
 from services.coordinator.sampler import PromptSampler
 from services.coordinator.samples import step_records
 from services.coordinator.generation import Rollouts
-from services.coordinator.metrics import data_metrics
+from services.coordinator.metrics import data_metrics, rollout_balance
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.reward_set import RewardSet, RewardTarget
 from services.coordinator.rollout_set import RolloutSet
@@ -397,7 +397,7 @@ class PPOLoop:
     async def generate_and_score(self, step: int, round_index: int, timer: StageTimer, counts: dict[str, float],
                                  oldest: int) -> Rollouts:
         """One round: the next batch's responses, sampled from weight versions >= ``oldest``, and their scores;
-        ``counts`` gets the samples each replica produced."""
+        ``counts`` gets the samples each replica produced, and each one's share and speed (of the rounds so far)."""
         chosen = [self.prompts[i] for i in self.sampler.next_batch()]
         seed = (self.settings.seed * 1_000_003 + step) * 101 + round_index
         with timer("gen"):
@@ -407,6 +407,7 @@ class PPOLoop:
             scoring = await generation.score(self.rewards, rollouts, self.tokenizer, self.reporter, f"step {step}")
         for address, count in by_rollout.items():
             add_count(counts, f"rollout/samples_by/{address}", count)
+        counts |= rollout_balance(counts, self.rollouts.speeds.speeds)
         for service_id, count in scoring.by_service.items():
             add_count(counts, f"reward/samples_by/{service_id}", count)
         add_count(counts, "reward/timeouts", sum(s.timed_out for s in scoring.scores))

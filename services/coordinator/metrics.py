@@ -85,6 +85,18 @@ def data_metrics(
 # ---------------------------------------------------------------------------- validation (verl's val-core/val-aux)
 
 
+def rollout_balance(counts: dict[str, float], tokens_per_s: dict[str, float]) -> dict[str, float]:
+    """How a step's generation was spread, from its ``rollout/samples_by/<address>`` counts: each rollout's share
+    of the samples as ``rollout/share/<address>``, and its measured speed (``tokens_per_s``: address -> speed), on
+    which its next share is based, as ``rollout/tokens_per_s/<address>``."""
+    prefix = "rollout/samples_by/"
+    samples_by = {name.removeprefix(prefix): count for name, count in counts.items() if name.startswith(prefix)}
+    total = sum(samples_by.values())
+    return {**{f"rollout/share/{address}": count / total for address, count in samples_by.items() if total},
+            **{f"rollout/tokens_per_s/{address}": tokens_per_s[address] for address in samples_by
+               if address in tokens_per_s}}
+
+
 @dataclass(frozen=True)
 class PromptResults:
     """What validation got for one prompt: its n responses' scores, and what the scorer read and judged."""

@@ -36,7 +36,7 @@ import structlog
 from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
 from services.coordinator.clients import Received, RolloutClient, RolloutInfo, TrainerClient
-from services.coordinator.dispatch import ReplicaPool
+from services.coordinator.dispatch import ReplicaPool, ReplicaSpeeds
 from services.coordinator.settings import RolloutSetSettings
 from services.coordinator.waiting import Notices, describe, wait_for
 
@@ -79,6 +79,7 @@ class RolloutSet:
         self.notices, self.should_stop = notices, should_stop
         self.members: list[RolloutClient] = []
         self.pool: ReplicaPool[RolloutClient] | None = None  # the members, for spreading a batch
+        self.speeds = ReplicaSpeeds()  # each member's generated tokens per second: its share of a batch
         self.ranks: dict[str, int] = {}  # channel ranks each member's engine takes
         self.version = -1  # the weights every member must serve
         self.served = -1  # the weights every member is known to serve (version, once its sync is done)
@@ -98,7 +99,8 @@ class RolloutSet:
         if member is None:
             return
         self.members.remove(member)
-        self._joined.discard(address)  # if it comes back, it is taken in anew
+        self._joined.discard(address)  # if it comes back, it is taken in anew (and measured anew)
+        self.speeds.forget(address)
         if self.pool is not None:
             self.pool.drop(member)
         self.stale = True
@@ -119,7 +121,7 @@ class RolloutSet:
             admitted = await self._admit(await self._answering(take_new=True, found=None))
             if admitted:
                 retired = [m for m in self.members if m not in admitted]
-                self.members, self.pool, self.version, self.served = admitted, ReplicaPool("rollout", admitted), 0, 0
+                self.members, self.pool, self.version, self.served = admitted, self._pool(admitted), 0, 0
                 await asyncio.gather(*(m.close() for m in retired))
                 return
         raise Unavailable(f"no rollout could load the run's model in {FORM_ATTEMPTS} attempts")
@@ -175,6 +177,10 @@ class RolloutSet:
 
     async def close(self) -> None:
         await asyncio.gather(*(member.close() for member in self.members))
+
+    def _pool(self, members: list[RolloutClient]) -> ReplicaPool[RolloutClient]:
+        """The members, a batch split among them in proportion to their measured speeds."""
+        return ReplicaPool("rollout", members, speed=lambda member: self.speeds.of(member.address))
 
     async def _broadcast(self, version: int) -> str | None:
         """One send over the current channel: None if every member took it, else what went wrong.
@@ -308,7 +314,7 @@ class RolloutSet:
         failed |= {m.address: Unavailable("it left the run meanwhile") for m in left}
         kept = [c for c in clients if c not in left]
         retired = [m for m in self.members if m not in kept]
-        self.members, self.pool, self.stale = kept, ReplicaPool("rollout", kept) if kept else None, True
+        self.members, self.pool, self.stale = kept, self._pool(kept) if kept else None, True
         await asyncio.gather(*(m.close() for m in retired))
         if isinstance(joined[0], Exception) and not failed:
             raise joined[0]  # the trainer's own trouble ends the attempt

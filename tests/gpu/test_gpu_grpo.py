@@ -1,5 +1,6 @@
-"""Three GRPO steps with all four services: on two GPUs (trainer on GPU 0, vLLM rollout on GPU 1), and
-colocated on one GPU (the rollout asleep while the trainer works)."""
+"""Three GRPO steps with all four services: on two GPUs (trainer on GPU 0, vLLM rollout on GPU 1), colocated
+on one GPU (the rollout asleep while the trainer works), and on three GPUs with two rollouts of different speeds
+(each step's prompts split in proportion to their measured speeds)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import yaml
 
+from bench.faults import service_address
 from services.coordinator.clients import RolloutClient
+from services.coordinator.dispatch import split_by_speed
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
@@ -48,7 +51,9 @@ async def run(cluster: LocalCluster, config_yaml: str):
         await rollout.close()
 
 
-def three_steps(tmp_path, model: Path, services: tuple[ServiceSpec, ...], colocated: bool) -> list[dict]:
+def three_steps(tmp_path, model: Path, services: tuple[ServiceSpec, ...], colocated: bool
+                ) -> tuple[list[dict], LocalCluster]:
+    """The metrics of three steps, and the (stopped) cluster that ran them."""
     data = write_jsonl(reverse_task_rows(256, 2, 6, seed=3), tmp_path / "reverse.jsonl")
     cluster = LocalCluster(tmp_path / "state", services)
     try:
@@ -68,7 +73,7 @@ def three_steps(tmp_path, model: Path, services: tuple[ServiceSpec, ...], coloca
               + f"  {rest:>18.3f}  {r['timing_s/step']:.3f}")
     print(f"rollout/trainer probs diff mean {rows[-1]['training/rollout_probs_diff_mean']:.2e} "
           f"max {rows[-1]['training/rollout_probs_diff_max']:.2e}")
-    return rows
+    return rows, cluster
 
 
 @needs(2)
@@ -90,6 +95,29 @@ def test_three_grpo_steps_colocated_on_one_gpu(qwen_05b, tmp_path):
                                          "enable_sleep_mode=true"), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
         ServiceSpec("reward"),
     )
-    rows = three_steps(tmp_path, qwen_05b, services, colocated=True)
+    rows, _ = three_steps(tmp_path, qwen_05b, services, colocated=True)
     # the weights the rollout woke up with and then received are the trainer's: sampled tokens' probabilities agree
     assert rows[-1]["training/rollout_probs_diff_mean"] < 1e-3
+
+
+@needs(3)
+def test_prompts_split_by_the_rollouts_measured_speeds_on_three_gpus(qwen_05b, tmp_path):
+    """Trainer on GPU 0, a vLLM rollout on GPU 1 and one on GPU 2 that schedules 16 sequences at a time (its
+    256 samples a step take 16 rounds): from step 2 on each step's 32 prompts follow the speeds measured up to
+    the step before, and the capped rollout ends with the smaller share."""
+    rollout = ("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.5")
+    services = (
+        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        ServiceSpec("rollout", settings=rollout, env=(("CUDA_VISIBLE_DEVICES", "1"),)),
+        ServiceSpec("rollout", settings=(*rollout, "max_num_seqs=16"), env=(("CUDA_VISIBLE_DEVICES", "2"),)),
+        ServiceSpec("reward"),
+    )
+    rows, cluster = three_steps(tmp_path, qwen_05b, services, colocated=False)
+    fast, capped = service_address(cluster, "rollout-1"), service_address(cluster, "rollout-2")
+    for before, now in zip(rows, rows[1:]):
+        speeds = [before[f"rollout/tokens_per_s/{a}"] for a in (fast, capped)]
+        print(f"step {now['step']}: speeds {speeds[0]:.0f} / {speeds[1]:.0f} tokens/s, shares "
+              f"{now[f'rollout/share/{fast}']:.3f} / {now[f'rollout/share/{capped}']:.3f}, "
+              f"gen {now['timing_s/gen']:.2f} s (step 1, equal shares: {rows[0]['timing_s/gen']:.2f} s)")
+        assert [round(now[f"rollout/share/{a}"] * 32) for a in (fast, capped)] == split_by_speed(32, speeds)
+    assert rows[-1][f"rollout/share/{fast}"] > rows[-1][f"rollout/share/{capped}"] > 0

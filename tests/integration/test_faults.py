@@ -16,6 +16,7 @@ import pytest
 
 from bench.faults import SERVICES, random_schedule, run_with_faults, service_address, step_events
 from services.coordinator.clients import RolloutClient
+from services.coordinator.dispatch import split_by_speed
 from services.coordinator.settings import Sampling
 from services.coordctl.control import CoordinatorClient, RunStatus
 from services.coordctl.local import LocalCluster, ServiceSpec
@@ -130,10 +131,26 @@ def test_rollout_killed_mid_step_its_share_is_redone_and_a_restarted_one_is_take
     assert serving and serving == list(range(serving[0], steps + 1)), "taken in at a boundary, then every step"
     assert any(f"taken in: {again}" in message for message in messages)
     assert info.run_id == final.run_id and info.weight_version == rows[steps]["training/weight_version"]
+    check_shares_follow_speeds(rows, kept, again, serving)
     # the restarted rollout received the run's weights before its first Generate
     served = [e for e in LogTail(cluster, "rollout-again").read() if e["event"] in ("weights_received", "generating")]
     assert served[0]["event"] == "weights_received" and served[0]["weight_version"] > 0
     assert "generating" in [e["event"] for e in served]
+
+
+def check_shares_follow_speeds(rows: dict[int, dict[str, float]], slow: str, fast: str, both: list[int]) -> None:
+    """Over the steps ``both`` rollouts served: each step's prompts were split in proportion to the speeds
+    measured up to the step before, and the rollout that generates a whole batch at once (``fast``) ends
+    measured faster, with the larger share, than the one generating a sequence at a time (``slow``)."""
+    prompts = BATCH // 4  # rollout.n of run_config
+    for step in both[1:]:
+        before, now = rows[step - 1], rows[step]
+        speeds = [before[f"rollout/tokens_per_s/{slow}"], before[f"rollout/tokens_per_s/{fast}"]]
+        shares = [round(now[f"rollout/share/{a}"] * prompts) for a in (slow, fast)]
+        assert shares == split_by_speed(prompts, speeds), (step, shares, speeds)
+    last = rows[both[-1]]
+    assert last[f"rollout/tokens_per_s/{fast}"] > 2 * last[f"rollout/tokens_per_s/{slow}"], last
+    assert last[f"rollout/share/{fast}"] > last[f"rollout/share/{slow}"] > 0, last
 
 
 def test_rollout_stopped_during_a_weight_broadcast_is_named_and_the_run_goes_on_without_it(

@@ -18,7 +18,7 @@ from services.coordctl.local import ServiceSpec
 from tests.integration.test_grpo_run import run_config
 
 STEPS = 6
-NOT_COMPARED = ("timing_s/", "perf/", "reward/samples_by/")  # wall times, and service ids
+NOT_COMPARED = ("timing_s/", "perf/", "reward/samples_by/", "rollout/tokens_per_s/")  # wall times, service ids
 
 
 async def run(coordinator: str, config_yaml: str, stop_after: int | None = None):

@@ -8,20 +8,60 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.common.errors import Unavailable
-from services.coordinator.dispatch import ReplicaPool, map_shards_recovering, shard_bounds
+from services.coordinator.dispatch import ReplicaPool, ReplicaSpeeds, map_shards_recovering, split_by_speed
 
 
-@pytest.mark.parametrize(("count", "shards", "bounds"), [
-    (10, 3, [(0, 4), (4, 7), (7, 10)]),
-    (9, 3, [(0, 3), (3, 6), (6, 9)]),
-    (7, 1, [(0, 7)]),
-    (2, 5, [(0, 1), (1, 2)]),
-    (1, 4, [(0, 1)]),
-    (5, 0, [(0, 5)]),
-    (11, 4, [(0, 3), (3, 6), (6, 9), (9, 11)]),
+@pytest.mark.parametrize(("count", "replicas", "shares"), [  # unmeasured: equal, the extra to the first
+    (10, 3, [4, 3, 3]),
+    (9, 3, [3, 3, 3]),
+    (7, 1, [7]),
+    (2, 5, [1, 1, 0, 0, 0]),
+    (11, 4, [3, 3, 3, 2]),
+    (0, 2, [0, 0]),
 ])
-def test_shard_bounds_by_hand(count, shards, bounds):
-    assert shard_bounds(count, shards) == bounds
+def test_equal_shares_until_measured(count, replicas, shares):
+    assert split_by_speed(count, [None] * replicas) == shares
+
+
+@pytest.mark.parametrize(("count", "speeds", "shares"), [
+    (64, [3.0, 1.0], [48, 16]),
+    (64, [1.0, 3.0], [16, 48]),
+    (10, [1.0, 1.0, 1.0], [4, 3, 3]),  # 3.33 each: the one left over to the first
+    (10, [2.0, 1.0], [7, 3]),  # 6.67 / 3.33: largest remainder
+    (7, [1.0, 1.0, 2.0], [2, 2, 3]),  # 1.75 / 1.75 / 3.5: the two .75s win over .5
+    (64, [100.0, 1.0], [61, 3]),  # 63.4 / 0.6: the slow one is raised to 10% of its equal 32 (3)
+    (64, [100.0, 1.0, 1.0], [60, 2, 2]),  # floor int(0.1 * 64 / 3) = 2 each
+    (3, [100.0, 1.0, 1.0], [1, 1, 1]),  # as many items as replicas: one each
+    (2, [1.0, 5.0, 3.0], [0, 1, 1]),  # fewer: the fastest take them
+    (64, [3.0, None], [32, 32]),  # unmeasured counts as the mean of the measured (3)
+    (64, [3.0, 1.0, None], [32, 11, 21]),  # None as 2: 32 / 10.67 / 21.33
+])
+def test_shares_follow_speeds_by_hand(count, speeds, shares):
+    got = split_by_speed(count, speeds)
+    assert got == shares and sum(got) == count
+
+
+def test_rounding_keeps_the_total_and_the_floor():
+    for count in range(0, 200, 7):
+        for speeds in ([1.0, 2.0, 3.0], [1e-6, 1.0, 1e6, 7.5], [0.3] * 5):
+            shares = split_by_speed(count, speeds)
+            assert sum(shares) == count, (count, speeds)
+            if count >= len(speeds):
+                assert min(shares) >= max(1, int(0.1 * count / len(speeds))), (count, speeds, shares)
+
+
+def test_speed_is_a_moving_average_of_the_calls():
+    speeds = ReplicaSpeeds()
+    assert speeds.of("a") is None
+    speeds.record("a", 100, 2.0)  # 50 tokens/s
+    assert speeds.of("a") == 50.0
+    speeds.record("a", 100, 1.0)  # 100: half of each
+    assert speeds.of("a") == 75.0
+    speeds.record("a", 0, 1.0)  # no tokens: nothing measured
+    speeds.record("b", 10, 0.0)
+    assert speeds.of("a") == 75.0 and speeds.of("b") is None
+    speeds.forget("a")
+    assert speeds.of("a") is None
 
 
 @dataclass
@@ -63,6 +103,27 @@ async def test_failed_shard_is_redone_on_the_next_replica():
     assert sorted(processed) == list(range(9))  # every item exactly once
     assert replicas[1].calls == [(3, 6)]
     assert sorted(replicas[2].calls) == [(3, 6), (6, 9)]
+
+
+async def test_shards_sized_by_speed_and_a_failed_ones_redone_whole_elsewhere():
+    speeds = {"a": 3.0, "b": 1.0, "c": None}  # c not yet measured: as the mean, 2
+    replicas = [FakeReplica("a"), FakeReplica("b", fail_with=ConnectionError), FakeReplica("c")]
+    processed: list[int] = []
+    pool = ReplicaPool("rollout", replicas, speed=lambda replica: speeds[replica.address])
+    results = await pool.map_shards(12, make_call(processed))
+    assert replicas[0].calls == [(0, 6)] and replicas[1].calls == [(6, 8)]  # 6 / 2 / 4 of 12
+    assert sorted(replicas[2].calls) == [(6, 8), (8, 12)]  # b's share, redone on c
+    assert [r.address for _, r in results] == ["a", "c", "c"]
+    assert sorted(processed) == list(range(12))  # every item exactly once
+
+
+async def test_a_replica_with_an_empty_share_is_not_called():
+    replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+    processed: list[int] = []
+    results = await ReplicaPool("rollout", replicas, speed=lambda r: {"a": 1.0, "b": 9.0, "c": 5.0}[r.address]
+                                ).map_shards(2, make_call(processed))
+    assert [r.address for _, r in results] == ["b", "c"] and replicas[0].calls == []
+    assert sorted(processed) == [0, 1]
 
 
 async def test_timeout_is_retried_too_and_wraps_around():

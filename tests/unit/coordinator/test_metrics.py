@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from services.coordinator.metrics import (PromptResults, best_of_k, data_metrics, majority_of_k, mismatch_metrics,
-                                          pass_at_k, sample_counts, summary, validation_metrics, worst_of_k)
+                                          pass_at_k, rollout_balance, sample_counts, summary, validation_metrics,
+                                          worst_of_k)
+
+
+def test_rollout_balance_by_hand():
+    counts = {"rollout/samples_by/a:1": 48.0, "rollout/samples_by/b:2": 16.0, "reward/samples_by/r": 64.0}
+    assert rollout_balance(counts, {"a:1": 300.0, "b:2": 100.0, "gone:3": 5.0}) == {
+        "rollout/share/a:1": 0.75, "rollout/share/b:2": 0.25,
+        "rollout/tokens_per_s/a:1": 300.0, "rollout/tokens_per_s/b:2": 100.0}
+    assert rollout_balance({"rollout/samples_by/a:1": 8.0}, {}) == {"rollout/share/a:1": 1.0}  # not yet measured
 
 
 def test_summary_by_hand():
