@@ -65,8 +65,19 @@ def open_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, wo
     """Join a channel (blocking until every member has joined or the deadline passes).
 
     gloo works on any device (tensors on CPU); nccl needs ``device`` to be a CUDA device, and every member a
-    GPU of its own; cuda_ipc needs CUDA devices of one host, which members may share.
+    GPU of its own; cuda_ipc needs CUDA devices of one host, which members may share. A rendezvous store not
+    reached within ``timeout_s`` (gloo and cuda_ipc meet at one) is a TimeoutError, as a member that did not
+    come is: the network's trouble, which may pass, not the request's.
     """
+    try:
+        return _open_channel(channel_id, backend, rendezvous, rank, world_size, timeout_s, device)
+    except torch.distributed.DistNetworkError as error:
+        raise TimeoutError(f"channel {channel_id}: rank {rank} did not reach the rendezvous within {timeout_s} s "
+                           f"({error})") from error
+
+
+def _open_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int, timeout_s: float,
+                  device: str) -> TensorChannel:
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     if backend == "gloo":

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.channel import ChannelTable
+from services.common.channel import ChannelTable, open_channel
 from services.common.errors import NotFound
 from services.common.gloo_channel import GlooChannel, prepare_gloo_rendezvous
 from services.common.timing import StageTimer
@@ -454,3 +454,12 @@ def test_abandoning_a_channel_ends_a_broadcast_waiting_for_a_member_that_never_c
         channel.close()
     assert time.monotonic() - started < 1
     del store
+
+
+def test_a_rendezvous_not_reached_in_time_is_a_timeout_which_may_pass():
+    """The store gone (its root left): a TimeoutError (DEADLINE_EXCEEDED, retried), not torch's DistNetworkError,
+    a RuntimeError that would read as the request's own fault (INTERNAL, never retried)."""
+    store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+    del store
+    with pytest.raises(TimeoutError, match=r"channel c: rank 1 did not reach the rendezvous within 0.2 s"):
+        open_channel("c", "gloo", rendezvous, 1, 2, 0.2, "cpu")
