@@ -434,7 +434,9 @@ class TrainerConfig(Section):
     critic_warmup: int = Field(0, ge=0)
     """Steps that update only the critic before the actor starts updating."""
     max_recoveries: int = Field(3, ge=0)
-    """Times a run waits out a service that went away (then continues from its last checkpoint) before failing."""
+    """Times a run waits out a service that went away (then continues from its last checkpoint) before failing;
+    a weight channel that failed to form (a rollout died while joining) counts too. A refusal that would come
+    again (a WakeUp out of GPU memory, a weight channel refused in each of its 3 formations) fails the run at once."""
     save_freq: int = Field(0, ge=-1)
     """Checkpoint every this many steps (0 or -1, verl's "never": only when the run is stopped); coordctl resume
     continues from the last."""

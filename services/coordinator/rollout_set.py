@@ -20,6 +20,11 @@ weights, and no trainer state is lost when a rollout goes:
   until the channel's deadline.
 - With no rollout left the run waits (state ``waiting``) until one answers, then
   goes on where it was: the trainer's state is intact, nothing is rewound.
+- A channel that fails to form FORM_ATTEMPTS times in a row ends the attempt,
+  naming the first cause (``not_formed``): if every cause was one a service
+  decided (a refusal, which comes again) the run fails now; if any was
+  transient (a rollout that died while joining) the run waits for its services
+  and goes on from its checkpoint, one of its trainer.max_recoveries.
 Each channel has a fresh id (run, attempt, generation); the trainer closes
 its old channel when it prepares the next (ending at once a broadcast still on
 it, at the trainer and the members), a rollout when it joins the next.
@@ -49,6 +54,27 @@ SYNC_ATTEMPTS = 3  # sends of one version in a row that may fail before the atte
 def took(receiving: asyncio.Future, version: int) -> bool:
     """Whether a member's finished receive brought it ``version``."""
     return not receiving.cancelled() and receiving.exception() is None and receiving.result().version == version
+
+
+class ChannelNotFormed(RuntimeError):
+    """The weight channel failed to form FORM_ATTEMPTS times in a row, each time for a reason a service decided:
+    it would fail the same way again, so the run fails (it does not wait to recover)."""
+
+
+def transient(cause: BaseException) -> bool:
+    """Whether a formation that failed with ``cause`` may succeed later: a service that went away or did not
+    answer in time (``rpc.is_retryable``), or a rollout that left the run meanwhile (Unavailable)."""
+    return is_retryable(cause) or isinstance(cause, Unavailable)
+
+
+def not_formed(causes: list[tuple[str, BaseException]]) -> Exception:
+    """What ends the attempt after formations in a row failed with ``causes`` (per formation: who failed it, and
+    how; at least one): ChannelNotFormed when none of them was transient, else Unavailable (the run waits for
+    its services, then goes on from its checkpoint). Either names the first cause."""
+    who, cause = causes[0]
+    message = (f"the weight channel could not be formed in {len(causes)} attempts; the first: {who} "
+               f"({describe(cause)[:300]})")
+    return Unavailable(message) if any(transient(c) for _, c in causes) else ChannelNotFormed(message)
 
 
 def channel_backend(trainer_gpu: str, rollout_gpus: dict[str, frozenset[str]]) -> str:
@@ -145,6 +171,7 @@ class RolloutSet:
         """Send the actor's weights, of ``version``, to every member. Members that do not take them are named
         in an event; the channel is re-formed with the members that answer and the version sent again."""
         self.version = version
+        failures = []
         for _ in range(SYNC_ATTEMPTS):
             if self.stale:
                 await self._regroup(take_new=False)
@@ -152,11 +179,13 @@ class RolloutSet:
             if failure is None:
                 self.served = version
                 return
+            failures.append(failure)
             self.stale = True
             log.warning("weight_sync_failed", version=version, channel_id=self.channel_id, failure=failure)
             self.notices.log(f"{failure}; re-forming the weight channel with the rollouts that answer and "
                              f"sending version {version} again")
-        raise Unavailable(f"weight sync of version {version} failed {SYNC_ATTEMPTS} times in a row")
+        raise Unavailable(f"weight sync of version {version} failed {SYNC_ATTEMPTS} times in a row; the first: "
+                          f"{failures[0]}")
 
     async def sleep(self) -> None:
         """Every member frees its GPU memory for the trainer (a member that fails to is dropped)."""
@@ -171,7 +200,8 @@ class RolloutSet:
                                        return_exceptions=True)
         for member, result in zip(list(self.members), results):
             if isinstance(result, Exception):
-                if not is_retryable(result):
+                if not is_retryable(result):  # it would fail again (out of GPU memory, say): the attempt ends
+                    self.notices.log(f"rollout {member.address}: {call} failed ({describe(result)[:300]})")
                     raise result
                 await self.drop(member.address, f"{call} failed: {describe(result)}")
 
@@ -235,13 +265,17 @@ class RolloutSet:
     async def _regroup(self, take_new: bool, found: dict | None = None) -> None:
         """A fresh channel with the members that answer and, with ``take_new`` (or when none answers), the
         group's other rollouts that answer."""
+        causes = []
         for _ in range(FORM_ATTEMPTS):
             found = await self._answering(take_new, found)
             admitted = await self._admit(found)
-            if admitted and await self._form(admitted):
+            cause = await self._form(admitted) if admitted else (
+                "no rollout", Unavailable("none of those that answer could load the run's model"))
+            if cause is None:
                 return
+            causes.append(cause)
             found = None
-        raise Unavailable(f"the weight channel could not be formed in {FORM_ATTEMPTS} attempts")
+        raise not_formed(causes)
 
     async def _answering(self, take_new: bool, found: dict | None) -> dict[str, tuple[RolloutClient, RolloutInfo]]:
         """The rollouts that answer (``found``, if given, at first); members that do not leave. While none
@@ -288,8 +322,8 @@ class RolloutSet:
             admitted.append(client)
         return admitted
 
-    async def _form(self, clients: list[RolloutClient]) -> bool:
-        """The actor and ``clients`` join a fresh channel; False (after an event) if one did not join."""
+    async def _form(self, clients: list[RolloutClient]) -> tuple[str, BaseException] | None:
+        """The actor and ``clients`` join a fresh channel; None, or (after an event) who did not join and why."""
         backend, rpc_timeout_s = self.settings.backend, self.settings.rpc_timeout_s
         if backend == "auto":
             infos = await asyncio.gather(*(c.info(rpc_timeout_s) for c in clients), return_exceptions=True)
@@ -322,11 +356,11 @@ class RolloutSet:
             address, error = next(iter(failed.items()))
             self.notices.log(f"weight channel {channel_id} not formed: {', '.join(failed)} did not join "
                              f"({address}: {describe(error)[:300]})")
-            return False
+            return f"rollout {address} did not join", error
         self.channel_id, self.stale = channel_id, False
         new = [address for address in self.addresses() if address not in self._joined]
         self._joined = set(self.addresses())
         self.notices.log(f"weight channel {channel_id}: the actor and rollouts {', '.join(self.addresses())}"
                          + (f" (taken in: {', '.join(new)})" if new else ""))
         log.info("weight_channel_formed", channel_id=channel_id, rollouts=self.addresses(), world_size=world_size)
-        return True
+        return None

@@ -303,7 +303,9 @@ class RunManager:
     async def _execute(self, run_id: str, config: RunConfig, config_yaml: str, data: RunData, run_dir: Path,
                        resume: Checkpoint | None = None) -> None:
         """Drive the run to its end. When a service goes away mid-run (a retryable failure), the run waits
-        for the services of its placement and continues from its last checkpoint (or from the start)."""
+        for the services of its placement and continues from its last checkpoint (or from the start), at most
+        trainer.max_recoveries times; then, or at once for a failure that would come again (``recoverable``),
+        it fails with the failure's cause as its error."""
         state, error, recoveries, shut_down = "failed", "", 0, False
         writes = self._writes[run_id] = RunWrites(lambda state, error: self.store.set_state(run_id, state, error),
                                                   self.store.path, lambda cause: self._disk_changed(run_id, cause))
@@ -316,8 +318,13 @@ class RunManager:
                         state = "finished" if completed else "stopped"
                         break
                     except Exception as failure:  # noqa: BLE001 - sorted below
-                        if not recoverable(failure) or recoveries >= config.trainer.max_recoveries:
+                        if not recoverable(failure):
                             raise
+                        if recoveries >= config.trainer.max_recoveries:  # state stays failed
+                            error = (f"{describe(failure)} (in the last of 1 + trainer.max_recoveries="
+                                     f"{config.trainer.max_recoveries} attempts)")
+                            log.warning("run_failed", run_id=run_id, error=error)
+                            break
                         recoveries += 1
                         resume = await self._wait_to_recover(run_id, config, run_dir, failure, recoveries)
                         if resume is STOPPED:
@@ -330,7 +337,7 @@ class RunManager:
                 raise
             except Exception as failure:  # noqa: BLE001 - a run's failure is recorded, not raised
                 log.exception("run_failed", run_id=run_id)
-                error = f"{type(failure).__name__}: {failure}"
+                error = describe(failure)
             finally:
                 plot = run_dir / "reward.png"
                 try:  # before the final state, so that whoever sees the run end finds its plot
@@ -422,7 +429,7 @@ class RunManager:
         reason = failure.details() if isinstance(failure, grpc.aio.AioRpcError) else str(failure)
         checkpoint = self.store.last_checkpoint(run_id)
         self._rewind(run_id, run_dir, checkpoint.step if checkpoint else 0)  # before the state: it clears the error
-        self._set_state(run_id, "waiting", f"{type(failure).__name__}: {reason}")
+        self._set_state(run_id, "waiting", describe(failure))
         where = f"the checkpoint of step {checkpoint.step}" if checkpoint else "the start"
         message = (f"a service failed ({reason}); waiting for the services, then going on from {where} (recovery "
                    f"{attempt} of {config.trainer.max_recoveries})")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sqlite3
+import time
 from pathlib import Path
 
 import grpc
@@ -172,3 +174,29 @@ def test_rollouts_sleep_while_the_trainer_works_and_wake_for_the_sync(cluster, t
     generated, trainer_logprobs, version = asyncio.run(
         logprobs_both_ways(address["rollout"], address["trainer"], [5, 6, 7, 16]))
     assert version == 3 and torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
+
+
+
+def test_a_weight_channel_that_cannot_form_ends_the_run_naming_the_cause(cluster, tiny_model, reverse_data):
+    """Two runs whose weight channel never forms, as a user sees them end (coordctl status: state and error;
+    coordctl watch: the events). cuda_ipc asked of services on CPU is refused by each one that joins (a verdict
+    that would come again): the run fails at once, without waiting to recover. A channel_timeout_s no join
+    meets (or a sync, if it formed, whose broadcast none meets) fails for a passing cause: the run recovers
+    trainer.max_recoveries=1 time, and then fails; the error names the cause, not only how often it was tried."""
+    started = time.monotonic()
+    refused, events, _ = asyncio.run(run_to_end(cluster.coordinator, run_config(
+        tiny_model, reverse_data, trainer__weight_sync_backend="cuda_ipc")))
+    assert refused.state == "failed"
+    assert "INVALID_ARGUMENT: ValueError: channel backend cuda_ipc needs a CUDA device" in refused.error
+    assert [e.state for e in events if e.kind == "state"] == ["running", "failed"]  # never waiting
+    assert events[-1].message == refused.error
+    timed_out, events, _ = asyncio.run(run_to_end(cluster.coordinator, run_config(
+        tiny_model, reverse_data, trainer__channel_timeout_s=0.001, trainer__max_recoveries=1)))
+    assert time.monotonic() - started < 60
+    assert timed_out.state == "failed"
+    # the cause, whichever it was this time: a member the channel or a broadcast waited for in vain
+    assert re.search(r"within 0\.001 s|could not connect", timed_out.error), timed_out.error
+    assert timed_out.error.endswith("(in the last of 1 + trainer.max_recoveries=1 attempts)")
+    assert [e.state for e in events if e.kind == "state"] == ["running", "waiting", "running", "failed"]
+    assert sum("(recovery 1 of 1)" in e.message for e in events) == 1
+    assert events[-1].message == timed_out.error

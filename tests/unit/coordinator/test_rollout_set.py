@@ -1,17 +1,19 @@
-"""CPU tests of services/coordinator/rollout_set.py: the weight channel's transport, and a sync that a member
-fails."""
+"""CPU tests of services/coordinator/rollout_set.py: the weight channel's transport, a sync that a member
+fails, and what a channel that keeps failing to form does to the run."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from services.common.config import validate
-from services.common.errors import Unavailable
+from services.common.errors import FROM_HANDLER, ORIGIN_KEY, Unavailable
 from services.common.run_config import RunConfig
 from services.coordinator.clients import Received
-from services.coordinator.rollout_set import RolloutSet, channel_backend
+from services.coordinator.rollout_set import ChannelNotFormed, RolloutSet, channel_backend, not_formed
+from services.coordinator.runs import recoverable
 from services.coordinator.settings import rollout_set_settings
 
 
@@ -102,3 +104,38 @@ async def test_a_member_leaving_mid_sync_is_named_as_the_cause():
     assert trainer.cancelled.is_set()
     assert failure == ("weight sync of version 3 on channel run-weights-1 failed (stopped:1 left the run while it "
                        "was on the wire); not serving it: stopped:1")
+
+
+# ---------------------------------------------------------------------------
+# a weight channel that keeps failing to form
+
+
+def refused(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """A status the called service's interceptor set (its own verdict, not the transport's)."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata((ORIGIN_KEY, FROM_HANDLER)), details)
+
+
+def test_a_channel_refused_in_every_formation_fails_the_run_naming_the_first_refusal():
+    cuda = refused(grpc.StatusCode.INVALID_ARGUMENT, "ValueError: channel backend cuda_ipc needs a CUDA device")
+    ending = not_formed([("rollout r:1 did not join", cuda)] * 3)
+    assert isinstance(ending, ChannelNotFormed) and not recoverable(ending)
+    assert str(ending) == ("the weight channel could not be formed in 3 attempts; the first: rollout r:1 did not "
+                           "join (INVALID_ARGUMENT: ValueError: channel backend cuda_ipc needs a CUDA device)")
+    out_of_memory = refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "OutOfMemoryError: CUDA out of memory")
+    assert isinstance(not_formed([("rollout r:1 did not join", out_of_memory)] * 3), ChannelNotFormed)
+
+
+@pytest.mark.parametrize("cause", [
+    refused(grpc.StatusCode.UNAVAILABLE, "engine restarting"),
+    refused(grpc.StatusCode.DEADLINE_EXCEEDED, "TimeoutError: not all 2 members joined within 120 s"),
+    grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "connection reset"),
+    Unavailable("it left the run meanwhile"),
+])
+def test_a_formation_that_failed_for_a_passing_cause_lets_the_run_recover_naming_the_first(cause):
+    """One transient cause among lasting ones is enough: the run waits for its services (a recovery, of
+    trainer.max_recoveries), then forms the channel again."""
+    lasting = refused(grpc.StatusCode.INTERNAL, "RuntimeError: engine broken")
+    ending = not_formed([("rollout a:1 did not join", lasting), ("rollout b:1 did not join", cause)])
+    assert isinstance(ending, Unavailable) and recoverable(ending)
+    assert str(ending).startswith("the weight channel could not be formed in 2 attempts; the first: rollout a:1 "
+                                  "did not join (INTERNAL: RuntimeError: engine broken)")
