@@ -1,16 +1,20 @@
 """Three GRPO steps with all four services: on two GPUs (trainer on GPU 0, vLLM rollout on GPU 1), colocated
 on one GPU (the rollout asleep while the trainer works), and on three GPUs with two rollouts of different speeds
-(each step's prompts split in proportion to their measured speeds)."""
+(each step's prompts split in proportion to their measured speeds); and a colocated rollout that cannot wake."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from bench.faults import service_address
+from meshrl.v1 import common_pb2, rollout_pb2_grpc
+from services.common.rpc import open_channel
 from services.coordinator.clients import RolloutClient
 from services.coordinator.dispatch import split_by_speed
 from services.coordctl.control import CoordinatorClient
@@ -121,3 +125,49 @@ def test_prompts_split_by_the_rollouts_measured_speeds_on_three_gpus(qwen_05b, t
               f"gen {now['timing_s/gen']:.2f} s (step 1, equal shares: {rows[0]['timing_s/gen']:.2f} s)")
         assert [round(now[f"rollout/share/{a}"] * 32) for a in (fast, capped)] == split_by_speed(32, speeds)
     assert rows[-1][f"rollout/share/{fast}"] > rows[-1][f"rollout/share/{capped}"] > 0
+
+
+@needs(1)
+def test_a_colocated_rollout_that_cannot_wake_fails_the_run_naming_the_cause(qwen_05b, tmp_path):
+    """While the rollout sleeps, this process takes the GPU memory it freed (leaving the trainer room for its
+    step): its WakeUp runs out of memory. The run fails within a bound, the cause in its error and events,
+    instead of re-forming the weight channel over and over in state waiting."""
+    data = write_jsonl(reverse_task_rows(256, 2, 6, seed=3), tmp_path / "reverse.jsonl")
+    services = (
+        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.3",
+                                         "enable_sleep_mode=true"), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        ServiceSpec("reward"),
+    )
+    cluster = LocalCluster(tmp_path / "state", services)
+    try:
+        asyncio.run(cluster.start(timeout_s=180))
+        final, events, took_s = asyncio.run(run_taking_memory_while_asleep(cluster, run_config(
+            qwen_05b, data, free_cache_engine=True)))
+    finally:
+        cluster.stop()
+    assert final.state == "failed" and "out of memory" in final.error.lower(), final.error
+    assert any("wake_up failed" in message for message in events), events
+    assert took_s < 300
+
+
+async def run_taking_memory_while_asleep(cluster: LocalCluster, config_yaml: str, trainer_room: int = 20 << 30):
+    """The run, with all but ``trainer_room`` of GPU 0's free memory taken once the rollout is asleep; its end, its
+    events' messages and the seconds it took."""
+    client = CoordinatorClient(cluster.coordinator)
+    rollout = open_channel(next(s.address for s in await client.list_services() if s.kind == "rollout"))
+    taken = None
+    try:
+        started_at, started = time.monotonic(), await client.start_run(config_yaml)
+        while taken is None and (await client.get_run(started.run_id)).state not in ("finished", "failed"):
+            info = await rollout_pb2_grpc.RolloutStub(rollout).Info(common_pb2.InfoRequest(), timeout=10)
+            if info.details.get("asleep") == "true":
+                free, _ = torch.cuda.mem_get_info(0)
+                taken = torch.empty(max(free - trainer_room, 0), dtype=torch.uint8, device="cuda:0")
+            await asyncio.sleep(0.01)
+        events = [update.message async for update in client.watch(started.run_id)]
+        return await client.get_run(started.run_id), events, time.monotonic() - started_at
+    finally:
+        del taken
+        await rollout.close()
+        await client.close()
