@@ -11,7 +11,7 @@ import pytest
 from services.common.config import validate
 from services.common.errors import FROM_HANDLER, ORIGIN_KEY, Unavailable
 from services.common.run_config import RunConfig
-from services.coordinator.clients import Received
+from services.coordinator.clients import Received, RolloutInfo
 from services.coordinator.rollout_set import ChannelNotFormed, RolloutSet, channel_backend, not_formed
 from services.coordinator.runs import recoverable
 from services.coordinator.settings import rollout_set_settings
@@ -139,3 +139,49 @@ def test_a_formation_that_failed_for_a_passing_cause_lets_the_run_recover_naming
     assert isinstance(ending, Unavailable) and recoverable(ending)
     assert str(ending).startswith("the weight channel could not be formed in 2 attempts; the first: rollout a:1 "
                                   "did not join (INTERNAL: RuntimeError: engine broken)")
+
+
+class JoiningTrainer:
+    """The actor's side of a formation: it waits for the members until the channel's deadline."""
+
+    async def gpu(self, timeout=None):
+        return ""
+
+    async def prepare_channel(self, channel_id, backend, world_size, timeout):
+        return b"127.0.0.1:1"
+
+    async def join_channel(self, channel_id, backend, rendezvous, world_size, timeout):
+        await asyncio.sleep(timeout)
+
+
+class RefusingRollout:
+    """A rollout that has the run loaded and answers, but refuses every JoinChannel with ``refusal``."""
+
+    def __init__(self, address: str, refusal: BaseException):
+        self.address, self.refusal, self.joins = address, refusal, 0
+
+    async def info(self, timeout=None):
+        return RolloutInfo("run", 0, 1)
+
+    async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout):
+        self.joins += 1
+        raise self.refusal
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("refusal, ending", [
+    (refused(grpc.StatusCode.INTERNAL, "RuntimeError: CUDA error: out of memory"), ChannelNotFormed),
+    (refused(grpc.StatusCode.UNAVAILABLE, "engine restarting"), Unavailable),
+])
+async def test_a_rollout_that_refuses_every_join_ends_the_formation_after_three(refusal, ending):
+    """Not a wait for the trainer's side (the channel's deadline), nor formations without end: three, each an
+    event, then the ending ``not_formed`` chose, naming the rollout's refusal."""
+    rollout, notices = RefusingRollout("r:1", refusal), Notices()
+    rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), JoiningTrainer(), lambda: ["r:1"],
+                          notices, lambda: False, connect=lambda address: rollout)
+    with pytest.raises(ending, match=r"could not be formed in 3 attempts; the first: rollout r:1 did not join "
+                                     rf"\({refusal.code().name}: {refusal.details()}\)"):
+        await asyncio.wait_for(rollouts.form(), 5)
+    assert rollout.joins == 3 and sum("not formed" in message for message in notices.messages) == 3
