@@ -120,3 +120,8 @@ def check_batch_sizes(config: RunConfig, rows: int) -> None:
     if warm_start.steps and rows < warm_start.batch_size:
         raise ValueError(f"actor_rollout_ref.actor.warm_start.batch_size ({warm_start.batch_size}) is larger than the "
                          f"data ({rows} prompts in {files})")
+    taught = warm_start.steps * warm_start.batch_size
+    if warm_start.own_rows and rows - taught < data.train_batch_size:
+        raise ValueError(f"actor_rollout_ref.actor.warm_start.own_rows: the warm start's {taught} rows (steps x "
+                         f"batch_size) leave {max(rows - taught, 0)} of the {rows} prompts in {files} for RL, fewer "
+                         f"than data.train_batch_size ({data.train_batch_size})")

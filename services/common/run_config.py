@@ -152,6 +152,10 @@ class WarmStartConfig(Section):
     """After the warm-up: constant, or cosine decay to min_lr_ratio * lr at the warm start's last step."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """Floor of the cosine decay, as a fraction of lr."""
+    own_rows: bool = False
+    """Teach rows that RL never draws: steps x batch_size rows of the training data, chosen by a seeded shuffle,
+    are the warm start's (each taught once) and RL's batches come from the rest, so RL does not spend its steps
+    on problems whose answers were just taught."""
 
 
 class ActorConfig(Section):

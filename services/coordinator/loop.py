@@ -50,7 +50,7 @@ from services.coordinator import generation
 from services.coordinator.clients import CheckpointRefused, TrainerClient
 from services.coordinator.disk import DiskRefused, trainer_disk_fault
 from services.common.data import Prompt
-from services.coordinator.sampler import PromptSampler
+from services.coordinator.sampler import PromptSampler, split_rows
 from services.coordinator.samples import step_records
 from services.coordinator.generation import Rollouts
 from services.coordinator.metrics import data_metrics, rollout_balance
@@ -152,10 +152,15 @@ class PPOLoop:
         warm start's targets."""
         self.run_id, self.settings, self.config_yaml = run_id, settings, config_yaml
         self.trainers, self.rollouts, self.rewards = trainers, rollouts, rewards
-        self.prompts, self.val_prompts = prompts, val_prompts
+        self.warm_prompts = self.prompts = prompts  # the warm start's rows and RL's
+        if settings.warm_start_own_rows:
+            taught, rest = split_rows(len(prompts), settings.warm_start_steps * settings.warm_start_batch_size,
+                                      settings.seed)
+            self.warm_prompts, self.prompts = [prompts[i] for i in taught], [prompts[i] for i in rest]
+        self.val_prompts = val_prompts
         self.tokenizer, self.reporter, self.should_stop = tokenizer, reporter, should_stop
-        self.sampler = PromptSampler(len(prompts), settings.batch_size, settings.shuffle, settings.seed) if prompts \
-            else None  # a run that only validates draws no batch
+        self.sampler = PromptSampler(len(self.prompts), settings.batch_size, settings.shuffle, settings.seed) if \
+            self.prompts else None  # a run that only validates draws no batch
         self.timeout = settings.rpc_timeout_s
         self.kl_coef = settings.kl_in_reward.initial_coef if settings.kl_in_reward else 0.0
         self.checkpoint_dir = checkpoint_dir
@@ -432,10 +437,11 @@ class PPOLoop:
         steps, version = self.settings.warm_start_steps, 0
         if not steps:
             return version
-        sampler = PromptSampler(len(self.prompts), self.settings.warm_start_batch_size, True, self.settings.seed + 1)
+        sampler = PromptSampler(len(self.warm_prompts), self.settings.warm_start_batch_size, True,
+                                self.settings.seed + 1)
         started = time.monotonic()
         for index in range(steps):
-            chosen = [self.prompts[i] for i in sampler.next_batch()]
+            chosen = [self.warm_prompts[i] for i in sampler.next_batch()]
             batch = make_batch([p.token_ids for p in chosen], [self.encode_target(p) for p in chosen])
             metrics, version = await self.trainers.actor.train_supervised(batch, 0, self.timeout)
             if (index + 1) % max(1, steps // 5) == 0:

@@ -30,3 +30,12 @@ class PromptSampler:
         batch = self._order()[self.position : self.position + self.batch_size].tolist()
         self.position += self.batch_size
         return batch
+
+
+def split_rows(size: int, count: int, seed: int) -> tuple[list[int], list[int]]:
+    """``count`` of the indices 0..size-1 chosen by a shuffle seeded from ``seed``, and the others, each in
+    increasing order (the same split every time: a resumed run draws from the same rows)."""
+    chosen = torch.randperm(size, generator=torch.Generator().manual_seed(seed * 100_019 + 7))[:count]
+    taken = torch.zeros(size, dtype=torch.bool)
+    taken[chosen] = True
+    return torch.nonzero(taken).flatten().tolist(), torch.nonzero(~taken).flatten().tolist()

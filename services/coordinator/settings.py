@@ -76,6 +76,7 @@ class LoopSettings:
     max_gen_rounds: int  # generation rounds per step when filtering
     warm_start_steps: int
     warm_start_batch_size: int
+    warm_start_own_rows: bool  # the warm start teaches rows RL never draws
     validation: ValidationSettings | None  # None: the run has no held-out data
     keep_samples: bool  # report each step's samples with their lineage (trainer.rollout_data_dir)
 
@@ -112,6 +113,7 @@ def loop_settings(config: RunConfig) -> LoopSettings:
         rollout_correction=config.use_rollout_correction, sleep_rollouts=rollout.free_cache_engine,
         filter_groups=algorithm.filter_groups.enable, max_gen_rounds=algorithm.filter_groups.max_num_gen_batches,
         warm_start_steps=warm_start.steps, warm_start_batch_size=warm_start.batch_size,
+        warm_start_own_rows=warm_start.own_rows,
         validation=validation_settings(config), keep_samples=trainer.rollout_data_dir is not None,
     )
 

@@ -10,8 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from services.common.config import validate
 from services.common.data import Prompt, load_prompts
-from services.coordinator.sampler import PromptSampler
+from services.common.run_check import check_batch_sizes
+from services.common.run_config import RunConfig
+from services.coordinator.sampler import PromptSampler, split_rows
 from services.coordctl.tiny_model import build_char_tokenizer
 
 MAX_LEN = 8
@@ -226,3 +229,21 @@ def test_batch_as_large_as_the_data_is_allowed_larger_is_refused():
     assert sorted(PromptSampler(size=5, batch_size=5, shuffle=True, seed=0).next_batch()) == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match=r"data.train_batch_size \(6\) is larger than the dataset \(5 prompts\)"):
         PromptSampler(size=5, batch_size=6, shuffle=True, seed=0)
+
+
+def test_split_rows_takes_count_rows_by_seed_and_leaves_the_rest():
+    taught, rest = split_rows(20, 6, seed=1)
+    assert len(taught) == 6 and sorted(taught + rest) == list(range(20))  # disjoint, every row once
+    assert taught == sorted(taught) and rest == sorted(rest)
+    assert split_rows(20, 6, seed=1) == (taught, rest)  # a resumed run splits the same way
+    assert split_rows(20, 6, seed=2)[0] != taught and taught != list(range(6))
+
+
+def test_a_warm_start_with_its_own_rows_that_leaves_rl_too_few_is_refused_naming_the_numbers():
+    config = validate(RunConfig, {"data": {"train_files": ["train.jsonl"], "train_batch_size": 8},
+                                  "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 8, "warm_start": {
+                                      "steps": 3, "batch_size": 4, "own_rows": True}}}})
+    check_batch_sizes(config, 20)  # 12 taught, 8 left: one RL batch
+    with pytest.raises(ValueError, match=r"warm_start.own_rows: the warm start's 12 rows .* leave 7 of the 19 "
+                                         r"prompts in train.jsonl for RL, fewer than data.train_batch_size \(8\)"):
+        check_batch_sizes(config, 19)

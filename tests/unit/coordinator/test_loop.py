@@ -19,7 +19,7 @@ import torch
 
 from services.common.config import validate
 from services.common.run_config import RunConfig
-from services.common.sequences import SequenceBatch
+from services.common.sequences import SequenceBatch, split_ragged
 from services.coordctl.tiny_model import build_char_tokenizer
 from services.coordinator.clients import Generated, Received, RewardSample, RolloutInfo, ScoredSample, SyncResult
 from services.common.data import Prompt
@@ -53,7 +53,7 @@ class FakeTrainer:
     address = "trainer:1"
 
     def __init__(self):
-        self.version, self.updates, self.saved, self.loaded = 0, [], [], []
+        self.version, self.updates, self.saved, self.loaded, self.taught = 0, [], [], [], []
 
     async def init_run(self, run_id, config_yaml, roles, seed, timeout):
         self.roles = roles
@@ -66,6 +66,11 @@ class FakeTrainer:
         self.updates.append({"step": step, "batch": batch, "advantages": advantages,
                              "rollout_logprobs": rollout_logprobs})
         return {"actor/pg_loss": 0.25}, self.version
+
+    async def train_supervised(self, batch: SequenceBatch, step, timeout):
+        self.version += 1
+        self.taught.append(batch)
+        return {"warm_start/loss": 1.0, "warm_start/lr": 1e-3}, self.version
 
     async def gpu(self, timeout=30.0):
         return ""
@@ -452,3 +457,20 @@ def test_a_checkpoint_save_that_fails_for_another_reason_fails_the_run(tmp_path)
     with pytest.raises(grpc.aio.AioRpcError, match="no actor"):
         mesh.run()
     assert not mesh.reporter.checkpoints and not any(m.startswith("waiting") for m in mesh.reporter.messages)
+
+
+def test_a_warm_start_with_its_own_rows_teaches_rows_that_rl_never_draws(tmp_path):
+    def prompts_of(batch: SequenceBatch) -> set[str]:
+        return {text(ids) for ids in split_ragged(batch.prompt_ids, batch.prompt_lens)}
+
+    warm_start = {"steps": 2, "batch_size": 1, "own_rows": True}
+    mesh = Mesh(tmp_path, {"data": {"train_batch_size": 2, "shuffle": True, "max_response_length": 4},
+                           "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2, "warm_start": warm_start},
+                                                 "rollout": {"n": N}},
+                           "trainer": {"total_training_steps": 3}})
+    assert mesh.run()
+    taught = set().union(*(prompts_of(batch) for batch in mesh.trainer.taught))
+    drawn = set().union(*(prompts_of(update["batch"]) for update in mesh.trainer.updates))
+    assert len(mesh.trainer.taught) == 2 and len(taught) == 2  # two steps, each a row of its own
+    assert len(drawn) == 2 and not taught & drawn  # RL's three steps draw from the two rows left
+    assert taught | drawn == {text(p.token_ids) for p in PROMPTS}
