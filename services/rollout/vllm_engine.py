@@ -78,6 +78,7 @@ class VLLMEngine:
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
         vocab_size = llm.vllm_config.model_config.get_vocab_size()
+        await llm.collective_rpc("meshrl_end_with", args=(os.getpid(),))
         gpus = tuple(await llm.collective_rpc("meshrl_gpu"))
         return cls(llm, vocab_size, tokenizer.eos_token_id, config, gpus)
 

@@ -13,6 +13,7 @@ import time
 import torch
 
 from services.common.channel import gpu_uuid, open_channel
+from services.common.lifetime import end_with
 from services.common.memory import memory_metrics
 from services.common.timing import StageTimer
 from services.common.weight_sync import StagedWeights, receive_weights, tensor_checksum
@@ -23,6 +24,12 @@ class MeshrlWorkerExtension:
     def meshrl_gpu(self) -> str:
         """The UUID of this worker's GPU."""
         return gpu_uuid(self.device)
+
+    def meshrl_end_with(self, pid: int) -> None:
+        """End this worker (and so vLLM's engine core, which ends when a worker does) when the rollout
+        service's process ``pid`` ends, however it ends: vLLM's processes are not the service's children by
+        PDEATHSIG, and would otherwise hold the GPU after a kill -9."""
+        end_with(pid)
 
     def meshrl_memory(self) -> dict[str, float]:
         """verl's memory metrics of this worker since the previous call."""
