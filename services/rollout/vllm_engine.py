@@ -18,12 +18,15 @@
   reset; with nothing generating, they load each bucket as it arrives.
   The requests in flight at a swap finish under the old weights first,
   are aborted and generated again under the new ones (``restart``), or
-  (``keep``) are frozen by ``pause_generation(mode="keep")`` for the swap
+  (``keep``) are frozen by vLLM's pause (mode ``keep``) for the swap
   and go on under the new weights after ``resume_generation()``, keeping
   their tokens and their KV cache. With prefix caching on, vLLM 0.20's
   freeze clears the cache by preempting them (they keep their tokens; their
   KV is computed again, under the new weights, when they resume), since a
-  plain ``reset_prefix_cache`` fails while they hold KV blocks.
+  plain ``reset_prefix_cache`` fails while they hold KV blocks. A response
+  is stamped with the version served when its call began and the one
+  served when its final output came back: the versions of its tokens lie
+  between the two (its first token may already be the newer one's).
   A swap that fails partway (the trainer gone, a bucket failing its
   checksum) leaves the model between two versions: Generate is refused as
   unavailable until a sync swaps a whole version in.
@@ -172,7 +175,10 @@ class VLLMEngine:
             yield
             return
         started = time.perf_counter()
-        await self.llm.pause_generation(mode="keep", clear_cache=self.prefix_caching)
+        # AsyncLLM.pause_generation is this call then a 20 ms sleep, there so that the final outputs of requests
+        # it aborts or drains come out before it returns: under keep none do, and the sleep would be 20 ms of
+        # every swap's pause. The engine core answers once its step in progress is done.
+        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=self.prefix_caching)
         stages["freeze"] = time.perf_counter() - started
         try:
             yield

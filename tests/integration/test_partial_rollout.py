@@ -22,7 +22,7 @@ from services.common.channel import open_channel
 from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.common.models import load_causal_lm
 from services.common.weight_sync import send_weights
-from services.coordinator.clients import Generated, RolloutClient
+from services.coordinator.clients import Generated, Received, RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_faults import LogTail
@@ -60,10 +60,11 @@ def change(named: list[tuple[str, torch.Tensor]], seed: int) -> None:
 
 
 async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32", backend: str = "gloo",
-                   device: str = "cpu", tokens: int = TOKENS, long_tokens: int = LONG) -> float:
+                   device: str = "cpu", tokens: int = TOKENS, long_tokens: int = LONG,
+                   phases: tuple[str, ...] = ("restart and finish", "keep")) -> Received | None:
     """The rollout of ``cluster`` loads the model; this process, the trainer, holds it in ``dtype`` on ``device``
     and sends it over a ``backend`` channel; each Generate call asks for ``tokens`` new tokens per sample, that of
-    the keep phase for ``long_tokens``. Returns the keep phase's pause, in seconds."""
+    the keep phase for ``long_tokens``. Returns the rollout's side of the keep phase's sync, if it ran."""
     rollout, log = RolloutClient(service_address(cluster, "rollout")), LogTail(cluster, "rollout")
     model = load_causal_lm(model_path, dtype)
     named = [(name, tensor.detach().to(device)) for name, tensor in model.named_parameters()]
@@ -99,11 +100,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         assert received.version == version
         return await in_flight_call, received
 
-    try:
-        await rollout.init_run("partial-rollout", model_path, dtype, timeout=TIMEOUT_S)
-        joining = asyncio.create_task(rollout.join_channel(channel_id, backend, rendezvous, 1, 2, TIMEOUT_S))
-        channel = await asyncio.to_thread(open_channel, channel_id, backend, rendezvous, 0, 2, TIMEOUT_S, device)
-        await joining
+    async def restart_and_finish() -> None:
         under_0 = await generate()
         assert set(under_0.weight_versions.tolist()) == {0} and under_0.response_lens.float().mean() > tokens / 2
 
@@ -127,19 +124,39 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         assert finishing_sync.pause_s > 0.2 and restarting_sync.pause_s < finishing_sync.pause_s
         assert set(under_2.last_weight_versions.tolist()) == {2}  # no call so far went on over a swap
 
-        # keep: the call in flight is held for the swap to version 3 and goes on under it, keeping its tokens;
-        # version 3's logits are all 0, so each token it samples has logprob -log(V)
-        whole_under_2 = await generate_long()
-        kept, keeping_sync = await sync_while_generating(3, "keep", generate_long, then=flatten)
-        assert (kept.weight_versions.tolist(), kept.last_weight_versions.tolist()) == ([2], [3])
+    async def keep(version: int) -> Received:
+        """A sync with nothing in flight (as a run's first, before step 1: vLLM learns where each tensor goes and
+        copies straight there from then on), then one while a call runs, which is held for the swap and goes on
+        under the new version, keeping its tokens; that version's logits are all 0, so each token it samples
+        has logprob -log(V)."""
+        receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, "keep"))
+        await asyncio.to_thread(send_weights, channel, named, version, 1 << 20)
+        assert (await receiving).version == version
+        whole = await generate_long()
+        served = int(whole.weight_versions[0])
+        kept, keeping_sync = await sync_while_generating(served + 1, "keep", generate_long, then=flatten)
+        assert (kept.weight_versions.tolist(), kept.last_weight_versions.tolist()) == ([served], [served + 1])
         flat = torch.isclose(kept.logprobs, torch.tensor(-math.log(model.config.vocab_size)), atol=1e-3, rtol=0)
-        before = int((~flat).sum())  # tokens sampled under version 2, then those of version 3
+        before = int((~flat).sum())  # tokens sampled under the old version, then those of the new
         assert 0 < before < len(flat) and flat[before:].all()
-        assert torch.equal(kept.response_ids[:before], whole_under_2.response_ids[:before])
-        torch.testing.assert_close(kept.logprobs[:before], whole_under_2.logprobs[:before])
-        synced = [e for e in log.read() if e["event"] == "weights_received"]
-        assert [(e["weight_version"], e["in_flight"]) for e in synced] == [(1, "restart"), (2, "finish"), (3, "keep")]
-        return keeping_sync.pause_s
+        assert torch.equal(kept.response_ids[:before], whole.response_ids[:before])
+        torch.testing.assert_close(kept.logprobs[:before], whole.logprobs[:before])
+        return keeping_sync
+
+    try:
+        await rollout.init_run("partial-rollout", model_path, dtype, timeout=TIMEOUT_S)
+        joining = asyncio.create_task(rollout.join_channel(channel_id, backend, rendezvous, 1, 2, TIMEOUT_S))
+        channel = await asyncio.to_thread(open_channel, channel_id, backend, rendezvous, 0, 2, TIMEOUT_S, device)
+        await joining
+        synced, keeping_sync = [], None
+        if "restart and finish" in phases:
+            await restart_and_finish()
+            synced += [(1, "restart"), (2, "finish")]
+        if "keep" in phases:
+            keeping_sync = await keep(len(synced) + 1)
+            synced += [(len(synced) + 1, "keep"), (len(synced) + 2, "keep")]
+        assert [(e["weight_version"], e["in_flight"]) for e in log.read() if e["event"] == "weights_received"] == synced
+        return keeping_sync
     finally:
         if channel is not None:
             channel.close()
@@ -151,9 +168,9 @@ def test_a_sync_restarts_finishes_or_keeps_the_generate_call_in_flight(tmp_path,
     cluster = LocalCluster(tmp_path / "state", (ServiceSpec("rollout", settings=("batch_size=1",)),))
     try:
         asyncio.run(cluster.start(timeout_s=120))
-        pause_s = asyncio.run(scenario(cluster, str(tiny_model)))
-        print(f"\nkeep: generation held {pause_s * 1e3:.1f} ms for the swap")
-        assert pause_s < 0.1
+        kept = asyncio.run(scenario(cluster, str(tiny_model)))
+        print(f"\nkeep: generation held {kept.pause_s * 1e3:.1f} ms for the swap")
+        assert kept.pause_s < 0.1
     finally:
         cluster.stop()
 
