@@ -175,12 +175,12 @@ class VLLMEngine:
             yield
             return
         started = time.perf_counter()
-        # AsyncLLM.pause_generation is this call then a 20 ms sleep, there so that the final outputs of requests
-        # it aborts or drains come out before it returns: under keep none do, and the sleep would be 20 ms of
-        # every swap's pause. The engine core answers once its step in progress is done.
-        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=self.prefix_caching)
-        stages["freeze"] = time.perf_counter() - started
-        try:
+        try:  # (a swap cancelled while the freeze is on its way resumes all the same)
+            # AsyncLLM.pause_generation is this call then a 20 ms sleep, there so that the final outputs of
+            # requests it aborts or drains come out before it returns: under keep none do, and the sleep would be
+            # 20 ms of every swap's pause. The engine core answers once its step in progress is done.
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=self.prefix_caching)
+            stages["freeze"] = time.perf_counter() - started
             yield
         finally:
             resumed = time.perf_counter()
