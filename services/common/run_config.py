@@ -256,11 +256,13 @@ class RolloutConfig(Section):
     """Put the rollout engines to sleep while the trainer works on a step (vLLM sleep level 1: KV cache
     freed, weights moved to CPU memory) and wake them for the weight sync: for a trainer and a rollout
     sharing one GPU (the rollout service started with enable_sleep_mode). Synchronous runs only."""
-    partial_rollout: Literal["finish", "restart"] = "finish"
+    partial_rollout: Literal["keep", "finish", "restart"] = "keep"
     """What becomes of the Generate calls in flight when new weights arrive (asynchronous runs, where
-    generation goes on during a sync): finish = they complete under the old version; restart = they are
-    stopped and sampled again, whole, under the new version, with the same seeds: fresher samples for
-    the compute thrown away."""
+    generation goes on during a sync): keep = they are held only while the weights are swapped in and go on
+    under the new version with the tokens (and KV cache) they have, each sample recording the first and last
+    version of its tokens (its staleness counted from the first); finish = they complete under the old
+    version, the swap waiting for them; restart = they are stopped and sampled again, whole, under the new
+    version, with the same seeds: fresher samples for the compute thrown away."""
     val_kwargs: ValKwargsConfig = ValKwargsConfig()
     """Sampling of validation (verl's key)."""
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)

@@ -58,6 +58,13 @@ def shown(record: dict, key: str, form: str = "") -> str:
     return format(value, form)
 
 
+def versions_shown(record: dict) -> str:
+    """The weight version that sampled a record's response, or "first-last" where new weights were swapped in
+    while it was sampled."""
+    first, last = shown(record, "weight_version"), shown(record, "last_weight_version")
+    return first if last in ("?", first) else f"{first}-{last}"
+
+
 def describe(index: int, record: dict, width: int) -> list[str]:
     """One kept sample as lines for a terminal ``width`` wide: its score, advantage, weight version and the
     services that handled it, then its prompt, response and expected answer, wrapped. A field the record lacks
@@ -66,7 +73,7 @@ def describe(index: int, record: dict, width: int) -> list[str]:
     length = f"{shown(record, 'response_length')} tokens" + (", truncated" if record.get("truncated") else "")
     lines = [f"#{index}  step {shown(record, 'step')}  group {shown(record, 'group')}  "
              f"score {shown(record, 'score', '.3f')}{judged}  advantage {shown(record, 'advantage', '+.3f')}  {length}",
-             f"    version {shown(record, 'weight_version')} (staleness {shown(record, 'staleness')})  "
+             f"    version {versions_shown(record)} (staleness {shown(record, 'staleness')})  "
              f"rollout {shown(record, 'rollout')}  "
              f"reward {shown(record, 'reward_service')} ({shown(record, 'reward_address')})"]
     parts = record.get("reward_components") or []

@@ -38,7 +38,13 @@ class Generated:
     response_lens: torch.Tensor  # [B*n] int64
     logprobs: torch.Tensor  # [T] float32, the rollout engine's
     truncated: torch.Tensor  # [B*n] bool
-    weight_versions: torch.Tensor  # [B*n] int64, the weights that sampled each response
+    weight_versions: torch.Tensor  # [B*n] int64, the weights that sampled each response's first token
+    last_weight_versions: torch.Tensor | None = None  # [B*n] int64, its last token's (None: as weight_versions)
+
+    @property
+    def last_versions(self) -> torch.Tensor:
+        """The weights that sampled each response's last token (a rollout that does not say: its first's)."""
+        return self.weight_versions if self.last_weight_versions is None else self.last_weight_versions
 
 
 @dataclass(frozen=True)
@@ -127,8 +133,12 @@ class RolloutClient:
         n = sampling.n
         if len(out["response_lens"]) != len(prompts) * n or len(out["weight_versions"]) != len(prompts) * n:
             raise ValueError(f"rollout {self.address} returned {len(out['response_lens'])} responses, not {len(prompts) * n}")
+        last = out.get("last_weight_versions")  # (a rollout from before it was sent sends none)
+        if last is not None and (len(last) != len(prompts) * n or bool((last < out["weight_versions"]).any())):
+            raise ValueError(f"rollout {self.address} returned last_weight_versions that are not one per response, "
+                             f"each at least its weight_versions")
         return Generated(out["response_ids"], out["response_lens"], out["logprobs"], out["truncated"],
-                         out["weight_versions"])
+                         out["weight_versions"], last)
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
                            timeout: float) -> None:
@@ -136,11 +146,12 @@ class RolloutClient:
             await self._stub.JoinChannel(join_request(channel_id, backend, rendezvous, rank, world_size, timeout),
                                          timeout=timeout + 15)
 
-    async def receive_weights(self, channel_id: str, timeout: float, restart_in_flight: bool = False) -> Received:
-        """Receive one broadcast; with ``restart_in_flight`` the Generate calls in flight at the swap are sampled
-        again under the new weights instead of finishing under the old."""
+    async def receive_weights(self, channel_id: str, timeout: float, in_flight: str = "finish") -> Received:
+        """Receive one broadcast; the Generate calls in flight at the swap finish under the old weights
+        (``finish``), are sampled again under the new ones (``restart``) or go on under them (``keep``)."""
         request = rollout_pb2.ReceiveWeightsRequest(channel_id=channel_id, timeout_s=timeout,
-                                                    restart_in_flight=restart_in_flight)
+                                                    restart_in_flight=in_flight == "restart",
+                                                    keep_in_flight=in_flight == "keep")
         async with self._conn.slot():
             reply = await self._stub.ReceiveWeights(request, timeout=timeout + 5)
         return Received(reply.version, reply.transfer_s, reply.pause_s, dict(reply.memory))

@@ -52,7 +52,8 @@ class Rollouts:
     logprobs: torch.Tensor  # [T], from the rollout engine
     truncated: torch.Tensor  # [B*n] bool
     scores: torch.Tensor  # [B*n] float32 (zeros until scored)
-    versions: torch.Tensor  # [B*n] int64, the weight version that sampled each response
+    versions: torch.Tensor  # [B*n] int64, the weight version that sampled each response's first token
+    last_versions: torch.Tensor  # [B*n] int64, its last token's (later if new weights came in while it was sampled)
     prompts: list[Prompt]  # [B]
     n: int
     lineage: tuple[Lineage, ...]  # [B*n]
@@ -64,21 +65,23 @@ class Rollouts:
     def keep_prompts(self, keep: list[int]) -> Rollouts:
         rows = torch.tensor([i * self.n + j for i in keep for j in range(self.n)], dtype=torch.int64)
         return Rollouts(self.batch.select(rows), self.logprobs[self.batch.token_index(rows)], self.truncated[rows],
-                        self.scores[rows], self.versions[rows], [self.prompts[i] for i in keep], self.n,
-                        tuple(self.lineage[row] for row in rows.tolist()))
+                        self.scores[rows], self.versions[rows], self.last_versions[rows],
+                        [self.prompts[i] for i in keep], self.n, tuple(self.lineage[row] for row in rows.tolist()))
 
     def with_scores(self, samples: list[RewardSample], scored: Scored) -> Rollouts:
         """These rollouts with the scores of ``scored`` (of ``samples``, their decoded responses)."""
         scores = torch.tensor([s.score for s in scored.scores], dtype=torch.float32)
         lineage = tuple(Lineage(origin.rollout, by, sample, score) for origin, by, sample, score
                         in zip(self.lineage, scored.scored_by, samples, scored.scores, strict=True))
-        return Rollouts(self.batch, self.logprobs, self.truncated, scores, self.versions, self.prompts, self.n, lineage)
+        return Rollouts(self.batch, self.logprobs, self.truncated, scores, self.versions, self.last_versions,
+                        self.prompts, self.n, lineage)
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
         return Rollouts(SequenceBatch.concat([p.batch for p in parts]), torch.cat([p.logprobs for p in parts]),
                         torch.cat([p.truncated for p in parts]), torch.cat([p.scores for p in parts]),
-                        torch.cat([p.versions for p in parts]), [prompt for p in parts for prompt in p.prompts],
+                        torch.cat([p.versions for p in parts]), torch.cat([p.last_versions for p in parts]),
+                        [prompt for p in parts for prompt in p.prompts],
                         parts[0].n, tuple(origin for p in parts for origin in p.lineage))
 
 
@@ -122,8 +125,8 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
     batch = SequenceBatch(prompt_ids, prompt_lens, torch.cat([s.response_ids for s in shards]),
                           torch.cat([s.response_lens for s in shards]))
     return Rollouts(batch, torch.cat([s.logprobs for s in shards]), torch.cat([s.truncated for s in shards]),
-                    torch.zeros(len(batch)), torch.cat([s.weight_versions for s in shards]), prompts,
-                    sampling.n, lineage), counts
+                    torch.zeros(len(batch)), torch.cat([s.weight_versions for s in shards]),
+                    torch.cat([s.last_versions for s in shards]), prompts, sampling.n, lineage), counts
 
 
 async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Notices, what: str) -> Scoring:

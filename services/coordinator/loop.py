@@ -24,7 +24,9 @@ Choices:
   steps (``Pipeline``): the batch of step s is generated (and scored) once
   step s-1-K is updated and synced, so every sample was drawn from weights
   at most K versions older than those it is trained from; each sample
-  carries its version, staleness is a metric, and a sample older than K
+  carries the versions of its first and last tokens (they differ where
+  new weights came in while it was sampled, partial_rollout keep; its
+  staleness counts from the first), staleness is a metric, and a sample older than K
   (which the pipeline never produces) would be dropped with its group and
   counted. K = 0 is the synchronous loop, step for step.
 - CPU work on whole batches (decoding responses for the reward services,
@@ -361,14 +363,17 @@ class PPOLoop:
     def within_staleness(self, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
         """The rollouts whose every sample is at most trainer.async_.max_staleness versions older than the
         weights the update starts from (prompts with an older sample are dropped, and counted), and the
-        staleness metrics."""
+        staleness metrics. A sample's staleness counts from its first token's version; those whose later tokens
+        came from newer weights (partial_rollout keep) are counted as spanning a swap."""
         limit = self.settings.max_staleness
         staleness = (self.rollouts.served - rollouts.versions).float()
+        spanning = (rollouts.last_versions > rollouts.versions).sum()
         keep = [i for i in range(len(rollouts.prompts)) if staleness[i * rollouts.n:(i + 1) * rollouts.n].max() <= limit]
         metrics = {"rollout/weight_version": float(rollouts.versions.min()),
                    "training/off_policy/staleness/mean": float(staleness.mean()),
                    "training/off_policy/staleness/max": float(staleness.max()),
-                   "training/off_policy/dropped_samples": float((len(rollouts.prompts) - len(keep)) * rollouts.n)}
+                   "training/off_policy/dropped_samples": float((len(rollouts.prompts) - len(keep)) * rollouts.n),
+                   "training/off_policy/samples_spanning_swap": float(spanning)}
         if len(keep) == len(rollouts.prompts):
             return rollouts, metrics
         if not keep:

@@ -221,7 +221,7 @@ class RolloutSet:
         timeout = self.settings.channel_timeout_s
         log.info("weight_sync_started", version=version, channel_id=self.channel_id, rollouts=self.addresses())
         receiving = {m.address: asyncio.ensure_future(m.receive_weights(self.channel_id, timeout,
-                                                                        self.settings.restart_in_flight))
+                                                                        self.settings.in_flight))
                      for m in self.members}
         sending = asyncio.ensure_future(self.actor.broadcast_weights(self.channel_id, self.settings.bucket_bytes, timeout))
         sent, trouble = None, ""

@@ -3,10 +3,11 @@
 Choices:
 - verl's file and keys first: ``<rollout_data_dir>/<step>.jsonl`` with ``input``, ``output``, ``gts``,
   ``score`` and ``step`` per response, so that what reads verl's dumps reads these.
-- Then where the response came from: the weight version that sampled it and its staleness (the versions
-  between it and the weights the update started from), the rollout replica that generated it, the reward
-  service that scored it (id and address), the parts of its score (each component's name, weight and value),
-  and its advantage.
+- Then where the response came from: the weight versions that sampled its first and its last token
+  (``weight_version`` and ``last_weight_version``: they differ where new weights were swapped in while it
+  was sampled, partial_rollout keep) and its staleness (the versions between the first and the weights the
+  update started from), the rollout replica that generated it, the reward service that scored it (id and
+  address), the parts of its score (each component's name, weight and value), and its advantage.
 - A response's advantage is the mean over its response tokens: every token's own for the outcome estimators
   (GRPO, RLOO, REINFORCE++), the average of GAE's per-token ones.
 - ``group`` numbers the step's prompts: the responses of one prompt (one GRPO group) share it.
@@ -34,7 +35,8 @@ def step_records(step: int, rollouts: Rollouts, served: int, advantages: torch.T
             "valid": scored.valid, "error": scored.error,
             "reward_components": [{"name": name, "weight": weight, "value": value}
                                   for name, weight, value in scored.components],
-            "weight_version": version, "staleness": served - version,
+            "weight_version": version, "last_weight_version": int(rollouts.last_versions[row]),
+            "staleness": served - version,
             "rollout": origin.rollout, "reward_service": by.service_id, "reward_address": by.address,
             "advantage": float(per_token[row].mean()) if len(per_token[row]) else 0.0,
             "response_length": int(lens[row]), "truncated": bool(rollouts.truncated[row]),

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Protocol
 
 import torch
 
@@ -28,7 +27,7 @@ from services.common.weight_sync import StagedWeights
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.hf_engine import HFEngine
 from services.rollout.sampling import Completion, SamplingSettings
-from services.rollout.swap import GenerationCall, SwapGate, WeightSwap
+from services.rollout.swap import GenerationCall, GenerationInterrupted, InFlight, SwapGate, WeightSwap
 
 
 class Engine(Protocol):
@@ -41,15 +40,16 @@ class Engine(Protocol):
     async def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
                        first_index: int) -> list[list[Completion]]:
         """``sampling.n`` completions per prompt, prompt i seeded from ``first_index + i``, each stamped with
-        the weight version that sampled it."""
+        the weight versions that sampled its first and its last token."""
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
                            timeout_s: float) -> None:
         """Join a weight channel; this engine's workers take ranks rank .. rank + channel_ranks - 1."""
 
-    async def receive_weights(self, channel_id: str, timeout_s: float, restart: bool = False) -> WeightSwap:
+    async def receive_weights(self, channel_id: str, timeout_s: float, in_flight: InFlight = "finish") -> WeightSwap:
         """Receive one broadcast while generation goes on and swap it in; the Generate calls in flight at the
-        swap finish under the old weights first, or with ``restart`` are sampled again under the new ones."""
+        swap finish under the old weights first, are sampled again under the new ones (``restart``), or are
+        held for the swap itself and go on under the new ones (``keep``)."""
 
     async def memory(self) -> dict[str, float]:
         """verl's memory metrics of the process holding the model since the previous call (``memory_metrics``;
@@ -81,10 +81,11 @@ class HFRolloutEngine:
         self.max_model_len = model.config.max_position_embeddings
         self.device = config.device
         self.gpus = (gpu_uuid(config.device),) if torch.device(config.device).type == "cuda" else ()
-        self.weight_version = 0  # changed only inside a swap, when no generation is in flight
+        self.weight_version = 0  # changed only inside a swap, on the engine thread
         self.gate = SwapGate()
         self.channels = ChannelTable(config.device)
         self._staging: StagedWeights | None = None  # the last receive, which may still be on the wire
+        self._pending: tuple[Callable[[], None], Future[None]] | None = None  # a keep swap's, for the engine thread
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     async def memory(self):
@@ -95,11 +96,34 @@ class HFRolloutEngine:
 
     async def generate(self, prompts, sampling, first_index):
         def attempt(call: GenerationCall) -> list[list[Completion]]:
-            version = self.weight_version
-            groups = self.engine.generate(prompts, sampling, first_index, call.should_stop)
-            return [[dataclasses.replace(c, weight_version=version) for c in group] for group in groups]
+            def before_step() -> int:  # on the engine thread, between token steps
+                if call.should_stop():
+                    raise GenerationInterrupted
+                self._apply_pending()
+                return self.weight_version
+
+            return self.engine.generate(prompts, sampling, first_index, before_step)
 
         return await self.gate.run(lambda call: self._on_engine(attempt, call))
+
+    def _apply_pending(self) -> None:
+        """On the engine thread: swap in the weights a ``keep`` swap left for it, if any (once)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            apply, done = pending
+            try:
+                apply()
+                done.set_result(None)
+            except Exception as error:  # noqa: BLE001 - it goes to the swap's ReceiveWeights
+                done.set_exception(error)
+
+    async def _apply_between_steps(self, apply: Callable[[], None]) -> None:
+        """Have the engine thread run ``apply`` at once if it is idle, else between two token steps of the
+        generation it runs, which then goes on under the new weights."""
+        done: Future[None] = Future()
+        self._pending = (apply, done)
+        self._thread.submit(self._apply_pending)  # whichever comes first: this, or the next token step
+        await asyncio.wrap_future(done)
 
     async def _leave_channels(self) -> None:
         """Close the channels joined. A receive still on one (a sync the new channel replaces) is abandoned,
@@ -117,9 +141,9 @@ class HFRolloutEngine:
         await self._leave_channels()
         await self.channels.join(channel_id, backend, rendezvous, rank, world_size, timeout_s)
 
-    async def receive_weights(self, channel_id, timeout_s, restart=False):
+    async def receive_weights(self, channel_id, timeout_s, in_flight="finish"):
         """Receive into staging buffers while generation goes on, then swap them in behind the gate, on the
-        engine thread."""
+        engine thread (under ``keep``, between two token steps of the generation in flight, if any)."""
         channel = self.channels.get(channel_id)
         started = time.perf_counter()
         self._staging = staged = StagedWeights(channel)
@@ -133,9 +157,9 @@ class HFRolloutEngine:
             self.weight_version = staged.version
 
         received = time.perf_counter()
-        async with self.gate.swap(restart):
+        async with self.gate.swap(in_flight):
             drained = time.perf_counter()
-            await self._on_engine(apply)
+            await (self._apply_between_steps(apply) if in_flight == "keep" else self._on_engine(apply))
         done = time.perf_counter()
         stages = {**staged.timer.seconds, "drain": drained - received, "apply": done - drained}
         return WeightSwap(self.weight_version, received - started, done - received, stages)

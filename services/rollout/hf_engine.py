@@ -28,11 +28,10 @@ from transformers import DynamicCache
 
 from services import algos
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
-from services.rollout.swap import GenerationInterrupted
 
 
-def never() -> bool:
-    return False
+def version_0() -> int:
+    return 0
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -80,11 +79,12 @@ class HFEngine:
         self.cache_argument = cache_argument(model)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, first_index: int = 0,
-                 interrupted: Callable[[], bool] = never) -> list[list[Completion]]:
+                 before_step: Callable[[], int] = version_0) -> list[list[Completion]]:
         """``sampling.n`` completions for each prompt; prompt i seeds from ``first_index + i``.
 
-        ``interrupted`` is asked before every token step; once it says yes the work is dropped and
-        GenerationInterrupted raised."""
+        ``before_step`` is called before every token step and returns the weight version the step runs under
+        (it may swap new weights in first); each completion is stamped with the versions of its first and last
+        tokens. It may raise GenerationInterrupted, which drops the work."""
         rows = [(i, k) for i in range(len(prompts)) for k in range(sampling.n)]
         done: dict[tuple[int, int], Completion] = {}
         for start in range(0, len(rows), self.batch_size):
@@ -92,14 +92,14 @@ class HFEngine:
             generators = [
                 torch.Generator().manual_seed(hash_seed(sampling.seed, first_index + i, k)) for i, k in chunk
             ]
-            outputs = self._generate_rows([prompts[i] for i, _ in chunk], generators, sampling, interrupted)
+            outputs = self._generate_rows([prompts[i] for i, _ in chunk], generators, sampling, before_step)
             done.update(zip(chunk, outputs))
         return [[done[(i, k)] for k in range(sampling.n)] for i in range(len(prompts))]
 
     @torch.no_grad()
     def _generate_rows(
         self, prompts: list[list[int]], generators: list[torch.Generator], sampling: SamplingSettings,
-        interrupted: Callable[[], bool] = never,
+        before_step: Callable[[], int] = version_0,
     ) -> list[Completion]:
         stops = torch.tensor(sorted(set(self.eos_ids) | set(sampling.stop_token_ids)), dtype=torch.int64)
         width = max(len(p) for p in prompts)
@@ -110,12 +110,14 @@ class HFEngine:
             attention_mask[row, width - len(prompt) :] = 1
         tokens: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
+        last_versions = [0 for _ in prompts]  # the weight version of each row's last token
         finished = torch.zeros(len(prompts), dtype=torch.bool)
         cache = DynamicCache(config=self.model.config)
         step_ids = input_ids
-        for _ in range(sampling.max_new_tokens):
-            if interrupted():
-                raise GenerationInterrupted
+        for step in range(sampling.max_new_tokens):
+            version = before_step()
+            if step == 0:
+                first_version = version  # every row has its first token at this step
             positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
             out = self.model(
                 input_ids=step_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
@@ -126,13 +128,15 @@ class HFEngine:
             for row in torch.nonzero(~finished).flatten().tolist():
                 tokens[row].append(int(chosen[row]))
                 logprobs[row].append(float(chosen_logprobs[row]))
+                last_versions[row] = version
             finished |= torch.isin(chosen, stops)
             if bool(finished.all()):
                 break
             step_ids = torch.where(finished, torch.full_like(chosen, self.pad_id), chosen).unsqueeze(-1)
             attention_mask = torch.cat([attention_mask, (~finished).long().unsqueeze(-1)], dim=-1)
         return [
-            Completion(t, lp, "stop" if t and t[-1] in stops.tolist() else "length") for t, lp in zip(tokens, logprobs)
+            Completion(t, lp, "stop" if t and t[-1] in stops.tolist() else "length", first_version, last)
+            for t, lp, last in zip(tokens, logprobs, last_versions)
         ]
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:

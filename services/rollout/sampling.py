@@ -3,7 +3,9 @@
 ``SamplingSettings`` is one Generate call's sampling (n samples per prompt,
 temperature, top-p, length, seed, stop tokens); ``Completion`` is one sampled
 response: its token ids, each sampled token's logprob, why it ended and the
-weight version that sampled it.
+weight versions that sampled it (of its first and of its last token: they
+differ where new weights were swapped in while it was sampled, under the
+swap's ``keep``).
 
 Every sequence is seeded on its own, from (request seed, prompt index, sample
 index) through ``hash_seed``, never from a generator shared by a batch: a
@@ -32,7 +34,8 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
-    weight_version: int = 0  # of the weights that sampled it (stamped by the engine that keeps the versions)
+    first_version: int = 0  # of the weights that sampled its first token (stamped by the engine)
+    last_version: int = 0  # of the weights that sampled its last token (>= first_version)
 
 
 def hash_seed(seed: int, prompt_index: int, sample_index: int) -> int:

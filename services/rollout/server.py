@@ -17,6 +17,7 @@ from services.rollout import telemetry
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engines import Engine, load_engine
 from services.rollout.sampling import SamplingSettings
+from services.rollout.swap import InFlight
 
 log = structlog.get_logger()
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -39,6 +40,14 @@ def sampling_from_pb(params: rollout_pb2.SamplingParams, config: RolloutServiceC
         check_at_most("params.max_new_tokens", params.max_new_tokens, config.max_new_tokens, "max_new_tokens"),
         params.seed, tuple(params.stop_token_ids),
     )
+
+
+def in_flight_from_pb(request: rollout_pb2.ReceiveWeightsRequest) -> InFlight:
+    """What the swap does with the Generate calls in flight, from the request's two flags (ValueError for
+    both)."""
+    if request.keep_in_flight and request.restart_in_flight:
+        raise ValueError("keep_in_flight and restart_in_flight exclude each other: set one at most")
+    return "keep" if request.keep_in_flight else "restart" if request.restart_in_flight else "finish"
 
 
 def check_call_size(prompts: int, sampling: SamplingSettings, config: RolloutServiceConfig) -> None:
@@ -107,9 +116,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         response_ids, response_lens = join_ragged([c.token_ids for c in flat], torch.int64)
         logprobs, _ = join_ragged([c.logprobs for c in flat], torch.float32)
         truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)
-        versions = torch.tensor([c.weight_version for c in flat], dtype=torch.int64)
+        versions = torch.tensor([c.first_version for c in flat], dtype=torch.int64)
         out = {"response_ids": response_ids, "response_lens": response_lens, "logprobs": logprobs, "truncated": truncated,
-               "weight_versions": versions}
+               "weight_versions": versions,
+               "last_weight_versions": torch.tensor([c.last_version for c in flat], dtype=torch.int64)}
         oldest = int(versions.min()) if len(versions) else engine.weight_version
         for chunks in batch_to_chunks(out):
             yield rollout_pb2.GenerateResponse(chunks=chunks, weight_version=oldest)
@@ -123,9 +133,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def ReceiveWeights(self, request, context):
         timeout_s = check_wait("timeout_s", request.timeout_s)
-        swap = await self._require_engine().receive_weights(request.channel_id, timeout_s, request.restart_in_flight)
+        in_flight = in_flight_from_pb(request)
+        swap = await self._require_engine().receive_weights(request.channel_id, timeout_s, in_flight)
         log.info("weights_received", weight_version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s,
-                 restart_in_flight=request.restart_in_flight)
+                 in_flight=in_flight, stages={stage: round(s, 4) for stage, s in swap.stages.items()})
         return common_pb2.WeightVersion(version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s,
                                         memory=await self._require_engine().memory())
 

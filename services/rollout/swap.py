@@ -1,10 +1,14 @@
 """The gate between generation and weight swaps, shared by the rollout engines.
 
 Both engines receive the weights while generation goes on and swap them in
-behind a ``SwapGate``: the Generate calls in flight either finish under the
-old weights first, or are stopped and sampled again, whole, under the new ones
-(``restart``). Samples are seeded from (seed, index), so a restarted call
-returns exactly what a fresh call under the new weights returns.
+behind a ``SwapGate``. What becomes of the Generate calls in flight at the
+swap (``InFlight``): they finish under the old weights first (``finish``);
+they are stopped and sampled again, whole, under the new ones (``restart``;
+samples are seeded from (seed, index), so a restarted call returns exactly
+what a fresh call under the new weights returns); or they are held only for
+the swap itself and go on under the new weights, keeping the tokens (and the
+KV cache) they have (``keep``): a sample then spans versions, and the engine
+stamps each with the versions of its first and last tokens.
 
 An engine runs each Generate call through ``SwapGate.run`` as a
 ``GenerationCall``; a call that a restarting swap interrupts stops by raising
@@ -21,12 +25,14 @@ import asyncio
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Literal, TypeVar
 
 import structlog
 
 log = structlog.get_logger()
 Result = TypeVar("Result")
+InFlight = Literal["finish", "restart", "keep"]  # what a swap does with the Generate calls in flight (see above)
+IN_FLIGHT: tuple[InFlight, ...] = ("finish", "restart", "keep")
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,7 @@ class WeightSwap:
 
     version: int
     transfer_s: float  # receiving the weights (generation may go on meanwhile)
-    pause_s: float  # generation held back: the calls in flight finishing, the swap itself
+    pause_s: float  # generation held back: the calls in flight finishing (``finish``), the swap itself
     stages: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per stage, where the engine knows
 
 
@@ -47,7 +53,8 @@ class GenerationCall:
     """One attempt of a Generate call, registered with the gate while it runs."""
 
     def __init__(self) -> None:
-        self.interrupted = False  # set by a restarting swap; read by the engine between token steps (any thread)
+        self.interrupted = False  # set by a restarting swap (or a failed keep swap); read by the engine between
+        # token steps (any thread)
         self.dropped = False  # it stopped on the interrupt (rather than finishing just before it)
         self.abandoned = False  # its Generate call was cancelled (the client gone, its deadline passed)
         self._stop = asyncio.Event()
@@ -84,11 +91,11 @@ class GenerationCall:
 
 
 class SwapGate:
-    """Generate calls and weight swaps exclude each other, so each call's samples come from one weight version.
-
-    A swap holds new calls back until it is done, and the calls in flight either finish first (``restart``
-    false) or are interrupted: an interrupted call drops its work, waits for the swap to end and runs again
-    from scratch under the new weights.
+    """A weight swap holds new Generate calls back until it is done; the calls in flight finish first
+    (``finish``), or are interrupted (``restart``: an interrupted call drops its work, waits for the swap to end
+    and runs again from scratch under the new weights), or go on (``keep``: the engine holds them while it swaps
+    the weights in, in the body of the ``with``; should the swap fail, they are interrupted as under
+    ``restart``, so that no call goes on over weights that are not one version).
 
     The gate's state changes only between awaits, and every change that must be undone is undone in a
     ``finally`` without awaiting: a call or a swap cancelled at any point (a client gone, a deadline passed)
@@ -126,12 +133,21 @@ class SwapGate:
                 self._changed_now()
 
     @contextlib.asynccontextmanager
-    async def swap(self, restart: bool = False):
-        """Hold generation back (finishing or interrupting the calls in flight) for the body of the ``with``."""
+    async def swap(self, in_flight: InFlight = "finish"):
+        """Hold new calls back for the body of the ``with``; before it, finish or interrupt the calls in flight
+        (``finish``, ``restart``), or leave them to the body (``keep``)."""
         await self._until(lambda: not self._swapping)
         self._swapping = True
         try:
-            stopped = list(self._calls) if restart else []
+            if in_flight == "keep":
+                try:
+                    yield
+                except BaseException:  # a failed or cancelled swap: no call goes on over what it left
+                    for call in list(self._calls):
+                        call.interrupt()
+                    raise
+                return
+            stopped = list(self._calls) if in_flight == "restart" else []
             for call in stopped:
                 call.interrupt()
             await self._until(lambda: not self._calls)

@@ -16,8 +16,17 @@
   generating, the workers receive into staging buffers and generation is
   held back (``SwapGate``) only for the swap itself and the prefix-cache
   reset; with nothing generating, they load each bucket as it arrives.
-  The requests in flight at a swap finish under the old weights first or,
-  with ``restart``, are aborted and generated again under the new ones.
+  The requests in flight at a swap finish under the old weights first,
+  are aborted and generated again under the new ones (``restart``), or
+  (``keep``) are frozen by vLLM's pause (mode ``keep``) for the swap
+  and go on under the new weights after ``resume_generation()``, keeping
+  their tokens and their KV cache. With prefix caching on, vLLM 0.20's
+  freeze clears the cache by preempting them (they keep their tokens; their
+  KV is computed again, under the new weights, when they resume), since a
+  plain ``reset_prefix_cache`` fails while they hold KV blocks. A response
+  is stamped with the version served when its call began and the one
+  served when its final output came back: the versions of its tokens lie
+  between the two (its first token may already be the newer one's).
   A swap that fails partway (the trainer gone, a bucket failing its
   checksum) leaves the model between two versions: Generate is refused as
   unavailable until a sync swaps a whole version in.
@@ -27,6 +36,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -37,7 +47,7 @@ from services.common.models import load_tokenizer
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.direct_load import STACKED
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
-from services.rollout.swap import GenerationCall, SwapGate, WeightSwap
+from services.rollout.swap import GenerationCall, InFlight, SwapGate, WeightSwap
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +99,7 @@ class VLLMEngine:
 
         stops = sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set()))
 
-        async def one(index: int, prompt: list[int], version: int, request_id: str) -> list[Completion]:
+        async def one(index: int, prompt: list[int], first_version: int, request_id: str) -> list[Completion]:
             params = SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens, seed=hash_seed(sampling.seed, first_index + index, 0) % (1 << 31),
@@ -98,13 +108,14 @@ class VLLMEngine:
             final = None
             async for output in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
                 final = output
-            return [completion_of(c, stops, version) for c in sorted(final.outputs, key=lambda c: c.index)]
+            versions = (first_version, self.weight_version)  # a keep swap may have come between its tokens
+            return [completion_of(c, stops, *versions) for c in sorted(final.outputs, key=lambda c: c.index)]
 
         async def attempt(call: GenerationCall) -> list[list[Completion]]:
             if self.damaged:
                 raise Unavailable(f"this rollout's weights are not one whole version ({self.damaged}); it generates "
                                   "again once a sync swaps one in")
-            version = self.weight_version  # a swap waits for this attempt or drops it: all come from this version
+            version = self.weight_version  # of its first tokens; only a keep swap lets it go on under another
             request_ids = [uuid.uuid4().hex for _ in prompts]
             try:  # an interrupt cancels the requests (cancelling AsyncLLM.generate aborts its request in vLLM)
                 return list(await call.unless_interrupted(
@@ -121,16 +132,17 @@ class VLLMEngine:
         await self.llm.collective_rpc("meshrl_join_channel", timeout=timeout_s + 10,
                                       args=(channel_id, backend, bytes(rendezvous), rank, world_size, timeout_s))
 
-    async def receive_weights(self, channel_id: str, timeout_s: float, restart: bool = False) -> WeightSwap:
+    async def receive_weights(self, channel_id: str, timeout_s: float, in_flight: InFlight = "finish") -> WeightSwap:
         """Receive one broadcast and serve it.
 
         While calls are generating, every worker receives into staging buffers and generation goes on; then,
-        within a short pause, new requests wait, the requests in flight finish under the old weights (or, with
-        ``restart``, are dropped and generated again under the new ones), the staged buckets are copied in and
-        the prefix cache is cleared. With nothing generating, the workers load each bucket straight into the
-        model as it arrives, in one call, generation held back throughout."""
+        within a short pause, new requests wait, the requests in flight finish under the old weights (or are
+        dropped and generated again under the new ones: ``restart``; or are frozen: ``keep``), the staged
+        buckets are copied in and the prefix cache is cleared (then the frozen requests go on). With nothing
+        generating, the workers load each bucket straight into the model as it arrives, in one call,
+        generation held back throughout."""
         if self.gate.generating == 0:
-            return await self._receive_now(channel_id, timeout_s, restart)
+            return await self._receive_now(channel_id, timeout_s, in_flight)
         started = time.perf_counter()
         await self.llm.collective_rpc("meshrl_start_receive", timeout=30, args=(channel_id, timeout_s))
         stages = {"start_rpc": time.perf_counter() - started}
@@ -144,30 +156,57 @@ class VLLMEngine:
                 raise TimeoutError(f"weights on channel {channel_id} did not arrive within {timeout_s} s")
             await asyncio.sleep(POLL_S)  # the engine core schedules generation between polls
         received = time.perf_counter()
-        async with self.gate.swap(restart):
+        async with self.gate.swap(in_flight):
             drained = time.perf_counter()
-            applied = await self._swapped_in("meshrl_apply_received", (), timeout_s)
+            freeze = in_flight == "keep" and self.gate.generating > 0
+            async with self._frozen(freeze, stages):
+                applied = await self._swapped_in("meshrl_apply_received", (), timeout_s,
+                                                 clear_prefix_cache=self.prefix_caching and not freeze)
         done = time.perf_counter()
         stages.update(worker_stages(applied), wait_rpcs=received - started - stages["start_rpc"],
                       drain=drained - received, apply=done - drained)
         return WeightSwap(self.weight_version, received - started, done - received, stages)
 
-    async def _receive_now(self, channel_id: str, timeout_s: float, restart: bool) -> WeightSwap:
+    @contextlib.asynccontextmanager
+    async def _frozen(self, freeze: bool, stages: dict[str, float]):
+        """With ``freeze``, the requests in flight frozen in vLLM for the body of the ``with`` (the prefix cache
+        cleared as they are, if it is on), then resumed, whatever happened; ``stages`` gets the seconds of
+        freezing and of resuming."""
+        if not freeze:
+            yield
+            return
         started = time.perf_counter()
-        async with self.gate.swap(restart):
+        try:  # (a swap cancelled while the freeze is on its way resumes all the same)
+            # AsyncLLM.pause_generation is this call then a 20 ms sleep, there so that the final outputs of
+            # requests it aborts or drains come out before it returns: under keep none do, and the sleep would be
+            # 20 ms of every swap's pause. The engine core answers once its step in progress is done.
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=self.prefix_caching)
+            stages["freeze"] = time.perf_counter() - started
+            yield
+        finally:
+            resumed = time.perf_counter()
+            await asyncio.shield(self.llm.resume_generation())  # (a cancelled swap waits for it all the same)
+            stages["resume"] = time.perf_counter() - resumed
+
+    async def _receive_now(self, channel_id: str, timeout_s: float, in_flight: InFlight) -> WeightSwap:
+        started = time.perf_counter()
+        async with self.gate.swap(in_flight):
             drained = time.perf_counter()
-            applied = await self._swapped_in("meshrl_receive_now", (channel_id, timeout_s), timeout_s)
+            applied = await self._swapped_in("meshrl_receive_now", (channel_id, timeout_s), timeout_s,
+                                             clear_prefix_cache=self.prefix_caching)
         done = time.perf_counter()
         stages = {**worker_stages(applied), "drain": drained - started, "receive_rpc": done - drained}
         return WeightSwap(self.weight_version, done - drained, done - started, stages)
 
-    async def _swapped_in(self, method: str, args: tuple, timeout_s: float) -> list[tuple[int, dict]]:
+    async def _swapped_in(self, method: str, args: tuple, timeout_s: float,
+                          clear_prefix_cache: bool) -> list[tuple[int, dict]]:
         """Call the workers' method that swaps weights in (generation is held back) and, alongside it, clear the
-        prefix cache (the engine core runs the two one after the other, so it costs no round trip; nothing is
-        scheduled in between); the new version is then served. Returns each worker's (version, stages)."""
+        prefix cache if asked (the engine core runs the two one after the other, so it costs no round trip;
+        nothing is scheduled in between); the new version is then served. Returns each worker's (version,
+        stages)."""
         swap = self.llm.collective_rpc(method, timeout=timeout_s + 30, args=args)
         try:
-            if self.prefix_caching:
+            if clear_prefix_cache:
                 applied, cleared = await asyncio.gather(swap, self.llm.reset_prefix_cache())
                 if not cleared:
                     raise RuntimeError("vLLM refused to clear its prefix cache after a weight swap")
@@ -205,12 +244,13 @@ def worker_stages(applied: list[tuple[int, dict[str, float]]]) -> dict[str, floa
     return {f"worker_{stage}": max(seconds[stage] for _, seconds in applied) for stage in applied[0][1]}
 
 
-def completion_of(output, stops: list[int], weight_version: int) -> Completion:
-    """Our Completion from a vLLM CompletionOutput: token ids, the sampled tokens' logprobs, the finish."""
+def completion_of(output, stops: list[int], first_version: int, last_version: int) -> Completion:
+    """Our Completion from a vLLM CompletionOutput: token ids, the sampled tokens' logprobs, the finish; its
+    tokens came from weight versions ``first_version`` to ``last_version``."""
     tokens = list(output.token_ids)
     logprobs = [output.logprobs[i][token].logprob for i, token in enumerate(tokens)]
     finished_by_stop = output.finish_reason == "stop" or (tokens and tokens[-1] in stops)
-    return Completion(tokens, logprobs, "stop" if finished_by_stop else "length", weight_version)
+    return Completion(tokens, logprobs, "stop" if finished_by_stop else "length", first_version, last_version)
 
 
 async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, timeout_s: float) -> None:

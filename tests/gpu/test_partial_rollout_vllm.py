@@ -97,7 +97,7 @@ def test_vllm_rollout_restarts_or_finishes_calls_in_flight_and_refuses_to_genera
     try:
         asyncio.run(cluster.start(timeout_s=180))
         asyncio.run(scenario(cluster, str(qwen_05b), dtype="bfloat16", backend="nccl", device="cuda:0",
-                             tokens=TOKENS))
+                             tokens=TOKENS, phases=("restart and finish",)))  # keep: test_keep_swap_vllm.py
         asyncio.run(a_sync_breaks_off(cluster, str(qwen_05b)))
     finally:
         cluster.stop()

@@ -2,14 +2,17 @@
 
 The test process plays the trainer: rank 0 of a gloo weight channel, sending with send_weights. With
 restart_in_flight the call is stopped and sampled again under the new weights, and returns exactly what a fresh
-call under them returns (same seed, same first_index); without it the call finishes under the old weights.
-(tests/gpu/test_partial_rollout_vllm.py plays the same scenario against the vLLM engine over NCCL.)
+call under them returns (same seed, same first_index); with neither flag the call finishes under the old
+weights; with keep_in_flight it is held only for the swap and goes on under the new weights with the tokens it
+had. (tests/gpu/test_partial_rollout_vllm.py and test_keep_swap_vllm.py play the same scenario against the vLLM
+engine over NCCL.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -19,7 +22,7 @@ from services.common.channel import open_channel
 from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.common.models import load_causal_lm
 from services.common.weight_sync import send_weights
-from services.coordinator.clients import Generated, RolloutClient
+from services.coordinator.clients import Generated, Received, RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_faults import LogTail
@@ -30,12 +33,21 @@ N = 2
 # a long call: the rollout samples one sequence at a time (batch_size=1), and at this temperature the tiny
 # model almost never picks EOS, so each of the 8 sequences runs about 150 token steps (about 1 s in all)
 TOKENS, TEMPERATURE = 150, 0.02
+LONG = 250  # tokens of the one sequence of the keep phase (the tiny model takes 256 positions): new weights come in
+# while it runs
 TIMEOUT_S = 60
 
 
 def same(a: Generated, b: Generated) -> bool:
     return all(torch.equal(getattr(a, name), getattr(b, name))
-               for name in ("response_ids", "response_lens", "logprobs", "truncated", "weight_versions"))
+               for name in ("response_ids", "response_lens", "logprobs", "truncated", "weight_versions",
+                            "last_weight_versions"))
+
+
+def flatten(named: list[tuple[str, torch.Tensor]]) -> None:
+    """New weights whose logits are all 0 (the final norm zeroed): each token they sample has logprob -log(V)."""
+    with torch.no_grad():
+        dict(named)["model.norm.weight"].zero_()
 
 
 def change(named: list[tuple[str, torch.Tensor]], seed: int) -> None:
@@ -48,12 +60,14 @@ def change(named: list[tuple[str, torch.Tensor]], seed: int) -> None:
 
 
 async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32", backend: str = "gloo",
-                   device: str = "cpu", tokens: int = TOKENS) -> None:
+                   device: str = "cpu", tokens: int = TOKENS, long_tokens: int = LONG,
+                   phases: tuple[str, ...] = ("restart and finish", "keep")) -> Received | None:
     """The rollout of ``cluster`` loads the model; this process, the trainer, holds it in ``dtype`` on ``device``
-    and sends it over a ``backend`` channel; each Generate call asks for ``tokens`` new tokens per sample."""
+    and sends it over a ``backend`` channel; each Generate call asks for ``tokens`` new tokens per sample, that of
+    the keep phase for ``long_tokens``. Returns the rollout's side of the keep phase's sync, if it ran."""
     rollout, log = RolloutClient(service_address(cluster, "rollout")), LogTail(cluster, "rollout")
-    named = [(name, tensor.detach().to(device))
-             for name, tensor in load_causal_lm(model_path, dtype).named_parameters()]
+    model = load_causal_lm(model_path, dtype)
+    named = [(name, tensor.detach().to(device)) for name, tensor in model.named_parameters()]
     channel_id = "partial-rollout-weights"
     if backend == "nccl":
         from services.common.nccl_channel import new_unique_id
@@ -67,29 +81,31 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         return await rollout.generate(PROMPTS, Sampling(N, TEMPERATURE, 1.0, tokens, ()), seed=5, first_index=3,
                                       timeout=TIMEOUT_S)
 
-    async def sync_while_generating(version: int, restart: bool):
-        """Start a Generate call, send new weights while it runs; (its samples, the rollout's side of the sync)."""
+    async def generate_long() -> Generated:
+        return await rollout.generate(PROMPTS[:1], Sampling(1, TEMPERATURE, 1.0, long_tokens, ()), seed=5,
+                                      first_index=3, timeout=TIMEOUT_S)
+
+    async def sync_while_generating(version: int, in_flight: str, call=generate, then=lambda named: None):
+        """Start a ``call``, send new weights (changed, then ``then``) while it runs; (its samples, the
+        rollout's side of the sync)."""
         calls = sum(event["event"] == "generating" for event in log.read())
-        in_flight = asyncio.create_task(generate())
+        in_flight_call = asyncio.create_task(call())
         await log.wait_for("generating", calls + 1)  # the rollout has begun sampling it
         change(named, seed=version)
-        receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, restart_in_flight=restart))
+        then(named)
+        receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, in_flight))
         await asyncio.to_thread(send_weights, channel, named, version, 1 << 20)
-        assert not in_flight.done()  # the whole broadcast has gone out while the call was still sampling
+        assert not in_flight_call.done()  # the whole broadcast has gone out while the call was still sampling
         received = await receiving
         assert received.version == version
-        return await in_flight, received
+        return await in_flight_call, received
 
-    try:
-        await rollout.init_run("partial-rollout", model_path, dtype, timeout=TIMEOUT_S)
-        joining = asyncio.create_task(rollout.join_channel(channel_id, backend, rendezvous, 1, 2, TIMEOUT_S))
-        channel = await asyncio.to_thread(open_channel, channel_id, backend, rendezvous, 0, 2, TIMEOUT_S, device)
-        await joining
+    async def restart_and_finish() -> None:
         under_0 = await generate()
         assert set(under_0.weight_versions.tolist()) == {0} and under_0.response_lens.float().mean() > tokens / 2
 
         # restart: the call in flight is dropped at the swap and sampled again, whole, under version 1
-        restarted, restarting_sync = await sync_while_generating(1, restart=True)
+        restarted, restarting_sync = await sync_while_generating(1, "restart")
         assert [e["calls"] for e in log.read() if e["event"] == "generate_calls_restarted"] == [1]
         under_1 = await generate()
         assert set(restarted.weight_versions.tolist()) == {1}
@@ -97,7 +113,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         assert not torch.equal(under_1.response_ids, under_0.response_ids)  # the new weights sample otherwise
 
         # finish: the call in flight completes under version 1 while the swap to version 2 waits for it
-        finished, finishing_sync = await sync_while_generating(2, restart=False)
+        finished, finishing_sync = await sync_while_generating(2, "finish")
         assert set(finished.weight_versions.tolist()) == {1}
         assert same(finished, under_1)
         assert [e["calls"] for e in log.read() if e["event"] == "generate_calls_restarted"] == [1]  # none more
@@ -106,8 +122,41 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         assert not torch.equal(under_2.response_ids, under_1.response_ids)
         # generation was held back while the call in flight finished, not while it was dropped
         assert finishing_sync.pause_s > 0.2 and restarting_sync.pause_s < finishing_sync.pause_s
-        synced = [e for e in log.read() if e["event"] == "weights_received"]
-        assert [(e["weight_version"], e["restart_in_flight"]) for e in synced] == [(1, True), (2, False)]
+        assert set(under_2.last_weight_versions.tolist()) == {2}  # no call so far went on over a swap
+
+    async def keep(version: int) -> Received:
+        """A sync with nothing in flight (as a run's first, before step 1: vLLM learns where each tensor goes and
+        copies straight there from then on), then one while a call runs, which is held for the swap and goes on
+        under the new version, keeping its tokens; that version's logits are all 0, so each token it samples
+        has logprob -log(V)."""
+        receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, "keep"))
+        await asyncio.to_thread(send_weights, channel, named, version, 1 << 20)
+        assert (await receiving).version == version
+        whole = await generate_long()
+        served = int(whole.weight_versions[0])
+        kept, keeping_sync = await sync_while_generating(served + 1, "keep", generate_long, then=flatten)
+        assert (kept.weight_versions.tolist(), kept.last_weight_versions.tolist()) == ([served], [served + 1])
+        flat = torch.isclose(kept.logprobs, torch.tensor(-math.log(model.config.vocab_size)), atol=1e-3, rtol=0)
+        before = int((~flat).sum())  # tokens sampled under the old version, then those of the new
+        assert 0 < before < len(flat) and flat[before:].all()
+        assert torch.equal(kept.response_ids[:before], whole.response_ids[:before])
+        torch.testing.assert_close(kept.logprobs[:before], whole.logprobs[:before])
+        return keeping_sync
+
+    try:
+        await rollout.init_run("partial-rollout", model_path, dtype, timeout=TIMEOUT_S)
+        joining = asyncio.create_task(rollout.join_channel(channel_id, backend, rendezvous, 1, 2, TIMEOUT_S))
+        channel = await asyncio.to_thread(open_channel, channel_id, backend, rendezvous, 0, 2, TIMEOUT_S, device)
+        await joining
+        synced, keeping_sync = [], None
+        if "restart and finish" in phases:
+            await restart_and_finish()
+            synced += [(1, "restart"), (2, "finish")]
+        if "keep" in phases:
+            keeping_sync = await keep(len(synced) + 1)
+            synced += [(len(synced) + 1, "keep"), (len(synced) + 2, "keep")]
+        assert [(e["weight_version"], e["in_flight"]) for e in log.read() if e["event"] == "weights_received"] == synced
+        return keeping_sync
     finally:
         if channel is not None:
             channel.close()
@@ -115,11 +164,13 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         del store
 
 
-def test_a_sync_restarts_or_finishes_the_generate_call_in_flight(tmp_path, tiny_model):
+def test_a_sync_restarts_finishes_or_keeps_the_generate_call_in_flight(tmp_path, tiny_model):
     cluster = LocalCluster(tmp_path / "state", (ServiceSpec("rollout", settings=("batch_size=1",)),))
     try:
         asyncio.run(cluster.start(timeout_s=120))
-        asyncio.run(scenario(cluster, str(tiny_model)))
+        kept = asyncio.run(scenario(cluster, str(tiny_model)))
+        print(f"\nkeep: generation held {kept.pause_s * 1e3:.1f} ms for the swap")
+        assert kept.pause_s < 0.1
     finally:
         cluster.stop()
 
@@ -132,7 +183,7 @@ def test_a_run_with_partial_rollout_restart_asks_every_sync_to_restart(cluster, 
     final, _, _ = asyncio.run(run_to_end(cluster.coordinator, config))
     assert final.state == "finished", final.error
     synced = [e for e in LogTail(cluster, "rollout").read() if e["event"] == "weights_received"]
-    assert len(synced) >= 3 and all(e["restart_in_flight"] for e in synced)
+    assert len(synced) >= 3 and all(e["in_flight"] == "restart" for e in synced)
     steps = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(0 <= s["training/off_policy/staleness/max"] <= 1 for s in steps)

@@ -54,11 +54,13 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class ReceiveWeightsRequest(_message.Message):
-    __slots__ = ("channel_id", "timeout_s", "restart_in_flight")
+    __slots__ = ("channel_id", "timeout_s", "restart_in_flight", "keep_in_flight")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RESTART_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     timeout_s: float
     restart_in_flight: bool
-    def __init__(self, channel_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., restart_in_flight: _Optional[bool] = ...) -> None: ...
+    keep_in_flight: bool
+    def __init__(self, channel_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., restart_in_flight: _Optional[bool] = ..., keep_in_flight: _Optional[bool] = ...) -> None: ...

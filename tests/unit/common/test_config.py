@@ -161,11 +161,12 @@ def test_wrong_type_names_the_field(override, field):
         load_config(RunConfig, None, [override])
 
 
-def test_partial_rollout_finishes_by_default_and_may_restart():
-    assert RunConfig().actor_rollout_ref.rollout.partial_rollout == "finish"
-    config = load_config(RunConfig, None, ["actor_rollout_ref.rollout.partial_rollout=restart"])
-    assert config.actor_rollout_ref.rollout.partial_rollout == "restart"
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.partial_rollout: .*'finish' or 'restart'"):
+def test_partial_rollout_keeps_by_default_and_may_finish_or_restart():
+    assert RunConfig().actor_rollout_ref.rollout.partial_rollout == "keep"
+    for mode in ("finish", "restart"):
+        config = load_config(RunConfig, None, [f"actor_rollout_ref.rollout.partial_rollout={mode}"])
+        assert config.actor_rollout_ref.rollout.partial_rollout == mode
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.partial_rollout: .*'keep', 'finish' or 'restart'"):
         load_config(RunConfig, None, ["actor_rollout_ref.rollout.partial_rollout=resume"])
 
 

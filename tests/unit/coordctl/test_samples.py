@@ -28,6 +28,9 @@ def test_a_sample_reads_as_its_score_lineage_and_text():
                             "acc": None}, 100)
     assert "    unscored  TimeoutError: 5 s" in unscored and not any("parts" in line for line in unscored)
     assert describe(1, {"step": 2}, 100)[0] == "#1  step 2  group ?  score ?  advantage ?  ? tokens"
+    spanning = describe(2, {**RECORD, "last_weight_version": 37}, 100)  # new weights came in while sampled
+    assert spanning[1] == "    version 36-37 (staleness 1)  rollout 127.0.0.1:4001  reward reward-1 (127.0.0.1:4002)"
+    assert describe(2, {**RECORD, "last_weight_version": 36}, 100)[1] == lines[1]
 
 
 def test_long_text_wraps_under_its_label_and_keeps_its_line_breaks():

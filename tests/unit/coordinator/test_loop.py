@@ -100,11 +100,13 @@ class FakeTrainer:
 
 class FakeRollout:
     """Samples response j of a prompt as its ground truth when j < RIGHT_PER_PROMPT[digits], else "x"; stamps
-    each response with the version it last received."""
+    each response with the version it served when the call began and the one it serves when it ends (as under
+    partial_rollout keep, new weights may come in meanwhile)."""
 
     def __init__(self, address: str, trainer: FakeTrainer | None):
         self.address, self.trainer = address, trainer
         self.run_id, self.version, self.generated, self.calls = "", 0, 0, []
+        self.spanning = 0  # responses sampled across a swap
 
     async def info(self, timeout=30.0):
         return RolloutInfo(self.run_id, self.version, 1)
@@ -116,13 +118,13 @@ class FakeRollout:
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout):
         pass
 
-    async def receive_weights(self, channel_id, timeout, restart_in_flight=False):
+    async def receive_weights(self, channel_id, timeout, in_flight="finish"):
         await asyncio.sleep(0)
         self.version = self.trainer.version
         return Received(self.version, 0.001, 0.0)
 
     async def generate(self, prompts, sampling, seed, first_index, timeout):
-        version = self.version  # a real engine's swap gate keeps one version for the whole call
+        version = self.version
         self.calls.append((seed, sampling, version))
         await asyncio.sleep(0.01)  # long enough for the loop to get on with other work meanwhile
         responses = []
@@ -131,9 +133,11 @@ class FakeRollout:
             responses += [TOKENIZER(digits[::-1] if j < RIGHT_PER_PROMPT[digits] else "x",
                                     add_special_tokens=False)["input_ids"] for j in range(sampling.n)]
         self.generated += len(responses)
+        self.spanning += len(responses) if self.version != version else 0
         lens = torch.tensor([len(r) for r in responses])
         return Generated(torch.tensor([t for r in responses for t in r]), lens, torch.full((int(lens.sum()),), -0.5),
-                         torch.zeros(len(responses), dtype=torch.bool), torch.full((len(responses),), version))
+                         torch.zeros(len(responses), dtype=torch.bool), torch.full((len(responses),), version),
+                         torch.full((len(responses),), self.version))
 
     async def close(self):
         pass
@@ -262,6 +266,9 @@ def test_generating_one_step_ahead_trains_samples_one_version_old_with_rollout_c
     assert [metrics[s]["rollout/weight_version"] for s in (1, 2, 3)] == [0.0, 0.0, 1.0]
     assert [metrics[s]["training/off_policy/staleness/max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert all(metrics[s]["training/off_policy/dropped_samples"] == 0.0 for s in (1, 2, 3))
+    # responses whose call went on under weights that came in meanwhile are counted (staleness: from the first)
+    assert sum(metrics[s]["training/off_policy/samples_spanning_swap"] for s in (1, 2, 3)) == \
+        mesh.rollouts["rollout:1"].spanning
     # with staleness, the rollout's own logprobs go with every update (rollout correction, enable: auto)
     assert all(u["rollout_logprobs"] is not None for u in mesh.trainer.updates)
     assert mesh.rollouts["rollout:1"].generated == 3 * 4 * N
@@ -289,6 +296,11 @@ def test_each_steps_samples_carry_their_text_score_versions_replicas_and_advanta
     versions = {step: {(r["weight_version"], r["staleness"]) for r in records}
                 for step, records in mesh.reporter.samples_of.items()}
     assert versions == {1: {(0, 0)}, 2: {(0, 1)}, 3: {(1, 1)}}
+    # and the version of each one's last token: later where weights came in while its call went on
+    records = [r for step_records in mesh.reporter.samples_of.values() for r in step_records]
+    assert all(r["weight_version"] <= r["last_weight_version"] <= r["weight_version"] + 1 for r in records)
+    assert sum(r["last_weight_version"] > r["weight_version"] for r in records) == \
+        sum(rollout.spanning for rollout in mesh.rollouts.values())
     plain = Mesh(tmp_path, {})  # no trainer.rollout_data_dir: nothing kept
     assert plain.run() is True and plain.reporter.samples_of == {}
 

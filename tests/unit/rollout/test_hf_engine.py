@@ -3,6 +3,7 @@ a tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 
@@ -228,18 +229,36 @@ def test_temperature_zero_decodes_greedily_with_logprobs_at_temperature_one(tiny
 def test_an_interrupt_stops_generation_at_the_next_token_step(tiny, prompts):
     steps = 0
 
-    def interrupted() -> bool:  # asked once per token step: yes at the fourth
+    def before_step() -> int:  # called once per token step: interrupts at the fourth
         nonlocal steps
         steps += 1
-        return steps > 3
+        if steps > 3:
+            raise GenerationInterrupted
+        return 0
 
     long = SamplingSettings(n=3, temperature=0.02, top_p=1.0, max_new_tokens=50, seed=7, stop_token_ids=())
     with pytest.raises(GenerationInterrupted):
-        _engine(tiny, batch_size=9).generate(prompts, long, interrupted=interrupted)
+        _engine(tiny, batch_size=9).generate(prompts, long, before_step=before_step)
     assert steps == 4
     # asked and never interrupted, it samples what it samples without being asked
-    assert _as_tuples(_engine(tiny, batch_size=9).generate(prompts, SETTINGS, interrupted=lambda: False)) == \
+    assert _as_tuples(_engine(tiny, batch_size=9).generate(prompts, SETTINGS, before_step=lambda: 0)) == \
         _as_tuples(_engine(tiny, batch_size=9).generate(prompts, SETTINGS))
+
+
+def test_each_completion_carries_the_versions_of_its_first_and_last_tokens(tiny, prompts):
+    steps = []
+
+    def before_step() -> int:  # the weights of version 4 serve the first three token steps, then those of 5
+        steps.append(4 if len(steps) < 3 else 5)
+        return steps[-1]
+
+    second_token = _engine(tiny, batch_size=9).generate(prompts, SETTINGS)[0][0].token_ids[1]
+    stopping = dataclasses.replace(SETTINGS, stop_token_ids=(second_token,))  # one response ends at it, at least
+    results = _engine(tiny, batch_size=9).generate(prompts, stopping, before_step=before_step)
+    completions = [c for group in results for c in group]
+    assert min(len(c.token_ids) for c in completions) <= 3 < max(len(c.token_ids) for c in completions)
+    for c in completions:  # a response that ended by the third token is all version 4
+        assert (c.first_version, c.last_version) == (4, 5 if len(c.token_ids) > 3 else 4)
 
 
 def test_generation_passes_no_deprecated_argument_to_the_model(tiny, prompts):

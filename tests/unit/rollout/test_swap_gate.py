@@ -1,7 +1,8 @@
 """CPU tests of the SwapGate in services/rollout/swap.py: Generate calls and weight swaps, in one event loop.
 
 A "model" here is a version number that a swap changes; an attempt reads it when it starts and returns it when
-its work is done, as an engine stamps its samples."""
+its work is done, as an engine stamps its samples (or, for ``keep``, the versions its work began and ended
+under)."""
 
 from __future__ import annotations
 
@@ -50,14 +51,20 @@ class Model:
 
         return await asyncio.to_thread(work)
 
+    async def spanning_attempt(self, call: GenerationCall) -> tuple[int, int]:
+        """As either engine under keep: work that reads the version when it begins and when it ends."""
+        first = self._start()
+        await call.unless_interrupted(self.release.wait())
+        return first, self.version
+
     def _start(self) -> int:
         self.attempts += 1
         self.started.set()
         return self.version
 
 
-async def swap_in(gate: SwapGate, model: Model, version: int, restart: bool) -> None:
-    async with gate.swap(restart):
+async def swap_in(gate: SwapGate, model: Model, version: int, in_flight: str) -> None:
+    async with gate.swap(in_flight):
         await asyncio.sleep(0.02)  # loading the weights takes a while: nothing may start meanwhile
         model.version = version
 
@@ -66,7 +73,7 @@ async def test_finish_mode_waits_for_the_call_in_flight():
     gate, model = SwapGate(), Model()
     generating = asyncio.create_task(gate.run(model.async_attempt))
     await model.started.wait()
-    swapping = asyncio.create_task(swap_in(gate, model, 1, restart=False))
+    swapping = asyncio.create_task(swap_in(gate, model, 1, "finish"))
     await asyncio.sleep(0.05)
     assert not swapping.done() and model.version == 0  # the swap waits for the call in flight
     model.release.set()
@@ -81,7 +88,7 @@ async def test_restart_mode_interrupts_the_call_which_completes_under_the_new_ve
     generating = asyncio.create_task(gate.run(getattr(model, kind)))
     await model.started.wait()
     with capture_logs() as logs:
-        await asyncio.wait_for(swap_in(gate, model, 1, restart=True), 5)  # no waiting for the call's work
+        await asyncio.wait_for(swap_in(gate, model, 1, "restart"), 5)  # no waiting for the call's work
     assert model.version == 1
     assert [e for e in logs if e["event"] == "generate_calls_restarted"] == [
         {"event": "generate_calls_restarted", "calls": 1, "log_level": "info"}]
@@ -91,10 +98,44 @@ async def test_restart_mode_interrupts_the_call_which_completes_under_the_new_ve
     assert model.cancelled == (2 if kind == "async_attempt" else 0)
 
 
-async def test_new_calls_wait_during_a_swap():
+async def test_keep_mode_swaps_while_the_call_in_flight_goes_on_under_the_new_version():
+    gate, model = SwapGate(), Model()
+    generating = asyncio.create_task(gate.run(model.spanning_attempt))
+    await model.started.wait()
+    with capture_logs() as logs:
+        await asyncio.wait_for(swap_in(gate, model, 1, "keep"), 5)  # no waiting for the call's work
+    assert model.version == 1 and not generating.done() and gate.generating == 1
+    model.release.set()
+    assert await generating == (0, 1)  # begun under version 0, ended under 1: not run again
+    assert model.attempts == 1 and not [e for e in logs if e["event"] == "generate_calls_restarted"]
+
+
+async def test_a_keep_swap_that_fails_runs_the_calls_in_flight_again():
+    """A swap that breaks off leaves the model between versions: no call in flight may go on over it."""
+    gate, model = SwapGate(), Model()
+    generating = asyncio.create_task(gate.run(model.spanning_attempt))
+    await model.started.wait()
+    with pytest.raises(ConnectionError, match="the trainer went away"):
+        async with gate.swap("keep"):
+            await asyncio.sleep(0)
+            model.version = 1  # part of the weights swapped in
+            raise ConnectionError("the trainer went away")
+    await asyncio.wait_for(until(lambda: model.attempts == 2), 5)  # dropped, and run again once the swap was over
+    model.release.set()
+    assert await generating == (1, 1)
+    assert gate.generating == 0
+
+
+async def until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("in_flight", ["restart", "keep"])
+async def test_new_calls_wait_during_a_swap(in_flight):
     gate, model = SwapGate(), Model()
     model.release.set()
-    async with gate.swap(restart=True):  # nothing in flight: no restart, and in at once
+    async with gate.swap(in_flight):  # nothing in flight: no restart, and in at once
         calling = asyncio.create_task(gate.run(model.async_attempt))
         await asyncio.sleep(0.05)
         assert not calling.done() and model.attempts == 0 and gate.generating == 0
@@ -116,7 +157,7 @@ async def test_calls_that_fail_or_are_cancelled_leave_the_gate():
     with pytest.raises(asyncio.CancelledError):
         await cancelled
     assert gate.generating == 0 and model.cancelled == 2  # its work (both requests) went with it
-    await asyncio.wait_for(swap_in(gate, model, 1, restart=False), 5)  # nothing left to wait for
+    await asyncio.wait_for(swap_in(gate, model, 1, "finish"), 5)  # nothing left to wait for
     with pytest.raises(GenerationInterrupted):  # raised without an interrupt: an error, not a restart
         await gate.run(lambda call: asyncio.to_thread(_raise_interrupted))
 
@@ -147,20 +188,20 @@ class Timeline:
             for _ in range(self.TURNS):
                 await asyncio.sleep(0)
 
-    async def swap_under_test(self, restart: bool) -> None:
-        async with self.gate.swap(restart):
+    async def swap_under_test(self, in_flight: str) -> None:
+        async with self.gate.swap(in_flight):
             self.applying = True
             for _ in range(self.TURNS):
                 await asyncio.sleep(0)
             self.applied = True
 
-    async def start(self, restart: bool) -> None:
+    async def start(self, in_flight: str) -> None:
         self.tasks["first call"] = asyncio.create_task(self.gate.run(self.work))
         await asyncio.sleep(0)
         self.tasks["earlier swap"] = asyncio.create_task(self.earlier_swap())
         await asyncio.sleep(0)
         self.tasks["second call"] = asyncio.create_task(self.gate.run(self.work))
-        self.tasks["swap"] = asyncio.create_task(self.swap_under_test(restart))
+        self.tasks["swap"] = asyncio.create_task(self.swap_under_test(in_flight))
 
     def phase(self) -> str:
         """Where the swap under test is, as seen from outside."""
@@ -169,16 +210,16 @@ class Timeline:
         return "applying" if self.applying else "draining the calls"
 
 
-@pytest.mark.parametrize("restart", [False, True], ids=["finish", "restart"])
+@pytest.mark.parametrize("in_flight", ["finish", "restart", "keep"])
 @pytest.mark.parametrize("cancelled", ["swap", "second call"])
-async def test_a_task_cancelled_at_any_turn_leaves_the_gate_open(restart, cancelled):
+async def test_a_task_cancelled_at_any_turn_leaves_the_gate_open(in_flight, cancelled):
     """Cancel one task (a ReceiveWeights' swap, or a Generate call) after 0, 1, 2, ... event-loop turns, until
     it finishes first: whatever it was waiting for then, Generate calls and swaps go on afterwards."""
     phases = set()
     for turns in itertools.count():
         gate = SwapGate()
         timeline = Timeline(gate)
-        await timeline.start(restart)
+        await timeline.start(in_flight)
         for _ in range(turns):
             await asyncio.sleep(0)
         victim = timeline.tasks[cancelled]
@@ -190,7 +231,8 @@ async def test_a_task_cancelled_at_any_turn_leaves_the_gate_open(restart, cancel
         assert gate.generating == 0
         await asyncio.wait_for(gate.run(timeline.work), 5)  # a Generate call goes through
         await asyncio.wait_for(timeline.earlier_swap(), 5)  # and so does a swap
-    # cancelled while it waited for the earlier swap, while the swap under test waited for the second call, and
-    # while the swap applied (a call then waits to run again, if the swap interrupted it)
-    applying = ["applying"] if cancelled == "swap" or restart else []
+    # cancelled while it waited for the earlier swap, while the swap under test waited for the second call (or,
+    # under keep, for its turn), and while the swap applied (a call then waits to run again, if the swap
+    # interrupted it, or goes on beside it, under keep)
+    applying = ["applying"] if cancelled == "swap" or in_flight != "finish" else []
     assert phases == {"behind the earlier swap", "draining the calls", *applying}
