@@ -167,7 +167,8 @@ def test_every_device_generates_the_rollout_beside_the_trainer_asleep_while_it_w
     trainer's device (beside a CPU trainer every rollout does unless it says not), the other is started with
     colocated=false. Each step both generate; the one beside the trainer sleeps while it trains (one still asleep
     at the next step would refuse its Generate and fail the run) and the other never does; the weights reach
-    each over a gloo channel of its own, so both end serving version 3, sampling with the trainer's logprobs."""
+    each over a gloo channel of its own, so both end serving version 3 (the one apart sampling with the trainer's
+    logprobs)."""
     services = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout", settings=("colocated=false",)),
                 ServiceSpec("reward"))
     cluster = LocalCluster(tmp_path / "state", services)
@@ -190,14 +191,15 @@ def test_every_device_generates_the_rollout_beside_the_trainer_asleep_while_it_w
         # each update happened while the rollout beside the trainer slept; the other never slept
         slept = [(asleep["timestamp"], awake["timestamp"]) for asleep, awake in zip(
             [e for e in beside if e["event"] == "engine_asleep"], [e for e in beside if e["event"] == "engine_awake"])]
-        updated = [e["timestamp"] for e in logged(cluster, "trainer") if e["event"] == "actor_updated"]
+        trainer_events = logged(cluster, "trainer")
+        updated = [e["timestamp"] for e in trainer_events if e["event"] == "actor_updated"]
         assert len(slept) == len(updated) == 3
         assert all(start < at < end for (start, end), at in zip(slept, updated))
         assert not any(e["event"] in ("engine_asleep", "engine_awake") for e in apart)
-        trainer = next(s.address for s in asyncio.run(list_services(cluster.coordinator)) if s.kind == "trainer")
-        for rollout in address.values():
-            generated, trainer_logprobs, version = asyncio.run(logprobs_both_ways(rollout, trainer, [5, 6, 7, 16]))
-            assert version == 3 and torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
+        trainer = next(e["address"] for e in trainer_events if e["event"] == "serving")
+        assert asyncio.run(weight_version(address["beside"])) == 3
+        generated, trainer_logprobs, version = asyncio.run(logprobs_both_ways(address["apart"], trainer, [5, 6, 7]))
+        assert version == 3 and torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
     finally:
         cluster.stop()
 
@@ -208,12 +210,12 @@ def logged(cluster: LocalCluster, name: str) -> list[dict]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
-async def list_services(coordinator: str):
-    client = CoordinatorClient(coordinator)
+async def weight_version(rollout_address: str) -> int:
+    rollout = RolloutClient(rollout_address)
     try:
-        return await client.list_services()
+        return await rollout.weight_version()
     finally:
-        await client.close()
+        await rollout.close()
 
 
 def test_a_weight_channel_that_cannot_form_ends_the_run_naming_the_cause(cluster, tiny_model, reverse_data):
