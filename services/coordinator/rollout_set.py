@@ -1,4 +1,8 @@
-"""A run's rollout replicas and the weight channel they share with the actor.
+"""A run's rollout replicas and the weight channels they share with the actor.
+
+The members take the weights on one channel per transport and sharing of the trainer's device
+(``plan_channels``: e.g. CUDA IPC to a rollout on the trainer's GPU, NCCL to those on GPUs of their own);
+only those sharing it sleep while the trainer works (``sleep``, with free_cache_engine).
 
 Who generates for a run changes only where no sample can come from stale
 weights, and no trainer state is lost when a rollout goes:
