@@ -253,9 +253,9 @@ class RolloutConfig(Section):
     """Their token budget (passes without gradients can hold more); null = the actor's
     ppo_max_token_len_per_gpu."""
     free_cache_engine: bool = False
-    """Put the rollout engines to sleep while the trainer works on a step (vLLM sleep level 1: KV cache
-    freed, weights moved to CPU memory) and wake them for the weight sync: for a trainer and a rollout
-    sharing one GPU (the rollout service started with enable_sleep_mode). Synchronous runs only."""
+    """Put the rollout engines that share the actor trainer's GPU to sleep while it works on a step (vLLM sleep
+    level 1: KV cache freed, weights moved to CPU memory) and wake them for the weight sync (those rollout
+    services started with enable_sleep_mode); rollouts on other GPUs stay awake. Synchronous runs only."""
     partial_rollout: Literal["keep", "finish", "restart"] = "keep"
     """What becomes of the Generate calls in flight when new weights arrive (asynchronous runs, where
     generation goes on during a sync): keep = they are held only while the weights are swapped in and go on

@@ -157,7 +157,7 @@ class BucketBuffers:
 
     def __init__(self, buckets: list[Bucket], slots: int, device: torch.device | str):
         self.buckets = buckets
-        self._slots, self._device = min(slots, len(buckets)), device
+        self._slots, self.device = min(slots, len(buckets)), device
         self._buffers: list[torch.Tensor] = []
         self._placed: dict[int, tuple] = {}
 
@@ -165,7 +165,7 @@ class BucketBuffers:
         """Bucket ``index``'s buffer, the views of its tensors in it, and the padding between them."""
         if not self._buffers:
             size = max(b.size for b in self.buckets)
-            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self._device) for _ in range(self._slots)]
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self._slots)]
         if index not in self._placed:
             bucket = self.buckets[index]
             buffer = self._buffers[index % self._slots][: bucket.size]
@@ -207,7 +207,7 @@ def send_weights(
         channel.broadcast(torch.tensor([version, len(manifest) if new else 0], dtype=torch.int64, device=device))
         if new:
             channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
-            _sent[channel] = manifest, BucketBuffers(buckets, IN_FLIGHT, device)
+            _sent[channel] = manifest, _send_buffers(manifest, buckets, device)
     buffers = _sent[channel][1]
     tensors = dict(named)
     in_flight: list[tuple] = []
@@ -224,6 +224,15 @@ def send_weights(
         for transfers in in_flight:
             finish(transfers)
     return sum(b.size for b in buckets), len(buckets)
+
+
+def _send_buffers(manifest: bytes, buckets: list[Bucket], device: torch.device) -> BucketBuffers:
+    """The buffers of another channel on ``device`` that carries ``manifest``, else new ones: a sender's channels
+    (one per transport, e.g. CUDA IPC to a rollout on its GPU and NCCL to the others) are sent into in turn,
+    each send done before the next begins, so they share one set instead of holding one each."""
+    shared = (buffers for carried, buffers in list(_sent.values())
+              if carried == manifest and torch.device(buffers.device) == device)
+    return next(shared, None) or BucketBuffers(buckets, IN_FLIGHT, device)
 
 
 def finish(transfers: tuple) -> None:

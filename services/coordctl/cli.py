@@ -438,7 +438,7 @@ def evaluate(
                 "n": n, "do_sample": sampled > 0, "temperature": sampled}}},
             "trainer": {"val_only": True, "experiment_name": f"eval-{model_dir.resolve().name}"}},
             list(overrides or []))
-        services = validate(LocalConfig, data.pop("local", {}), "local").services
+        local_config = validate(LocalConfig, data.pop("local", {}), "local")
         config = validate(RunConfig, data)
         config.require_paths()
     except (ConfigError, ValueError) as error:
@@ -446,7 +446,8 @@ def evaluate(
         raise typer.Exit(2)
     if local:
         state_dir = state_dir or Path("meshrl-runs") / time.strftime("eval-%Y%m%d-%H%M%S")
-    specs = tuple(ServiceSpec(kind, settings=tuple(services.get(kind, ()))) for kind in ("rollout", "reward"))
+    specs = tuple(ServiceSpec(kind, settings=tuple(launch.settings), env=tuple(sorted(launch.env.items())))
+                  for kind in ("rollout", "reward") for launch in local_config.launches(kind))
     final = follow_run(lambda client: client.start_run(to_yaml(config)), coordinator, specs if local else None,
                        state_dir, False)
     if final.state != "finished":

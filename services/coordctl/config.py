@@ -72,6 +72,16 @@ class ArithmeticTaskConfig(TaskConfig):
     """Largest number a problem starts with or adds."""
 
 
+class LocalService(Section):
+    """One service that --local starts, where local.services lists several of a kind."""
+
+    settings: list[str] = []
+    """Its key=value settings (python -m services.<kind> --help lists them)."""
+    env: dict[str, str] = {}
+    """Environment variables it starts with, e.g. {CUDA_VISIBLE_DEVICES: "1"}: a vLLM rollout works on the GPUs
+    they show it."""
+
+
 class LocalConfig(Section):
     """What ``coordctl start-run --local`` builds, once, into its cache folder, and how it starts the services."""
 
@@ -84,6 +94,15 @@ class LocalConfig(Section):
     """The digit-reversal task."""
     arithmetic_task: ArithmeticTaskConfig = ArithmeticTaskConfig()
     """The arithmetic word problems."""
-    services: dict[Literal["trainer", "rollout", "reward"], list[str]] = {}
+    services: dict[Literal["trainer", "rollout", "reward"], list[str] | list[LocalService]] = {}
     """key=value settings of the services started, by kind, e.g. {rollout: [engine=vllm, device=cuda]} on a GPU
-    machine (python -m services.<kind> --help lists them)."""
+    machine (python -m services.<kind> --help lists them); or a list of {settings, env}, one service each, e.g.
+    a rollout on each GPU (examples/every_gpu_generating.yaml)."""
+
+    def launches(self, kind: str) -> list[LocalService]:
+        """The services of ``kind`` to start: one per entry of local.services' list of {settings, env}, or one
+        with its list of settings (none given: one without settings)."""
+        given = self.services.get(kind, [])
+        if all(isinstance(entry, str) for entry in given):
+            return [LocalService(settings=list(given))]
+        return list(given)

@@ -103,12 +103,6 @@ def task_files(local: LocalConfig, cache: Path) -> tuple[Path, Path | None]:
     return train, test
 
 
-def service_specs(local: LocalConfig) -> tuple[ServiceSpec, ...]:
-    """One trainer, rollout and reward service, each with the settings ``local.services`` gives its kind."""
-    return tuple(ServiceSpec(kind, settings=tuple(local.services.get(kind, ()))) for kind in ("trainer", "rollout",
-                                                                                           "reward"))
-
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

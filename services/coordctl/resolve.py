@@ -76,14 +76,17 @@ def local_services(local: LocalConfig, config: RunConfig) -> tuple:
     give (rollout.gpu_memory_utilization, tensor_model_parallel_size) when the run asks for vLLM."""
     from services.coordctl.local import ServiceSpec
 
-    rollout = config.actor_rollout_ref.rollout
-    settings = {kind: list(local.services.get(kind, ())) for kind in ("trainer", "rollout", "reward")}
-    if rollout.name == "vllm":
-        for key, value in (("gpu_memory_utilization", rollout.gpu_memory_utilization),
-                           ("tensor_parallel_size", rollout.tensor_model_parallel_size)):
-            if value is not None and not any(s.startswith(f"{key}=") for s in settings["rollout"]):
-                settings["rollout"].append(f"{key}={value}")
-    return tuple(ServiceSpec(kind, settings=tuple(values)) for kind, values in settings.items())
+    rollout, specs = config.actor_rollout_ref.rollout, []
+    for kind in ("trainer", "rollout", "reward"):
+        for launch in local.launches(kind):
+            settings = list(launch.settings)
+            for key, value in (("gpu_memory_utilization", rollout.gpu_memory_utilization),
+                               ("tensor_parallel_size", rollout.tensor_model_parallel_size)):
+                if (kind == "rollout" and rollout.name == "vllm" and value is not None
+                        and not any(s.startswith(f"{key}=") for s in settings)):
+                    settings.append(f"{key}={value}")
+            specs.append(ServiceSpec(kind, settings=tuple(settings), env=tuple(sorted(launch.env.items()))))
+    return tuple(specs)
 
 
 def plan(config: RunConfig, data: RunData | None, services: tuple | None, coordinator: str) -> str:
@@ -94,7 +97,8 @@ def plan(config: RunConfig, data: RunData | None, services: tuple | None, coordi
     lines += [f"# note: {notice}" for notice in config.notices()]
     if services is not None:
         lines.append("# would start on this machine: a coordinator, then " + ", ".join(
-            f"a {spec.kind}" + (f" ({' '.join(spec.settings)})" if spec.settings else "") for spec in services))
+            f"a {spec.kind}" + (f" ({' '.join([*(f'{k}={v}' for k, v in spec.env), *spec.settings])})"
+                                if spec.settings or spec.env else "") for spec in services))
     else:
         lines.append(f"# would send it to the coordinator at {coordinator}")
     return "\n".join(lines)

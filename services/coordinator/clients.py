@@ -65,6 +65,7 @@ class RolloutInfo:
     weight_version: int
     channel_ranks: int  # ranks its engine takes in a weight channel
     gpus: frozenset[str] = frozenset()  # UUIDs of the GPUs its engine works on (none on CPU)
+    colocated: bool | None = None  # it says it shares the trainer's device (None: it does not say; see GPUs)
 
 
 @dataclass(frozen=True)
@@ -168,8 +169,10 @@ class RolloutClient:
     async def info(self, timeout: float = CONTROL_TIMEOUT_S) -> RolloutInfo:
         async with self._conn.slot():
             reply = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
+        colocated = reply.details.get("colocated", "")
         return RolloutInfo(reply.run_id, reply.weight_version, int(reply.details.get("channel_ranks", "1")),
-                           frozenset(filter(None, reply.details.get("gpus", "").split(","))))
+                           frozenset(filter(None, reply.details.get("gpus", "").split(","))),
+                           None if not colocated else colocated == "true")
 
     async def weight_version(self) -> int:
         return (await self.info()).weight_version
@@ -235,12 +238,14 @@ class TrainerClient:
             info = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
         return info.details.get("gpu", "")
 
-    async def prepare_channel(self, channel_id: str, backend: str, world_size: int, timeout: float) -> bytes:
-        """The rendezvous of a new channel (the trainer closes its old one first, after its model work in flight:
-        the deadline must cover that)."""
+    async def prepare_channel(self, channel_id: str, backend: str, world_size: int, timeout: float,
+                              keep_joined: bool = False) -> bytes:
+        """The rendezvous of a new channel (the trainer closes its old ones first, after its model work in
+        flight: the deadline must cover that; with ``keep_joined`` it keeps them, the new one formed beside)."""
         async with self._conn.slot():
             reply = await self._stub.PrepareChannel(
-                trainer_pb2.PrepareChannelRequest(channel_id=channel_id, backend=backend, world_size=world_size),
+                trainer_pb2.PrepareChannelRequest(channel_id=channel_id, backend=backend, world_size=world_size,
+                                                  keep_joined=keep_joined),
                 timeout=timeout)
         return reply.rendezvous
 

@@ -24,6 +24,11 @@ class RolloutServiceConfig(StreamingServeConfig):
     """vLLM without CUDA graphs: starts in about 23 s instead of 70 s, generates slower."""
     enable_sleep_mode: bool = False
     """Allow Sleep/WakeUp (a trainer and this rollout sharing one GPU)."""
+    colocated: bool | None = None
+    """Whether this rollout shares its device with the run's actor trainer, so that it sleeps while the trainer
+    works (with actor_rollout_ref.rollout.free_cache_engine) and takes the weights on a channel of its own.
+    null = as found: on a GPU trainer, whether this engine works on the trainer's GPU; on a CPU trainer, yes.
+    Say false for a rollout that should go on generating beside a CPU trainer."""
     max_num_seqs: PositiveInt = 1024
     """Sequences vLLM schedules at once (verl's rollout.max_num_seqs)."""
     max_num_batched_tokens: PositiveInt = 8192

@@ -144,6 +144,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if not self.asleep:
             await self._require_engine().sleep()
             self.asleep = True
+            log.info("engine_asleep", run_id=self.run_id)
         return self._info()
 
     async def WakeUp(self, request, context):
@@ -152,6 +153,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if self.asleep:  # waking an engine that is awake is a no-op, so a coordinator may always ask
             await self.engine.wake_up()
             self.asleep = False
+            log.info("engine_awake", run_id=self.run_id)
         return self._info()
 
     async def Info(self, request, context):
@@ -163,6 +165,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def _info(self) -> common_pb2.ServiceInfo:
         details = {"engine": self.config.engine, "model_path": self.model_path, "device": self.config.device,
                    "asleep": str(self.asleep).lower()}
+        if self.config.colocated is not None:
+            details["colocated"] = str(self.config.colocated).lower()
         if self.engine is not None:
             details["channel_ranks"] = str(self.engine.channel_ranks)
             details["gpus"] = ",".join(self.engine.gpus)

@@ -196,12 +196,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def PrepareChannel(self, request, context):
         if request.backend not in ("gloo", "nccl", "cuda_ipc"):
             raise ValueError(f"backend must be gloo, nccl or cuda_ipc, got {request.backend!r}")
-        # A new channel replaces the run's old one (a rollout came or went, or a sync failed). A broadcast may
-        # still be on the old one, waiting for a member that stopped: abandoning the old from here ends it at
-        # once, and frees the model thread, where the old channel is then closed.
-        await asyncio.to_thread(self.channels.abandon_all)
-        await self._on_model(self.channels.close_all)
-        self.stores.clear()
+        # A new channel replaces the run's old ones (a rollout came or went, or a sync failed), unless it is
+        # formed beside them (keep_joined: one channel per transport). A broadcast may still be on an old one,
+        # waiting for a member that stopped: abandoning the old from here ends it at once, and frees the model
+        # thread, where the old channel is then closed.
+        if not request.keep_joined:
+            await asyncio.to_thread(self.channels.abandon_all)
+            await self._on_model(self.channels.close_all)
+            self.stores.clear()
         if request.backend == "nccl":
             return trainer_pb2.PrepareChannelResponse(rendezvous=await asyncio.to_thread(new_unique_id))
         host = rendezvous_host(self.config.host, self.config.coordinator)

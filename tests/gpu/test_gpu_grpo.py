@@ -1,5 +1,6 @@
 """Three GRPO steps with all four services: on two GPUs (trainer on GPU 0, vLLM rollout on GPU 1), colocated
-on one GPU (the rollout asleep while the trainer works), and on three GPUs with two rollouts of different speeds
+on one GPU (the rollout asleep while the trainer works), on two GPUs each generating (a rollout beside the
+trainer, asleep while it works, and one on GPU 1), and on three GPUs with two rollouts of different speeds
 (each step's prompts split in proportion to their measured speeds); and a colocated rollout that cannot wake."""
 
 from __future__ import annotations
@@ -125,6 +126,35 @@ def test_prompts_split_by_the_rollouts_measured_speeds_on_three_gpus(qwen_05b, t
               f"gen {now['timing_s/gen']:.2f} s (step 1, equal shares: {rows[0]['timing_s/gen']:.2f} s)")
         assert [round(now[f"rollout/share/{a}"] * 32) for a in (fast, capped)] == split_by_speed(32, speeds)
     assert rows[-1][f"rollout/share/{fast}"] > rows[-1][f"rollout/share/{capped}"] > 0
+
+
+@needs(2)
+def test_every_gpu_generates_the_rollout_beside_the_trainer_asleep_while_it_trains(qwen_05b, tmp_path):
+    """Trainer on GPU 0, a vLLM rollout beside it on GPU 0 (asleep while the trainer works, weights over CUDA
+    IPC) and one on GPU 1 (weights over NCCL): both generate every step, each actor update falls while the one
+    on GPU 0 sleeps, and the one on GPU 1 never sleeps."""
+    services = (
+        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.3",
+                                         "enable_sleep_mode=true"), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.5"),
+                    env=(("CUDA_VISIBLE_DEVICES", "1"),)),
+        ServiceSpec("reward"),
+    )
+    rows, cluster = three_steps(tmp_path, qwen_05b, services, colocated=True)
+    beside, apart = service_address(cluster, "rollout-1"), service_address(cluster, "rollout-2")
+    for row in rows:
+        print(f"step {row['step']}: {row['timing_s/step']:.2f} s/step, shares {row[f'rollout/share/{beside}']:.3f} "
+              f"(GPU 0, beside the trainer) / {row[f'rollout/share/{apart}']:.3f} (GPU 1)")
+        assert row[f"rollout/share/{beside}"] > 0 and row[f"rollout/share/{apart}"] > 0
+    logged = {name: [json.loads(line) for line in (cluster.log_dir / f"{name}.log").read_text(errors="replace")
+                     .splitlines() if line.startswith("{")] for name in ("rollout-1", "rollout-2", "trainer")}
+    slept = list(zip([e["timestamp"] for e in logged["rollout-1"] if e["event"] == "engine_asleep"],
+                     [e["timestamp"] for e in logged["rollout-1"] if e["event"] == "engine_awake"]))
+    updated = [e["timestamp"] for e in logged["trainer"] if e["event"] == "actor_updated"]
+    assert len(slept) == len(updated) == 3 and all(start < at < end for (start, end), at in zip(slept, updated))
+    assert not any(e["event"] == "engine_asleep" for e in logged["rollout-2"])
+    assert rows[-1]["training/rollout_probs_diff_mean"] < 1e-3  # both served the trainer's weights
 
 
 @needs(1)

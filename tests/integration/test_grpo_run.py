@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from services.coordinator.clients import RolloutClient, TrainerClient
+from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.control import CoordinatorClient
 from services.coordinator.loop import make_batch
 from services.coordinator.settings import Sampling
@@ -160,21 +161,61 @@ def test_kl_in_reward_with_adaptive_controller_and_reinforce_plus_plus(cluster, 
     assert "timing_s/ref" in steps[0] and "critic/vf_loss" not in steps[0]
 
 
-def test_rollouts_sleep_while_the_trainer_works_and_wake_for_the_sync(cluster, tiny_model, reverse_data):
-    """The one-GPU placement's protocol (free_cache_engine), on CPU where sleeping frees nothing: a rollout
-    that were still asleep at the next step would refuse its Generate, and the run would fail."""
-    final, _, services = asyncio.run(run_to_end(cluster.coordinator, run_config(
-        tiny_model, reverse_data, actor_rollout_ref__rollout__free_cache_engine=True)))
-    assert final.state == "finished", final.error
-    db = sqlite3.connect(Path(cluster.state_dir) / "meshrl.db")
-    for (metrics_json,) in db.execute("SELECT metrics_json FROM steps WHERE run_id = ?", (final.run_id,)):
-        metrics = json.loads(metrics_json)
-        assert "timing_s/rollout_sleep" in metrics and "timing_s/rollout_wake_up" in metrics
-    address = {s.kind: s.address for s in services}
-    generated, trainer_logprobs, version = asyncio.run(
-        logprobs_both_ways(address["rollout"], address["trainer"], [5, 6, 7, 16]))
-    assert version == 3 and torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
+def test_every_device_generates_the_rollout_beside_the_trainer_asleep_while_it_works(tmp_path, tiny_model,
+                                                                                   reverse_data):
+    """Every GPU generating, on CPU (free_cache_engine, sleeping frees nothing here): one rollout shares the
+    trainer's device (beside a CPU trainer every rollout does unless it says not), the other is started with
+    colocated=false. Each step both generate; the one beside the trainer sleeps while it trains (one still asleep
+    at the next step would refuse its Generate and fail the run) and the other never does; the weights reach
+    each over a gloo channel of its own, so both end serving version 3 (the one apart sampling with the trainer's
+    logprobs)."""
+    services = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout", settings=("colocated=false",)),
+                ServiceSpec("reward"))
+    cluster = LocalCluster(tmp_path / "state", services)
+    asyncio.run(cluster.start(timeout_s=120))
+    try:
+        final, updates, _ = asyncio.run(run_to_end(cluster.coordinator, run_config(
+            tiny_model, reverse_data, actor_rollout_ref__rollout__free_cache_engine=True)))
+        assert final.state == "finished", final.error
+        beside, apart = (logged(cluster, name) for name in ("rollout-1", "rollout-2"))
+        address = {name: next(e["address"] for e in events if e["event"] == "serving")
+                   for name, events in (("beside", beside), ("apart", apart))}
+        db = sqlite3.connect(Path(cluster.state_dir) / "meshrl.db")
+        for (metrics_json,) in db.execute("SELECT metrics_json FROM steps WHERE run_id = ?", (final.run_id,)):
+            metrics = json.loads(metrics_json)
+            assert "timing_s/rollout_sleep" in metrics and "timing_s/rollout_wake_up" in metrics
+            assert all(metrics[f"rollout/samples_by/{address[name]}"] > 0 for name in address)
+        channels = next(u.message for u in updates if u.message.startswith("weight channels"))
+        assert f"(gloo): the actor and rollouts {address['beside']} (sharing its device)" in channels
+        assert f"(gloo): the actor and rollouts {address['apart']}" in channels
+        # each update happened while the rollout beside the trainer slept; the other never slept
+        slept = [(asleep["timestamp"], awake["timestamp"]) for asleep, awake in zip(
+            [e for e in beside if e["event"] == "engine_asleep"], [e for e in beside if e["event"] == "engine_awake"])]
+        trainer_events = logged(cluster, "trainer")
+        updated = [e["timestamp"] for e in trainer_events if e["event"] == "actor_updated"]
+        assert len(slept) == len(updated) == 3
+        assert all(start < at < end for (start, end), at in zip(slept, updated))
+        assert not any(e["event"] in ("engine_asleep", "engine_awake") for e in apart)
+        trainer = next(e["address"] for e in trainer_events if e["event"] == "serving")
+        assert asyncio.run(weight_version(address["beside"])) == 3
+        generated, trainer_logprobs, version = asyncio.run(logprobs_both_ways(address["apart"], trainer, [5, 6, 7]))
+        assert version == 3 and torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
+    finally:
+        cluster.stop()
 
+
+def logged(cluster: LocalCluster, name: str) -> list[dict]:
+    """The JSON events service ``name`` has logged."""
+    lines = (cluster.log_dir / f"{name}.log").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+async def weight_version(rollout_address: str) -> int:
+    rollout = RolloutClient(rollout_address)
+    try:
+        return await rollout.weight_version()
+    finally:
+        await rollout.close()
 
 
 def test_a_weight_channel_that_cannot_form_ends_the_run_naming_the_cause(cluster, tiny_model, reverse_data):

@@ -51,14 +51,16 @@ class UpdateResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class PrepareChannelRequest(_message.Message):
-    __slots__ = ("channel_id", "backend", "world_size")
+    __slots__ = ("channel_id", "backend", "world_size", "keep_joined")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_JOINED_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     backend: str
     world_size: int
-    def __init__(self, channel_id: _Optional[str] = ..., backend: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
+    keep_joined: bool
+    def __init__(self, channel_id: _Optional[str] = ..., backend: _Optional[str] = ..., world_size: _Optional[int] = ..., keep_joined: _Optional[bool] = ...) -> None: ...
 
 class PrepareChannelResponse(_message.Message):
     __slots__ = ("rendezvous",)

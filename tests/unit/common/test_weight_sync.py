@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.common import weight_sync
 from services.common.channel import ChannelTable, open_channel
 from services.common.errors import NotFound
 from services.common.gloo_channel import GlooChannel, prepare_gloo_rendezvous
@@ -463,3 +464,24 @@ def test_a_rendezvous_not_reached_in_time_is_a_timeout_which_may_pass():
     del store
     with pytest.raises(TimeoutError, match=r"channel c: rank 1 did not reach the rendezvous within 0.2 s"):
         open_channel("c", "gloo", rendezvous, 1, 2, 0.2, "cpu")
+
+
+def test_a_senders_channels_carrying_one_manifest_share_its_bucket_buffers():
+    """One channel per transport (e.g. CUDA IPC to the rollout on the trainer's GPU, NCCL to the others): the
+    trainer sends into them in turn, so they share one set of buffers, and each receiver gets the weights whole."""
+    named = weights()
+    channels = {}
+    for name in ("beside", "apart"):
+        store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
+        channels[name] = store, run_ranks(2, lambda rank: GlooChannel(name, rendezvous, rank, 2, timeout_s=10))
+    for _, ranks in channels.values():
+        sender, receiver = ranks[0], ranks[1]
+        loaded: list[tuple[str, torch.Tensor]] = []
+        outcomes = run_ranks(2, lambda rank: send_weights(sender, named, 7, bucket_bytes=64) if rank == 0
+                             else receive_weights(receiver, lambda pairs: loaded.extend((n, t.clone()) for n, t in pairs)))
+        assert outcomes[1] == 7
+        for (_, tensor), (_, want) in zip(loaded, named, strict=True):
+            assert_same(tensor, want)
+    assert weight_sync._sent[channels["beside"][1][0]][1] is weight_sync._sent[channels["apart"][1][0]][1]
+    for channel in (ranks[rank] for _, ranks in channels.values() for rank in (0, 1)):
+        channel.close()

@@ -75,7 +75,7 @@ class FakeTrainer:
     async def gpu(self, timeout=30.0):
         return ""
 
-    async def prepare_channel(self, channel_id, backend, world_size, timeout):
+    async def prepare_channel(self, channel_id, backend, world_size, timeout, keep_joined=False):
         assert backend == "gloo"
         return b"127.0.0.1:1"
 

@@ -11,19 +11,33 @@ import pytest
 from services.common.config import validate
 from services.common.errors import FROM_HANDLER, ORIGIN_KEY, Unavailable
 from services.common.run_config import RunConfig
-from services.coordinator.clients import Received, RolloutInfo
-from services.coordinator.rollout_set import ChannelNotFormed, RolloutSet, channel_backend, not_formed
+from services.coordinator.clients import Received, RolloutInfo, SyncResult
+from services.coordinator.rollout_set import ChannelNotFormed, ChannelPlan, RolloutSet, not_formed, plan_channels
 from services.coordinator.runs import recoverable
 from services.coordinator.settings import rollout_set_settings
 
 
-def test_weight_channel_transport_follows_where_trainer_and_rollouts_sit():
-    assert channel_backend("", {"r1:1": frozenset()}) == "gloo"  # a trainer on CPU
-    assert channel_backend("GPU-a", {"r1:1": frozenset({"GPU-b"}), "r2:1": frozenset({"GPU-c", "GPU-d"})}) == "nccl"
+def on(*gpus: str, colocated: bool | None = None) -> RolloutInfo:
+    return RolloutInfo("run", 0, 1, frozenset(gpus), colocated)
+
+
+def test_weight_channels_follow_where_trainer_and_rollouts_sit():
+    """One channel per transport and sharing of the trainer's device, each with the rollouts of its kind."""
+    assert plan_channels("auto", "", {"r1:1": on(), "r2:1": on()}) == [ChannelPlan("gloo", True, ("r1:1", "r2:1"))]
+    assert plan_channels("auto", "GPU-a", {"r1:1": on("GPU-b"), "r2:1": on("GPU-c", "GPU-d")}) == [
+        ChannelPlan("nccl", False, ("r1:1", "r2:1"))]
     # colocated: NCCL refuses two ranks on one GPU, so the weights go over CUDA IPC
-    assert channel_backend("GPU-a", {"r1:1": frozenset({"GPU-a"}), "r2:1": frozenset({"GPU-a", "GPU-b"})}) == "cuda_ipc"
-    with pytest.raises(ValueError, match=r"rollouts r1:1 share the trainer's GPU .* but r2:1 do not"):
-        channel_backend("GPU-a", {"r1:1": frozenset({"GPU-a"}), "r2:1": frozenset({"GPU-b"})})
+    assert plan_channels("auto", "GPU-a", {"r1:1": on("GPU-a"), "r2:1": on("GPU-a", "GPU-b")}) == [
+        ChannelPlan("cuda_ipc", True, ("r1:1", "r2:1"))]
+    # every GPU generating: CUDA IPC to the one on the trainer's GPU, NCCL to the others
+    assert plan_channels("auto", "GPU-a", {"r3:1": on("GPU-c"), "r1:1": on("GPU-b"), "r2:1": on("GPU-a")}) == [
+        ChannelPlan("nccl", False, ("r1:1", "r3:1")), ChannelPlan("cuda_ipc", True, ("r2:1",))]
+    # a rollout that says it does not share the trainer's device (CPU) gets a channel of its own, as on GPUs
+    assert plan_channels("auto", "", {"r1:1": on(), "r2:1": on(colocated=False)}) == [
+        ChannelPlan("gloo", True, ("r1:1",)), ChannelPlan("gloo", False, ("r2:1",))]
+    # a configured transport holds for all; what a rollout says of itself wins over its GPUs
+    assert plan_channels("cuda_ipc", "GPU-a", {"r1:1": on("GPU-a"), "r2:1": on("GPU-b", colocated=True)}) == [
+        ChannelPlan("cuda_ipc", True, ("r1:1", "r2:1"))]
 
 
 # ---------------------------------------------------------------------------
@@ -80,7 +94,8 @@ class Notices:
 def syncing(*members: SyncingMember) -> tuple[RolloutSet, StuckTrainer]:
     trainer = StuckTrainer()
     rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), trainer, lambda: [], Notices(), lambda: False)
-    rollouts.members, rollouts.channel_id = list(members), "run-weights-1"
+    rollouts.members = list(members)
+    rollouts.channels = {"run-weights-1": tuple(member.address for member in members)}
     return rollouts, trainer
 
 
@@ -147,7 +162,7 @@ class JoiningTrainer:
     async def gpu(self, timeout=None):
         return ""
 
-    async def prepare_channel(self, channel_id, backend, world_size, timeout):
+    async def prepare_channel(self, channel_id, backend, world_size, timeout, keep_joined=False):
         return b"127.0.0.1:1"
 
     async def join_channel(self, channel_id, backend, rendezvous, world_size, timeout):
@@ -185,3 +200,52 @@ async def test_a_rollout_that_refuses_every_join_ends_the_formation_after_three(
                                      rf"\({refusal.code().name}: {refusal.details()}\)"):
         await asyncio.wait_for(rollouts.form(), 5)
     assert rollout.joins == 3 and sum("not formed" in message for message in notices.messages) == 3
+
+
+class SendingTrainer:
+    """A trainer that sends version 3 into whichever channel it is asked to."""
+
+    def __init__(self):
+        self.sent_on = []
+
+    async def broadcast_weights(self, channel_id, bucket_bytes, timeout):
+        self.sent_on.append(channel_id)
+        return SyncResult(3, 1024, 1, 0.001)
+
+
+class SleepingMember(SyncingMember):
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.calls = []
+
+    async def sleep(self, timeout):
+        self.calls.append("sleep")
+
+    async def wake_up(self, timeout):
+        self.calls.append("wake_up")
+
+
+async def test_a_sync_reaches_every_channel_and_only_rollouts_on_the_trainers_device_sleep():
+    """Every GPU generating: one rollout beside the trainer (its own channel, asleep while the trainer works),
+    one on a GPU of its own that goes on."""
+    beside, apart, trainer = SleepingMember("beside:1"), SleepingMember("apart:1"), SendingTrainer()
+    rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), trainer, lambda: [], Notices(),
+                          lambda: False)
+    rollouts.members, rollouts.stale = [beside, apart], False
+    rollouts.channels, rollouts.colocated = {"w-0": ("beside:1",), "w-1": ("apart:1",)}, {"beside:1"}
+    await rollouts.sleep()
+    await rollouts.wake_up()
+    await asyncio.wait_for(rollouts.sync(3), 5)
+    assert sorted(trainer.sent_on) == ["w-0", "w-1"] and rollouts.served == 3
+    assert beside.calls == ["sleep", "wake_up"] and apart.calls == []
+
+
+async def test_a_sync_failing_on_one_channel_abandons_the_others():
+    """The trainer's model thread may be held by the failed broadcast until the next channel is prepared: the
+    other channel's send is not waited for."""
+    rollouts, trainer = syncing(SyncingMember("ok:1"), SyncingMember("bad:1", Unavailable("engine gone")))
+    rollouts.channels = {"w-0": ("ok:1",), "w-1": ("bad:1",)}
+    failure = await asyncio.wait_for(rollouts._broadcast(3), 5)
+    assert trainer.cancelled.is_set()
+    assert failure == ("weight sync of version 3 on channel w-1 failed (a rollout's side: Unavailable: engine "
+                       "gone); not serving it: bad:1")
