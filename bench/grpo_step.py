@@ -204,7 +204,7 @@ def report(results: dict[str, dict]) -> str:
     lines.append(f"{'run':<16}{'steps':>6}{'s/step':>8}" + "".join(f"{title:>12}" for _, title in MEMORY_COLUMNS)
                  + "".join(f"{key + ' used':>11}" for key in gpus) + "  machine, date")
     for name, result in results.items():
-        where = f"  {result['machine']}, {result['date']}"
+        where = "  " + ", ".join([result["machine"], result["date"], *result.get("overrides", [])])
         if name not in summaries:
             error = " | ".join(line.strip() for line in result["error"].splitlines() if line.strip())
             lines.append(f"{name:<16}{result['status']}: {error[:300]}" + where)
@@ -383,8 +383,8 @@ def run_meshrl(names: list[str], work: Path, model: Path, data: Path, steps: int
         await cluster.start(timeout_s=180)
         client = CoordinatorClient(cluster.coordinator)
         try:
-            return {name: await run_one(client, name, meshrl_config(name, model, data, steps, overrides), timeout_s)
-                    for name in names}
+            return {name: await run_one(client, name, meshrl_config(name, model, data, steps, overrides), overrides,
+                                        timeout_s) for name in names}
         finally:
             await client.close()
 
@@ -395,11 +395,12 @@ def run_meshrl(names: list[str], work: Path, model: Path, data: Path, steps: int
         wait_gpus_free()
 
 
-async def run_one(client, name: str, config: dict, timeout_s: float) -> dict:
-    """One meshrl run to its end (stopped after ``timeout_s``): its result."""
+async def run_one(client, name: str, config: dict, overrides: list[str], timeout_s: float) -> dict:
+    """One meshrl run of ``config`` (``overrides`` applied) to its end, stopped after ``timeout_s``: its result."""
     import yaml
 
-    result = {**stamp(name, RUNS[name].max_staleness), "status": "failed", "steps": []}
+    result = {**stamp(name, config["trainer"]["async_"]["max_staleness"]), "overrides": overrides, "status": "failed",
+              "steps": []}
     with GpuMemoryPeaks() as gpus:
         try:
             started = await client.start_run(yaml.safe_dump(config))

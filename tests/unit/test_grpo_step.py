@@ -80,12 +80,16 @@ def test_the_report_gathers_several_invocations_and_ends_with_the_ratios_to_trl(
         (tmp_path / f"{name}.json").write_text(json.dumps(run))
     (tmp_path / "colocated-sleep.json").write_text(json.dumps(
         result("colocated-sleep", [], status="failed", error="run ended failed:\nCUDA out of memory")))
-    (tmp_path / "split-k1.json").write_text(json.dumps(result("split-k1", [9, 9, 3, 3, 3, 3], host="h200x2-b")))
+    padding_free = ["actor_rollout_ref.model.use_remove_padding=true"]
+    (tmp_path / "split-k1.json").write_text(json.dumps(
+        {**result("split-k1", [9, 9, 3, 3, 3, 3], host="h200x2-b"), "overrides": padding_free}))
     results = load_results(tmp_path)
     assert list(results) == ["trl", "colocated", "colocated-sleep", "split-k1"]  # RUNS' order
     lines = report(results).splitlines()
     ratios = lines[lines.index("s/step over TRL's 5.00 s (1x NVIDIA H200 (h200-a)):"):]
     assert ratios[1:] == ["  colocated       0.80x", "  split-k1        0.60x (NOT the same host: h200x2-b)"]
+    assert next(line for line in lines if line.startswith("split-k1")).endswith(
+        "1x NVIDIA H200 (h200x2-b), 2026-12-01 22:00 UTC, actor_rollout_ref.model.use_remove_padding=true")
     failed = next(line for line in lines if line.startswith("colocated-sleep"))
     assert "failed: run ended failed: | CUDA out of memory" in failed
     trl_row = next(line for line in lines if line.startswith("trl "))
