@@ -250,6 +250,13 @@ def gpu_query(fields: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
 
 
+def gpu_count() -> int:
+    """GPUs here: nvidia-smi's, else torch's count (which makes no CUDA context)."""
+    import torch
+
+    return len(gpu_query("index")) or torch.cuda.device_count()
+
+
 def machine() -> str:
     names = [row[0] for row in gpu_query("name")]
     return f"{len(names)}x {names[0]} ({socket.gethostname()})" if names else f"no GPU ({socket.gethostname()})"
@@ -259,7 +266,8 @@ def wait_gpus_free(timeout_s: float = 60.0, below_mib: int = 2048) -> None:
     """Wait until every GPU has less than ``below_mib`` in use (a stopped run's processes gone), at most
     ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while any(int(used) >= below_mib for [used] in gpu_query("memory.used")) and time.monotonic() < deadline:
+    while any(used.isdigit() and int(used) >= below_mib for [used] in gpu_query("memory.used")) \
+            and time.monotonic() < deadline:
         time.sleep(1.0)
 
 
@@ -506,9 +514,10 @@ def run_trl_here(model: Path, data: Path, steps: int, output_dir: Path, result_f
         result_file.write_text(json.dumps({"steps": recorder.steps}))
 
 
-def run_trl(work: Path, steps: int, timeout_s: float, site: Path | None) -> dict[str, dict]:
-    """The trl run in a child process (this script with --trl-worker): its result, by run name."""
-    result_file, log = work / "trl-result.json", work / "trl.log"
+def run_trl(work: Path, out: Path, steps: int, timeout_s: float, site: Path | None) -> dict[str, dict]:
+    """The trl run in a child process (this script with --trl-worker, its output in ``out``/trl.log): its result,
+    by run name."""
+    result_file, log = work / "trl-result.json", out / "trl.log"
     result_file.unlink(missing_ok=True)
     path = [str(site)] if site else []
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "0",
@@ -536,7 +545,7 @@ def run_trl(work: Path, steps: int, timeout_s: float, site: Path | None) -> dict
 def run_all(names: list[str], args) -> None:
     from services.coordctl.tiny_model import QWEN25_SHAPES
 
-    gpus = len(gpu_query("index"))
+    gpus = gpu_count()
     runnable = []
     for name in names:
         why = unavailable(name, gpus)
@@ -555,7 +564,7 @@ def run_all(names: list[str], args) -> None:
         together = [other for other in runnable if RUNS[other].layout == RUNS[name].layout] if RUNS[name].layout \
             else [name]
         try:
-            batch = run_trl(args.work, args.steps, args.run_timeout, args.trl_site) if name == "trl" else \
+            batch = run_trl(args.work, args.out, args.steps, args.run_timeout, args.trl_site) if name == "trl" else \
                 run_meshrl(together, args.work, model, data, args.steps, args.run_timeout, args.overrides)
         except Exception as error:  # noqa: BLE001 - recorded as the runs' result; the other runs go on
             batch = {ran: {**stamp(ran, RUNS[ran].max_staleness), "status": "failed", "steps": [], "memory": {},
