@@ -10,9 +10,9 @@ The runs (--runs, any of them, in this order):
 - trl: TRL's GRPOTrainer, vLLM in colocate mode, no sleep mode, 64 samples per micro-batch (4 micro-batches
   of gradient accumulation: one optimizer step per batch of 256), TRL's defaults otherwise (gradient
   checkpointing on, as GRPOConfig has it). It runs in a child process of its own (so its vLLM and CUDA
-  memory are gone before the next run); each step is timed from the end of the one before by a
-  TrainerCallback, and its split comes from TRL's own profiled blocks (``profiling_context``, which TRL only
-  sends to W&B/MLflow/Trackio: the child records them instead): gen = vLLM.generate, update_weights =
+  memory are gone before the next run; its output in <out>/trl.log); each step is timed from the end of the
+  one before by a TrainerCallback, and its split comes from TRL's own profiled blocks (``profiling_context``,
+  which TRL only sends to W&B/MLflow/Trackio: the child records them instead): gen = vLLM.generate, update_weights =
   sync_weights, reward = _calculate_rewards, old_log_prob = the logprob passes inside _prepare_inputs,
   batch_prep = the rest of _prepare_inputs, update_actor = the step less all of _prepare_inputs.
 - colocated: meshrl, trainer and vLLM rollout on GPU 0, 64 samples per micro-batch (ppo_micro_batch_size_per_gpu).
