@@ -1,6 +1,7 @@
 """The GPU example as a user runs it, and whether it learned: run, export, evaluate, report.
 
-    python bench/gpu_example.py [--config examples/gpu_arithmetic.yaml] [--out DIR] [key=value ...]
+    python bench/gpu_example.py [--config examples/gpu_arithmetic.yaml] [--out DIR] [--stage run|report]
+                                [key=value ...]
 
 1. ``coordctl start-run --local CONFIG`` (timed), the services on this machine's GPU;
 2. ``coordctl export`` of the run's last checkpoint into a Hugging Face folder;
@@ -10,7 +11,8 @@
    the figures: the held-out accuracy after the warm start and after GRPO, the gain in points, the wall time,
    and the exported model's accuracy under ``coordctl eval`` against the last validation's.
 
-The run's metrics.jsonl, reward.png (reward per step and the validation curves) and the eval's responses
+``--stage run`` does step 1 alone and ``--stage report`` the rest, on the run kept in --out (for a machine that
+gives each command at most 10 minutes). The run's metrics.jsonl, reward.png (reward per step and the validation curves) and the eval's responses
 are copied into --out.
 """
 
@@ -44,14 +46,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gpu-example"))
     parser.add_argument("--eval-rollout", nargs="*", default=None,
                         help="settings of eval's rollout service (default: the config's local.services.rollout)")
+    parser.add_argument("--stage", choices=("all", "run", "report"), default="all")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     state_dir = args.out / "state"
 
-    started = time.monotonic()
-    summary = coordctl("start-run", "--local", args.config, *args.overrides, "--state-dir", str(state_dir))
-    run_seconds = time.monotonic() - started
+    if args.stage != "report":
+        started = time.monotonic()
+        summary = coordctl("start-run", "--local", args.config, *args.overrides, "--state-dir", str(state_dir))
+        (args.out / "run.json").write_text(json.dumps({"seconds": time.monotonic() - started, "summary": summary}))
+        if args.stage == "run":
+            print(summary[summary.find("run        "):])
+            return
+    kept = json.loads((args.out / "run.json").read_text())
+    run_seconds, summary = kept["seconds"], kept["summary"]
     print("\n".join(part[part.find("warm start "):].strip() for line in summary.splitlines()
                     for part in line.split("\r") if "warm start " in part))  # from under the progress bar
     print(summary[summary.find("run        "):])
