@@ -73,10 +73,7 @@ class VLLMEngine:
     async def create(cls, model_path: str, dtype: str, config: RolloutServiceConfig,
                      allow_pickle: bool = False) -> VLLMEngine:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        args = AsyncEngineArgs(
+        settings = dict(
             model=model_path, dtype=dtype, skip_tokenizer_init=True, seed=0,
             gpu_memory_utilization=config.gpu_memory_utilization,
             tensor_parallel_size=config.tensor_parallel_size, enforce_eager=config.enforce_eager,
@@ -85,7 +82,7 @@ class VLLMEngine:
             enable_prefix_caching=config.enable_prefix_caching, logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION, load_format="auto" if allow_pickle else "safetensors",
         )
-        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        llm = await asyncio.to_thread(start_engine, settings)
         tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
         vocab_size = llm.vllm_config.model_config.get_vocab_size()
         await llm.collective_rpc("meshrl_end_with", args=(os.getpid(),))
@@ -237,6 +234,15 @@ class VLLMEngine:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)
+
+
+def start_engine(settings: dict):
+    """vLLM's AsyncLLM with these engine arguments. Run on a thread: the first call imports vLLM, which takes
+    seconds, and the service goes on answering Info and health checks meanwhile."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**settings))
 
 
 def worker_stages(applied: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
