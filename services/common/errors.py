@@ -20,7 +20,10 @@ task or the process: ``KeyboardInterrupt``, ``SystemExit``,
 ``asyncio.CancelledError`` and ``GeneratorExit`` go on up. Every status the
 interceptor sets carries the trailing metadata ``meshrl-origin: handler``,
 which tells a caller that the service itself decided it (``rpc.is_retryable``
-reads it) rather than the transport or a process that died mid-call.
+reads it) rather than the transport or a process that died mid-call; and
+``meshrl-errno: N`` where the exception has a system error number
+(``errno``: an OSError, a checkpoint the disk refused), which a caller reads
+rather than the words of the message.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from services.common.handlers import wrap_behaviour
 
 log = structlog.get_logger()
 ORIGIN_KEY, FROM_HANDLER = "meshrl-origin", "handler"
+ERRNO_KEY = "meshrl-errno"
 PASSED_UP = (KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit, grpc.aio.AbortError)
 
 
@@ -80,7 +84,9 @@ async def _abort(context, method: str, error: BaseException) -> None:
         log.exception("rpc_failed", method=method)
     else:
         log.warning("rpc_refused", method=method, code=code.name, error=_message(error))
-    await context.abort(code, _message(error), trailing_metadata=((ORIGIN_KEY, FROM_HANDLER),))
+    number = getattr(error, "errno", None)
+    await context.abort(code, _message(error), trailing_metadata=((ORIGIN_KEY, FROM_HANDLER),) + (
+        ((ERRNO_KEY, str(number)),) if isinstance(number, int) else ()))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

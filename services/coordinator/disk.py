@@ -27,7 +27,7 @@ from typing import Callable
 
 import grpc
 
-from services.common.errors import FailedPrecondition, ResourceExhausted
+from services.common.errors import ERRNO_KEY, FailedPrecondition, ResourceExhausted
 from services.coordinator.waiting import WAIT_POLL_S
 
 DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO)
@@ -62,11 +62,13 @@ def disk_fault(error: BaseException, path: Path) -> str | None:
 
 def trainer_disk_fault(error: BaseException, address: str) -> str | None:
     """The cause, for a person, of a checkpoint save that the trainer at ``address`` failed with ``error``, when
-    its status names a disk's refusal in the system's words ('No space left on device', ...); else None."""
-    details = (error.details() or "") if isinstance(error, grpc.aio.AioRpcError) else ""
-    words = [os.strerror(number) for number in DISK_ERRNOS]
-    line = next((line.strip() for line in details.splitlines() if any(word in line for word in words)), None)
-    return None if line is None else f"the disk: the trainer at {address} cannot save the checkpoint: {line[:500]}"
+    its status carries the error number of a disk's refusal (ENOSPC, EROFS, ...); else None."""
+    if not isinstance(error, grpc.aio.AioRpcError):
+        return None
+    number = dict(error.trailing_metadata() or ()).get(ERRNO_KEY)
+    if number is None or not number.isdigit() or int(number) not in DISK_ERRNOS:
+        return None
+    return f"the disk: the trainer at {address} cannot save the checkpoint: {(error.details() or '')[:500]}"
 
 
 class DiskRefused(Exception):

@@ -42,7 +42,12 @@ STAGING = "meshrl_staging.json"  # in a folder being saved: whose run it is
 
 
 class CheckpointNotWritten(FailedPrecondition):
-    """A save that failed to write (disk full, read-only, gone); nothing of it is left."""
+    """A save that failed to write (disk full, read-only, gone); nothing of it is left. ``errno``: the system's
+    error number of the write that failed, where one did (the status carries it to the caller)."""
+
+    def __init__(self, message: str, errno: int | None):
+        super().__init__(message)
+        self.errno = errno
 
 
 def trainable(roles) -> dict[str, object]:
@@ -107,20 +112,29 @@ def save(roles, path: Path, weight_version: int, ranks: Ranks, key: bytes) -> in
     except (CheckpointException, OSError, RuntimeError) as error:
         if ranks.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
+        refused = first_os_error(error)
         raise CheckpointNotWritten(f"the checkpoint was not written to {path}: {cause_of(error)}; "
-                                   f"{free_space(path)}") from None
+                                   f"{free_space(path)}", refused.errno if refused else None) from None
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def cause_of(error: BaseException) -> str:
-    """What went wrong, from the first OSError under ``error`` (a CheckpointException holds each rank's)."""
+def first_os_error(error: BaseException) -> OSError | None:
+    """The first OSError under ``error`` with the system's words for it (a CheckpointException holds each
+    rank's failure)."""
     failures = [failure for failure, _ in error.failures.values()] if isinstance(error, CheckpointException) else []
     for candidate in [error, *failures]:
         while candidate is not None:
             if isinstance(candidate, OSError) and candidate.strerror:
-                where = f" ({candidate.filename})" if candidate.filename else ""
-                return f"{candidate.strerror}{where}"
+                return candidate
             candidate = candidate.__cause__ or candidate.__context__
+    return None
+
+
+def cause_of(error: BaseException) -> str:
+    """What went wrong, in the system's words where an OSError is under ``error``."""
+    refused = first_os_error(error)
+    if refused is not None:
+        return refused.strerror + (f" ({refused.filename})" if refused.filename else "")
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 

@@ -104,20 +104,18 @@ def test_a_write_that_fails_for_another_reason_raises_and_is_not_held():
     assert store.written == ["next"]
 
 
-def test_a_trainers_save_refused_by_its_disk_is_told_by_the_systems_words_in_its_status():
-    def status(code, details):
-        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def test_a_trainers_save_refused_by_its_disk_is_told_by_the_error_number_its_status_carries():
+    def status(code, details, number=None):
+        trailing = grpc.aio.Metadata(("meshrl-origin", "handler"), *([("meshrl-errno", number)] if number else []))
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
-    not_written = status(grpc.StatusCode.FAILED_PRECONDITION, "CheckpointNotWritten: the checkpoint was not written "
-                         "to /c/step_2/actor: Read-only file system (/c/step_2.tmp); 3.0 MiB free on the disk of /c")
-    assert trainer_disk_fault(not_written, "t:1") == (
-        "the disk: the trainer at t:1 cannot save the checkpoint: CheckpointNotWritten: the checkpoint was not "
-        "written to /c/step_2/actor: Read-only file system (/c/step_2.tmp); 3.0 MiB free on the disk of /c")
-    raised = status(grpc.StatusCode.INTERNAL, "CheckpointException ranks:dict_keys([0])\nTraceback (most recent "
-                    "call last):\n  ...\nOSError: [Errno 28] No space left on device: '/c/step_2.tmp/__0_0.distcp'")
-    assert trainer_disk_fault(raised, "t:1") == ("the disk: the trainer at t:1 cannot save the checkpoint: OSError: "
-                                                 "[Errno 28] No space left on device: '/c/step_2.tmp/__0_0.distcp'")
-    for other in (status(grpc.StatusCode.UNAVAILABLE, "Socket closed"), status(grpc.StatusCode.INTERNAL, None),
+    words = ("CheckpointNotWritten: the checkpoint was not written to /c/step_2/actor: Read-only file system "
+             "(/c/step_2.tmp); 3.0 MiB free on the disk of /c")
+    assert trainer_disk_fault(status(grpc.StatusCode.FAILED_PRECONDITION, words, str(errno.EROFS)), "t:1") == (
+        f"the disk: the trainer at t:1 cannot save the checkpoint: {words}")
+    for other in (status(grpc.StatusCode.FAILED_PRECONDITION, words),  # the words alone are not read
+                  status(grpc.StatusCode.FAILED_PRECONDITION, "not written: Permission denied", str(errno.EACCES)),
+                  status(grpc.StatusCode.UNAVAILABLE, "Socket closed"), status(grpc.StatusCode.INTERNAL, None),
                   OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))):  # the coordinator's own disk: not the trainer's
         assert trainer_disk_fault(other, "t:1") is None
 
