@@ -168,9 +168,9 @@ class ActorConfig(Section):
     """Cut micro-batches by a token budget (ppo_max_token_len_per_gpu) instead of a count of sequences."""
     ppo_max_token_len_per_gpu: PositiveInt = 16384
     """With use_dynamic_bsz: most tokens a micro-batch holds on one rank, counted as the forward pass holds
-    them: all tokens of its sequences with model.use_remove_padding, else rows x its longest row (sequences
-    are taken longest first, so little padding is counted). Must fit the longest sequence,
-    data.max_prompt_length + data.max_response_length."""
+    them: all tokens of its sequences when the passes pack (model.use_remove_padding; by default on a GPU), else
+    rows x its longest row (sequences are taken longest first, so little padding is counted). Must fit the
+    longest sequence, data.max_prompt_length + data.max_response_length."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's batch in the actor's update: each pass reshuffles the batch's responses and cuts
     them into mini-batches of ppo_mini_batch_size x rollout.n responses, one optimizer step each. The
