@@ -48,7 +48,9 @@ def causal_per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 def causal_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, longest: int,
                  scale: float | None) -> torch.Tensor:
-    """The flash kernel's variable-length causal attention. query [N, Hq, D], key and value [N, Hkv, D] -> [N, Hq, D]."""
+    """The flash kernel's variable-length causal attention.
+
+    query [N, Hq, D], key and value [N, Hkv, D] -> [N, Hq, D]."""
     output, *_ = torch.ops.aten._flash_attention_forward(query, key, value, starts, starts, longest, longest, 0.0, True,
                                                          False, scale=scale)
     return output

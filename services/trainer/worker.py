@@ -204,7 +204,8 @@ class Worker:
         roles = self._roles()
         inputs = UpdateInputs(tensors["old_logprobs"], tensors["advantages"], tensors.get("ref_logprobs"),
                               tensors.get("rollout_logprobs"))
-        metrics = roles.need("actor").update(sequences(tensors), inputs, actor_settings(roles.config, self.ranks.device))
+        settings = actor_settings(roles.config, self.ranks.device)
+        metrics = roles.need("actor").update(sequences(tensors), inputs, settings)
         self.weight_version += 1
         return Updated({**metrics, **step_memory_metrics(self.ranks.device)}, self.weight_version)
 
@@ -216,7 +217,8 @@ class Worker:
 
     def train_supervised(self, tensors) -> Updated:
         roles = self._roles()
-        metrics = roles.need("actor").train_supervised(sequences(tensors), actor_settings(roles.config, self.ranks.device).micro)
+        micro = actor_settings(roles.config, self.ranks.device).micro
+        metrics = roles.need("actor").train_supervised(sequences(tensors), micro)
         self.weight_version += 1
         return Updated(metrics, self.weight_version)
 

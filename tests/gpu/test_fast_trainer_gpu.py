@@ -30,7 +30,8 @@ from services.trainer.sharding import Sharding, place
 from tests.gpu.conftest import needs
 
 SEQUENCES, PROMPT = 64, 64
-CHECKED = ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "model.layers.23.mlp.down_proj.weight")
+CHECKED = ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",
+           "model.layers.23.mlp.down_proj.weight")
 CUDA = torch.device("cuda")
 
 
