@@ -1,6 +1,7 @@
 """The faster trainer on one GPU, bf16, on a random model of Qwen2.5-0.5B's shape (14 query heads, 2 key/value
 heads): packed micro-batches through the flash kernel's variable-length attention (``varlen_attention``) give the
-padded rows' logprobs and gradients, in less time and memory; the fused AdamW step; the MFU figure.
+padded rows' logprobs and gradients, in less time and memory; the fused AdamW step; the MFU figure, and the
+actor's update reporting it (perf/mfu/actor).
 
 64 sequences of 64 prompt and 128-384 response tokens (about 320 a sequence), one forward and backward of a loss
 of their logprobs and entropies: padded (transformers' sdpa, rows padded to the longest) against packed (one row,
@@ -21,6 +22,8 @@ import torch
 from services.common.models import load_causal_lm
 from services.common.run_config import ModelConfig
 from services.common.sequences import SequenceBatch
+from services.trainer.actor import Actor, ActorSettings, UpdateInputs
+from services.trainer.batching import MicroBatching
 from services.trainer.forward import response_logprobs
 from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
 from services.trainer.optim import Optimizer, OptimSettings
@@ -143,3 +146,26 @@ def test_fused_adamw_steps_fsdp2_shards(qwen_05b):
     assert not torch.equal(optimizer.params[5].full_tensor(), before)
     assert {value.device.type for state in optimizer.adamw.state.values() for key, value in state.items()
             if key != "step"} == {"cpu"}
+
+
+@needs(1, vllm=False)
+def test_the_actor_update_reports_its_mfu(qwen_05b):
+    """Two mini-batches of 32 packed sequences, micro-batches cut by a 16k-token budget: perf/mfu/actor is there
+    and plausible (a share of the H200's peak, not more than all of it)."""
+    model = load_causal_lm(str(qwen_05b), "bfloat16", attn_implementation=attention(True)).to(CUDA)
+    optim = OptimSettings(1e-6, 0.0, (0.9, 0.999), 1.0, 0, "constant", 0.0, 10)
+    actor = Actor(model, optim, optim, pad_id=0, seed=0)
+    batch = synthetic(model.config.vocab_size)
+    old_logprobs = actor.compute_log_probs(batch, 1.0, MicroBatching(64, 16384, True, 1024))
+    inputs = UpdateInputs(old_logprobs, torch.randn(batch.num_response_tokens), None)
+    settings = ActorSettings(mini_batch_size=32, micro_batch_size=32, epochs=1, clip_ratio_low=0.2,
+                             clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0,
+                             use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl", temperature=1.0,
+                             max_response_length=384, max_token_len=16384, remove_padding=True,
+                             logprob_chunk_tokens=1024)
+    actor.update(batch, inputs, settings)  # warm-up
+    started = time.perf_counter()
+    metrics = actor.update(batch, inputs, settings)
+    print(f"\nactor update of {SEQUENCES} sequences: {time.perf_counter() - started:.3f} s, perf/mfu/actor "
+          f"{metrics.get('perf/mfu/actor')}")
+    assert 0.02 < metrics["perf/mfu/actor"] < 1.0
