@@ -84,7 +84,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
         old = actor.compute_log_probs(batch, rollout.temperature, MicroBatching(256))
         groups = torch.arange(len(chosen)).repeat_interleave(rollout.n)
         advantages = algos.expand_per_token(algos.grpo_advantages(scores, groups), batch.response_lens)
-        actor.update(batch, UpdateInputs(old, advantages, None), actor_settings(config))
+        actor.update(batch, UpdateInputs(old, advantages, None), actor_settings(config, torch.device("cpu")))
         engine.load_weights(actor.named_weights())
         times.append(time.perf_counter() - started)
     return sum(times[1:]) / len(times[1:])

@@ -53,9 +53,10 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool = False):
+def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool = False,
+                   attn_implementation: str | None = None):
     """A causal LM from a local Hugging Face folder, in the given dtype, on CPU; from safetensors unless
-    ``allow_pickle``."""
+    ``allow_pickle``; attention as ``attn_implementation`` names it (None: transformers' default)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -64,10 +65,12 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool 
         raise FileNotFoundError(f"no config.json in model folder {folder}")
     refuse_pickled_weights(folder, allow_pickle, "model folder")
     return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
-                                                use_safetensors=None if allow_pickle else True)
+                                                use_safetensors=None if allow_pickle else True,
+                                                attn_implementation=attn_implementation)
 
 
-def load_value_model(path: str | Path, dtype: str = "float32", allow_pickle: bool = False):
+def load_value_model(path: str | Path, dtype: str = "float32", allow_pickle: bool = False,
+                     attn_implementation: str | None = None):
     """A causal LM's body with a one-output token head (a value per position), from a local folder.
 
     The head is freshly initialised when the folder holds a plain causal LM. Dropout in the head is off,
@@ -83,7 +86,8 @@ def load_value_model(path: str | Path, dtype: str = "float32", allow_pickle: boo
     config.classifier_dropout = 0.0
     refuse_pickled_weights(folder, allow_pickle, "model folder")
     return AutoModelForTokenClassification.from_pretrained(folder, config=config, dtype=getattr(torch, dtype),
-                                                           use_safetensors=None if allow_pickle else True)
+                                                           use_safetensors=None if allow_pickle else True,
+                                                           attn_implementation=attn_implementation)
 
 
 def safetensors_header(file: Path) -> dict[str, dict]:

@@ -76,11 +76,11 @@ class ModelConfig(Section):
     enable_gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them (less memory,
     about a third more compute)."""
-    use_remove_padding: bool = False
-    """Pack each micro-batch's sequences into one row, position ids restarting per sequence, instead of padding
-    every row to the longest; the outputs are the same. It pays off with a variable-length attention kernel
-    (flash_attention_2); under sdpa, the default, attention spans the whole packed row under a block mask,
-    which on CPU is slower than padding once a micro-batch holds more than a few sequences."""
+    use_remove_padding: bool | None = None
+    """The trainer packs each micro-batch's sequences into one row instead of padding every row to the longest
+    (no pad token is computed; the outputs are the same), and its attention runs per sequence: on a GPU in bf16 or
+    fp16 the flash kernel's variable-length form, elsewhere SDPA on each sequence. Null: packed where the trainer
+    runs on a GPU, padded on a CPU."""
     logprob_chunk_tokens: NonNegativeInt = 1024
     """The trainer computes logprobs and entropies (actor and reference) from the final hidden states of the
     response tokens, through the output layer this many tokens at a time, recomputing each chunk's logits in the
@@ -168,9 +168,9 @@ class ActorConfig(Section):
     """Cut micro-batches by a token budget (ppo_max_token_len_per_gpu) instead of a count of sequences."""
     ppo_max_token_len_per_gpu: PositiveInt = 16384
     """With use_dynamic_bsz: most tokens a micro-batch holds on one rank, counted as the forward pass holds
-    them: all tokens of its sequences with model.use_remove_padding, else rows x its longest row (sequences
-    are taken longest first, so little padding is counted). Must fit the longest sequence,
-    data.max_prompt_length + data.max_response_length."""
+    them: all tokens of its sequences when the passes pack (model.use_remove_padding; by default on a GPU), else
+    rows x its longest row (sequences are taken longest first, so little padding is counted). Must fit the
+    longest sequence, data.max_prompt_length + data.max_response_length."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's batch in the actor's update: each pass reshuffles the batch's responses and cuts
     them into mini-batches of ppo_mini_batch_size x rollout.n responses, one optimizer step each. The
@@ -305,8 +305,8 @@ class CriticModelConfig(Section):
     """Local model folder of the critic's body; empty = the actor's model (a value head is added)."""
     enable_gradient_checkpointing: bool = False
     """As actor_rollout_ref.model.enable_gradient_checkpointing, for the critic."""
-    use_remove_padding: bool = False
-    """As actor_rollout_ref.model.use_remove_padding, for the critic."""
+    use_remove_padding: bool | None = None
+    """As actor_rollout_ref.model.use_remove_padding, for the critic (null: packed on a GPU)."""
     fsdp_config: FSDPConfig = FSDPConfig()
     """How the trainer holds the critic."""
 

@@ -46,10 +46,13 @@ class Padded:
     attention_mask: torch.Tensor | None  # [B, L] int64; packed: None
     response_mask: torch.Tensor  # [B, L-1] bool: position t predicts a response token at t+1
     position_ids: torch.Tensor | None = None  # packed: [1, N], restarting at 0 for each sequence
+    cu_seqlens: torch.Tensor | None = None  # packed: [B+1] int32, where each sequence starts, then N
+    max_seqlen: int = 0  # packed: the longest sequence
 
     def to(self, device: torch.device | str) -> Padded:
-        return Padded(*(None if t is None else t.to(device)
-                        for t in (self.input_ids, self.attention_mask, self.response_mask, self.position_ids)))
+        return Padded(*(None if t is None else t.to(device) for t in (
+            self.input_ids, self.attention_mask, self.response_mask, self.position_ids, self.cu_seqlens)),
+            self.max_seqlen)
 
     def gather_response(self, per_position: torch.Tensor) -> torch.Tensor:
         """[B, L-1] values at predicting positions -> flat [T] aligned with response_ids."""
@@ -110,11 +113,12 @@ class SequenceBatch:
         return Padded(input_ids, attention_mask, response_mask)
 
     def packed(self) -> Padded:
-        """All sequences in one row, no padding, position ids restarting at 0 for each sequence.
+        """All sequences in one row, no padding, position ids restarting at 0 for each sequence, and the
+        sequences' bounds (``cu_seqlens``) for a variable-length attention kernel.
 
         Given position ids and no attention mask, transformers' causal LMs attend within each sequence only
-        (it finds the sequences where the position ids restart), so each sequence's outputs are those of
-        its padded row."""
+        (under sdpa it finds the sequences where the position ids restart; the trainer's varlen attention
+        takes ``cu_seqlens``), so each sequence's outputs are those of its padded row."""
         lengths = self.sequence_lens.tolist()
         prompts = split_ragged(self.prompt_ids, self.prompt_lens)
         responses = split_ragged(self.response_ids, self.response_lens)
@@ -126,4 +130,5 @@ class SequenceBatch:
         for prompt_len, length in zip(self.prompt_lens.tolist(), lengths):
             response_mask[start + prompt_len - 1 : start + length - 1] = True
             start += length
-        return Padded(input_ids[None], None, response_mask[None], position_ids[None])
+        starts = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+        return Padded(input_ids[None], None, response_mask[None], position_ids[None], starts, max(lengths, default=0))

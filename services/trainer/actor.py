@@ -12,6 +12,7 @@ update over a batch, ``train_supervised`` for the warm start, and
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from services import algos
 from services.common.sequences import SequenceBatch
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.forward import batched_logprobs, response_logprobs
+from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
 from services.trainer.optim import Optimizer, OptimSettings, mean_metrics, shuffled_mini_batches
 from services.trainer.ranks import Ranks
 
@@ -71,6 +73,8 @@ class Actor:
         self.ranks = ranks or Ranks.single(next(model.parameters()).device)
         self.pad_id = pad_id
         self.vocab_size = model.config.vocab_size
+        self.shape = ModelShape.of(model.config, model.config.vocab_size)
+        self.peak_flops = device_peak_flops(self.ranks.device)  # None: no MFU here
         self.optimizer = Optimizer(model.parameters(), optim)
         self.warm_start = Optimizer(model.parameters(), warm_start)
         self.shuffle = torch.Generator().manual_seed(seed)
@@ -80,18 +84,25 @@ class Actor:
         return batched_logprobs(self.model, batch, self.pad_id, temperature, micro, self.ranks)
 
     def update(self, batch: SequenceBatch, inputs: UpdateInputs, settings: ActorSettings) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches; verl-named metrics averaged over mini-batches."""
+        """PPO epochs over shuffled mini-batches; verl-named metrics averaged over mini-batches, and the update's
+        model FLOPs utilization (``mfu``) where the GPU's peak is known."""
         if settings.use_kl_loss and inputs.ref_logprobs is None:
             raise ValueError("use_kl_loss needs ref_logprobs")
         if settings.rollout_is and inputs.rollout_logprobs is None:
             raise ValueError("rollout correction needs rollout_logprobs")
         self.model.train()
+        started = time.perf_counter()
         with self.optimizer.resident():
             reports = [self._update_mini_batch(batch, rows, inputs, settings) for rows in
                        shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
+        seconds = time.perf_counter() - started  # each optimizer step waited for its gradient norm
         lr = self.optimizer.lr  # the rate this update ran at, as verl logs it
         self.optimizer.advance_schedule()
-        return {**mean_metrics(reports), "actor/lr": lr}
+        metrics = {**mean_metrics(reports), "actor/lr": lr}
+        if self.peak_flops is not None:
+            flops = settings.epochs * training_flops(self.shape, batch.sequence_lens.tolist())
+            metrics["perf/mfu/actor"] = mfu(flops, seconds, self.peak_flops, self.ranks.world_size)
+        return metrics
 
     def _update_mini_batch(self, batch: SequenceBatch, rows: torch.Tensor, inputs: UpdateInputs,
                            settings: ActorSettings) -> dict[str, float]:

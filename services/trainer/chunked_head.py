@@ -10,14 +10,21 @@ to form its gradient (the idea of fused linear cross-entropy kernels).
 
 Per chunk the numbers are today's formula (``algos.token_logprobs`` and
 ``algos.token_entropy``): logits in the weight's dtype, upcast to at least
-fp32, divided by the temperature. With z those scaled logits, p = softmax(z)
-and H the entropy, the gradients the backward forms are
+fp32, divided by the temperature. With z those scaled logits, L their
+logsumexp, p = softmax(z) = exp(z - L) and H the entropy, the forward keeps
+L and H of each token and computes
 
-    d logp_y / dz = onehot(y) - p        d H / dz = -p * (log p + H)
+    logp_y = z_y - L        H = L - sum(p * z)
 
-each divided by the temperature for the logits, then through the output
-layer: d hidden = d logits @ W, d W = d logits^T @ hidden (accumulated over
-the chunks in fp32, or float64), d bias = the sum of d logits over tokens.
+and the backward, from the gradients g of the logprobs and h of the
+entropies (d logp_y / dz = onehot(y) - p, d H / dz = -p * (log p + H)),
+
+    d z = p * (-g - h * (H - L) - h * z) + g * onehot(y)
+
+divided by the temperature for the logits, then through the output layer:
+d hidden = d logits @ W, d W = d logits^T @ hidden (accumulated over the
+chunks in fp32, or float64), d bias = the sum of d logits over tokens. Each
+of those is one or two passes over a chunk's [tokens x vocabulary] logits.
 
 ``head_replaced`` puts this computation in place of a Hugging Face causal
 LM's output layer for one forward pass, so it runs inside the model's own
@@ -41,8 +48,9 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 
 def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  temperature: float) -> torch.Tensor:
-    """The output layer's logits, upcast to at least fp32 and temperature-scaled. [N, H] -> [N, V]"""
-    return algos.upcast(torch.nn.functional.linear(hidden, weight, bias)) / temperature
+    """The output layer's logits, upcast to at least fp32 and temperature-scaled (a fresh tensor). [N, H] -> [N, V]"""
+    logits = algos.upcast(torch.nn.functional.linear(hidden, weight, bias))
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -54,13 +62,15 @@ class ChunkedLogprobs(torch.autograd.Function):
         dtype = algos.upcast(weight[:0]).dtype
         logprobs = torch.empty(len(hidden), dtype=dtype, device=hidden.device)
         entropy = torch.empty(len(hidden) if with_entropy else 0, dtype=dtype, device=hidden.device)
+        logsumexp = torch.empty(len(hidden), dtype=dtype, device=hidden.device)
         for start in range(0, len(hidden), chunk_tokens):
             end = start + chunk_tokens
-            log_probs = torch.log_softmax(chunk_logits(hidden[start:end], weight, bias, temperature), dim=-1)
-            logprobs[start:end] = log_probs.gather(-1, targets[start:end, None]).squeeze(-1)
+            logits = chunk_logits(hidden[start:end], weight, bias, temperature)
+            lse = logsumexp[start:end] = torch.logsumexp(logits, dim=-1)
+            logprobs[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - lse
             if with_entropy:
-                entropy[start:end] = -(log_probs.exp() * log_probs).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
+                entropy[start:end] = lse - (logits - lse[:, None]).exp_().mul_(logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy, logsumexp)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
@@ -68,24 +78,28 @@ class ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, targets, entropy = ctx.saved_tensors
-        dtype = entropy.dtype
+        hidden, weight, bias, targets, entropy, logsumexp = ctx.saved_tensors
+        dtype = logsumexp.dtype
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=dtype) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=dtype) if bias is not None and ctx.needs_input_grad[2] else None
         with_entropy = grad_entropy is not None and len(entropy) > 0
         for start in range(0, len(hidden), ctx.chunk_tokens):
             end = start + ctx.chunk_tokens
-            chunk = hidden[start:end]
-            log_probs = torch.log_softmax(chunk_logits(chunk, weight, bias, ctx.temperature), dim=-1)
-            probs = log_probs.exp()
-            grad_logprob = (grad_logprobs[start:end] if grad_logprobs is not None
-                            else torch.zeros(len(chunk), dtype=dtype, device=chunk.device))[:, None]
-            grad_z = (-probs * grad_logprob).scatter_add_(-1, targets[start:end, None], grad_logprob)
-            if with_entropy:
-                grad_z -= probs * (log_probs + entropy[start:end, None]) * grad_entropy[start:end, None]
-            grad_logits = (grad_z / ctx.temperature).to(weight.dtype)
-            del log_probs, probs, grad_z
+            chunk, lse = hidden[start:end], logsumexp[start:end, None]
+            logits = chunk_logits(chunk, weight, bias, ctx.temperature)
+            probs = (logits - lse).exp_()
+            grad_logprob = (grad_logprobs[start:end, None] if grad_logprobs is not None
+                            else torch.zeros_like(lse))
+            if with_entropy:  # d z = p * (-g - h * (H - L) - h * z), in place of the logits
+                grad_h = grad_entropy[start:end, None]
+                grad_z = logits.mul_(-grad_h).sub_(grad_logprob + grad_h * (entropy[start:end, None] - lse))
+                grad_z.mul_(probs)
+            else:
+                grad_z = probs.mul_(-grad_logprob)
+            grad_z.scatter_add_(-1, targets[start:end, None], grad_logprob)
+            grad_logits = (grad_z if ctx.temperature == 1.0 else grad_z.div_(ctx.temperature)).to(weight.dtype)
+            del logits, probs, grad_z
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight
             if grad_weight is not None:

@@ -7,6 +7,7 @@ Several ranks share the work as the actor's do.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from services import algos
 from services.common.sequences import SequenceBatch
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.forward import batched_values, response_values
+from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
 from services.trainer.optim import Optimizer, OptimSettings, mean_metrics, shuffled_mini_batches
 from services.trainer.ranks import Ranks
 
@@ -42,6 +44,8 @@ class Critic:
         self.model = model
         self.ranks = ranks or Ranks.single(next(model.parameters()).device)
         self.pad_id = pad_id
+        self.shape = ModelShape.of(model.config, model.config.num_labels)
+        self.peak_flops = device_peak_flops(self.ranks.device)  # None: no MFU here
         self.optimizer = Optimizer(model.parameters(), optim)
         self.shuffle = torch.Generator().manual_seed(seed + 1)
 
@@ -51,14 +55,21 @@ class Critic:
 
     def update(self, batch: SequenceBatch, old_values: torch.Tensor, returns: torch.Tensor,
                settings: CriticSettings) -> dict[str, float]:
-        """Clipped value-loss epochs over shuffled mini-batches; verl-named metrics."""
+        """Clipped value-loss epochs over shuffled mini-batches; verl-named metrics, and perf/mfu/critic as the
+        actor's."""
         self.model.train()
+        started = time.perf_counter()
         with self.optimizer.resident():
             reports = [self._update_mini_batch(batch, rows, old_values, returns, settings) for rows in
                        shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
+        seconds = time.perf_counter() - started
         lr = self.optimizer.lr  # the rate this update ran at, as verl logs it
         self.optimizer.advance_schedule()
-        return {**mean_metrics(reports), "critic/lr": lr}
+        metrics = {**mean_metrics(reports), "critic/lr": lr}
+        if self.peak_flops is not None:
+            flops = settings.epochs * training_flops(self.shape, batch.sequence_lens.tolist())
+            metrics["perf/mfu/critic"] = mfu(flops, seconds, self.peak_flops, self.ranks.world_size)
+        return metrics
 
     def _update_mini_batch(self, batch, rows, old_values, returns, settings: CriticSettings) -> dict[str, float]:
         scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length)

@@ -2,7 +2,9 @@
 
 A micro-batch goes through the model right-padded to its longest row, or,
 with ``remove_padding``, packed into one row whose position ids restart for
-each sequence (no pad tokens at all; the same outputs). Logprobs and
+each sequence (no pad tokens at all; the same outputs), its sequences' bounds
+passed along for a variable-length attention kernel (``varlen_attention``).
+Logprobs and
 entropies come from the logits upcast to fp32 (``algos.token_logprobs``),
 whatever dtype the model computes in. With ``chunk_tokens`` they are computed
 from the final hidden states of the response positions alone, that many
@@ -21,6 +23,7 @@ from services.common.sequences import Padded, SequenceBatch
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.chunked_head import chunkable, head_replaced
 from services.trainer.ranks import Ranks
+from services.trainer.varlen_attention import varlen_kwargs
 
 
 def model_inputs(batch: SequenceBatch, pad_id: int, remove_padding: bool, device: torch.device) -> Padded:
@@ -29,8 +32,9 @@ def model_inputs(batch: SequenceBatch, pad_id: int, remove_padding: bool, device
 
 def run_model(model: torch.nn.Module, inputs: Padded) -> torch.Tensor:
     """The model's output scores (logits, or a value head's) at every position, [rows, L, ...]."""
+    packed = {} if inputs.cu_seqlens is None else varlen_kwargs(inputs.cu_seqlens, inputs.max_seqlen)
     return model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
-                 use_cache=False).logits
+                 use_cache=False, **packed).logits
 
 
 def response_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,

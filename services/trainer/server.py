@@ -162,7 +162,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                           extra=("old_logprobs", "advantages"))
         roles = self._roles()
         actor = roles.need("actor")
-        settings = actor_settings(roles.config)
+        settings = actor_settings(roles.config, self.worker.ranks.device)
         if settings.use_kl_loss:
             check_token_tensors(batch, ("ref_logprobs",))
         if settings.rollout_is or "rollout_logprobs" in batch:

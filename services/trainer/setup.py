@@ -16,8 +16,24 @@ from services.trainer.critic import Critic, CriticSettings
 from services.trainer.optim import OptimSettings
 from services.trainer.ranks import Ranks
 from services.trainer.sharding import Sharding, place
+from services.trainer.varlen_attention import VARLEN, register
 
 ROLES = ("actor", "critic", "ref")
+
+
+def packs(use_remove_padding: bool | None, device: torch.device) -> bool:
+    """Whether a model's forward passes pack their sequences into one row (use_remove_padding): as configured, or,
+    where it is null, when the trainer computes on a GPU (whose varlen attention kernel then skips every pad)."""
+    return device.type == "cuda" if use_remove_padding is None else use_remove_padding
+
+
+def attention(packed: bool) -> str | None:
+    """The attention a trainer's model is loaded with: the varlen one (``varlen_attention``) where its passes pack,
+    else transformers' default."""
+    if not packed:
+        return None
+    register()
+    return VARLEN
 
 
 def optim_settings(optim: OptimConfig, grad_clip: float, total_steps: int, offload: bool) -> OptimSettings:
@@ -69,7 +85,7 @@ def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
     model_config, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
     torch.manual_seed(seed)
     model = load_causal_lm(model_config.path, weights_dtype(model_config.dtype, actor.fsdp_config),
-                           model_config.allow_pickle)
+                           model_config.allow_pickle, attention(packs(model_config.use_remove_padding, ranks.device)))
     model = place(model, ranks, actor_sharding(config, ranks.world_size), model_config.enable_gradient_checkpointing)
     optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.steps,
                            actor.fsdp_config.optimizer_offload)
@@ -82,7 +98,8 @@ def build_critic(config: RunConfig, seed: int, ranks: Ranks) -> Critic:
     path = critic.model.path or config.actor_rollout_ref.model.path
     torch.manual_seed(seed + 1)
     model = load_value_model(path, weights_dtype(config.actor_rollout_ref.model.dtype, critic.model.fsdp_config),
-                             config.actor_rollout_ref.model.allow_pickle)
+                             config.actor_rollout_ref.model.allow_pickle,
+                             attention(packs(critic.model.use_remove_padding, ranks.device)))
     model = place(model, ranks, critic_sharding(config, ranks.world_size), critic.model.enable_gradient_checkpointing)
     optim = optim_settings(critic.optim, critic.grad_clip, config.trainer.steps,
                            critic.model.fsdp_config.optimizer_offload)
@@ -97,15 +114,16 @@ def build_reference(config: RunConfig, ranks: Ranks) -> torch.nn.Module:
     fsdp = actor_rollout_ref.ref.fsdp_config or actor_rollout_ref.actor.fsdp_config
     dtype = fsdp.mixed_precision.param_dtype if fsdp.mixed_precision is not None else actor_rollout_ref.model.dtype
     sharding = sharding_of(actor_rollout_ref.actor.strategy, fsdp, ranks.world_size, "actor_rollout_ref.ref")
-    model = place(load_causal_lm(actor_rollout_ref.model.path, dtype, actor_rollout_ref.model.allow_pickle), ranks,
-                  sharding, False)
+    model = load_causal_lm(actor_rollout_ref.model.path, dtype, actor_rollout_ref.model.allow_pickle,
+                           attention(packs(actor_rollout_ref.model.use_remove_padding, ranks.device)))
+    model = place(model, ranks, sharding, False)
     model.eval().requires_grad_(False)
     return model
 
 
-def log_prob_micro(config: RunConfig, role: str = "actor") -> MicroBatching:
-    """Micro-batches of the old (actor) or reference (ref) logprob passes: verl's rollout.log_prob_* keys, and
-    for the reference its own ref.log_prob_* where set."""
+def log_prob_micro(config: RunConfig, device: torch.device, role: str = "actor") -> MicroBatching:
+    """Micro-batches of the old (actor) or reference (ref) logprob passes on ``device``: verl's rollout.log_prob_*
+    keys, and for the reference its own ref.log_prob_* where set."""
     actor_rollout_ref = config.actor_rollout_ref
     actor, rollout, ref = actor_rollout_ref.actor, actor_rollout_ref.rollout, actor_rollout_ref.ref
     size = rollout.log_prob_micro_batch_size_per_gpu
@@ -118,19 +136,21 @@ def log_prob_micro(config: RunConfig, role: str = "actor") -> MicroBatching:
     dynamic = actor.use_dynamic_bsz if dynamic is None else dynamic
     return MicroBatching(size or actor.ppo_micro_batch_size_per_gpu,
                          (budget or actor.ppo_max_token_len_per_gpu) if dynamic else None,
-                         actor_rollout_ref.model.use_remove_padding, actor_rollout_ref.model.logprob_chunk_tokens)
+                         packs(actor_rollout_ref.model.use_remove_padding, device),
+                         actor_rollout_ref.model.logprob_chunk_tokens)
 
 
-def values_micro(config: RunConfig) -> MicroBatching:
-    """Micro-batches of the critic's value passes."""
+def values_micro(config: RunConfig, device: torch.device) -> MicroBatching:
+    """Micro-batches of the critic's value passes on ``device``."""
     critic = config.critic
     budget = critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
     return MicroBatching(critic.ppo_micro_batch_size_per_gpu, budget if critic.use_dynamic_bsz else None,
-                         critic.model.use_remove_padding)
+                         packs(critic.model.use_remove_padding, device))
 
 
-def actor_settings(config: RunConfig) -> ActorSettings:
-    """Mini-batches are configured in prompts (as in verl); the actor counts sequences."""
+def actor_settings(config: RunConfig, device: torch.device) -> ActorSettings:
+    """The actor's update on ``device``. Mini-batches are configured in prompts (as in verl); the actor counts
+    sequences."""
     actor = config.actor_rollout_ref.actor
     n = config.actor_rollout_ref.rollout.n
     correction = config.algorithm.rollout_correction
@@ -152,12 +172,12 @@ def actor_settings(config: RunConfig) -> ActorSettings:
         rollout_is_mode=correction.rollout_is_mode,
         rollout_is_threshold=correction.rollout_is_threshold,
         max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
-        remove_padding=config.actor_rollout_ref.model.use_remove_padding,
+        remove_padding=packs(config.actor_rollout_ref.model.use_remove_padding, device),
         logprob_chunk_tokens=config.actor_rollout_ref.model.logprob_chunk_tokens,
     )
 
 
-def critic_settings(config: RunConfig) -> CriticSettings:
+def critic_settings(config: RunConfig, device: torch.device) -> CriticSettings:
     critic, actor = config.critic, config.actor_rollout_ref.actor
     return CriticSettings(
         mini_batch_size=(critic.ppo_mini_batch_size or actor.ppo_mini_batch_size) * config.actor_rollout_ref.rollout.n,
@@ -168,5 +188,5 @@ def critic_settings(config: RunConfig) -> CriticSettings:
         loss_agg_mode=critic.loss_agg_mode,
         max_response_length=config.data.max_response_length,
         max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
-        remove_padding=critic.model.use_remove_padding,
+        remove_padding=packs(critic.model.use_remove_padding, device),
     )

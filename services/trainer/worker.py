@@ -194,29 +194,31 @@ class Worker:
         model = roles.need("actor").model if role == "actor" else roles.need("ref")
         temperature = roles.config.actor_rollout_ref.rollout.temperature
         return batched_logprobs(model, sequences(tensors), roles.pad_id, temperature,
-                                log_prob_micro(roles.config, role), self.ranks)
+                                log_prob_micro(roles.config, self.ranks.device, role), self.ranks)
 
     def compute_values(self, tensors) -> torch.Tensor | None:
         roles = self._roles()
-        return roles.need("critic").compute_values(sequences(tensors), values_micro(roles.config))
+        return roles.need("critic").compute_values(sequences(tensors), values_micro(roles.config, self.ranks.device))
 
     def update_actor(self, tensors) -> Updated:
         roles = self._roles()
         inputs = UpdateInputs(tensors["old_logprobs"], tensors["advantages"], tensors.get("ref_logprobs"),
                               tensors.get("rollout_logprobs"))
-        metrics = roles.need("actor").update(sequences(tensors), inputs, actor_settings(roles.config))
+        settings = actor_settings(roles.config, self.ranks.device)
+        metrics = roles.need("actor").update(sequences(tensors), inputs, settings)
         self.weight_version += 1
         return Updated({**metrics, **step_memory_metrics(self.ranks.device)}, self.weight_version)
 
     def update_critic(self, tensors) -> dict[str, float]:
         roles = self._roles()
         metrics = roles.need("critic").update(sequences(tensors), tensors["values"], tensors["returns"],
-                                              critic_settings(roles.config))
+                                              critic_settings(roles.config, self.ranks.device))
         return {**metrics, **step_memory_metrics(self.ranks.device, "perf/critic")}
 
     def train_supervised(self, tensors) -> Updated:
         roles = self._roles()
-        metrics = roles.need("actor").train_supervised(sequences(tensors), actor_settings(roles.config).micro)
+        micro = actor_settings(roles.config, self.ranks.device).micro
+        metrics = roles.need("actor").train_supervised(sequences(tensors), micro)
         self.weight_version += 1
         return Updated(metrics, self.weight_version)
 
