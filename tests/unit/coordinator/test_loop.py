@@ -10,6 +10,7 @@ tests/integration.
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 from pathlib import Path
 
@@ -445,8 +446,8 @@ def test_a_checkpoint_save_the_trainers_disk_refuses_waits_saying_why_and_is_tri
 
     async def refused_twice(run_id, path, timeout):
         if refusals:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       refusals.pop())
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(("meshrl-errno", str(errno.ENOSPC))), refusals.pop())
         return await save(run_id, path, timeout)
 
     mesh.trainer.save_checkpoint = refused_twice
