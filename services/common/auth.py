@@ -201,4 +201,4 @@ class TokenServerInterceptor(grpc.aio.ServerInterceptor):
         presented = dict(details.invocation_metadata or ()).get(HEADER, "")
         if hmac.compare_digest(presented.encode(), self._expected):
             return handler
-        return wrap_behaviour(handler, coroutine=lambda _: _refuse, generator=lambda _: _refuse)
+        return wrap_behaviour(handler, lambda _: _refuse)

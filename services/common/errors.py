@@ -94,9 +94,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        return wrap_behaviour(await continuation(handler_call_details),
-                              coroutine=lambda behaviour: _wrap(behaviour, method),
-                              generator=lambda behaviour: _wrap_stream(behaviour, method))
+        return wrap_behaviour(await continuation(handler_call_details), lambda behaviour: _wrap(behaviour, method))
 
 
 def _wrap(behaviour, method: str):
@@ -106,19 +104,6 @@ def _wrap(behaviour, method: str):
         except PASSED_UP:
             raise
         except BaseException as error:  # noqa: BLE001 - the point of this interceptor
-            await _abort(context, method, error)
-
-    return call
-
-
-def _wrap_stream(behaviour, method: str):
-    async def call(request, context):
-        try:
-            async for response in behaviour(request, context):
-                yield response
-        except PASSED_UP:
-            raise
-        except BaseException as error:  # noqa: BLE001
             await _abort(context, method, error)
 
     return call

@@ -3,8 +3,9 @@
 A gRPC method handler holds one behaviour under one of four kinds (unary_unary, unary_stream, stream_unary,
 stream_stream). A behaviour is either a coroutine function (a unary response, or a stream the handler writes
 to its context, as grpc.health.v1.Health/Watch does) or an async generator function (a stream it yields).
-``wrap_behaviour`` is the one place that tells them apart, so that each interceptor says only what it does
-to each.
+``ResponseWriteDeadline``, the innermost interceptor, makes every async generator a coroutine function that
+writes its responses to the context, so the interceptors outside it wrap coroutine functions only
+(``wrap_behaviour``).
 
 ``ResponseWriteDeadline`` bounds how long a server-streaming handler may wait for its client to take one
 response: a client that stops reading fills the stream's flow-control window, and each later write waits for
@@ -27,18 +28,23 @@ KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 Behaviour = Callable  # (request or request iterator, context) -> awaitable or async iterator
 
 
-def wrap_behaviour(handler: grpc.RpcMethodHandler | None, coroutine: Callable[[Behaviour], Behaviour],
-                   generator: Callable[[Behaviour], Behaviour]) -> grpc.RpcMethodHandler | None:
-    """``handler`` with its behaviour replaced by ``coroutine(behaviour)`` where that is a coroutine function,
-    or by ``generator(behaviour)`` where it is an async generator function; None stays None."""
+def behaviour_of(handler: grpc.RpcMethodHandler) -> tuple[str, Behaviour]:
+    """The kind of a method handler and the behaviour it holds under it."""
+    return next((kind, getattr(handler, kind)) for kind in KINDS if getattr(handler, kind) is not None)
+
+
+def wrap_behaviour(handler: grpc.RpcMethodHandler | None,
+                   wrap: Callable[[Behaviour], Behaviour]) -> grpc.RpcMethodHandler | None:
+    """``handler`` with its behaviour replaced by ``wrap(behaviour)``; None stays None. The behaviour is a
+    coroutine function (TypeError for an async generator: ResponseWriteDeadline belongs after this
+    interceptor)."""
     if handler is None:
         return None
-    for kind in KINDS:
-        behaviour = getattr(handler, kind)
-        if behaviour is not None:
-            wrap = generator if inspect.isasyncgenfunction(behaviour) else coroutine
-            return handler._replace(**{kind: wrap(behaviour)})
-    return handler
+    kind, behaviour = behaviour_of(handler)
+    if inspect.isasyncgenfunction(behaviour):
+        raise TypeError(f"the {kind} behaviour yields its responses: put ResponseWriteDeadline after this "
+                        "interceptor, which makes it write them")
+    return handler._replace(**{kind: wrap(behaviour)})
 
 
 class ResponseWriteDeadline(grpc.aio.ServerInterceptor):
@@ -49,8 +55,13 @@ class ResponseWriteDeadline(grpc.aio.ServerInterceptor):
         self.timeout_s = timeout_s
 
     async def intercept_service(self, continuation, handler_call_details):
-        return wrap_behaviour(await continuation(handler_call_details), coroutine=lambda behaviour: behaviour,
-                              generator=lambda behaviour: _written_within(behaviour, self.timeout_s))
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        kind, behaviour = behaviour_of(handler)
+        if not inspect.isasyncgenfunction(behaviour):
+            return handler
+        return handler._replace(**{kind: _written_within(behaviour, self.timeout_s)})
 
 
 def _written_within(behaviour: Behaviour, timeout_s: float) -> Behaviour:

@@ -58,8 +58,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         service, method = split_method(handler_call_details.method)
         return wrap_behaviour(await continuation(handler_call_details),
-                              coroutine=lambda behaviour: _timed(behaviour, service, method),
-                              generator=lambda behaviour: _timed_stream(behaviour, service, method))
+                              lambda behaviour: _timed(behaviour, service, method))
 
 
 class _Timing:
@@ -81,19 +80,6 @@ def _timed(behaviour, service: str, method: str):
         timing = _Timing(service, method, context)
         try:
             return await behaviour(request, context)
-        except asyncio.CancelledError:
-            timing.cancelled = True
-            raise
-
-    return call
-
-
-def _timed_stream(behaviour, service: str, method: str):
-    async def call(request, context):
-        timing = _Timing(service, method, context)
-        try:
-            async for response in behaviour(request, context):
-                yield response
         except asyncio.CancelledError:
             timing.cancelled = True
             raise

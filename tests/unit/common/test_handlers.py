@@ -1,9 +1,11 @@
-"""services/common/handlers.py on a real grpc.aio server: each kind of behaviour is wrapped as what it is, and a
-response stream whose client stops reading is ended by the server, its generator closed."""
+"""services/common/handlers.py: interceptors wrap coroutine behaviours and the write deadline makes response
+streams into writes; on a real grpc.aio server, a response stream whose client stops reading is ended by the
+server, its generator closed."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import grpc
 import pytest
@@ -16,7 +18,7 @@ SLOW_READER = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)
 MESSAGE = b"x" * 100_000
 
 
-def test_a_coroutine_and_a_generator_are_each_wrapped_as_what_they_are():
+def test_interceptors_wrap_coroutines_and_the_write_deadline_makes_each_response_stream_one():
     async def unary(request, context):
         return request
 
@@ -24,13 +26,25 @@ def test_a_coroutine_and_a_generator_are_each_wrapped_as_what_they_are():
         yield request
 
     def wrapped(behaviour, kind):
-        handler = wrap_behaviour(getattr(grpc, f"{kind}_rpc_method_handler")(behaviour),
-                                 coroutine=lambda _: "coroutine", generator=lambda _: "generator")
-        return getattr(handler, kind)
+        return getattr(wrap_behaviour(getattr(grpc, f"{kind}_rpc_method_handler")(behaviour), lambda _: "wrapped"),
+                       kind)
 
-    assert wrapped(unary, "unary_unary") == wrapped(unary, "unary_stream") == "coroutine"  # Health/Watch is the latter
-    assert wrapped(stream, "unary_stream") == wrapped(stream, "stream_stream") == "generator"
-    assert wrap_behaviour(None, coroutine=str, generator=str) is None
+    assert wrapped(unary, "unary_unary") == wrapped(unary, "unary_stream") == "wrapped"  # Health/Watch is the latter
+    assert wrap_behaviour(None, str) is None
+    with pytest.raises(TypeError, match="put ResponseWriteDeadline after this interceptor"):
+        wrapped(stream, "unary_stream")
+
+    async def written(behaviour, kind):
+        async def continuation(details):
+            return getattr(grpc, f"{kind}_rpc_method_handler")(behaviour)
+
+        return getattr(await ResponseWriteDeadline(1.0).intercept_service(continuation, None), kind)
+
+    assert asyncio.run(written(unary, "unary_unary")) is unary  # left as it is
+    assert asyncio.run(written(unary, "unary_stream")) is unary
+    for kind in ("unary_stream", "stream_stream"):
+        writer = asyncio.run(written(stream, kind))
+        assert not inspect.isasyncgenfunction(writer) and wrapped(writer, kind) == "wrapped"
 
 
 async def serve(behaviour, timeout_s: float):
