@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field
 
-from services.common.limits import MAX_WAIT_S, StreamLimits
+from services.common.limits import MAX_NESTING, MAX_WAIT_S, MAX_YAML_CHARS, StreamLimits
 
 
 class ConfigError(ValueError):
@@ -37,14 +37,12 @@ class Section(pydantic.BaseModel):
 
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
-MAX_YAML_DEPTH = 64
-MAX_YAML_CHARS = 64 << 10  # a whole run config written out is about 4 KB
 
 
 def parse_yaml(text: str, what: str) -> Any:
     """``text`` read as YAML by the safe loader (no tag builds an object or runs code); ConfigError naming
-    ``what`` if it is not YAML, is longer than MAX_YAML_CHARS (pure-Python YAML reads about 100 KB a second) or
-    nests deeper than MAX_YAML_DEPTH (which would overflow the loader's stack)."""
+    ``what`` if it is not YAML, is longer than MAX_YAML_CHARS or
+    nests deeper than MAX_NESTING (which would overflow the loader's stack)."""
     if len(text) > MAX_YAML_CHARS:
         raise ConfigError(f"{what} is {len(text)} characters long, more than {MAX_YAML_CHARS}")
     try:
@@ -52,8 +50,8 @@ def parse_yaml(text: str, what: str) -> Any:
         for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events: no recursion, however deep
             depth += isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
             depth -= isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent))
-            if depth > MAX_YAML_DEPTH:
-                raise ConfigError(f"{what} nests deeper than {MAX_YAML_DEPTH} levels")
+            if depth > MAX_NESTING:
+                raise ConfigError(f"{what} nests deeper than {MAX_NESTING} levels")
         return yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise ConfigError(f"{what} is not valid YAML: {error}") from None

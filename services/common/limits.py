@@ -21,6 +21,12 @@ MIN_TEMPERATURE = 1e-3
 NaN (0 asks for greedy decoding)."""
 MAX_STOP_TOKENS = 1024
 """The most stop token ids one Generate call may give (each generated token is checked against them)."""
+MAX_NESTING = 64
+"""The deepest nesting of lists and mappings in a structured value a request carries: a run config's YAML, a
+sample's extra_info (a dataset row holds a few levels; far deeper overflows a parser's stack)."""
+MAX_YAML_CHARS = 64 << 10
+"""The longest YAML a request may carry (a whole run config written out is about 4 KB; pure-Python YAML reads
+about 100 KB a second)."""
 MESSAGE_FLOOR_BYTES = 1024
 """Each message of a request stream counts at least this much against its byte limit, so a stream of empty
 messages is bounded too."""

@@ -15,14 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from services.common.limits import MAX_NESTING
 from services.reward import telemetry
 from services.reward.config import RewardServiceConfig
 from services.reward.scoring import Sample, Scorer
 
 log = structlog.get_logger()
-
-EXTRA_INFO_MAX_DEPTH = 64
-"""Deepest nesting of lists and objects a sample's extra_info may have (a dataset row's holds a few levels)."""
 
 
 def nesting_depth(value) -> int:
@@ -37,7 +35,7 @@ def nesting_depth(value) -> int:
 def extra_info_of(sample: reward_pb2.Sample, index: int) -> dict:
     if not sample.extra_info_json:
         return {}
-    too_deep = f"samples[{index}].extra_info_json nests deeper than {EXTRA_INFO_MAX_DEPTH} levels"
+    too_deep = f"samples[{index}].extra_info_json nests deeper than {MAX_NESTING} levels"
     try:
         extra = json.loads(sample.extra_info_json)
     except json.JSONDecodeError as error:
@@ -46,7 +44,7 @@ def extra_info_of(sample: reward_pb2.Sample, index: int) -> dict:
         raise ValueError(too_deep) from None
     if not isinstance(extra, dict):
         raise ValueError(f"samples[{index}].extra_info_json must be a JSON object")
-    if nesting_depth(extra) > EXTRA_INFO_MAX_DEPTH:
+    if nesting_depth(extra) > MAX_NESTING:
         raise ValueError(too_deep)
     return extra
 

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from meshrl.v1 import reward_pb2
-from services.reward.server import EXTRA_INFO_MAX_DEPTH, extra_info_of, nesting_depth
+from services.common.limits import MAX_NESTING
+from services.reward.server import extra_info_of, nesting_depth
 
 
 def nested(depth: int) -> str:
@@ -22,12 +23,12 @@ def test_nesting_depth_counts_levels_of_lists_and_objects():
     assert nesting_depth(json.loads(nested(10))) == 10
 
 
-@pytest.mark.parametrize("depth", [EXTRA_INFO_MAX_DEPTH + 1, 100_000])
+@pytest.mark.parametrize("depth", [MAX_NESTING + 1, 100_000])
 def test_extra_info_nested_too_deep_is_refused_naming_the_sample(depth):
-    with pytest.raises(ValueError, match=rf"samples\[7\].extra_info_json nests deeper than {EXTRA_INFO_MAX_DEPTH}"):
+    with pytest.raises(ValueError, match=rf"samples\[7\].extra_info_json nests deeper than {MAX_NESTING}"):
         extra_info_of(reward_pb2.Sample(extra_info_json=nested(depth)), 7)
 
 
 def test_extra_info_at_the_depth_limit_is_read():
-    text = nested(EXTRA_INFO_MAX_DEPTH)
+    text = nested(MAX_NESTING)
     assert extra_info_of(reward_pb2.Sample(extra_info_json=text), 0) == json.loads(text)
