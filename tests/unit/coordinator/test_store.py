@@ -103,19 +103,31 @@ def test_step_records_carry_the_time_of_each_steps_last_record(db_path):
     store.close()
 
 
-@pytest.mark.parametrize("damage", ["header", "truncated"])
+@pytest.mark.parametrize("damage", ["header", "truncated", "emptied"])
 def test_a_damaged_run_db_is_refused_naming_the_file_and_what_to_do(db_path, damage):
     store = RunStore(db_path)
     store.create_run("r1", "first", "", "/d", 10)
     for index in range(500):
         store.add_event("r1", "log", index, "", "x" * 100, {})
     store.close()
+    (db_path.parent / "runs" / "r1").mkdir(parents=True)
+    (db_path.parent / "runs" / "r1" / "config.yaml").write_text("data: {}\n")
     if damage == "header":
         with db_path.open("r+b") as db:
             db.write(b"\xff" * 100)
+    elif damage == "emptied":
+        os.truncate(db_path, 0)
     else:
         os.truncate(db_path, db_path.stat().st_size // 2)
     with pytest.raises(DamagedRunDB) as refused:
         RunStore(db_path)
     message = str(refused.value)
     assert f"the run DB {db_path} is damaged" in message and f"mv {db_path} {db_path}.damaged" in message
+
+
+def test_an_empty_run_db_file_with_no_run_folders_is_a_new_run_db(db_path):
+    db_path.parent.mkdir()
+    db_path.touch()
+    store = RunStore(db_path)
+    assert store.list_runs() == []
+    store.close()
