@@ -22,10 +22,12 @@ def reverse_data(tmp_path_factory) -> Path:
     return write_jsonl(reverse_task_rows(64, 2, 4, seed=3), tmp_path_factory.mktemp("data") / "reverse.jsonl")
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    """Coordinator, trainer, rollout and reward as real processes; stopped (and checked gone) afterwards."""
-    local = LocalCluster(tmp_path / "state")
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Coordinator, trainer, rollout and reward as real processes, one cluster for a test module: its tests run
+    on it one after the other, as long-running services serve run after run. Stopped (and checked gone)
+    after the module."""
+    local = LocalCluster(tmp_path_factory.mktemp("cluster") / "state")
     asyncio.run(local.start(timeout_s=120))
     yield local
     local.stop()

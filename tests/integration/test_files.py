@@ -19,20 +19,11 @@ import torch
 from meshrl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common.rpc import Connection
 from services.coordctl.control import CoordinatorClient
-from services.coordctl.local import LocalCluster
 from services.coordinator.clients import TrainerClient
 from tests.integration.test_grpo_run import run_config
 from tests.integration.test_resume import refusal, resume, run
 
 RUN_ID = "files"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    local = LocalCluster(tmp_path_factory.mktemp("files") / "state")
-    asyncio.run(local.start(timeout_s=120))
-    yield local
-    local.stop()
 
 
 def addresses(cluster) -> dict[str, str]:

@@ -1,4 +1,7 @@
-"""Three GRPO steps through the four services as real processes, over gRPC."""
+"""Three GRPO steps through the four services as real processes, over gRPC.
+
+One cluster serves the module's runs one after the other, as long-running services do (a failed run among
+them); the three-step run comes last, as it ends with the cluster's shutdown."""
 
 from __future__ import annotations
 
@@ -65,45 +68,6 @@ async def logprobs_both_ways(rollout_address: str, trainer_address: str, prompt:
         await trainer.close()
 
 
-def test_three_grpo_steps(cluster, tiny_model, reverse_data):
-    final, updates, services = asyncio.run(run_to_end(cluster.coordinator, run_config(tiny_model, reverse_data)))
-    assert final.state == "finished", final.error
-    assert final.step == 3
-
-    # (a) a metrics row per step in the run DB, with the verl-named metrics
-    db = sqlite3.connect(Path(cluster.state_dir) / "meshrl.db")
-    rows = db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ? ORDER BY step", (final.run_id,)).fetchall()
-    assert [step for step, _ in rows] == [1, 2, 3]
-    metrics = yaml.safe_load(rows[-1][1])
-    for name in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean",
-                 "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights", "perf/throughput",
-                 "perf/cpu_memory_used_gb", "perf/rollout/cpu_memory_used_gb"):
-        assert name in metrics
-    # the trainer's and the rollout's resident sets (on a CPU there are no device peaks)
-    assert metrics["perf/cpu_memory_used_gb"] > 0.05 and metrics["perf/rollout/cpu_memory_used_gb"] > 0.05
-    assert "perf/max_memory_allocated_gb" not in metrics and "perf/rollout/max_memory_allocated_gb" not in metrics
-    assert [u.step for u in updates if u.kind == "step"] == [1, 2, 3]
-    run_dir = Path(final.run_dir)
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
-    assert (run_dir / "reward.png").stat().st_size > 0
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["total_training_steps"] == 3
-
-    # (b) the rollout serves weight version 3, and (c) its logprobs equal the trainer's on the same weights
-    address = {s.kind: s.address for s in services}
-    generated, trainer_logprobs, version = asyncio.run(
-        logprobs_both_ways(address["rollout"], address["trainer"], [5, 6, 7, 16]))
-    assert version == 3 and set(generated.weight_versions.tolist()) == {3}
-    assert generated.logprobs.shape == trainer_logprobs.shape
-    assert torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
-
-    # (d) shutdown leaves no process behind
-    pids = [p.pid for p in cluster.processes.values()]
-    cluster.stop()
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-
-
 def test_bad_config_and_bad_data_are_refused_before_anything_starts(cluster, tiny_model, reverse_data, tmp_path):
     async def start(config_yaml: str):
         client = CoordinatorClient(cluster.coordinator)
@@ -125,7 +89,7 @@ def test_bad_config_and_bad_data_are_refused_before_anything_starts(cluster, tin
     error, runs = asyncio.run(start(run_config(tiny_model, bad)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"{bad} row 5" in error.details() and "reward_model" in error.details()
-    assert runs == []
+    assert runs == []  # the module's first test: no run on its cluster before these, and none from them
 
 
 def test_dapo_group_filtering_keeps_only_groups_with_signal(cluster, tiny_model, reverse_data):
@@ -241,3 +205,42 @@ def test_a_weight_channel_that_cannot_form_ends_the_run_naming_the_cause(cluster
     assert [e.state for e in events if e.kind == "state"] == ["running", "waiting", "running", "failed"]
     assert sum("(recovery 1 of 1)" in e.message for e in events) == 1
     assert events[-1].message == timed_out.error
+
+
+def test_three_grpo_steps(cluster, tiny_model, reverse_data):
+    final, updates, services = asyncio.run(run_to_end(cluster.coordinator, run_config(tiny_model, reverse_data)))
+    assert final.state == "finished", final.error
+    assert final.step == 3
+
+    # (a) a metrics row per step in the run DB, with the verl-named metrics
+    db = sqlite3.connect(Path(cluster.state_dir) / "meshrl.db")
+    rows = db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ? ORDER BY step", (final.run_id,)).fetchall()
+    assert [step for step, _ in rows] == [1, 2, 3]
+    metrics = yaml.safe_load(rows[-1][1])
+    for name in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean",
+                 "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights", "perf/throughput",
+                 "perf/cpu_memory_used_gb", "perf/rollout/cpu_memory_used_gb"):
+        assert name in metrics
+    # the trainer's and the rollout's resident sets (on a CPU there are no device peaks)
+    assert metrics["perf/cpu_memory_used_gb"] > 0.05 and metrics["perf/rollout/cpu_memory_used_gb"] > 0.05
+    assert "perf/max_memory_allocated_gb" not in metrics and "perf/rollout/max_memory_allocated_gb" not in metrics
+    assert [u.step for u in updates if u.kind == "step"] == [1, 2, 3]
+    run_dir = Path(final.run_dir)
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    assert (run_dir / "reward.png").stat().st_size > 0
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["total_training_steps"] == 3
+
+    # (b) the rollout serves weight version 3, and (c) its logprobs equal the trainer's on the same weights
+    address = {s.kind: s.address for s in services}
+    generated, trainer_logprobs, version = asyncio.run(
+        logprobs_both_ways(address["rollout"], address["trainer"], [5, 6, 7, 16]))
+    assert version == 3 and set(generated.weight_versions.tolist()) == {3}
+    assert generated.logprobs.shape == trainer_logprobs.shape
+    assert torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
+
+    # (d) shutdown leaves no process behind
+    pids = [p.pid for p in cluster.processes.values()]
+    cluster.stop()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
