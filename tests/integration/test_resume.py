@@ -1,5 +1,9 @@
 """Checkpoint and exact resume: a run stopped mid-way and resumed ends with the metrics of a run that never
-stopped (bit for bit: on one CPU thread every step's math is deterministic)."""
+stopped (bit for bit: on one CPU thread every step's math is deterministic).
+
+One cluster for the module, as long-running services are: its trainer is killed and replaced, its rollout
+stopped and continued, and each run after goes on with the services there are. The uninterrupted run is run
+once, and each interrupted one is compared with it."""
 
 from __future__ import annotations
 
@@ -64,11 +68,19 @@ def refusal(coordinator: str, call) -> grpc.aio.AioRpcError:
     return asyncio.run(go())
 
 
-def test_stopped_and_resumed_run_equals_an_uninterrupted_one(cluster, tiny_model, reverse_data):
+@pytest.fixture(scope="module")
+def straight(cluster, tiny_model, reverse_data) -> dict[int, dict[str, float]]:
+    """The comparable metrics of a STEPS-step run (saving every 2 steps) that nothing interrupted."""
+    final = asyncio.run(run(cluster.coordinator, run_config(tiny_model, reverse_data,
+                                                            trainer__total_training_steps=STEPS, trainer__save_freq=2)))
+    assert final.state == "finished", final.error
+    return comparable(final.run_dir)
+
+
+def test_stopped_and_resumed_run_equals_an_uninterrupted_one(cluster, straight, tiny_model, reverse_data):
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2)
-    straight = asyncio.run(run(cluster.coordinator, config))
     stopped = asyncio.run(run(cluster.coordinator, config, stop_after=3))
-    assert straight.state == "finished" and stopped.state == "stopped"
+    assert stopped.state == "stopped"
     assert 3 <= stopped.step < STEPS
     checkpoints = sorted(p.name for p in (Path(stopped.run_dir) / "checkpoints").iterdir())
     assert f"step_{stopped.step:06d}" in checkpoints and not [c for c in checkpoints if c.endswith(".tmp")]
@@ -76,10 +88,10 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(cluster, tiny_model
     resumed, final = asyncio.run(resume(cluster.coordinator, stopped.run_id))
     assert resumed.step == stopped.step  # it continues from the checkpoint of the step it stopped after
     assert final.state == "finished" and final.step == STEPS
-    expected, got = comparable(straight.run_dir), comparable(final.run_dir)
+    got = comparable(final.run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))  # no step lost or counted twice
     for step in range(1, STEPS + 1):
-        assert got[step] == expected[step], f"step {step} differs after the resume"
+        assert got[step] == straight[step], f"step {step} differs after the resume"
 
 
 def test_a_run_without_checkpoint_or_still_running_is_not_resumed(cluster, tiny_model, reverse_data):
@@ -90,9 +102,9 @@ def test_a_run_without_checkpoint_or_still_running_is_not_resumed(cluster, tiny_
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "is finished" in error.details()
 
 
-def test_trainer_killed_mid_run_the_run_waits_then_goes_on_and_loses_nothing(cluster, tiny_model, reverse_data):
+def test_trainer_killed_mid_run_the_run_waits_then_goes_on_and_loses_nothing(cluster, straight, tiny_model,
+                                                                              reverse_data):
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2)
-    straight = asyncio.run(run(cluster.coordinator, config))
     states = []
 
     async def kill_trainer_then_replace_it():
@@ -113,16 +125,15 @@ def test_trainer_killed_mid_run_the_run_waits_then_goes_on_and_loses_nothing(clu
     final = asyncio.run(kill_trainer_then_replace_it())
     assert final.state == "finished", final.error
     assert "waiting" in states and states[-1] == "finished"
-    expected, got = comparable(straight.run_dir), comparable(final.run_dir)
+    got = comparable(final.run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))  # every step once: nothing lost, nothing counted twice
     for step in range(1, STEPS + 1):
-        assert got[step] == expected[step], f"step {step} differs after the recovery"
+        assert got[step] == straight[step], f"step {step} differs after the recovery"
 
 
-def test_rollout_stopped_with_sigstop_is_detected_and_the_run_goes_on(cluster, tiny_model, reverse_data):
+def test_rollout_stopped_with_sigstop_is_detected_and_the_run_goes_on(cluster, straight, tiny_model, reverse_data):
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=2,
-                        trainer__channel_timeout_s=10)
-    straight = asyncio.run(run(cluster.coordinator, config))
+                        trainer__channel_timeout_s=10)  # a deadline changes no number: compared with straight's
     rollout = cluster.processes["rollout"].pid
     events: list[tuple[str, float]] = []
 
@@ -148,10 +159,10 @@ def test_rollout_stopped_with_sigstop_is_detected_and_the_run_goes_on(cluster, t
     assert final.state == "finished", final.error
     (_, stopped_at), (_, detected_at) = events[:2]
     assert detected_at - stopped_at < 15  # missed heartbeats (5 s) plus a step, not the 600 s RPC deadline
-    expected, got = comparable(straight.run_dir), comparable(final.run_dir)
+    got = comparable(final.run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
-        assert got[step] == expected[step], f"step {step} differs after the recovery"
+        assert got[step] == straight[step], f"step {step} differs after the recovery"
 
 
 def test_verls_resume_modes_go_on_from_a_checkpoint_of_an_earlier_run(cluster, tiny_model, reverse_data):
