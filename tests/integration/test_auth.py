@@ -71,10 +71,10 @@ def test_a_service_speaking_another_protocol_version_is_refused(cluster):
     assert asyncio.run(register(1)).heartbeat_interval_s > 0
 
 
-@pytest.fixture
-def coordinator_alone(tmp_path):
+@pytest.fixture(scope="module")
+def coordinator_alone(tmp_path_factory):
     """A coordinator that demands a token (the local cluster makes one), and no services."""
-    local = LocalCluster(tmp_path / "state", services=())
+    local = LocalCluster(tmp_path_factory.mktemp("alone") / "state", services=())
     asyncio.run(local.start(timeout_s=120))
     yield local
     local.stop()
