@@ -20,7 +20,6 @@ import pytest
 import yaml
 
 from services.coordctl.control import CoordinatorClient
-from services.coordctl.local import LocalCluster
 from tests.integration.test_grpo_run import run_config, run_to_end
 from tests.logger_files import tensorboard_scalars
 
@@ -173,7 +172,7 @@ def test_a_newcomers_mistakes_get_true_messages(tmp_path):
     assert not (tmp_path / "meshrl-runs").exists()  # nothing started
 
 
-def test_init_gives_services_started_by_hand_a_run_that_works(tmp_path):
+def test_init_gives_services_started_by_hand_a_run_that_works(cluster, tmp_path):
     folder = tmp_path / "demo"
     done = coordctl("init", str(folder), "--coordinator-host", "coord-host")
     assert done.returncode == 0, done.stderr
@@ -183,24 +182,14 @@ def test_init_gives_services_started_by_hand_a_run_that_works(tmp_path):
     config = yaml.safe_load((folder / "run.yaml").read_text())
     assert Path(config["actor_rollout_ref"]["model"]["path"]).is_dir() and "local" not in config
     config["trainer"]["total_training_steps"] = 2
-    cluster = LocalCluster(tmp_path / "state")
-    try:
-        asyncio.run(cluster.start(timeout_s=120))
-        final, _, _ = asyncio.run(run_to_end(cluster.coordinator, yaml.safe_dump(config)))
-    finally:
-        cluster.stop()
+    final, _, _ = asyncio.run(run_to_end(cluster.coordinator, yaml.safe_dump(config)))
     assert final.state == "finished", final.error
     assert (Path(final.run_dir) / "validation" / "step_000002.jsonl").exists()  # its held-out data came too
 
 
 @pytest.mark.parametrize("command", [["stop", "no-such-run"], ["status", "no-such-run"]])
-def test_a_run_that_is_not_there_is_named(tmp_path, command):
-    cluster = LocalCluster(tmp_path / "state", ())
-    try:
-        asyncio.run(cluster.start(timeout_s=60))
-        done = coordctl(*command, "--coordinator", cluster.coordinator)
-    finally:
-        cluster.stop()
+def test_a_run_that_is_not_there_is_named(cluster, command):
+    done = coordctl(*command, "--coordinator", cluster.coordinator)
     assert done.returncode == 1 and "NOT_FOUND" in done.stderr and "no-such-run" in done.stderr
 
 
