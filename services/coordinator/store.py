@@ -99,10 +99,11 @@ class RunStore:
         """Open (or create) the run DB at ``path``; DamagedRunDB if the file is damaged."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        runs = list((path.parent / "runs").glob("*/config.yaml"))
-        if path.exists() and path.stat().st_size == 0 and runs:  # SQLite would take it for a new, empty DB
-            raise DamagedRunDB(damaged_message(path, f"the file is empty, but {len(runs)} runs have folders under "
-                                                     f"{path.parent / 'runs'}"))
+        if path.exists() and path.stat().st_size == 0:  # SQLite would take it for a new, empty DB
+            runs = list((path.parent / "runs").glob("*/config.yaml"))
+            if runs:
+                raise DamagedRunDB(damaged_message(path, f"the file is empty, but {len(runs)} runs have folders "
+                                                         f"under {path.parent / 'runs'}"))
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
