@@ -12,8 +12,8 @@
    and the exported model's accuracy under ``coordctl eval`` against the last validation's.
 
 ``--stage run`` does step 1 alone and ``--stage report`` the rest, on the run kept in --out (for a machine that
-gives each command at most 10 minutes). The run's metrics.jsonl, reward.png (reward per step and the validation curves) and the eval's responses
-are copied into --out.
+gives each command at most 10 minutes). The run's metrics.jsonl, reward.png (reward per step and the validation
+curves) and the eval's responses are copied into --out.
 """
 
 from __future__ import annotations
