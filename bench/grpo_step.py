@@ -16,13 +16,14 @@ The runs (--runs, any of them, in this order):
   sync_weights, reward = _calculate_rewards, old_log_prob = the logprob passes inside _prepare_inputs,
   batch_prep = the rest of _prepare_inputs, update_actor = the step less all of _prepare_inputs.
 - colocated: meshrl, trainer and vLLM rollout on GPU 0, 64 samples per micro-batch (ppo_micro_batch_size_per_gpu).
+- colocated-k1: the same with trainer.async_.max_staleness 1: the next batch is generated while the trainer
+  works on this one, on the same GPU (each sample one weight version behind; TRL has no such mode).
 - colocated-sleep: the same with the rollout started with enable_sleep_mode and the run with
   actor_rollout_ref.rollout.free_cache_engine (the rollout sleeps while the trainer works).
 - split-k0, split-k1: trainer on GPU 0, rollout on GPU 1, trainer.async_.max_staleness 0 and 1 (one cluster
   for both).
 - every-gpu: a rollout on each GPU, the one on the trainer's GPU asleep while the trainer works
-  (free_cache_engine), max_staleness 0; skipped where the rollout service has no ``colocated`` setting
-  (the placement is not in this checkout).
+  (free_cache_engine), max_staleness 0.
 meshrl's runs start the services as a user does (LocalCluster: coordinator, trainer, rollout, reward on
 loopback) and take each step's stages from the run's metrics.jsonl (timing_s/*) and memory from its
 perf/ metrics; a step's time is from the end of the one before (the first: timing_s/step).
@@ -36,7 +37,7 @@ perf/max_memory_allocated_gb; TRL: the process's torch peak less what its vLLM h
 perf/rollout/; TRL: what building vLLM added), and each GPU's used memory (nvidia-smi, every 0.5 s). The
 ratios of each run's s/step to TRL's in the same folder are printed last.
 
-    python bench/grpo_step.py --runs trl,colocated --out OUT [--trl-site DIR] [--steps 8] [key=value ...]
+    python bench/grpo_step.py --runs trl,colocated,colocated-k1 --out OUT [--trl-site DIR] [--steps 8] [key=value ...]
     python bench/grpo_step.py --report --out OUT
 
 key=value overrides apply to every meshrl run's config. --trl-site is a folder put on the TRL child's
@@ -92,6 +93,7 @@ class Run:
 RUNS = {
     "trl": Run(1, ""),
     "colocated": Run(1, "colocated"),
+    "colocated-k1": Run(1, "colocated", max_staleness=1),
     "colocated-sleep": Run(1, "colocated-sleep", sleep=True),
     "split-k0": Run(2, "split"),
     "split-k1": Run(2, "split", max_staleness=1),
@@ -369,12 +371,6 @@ def unavailable(name: str, gpus: int) -> str | None:
     if RUNS[name].gpus > gpus:
         needed = RUNS[name].gpus
         return f"needs {needed} GPU{'s' if needed > 1 else ''}, this machine has {gpus}"
-    if name == "every-gpu":
-        from services.rollout.config import RolloutServiceConfig
-
-        if "colocated" not in RolloutServiceConfig.model_fields:
-            return ("the every-GPU placement is not in this checkout (the rollout service has no `colocated` "
-                    "setting, services/rollout/config.py)")
     return None
 
 
