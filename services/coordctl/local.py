@@ -110,7 +110,7 @@ def free_port() -> int:
 
 
 class LocalCluster:
-    """The four services as subprocesses; use as a context manager."""
+    """The four services as subprocesses: ``start`` them, ``stop`` them."""
 
     def __init__(self, state_dir: Path, services: tuple[ServiceSpec, ...] = ONE_OF_EACH, log_level: str = "info"):
         """``services``: each service to start besides the coordinator."""
@@ -122,8 +122,9 @@ class LocalCluster:
         self.processes: dict[str, subprocess.Popen] = {}
         self.metrics_ports: dict[str, tuple[str, int]] = {}  # name -> (kind, its /metrics port)
         self.targets_file = state_dir / "prometheus-targets.json"
+        self.own_token_file: str | None = None  # the token file this cluster made and this process presents
         if cluster_token() is None:  # the local services take calls from holders of the token file only
-            os.environ["MESHRL_TOKEN_FILE"] = str(write_token(state_dir / "token"))
+            self.own_token_file = os.environ["MESHRL_TOKEN_FILE"] = str(write_token(state_dir / "token"))
             cluster_token.cache_clear()
 
     def command(self, name: str, kind: str, settings: tuple[str, ...], ranks: int) -> list[str]:
@@ -198,6 +199,15 @@ class LocalCluster:
         active is stopped by its shutdown, and resumes from its last checkpoint)."""
         terminate([p for kind, p in self.processes.items() if kind == "coordinator"], grace_s)
         terminate([p for kind, p in self.processes.items() if kind != "coordinator"], grace_s)
+        self._forget_token()
+
+    def _forget_token(self) -> None:
+        """Stop presenting the token this cluster made, so that a later cluster in this process makes its own
+        (this one's folder may be gone by then)."""
+        if self.own_token_file is not None and os.environ.get("MESHRL_TOKEN_FILE") == self.own_token_file:
+            del os.environ["MESHRL_TOKEN_FILE"]
+            cluster_token.cache_clear()
+        self.own_token_file = None
 
 
 def scrape_targets(metrics_ports: dict[str, tuple[str, int]]) -> list[dict]:
