@@ -25,7 +25,8 @@ from services.coordctl.local import LocalCluster
 from services.coordinator.store import RunStore
 from tests.integration.test_grpo_run import run_config
 
-STEPS = 8  # stopped after about step 6: a full disk, a read-only one, a full checkpoint disk, a stop, a step apart
+STEPS = 12  # stopped after about step 6 (a full disk, a read-only one, a full checkpoint disk, a stop, a step apart);
+# the steps beyond leave room for a test slowed by a busy machine (at 8 the run once finished before the stop)
 
 
 def mount(*args: str) -> None:
