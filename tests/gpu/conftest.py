@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 
+from services.coordctl.local import ServiceSpec
 from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 
 
@@ -21,6 +22,21 @@ def needs(gpu_count: int, vllm: bool = True):
     if vllm and importlib.util.find_spec("vllm") is None:
         reasons.append("needs vllm installed")
     return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons))
+
+
+def on_gpu(gpu: int) -> tuple[tuple[str, str], ...]:
+    return (("CUDA_VISIBLE_DEVICES", str(gpu)),)
+
+
+def cuda_trainer(gpu: int = 0) -> ServiceSpec:
+    return ServiceSpec("trainer", settings=("device=cuda",), env=on_gpu(gpu))
+
+
+def vllm_rollout(gpu: int, memory_share: float, *settings: str) -> ServiceSpec:
+    """A vLLM rollout on GPU ``gpu`` taking ``memory_share`` of it, started without CUDA graphs (about 23 s
+    instead of 70)."""
+    settings = ("engine=vllm", "enforce_eager=true", f"gpu_memory_utilization={memory_share}", *settings)
+    return ServiceSpec("rollout", settings=settings, env=on_gpu(gpu))
 
 
 @pytest.fixture(scope="session")

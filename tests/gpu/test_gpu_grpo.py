@@ -21,7 +21,7 @@ from services.coordinator.dispatch import split_by_speed
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
-from tests.gpu.conftest import needs
+from tests.gpu.conftest import cuda_trainer, needs, vllm_rollout
 
 STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights")
 
@@ -84,9 +84,8 @@ def three_steps(tmp_path, model: Path, services: tuple[ServiceSpec, ...], coloca
 @needs(2)
 def test_three_grpo_steps_on_two_gpus(qwen_05b, tmp_path):
     services = (
-        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.5"),
-                    env=(("CUDA_VISIBLE_DEVICES", "1"),)),
+        cuda_trainer(),
+        vllm_rollout(1, 0.5),
         ServiceSpec("reward"),
     )
     three_steps(tmp_path, qwen_05b, services, colocated=False)
@@ -95,9 +94,8 @@ def test_three_grpo_steps_on_two_gpus(qwen_05b, tmp_path):
 @needs(1)
 def test_three_grpo_steps_colocated_on_one_gpu(qwen_05b, tmp_path):
     services = (
-        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.3",
-                                         "enable_sleep_mode=true"), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        cuda_trainer(),
+        vllm_rollout(0, 0.3, "enable_sleep_mode=true"),
         ServiceSpec("reward"),
     )
     rows, _ = three_steps(tmp_path, qwen_05b, services, colocated=True)
@@ -110,11 +108,10 @@ def test_prompts_split_by_the_rollouts_measured_speeds_on_three_gpus(qwen_05b, t
     """Trainer on GPU 0, a vLLM rollout on GPU 1 and one on GPU 2 that schedules 16 sequences at a time (its
     256 samples a step take 16 rounds): from step 2 on each step's 32 prompts follow the speeds measured up to
     the step before, and the capped rollout ends with the smaller share."""
-    rollout = ("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.5")
     services = (
-        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-        ServiceSpec("rollout", settings=rollout, env=(("CUDA_VISIBLE_DEVICES", "1"),)),
-        ServiceSpec("rollout", settings=(*rollout, "max_num_seqs=16"), env=(("CUDA_VISIBLE_DEVICES", "2"),)),
+        cuda_trainer(),
+        vllm_rollout(1, 0.5),
+        vllm_rollout(2, 0.5, "max_num_seqs=16"),
         ServiceSpec("reward"),
     )
     rows, cluster = three_steps(tmp_path, qwen_05b, services, colocated=False)
@@ -134,11 +131,9 @@ def test_every_gpu_generates_the_rollout_beside_the_trainer_asleep_while_it_trai
     IPC) and one on GPU 1 (weights over NCCL): both generate every step, each actor update falls while the one
     on GPU 0 sleeps, and the one on GPU 1 never sleeps."""
     services = (
-        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.3",
-                                         "enable_sleep_mode=true"), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.5"),
-                    env=(("CUDA_VISIBLE_DEVICES", "1"),)),
+        cuda_trainer(),
+        vllm_rollout(0, 0.3, "enable_sleep_mode=true"),
+        vllm_rollout(1, 0.5),
         ServiceSpec("reward"),
     )
     rows, cluster = three_steps(tmp_path, qwen_05b, services, colocated=True)
@@ -164,9 +159,8 @@ def test_a_colocated_rollout_that_cannot_wake_fails_the_run_naming_the_cause(qwe
     instead of re-forming the weight channel over and over in state waiting."""
     data = write_jsonl(reverse_task_rows(256, 2, 6, seed=3), tmp_path / "reverse.jsonl")
     services = (
-        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.3",
-                                         "enable_sleep_mode=true"), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        cuda_trainer(),
+        vllm_rollout(0, 0.3, "enable_sleep_mode=true"),
         ServiceSpec("reward"),
     )
     cluster = LocalCluster(tmp_path / "state", services)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.coordctl.local import LocalCluster, ServiceSpec
-from tests.gpu.conftest import needs
+from services.coordctl.local import LocalCluster
+from tests.gpu.conftest import needs, vllm_rollout
 from tests.integration.test_faults import LogTail
 from tests.integration.test_partial_rollout import scenario
 
@@ -23,8 +23,7 @@ LONG = 600
 @needs(2)
 def test_vllm_keeps_the_request_in_flight_through_a_swap_pausing_it_briefly(qwen_05b, tmp_path):
     cluster = LocalCluster(tmp_path / "state", (
-        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.3"),
-                    env=(("CUDA_VISIBLE_DEVICES", "1"),)),))
+        vllm_rollout(1, 0.3),))
     try:
         asyncio.run(cluster.start(timeout_s=180))
         kept = asyncio.run(scenario(cluster, str(qwen_05b), dtype="bfloat16", backend="nccl", device="cuda:0",

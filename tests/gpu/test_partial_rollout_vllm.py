@@ -22,8 +22,8 @@ from services.common.nccl_channel import new_unique_id
 from services.common.weight_sync import send_weights
 from services.coordinator.clients import RolloutClient
 from services.coordinator.settings import Sampling
-from services.coordctl.local import LocalCluster, ServiceSpec
-from tests.gpu.conftest import needs
+from services.coordctl.local import LocalCluster
+from tests.gpu.conftest import needs, vllm_rollout
 from tests.integration.test_partial_rollout import PROMPTS, scenario
 
 # vLLM samples the 8 sequences together: long responses keep the call in flight while the weights go out
@@ -92,8 +92,7 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
 @needs(2)
 def test_vllm_rollout_restarts_or_finishes_calls_in_flight_and_refuses_to_generate_after_a_broken_sync(qwen_05b, tmp_path):
     cluster = LocalCluster(tmp_path / "state", (
-        ServiceSpec("rollout", settings=("engine=vllm", "enforce_eager=true", "gpu_memory_utilization=0.3"),
-                    env=(("CUDA_VISIBLE_DEVICES", "1"),)),))
+        vllm_rollout(1, 0.3),))
     try:
         asyncio.run(cluster.start(timeout_s=180))
         asyncio.run(scenario(cluster, str(qwen_05b), dtype="bfloat16", backend="nccl", device="cuda:0",

@@ -15,13 +15,12 @@ import pytest
 
 from services.coordinator.clients import RolloutClient
 from services.coordinator.settings import Sampling
-from services.coordctl.local import LocalCluster, ServiceSpec
-from tests.gpu.conftest import needs
+from services.coordctl.local import LocalCluster
+from tests.gpu.conftest import needs, vllm_rollout
 from tests.integration.test_lifetime import alive, descendants
 from tests.integration.test_stalls import cluster_services
 
-ROLLOUT = ServiceSpec("rollout", settings=("engine=vllm", "device=cuda", "enforce_eager=true",
-                                           "gpu_memory_utilization=0.3"), env=(("CUDA_VISIBLE_DEVICES", "0"),))
+ROLLOUT = vllm_rollout(0, 0.3, "device=cuda")
 # 64 prompts x 64 samples x 1024 tokens: minutes of work for a random 0.5B model (no EOS comes)
 BUSY_PROMPTS = [[5, 6, 7, 8]] * 64
 BUSY = Sampling(n=64, temperature=1.0, top_p=1.0, max_new_tokens=1024, stop_token_ids=())
