@@ -1,5 +1,7 @@
 """Weights over CUDA IPC between processes sharing one GPU (the colocated placement, where NCCL refuses two
-ranks on one device): a sender and two receivers, each a process of its own on GPU 0."""
+ranks on one device): a sender and two receivers, each a process of its own on GPU 0; the second receiver
+stages each sync beside the model's work, as a generating rollout does, without its reserved memory growing
+from sync to sync."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import torch
 
 from services.common.channel import open_channel
 from services.common.gloo_channel import prepare_gloo_rendezvous
-from services.common.weight_sync import receive_weights, send_weights, tensor_checksum
+from services.common.weight_sync import StagedWeights, receive_weights, send_weights, tensor_checksum
 from tests.gpu.conftest import needs
 
 WORLD = 3
+VERSIONS = (1, 2, 3, 4)
 
 
 def model_like() -> list[tuple[str, torch.Tensor]]:
@@ -28,24 +31,31 @@ def member(rank: int, rendezvous: bytes, results) -> None:
     torch.cuda.set_device(0)
     channel = open_channel("ipc-test", "cuda_ipc", rendezvous, rank, WORLD, 60, "cuda:0")
     try:
-        seconds = []
-        for version in (1, 2):
-            named = [(name, tensor + version if tensor.is_floating_point() else tensor) for name, tensor in model_like()]
+        seconds, reserved = [], []
+        for version in VERSIONS:
+            named = [(name, tensor + version if tensor.is_floating_point() else tensor)
+                     for name, tensor in model_like()]
             torch.cuda.synchronize()
             started = time.perf_counter()
             if rank == 0:
                 send_weights(channel, named, version, bucket_bytes=64 << 20)
                 got = {name: tensor_checksum(tensor) for name, tensor in named}
-            else:
+            elif rank == 1:
                 got = {}
                 received = receive_weights(channel, lambda pairs: got.update(
                     (name, tensor_checksum(tensor)) for name, tensor in pairs))
                 assert received == version
+            else:
+                staged = StagedWeights(channel)
+                assert staged.wait(60) and staged.version == version
+                got = {name: tensor_checksum(tensor) for bucket in staged.buckets for name, tensor in bucket}
+                del staged
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - started)
-        results.put((rank, got, seconds))
+            reserved.append(torch.cuda.memory_reserved())
+        results.put((rank, got, seconds, reserved))
     except BaseException as error:  # noqa: BLE001 - handed back to the test
-        results.put((rank, repr(error), []))
+        results.put((rank, repr(error), [], []))
     finally:
         channel.close()
 
@@ -58,15 +68,19 @@ def test_weights_reach_two_receivers_on_the_senders_gpu_over_cuda_ipc():
     members = [context.Process(target=member, args=(rank, rendezvous, results)) for rank in range(WORLD)]
     for process in members:
         process.start()
-    outcomes = {rank: (got, seconds) for rank, got, seconds in (results.get(timeout=120) for _ in members)}
+    outcomes = {rank: (got, seconds, reserved) for rank, got, seconds, reserved in
+                (results.get(timeout=120) for _ in members)}
     for process in members:
         process.join(30)
     del store
-    for rank, (got, _) in outcomes.items():
+    for rank, (got, _, _) in outcomes.items():
         assert isinstance(got, dict), f"rank {rank}: {got}"
     sent = outcomes[0][0]
     assert len(sent) == len(model_like())
-    assert outcomes[1][0] == sent and outcomes[2][0] == sent  # the second version, every tensor, byte for byte
+    assert outcomes[1][0] == sent and outcomes[2][0] == sent  # the last version, every tensor, byte for byte
     nbytes = sum(t.numel() * t.element_size() for _, t in model_like())
+    staged_reserved = outcomes[2][2]
     print(f"\ncuda_ipc, one GPU, 2 receivers: {nbytes / 1e6:.0f} MB; second sync {outcomes[0][1][1] * 1e3:.1f} ms "
-          f"at the sender ({nbytes / outcomes[0][1][1] / 1e9:.0f} GB/s)")
+          f"at the sender ({nbytes / outcomes[0][1][1] / 1e9:.0f} GB/s); the staging receiver's reserved memory "
+          f"after each sync: {', '.join(f'{r / 2**20:.0f}' for r in staged_reserved)} MiB")
+    assert staged_reserved[-1] == staged_reserved[1]  # each sync's staged buckets reuse the last one's memory
