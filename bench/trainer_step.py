@@ -20,8 +20,8 @@ The sides:
 A side's first old_log_prob pass and first update run on the initial weights, so their logprobs and gradient
 norms can be compared across sides (the largest logprob difference to the reference's is printed: float noise
 in float32 on a CPU, bf16 noise on a GPU). Then each job is timed with the device synchronised around it, the
-median of --repeats after --warmup calls; its peak GB is the most allocated during its timed calls above what
-was allocated before them (every side's weights and optimizer state stay resident throughout; CUDA only).
+median of --repeats after --warmup calls; its peak GB is the most a call allocated above what was allocated
+before it (every side's weights and optimizer state stay resident throughout; CUDA only).
 The update's MFU is counted as the trainer's ``perf/mfu/actor`` is (services/trainer/mfu.py). The ratios
 meshrl / reference are printed last.
 
@@ -57,6 +57,7 @@ from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_fl
 
 CLIP_RATIO, GRAD_CLIP, WEIGHT_DECAY = 0.2, 1.0, 0.01  # meshrl's defaults, which grpo_step's run keeps
 TOP_OPS = 15
+REPORTED_PEAK = "perf/max_memory_allocated_gb"
 HOST_DEVICE = ("Synchronize", "Memcpy", "aten::nonzero")  # the profiled events counted: waits for the device, copies
 
 
@@ -138,8 +139,8 @@ class Reference:
         self.model.eval()
         return torch.cat([self.logprobs(rows) for rows in self.rows.split(self.shape.micro_batch)]).flatten().cpu()
 
-    def update(self, old_logprobs: torch.Tensor, advantages: torch.Tensor) -> float:
-        """One optimizer step over the batch; the gradient norm before clipping."""
+    def update(self, old_logprobs: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
+        """One optimizer step over the batch; its metric: the gradient norm before clipping."""
         self.model.train()
         device, micro = self.rows.device, self.shape.micro_batch
         old_logprobs, advantages = (values.view(len(self.rows), -1).to(device) for values in (old_logprobs, advantages))
@@ -150,7 +151,7 @@ class Reference:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return {"actor/grad_norm": float(grad_norm)}
 
 
 class Meshrl:
@@ -169,9 +170,10 @@ class Meshrl:
     def old_log_prob(self) -> torch.Tensor:
         return self.worker.run("compute_log_probs", {"role": "actor"}, self.sequences)
 
-    def update(self, old_logprobs: torch.Tensor, advantages: torch.Tensor) -> float:
+    def update(self, old_logprobs: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
+        """The update's metrics, verl's (``perf/max_memory_allocated_gb`` among them on CUDA)."""
         tensors = {**self.sequences, "old_logprobs": old_logprobs, "advantages": advantages}
-        return self.worker.run("update_actor", {}, tensors).metrics["actor/grad_norm"]
+        return self.worker.run("update_actor", {}, tensors).metrics
 
 
 # ---------------------------------------------------------------- measuring
@@ -183,23 +185,27 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed(work: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> dict:
-    """Median seconds of ``work`` over ``repeats`` calls after ``warmup``, and its peak GB above what was
-    allocated before the timed calls (None off CUDA)."""
+    """Median seconds of ``work`` over ``repeats`` calls after ``warmup``, and the most GB a call allocated above
+    what was allocated before it (CUDA only): the allocator's peak during the call, or the one the call reports
+    where it does (meshrl's update reads the peak for its metrics, then starts it again)."""
     for _ in range(warmup):
         work()
-    synchronize(device)
     cuda = device.type == "cuda"
-    if cuda:
-        resident = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    seconds = []
+    seconds, peaks = [], []
     for _ in range(repeats):
+        synchronize(device)
+        if cuda:
+            resident = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
-        work()
+        result = work()
         synchronize(device)
         seconds.append(time.perf_counter() - started)
-    peak = (torch.cuda.max_memory_allocated(device) - resident) / 2**30 if cuda else None
-    return {"seconds": statistics.median(seconds), "peak_gb": peak}
+        if cuda:
+            reported = result.get(REPORTED_PEAK) if isinstance(result, dict) else None
+            peak = reported * 2**30 if reported is not None else torch.cuda.max_memory_allocated(device)
+            peaks.append((peak - resident) / 2**30)
+    return {"seconds": statistics.median(seconds), "peak_gb": max(peaks) if cuda else None}
 
 
 def profiled(work: Callable[[], object], device: torch.device) -> dict:
@@ -259,7 +265,7 @@ def measure(args) -> dict:
     flops, peak_flops = update_flops(model_path, shape), device_peak_flops(device)
     results = {}
     for name, side in sides.items():
-        grad_norm = side.update(old_logprobs, advantages)  # the initial weights' gradient
+        grad_norm = side.update(old_logprobs, advantages)["actor/grad_norm"]  # the initial weights' gradient
         timings = {job: timed(work, device, args.warmup, args.repeats)
                    for job, work in jobs(side, old_logprobs, advantages).items()}
         timings["update"]["mfu"] = mfu(flops, timings["update"]["seconds"], peak_flops, 1) if peak_flops else None
