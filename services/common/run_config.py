@@ -175,6 +175,13 @@ class ActorConfig(Section):
     """Passes over each step's batch in the actor's update: each pass reshuffles the batch's responses and cuts
     them into mini-batches of ppo_mini_batch_size x rollout.n responses, one optimizer step each. The
     learning-rate schedule still advances once per step."""
+    recompute_old_log_prob: bool | None = None
+    """Compute the old policy's logprobs (pi_old of the PPO ratio) in a no-grad pass over the batch before the
+    update (timing_s/old_log_prob). null = only where the update needs them: when it is one optimizer step over
+    the whole batch (ppo_epochs 1, ppo_mini_batch_size = data.train_batch_size) and no
+    algorithm.use_kl_in_reward, pi_old is the weights the update starts from, and the update takes its own
+    logprobs, detached, instead (the ratio is 1; the rollout correction still compares with the rollout's);
+    true = always; false = never, refused where the update needs them."""
     clip_ratio_low: float = Field(0.2, gt=0, lt=1)
     """PPO clip range below 1."""
     clip_ratio_high: float = Field(0.2, gt=0)
@@ -565,6 +572,36 @@ class RunConfig(Section):
                              "(groups of responses)")
         if estimator == "gae" and self.critic.enable is False:
             raise ValueError("algorithm.adv_estimator=gae needs a critic, but critic.enable is false")
+        return self
+
+    @property
+    def old_log_prob_needed(self) -> str | None:
+        """Why the actor's logprobs must be computed before its update; None: its one optimizer step's own
+        forward pass gives them (actor.recompute_old_log_prob)."""
+        actor, batch = self.actor_rollout_ref.actor, self.data.train_batch_size
+        if actor.ppo_epochs > 1:
+            return (f"actor_rollout_ref.actor.ppo_epochs is {actor.ppo_epochs}: the later epochs' ratios compare "
+                    "with the weights before the update")
+        if actor.ppo_mini_batch_size < batch:
+            return (f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) is below "
+                    f"data.train_batch_size ({batch}): the later mini-batches' ratios compare with the weights "
+                    "before the update")
+        if self.algorithm.use_kl_in_reward:
+            return "algorithm.use_kl_in_reward: the KL penalty enters the rewards, before the update"
+        return None
+
+    @property
+    def recomputes_old_log_prob(self) -> bool:
+        """Whether each actor update is preceded by a logprob pass (actor.recompute_old_log_prob resolved)."""
+        chosen = self.actor_rollout_ref.actor.recompute_old_log_prob
+        return self.old_log_prob_needed is not None if chosen is None else chosen
+
+    @pydantic.model_validator(mode="after")
+    def _old_log_prob_skipped_only_where_safe(self) -> RunConfig:
+        needed = self.old_log_prob_needed
+        if self.actor_rollout_ref.actor.recompute_old_log_prob is False and needed is not None:
+            raise ValueError(f"actor_rollout_ref.actor.recompute_old_log_prob=false, but the update needs the old "
+                             f"logprobs: {needed}; leave it null (computed only where needed) or set it true")
         return self
 
     @pydantic.model_validator(mode="after")

@@ -213,11 +213,15 @@ class TrainerClient:
             reply = await method(batch_requests(tensors, step), timeout=timeout)
         return dict(reply.metrics), reply.weight_version
 
-    async def update_actor(self, batch: SequenceBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+    async def update_actor(self, batch: SequenceBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                            ref_logprobs: torch.Tensor | None, step: int, timeout: float,
                            rollout_logprobs: torch.Tensor | None = None) -> tuple[dict[str, float], int]:
-        """One PPO update; ``rollout_logprobs`` [T] (the rollout engine's) are needed when rollout correction is on."""
-        tensors = {**sequence_tensors(batch), "old_logprobs": old_logprobs, "advantages": advantages}
+        """One PPO update; ``old_logprobs`` None: it is one optimizer step and takes its own; ``rollout_logprobs``
+        [T] (the rollout engine's) are needed when rollout correction is on, or for the mismatch metrics without
+        old logprobs."""
+        tensors = {**sequence_tensors(batch), "advantages": advantages}
+        if old_logprobs is not None:
+            tensors["old_logprobs"] = old_logprobs
         if ref_logprobs is not None:
             tensors["ref_logprobs"] = ref_logprobs
         if rollout_logprobs is not None:

@@ -7,7 +7,10 @@ Choices:
 - A step: prompts -> n responses each (spread over the rollout replicas) ->
   scores (spread over the reward replicas; with DAPO dynamic sampling, groups
   whose scores are all equal are dropped and more prompts generated) -> old
-  logprobs, reference logprobs and values, concurrently -> token rewards
+  logprobs (where the update needs them: actor.recompute_old_log_prob; an
+  update that is one optimizer step over the batch takes its own, and reports
+  their mismatch with the rollout's), reference logprobs and values,
+  concurrently -> token rewards
   (minus the KL penalty when it goes into the reward) -> advantages ->
   critic and actor updates, concurrently -> weight sync trainer -> every
   rollout -> metrics. ``train`` reads as those stages, one call each.
@@ -124,7 +127,7 @@ class Produced:
 class Evaluated(NamedTuple):
     """What the update needs from the trainers, all [T] over the batch's response tokens."""
 
-    old_logprobs: torch.Tensor  # the actor's, before the update
+    old_logprobs: torch.Tensor | None  # the actor's, before the update (None: the update takes its own)
     ref_logprobs: torch.Tensor | None  # the reference's (None: the run has no reference)
     values: torch.Tensor | None  # the critic's (None: the run has no critic)
 
@@ -278,7 +281,12 @@ class PPOLoop:
                                                self.ref_logprobs(batch, step, timer),
                                                self.values(batch, step, timer)))
 
-    async def old_logprobs(self, batch: SequenceBatch, step: int, timer: StageTimer) -> torch.Tensor:
+    async def old_logprobs(self, batch: SequenceBatch, step: int, timer: StageTimer) -> torch.Tensor | None:
+        """None where the step's actor update is one optimizer step over the batch (recompute_old_logprobs off):
+        it takes its own logprobs, detached, as pi_old. A step that does not update the actor (critic warmup)
+        computes them, for the mismatch metrics."""
+        if not self.settings.recompute_old_logprobs and step > self.settings.critic_warmup:
+            return None
         with timer("old_log_prob"):
             return await self.trainers.actor.compute_log_probs(batch, step, self.timeout)
 
@@ -331,7 +339,10 @@ class PPOLoop:
                            timer: StageTimer) -> tuple[dict[str, float], int | None]:
         if step <= self.settings.critic_warmup:
             return {}, None
-        rollout_logprobs = rollouts.logprobs if self.settings.rollout_correction else None
+        # the rollout's logprobs: for the rollout correction, and for the mismatch metrics of an update that takes
+        # its own old logprobs (the trainer computes them then)
+        needs_rollout = self.settings.rollout_correction or evaluated.old_logprobs is None
+        rollout_logprobs = rollouts.logprobs if needs_rollout else None
         with timer("update_actor"):
             return await self.trainers.actor.update_actor(
                 rollouts.batch, evaluated.old_logprobs, estimate.advantages, evaluated.ref_logprobs, step,

@@ -70,6 +70,7 @@ class LoopSettings:
     estimator: Estimator
     kl_in_reward: KLInReward | None  # None: no KL in the reward
     critic_warmup: int  # steps that update only the critic
+    recompute_old_logprobs: bool  # a logprob pass before each actor update (False: the update's own gives pi_old)
     rollout_correction: bool  # send the rollout's logprobs with each actor update (importance weights)
     sleep_rollouts: bool  # rollouts free their GPU memory while the trainer works (colocated)
     filter_groups: bool  # DAPO dynamic sampling: drop groups whose scores are all equal
@@ -110,6 +111,7 @@ def loop_settings(config: RunConfig) -> LoopSettings:
                           tuple(rollout.stop_token_ids)),
         estimator=Estimator(algorithm.adv_estimator, algorithm.gamma, algorithm.lam, algorithm.norm_adv_by_std_in_grpo),
         kl_in_reward=kl_in_reward, critic_warmup=trainer.critic_warmup,
+        recompute_old_logprobs=config.recomputes_old_log_prob,
         rollout_correction=config.use_rollout_correction, sleep_rollouts=rollout.free_cache_engine,
         filter_groups=algorithm.filter_groups.enable, max_gen_rounds=algorithm.filter_groups.max_num_gen_batches,
         warm_start_steps=warm_start.steps, warm_start_batch_size=warm_start.batch_size,

@@ -8,6 +8,11 @@ Called from the trainer's worker thread, one call at a time, on every rank:
 ``compute_log_probs`` for the old-policy logprobs, ``update`` for one PPO
 update over a batch, ``train_supervised`` for the warm start, and
 ``named_weights`` when the weights are broadcast to the rollout engines.
+
+An update that is one optimizer step over the batch (one epoch, one
+mini-batch) may come without old logprobs: the weights have not moved before
+its one step, so each micro-batch's own logprobs, detached, are pi_old (the
+ratio is 1), and it reports their mismatch with the rollout's.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from services import algos
 from services.common.sequences import SequenceBatch
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
-from services.trainer.forward import batched_logprobs, response_logprobs
+from services.trainer.forward import batched_logprobs, gather_tokens, response_logprobs
 from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
 from services.trainer.optim import Optimizer, OptimSettings, mean_metrics, shuffled_mini_batches
 from services.trainer.ranks import Ranks
@@ -52,15 +57,21 @@ class ActorSettings:
     def micro(self) -> MicroBatching:
         return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding, self.logprob_chunk_tokens)
 
+    def one_optimizer_step(self, num_rows: int) -> bool:
+        """Whether the update of ``num_rows`` sequences is one optimizer step over all of them (one epoch, one
+        mini-batch): then it needs no old logprobs."""
+        return self.epochs == 1 and self.mini_batch_size >= num_rows
+
 
 @dataclass(frozen=True)
 class UpdateInputs:
     """Token-aligned tensors an actor update needs besides the sequences, flat [T]."""
 
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None  # None: one optimizer step, which takes its own logprobs, detached
     advantages: torch.Tensor
     ref_logprobs: torch.Tensor | None  # needed when use_kl_loss
-    rollout_logprobs: torch.Tensor | None = None  # the rollout engine's; needed when rollout_is is set
+    rollout_logprobs: torch.Tensor | None = None  # the rollout engine's; needed when rollout_is is set (and
+    # without old_logprobs, for the mismatch metrics)
 
 
 class Actor:
@@ -85,11 +96,15 @@ class Actor:
 
     def update(self, batch: SequenceBatch, inputs: UpdateInputs, settings: ActorSettings) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; verl-named metrics averaged over mini-batches, and the update's
-        model FLOPs utilization (``mfu``) where the GPU's peak is known."""
+        model FLOPs utilization (``mfu``) where the GPU's peak is known. Without old logprobs (one optimizer
+        step) and with the rollout's, the rollout/trainer mismatch metrics of the update's own logprobs
+        (``algos.mismatch_metrics``, as the coordinator computes them from old logprobs)."""
         if settings.use_kl_loss and inputs.ref_logprobs is None:
             raise ValueError("use_kl_loss needs ref_logprobs")
         if settings.rollout_is and inputs.rollout_logprobs is None:
             raise ValueError("rollout correction needs rollout_logprobs")
+        if inputs.old_logprobs is None and not settings.one_optimizer_step(len(batch)):
+            raise ValueError("an update of more than one optimizer step needs old_logprobs")
         self.model.train()
         started = time.perf_counter()
         with self.optimizer.resident():
@@ -109,25 +124,36 @@ class Actor:
         scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length)
         stats: dict[str, float] = {}
         plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, settings.micro)
+        own_logprobs = []  # without old logprobs: the real micro-batches', for the mismatch metrics
         for micro, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
             weight = self.ranks.grad_scale if real else 0.0
-            for key, value in self._micro_batch_loss(batch, micro, inputs, settings, scale, weight).items():
+            micro_stats, logprobs = self._micro_batch_loss(batch, micro, inputs, settings, scale, weight)
+            for key, value in micro_stats.items():
                 stats[key] = stats.get(key, 0.0) + (value if real else 0.0)
+            if real and inputs.old_logprobs is None:
+                own_logprobs.append(logprobs.cpu())
         stats = self.ranks.sum_metrics(stats)
+        if inputs.old_logprobs is None and inputs.rollout_logprobs is not None:
+            old_logprobs = gather_tokens(batch, plan, own_logprobs, self.ranks)  # this one step's rows: the batch
+            if old_logprobs is not None:  # rank 0
+                stats |= algos.mismatch_metrics(inputs.rollout_logprobs, old_logprobs, batch.response_lens)
         stats["actor/grad_norm"] = self.optimizer.step()
         return stats
 
     def _micro_batch_loss(self, batch, micro, inputs: UpdateInputs, settings: ActorSettings,
-                          scale: algos.LossScale, weight: float = 1.0) -> dict[str, float]:
+                          scale: algos.LossScale, weight: float = 1.0) -> tuple[dict[str, float], torch.Tensor]:
         """Backpropagate ``weight`` x one micro-batch's share of the mini-batch loss; return its share of the
-        metrics."""
+        metrics, and its logprobs, detached (pi_old where ``inputs`` has no old logprobs)."""
         part = batch.select(micro)
         tokens = batch.token_index(micro)
         device = self.ranks.device
         logprobs, entropy = response_logprobs(self.model, part, self.pad_id, settings.temperature, True, device,
                                               settings.remove_padding, settings.logprob_chunk_tokens)
         lengths = part.response_lens
-        old_logprobs = inputs.old_logprobs[tokens].to(device)
+        if inputs.old_logprobs is None:  # one optimizer step: the weights are still pi_old's
+            old_logprobs = logprobs.detach()
+        else:
+            old_logprobs = inputs.old_logprobs[tokens].to(device)
         tis = algos.rollout_is_weights(
             old_logprobs, inputs.rollout_logprobs[tokens].to(device), lengths, settings.rollout_is,
             settings.rollout_is_mode, settings.rollout_is_threshold) if settings.rollout_is else None
@@ -149,7 +175,7 @@ class Actor:
             loss = loss + settings.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = float(kl_loss.detach())
         (weight * loss).backward()
-        return stats
+        return stats, logprobs.detach()
 
     def train_supervised(self, batch: SequenceBatch, micro: MicroBatching) -> dict[str, float]:
         """One step of next-token NLL on the response tokens (the warm start), with its own optimizer."""

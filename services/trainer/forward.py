@@ -76,6 +76,15 @@ def per_token(compute: Callable[[SequenceBatch], torch.Tensor], batch: SequenceB
         values = compute(batch.select(part))
         if real:
             mine.append(values.cpu())
+    return gather_tokens(batch, plan, mine, ranks)
+
+
+def gather_tokens(batch: SequenceBatch, plan: list[list[torch.Tensor]], mine: list[torch.Tensor],
+                  ranks: Ranks) -> torch.Tensor | None:
+    """Per-token values of the rows of ``plan`` (``micro_batch_plan``) gathered from every rank, each of which
+    computed ``mine``: flat values of its real micro-batches, in its plan's order. Returns on rank 0 the values
+    of the whole batch, flat [T] in the batch's order, on CPU (0 for tokens of rows outside the plan); None on
+    the others."""
     local = torch.cat(mine) if mine else torch.zeros(0)
     orders = [torch.cat(batches) if batches else torch.zeros(0, dtype=torch.int64) for batches in plan]
     gathered = ranks.gather(local, [int(batch.response_lens[order].sum()) for order in orders])

@@ -158,21 +158,23 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
     async def UpdateActor(self, request_iterator, context):
-        step, _, batch = await read_batch(request_iterator, self.config.stream_limits(),
-                                          extra=("old_logprobs", "advantages"))
+        step, _, batch = await read_batch(request_iterator, self.config.stream_limits(), extra=("advantages",))
         roles = self._roles()
         actor = roles.need("actor")
         settings = actor_settings(roles.config, self.worker.ranks.device)
+        if "old_logprobs" in batch:
+            check_token_tensors(batch, ("old_logprobs",))
+        elif not settings.one_optimizer_step(len(batch["response_lens"])):
+            raise ValueError(f"batch is missing tensor 'old_logprobs': the update of {len(batch['response_lens'])} "
+                             f"sequences is more than one optimizer step (ppo_epochs {settings.epochs}, mini-batches "
+                             f"of {settings.mini_batch_size} sequences)")
         if settings.use_kl_loss:
             check_token_tensors(batch, ("ref_logprobs",))
         if settings.rollout_is or "rollout_logprobs" in batch:
             check_token_tensors(batch, ("rollout_logprobs",))
-        tensors = {**check_vocab(batch, actor.model), "old_logprobs": batch["old_logprobs"].float(),
-                   "advantages": batch["advantages"].float()}
-        if settings.use_kl_loss:
-            tensors["ref_logprobs"] = batch["ref_logprobs"].float()
-        if settings.rollout_is:
-            tensors["rollout_logprobs"] = batch["rollout_logprobs"].float()
+        tensors = {**check_vocab(batch, actor.model), "advantages": batch["advantages"].float()}
+        optional = ("old_logprobs", "rollout_logprobs") + (("ref_logprobs",) if settings.use_kl_loss else ())
+        tensors |= {key: batch[key].float() for key in optional if key in batch}
         updated = await self._run("update_actor", {}, tensors)
         log.info("actor_updated", run_id=roles.run_id, step=step, weight_version=updated.weight_version)
         return trainer_pb2.UpdateResponse(metrics=updated.metrics, weight_version=updated.weight_version)

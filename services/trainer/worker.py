@@ -202,7 +202,7 @@ class Worker:
 
     def update_actor(self, tensors) -> Updated:
         roles = self._roles()
-        inputs = UpdateInputs(tensors["old_logprobs"], tensors["advantages"], tensors.get("ref_logprobs"),
+        inputs = UpdateInputs(tensors.get("old_logprobs"), tensors["advantages"], tensors.get("ref_logprobs"),
                               tensors.get("rollout_logprobs"))
         settings = actor_settings(roles.config, self.ranks.device)
         metrics = roles.need("actor").update(sequences(tensors), inputs, settings)

@@ -123,6 +123,8 @@ def test_kl_in_reward_with_adaptive_controller_and_reinforce_plus_plus(cluster, 
     assert coefficients[1] == pytest.approx(0.05 * (1 - 0.064))
     assert coefficients[2] == pytest.approx(0.05 * (1 - 0.064) * (1 + 0.064))
     assert "timing_s/ref" in steps[0] and "critic/vf_loss" not in steps[0]
+    # two mini-batches a step (and the KL in the reward): the old logprobs come from a pass before the update
+    assert all("timing_s/old_log_prob" in step for step in steps)
 
 
 def test_every_device_generates_the_rollout_beside_the_trainer_asleep_while_it_works(tmp_path, tiny_model,
@@ -208,7 +210,10 @@ def test_a_weight_channel_that_cannot_form_ends_the_run_naming_the_cause(cluster
 
 
 def test_three_grpo_steps(cluster, tiny_model, reverse_data):
-    final, updates, services = asyncio.run(run_to_end(cluster.coordinator, run_config(tiny_model, reverse_data)))
+    """One mini-batch a step: the update takes its own logprobs as the old ones (no old-logprob pass) and the
+    trainer reports their mismatch with the rollout's."""
+    final, updates, services = asyncio.run(run_to_end(cluster.coordinator, run_config(
+        tiny_model, reverse_data, actor_rollout_ref__actor__ppo_mini_batch_size=8)))
     assert final.state == "finished", final.error
     assert final.step == 3
 
@@ -226,7 +231,14 @@ def test_three_grpo_steps(cluster, tiny_model, reverse_data):
     assert "perf/max_memory_allocated_gb" not in metrics and "perf/rollout/max_memory_allocated_gb" not in metrics
     assert [u.step for u in updates if u.kind == "step"] == [1, 2, 3]
     run_dir = Path(final.run_dir)
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 3
+    for step in steps:
+        assert "timing_s/old_log_prob" not in step
+        assert step["actor/pg_clipfrac"] == 0.0 and step["actor/ppo_kl"] == 0.0  # the ratio is 1
+        # the rollout's and the trainer's probabilities of the same tokens on the same weights
+        assert 0.0 <= step["training/rollout_probs_diff_mean"] <= step["training/rollout_probs_diff_max"] < 1e-4
+        assert "training/rollout_probs_diff_std" in step and "training/rollout_is_seq_ratio/mean" in step
     assert (run_dir / "reward.png").stat().st_size > 0
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["total_training_steps"] == 3
 

@@ -130,6 +130,10 @@ class TrainerServicer:
         sequence tensors plus old_logprobs [T] and advantages [T],
         ref_logprobs [T] when the run uses a KL loss, and rollout_logprobs [T]
         (the rollout engine's) when algorithm.rollout_correction is on.
+        Without old_logprobs the update must be one optimizer step over the
+        batch (one epoch, one mini-batch) and takes its own logprobs, detached,
+        as the old ones; with rollout_logprobs it then reports their mismatch
+        (training/rollout_probs_diff_*, ...) among its metrics.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -178,6 +178,24 @@ def test_batch_size_not_a_multiple_of_mini_batch_names_both_keys():
     assert "actor_rollout_ref.actor.ppo_mini_batch_size (32)" in message
 
 
+@pytest.mark.parametrize(("overrides", "why"), [
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+     r"ppo_mini_batch_size \(8\) is below data\.train_batch_size \(16\)"),
+    (["actor_rollout_ref.actor.ppo_epochs=2"], r"ppo_epochs is 2"),
+    (["algorithm.use_kl_in_reward=true"], r"algorithm\.use_kl_in_reward"),
+])
+def test_old_logprobs_are_skipped_only_where_the_update_is_one_optimizer_step(overrides, why):
+    base = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
+    one_step = load_config(RunConfig, None, base)
+    assert not one_step.recomputes_old_log_prob  # null: skipped where safe
+    assert load_config(RunConfig, None, [*base, "actor_rollout_ref.actor.recompute_old_log_prob=true"]
+                       ).recomputes_old_log_prob
+    assert load_config(RunConfig, None, [*base, *overrides]).recomputes_old_log_prob
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.recompute_old_log_prob=false, but the update "
+                                          rf"needs the old logprobs: .*{why}"):
+        load_config(RunConfig, None, [*base, *overrides, "actor_rollout_ref.actor.recompute_old_log_prob=false"])
+
+
 def test_grpo_with_one_response_per_prompt_names_the_key():
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.n >= 2"):
         load_config(RunConfig, None, ["actor_rollout_ref.rollout.n=1"])

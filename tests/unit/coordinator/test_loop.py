@@ -64,7 +64,7 @@ class FakeTrainer:
 
     async def update_actor(self, batch, old_logprobs, advantages, ref_logprobs, step, timeout, rollout_logprobs=None):
         self.version += 1
-        self.updates.append({"step": step, "batch": batch, "advantages": advantages,
+        self.updates.append({"step": step, "batch": batch, "advantages": advantages, "old_logprobs": old_logprobs,
                              "rollout_logprobs": rollout_logprobs})
         return {"actor/pg_loss": 0.25}, self.version
 
@@ -239,8 +239,11 @@ def test_a_grpo_step_trains_on_hand_worked_advantages_and_every_rollout_serves_t
     assert [u["step"] for u in mesh.trainer.updates] == [1, 2, 3]
     for update in mesh.trainer.updates:
         assert per_sequence(update["advantages"], update["batch"]) == pytest.approx(expected, abs=1e-5)
-        assert update["rollout_logprobs"] is None  # synchronous: no rollout correction
+        # one optimizer step over the batch: no old logprobs, the update takes its own; the rollout's go along
+        # for the mismatch metrics the trainer then reports
+        assert update["old_logprobs"] is None and torch.all(update["rollout_logprobs"] == -0.5)
     metrics = mesh.reporter.steps
+    assert not any("timing_s/old_log_prob" in metrics[s] for s in (1, 2, 3))
     assert [metrics[s]["training/weight_version"] for s in (1, 2, 3)] == [1.0, 2.0, 3.0]
     assert [metrics[s]["rollout/weight_version"] for s in (1, 2, 3)] == [0.0, 1.0, 2.0]
     assert all(metrics[s]["training/off_policy/staleness/max"] == 0.0 for s in (1, 2, 3))
@@ -273,6 +276,16 @@ def test_generating_one_step_ahead_trains_samples_one_version_old_with_rollout_c
     # with staleness, the rollout's own logprobs go with every update (rollout correction, enable: auto)
     assert all(u["rollout_logprobs"] is not None for u in mesh.trainer.updates)
     assert mesh.rollouts["rollout:1"].generated == 3 * 4 * N
+
+
+def test_an_update_of_two_mini_batches_gets_the_old_logprobs_of_a_pass_before_it(tmp_path):
+    mesh = Mesh(tmp_path, {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2}, "rollout": {"n": N}}})
+    assert mesh.run() is True
+    for update in mesh.trainer.updates:
+        assert torch.all(update["old_logprobs"] == -0.5) and update["rollout_logprobs"] is None
+    metrics = mesh.reporter.steps
+    assert all("timing_s/old_log_prob" in metrics[s] for s in (1, 2, 3))
+    assert all(metrics[s]["training/rollout_probs_diff_max"] == 0.0 for s in (1, 2, 3))  # both -0.5 a token
 
 
 def test_each_steps_samples_carry_their_text_score_versions_replicas_and_advantage(tmp_path):

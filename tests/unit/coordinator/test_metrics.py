@@ -10,9 +10,9 @@ import statistics
 import pytest
 import torch
 
-from services.coordinator.metrics import (PromptResults, best_of_k, data_metrics, majority_of_k, mismatch_metrics,
-                                          pass_at_k, rollout_balance, sample_counts, summary, validation_metrics,
-                                          worst_of_k)
+from services.algos import mismatch_metrics, summary
+from services.coordinator.metrics import (PromptResults, best_of_k, data_metrics, majority_of_k, pass_at_k,
+                                          rollout_balance, sample_counts, validation_metrics, worst_of_k)
 
 
 def test_rollout_balance_by_hand():

@@ -147,3 +147,34 @@ def test_the_warm_start_follows_its_own_schedule(model_path):
     assert logged[:2] == pytest.approx([5e-4, 1e-3])
     assert logged[2] > logged[3] > logged[4] > logged[5] > 1e-4
     assert actor.optimizer.lr == pytest.approx(1e-3 / 4)  # the RL update's warm-up has not begun
+
+
+# ---------------------------------------------------------------------------
+# one optimizer step without old logprobs (actor.recompute_old_log_prob)
+
+
+def test_one_step_on_its_own_logprobs_is_the_update_on_those_of_a_pass_before_it(model_path):
+    """The whole batch in one optimizer step (two micro-batches), with the KL loss and the rollout correction:
+    old logprobs from a no-grad pass, or none (each micro-batch's own, detached), give the same weights and loss
+    metrics, and the update without them reports the mismatch metrics the coordinator computes from the pass."""
+    one_step = replace(settings("token-mean", 4), rollout_is="token")
+    actor, batch, inputs = tiny_case(model_path)
+    rollout = inputs.old_logprobs.clone()  # tiny_case's random old logprobs stand for the rollout's
+    passed = actor.compute_log_probs(batch, one_step.temperature, one_step.micro)
+    with_pass = actor.update(batch, replace(inputs, old_logprobs=passed, rollout_logprobs=rollout), one_step)
+    own_actor, _, _ = tiny_case(model_path)
+    own = own_actor.update(batch, replace(inputs, old_logprobs=None, rollout_logprobs=rollout), one_step)
+    for expected, got in zip(actor.model.parameters(), own_actor.model.parameters()):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert own["actor/pg_clipfrac"] == 0.0 and own["actor/ppo_kl"] == 0.0
+    mismatch = algos.mismatch_metrics(rollout, passed, batch.response_lens)
+    assert set(mismatch) < set(own) and not set(mismatch) & set(with_pass)
+    assert {key: own[key] for key in with_pass} == pytest.approx(with_pass, rel=1e-9, abs=1e-12)
+    assert {key: own[key] for key in mismatch} == pytest.approx(mismatch, rel=1e-9, abs=1e-12)
+
+
+def test_more_than_one_optimizer_step_needs_old_logprobs(model_path):
+    actor, batch, inputs = tiny_case(model_path)
+    for split in ({"mini_batch_size": 3}, {"epochs": 2}):
+        with pytest.raises(ValueError, match="old_logprobs"):
+            actor.update(batch, replace(inputs, old_logprobs=None), replace(settings("token-mean", 4), **split))
