@@ -27,6 +27,7 @@ The runs (--runs, any of them, in this order):
 meshrl's runs start the services as a user does (LocalCluster: coordinator, trainer, rollout, reward on
 loopback) and take each step's stages from the run's metrics.jsonl (timing_s/*) and memory from its
 perf/ metrics; a step's time is from the end of the one before (the first: timing_s/step).
+Their one mini-batch a step skips the old-logprob pass (actor.recompute_old_log_prob null): no old_log_prob stage.
 
 A run needing more GPUs than nvidia-smi shows is skipped with a message. Each run's result goes to
 <out>/<run>.json (date, machine, every step), replacing an earlier one of the same run, so one folder
