@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from services import algos
 from services.common.models import load_causal_lm, load_value_model
 from services.coordinator.loop import make_batch
 from services.coordctl.tiny_model import build_tiny_model
@@ -51,6 +53,11 @@ def settings(mode: str, micro: int = 2, max_tokens: int | None = None, remove_pa
                          clip_ratio_c=3.0, loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                          kl_loss_type="low_var_kl", temperature=0.9, max_response_length=20, max_token_len=max_tokens,
                          remove_padding=remove_padding, logprob_chunk_tokens=CHUNK_TOKENS)
+
+
+def own_logprobs(inputs: UpdateInputs) -> UpdateInputs:
+    """An update without old logprobs, its random ones standing for the rollout's."""
+    return replace(inputs, old_logprobs=None, rollout_logprobs=inputs.old_logprobs)
 
 
 def case():
@@ -110,6 +117,9 @@ def two_rank_job(rank: int, port: int, model_path: Path, out: Path) -> None:
         if mode == MODES[0]:
             results["logprobs"] = sharded.compute_log_probs(batch, 0.9, LOG_PROB_PASS)
         results[mode] = (sharded.update(batch, inputs, settings(mode)), full_weights(sharded.model))
+    one_step = actor(model_path, ranks, Sharding(fsdp=True), checkpointing=True)
+    results["own"] = one_step.update(batch, own_logprobs(inputs),
+                                     replace(settings(MODES[0]), mini_batch_size=len(batch), epochs=1))
     results["critic"] = critic_case(model_path, ranks)
     roles = SimpleNamespace(actor=sharded, critic=None, run_id="run-a")
     checkpoint.save(roles, out / "checkpoint", 7, ranks, CHECKPOINT_KEY)
@@ -180,6 +190,14 @@ def test_logprobs_are_gathered_in_the_batch_order(two_ranks, model_path):
     assert rank1["logprobs"] is None
     assert rank0["logprobs"].shape == (batch.num_response_tokens,)
     torch.testing.assert_close(rank0["logprobs"], expected, rtol=0, atol=2e-6)
+
+
+def test_one_step_on_its_own_logprobs_gathers_them_in_the_batch_order_for_the_mismatch(two_ranks, model_path):
+    (rank0, _), _ = two_ranks
+    batch, inputs = case()
+    passed = actor(model_path).compute_log_probs(batch, 0.9, MicroBatching(len(batch)))
+    expected = algos.mismatch_metrics(inputs.old_logprobs, passed, batch.response_lens)
+    assert {key: rank0["own"][key] for key in expected} == pytest.approx(expected, rel=1e-5, abs=1e-7)
 
 
 def test_critic_on_two_ranks_equals_one(two_ranks, model_path):
