@@ -288,6 +288,16 @@ def test_an_update_of_two_mini_batches_gets_the_old_logprobs_of_a_pass_before_it
     assert all(metrics[s]["training/rollout_probs_diff_max"] == 0.0 for s in (1, 2, 3))  # both -0.5 a token
 
 
+def test_a_step_that_does_not_update_the_actor_still_computes_old_logprobs_for_the_mismatch(tmp_path):
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3, "critic_warmup": 1}})  # one mini-batch a step
+    assert mesh.run() is True
+    metrics = mesh.reporter.steps
+    assert "timing_s/old_log_prob" in metrics[1] and metrics[1]["training/rollout_probs_diff_max"] == 0.0
+    assert [u["step"] for u in mesh.trainer.updates] == [2, 3]
+    assert all(u["old_logprobs"] is None for u in mesh.trainer.updates)
+    assert not any("timing_s/old_log_prob" in metrics[s] for s in (2, 3))
+
+
 def test_each_steps_samples_carry_their_text_score_versions_replicas_and_advantage(tmp_path):
     mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3, "rollout_data_dir": "rollouts",
                                        "async_": {"max_staleness": 1}}}, rollouts=("rollout:1", "rollout:2"))
