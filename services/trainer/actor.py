@@ -148,7 +148,8 @@ class Actor:
         tokens = batch.token_index(micro)
         device = self.ranks.device
         logprobs, entropy = response_logprobs(self.model, part, self.pad_id, settings.temperature, True, device,
-                                              settings.remove_padding, settings.logprob_chunk_tokens)
+                                              settings.remove_padding, settings.logprob_chunk_tokens,
+                                              entropy_grad=settings.entropy_coeff != 0)  # else a metric only
         lengths = part.response_lens
         if inputs.old_logprobs is None:  # one optimizer step: the weights are still pi_old's
             old_logprobs = logprobs.detach()

@@ -55,10 +55,11 @@ def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 class ChunkedLogprobs(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) -> logprobs [N], entropies [N] (empty
-    unless asked for), in the logits' upcast dtype."""
+    unless asked for; without a gradient unless ``entropy_grad``), in the logits' upcast dtype."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int, with_entropy: bool,
+                entropy_grad: bool):
         dtype = algos.upcast(weight[:0]).dtype
         logprobs = torch.empty(len(hidden), dtype=dtype, device=hidden.device)
         entropy = torch.empty(len(hidden) if with_entropy else 0, dtype=dtype, device=hidden.device)
@@ -73,7 +74,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, entropy, logsumexp)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
-        ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
+        ctx.mark_non_differentiable(*(() if with_entropy and entropy_grad else (entropy,)))
         return logprobs, entropy
 
     @staticmethod
@@ -107,17 +108,19 @@ class ChunkedLogprobs(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0).to(dtype)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                     temperature: float, chunk_tokens: int,
-                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     temperature: float, chunk_tokens: int, with_entropy: bool,
+                     entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each target and (``with_entropy``) each position's entropy, from hidden states [N, H] through
-    the output layer ``weight`` [V, H] (+ ``bias`` [V]), at most ``chunk_tokens`` tokens' logits at once."""
+    the output layer ``weight`` [V, H] (+ ``bias`` [V]), at most ``chunk_tokens`` tokens' logits at once. Without
+    ``entropy_grad`` the entropies are values only: a loss that weighs them by 0 costs no backward passes."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
-    logprobs, entropy = ChunkedLogprobs.apply(hidden, weight, bias, targets, temperature, chunk_tokens, with_entropy)
+    logprobs, entropy = ChunkedLogprobs.apply(hidden, weight, bias, targets, temperature, chunk_tokens, with_entropy,
+                                              entropy_grad)
     return logprobs, entropy if with_entropy else None
 
 
@@ -131,7 +134,7 @@ def chunkable(model: torch.nn.Module) -> bool:
 
 @contextmanager
 def head_replaced(model: torch.nn.Module, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
-                  chunk_tokens: int, with_entropy: bool) -> Iterator[None]:
+                  chunk_tokens: int, with_entropy: bool, entropy_grad: bool = True) -> Iterator[None]:
     """For the forward passes inside the ``with``, the model's output is, instead of its logits, the logprobs of
     ``targets`` [T] (and the entropies) at the hidden states' ``positions`` ([rows, L] bool, row-major order):
     [T, 2] logprob and entropy (entropy 0 unless ``with_entropy``)."""
@@ -139,7 +142,7 @@ def head_replaced(model: torch.nn.Module, positions: torch.Tensor, targets: torc
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         logprobs, entropy = chunked_logprobs(hidden[positions], head.weight, head.bias, targets, temperature,
-                                             chunk_tokens, with_entropy)
+                                             chunk_tokens, with_entropy, entropy_grad)
         return torch.stack([logprobs, entropy if entropy is not None else torch.zeros_like(logprobs)], dim=-1)
 
     head.forward = forward

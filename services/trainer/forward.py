@@ -39,19 +39,21 @@ def run_model(model: torch.nn.Module, inputs: Padded) -> torch.Tensor:
 
 def response_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,
                       with_entropy: bool, device: torch.device, remove_padding: bool = False,
-                      chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs (fp32, from temperature-scaled logits) of the response tokens, flat [T], and their entropies;
-    ``chunk_tokens`` > 0: at most that many tokens' logits at once, where the model allows (``chunkable``)."""
+                      chunk_tokens: int = 0, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (fp32, from temperature-scaled logits) of the response tokens, flat [T], and their entropies
+    (without a gradient unless ``entropy_grad``); ``chunk_tokens`` > 0: at most that many tokens' logits at once,
+    where the model allows (``chunkable``)."""
     inputs = model_inputs(batch, pad_id, remove_padding, device)
     if chunk_tokens > 0 and chunkable(model):
         positions = torch.nn.functional.pad(inputs.response_mask, (0, 1))  # [rows, L]: the last predicts nothing
         targets = inputs.input_ids[:, 1:][inputs.response_mask]
-        with head_replaced(model, positions, targets, temperature, chunk_tokens, with_entropy):
+        with head_replaced(model, positions, targets, temperature, chunk_tokens, with_entropy, entropy_grad):
             scores = run_model(model, inputs)
         return scores[:, 0], scores[:, 1] if with_entropy else None
     logits = run_model(model, inputs)[:, :-1]
     logprobs = inputs.gather_response(algos.token_logprobs(logits, inputs.input_ids[:, 1:], temperature))
-    entropy = inputs.gather_response(algos.token_entropy(logits, temperature)) if with_entropy else None
+    entropy = inputs.gather_response(algos.token_entropy(logits if entropy_grad else logits.detach(), temperature)) \
+        if with_entropy else None
     return logprobs, entropy
 
 

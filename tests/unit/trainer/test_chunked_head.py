@@ -108,6 +108,33 @@ def test_a_model_gives_the_same_logprobs_entropies_and_gradients_chunked(tied, r
     assert "forward" not in vars(model.lm_head)  # the output layer is itself again
 
 
+def parameters_reached(loss: torch.Tensor, model: torch.nn.Module) -> int:
+    """How many of the model's parameters get a non-zero gradient from ``loss`` (the graph kept)."""
+    if not loss.requires_grad:
+        return 0
+    grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True, allow_unused=True)
+    return sum(1 for grad in grads if grad is not None and bool(grad.abs().max() > 0))
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 3])
+def test_entropies_without_a_gradient_have_the_same_values_and_leave_the_logprobs_gradients_alone(chunk_tokens):
+    """An actor with entropy_coeff 0 asks for entropies as a metric only: same values, no gradient from them, and
+    the parameters' gradients of the loss (logprobs + 0 x entropy, as the actor's loss then is) unchanged."""
+    model = tiny_lm(False)
+    got = {}
+    for entropy_grad in (True, False):
+        model.zero_grad()
+        logprobs, entropy = response_logprobs(model, batch(), 0, 0.8, True, CPU, False, chunk_tokens,
+                                              entropy_grad=entropy_grad)
+        reached = parameters_reached(entropy.sum(), model)
+        (weighted_loss(logprobs, None, torch.Generator().manual_seed(2)) - 0.0 * entropy.sum()).backward()
+        got[entropy_grad] = entropy.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}, reached
+    assert got[True][2] > 0 and got[False][2] == 0
+    torch.testing.assert_close(got[False][0], got[True][0], rtol=0, atol=0)
+    for name, grad in got[True][1].items():
+        torch.testing.assert_close(got[False][1][name], grad, rtol=0, atol=1e-12, msg=name)
+
+
 def test_soft_capped_logits_are_not_chunked():
     model = tiny_lm(True)
     model.config.final_logit_softcapping = 30.0
