@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -20,6 +21,18 @@ MAX_HEADER_BYTES = 100 << 20
 """The longest header the safetensors library itself reads."""
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
+def from_transformers(*names: str) -> tuple:
+    """``names`` from transformers, imported one thread at a time: transformers 5's lazily imported names are not
+    thread-safe the first time (two threads at once, as two runs started together check their model folders on a
+    coordinator, get ImportError: cannot import name 'AutoTokenizer')."""
+    with _TRANSFORMERS_IMPORT:
+        import transformers
+
+        return tuple(getattr(transformers, name) for name in names)
 
 
 def refuse_pickled_weights(path: str | Path, allow_pickle: bool, field: str) -> None:
@@ -43,7 +56,7 @@ def load_tokenizer(path: str | Path):
     gets Qwen2's own pre-tokenizer, which drops a character-level tokenizer's
     spaces).
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    AutoTokenizer, PreTrainedTokenizerFast = from_transformers("AutoTokenizer", "PreTrainedTokenizerFast")
 
     folder = Path(path)
     if not folder.is_dir():
@@ -58,7 +71,8 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool 
     """A causal LM from a local Hugging Face folder, in the given dtype, on CPU; from safetensors unless
     ``allow_pickle``; attention as ``attn_implementation`` names it (None: transformers' default)."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    (AutoModelForCausalLM,) = from_transformers("AutoModelForCausalLM")
 
     folder = Path(path)
     if not (folder / "config.json").exists():
@@ -77,7 +91,8 @@ def load_value_model(path: str | Path, dtype: str = "float32", allow_pickle: boo
     so values in training equal values in evaluation.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    AutoConfig, AutoModelForTokenClassification = from_transformers("AutoConfig", "AutoModelForTokenClassification")
 
     folder = Path(path)
     if not (folder / "config.json").exists():
@@ -154,7 +169,8 @@ def expected_weights(folder: Path, body_only: bool = False) -> tuple[dict[str, t
     (no memory, no weights read); ``body_only`` leaves out the output head (a value model gets a head of its own).
     Also the model's base prefix, which a folder may save its names without."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoConfig, AutoModelForCausalLM = from_transformers("AutoConfig", "AutoModelForCausalLM")
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))

@@ -1,9 +1,11 @@
-"""The cheap check of a model folder's safetensors weights (from the headers alone, naming the file and tensor), and
-the refusal of pickled weights unless the run allows them."""
+"""The cheap check of a model folder's safetensors weights (from the headers alone, naming the file and tensor), the
+refusal of pickled weights unless the run allows them, and loading from several threads at once."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,28 @@ def test_pickled_weights_are_refused_unless_allowed_and_safetensors_pass(tmp_pat
     refuse_pickled_weights(tmp_path, True, "actor_rollout_ref.model.path")
     (tmp_path / "model.safetensors").write_bytes(b"")
     refuse_pickled_weights(tmp_path, False, "actor_rollout_ref.model.path")
+
+
+LOAD_IN_EIGHT_THREADS = """
+import sys, threading
+from services.common.models import check_weights, load_tokenizer
+failures = []
+def load(i):
+    try:
+        (load_tokenizer if i % 2 else check_weights)(sys.argv[1])
+    except Exception as error:
+        failures.append(repr(error))
+threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
+[thread.start() for thread in threads]
+[thread.join() for thread in threads]
+print(failures)
+"""
+
+
+def test_a_fresh_process_checks_and_loads_from_eight_threads_at_once(tiny):
+    """As a coordinator that two runs start on together: its first imports of transformers' names come from several
+    threads at once (transformers imports them lazily, and refused some with ImportError when two threads did)."""
+    done = subprocess.run([sys.executable, "-c", LOAD_IN_EIGHT_THREADS, str(tiny)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
