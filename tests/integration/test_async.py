@@ -1,5 +1,7 @@
 """The asynchronous pipeline through the real services: the same GRPO run with trainer.async_.max_staleness
-K=1 and K=0 on one cluster, same seed, read back from the run DB."""
+K=1 and K=0 on one cluster, same seed, read back from the run DB. K=1 runs long enough to show learning; K=0,
+the synchronous loop it is compared with, only as long as the comparison needs (its first step, and the
+rollout's idle share, which stays within a few points from step to step)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tests.integration.test_faults import samples
 from tests.integration.test_learning import EXAMPLES, assert_learned, run_to_end
 
 STEPS = 40
+SYNC_STEPS = 10
 SAMPLES = 32 * 8  # the embedded default's batch: 32 prompts x 8 samples
 
 
@@ -30,8 +33,8 @@ def test_one_step_off_keeps_staleness_within_one_and_learns(tmp_path, monkeypatc
     runs = {}
     try:
         asyncio.run(cluster.start(timeout_s=120))
-        for k in (1, 0):
-            config, _ = resolve_config([str(EXAMPLES / "local_grpo.yaml"), f"trainer.total_training_steps={STEPS}",
+        for k, steps in ((1, STEPS), (0, SYNC_STEPS)):
+            config, _ = resolve_config([str(EXAMPLES / "local_grpo.yaml"), f"trainer.total_training_steps={steps}",
                                         f"trainer.async_.max_staleness={k}", "trainer.val_before_train=false",
                                         "trainer.test_freq=-1"], local=True)  # training alone is compared
             run, _ = asyncio.run(run_to_end(cluster.coordinator, to_yaml(config)))
@@ -41,8 +44,8 @@ def test_one_step_off_keeps_staleness_within_one_and_learns(tmp_path, monkeypatc
         cluster.stop()
 
     (ahead, ahead_dir), (sync, _) = runs[1], runs[0]
-    for rows in (ahead, sync):
-        assert sorted(rows) == list(range(1, STEPS + 1))  # every step once
+    for rows, steps in ((ahead, STEPS), (sync, SYNC_STEPS)):
+        assert sorted(rows) == list(range(1, steps + 1))  # every step once
         for step, metrics in rows.items():
             assert samples(metrics, "rollout") == SAMPLES and samples(metrics, "reward") == SAMPLES, step
             assert metrics["training/off_policy/dropped_samples"] == 0, step
@@ -62,7 +65,7 @@ def test_one_step_off_keeps_staleness_within_one_and_learns(tmp_path, monkeypatc
     assert all("rollout_corr/rollout_is_mean" in m for m in ahead.values())
     assert not any("rollout_corr/rollout_is_mean" in m for m in sync.values())
     assert all("training/rollout_probs_diff_max" in m and "timing_s/rollout_pause" in m for m in ahead.values())
-    idle = {k: sum(m["perf/rollout_idle_fraction"] for m in rows.values()) / STEPS for k, (rows, _) in runs.items()}
+    idle = {k: sum(m["perf/rollout_idle_fraction"] for m in rows.values()) / len(rows) for k, (rows, _) in runs.items()}
     assert idle[1] < idle[0], idle
     assert_learned([ahead[step]["critic/score/mean"] for step in range(1, STEPS + 1)])
     jsonl = [json.loads(line) for line in (Path(ahead_dir) / "metrics.jsonl").read_text().splitlines()]
