@@ -1,4 +1,5 @@
-"""Three GRPO steps through the four services as real processes, over gRPC.
+"""Three GRPO steps through the four services as real processes, over gRPC; runs with other algorithms and
+settings, and the trainer's UpdateActor with rollout correction called directly.
 
 One cluster serves the module's runs one after the other, as long-running services do (a failed run among
 them); the three-step run comes last, as it ends with the cluster's shutdown."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import sqlite3
@@ -125,6 +127,62 @@ def test_kl_in_reward_with_adaptive_controller_and_reinforce_plus_plus(cluster, 
     assert "timing_s/ref" in steps[0] and "critic/vf_loss" not in steps[0]
     # two mini-batches a step (and the KL in the reward): the old logprobs come from a pass before the update
     assert all("timing_s/old_log_prob" in step for step in steps)
+
+
+async def update_actor_calls(coordinator: str, config_yaml: str, rollout_logprobs_of) -> list:
+    """InitRun on the trainer, then one update_actor per rollout_logprobs_of(old_logprobs): metrics or the error."""
+    control = CoordinatorClient(coordinator)
+    try:
+        address = next(s.address for s in await control.list_services() if s.kind == "trainer")
+    finally:
+        await control.close()
+    trainer = TrainerClient(address)
+    try:
+        await trainer.init_run("rc", config_yaml, ["actor"], seed=0, timeout=120)
+        batch = make_batch([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14, 15]])
+        old = await trainer.compute_log_probs(batch, step=1, timeout=60)
+        advantages = torch.tensor([1.0, 1.0, -1.0, 0.5, 0.5, 0.5, -0.5, -0.5])
+        results = []
+        for make in rollout_logprobs_of:
+            try:
+                metrics, _ = await trainer.update_actor(batch, old, advantages, None, step=1, timeout=60,
+                                                        rollout_logprobs=make(old))
+                results.append(metrics)
+            except grpc.aio.AioRpcError as error:
+                results.append(error)
+        return results
+    finally:
+        await trainer.close()
+
+
+def test_update_actor_with_rollout_correction(cluster, tiny_model, reverse_data):
+    config = run_config(tiny_model, reverse_data, algorithm__rollout_correction={"enable": True})
+    missing, short, nan, tripled = asyncio.run(update_actor_calls(cluster.coordinator, config, [
+        lambda old: None,
+        lambda old: old[:-1],
+        lambda old: torch.full_like(old, math.nan),
+        lambda old: old - math.log(3.0),  # pi_old / pi_rollout = 3 on every token: truncated to 2
+    ]))
+    for error, words in ((missing, "rollout_logprobs"), (short, "one value per response token"), (nan, "NaN")):
+        assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in error.details()
+    assert tripled["rollout_corr/rollout_is_mean"] == pytest.approx(2.0, rel=1e-6)
+    assert tripled["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0
+
+
+def test_a_run_with_partial_rollout_restart_asks_every_sync_to_restart(cluster, tiny_model, reverse_data):
+    """The run config's choice reaches the rollouts through the coordinator; one step off, samples stay within
+    the staleness bound whether the calls in flight at a sync were restarted or not."""
+    config = run_config(tiny_model, reverse_data, trainer__async_={"max_staleness": 1},
+                        actor_rollout_ref__rollout__partial_rollout="restart")
+    earlier = len(logged(cluster, "rollout"))  # what the module's earlier runs had it log
+    final, _, _ = asyncio.run(run_to_end(cluster.coordinator, config))
+    assert final.state == "finished", final.error
+    synced = [e for e in logged(cluster, "rollout")[earlier:] if e["event"] == "weights_received"]
+    assert len(synced) >= 3 and all(e["in_flight"] == "restart" for e in synced)
+    steps = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(0 <= s["training/off_policy/staleness/max"] <= 1 for s in steps)
 
 
 def test_every_device_generates_the_rollout_beside_the_trainer_asleep_while_it_works(tmp_path, tiny_model,

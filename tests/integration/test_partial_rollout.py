@@ -11,9 +11,7 @@ engine over NCCL.)
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-from pathlib import Path
 
 import torch
 
@@ -26,7 +24,6 @@ from services.coordinator.clients import Generated, Received, RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_faults import LogTail
-from tests.integration.test_grpo_run import run_config, run_to_end
 
 PROMPTS = [[5, 6, 7, 16], [9, 12, 4], [17, 3], [6, 6, 6, 6, 6]]
 N = 2
@@ -173,17 +170,3 @@ def test_a_sync_restarts_finishes_or_keeps_the_generate_call_in_flight(tmp_path,
         assert kept.pause_s < 0.1
     finally:
         cluster.stop()
-
-
-def test_a_run_with_partial_rollout_restart_asks_every_sync_to_restart(cluster, tiny_model, reverse_data):
-    """The run config's choice reaches the rollouts through the coordinator; one step off, samples stay within
-    the staleness bound whether the calls in flight at a sync were restarted or not."""
-    config = run_config(tiny_model, reverse_data, trainer__async_={"max_staleness": 1},
-                        actor_rollout_ref__rollout__partial_rollout="restart")
-    final, _, _ = asyncio.run(run_to_end(cluster.coordinator, config))
-    assert final.state == "finished", final.error
-    synced = [e for e in LogTail(cluster, "rollout").read() if e["event"] == "weights_received"]
-    assert len(synced) >= 3 and all(e["in_flight"] == "restart" for e in synced)
-    steps = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2, 3]
-    assert all(0 <= s["training/off_policy/staleness/max"] <= 1 for s in steps)
