@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from bench.faults import SERVICES, random_schedule, run_with_faults, service_address, step_events
+from bench.faults import SERVICES, random_schedule, run_with_faults, service_address, serving, step_events
 from services.coordinator.clients import RolloutClient
 from services.coordinator.dispatch import split_by_speed
 from services.coordinator.settings import Sampling
@@ -42,11 +42,28 @@ def make_cluster(tmp_path):
         cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def replaced_services(tmp_path_factory):
+    """bench/faults.py's services (a trainer, two rollouts generating one sequence at a time, two rewards) for
+    the tests that kill some and start replacements, one after the other: each finds the ones serving when it
+    begins, as a user would after the previous failures."""
+    local = LocalCluster(tmp_path_factory.mktemp("replaced") / "state", SERVICES)
+    asyncio.run(local.start(timeout_s=120))
+    yield local
+    local.stop()
+
+
 class LogTail:
     """The JSON events a service logs, read as they come."""
 
     def __init__(self, cluster: LocalCluster, name: str):
         self.path, self.offset, self.events = cluster.log_dir / f"{name}.log", 0, []
+
+    def from_now(self) -> LogTail:
+        """Leave out what the service has logged so far (for a service that earlier runs used)."""
+        self.read()
+        self.events = []
+        return self
 
     def read(self) -> list[dict]:
         with self.path.open("rb") as log:
@@ -87,70 +104,6 @@ def check_nothing_lost(cluster: LocalCluster, final: RunStatus, steps: int,
     assert versions == list(range(int(versions[0]), int(versions[0]) + steps))  # each step trained once
     assert sorted(comparable(final.run_dir)) == list(range(1, steps + 1))  # metrics.jsonl: each step once
     return rows
-
-
-def test_rollout_killed_mid_step_its_share_is_redone_and_a_restarted_one_is_taken_in(
-        make_cluster, tiny_model, reverse_data):
-    steps, kill_at = 30, 3
-    # rollouts that generate one sequence at a time: the kill lands inside a share of the step, and the
-    # steps leave a restarted rollout the time to come up before the run ends
-    one_at_a_time = ServiceSpec("rollout", settings=("batch_size=1",))
-    cluster = make_cluster(ServiceSpec("trainer"), one_at_a_time, one_at_a_time, ServiceSpec("reward"),
-                           ServiceSpec("reward"))
-    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps,
-                        data__max_response_length=16)
-    kept, killed = service_address(cluster, "rollout-1"), service_address(cluster, "rollout-2")
-    messages = []
-
-    async def scenario():
-        client = CoordinatorClient(cluster.coordinator)
-        try:
-            started = await client.start_run(config)
-            await LogTail(cluster, "rollout-2").wait_for("generating", kill_at)  # it holds its share of step 3
-            victim = cluster.processes.pop("rollout-2")
-            victim.kill()
-            victim.wait()
-            cluster.add_service(ServiceSpec("rollout"), "rollout-again")
-            messages.extend([u.message async for u in client.watch(started.run_id)])
-            final = await client.get_run(started.run_id)
-        finally:
-            await client.close()
-        restarted = RolloutClient(service_address(cluster, "rollout-again"))
-        try:
-            return final, restarted.address, await restarted.info()
-        finally:
-            await restarted.close()
-
-    final, again, info = asyncio.run(scenario())
-    rows = check_nothing_lost(cluster, final, steps)
-    assert rows[kill_at][f"rollout/samples_by/{kept}"] == BATCH  # the killed rollout's share, redone
-    assert not any(f"rollout/samples_by/{killed}" in rows[step] for step in range(kill_at, steps + 1))
-    assert any(f"rollout {killed} left the run" in message for message in messages)
-
-    serving = [step for step in rows if f"rollout/samples_by/{again}" in rows[step]]
-    assert serving and serving == list(range(serving[0], steps + 1)), "taken in at a boundary, then every step"
-    assert any(f"taken in: {again}" in message for message in messages)
-    assert info.run_id == final.run_id and info.weight_version == rows[steps]["training/weight_version"]
-    check_shares_follow_speeds(rows, kept, again, serving)
-    # the restarted rollout received the run's weights before its first Generate
-    served = [e for e in LogTail(cluster, "rollout-again").read() if e["event"] in ("weights_received", "generating")]
-    assert served[0]["event"] == "weights_received" and served[0]["weight_version"] > 0
-    assert "generating" in [e["event"] for e in served]
-
-
-def check_shares_follow_speeds(rows: dict[int, dict[str, float]], slow: str, fast: str, both: list[int]) -> None:
-    """Over the steps ``both`` rollouts served: each step's prompts were split in proportion to the speeds
-    measured up to the step before, and the rollout that generates a whole batch at once (``fast``) ends
-    measured faster, with the larger share, than the one generating a sequence at a time (``slow``)."""
-    prompts = BATCH // 4  # rollout.n of run_config
-    for step in both[1:]:
-        before, now = rows[step - 1], rows[step]
-        speeds = [before[f"rollout/tokens_per_s/{slow}"], before[f"rollout/tokens_per_s/{fast}"]]
-        shares = [round(now[f"rollout/share/{a}"] * prompts) for a in (slow, fast)]
-        assert shares == split_by_speed(prompts, speeds), (step, shares, speeds)
-    last = rows[both[-1]]
-    assert last[f"rollout/tokens_per_s/{fast}"] > 2 * last[f"rollout/tokens_per_s/{slow}"], last
-    assert last[f"rollout/share/{fast}"] > last[f"rollout/share/{slow}"] > 0, last
 
 
 def test_rollout_stopped_during_a_weight_broadcast_is_named_and_the_run_goes_on_without_it(
@@ -256,7 +209,7 @@ def test_coordinator_killed_mid_run_reloads_it_and_finishes(cluster, straight, t
 
 
 def test_seeded_random_faults_on_the_coordinator_too_with_generation_ahead_lose_nothing(
-        make_cluster, tiny_model, reverse_data):
+        replaced_services, tiny_model, reverse_data):
     """bench/faults.py's schedule, one seed: kill -9 and SIGSTOP, the coordinator among the targets, generation a
     step ahead of training (max_staleness 1). Such runs stalled for good before: a ReceiveWeights cancelled at
     the wrong moment left a rollout's swap gate shut."""
@@ -265,7 +218,7 @@ def test_seeded_random_faults_on_the_coordinator_too_with_generation_ahead_lose_
     assert [(f.kind, f.how) for f in schedule] == [("rollout", "kill"), ("coordinator", "stop"),
                                                    ("coordinator", "kill")]
     assert schedule[1].stop_s > 5  # longer than the services' heartbeat window
-    cluster = make_cluster(*SERVICES)
+    cluster = replaced_services
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps, trainer__save_freq=2,
                         trainer__channel_timeout_s=10, trainer__async_={"max_staleness": 1})
     final, injected = asyncio.run(run_with_faults(cluster, config, schedule, rng))
@@ -279,10 +232,75 @@ def test_seeded_random_faults_on_the_coordinator_too_with_generation_ahead_lose_
     assert not any(message.startswith("a service failed") for message in messages)
 
 
+def test_rollout_killed_mid_step_its_share_is_redone_and_a_restarted_one_is_taken_in(
+        replaced_services, tiny_model, reverse_data):
+    steps, kill_at = 30, 3
+    # rollouts that generate one sequence at a time: the kill lands inside a share of the step, and the
+    # steps leave a restarted rollout the time to come up before the run ends
+    cluster = replaced_services
+    (_, kept), (killed_name, killed) = sorted(asyncio.run(serving(cluster, "rollout")).items())
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps,
+                        data__max_response_length=16)
+    messages = []
+
+    async def scenario():
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            started = await client.start_run(config)
+            # it holds its share of step 3
+            await LogTail(cluster, killed_name).from_now().wait_for("generating", kill_at)
+            victim = cluster.processes.pop(killed_name)
+            victim.kill()
+            victim.wait()
+            cluster.add_service(ServiceSpec("rollout"), "rollout-again")
+            messages.extend([u.message async for u in client.watch(started.run_id)])
+            final = await client.get_run(started.run_id)
+        finally:
+            await client.close()
+        restarted = RolloutClient(service_address(cluster, "rollout-again"))
+        try:
+            return final, restarted.address, await restarted.info()
+        finally:
+            await restarted.close()
+
+    final, again, info = asyncio.run(scenario())
+    rows = check_nothing_lost(cluster, final, steps)
+    assert rows[kill_at][f"rollout/samples_by/{kept}"] == BATCH  # the killed rollout's share, redone
+    assert not any(f"rollout/samples_by/{killed}" in rows[step] for step in range(kill_at, steps + 1))
+    assert any(f"rollout {killed} left the run" in message for message in messages)
+
+    taken_in = [step for step in rows if f"rollout/samples_by/{again}" in rows[step]]
+    assert taken_in and taken_in == list(range(taken_in[0], steps + 1)), "taken in at a boundary, then every step"
+    assert any(f"taken in: {again}" in message for message in messages)
+    assert info.run_id == final.run_id and info.weight_version == rows[steps]["training/weight_version"]
+    check_shares_follow_speeds(rows, kept, again, taken_in)
+    # the restarted rollout received the run's weights before its first Generate
+    served = [e for e in LogTail(cluster, "rollout-again").read() if e["event"] in ("weights_received", "generating")]
+    assert served[0]["event"] == "weights_received" and served[0]["weight_version"] > 0
+    assert "generating" in [e["event"] for e in served]
+
+
+def check_shares_follow_speeds(rows: dict[int, dict[str, float]], slow: str, fast: str, both: list[int]) -> None:
+    """Over the steps ``both`` rollouts served: each step's prompts were split in proportion to the speeds
+    measured up to the step before, and the rollout that generates a whole batch at once (``fast``) ends
+    measured faster, with the larger share, than the one generating a sequence at a time (``slow``)."""
+    prompts = BATCH // 4  # rollout.n of run_config
+    for step in both[1:]:
+        before, now = rows[step - 1], rows[step]
+        speeds = [before[f"rollout/tokens_per_s/{slow}"], before[f"rollout/tokens_per_s/{fast}"]]
+        shares = [round(now[f"rollout/share/{a}"] * prompts) for a in (slow, fast)]
+        assert shares == split_by_speed(prompts, speeds), (step, shares, speeds)
+    last = rows[both[-1]]
+    assert last[f"rollout/tokens_per_s/{fast}"] > 2 * last[f"rollout/tokens_per_s/{slow}"], last
+    assert last[f"rollout/share/{fast}"] > last[f"rollout/share/{slow}"] > 0, last
+
+
 def test_every_reward_replica_killed_the_run_waits_for_one_and_goes_on_where_it_was(
-        make_cluster, tiny_model, reverse_data):
+        replaced_services, tiny_model, reverse_data):
     steps, kill_after = 12, 3
-    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"), ServiceSpec("reward"))
+    cluster = replaced_services
+    rewards = sorted(asyncio.run(serving(cluster, "reward")))
+    assert len(rewards) == 2
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps)
     messages, states = [], []
 
@@ -293,13 +311,15 @@ def test_every_reward_replica_killed_the_run_waits_for_one_and_goes_on_where_it_
             async for update in client.watch(started.run_id):
                 messages.append(update.message)
                 if update.kind == "step" and update.step == kill_after:
-                    for name in ("reward-2", "reward-3"):
+                    for name in rewards:
                         victim = cluster.processes.pop(name)
                         victim.kill()
                         victim.wait()
                     break
-            await asyncio.sleep(3)  # long enough for the next batch to find no reward service
-            states.append((await client.get_run(started.run_id)).state)
+            deadline = time.monotonic() + 30  # until the next batch finds no reward service
+            while (state := (await client.get_run(started.run_id)).state) != "waiting" and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            states.append(state)
             cluster.add_service(ServiceSpec("reward"), "reward-again")
             messages.extend([u.message async for u in client.watch(started.run_id)])
             return await client.get_run(started.run_id)
