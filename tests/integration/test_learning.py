@@ -1,8 +1,9 @@
 """The local examples learn the synthetic task through the real services (a small step budget).
 
-One cluster serves both runs, one after the other, as long-running services do: PPO with GAE (its
-critic placed on a second trainer service, a KL loss against the reference on the first) and GRPO, which
-also writes W&B (offline), and whose TensorBoard and W&B files are read back with their own readers.
+One cluster serves both runs at once, as long-running services serve several runs placed on their own groups:
+PPO with GAE (its critic placed on a second trainer service, a KL loss against the reference on the first) and
+GRPO on a trainer and rollout of group grpo, which also writes W&B (offline), and whose TensorBoard and W&B files
+are read back with their own readers. Both score on the one reward service.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ STEPS = 40
 
 
 @pytest.fixture
-def cluster_with_two_trainers(tmp_path, monkeypatch):
+def cluster_for_both_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")  # the coordinator's W&B writes its run folder only
-    services = (ServiceSpec("trainer"), ServiceSpec("trainer", "critics"), ServiceSpec("rollout"), ServiceSpec("reward"))
+    services = (ServiceSpec("trainer"), ServiceSpec("trainer", "critics"), ServiceSpec("rollout"),
+                ServiceSpec("reward"), ServiceSpec("trainer", "grpo"), ServiceSpec("rollout", "grpo"))
     local = LocalCluster(tmp_path / "state", services)
     asyncio.run(local.start(timeout_s=120))
     yield local
@@ -81,18 +83,22 @@ def assert_learned(scores: list[float]) -> None:
     assert last > first + 0.1 and last > 0.75, f"reward did not rise clearly: {first:.3f} -> {last:.3f}"
 
 
-def test_ppo_with_gae_and_grpo_learn(cluster_with_two_trainers, tmp_path, monkeypatch):
+def test_ppo_with_gae_and_grpo_learn(cluster_for_both_runs, tmp_path, monkeypatch):
     monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
-    cluster = cluster_with_two_trainers
+    cluster = cluster_for_both_runs
     ppo, _ = resolve_config([str(EXAMPLES / "local_ppo.yaml"), f"trainer.total_training_steps={STEPS}",
                           "placement.critic=critics", "actor_rollout_ref.actor.use_kl_loss=true"], local=True)
     grpo, _ = resolve_config([str(EXAMPLES / "local_grpo.yaml"), f"trainer.total_training_steps={STEPS}",
-                              "trainer.logger=[console,tensorboard,wandb]"], local=True)
+                              "trainer.logger=[console,tensorboard,wandb]", "placement.actor=grpo",
+                              "placement.rollout=grpo"], local=True)
 
-    ppo_run, services = asyncio.run(run_to_end(cluster.coordinator, to_yaml(ppo)))
+    async def both():
+        return await asyncio.gather(run_to_end(cluster.coordinator, to_yaml(ppo)),
+                                    run_to_end(cluster.coordinator, to_yaml(grpo)))
+
+    (ppo_run, services), (grpo_run, _) = asyncio.run(both())
     assert ppo_run.state == "finished", ppo_run.error
     assert_learned(rewards(ppo_run.run_dir))
-    grpo_run, _ = asyncio.run(run_to_end(cluster.coordinator, to_yaml(grpo)))
     assert grpo_run.state == "finished", grpo_run.error
     assert_learned(rewards(grpo_run.run_dir))
     assert_loggers_hold(grpo_run.run_dir)
@@ -105,9 +111,13 @@ def test_ppo_with_gae_and_grpo_learn(cluster_with_two_trainers, tmp_path, monkey
             "critic/returns/mean", "critic/advantages/mean", "actor/kl_loss", "actor/pg_clipfrac_lower",
             "timing_s/values", "timing_s/ref", "timing_s/update_critic", "timing_s/old_log_prob"} <= names
     trainers = {s.group: s for s in services if s.kind == "trainer"}
-    assert set(trainers) == {"default", "critics"}
+    assert set(trainers) == {"default", "critics", "grpo"}
     critic_log = (cluster.log_dir / "trainer-1.log").read_text()  # the second trainer, group critics
     assert critic_log.count('"critic_updated"') == STEPS and '"actor_updated"' not in critic_log
+    for name, run in (("trainer-0", ppo_run), ("trainer-4", grpo_run)):  # each run's actor on its own group's
+        log = [json.loads(line) for line in (cluster.log_dir / f"{name}.log").read_text().splitlines()
+               if line.startswith("{")]
+        assert {e["run_id"] for e in log if e["event"] == "actor_updated"} == {run.run_id}, name
     (grpo_metrics,) = db.execute("SELECT metrics_json FROM steps WHERE run_id = ? AND step = ?",
                                  (grpo_run.run_id, STEPS)).fetchone()
     assert "critic/vf_loss" not in json.loads(grpo_metrics)
