@@ -67,9 +67,12 @@ def require_valid_security_settings() -> None:
         raise fail(f"error: {error}")
 
 
-def refused(error: grpc.aio.AioRpcError, coordinator: str) -> str:
-    """A failed call to the coordinator, in words, with what to do where there is something to do."""
+def refused(error: grpc.aio.AioRpcError, coordinator: str | None) -> str:
+    """A failed call to the coordinator at ``coordinator`` (None: the one this command started, --local), in
+    words, with what to do where there is something to do."""
     code = error.code()
+    if coordinator is None:
+        return f"the local coordinator refused: {code.name}: {error.details()}"
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return (f"no coordinator answers at {coordinator} ({code.name}): start one (python -m services.coordinator), "
                 "or point coordctl at it with --coordinator HOST:PORT or MESHRL_COORDINATOR")
@@ -119,7 +122,7 @@ def follow_run(begin, coordinator: str, services: tuple | None, state_dir: Path 
             return asyncio.run(run_local(begin, state_dir.resolve(), services))
         return asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
     except grpc.aio.AioRpcError as error:
-        raise fail(refused(error, coordinator), 1)
+        raise fail(refused(error, None if services is not None else coordinator), 1)
 
 
 def drive(begin, coordinator: str, services: tuple | None, state_dir: Path | None, detach: bool,

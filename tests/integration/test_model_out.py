@@ -90,10 +90,16 @@ def test_validate_export_evaluate_and_train_again(cluster, tiny_model, reverse_d
     done = coordctl("eval", str(exported), "--data", str(held_out), "--max-response-length", "6", "--out",
                     str(results), "data.max_prompt_length=16", "--coordinator", cluster.coordinator)
     assert done.returncode == 0, done.stderr
-    assert f"meshrl/reverse: acc/mean@1 " in done.stdout and "reward/mean@1" in done.stdout
+    assert "meshrl/reverse: acc/mean@1 " in done.stdout and "reward/mean@1" in done.stdout
     evaluated = [json.loads(line) for line in results.read_text().splitlines()]
     assert [(e["prompt"], e["response"]) for e in evaluated] == [(s["prompt"], s["response"]) for s in samples]
     assert sum(e["score"] for e in evaluated) / 16 == pytest.approx(validations[-1][CORE])
+    # with services of its own and the default lengths (1024 tokens, more than the model's positions): refused,
+    # naming why, by the coordinator it started (not one at the default address)
+    refused = coordctl("eval", str(exported), "--local", "--state-dir", str(tmp_path / "eval-state"), "--data",
+                       str(held_out))
+    assert refused.returncode == 1 and "the local coordinator refused: INVALID_ARGUMENT" in refused.stderr
+    assert "data.max_prompt_length + data.max_response_length" in refused.stderr and "7070" not in refused.stderr
 
     # a run starts from the exported folder
     again, _, _ = asyncio.run(run_to_end(cluster.coordinator, run_config(exported, reverse_data,
