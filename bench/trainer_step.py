@@ -6,7 +6,8 @@ samples of 64 prompt + 256 response tokens, 64 sequences a micro-batch):
 
 - old_log_prob: the logprob of every response token, without gradients, a micro-batch at a time;
 - update: per micro-batch a forward, the response tokens' logprobs, the clipped policy-gradient loss (token
-  mean over the batch) and a backward; then gradient clipping at 1.0 and one AdamW step.
+  mean over the batch) and a backward; then gradient clipping and one AdamW step, both sides with the settings
+  of meshrl's run config (clipping at 1.0, lr 1e-6).
 
 The sides:
 - reference: a plain loop written here. The transformers model (its default attention, sdpa; the rows
@@ -49,13 +50,14 @@ from typing import Callable
 import torch
 import yaml
 
-from bench.grpo_step import (LR, MICRO_BATCH, PROMPT_TOKENS, PROMPTS, RESPONSE_TOKENS, ROOT, SAMPLES, machine,
+from bench.grpo_step import (MICRO_BATCH, PROMPT_TOKENS, PROMPTS, RESPONSE_TOKENS, ROOT, SAMPLES, machine,
                              meshrl_config, prepare_assets)
+from services.common.run_config import ActorConfig
 from services.common.sequences import SequenceBatch
+from services.coordinator.runs import parse_run_config
 from services.coordctl.tiny_model import QWEN25_SHAPES
 from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
 
-CLIP_RATIO, GRAD_CLIP, WEIGHT_DECAY = 0.2, 1.0, 0.01  # meshrl's defaults, which grpo_step's run keeps
 TOP_OPS = 15
 REPORTED_PEAK = "perf/max_memory_allocated_gb"
 HOST_DEVICE = ("Synchronize", "Memcpy", "aten::nonzero")  # the profiled events counted: waits for the device, copies
@@ -111,10 +113,11 @@ def meshrl_overrides(shape: Shape, dtype: str) -> list[str]:
 
 
 class Reference:
-    """The plain loop. Both jobs take and give flat [T] CPU tensors, as meshrl's do."""
+    """The plain loop, with the lr, AdamW, clip range and gradient clipping of meshrl's ``actor`` config. Both
+    jobs take and give flat [T] CPU tensors, as meshrl's do."""
 
     def __init__(self, model_path: Path, dtype: torch.dtype, device: torch.device, shape: Shape,
-                 batch: SequenceBatch, checkpointing: bool = False):
+                 batch: SequenceBatch, actor: ActorConfig, checkpointing: bool = False):
         from transformers import AutoModelForCausalLM
 
         from services.trainer.sharding import enable_gradient_checkpointing
@@ -122,11 +125,11 @@ class Reference:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
         if checkpointing:
             enable_gradient_checkpointing(self.model)  # transformers' own, named as this version names it
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
-                                           fused=device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor.optim.lr, betas=actor.optim.betas,
+                                           weight_decay=actor.optim.weight_decay, fused=device.type == "cuda")
         self.rows = torch.cat([batch.prompt_ids.view(len(batch), -1), batch.response_ids.view(len(batch), -1)],
                               dim=1).to(device)  # [B, prompt + response]
-        self.shape = shape
+        self.shape, self.actor = shape, actor
 
     def logprobs(self, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logprobs of each row's response tokens. [rows, L] -> [rows, response]"""
@@ -146,9 +149,9 @@ class Reference:
         old_logprobs, advantages = (values.view(len(self.rows), -1).to(device) for values in (old_logprobs, advantages))
         for rows, old, advantage in zip(self.rows.split(micro), old_logprobs.split(micro), advantages.split(micro)):
             ratio = torch.exp(self.logprobs(rows) - old)
-            clipped = ratio.clamp(1 - CLIP_RATIO, 1 + CLIP_RATIO)
+            clipped = ratio.clamp(1 - self.actor.clip_ratio_low, 1 + self.actor.clip_ratio_high)
             (torch.maximum(-advantage * ratio, -advantage * clipped).sum() / old_logprobs.numel()).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.actor.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"actor/grad_norm": float(grad_norm)}
@@ -256,9 +259,11 @@ def measure(args) -> dict:
     model_path, data = prepare_assets(args.work / ("tiny" if args.tiny else "grpo-step"), shape.model)
     config = meshrl_config("colocated", model_path, data, args.warmup + args.repeats + 2,
                            meshrl_overrides(shape, dtype) + args.overrides)
+    actor = parse_run_config(yaml.safe_dump(config)).actor_rollout_ref.actor
     batch, advantages = random_batch(shape, json.loads((model_path / "config.json").read_text())["vocab_size"])
-    sides = {"reference": Reference(model_path, getattr(torch, dtype), device, shape, batch),
-             "reference+ckpt": Reference(model_path, getattr(torch, dtype), device, shape, batch, checkpointing=True),
+    sides = {"reference": Reference(model_path, getattr(torch, dtype), device, shape, batch, actor),
+             "reference+ckpt": Reference(model_path, getattr(torch, dtype), device, shape, batch, actor,
+                                         checkpointing=True),
              "meshrl": Meshrl(config, device, batch)}
     first = {name: side.old_log_prob() for name, side in sides.items()}
     old_logprobs = first["reference"]
