@@ -124,16 +124,17 @@ class Actor:
         scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length)
         stats: dict[str, float] = {}
         plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, settings.micro)
-        own_logprobs = []  # without old logprobs: the real micro-batches', for the mismatch metrics
+        mismatch = inputs.old_logprobs is None and inputs.rollout_logprobs is not None  # reported from this pass
+        own_logprobs = []  # then the real micro-batches' logprobs
         for micro, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
             weight = self.ranks.grad_scale if real else 0.0
             micro_stats, logprobs = self._micro_batch_loss(batch, micro, inputs, settings, scale, weight)
             for key, value in micro_stats.items():
                 stats[key] = stats.get(key, 0.0) + (value if real else 0.0)
-            if real and inputs.old_logprobs is None:
+            if real and mismatch:
                 own_logprobs.append(logprobs.cpu())
         stats = self.ranks.sum_metrics(stats)
-        if inputs.old_logprobs is None and inputs.rollout_logprobs is not None:
+        if mismatch:
             old_logprobs = gather_tokens(batch, plan, own_logprobs, self.ranks)  # this one step's rows: the batch
             if old_logprobs is not None:  # rank 0
                 stats |= algos.mismatch_metrics(inputs.rollout_logprobs, old_logprobs, batch.response_lens)
