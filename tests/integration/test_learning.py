@@ -19,6 +19,7 @@ from services.common.config import to_yaml
 from services.coordctl.resolve import resolve_config
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
+from tests.integration.test_grpo_run import logged
 from tests.logger_files import tensorboard_scalars, wandb_history
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -115,9 +116,7 @@ def test_ppo_with_gae_and_grpo_learn(cluster_for_both_runs, tmp_path, monkeypatc
     critic_log = (cluster.log_dir / "trainer-1.log").read_text()  # the second trainer, group critics
     assert critic_log.count('"critic_updated"') == STEPS and '"actor_updated"' not in critic_log
     for name, run in (("trainer-0", ppo_run), ("trainer-4", grpo_run)):  # each run's actor on its own group's
-        log = [json.loads(line) for line in (cluster.log_dir / f"{name}.log").read_text().splitlines()
-               if line.startswith("{")]
-        assert {e["run_id"] for e in log if e["event"] == "actor_updated"} == {run.run_id}, name
+        assert {e["run_id"] for e in logged(cluster, name) if e["event"] == "actor_updated"} == {run.run_id}, name
     (grpo_metrics,) = db.execute("SELECT metrics_json FROM steps WHERE run_id = ? AND step = ?",
                                  (grpo_run.run_id, STEPS)).fetchone()
     assert "critic/vf_loss" not in json.loads(grpo_metrics)
