@@ -474,7 +474,8 @@ def summary(prefix: str, values: torch.Tensor) -> dict[str, float]:
     if values.numel() == 0:
         return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
     values = values.float()
-    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()), f"{prefix}/min": float(values.min())}
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
+            f"{prefix}/min": float(values.min())}
 
 
 def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
