@@ -449,7 +449,7 @@ def constant_reward(completions: list, **_) -> list[float]:
 
 def trl_prompts(data: Path, tokenizer) -> list[str]:
     """The prompts as meshrl renders them (the same text, so the same 64 tokens)."""
-    from services.common.data import read_rows, render_prompt
+    from services.run.data import read_rows, render_prompt
 
     return [render_prompt(row["prompt"], tokenizer) for _, row in read_rows(data)]
 

@@ -50,9 +50,9 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
 
     from services import algos
     from services.common.config import validate
-    from services.common.models import load_causal_lm, load_tokenizer
-    from services.common.run_config import RunConfig
-    from services.common.data import load_prompts
+    from services.run.models import load_causal_lm, load_tokenizer
+    from services.run.config import RunConfig
+    from services.run.data import load_prompts
     from services.coordinator.sampler import PromptSampler
     from services.coordinator.loop import make_batch
     from services.reward.rules import score_sample

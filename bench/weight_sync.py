@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.models import load_causal_lm, load_tokenizer
+from services.run.models import load_causal_lm, load_tokenizer
 from services.common.nccl_channel import NcclChannel, new_unique_id
 from services.common.sequences import SequenceBatch, join_ragged
 from services.common.timing import StageTimer

@@ -27,8 +27,8 @@ import typer
 from services.common.about import meshrl_version
 from services.common.auth import cluster_tls, cluster_token, write_token
 from services.common.config import ConfigError, apply_overrides, to_yaml, validate
-from services.common.run_check import check_loggers_installed
-from services.common.run_config import RunConfig
+from services.run.checks import check_loggers_installed
+from services.run.config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient, RunStatus
 from services.coordctl.follow import begin_and_follow, print_eval, print_summary, read_metrics, run_local
@@ -396,7 +396,7 @@ def plot(
     """Draw metrics of a run over its steps, from its metrics.jsonl: one PNG per METRIC (a pattern draws every
     metric it matches on one)."""
     from services.coordctl.plotting import file_name, plotted, steps_of
-    from services.common.plot import plot_metrics
+    from services.run.plot import plot_metrics
 
     run_dir = find_run_dir(run, state_dir, coordinator)
     steps = steps_of(read_metrics(str(run_dir)))

@@ -22,7 +22,7 @@ import yaml
 
 from services.common.config import validate
 from services.common.manifest import MANIFEST, checkpoint_key, verify
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 
 
 def checkpoint_steps(folder: Path, role: str) -> dict[int, Path]:
@@ -90,7 +90,7 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "a
     ``out_dir``, in the run's actor_rollout_ref.model.dtype; returns the step and the folder."""
     import torch
 
-    from services.common.models import load_tokenizer
+    from services.run.models import load_tokenizer
 
     if role not in ("actor", "critic"):
         raise ValueError(f"role must be actor or critic, got {role!r}")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.auth import cluster_token, write_token
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.synthetic import arithmetic_task_rows, reverse_task_rows, write_jsonl

@@ -1,5 +1,5 @@
 """coordctl plot: which of a run's metrics to draw, from its metrics.jsonl, and the PNG each goes to (drawn by
-services/common/plot.py, as the coordinator's reward.png is)."""
+services/run/plot.py, as the coordinator's reward.png is)."""
 
 from __future__ import annotations
 

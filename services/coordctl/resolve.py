@@ -9,8 +9,8 @@ from pathlib import Path
 import yaml
 
 from services.common.config import ConfigError, apply_overrides, read_yaml, to_yaml, validate
-from services.common.run_check import RunData, load_run_data
-from services.common.run_config import RunConfig
+from services.run.checks import RunData, load_run_data
+from services.run.config import RunConfig
 from services.coordctl.config import LocalConfig
 
 

@@ -65,7 +65,7 @@ def build_random_model(folder: Path, shape: dict, dtype: str, seed: int) -> Path
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from services.common.models import load_tokenizer
+    from services.run.models import load_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(**{

@@ -23,7 +23,7 @@ import torch
 from services.common.errors import Unavailable
 from services.common.sequences import SequenceBatch, join_ragged
 from services.coordinator.clients import Generated, RewardSample, RolloutClient, ScoredSample
-from services.common.data import Prompt
+from services.run.data import Prompt
 from services.coordinator.dispatch import map_shards_recovering
 from services.coordinator.reward_set import RewardSet, Scored, ScoredBy
 from services.coordinator.rollout_set import RolloutSet

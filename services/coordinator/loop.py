@@ -54,7 +54,7 @@ from services.common.timing import StageTimer
 from services.coordinator import generation
 from services.coordinator.clients import CheckpointRefused, TrainerClient
 from services.coordinator.disk import DiskRefused, trainer_disk_fault
-from services.common.data import Prompt
+from services.run.data import Prompt
 from services.coordinator.sampler import PromptSampler, split_rows
 from services.coordinator.samples import step_records
 from services.coordinator.generation import Rollouts

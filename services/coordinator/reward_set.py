@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 
 from services.common.errors import FailedPrecondition, Unavailable
 from services.coordinator.clients import RewardClient, RewardSample, ScoredSample
-from services.common.data import Prompt
+from services.run.data import Prompt
 from services.coordinator.dispatch import ReplicaPool, map_shards_recovering
 from services.coordinator.waiting import Notices, wait_for
 

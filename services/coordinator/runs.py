@@ -23,14 +23,14 @@ from services.common.config import apply_overrides, parse_yaml, to_yaml, validat
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.paths import inside
 from services.common.rpc import is_retryable
-from services.common.run_check import RunData, check_loggers_installed, load_run_data
-from services.common.run_config import RunConfig
+from services.run.checks import RunData, check_loggers_installed, load_run_data
+from services.run.config import RunConfig
 from services.coordinator import telemetry
 from services.coordinator.clients import TrainerClient
 from services.coordinator.disk import RunWrites, append_line, disk_fault, metrics_lines, refused_by_state_dir
 from services.coordinator.loggers import Loggers, RunNames, open_loggers
 from services.coordinator.loop import PPOLoop, Trainers
-from services.common.plot import plot_reward
+from services.run.plot import plot_reward
 from services.coordinator.registry import Registry
 from services.coordinator.reward_set import RewardSet, RewardTarget, probe_samples
 from services.coordinator.rollout_set import RolloutSet

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 
 
 @dataclass(frozen=True)

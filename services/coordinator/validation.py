@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from services.coordinator import generation
-from services.common.data import Prompt
+from services.run.data import Prompt
 from services.coordinator.generation import Scoring
 from services.coordinator.metrics import PromptResults, validation_metrics
 from services.coordinator.reward_set import RewardSet

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.models import load_tokenizer
+from services.run.models import load_tokenizer
 
 
 class RewardModel:

@@ -22,7 +22,7 @@ import torch
 
 from services.common.channel import ChannelTable, gpu_uuid
 from services.common.memory import memory_metrics
-from services.common.models import load_causal_lm, load_tokenizer
+from services.run.models import load_causal_lm, load_tokenizer
 from services.common.weight_sync import StagedWeights
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.hf_engine import HFEngine

@@ -10,7 +10,7 @@ import torch
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.errors import FailedPrecondition, NotFound
 from services.common.limits import MAX_STOP_TOKENS, check_at_most, check_temperature, check_wait
-from services.common.models import refuse_pickled_weights
+from services.run.models import refuse_pickled_weights
 from services.common.sequences import join_ragged
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.rollout import telemetry

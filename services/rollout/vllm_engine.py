@@ -43,7 +43,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from services.common.errors import Unavailable
-from services.common.models import load_tokenizer
+from services.run.models import load_tokenizer
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.direct_load import STACKED
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed

@@ -29,9 +29,9 @@ from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
 from services.common.limits import StreamLimits, check_wait
 from services.common.manifest import checkpoint_key
-from services.common.models import check_weights, refuse_pickled_weights
+from services.run.models import check_weights, refuse_pickled_weights
 from services.common.paths import inside
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.trainer import checkpoint, telemetry
 from services.trainer.config import TrainerServiceConfig

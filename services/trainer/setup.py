@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from services.common.models import load_causal_lm, load_tokenizer, load_value_model
-from services.common.run_config import ActorConfig, FSDPConfig, OptimConfig, RunConfig
+from services.run.models import load_causal_lm, load_tokenizer, load_value_model
+from services.run.config import ActorConfig, FSDPConfig, OptimConfig, RunConfig
 from services.trainer.actor import Actor, ActorSettings
 from services.trainer.batching import MicroBatching
 from services.trainer.critic import Critic, CriticSettings

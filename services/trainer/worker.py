@@ -32,7 +32,7 @@ import torch
 
 from services.common.config import parse_yaml, validate
 from services.common.errors import FailedPrecondition
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.common.sequences import SequenceBatch
 from services.common.weight_sync import gather_weights, send_weights
 from services.common.wire import DTYPES

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from services.common.models import load_causal_lm
-from services.common.run_config import ModelConfig
+from services.run.models import load_causal_lm
+from services.run.config import ModelConfig
 from services.common.sequences import SequenceBatch
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.batching import MicroBatching

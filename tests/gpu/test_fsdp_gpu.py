@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from services.common.models import load_causal_lm
+from services.run.models import load_causal_lm
 from services.common.sequences import SequenceBatch
 from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs

@@ -17,7 +17,7 @@ import pytest
 
 from bench.faults import service_address
 from services.common.channel import open_channel
-from services.common.models import load_causal_lm
+from services.run.models import load_causal_lm
 from services.common.nccl_channel import new_unique_id
 from services.common.weight_sync import send_weights
 from services.coordinator.clients import RolloutClient

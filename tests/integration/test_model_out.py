@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.models import load_causal_lm, load_value_model
+from services.run.models import load_causal_lm, load_value_model
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
 from services.coordinator.clients import TrainerClient
 from services.coordinator.loop import make_batch

@@ -18,7 +18,7 @@ import torch
 from bench.faults import service_address
 from services.common.channel import open_channel
 from services.common.gloo_channel import prepare_gloo_rendezvous
-from services.common.models import load_causal_lm
+from services.run.models import load_causal_lm
 from services.common.weight_sync import send_weights
 from services.coordinator.clients import Generated, Received, RolloutClient
 from services.coordinator.settings import Sampling

@@ -12,7 +12,7 @@ import yaml
 from bench.grpo_step import (PROMPT_TOKENS, RUNS, StepRecorder, load_results, meshrl_config, meshrl_services,
                              meshrl_steps, prepare_assets, report, summary, trl_stages, unavailable)
 from services.common.config import load_config
-from services.common.run_check import load_run_data
+from services.run.checks import load_run_data
 from services.coordinator.runs import parse_run_config
 from services.coordinator.settings import check_within_rollout_limits, loop_settings
 from services.rollout.config import RolloutServiceConfig

@@ -1,4 +1,4 @@
-"""CPU tests of services/common/config.py (loading, overrides, errors) and services/common/run_config.py."""
+"""CPU tests of services/common/config.py (loading, overrides, errors) and services/run/config.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import yaml
 
 from services.common.config import (ConfigError, Section, ServeConfig, apply_overrides, load_config, parse_yaml,
                                    read_yaml, to_yaml, validate)
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.coordctl.resolve import resolve_config
 from services.coordctl.config import LocalConfig
 from services.coordinator.config import CoordinatorServiceConfig

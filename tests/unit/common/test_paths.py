@@ -6,7 +6,7 @@ import pytest
 
 from services.common.config import ConfigError, validate
 from services.common.paths import inside
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 
 
 def test_a_path_inside_the_root_resolves_and_one_outside_is_refused_naming_the_field(tmp_path):

@@ -105,7 +105,7 @@ def test_packed_by_hand():
 def test_packed_forward_equals_the_padded_one(tmp_path):
     """The packed row gives each sequence's outputs exactly as its padded row does (transformers' causal LM
     attends within each sequence when position ids restart; float64, so equal means equal math)."""
-    from services.common.models import load_causal_lm
+    from services.run.models import load_causal_lm
     from services.coordctl.tiny_model import build_tiny_model
 
     model = load_causal_lm(build_tiny_model(tmp_path / "tiny", 32, 2, 2, seed=0)).double().eval()

@@ -20,7 +20,7 @@ from services.coordctl.convert import (
     schema,
     write_parquet,
 )
-from services.common.data import load_prompts
+from services.run.data import load_prompts
 from services.coordctl.tiny_model import build_char_tokenizer
 
 GSM8K_ROWS = [

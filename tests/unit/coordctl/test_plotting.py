@@ -1,12 +1,12 @@
 """coordctl plot's choice of metrics (services/coordctl/plotting.py) and the PNG it draws
-(services/common/plot.py)."""
+(services/run/plot.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.coordctl.plotting import file_name, plotted, steps_of
-from services.common.plot import plot_metrics
+from services.run.plot import plot_metrics
 
 LINES = [{"step": 0, "time": 1.0, "val-core/r/acc/mean@1": 0.3},
          {"step": 1, "time": 2.0, "critic/score/mean": 0.5, "timing_s/gen": 0.2, "timing_s/step": 1.0},

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from services.common.config import ConfigError, validate
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.local import ServiceSpec
 from services.coordctl.resolve import local_services

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from services.common.config import validate
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.local import prepare_assets
 from services.coordctl.synthetic import held_out, reverse_task_rows

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.common import run_check
+from services.run import checks
 from services.common.config import ConfigError, validate
-from services.common.run_check import check_loggers_installed
-from services.common.run_config import RunConfig
+from services.run.checks import check_loggers_installed
+from services.run.config import RunConfig
 from services.coordinator.loggers import RunNames, mlflow_name, open_loggers
 from tests.logger_files import tensorboard_scalars
 
@@ -50,7 +50,7 @@ def test_mlflow_names_have_no_at_sign():
 
 
 def test_a_listed_logger_not_installed_is_refused_naming_the_key_and_the_install(monkeypatch):
-    monkeypatch.setitem(run_check.LOGGER_NEEDS, "wandb", (("no_such_module_here",), "'meshrl[wandb]'"))
+    monkeypatch.setitem(checks.LOGGER_NEEDS, "wandb", (("no_such_module_here",), "'meshrl[wandb]'"))
     with pytest.raises(ValueError) as refused:
         check_loggers_installed(["console", "tensorboard", "wandb"])
     assert str(refused.value) == ("trainer.logger: not installed where the coordinator runs: wandb (pip install "

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from services.common.config import validate
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.common.sequences import SequenceBatch, split_ragged
 from services.coordctl.tiny_model import build_char_tokenizer
 from services.coordinator.clients import Generated, Received, RewardSample, RolloutInfo, ScoredSample, SyncResult
-from services.common.data import Prompt
+from services.run.data import Prompt
 from services.coordinator import loop as loop_module
 from services.coordinator.loop import PPOLoop, Trainers
 from services.coordinator.reward_set import RewardSet, RewardTarget

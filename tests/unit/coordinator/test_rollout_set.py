@@ -10,7 +10,7 @@ import pytest
 
 from services.common.config import validate
 from services.common.errors import FROM_HANDLER, ORIGIN_KEY, Unavailable
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.coordinator.clients import Received, RolloutInfo, SyncResult
 from services.coordinator.rollout_set import ChannelNotFormed, ChannelPlan, RolloutSet, not_formed, plan_channels
 from services.coordinator.runs import recoverable

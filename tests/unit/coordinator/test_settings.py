@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.config import validate
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.coordinator.settings import check_within_rollout_limits
 
 LIMITS = {"max_n": 16, "max_new_tokens": 512, "max_tokens_per_call": 1 << 26}

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from services.common.models import load_causal_lm, load_tokenizer
+from services.run.models import load_causal_lm, load_tokenizer
 from services.coordctl.tiny_model import build_char_tokenizer, build_tiny_model, check_round_trip
 from services.rollout.hf_engine import HFEngine, sample_rows, top_p_filter
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services import algos
-from services.common.models import load_causal_lm
+from services.run.models import load_causal_lm
 from services.common.sequences import SequenceBatch
 from services.coordinator.loop import make_batch
 from services.coordctl.tiny_model import build_tiny_model

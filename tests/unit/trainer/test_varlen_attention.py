@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.models import load_causal_lm
-from services.common.run_config import ModelConfig
+from services.run.models import load_causal_lm
+from services.run.config import ModelConfig
 from services.coordctl.tiny_model import build_random_model
 from services.coordinator.loop import make_batch
 from services.trainer.forward import response_logprobs

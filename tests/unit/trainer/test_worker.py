@@ -9,7 +9,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.coordctl.tiny_model import build_tiny_model
 from services.trainer.ranks import Ranks
 from services.trainer.worker import Roles, Worker, unloaded_notice

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.common.models import check_weights, load_causal_lm, refuse_pickled_weights
+from services.run.models import check_weights, load_causal_lm, refuse_pickled_weights
 from services.coordctl.tiny_model import build_tiny_model
 
 
@@ -81,7 +81,7 @@ def test_pickled_weights_are_refused_unless_allowed_and_safetensors_pass(tmp_pat
 
 LOAD_IN_EIGHT_THREADS = """
 import sys, threading
-from services.common.models import check_weights, load_tokenizer
+from services.run.models import check_weights, load_tokenizer
 failures = []
 def load(i):
     try:

@@ -1,4 +1,4 @@
-"""CPU tests of services/common/data.py: loading verl-schema rows and sampling prompt batches."""
+"""CPU tests of services/run/data.py: loading verl-schema rows and sampling prompt batches."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from services.common.config import validate
-from services.common.data import Prompt, load_prompts
-from services.common.run_check import check_batch_sizes
-from services.common.run_config import RunConfig
+from services.run.data import Prompt, load_prompts
+from services.run.checks import check_batch_sizes
+from services.run.config import RunConfig
 from services.coordinator.sampler import PromptSampler, split_rows
 from services.coordctl.tiny_model import build_char_tokenizer
 

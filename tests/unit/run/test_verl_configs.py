@@ -12,7 +12,7 @@ import shlex
 import pytest
 
 from services.common.config import ConfigError, apply_overrides, load_config
-from services.common.run_config import RunConfig
+from services.run.config import RunConfig
 from services.coordinator.settings import loop_settings
 
 GRPO_SCRIPT = r"""

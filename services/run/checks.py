@@ -14,9 +14,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.data import Prompt, count_rows, load_prompts
-from services.common.models import load_tokenizer, refuse_pickled_weights
-from services.common.run_config import RunConfig
+from services.run.data import Prompt, count_rows, load_prompts
+from services.run.models import load_tokenizer, refuse_pickled_weights
+from services.run.config import RunConfig
 
 LOGGER_NEEDS = {  # experiment logger -> the modules it imports, and what installs them
     "tensorboard": (("tensorboard",), "tensorboard"),
