@@ -61,7 +61,8 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     from services.trainer.actor import UpdateInputs
     from services.trainer.batching import MicroBatching
     from services.trainer.ranks import Ranks
-    from services.trainer.setup import actor_settings, build_actor
+    from services.trainer.settings import actor_settings
+    from services.trainer.setup import build_actor
 
     torch.set_num_threads(1)
     config = validate(RunConfig, yaml.safe_load(config_path.read_text()))

@@ -36,7 +36,8 @@ from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.trainer import checkpoint, telemetry
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ranks import join
-from services.trainer.setup import actor_settings, actor_sharding, critic_sharding, pad_id_of
+from services.trainer.settings import actor_settings
+from services.trainer.setup import actor_sharding, critic_sharding, pad_id_of
 from services.trainer.worker import SEQUENCE_KEYS, Roles, Worker, check_roles
 
 log = structlog.get_logger()

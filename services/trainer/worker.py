@@ -41,8 +41,8 @@ from services.trainer.actor import Actor, UpdateInputs
 from services.trainer.critic import Critic
 from services.trainer.forward import batched_logprobs
 from services.trainer.ranks import Ranks, fatal
-from services.trainer.setup import (ROLES, actor_settings, build_actor, build_critic, build_reference, critic_settings,
-                                    log_prob_micro, pad_id_of, values_micro)
+from services.trainer.settings import actor_settings, critic_settings, log_prob_micro, values_micro
+from services.trainer.setup import ROLES, build_actor, build_critic, build_reference, pad_id_of
 from services.trainer.telemetry import release_cached_memory, step_memory_metrics
 
 log = structlog.get_logger()

@@ -13,7 +13,8 @@ from services.run.config import ModelConfig
 from services.coordctl.tiny_model import build_random_model
 from services.coordinator.loop import make_batch
 from services.trainer.forward import response_logprobs
-from services.trainer.setup import attention, packs
+from services.trainer.settings import packs
+from services.trainer.setup import attention
 
 CPU = torch.device("cpu")
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -1,0 +1,88 @@
+"""From a run config to the plain settings of the trainer's ops: micro-batching, and the actor's and critic's
+updates. Each value is named for what the code does with it."""
+
+from __future__ import annotations
+
+import torch
+
+from services.run.config import RunConfig
+from services.trainer.actor import ActorSettings
+from services.trainer.batching import MicroBatching
+from services.trainer.critic import CriticSettings
+
+
+def packs(use_remove_padding: bool | None, device: torch.device) -> bool:
+    """Whether a model's forward passes pack their sequences into one row (use_remove_padding): as configured, or,
+    where it is null, when the trainer computes on a GPU (whose varlen attention kernel then skips every pad)."""
+    return device.type == "cuda" if use_remove_padding is None else use_remove_padding
+
+
+def log_prob_micro(config: RunConfig, device: torch.device, role: str = "actor") -> MicroBatching:
+    """Micro-batches of the old (actor) or reference (ref) logprob passes on ``device``: verl's rollout.log_prob_*
+    keys, and for the reference its own ref.log_prob_* where set."""
+    actor_rollout_ref = config.actor_rollout_ref
+    actor, rollout, ref = actor_rollout_ref.actor, actor_rollout_ref.rollout, actor_rollout_ref.ref
+    size = rollout.log_prob_micro_batch_size_per_gpu
+    dynamic = rollout.log_prob_use_dynamic_bsz
+    budget = rollout.log_prob_max_token_len_per_gpu
+    if role == "ref":
+        size = ref.log_prob_micro_batch_size_per_gpu or size
+        dynamic = ref.log_prob_use_dynamic_bsz if ref.log_prob_use_dynamic_bsz is not None else dynamic
+        budget = ref.log_prob_max_token_len_per_gpu or budget
+    dynamic = actor.use_dynamic_bsz if dynamic is None else dynamic
+    return MicroBatching(size or actor.ppo_micro_batch_size_per_gpu,
+                         (budget or actor.ppo_max_token_len_per_gpu) if dynamic else None,
+                         packs(actor_rollout_ref.model.use_remove_padding, device),
+                         actor_rollout_ref.model.logprob_chunk_tokens)
+
+
+def values_micro(config: RunConfig, device: torch.device) -> MicroBatching:
+    """Micro-batches of the critic's value passes on ``device``."""
+    critic = config.critic
+    budget = critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
+    return MicroBatching(critic.ppo_micro_batch_size_per_gpu, budget if critic.use_dynamic_bsz else None,
+                         packs(critic.model.use_remove_padding, device))
+
+
+def actor_settings(config: RunConfig, device: torch.device) -> ActorSettings:
+    """The actor's update on ``device``. Mini-batches are configured in prompts (as in verl); the actor counts
+    sequences."""
+    actor = config.actor_rollout_ref.actor
+    n = config.actor_rollout_ref.rollout.n
+    correction = config.algorithm.rollout_correction
+    return ActorSettings(
+        mini_batch_size=actor.ppo_mini_batch_size * n,
+        micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+        epochs=actor.ppo_epochs,
+        clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+        temperature=config.actor_rollout_ref.rollout.temperature,
+        max_response_length=config.data.max_response_length,
+        rollout_is=correction.rollout_is if config.use_rollout_correction else None,
+        rollout_is_mode=correction.rollout_is_mode,
+        rollout_is_threshold=correction.rollout_is_threshold,
+        max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+        remove_padding=packs(config.actor_rollout_ref.model.use_remove_padding, device),
+        logprob_chunk_tokens=config.actor_rollout_ref.model.logprob_chunk_tokens,
+    )
+
+
+def critic_settings(config: RunConfig, device: torch.device) -> CriticSettings:
+    critic, actor = config.critic, config.actor_rollout_ref.actor
+    return CriticSettings(
+        mini_batch_size=(critic.ppo_mini_batch_size or actor.ppo_mini_batch_size) * config.actor_rollout_ref.rollout.n,
+        micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
+        epochs=critic.ppo_epochs or actor.ppo_epochs,
+        cliprange_value=critic.cliprange_value,
+        vf_coef=critic.vf_coef,
+        loss_agg_mode=critic.loss_agg_mode,
+        max_response_length=config.data.max_response_length,
+        max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+        remove_padding=packs(critic.model.use_remove_padding, device),
+    )
