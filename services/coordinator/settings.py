@@ -1,7 +1,7 @@
 """The coordinator's plain settings of a run, built once from its RunConfig.
 
 The loop, the rollout set and the reward set take these instead of reading the nested config, as the
-trainer's roles take ``trainer.settings.actor_settings``: each value is named for what the code does with it.
+trainer's ops take its ``trainer.settings.RunSettings``: each value is named for what the code does with it.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ import torch
 from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.channel import ChannelTable, gpu_uuid
 from services.common.gloo_channel import prepare_gloo_rendezvous, rendezvous_host
-from services.common.config import parse_yaml, validate
 from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
 from services.common.limits import StreamLimits, check_wait
@@ -36,9 +35,8 @@ from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.trainer import checkpoint, telemetry
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ranks import join
-from services.trainer.settings import actor_settings
 from services.trainer.setup import actor_sharding, critic_sharding, pad_id_of
-from services.trainer.worker import SEQUENCE_KEYS, Roles, Worker, check_roles
+from services.trainer.worker import SEQUENCE_KEYS, Roles, Worker, check_roles, parse_run_config
 
 log = structlog.get_logger()
 
@@ -131,11 +129,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self.worker.roles
 
     async def InitRun(self, request, context):
-        data = await asyncio.to_thread(parse_yaml, request.run_config_yaml, "run_config_yaml")  # off the loop
-        run_config = validate(RunConfig, data or {}, "run_config_yaml")
+        run_config = await asyncio.to_thread(parse_run_config, request.run_config_yaml)  # off the loop
         await asyncio.to_thread(check_init, run_config, list(request.roles), self.worker.ranks.world_size)
+        # the other ranks parse the YAML relayed; this rank takes the config parsed here
         await self._run("init_run", {"run_id": request.run_id, "run_config_yaml": request.run_config_yaml,
-                                     "roles": list(request.roles), "seed": request.seed}, {})
+                                     "roles": list(request.roles), "seed": request.seed}, {}, config=run_config)
         log.info("run_loaded", run_id=request.run_id, roles=list(request.roles),
                  model_path=run_config.actor_rollout_ref.model.path, ranks=self.worker.ranks.world_size)
         return self._info()
@@ -162,7 +160,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         step, _, batch = await read_batch(request_iterator, self.config.stream_limits(), extra=("advantages",))
         roles = self._roles()
         actor = roles.need("actor")
-        settings = actor_settings(roles.config, self.worker.ranks.device)
+        settings = roles.settings.actor
         if "old_logprobs" in batch:
             check_token_tensors(batch, ("old_logprobs",))
         elif not settings.one_optimizer_step(len(batch["response_lens"])):
@@ -271,7 +269,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         roles = self.worker.roles
         return common_pb2.ServiceInfo(
             identity=self.identity, weight_version=self.worker.weight_version, run_id=roles.run_id if roles else "",
-            details={"model_path": roles.config.actor_rollout_ref.model.path if roles else "",
+            details={"model_path": roles.settings.model_path if roles else "",
                      "device": self.config.device, "roles": ",".join(roles.hosted()) if roles else "",
                      "ranks": str(self.worker.ranks.world_size), "gpu": self._gpu},
         )

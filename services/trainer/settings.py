@@ -1,14 +1,46 @@
 """From a run config to the plain settings of the trainer's ops: micro-batching, and the actor's and critic's
-updates. Each value is named for what the code does with it."""
+updates. Each value is named for what the code does with it.
+
+Each rank builds a run's ``RunSettings`` once, when InitRun loads it; the ops read them, never the run config.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from services.common.wire import DTYPES
 from services.run.config import RunConfig
 from services.trainer.actor import ActorSettings
 from services.trainer.batching import MicroBatching
 from services.trainer.critic import CriticSettings
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the trainer's ops do for the run loaded, on this rank's device."""
+
+    model_path: str  # the actor's model folder (Info reports it)
+    temperature: float  # the rollout's sampling temperature, which the logprob passes divide the logits by
+    actor_log_probs: MicroBatching  # micro-batches of the actor's (old) logprob pass
+    ref_log_probs: MicroBatching  # micro-batches of the reference's logprob pass
+    values: MicroBatching  # micro-batches of the critic's value pass
+    actor: ActorSettings  # the actor's update; its micro-batches are also the warm start's
+    critic: CriticSettings  # the critic's update
+    weights_dtype: torch.dtype  # the rollout's: what the actor's weights are broadcast in
+    free_cache: bool  # give cached GPU memory back after each model op (colocated: rollout.free_cache_engine)
+
+
+def run_settings(config: RunConfig, device: torch.device) -> RunSettings:
+    """The run's settings on ``device``; built once per InitRun."""
+    model, rollout = config.actor_rollout_ref.model, config.actor_rollout_ref.rollout
+    return RunSettings(
+        model_path=model.path, temperature=rollout.temperature,
+        actor_log_probs=log_prob_micro(config, device, "actor"), ref_log_probs=log_prob_micro(config, device, "ref"),
+        values=values_micro(config, device), actor=actor_settings(config, device),
+        critic=critic_settings(config, device), weights_dtype=DTYPES[model.dtype], free_cache=rollout.free_cache_engine,
+    )
 
 
 def packs(use_remove_padding: bool | None, device: torch.device) -> bool:

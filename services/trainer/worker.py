@@ -11,6 +11,10 @@ On one rank nothing is relayed and a failed op raises to the caller. On
 several, a rank whose op fails ends its process (``ranks.fatal``): its peers
 may be waiting in a collective it will never join.
 
+InitRun's run config is parsed once on each rank: rank 0's servicer parses and checks it and hands it to
+``init_run`` here; the other ranks parse the YAML relayed with the command. ``init_run`` builds the run's
+settings (``settings.RunSettings``) from it once; the ops read those.
+
 The actor's weight version is kept here, on every rank alike: 0 when a run
 is loaded, one more after each op that changes the actor's weights
 (``update_actor``, ``train_supervised``), the saved one after
@@ -35,13 +39,12 @@ from services.common.errors import FailedPrecondition
 from services.run.config import RunConfig
 from services.common.sequences import SequenceBatch
 from services.common.weight_sync import gather_weights, send_weights
-from services.common.wire import DTYPES
 from services.trainer import checkpoint
 from services.trainer.actor import Actor, UpdateInputs
 from services.trainer.critic import Critic
 from services.trainer.forward import batched_logprobs
 from services.trainer.ranks import Ranks, fatal
-from services.trainer.settings import actor_settings, critic_settings, log_prob_micro, values_micro
+from services.trainer.settings import RunSettings, run_settings
 from services.trainer.setup import ROLES, build_actor, build_critic, build_reference, pad_id_of
 from services.trainer.telemetry import release_cached_memory, step_memory_metrics
 
@@ -58,7 +61,7 @@ class Roles:
     """What this trainer hosts for the current run."""
 
     run_id: str
-    config: RunConfig
+    settings: RunSettings
     actor: Actor | None
     critic: Critic | None
     reference: torch.nn.Module | None
@@ -103,14 +106,20 @@ def check_roles(roles: list[str]) -> None:
         raise ValueError(f"roles must be a non-empty subset of {list(ROLES)}, got {list(roles)}")
 
 
+def parse_run_config(run_config_yaml: str) -> RunConfig:
+    """InitRun's run config; ConfigError naming the field it refuses."""
+    return validate(RunConfig, parse_yaml(run_config_yaml, "run_config_yaml") or {}, "run_config_yaml")
+
+
 def build_roles(run_id: str, config: RunConfig, roles: list[str], seed: int, ranks: Ranks) -> Roles:
     check_roles(roles)
     return Roles(
-        run_id, config,
-        build_actor(config, seed, ranks) if "actor" in roles else None,
-        build_critic(config, seed, ranks) if "critic" in roles else None,
-        build_reference(config, ranks) if "ref" in roles else None,
-        pad_id_of(config.actor_rollout_ref.model.path),
+        run_id=run_id,
+        settings=run_settings(config, ranks.device),
+        actor=build_actor(config, seed, ranks) if "actor" in roles else None,
+        critic=build_critic(config, seed, ranks) if "critic" in roles else None,
+        reference=build_reference(config, ranks) if "ref" in roles else None,
+        pad_id=pad_id_of(config.actor_rollout_ref.model.path),
     )
 
 
@@ -152,7 +161,7 @@ class Worker:
         if op not in OPS:
             raise ValueError(f"unknown trainer command {op!r}")
         result = getattr(self, op)(tensors, **args, **local)
-        if op in MODEL_OPS and self.roles is not None and self.roles.config.actor_rollout_ref.rollout.free_cache_engine:
+        if op in MODEL_OPS and self.roles is not None and self.roles.settings.free_cache:
             release_cached_memory(self.ranks.device)
         return result
 
@@ -168,12 +177,14 @@ class Worker:
 
     # ------------------------------------------------------------ ops
 
-    def init_run(self, tensors, run_id: str, run_config_yaml: str, roles: list[str], seed: int) -> Roles:
-        """Build the run's roles (the servicer checked what can be checked without loading weights). On one CPU
-        rank they are built beside the run held now, which stays if they fail to load; on a GPU the run held now
-        goes first (the device holds one), and a failure leaves no run loaded, to be given one by another
+    def init_run(self, tensors, run_id: str, run_config_yaml: str, roles: list[str], seed: int,
+                 config: RunConfig | None = None) -> Roles:
+        """Build the run's roles and settings (the servicer checked what can be checked without loading weights).
+        ``config``: rank 0's, which its servicer parsed; the other ranks parse ``run_config_yaml``. On one CPU
+        rank the roles are built beside the run held now, which stays if they fail to load; on a GPU the run held
+        now goes first (the device holds one), and a failure leaves no run loaded, to be given one by another
         InitRun."""
-        config = validate(RunConfig, parse_yaml(run_config_yaml, "run_config_yaml") or {})
+        config = parse_run_config(run_config_yaml) if config is None else config
         held = self.roles
         beside = self.ranks.world_size == 1 and self.ranks.device.type == "cpu"
         if not beside:
@@ -192,33 +203,32 @@ class Worker:
     def compute_log_probs(self, tensors, role: str) -> torch.Tensor | None:
         roles = self._roles()
         model = roles.need("actor").model if role == "actor" else roles.need("ref")
-        temperature = roles.config.actor_rollout_ref.rollout.temperature
-        return batched_logprobs(model, sequences(tensors), roles.pad_id, temperature,
-                                log_prob_micro(roles.config, self.ranks.device, role), self.ranks)
+        settings = roles.settings
+        micro = settings.actor_log_probs if role == "actor" else settings.ref_log_probs
+        return batched_logprobs(model, sequences(tensors), pad_id=roles.pad_id, temperature=settings.temperature,
+                                micro=micro, ranks=self.ranks)
 
     def compute_values(self, tensors) -> torch.Tensor | None:
         roles = self._roles()
-        return roles.need("critic").compute_values(sequences(tensors), values_micro(roles.config, self.ranks.device))
+        return roles.need("critic").compute_values(sequences(tensors), roles.settings.values)
 
     def update_actor(self, tensors) -> Updated:
         roles = self._roles()
         inputs = UpdateInputs(tensors.get("old_logprobs"), tensors["advantages"], tensors.get("ref_logprobs"),
                               tensors.get("rollout_logprobs"))
-        settings = actor_settings(roles.config, self.ranks.device)
-        metrics = roles.need("actor").update(sequences(tensors), inputs, settings)
+        metrics = roles.need("actor").update(sequences(tensors), inputs, roles.settings.actor)
         self.weight_version += 1
         return Updated({**metrics, **step_memory_metrics(self.ranks.device)}, self.weight_version)
 
     def update_critic(self, tensors) -> dict[str, float]:
         roles = self._roles()
-        metrics = roles.need("critic").update(sequences(tensors), tensors["values"], tensors["returns"],
-                                              critic_settings(roles.config, self.ranks.device))
+        metrics = roles.need("critic").update(sequences(tensors), old_values=tensors["values"],
+                                              returns=tensors["returns"], settings=roles.settings.critic)
         return {**metrics, **step_memory_metrics(self.ranks.device, "perf/critic")}
 
     def train_supervised(self, tensors) -> Updated:
         roles = self._roles()
-        micro = actor_settings(roles.config, self.ranks.device).micro
-        metrics = roles.need("actor").train_supervised(sequences(tensors), micro)
+        metrics = roles.need("actor").train_supervised(sequences(tensors), roles.settings.actor.micro)
         self.weight_version += 1
         return Updated(metrics, self.weight_version)
 
@@ -230,8 +240,8 @@ class Worker:
         if self.ranks.rank != 0:
             gather_weights(named)
             return None
-        dtype = DTYPES[roles.config.actor_rollout_ref.model.dtype]
-        total, buckets = send_weights(channel, named, self.weight_version, bucket_bytes, dtype=dtype)
+        total, buckets = send_weights(channel, named, version=self.weight_version, bucket_bytes=bucket_bytes,
+                                      dtype=roles.settings.weights_dtype)
         return Sent(total, buckets, self.weight_version)
 
     def save_checkpoint(self, tensors, path: str, key: bytes = b"") -> Saved:

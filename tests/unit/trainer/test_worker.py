@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from services.run.config import RunConfig
 from services.coordctl.tiny_model import build_tiny_model
 from services.trainer.ranks import Ranks
+from services.trainer.settings import run_settings
 from services.trainer.worker import Roles, Worker, unloaded_notice
 
 
@@ -36,7 +37,8 @@ def test_on_one_cpu_rank_a_run_that_fails_to_load_leaves_the_run_held(tmp_path):
 
 
 def test_what_a_failed_init_run_says_it_left():
-    held = Roles("a", RunConfig(), None, None, None, 0)
+    held = Roles(run_id="a", settings=run_settings(RunConfig(), torch.device("cpu")), actor=None, critic=None,
+                 reference=None, pad_id=0)
     assert unloaded_notice(None, beside=True) == "no run is loaded"
     assert unloaded_notice(held, beside=True) == "run a is still loaded"
     assert unloaded_notice(held, beside=False) == ("run a was let go first to make room: no run is loaded now; "
