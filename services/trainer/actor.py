@@ -18,7 +18,8 @@ ratio is 1), and it reports their mismatch with the rollout's.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -62,6 +63,19 @@ class ActorSettings:
         mini-batch): then it needs no old logprobs."""
         return self.epochs == 1 and self.mini_batch_size >= num_rows
 
+    def check_inputs(self, num_rows: int, given: Collection[str]) -> None:
+        """Refuse an update of ``num_rows`` sequences whose token tensors ``given`` (by their names in
+        ``UpdateInputs``) lack what these settings need: old_logprobs past one optimizer step, ref_logprobs for the
+        KL loss, rollout_logprobs for the rollout correction."""
+        if "old_logprobs" not in given and not self.one_optimizer_step(num_rows):
+            raise ValueError(f"batch is missing tensor 'old_logprobs': the update of {num_rows} sequences is more "
+                             f"than one optimizer step (ppo_epochs {self.epochs}, mini-batches of "
+                             f"{self.mini_batch_size} sequences)")
+        if self.use_kl_loss and "ref_logprobs" not in given:
+            raise ValueError("batch is missing tensor 'ref_logprobs', which use_kl_loss needs")
+        if self.rollout_is and "rollout_logprobs" not in given:
+            raise ValueError("batch is missing tensor 'rollout_logprobs', which the rollout correction needs")
+
 
 @dataclass(frozen=True)
 class UpdateInputs:
@@ -72,6 +86,10 @@ class UpdateInputs:
     ref_logprobs: torch.Tensor | None  # needed when use_kl_loss
     rollout_logprobs: torch.Tensor | None = None  # the rollout engine's; needed when rollout_is is set (and
     # without old_logprobs, for the mismatch metrics)
+
+    def given(self) -> set[str]:
+        """The names of the tensors these inputs hold."""
+        return {field.name for field in fields(self) if getattr(self, field.name) is not None}
 
 
 class Actor:
@@ -98,13 +116,9 @@ class Actor:
         """PPO epochs over shuffled mini-batches; verl-named metrics averaged over mini-batches, and the update's
         model FLOPs utilization (``mfu``) where the GPU's peak is known. Without old logprobs (one optimizer
         step) and with the rollout's, the rollout/trainer mismatch metrics of the update's own logprobs
-        (``algos.mismatch_metrics``, as the coordinator computes them from old logprobs)."""
-        if settings.use_kl_loss and inputs.ref_logprobs is None:
-            raise ValueError("use_kl_loss needs ref_logprobs")
-        if settings.rollout_is and inputs.rollout_logprobs is None:
-            raise ValueError("rollout correction needs rollout_logprobs")
-        if inputs.old_logprobs is None and not settings.one_optimizer_step(len(batch)):
-            raise ValueError("an update of more than one optimizer step needs old_logprobs")
+        (``algos.mismatch_metrics``, as the coordinator computes them from old logprobs). ``inputs`` must hold
+        what ``settings`` need (``ActorSettings.check_inputs``, which the servicer applies to each request)."""
+        settings.check_inputs(len(batch), inputs.given())
         self.model.train()
         started = time.perf_counter()
         with self.optimizer.resident():

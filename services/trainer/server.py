@@ -33,6 +33,7 @@ from services.common.paths import inside
 from services.run.config import RunConfig
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
 from services.trainer import checkpoint, telemetry
+from services.trainer.actor import ActorSettings
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ranks import join
 from services.trainer.setup import actor_sharding, critic_sharding, pad_id_of
@@ -79,6 +80,19 @@ def check_vocab(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
             raise ValueError(f"{key} must lie in [0, {vocab_size})")
     return {key: batch[key] for key in SEQUENCE_KEYS}
+
+
+def actor_update_tensors(batch: dict[str, torch.Tensor], settings: ActorSettings,
+                         model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of an actor update, once they are known to be what ``settings`` need
+    (``ActorSettings.check_inputs``) and each is sound (ref_logprobs, needed for the KL loss only, is dropped
+    without it)."""
+    settings.check_inputs(len(batch["response_lens"]), batch.keys())
+    optional = ("old_logprobs", "rollout_logprobs") + (("ref_logprobs",) if settings.use_kl_loss else ())
+    given = tuple(key for key in optional if key in batch)
+    check_token_tensors(batch, given)
+    tensors = {**check_vocab(batch, model), "advantages": batch["advantages"].float()}
+    return tensors | {key: batch[key].float() for key in given}
 
 
 def check_init(config: RunConfig, roles: list[str], world_size: int) -> None:
@@ -159,21 +173,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def UpdateActor(self, request_iterator, context):
         step, _, batch = await read_batch(request_iterator, self.config.stream_limits(), extra=("advantages",))
         roles = self._roles()
-        actor = roles.need("actor")
-        settings = roles.settings.actor
-        if "old_logprobs" in batch:
-            check_token_tensors(batch, ("old_logprobs",))
-        elif not settings.one_optimizer_step(len(batch["response_lens"])):
-            raise ValueError(f"batch is missing tensor 'old_logprobs': the update of {len(batch['response_lens'])} "
-                             f"sequences is more than one optimizer step (ppo_epochs {settings.epochs}, mini-batches "
-                             f"of {settings.mini_batch_size} sequences)")
-        if settings.use_kl_loss:
-            check_token_tensors(batch, ("ref_logprobs",))
-        if settings.rollout_is or "rollout_logprobs" in batch:
-            check_token_tensors(batch, ("rollout_logprobs",))
-        tensors = {**check_vocab(batch, actor.model), "advantages": batch["advantages"].float()}
-        optional = ("old_logprobs", "rollout_logprobs") + (("ref_logprobs",) if settings.use_kl_loss else ())
-        tensors |= {key: batch[key].float() for key in optional if key in batch}
+        tensors = actor_update_tensors(batch, roles.settings.actor, roles.need("actor").model)
         updated = await self._run("update_actor", {}, tensors)
         log.info("actor_updated", run_id=roles.run_id, step=step, weight_version=updated.weight_version)
         return trainer_pb2.UpdateResponse(metrics=updated.metrics, weight_version=updated.weight_version)
