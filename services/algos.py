@@ -267,7 +267,7 @@ class PolicyLoss(NamedTuple):
 
 
 def policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, lengths: torch.Tensor,
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, lengths: torch.Tensor, *,
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, mode: str, scale: LossScale,
     is_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:

@@ -162,21 +162,24 @@ class Actor:
         part = batch.select(micro)
         tokens = batch.token_index(micro)
         device = self.ranks.device
-        logprobs, entropy = response_logprobs(self.model, part, self.pad_id, settings.temperature, True, device,
-                                              settings.remove_padding, settings.logprob_chunk_tokens,
-                                              entropy_grad=settings.entropy_coeff != 0)  # else a metric only
+        logprobs, entropy = response_logprobs(
+            self.model, part, pad_id=self.pad_id, temperature=settings.temperature, with_entropy=True, device=device,
+            remove_padding=settings.remove_padding, chunk_tokens=settings.logprob_chunk_tokens,
+            entropy_grad=settings.entropy_coeff != 0)  # else a metric only
         lengths = part.response_lens
         if inputs.old_logprobs is None:  # one optimizer step: the weights are still pi_old's
             old_logprobs = logprobs.detach()
         else:
             old_logprobs = inputs.old_logprobs[tokens].to(device)
         tis = algos.rollout_is_weights(
-            old_logprobs, inputs.rollout_logprobs[tokens].to(device), lengths, settings.rollout_is,
-            settings.rollout_is_mode, settings.rollout_is_threshold) if settings.rollout_is else None
+            old_logprobs=old_logprobs, rollout_logprobs=inputs.rollout_logprobs[tokens].to(device), lengths=lengths,
+            level=settings.rollout_is, mode=settings.rollout_is_mode, threshold=settings.rollout_is_threshold,
+        ) if settings.rollout_is else None
         pg = algos.policy_loss(
-            logprobs, old_logprobs, inputs.advantages[tokens].to(device), lengths, settings.clip_ratio_low,
-            settings.clip_ratio_high, settings.clip_ratio_c, settings.loss_agg_mode, scale,
-            None if tis is None else tis.weights)
+            logprobs=logprobs, old_logprobs=old_logprobs, advantages=inputs.advantages[tokens].to(device),
+            lengths=lengths, clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
+            clip_ratio_c=settings.clip_ratio_c, mode=settings.loss_agg_mode, scale=scale,
+            is_weights=None if tis is None else tis.weights)
         entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale)
         loss = pg.loss - settings.entropy_coeff * entropy_loss
         stats = {"actor/pg_loss": float(pg.loss.detach()), "actor/pg_clipfrac": float(pg.clipfrac),

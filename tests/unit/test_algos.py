@@ -690,13 +690,15 @@ def test_policy_loss_by_hand(mode):
     new, old, adv, lengths = _policy_hand_case()
     scale = algos.LossScale.of(lengths, 6)
     with_c, without_c = HAND_EXPECTED[mode]
-    out = algos.policy_loss(new, old, adv, lengths, LOW, HIGH, C, mode, scale)
+    out = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+                            mode=mode, scale=scale)
     assert isinstance(out, algos.PolicyLoss)
     assert out.loss.item() == pytest.approx(with_c, abs=1e-12)
     assert out.clipfrac.item() == pytest.approx(3 / 8, abs=1e-7)
     assert out.clipfrac_lower.item() == pytest.approx(1 / 8, abs=1e-7)
     assert out.approx_kl.item() == pytest.approx(-math.log(12.065625) / 8, abs=1e-12)
-    off = algos.policy_loss(new, old, adv, lengths, LOW, HIGH, None, mode, scale)
+    off = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=None,
+                            mode=mode, scale=scale)
     assert off.loss.item() == pytest.approx(without_c, abs=1e-12)
     assert off.clipfrac.item() == pytest.approx(3 / 8, abs=1e-7)
     assert off.clipfrac_lower.item() == 0.0
@@ -709,8 +711,10 @@ def test_policy_loss_clip_higher_differs_on_one_token():
     new, old, adv = new[6:7], old[6:7], adv[6:7]
     lengths = torch.tensor([1])
     scale = algos.LossScale.of(lengths, 1)
-    wide = algos.policy_loss(new, old, adv, lengths, 0.2, 0.28, C, "token-mean", scale)
-    narrow = algos.policy_loss(new, old, adv, lengths, 0.2, 0.2, C, "token-mean", scale)
+    wide = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=C,
+                             mode="token-mean", scale=scale)
+    narrow = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=C,
+                               mode="token-mean", scale=scale)
     assert wide.loss.item() == pytest.approx(-1.25) and wide.clipfrac.item() == 0.0
     assert narrow.loss.item() == pytest.approx(-1.2) and narrow.clipfrac.item() == 1.0
 
@@ -718,7 +722,8 @@ def test_policy_loss_clip_higher_differs_on_one_token():
 def test_policy_loss_gradient_by_hand():
     new, old, adv, lengths = _policy_hand_case()
     new = new.clone().requires_grad_(True)
-    out = algos.policy_loss(new, old, adv, lengths, LOW, HIGH, C, "token-mean", algos.LossScale.of(lengths, 6))
+    out = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+                            mode="token-mean", scale=algos.LossScale.of(lengths, 6))
     out.loss.backward()
     # d/d logp of -A * r / 8 is -A * r / 8 where the unclipped term is active; 0 where the clamp is
     # (tokens 2, 3, 8) or the dual-clip bound (token 6) is.
@@ -749,8 +754,9 @@ def test_policy_loss_random_against_padded_reference(mode, low, high, c):
         mask = _padded(new, lengths, width)[1]
         loss, clipfrac, lower, kl, grad = _ref_policy(*pads, mask, low, high, c, mode)
         logp = _t(new).requires_grad_(True)
-        out = algos.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), low, high, c, mode,
-                                algos.LossScale.of(torch.tensor(lengths), width))
+        out = algos.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), clip_ratio_low=low,
+                                clip_ratio_high=high, clip_ratio_c=c, mode=mode,
+                                scale=algos.LossScale.of(torch.tensor(lengths), width))
         out.loss.backward()
         assert out.loss.item() == pytest.approx(loss, abs=1e-10)
         assert out.clipfrac.item() == pytest.approx(clipfrac, abs=1e-6)  # statistics are fp32
@@ -890,8 +896,8 @@ def test_policy_loss_with_is_weights_by_hand():
     new, old, adv, lengths = _policy_hand_case()
     new = new.clone().requires_grad_(True)
     weights = _t([2.0, 1.0, 0.5, 0.0, 1.0, 1.0, 1.0, 1.0])
-    out = algos.policy_loss(new, old, adv, lengths, LOW, HIGH, C, "token-mean", algos.LossScale.of(lengths, 6),
-                            is_weights=weights)
+    out = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+                            mode="token-mean", scale=algos.LossScale.of(lengths, 6), is_weights=weights)
     assert out.loss.item() == pytest.approx(-1.53 / 8, abs=1e-12)
     assert out.clipfrac.item() == pytest.approx(3 / 8, abs=1e-7)  # the statistics do not see the weights
     out.loss.backward()
@@ -905,7 +911,8 @@ def test_policy_loss_with_unit_is_weights_equals_without(mode):
     grads = []
     for weights in (None, torch.ones(8, dtype=F64)):
         logp = new.clone().requires_grad_(True)
-        out = algos.policy_loss(logp, old, adv, lengths, LOW, HIGH, C, mode, scale, is_weights=weights)
+        out = algos.policy_loss(logp, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+                                mode=mode, scale=scale, is_weights=weights)
         out.loss.backward()
         grads.append((out.loss.item(), logp.grad))
     assert grads[0][0] == grads[1][0]
@@ -915,7 +922,8 @@ def test_policy_loss_with_unit_is_weights_equals_without(mode):
 def test_policy_loss_all_masked_is_zero_with_zero_gradient():
     new, old, adv, lengths = _policy_hand_case()
     new = new.clone().requires_grad_(True)
-    out = algos.policy_loss(new, old, adv, lengths, LOW, HIGH, C, "token-mean", algos.LossScale.of(lengths, 6),
+    out = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+                            mode="token-mean", scale=algos.LossScale.of(lengths, 6),
                             is_weights=torch.zeros(8, dtype=F64))
     out.loss.backward()
     assert out.loss.item() == 0.0 and not new.grad.any()
@@ -937,8 +945,9 @@ def test_policy_loss_with_is_weights_random_against_padded_reference(mode):
     losses = np.where(pads[2] < 0, np.minimum(-pads[2] * C, losses), losses)
     _, _, _, _, grad = _ref_policy(*pads, mask, LOW, HIGH, C, mode)
     logp = _t(new).requires_grad_(True)
-    out = algos.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), LOW, HIGH, C, mode,
-                            algos.LossScale.of(torch.tensor(lengths), width), is_weights=_t(weights))
+    out = algos.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), clip_ratio_low=LOW,
+                            clip_ratio_high=HIGH, clip_ratio_c=C, mode=mode,
+                            scale=algos.LossScale.of(torch.tensor(lengths), width), is_weights=_t(weights))
     out.loss.backward()
     assert out.loss.item() == pytest.approx(_ref_agg(losses * w, mask, mode), abs=1e-10)
     _close(logp.grad, _flat(grad * w, lengths), atol=1e-10)
@@ -1036,13 +1045,15 @@ def test_policy_loss_micro_batches_sum_to_full_batch_loss_and_gradient(mode):
     scale = algos.LossScale.of(lens, width)
 
     full_lp = _t(new).requires_grad_(True)
-    full = algos.policy_loss(full_lp, _t(old), _t(adv), lens, LOW, HIGH, C, mode, scale)
+    full = algos.policy_loss(full_lp, _t(old), _t(adv), lens, clip_ratio_low=LOW, clip_ratio_high=HIGH,
+                             clip_ratio_c=C, mode=mode, scale=scale)
     full.loss.backward()
     assert full.clipfrac.item() > 0 and full.clipfrac_lower.item() > 0  # the case does exercise both clips
 
     for bounds in MICRO_SPLITS:
         micro_lp = _t(new).requires_grad_(True)
-        parts = [algos.policy_loss(micro_lp[tok], _t(old)[tok], _t(adv)[tok], lens[seq], LOW, HIGH, C, mode, scale)
+        parts = [algos.policy_loss(micro_lp[tok], _t(old)[tok], _t(adv)[tok], lens[seq], clip_ratio_low=LOW,
+                                   clip_ratio_high=HIGH, clip_ratio_c=C, mode=mode, scale=scale)
                  for tok, seq in _micro_slices(lengths, bounds)]
         total = sum(p.loss for p in parts)
         total.backward()
