@@ -2,9 +2,9 @@
 
 A value that means nothing (NaN, infinite, negative, a temperature too small to divide by) is refused with
 ValueError (INVALID_ARGUMENT); a request over a limit a setting could raise is refused with ResourceExhausted
-(RESOURCE_EXHAUSTED), naming the field, the limit and the setting. README's "Limits" table lists them all.
-A streamed request is counted as it arrives (``wire.read_stream``): of a stream over its limit no more than
-the limit's worth of bytes is ever held.
+(RESOURCE_EXHAUSTED), naming the field, the limit and the setting. The table of
+docs/operations/request-limits.md lists them all. A streamed request is counted as it arrives
+(``wire.read_stream``): of a stream over its limit no more than the limit's worth of bytes is ever held.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from tests.integration.test_grpo_run import run_config
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"no hosts to run on: {unavailable()}")
 
-HOSTS = ("node1", "node2", "node3", "node4")  # as README "Running on a cluster" names them
+HOSTS = ("node1", "node2", "node3", "node4")  # as docs/operations/by-hand.md names them
 PLACEMENT = {"coordinator": "node1", "reward": "node1", "trainer": "node2", "rollout-1": "node3", "rollout-2": "node4"}
-README = Path(__file__).resolve().parents[2] / "README.md"
+BY_HAND = Path(__file__).resolve().parents[2] / "docs" / "operations" / "by-hand.md"
 SERVICES = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout"), ServiceSpec("reward"))
 
 
@@ -206,13 +206,11 @@ def test_the_trainer_host_cut_off_past_the_heartbeat_window_the_run_waits_and_re
     assert any("then going on from the checkpoint of step" in message for message in messages)
 
 
-def readme_cluster_commands() -> list[tuple[str, list[str]]]:
-    """README "Running on a cluster"'s hand-start block: (the comment that says where, its commands), in order."""
-    text = README.read_text()
-    section = text[text.index("### By hand, machine by machine"):]
-    block = re.search(r"\n\n((?: {4}.*\n)+)", section).group(1)
+def docs_cluster_commands() -> list[tuple[str, list[str]]]:
+    """docs/operations/by-hand.md's first bash block: (the comment that says where, its commands), in order."""
+    block = re.search(r"```bash\n(.*?)```", BY_HAND.read_text(), re.S).group(1)
     parts: list[tuple[str, list[str]]] = []
-    for line in (line[4:] for line in block.splitlines()):
+    for line in block.splitlines():
         if line.startswith("# "):
             parts.append((line[2:], []))
         else:
@@ -221,16 +219,16 @@ def readme_cluster_commands() -> list[tuple[str, list[str]]]:
 
 
 def on_hosts(where: str) -> list[str]:
-    """The hosts a README comment names (``on node3 and on node4``); the last host for ``any machine``."""
+    """The hosts a comment of the docs' block names (``on node3 and on node4``); the last host for ``any machine``."""
     return re.findall(r"node\d", where.partition(":")[0]) or ([HOSTS[-1]] if "any machine" in where else [])
 
 
-def test_the_readmes_cluster_commands_run_as_written_machine_by_machine(hosts, tmp_path):
+def test_the_docs_cluster_commands_run_as_written_machine_by_machine(hosts, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     env = {name: value for name, value in os.environ.items() if not name.startswith("MESHRL_")}
     env.update(HOME=str(home), PATH=f"{Path(sys.executable).parent}:{env['PATH']}", **CHILD_ENV)
-    parts = readme_cluster_commands()
+    parts = docs_cluster_commands()
     [(once, setup), (every, exports), *starts, (then, checks)] = parts
     assert (on_hosts(once), "every machine" in every, on_hosts(then)) == (["node1"], True, ["node4"]), parts
 

@@ -84,7 +84,8 @@ def local_run(tmp_path_factory):
 
 
 def start_prometheus(address: str, targets: Path, folder: Path) -> subprocess.Popen:
-    """Prometheus on ``address``, scraping the services ``targets`` lists every second, as the README says."""
+    """Prometheus on ``address``, scraping the services ``targets`` lists every second, as
+    docs/operations/metrics.md says."""
     folder.mkdir()
     config = folder / "prometheus.yml"
     config.write_text(yaml.safe_dump({

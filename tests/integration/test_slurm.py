@@ -3,9 +3,9 @@ node a network namespace with its own address and host name (tests/integration/h
 four nodes: the coordinator and a reward service on node1, a trainer of two CPU ranks over node2 and node3
 (torchrun, c10d rendezvous across the nodes), a rollout on node4.
 
-Checked: the README's Slurm commands, run as written, give a run that finishes with every step; every service
-ran on its role's node (the network namespace of its process, the host name it registered under, the address
-it bound); the token file is 0600 and the token in no process's command line or environment; the command the
+Checked: docs/operations/slurm.md's Slurm commands, run as written, give a run that finishes with every step;
+every service ran on its role's node (the network namespace of its process, the host name it registered under,
+the address it bound); the token file is 0600 and the token in no process's command line or environment; the command the
 job prints to follow the run works from the login node; nothing of the job is left when it ends. Then,
 mid-run: a plain scancel (every process of the job gets SIGTERM at once: the run is recorded stopped at the
 last step it completed, every service stops by itself); scancel of the batch script alone (it stops the run at
@@ -39,7 +39,7 @@ from tests.integration.test_grpo_run import run_config
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"no Slurm cluster to run on: {unavailable()}")
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+SLURM_PAGE = REPO / "docs" / "operations" / "slurm.md"
 SBATCH = REPO / "deploy" / "slurm" / "meshrl.sbatch"
 NODES = ("node1", "node2", "node3", "node4")
 PLACES = {"coordinator": {"node1"}, "reward": {"node1"}, "trainer": {"node2", "node3"}, "rollout": {"node4"}}
@@ -190,22 +190,20 @@ def check_stopped_by_themselves(job: Job, kinds=tuple(PLACES)) -> None:
         assert "stopped_by_leader" in service_events(job, "trainer")
 
 
-def readme_slurm_commands() -> list[str]:
-    """README "With Slurm, one job over several nodes"'s block, comments and all."""
-    text = README.read_text()
-    section = text[text.index("### With Slurm, one job over several nodes"):]
-    block = re.search(r"\n\n((?: {4}.*\n)+)", section).group(1)
-    return [line[4:] for line in block.splitlines()]
+def docs_slurm_commands() -> list[str]:
+    """docs/operations/slurm.md's first bash block, comments and all."""
+    return re.search(r"```bash\n(.*?)```", SLURM_PAGE.read_text(), re.S).group(1).splitlines()
 
 
-def test_the_readmes_slurm_job_runs_as_written_across_four_nodes(slurm, tmp_path, monkeypatch):
-    """The README's commands, as written, on the login node (this machine's own network, where slurmctld runs) in
-    a checkout, from a terminal with no meshrl settings: a job over the four nodes, the trainer on two."""
+def test_the_docs_slurm_job_runs_as_written_across_four_nodes(slurm, tmp_path, monkeypatch):
+    """docs/operations/slurm.md's commands, as written, on the login node (this machine's own network, where
+    slurmctld runs) in a checkout, from a terminal with no meshrl settings: a job over the four nodes, the trainer
+    on two."""
     home = tmp_path / "home"
     home.mkdir()
     env = {key: value for key, value in slurm.env.items() if not key.startswith("MESHRL_")}
     env.update(HOME=str(home), PATH=f"{Path(sys.executable).parent}:{env['PATH']}", **THREADS)
-    commands = readme_slurm_commands()
+    commands = docs_slurm_commands()
     assert commands[0].startswith("# on the login node, in the meshrl checkout"), commands
     done = subprocess.run(["bash", "-c", "set -e\n" + "\n".join(commands)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
