@@ -15,6 +15,7 @@ validation both do.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -64,25 +65,29 @@ class Rollouts:
 
     def keep_prompts(self, keep: list[int]) -> Rollouts:
         rows = torch.tensor([i * self.n + j for i in keep for j in range(self.n)], dtype=torch.int64)
-        return Rollouts(self.batch.select(rows), self.logprobs[self.batch.token_index(rows)], self.truncated[rows],
-                        self.scores[rows], self.versions[rows], self.last_versions[rows],
-                        [self.prompts[i] for i in keep], self.n, tuple(self.lineage[row] for row in rows.tolist()))
+        return dataclasses.replace(
+            self, batch=self.batch.select(rows), logprobs=self.logprobs[self.batch.token_index(rows)],
+            truncated=self.truncated[rows], scores=self.scores[rows], versions=self.versions[rows],
+            last_versions=self.last_versions[rows], prompts=[self.prompts[i] for i in keep],
+            lineage=tuple(self.lineage[row] for row in rows.tolist()))
 
     def with_scores(self, samples: list[RewardSample], scored: Scored) -> Rollouts:
         """These rollouts with the scores of ``scored`` (of ``samples``, their decoded responses)."""
         scores = torch.tensor([s.score for s in scored.scores], dtype=torch.float32)
-        lineage = tuple(Lineage(origin.rollout, by, sample, score) for origin, by, sample, score
+        lineage = tuple(Lineage(rollout=origin.rollout, scored_by=by, sample=sample, scored=score)
+                        for origin, by, sample, score
                         in zip(self.lineage, scored.scored_by, samples, scored.scores, strict=True))
-        return Rollouts(self.batch, self.logprobs, self.truncated, scores, self.versions, self.last_versions,
-                        self.prompts, self.n, lineage)
+        return dataclasses.replace(self, scores=scores, lineage=lineage)
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
-        return Rollouts(SequenceBatch.concat([p.batch for p in parts]), torch.cat([p.logprobs for p in parts]),
-                        torch.cat([p.truncated for p in parts]), torch.cat([p.scores for p in parts]),
-                        torch.cat([p.versions for p in parts]), torch.cat([p.last_versions for p in parts]),
-                        [prompt for p in parts for prompt in p.prompts],
-                        parts[0].n, tuple(origin for p in parts for origin in p.lineage))
+        return Rollouts(batch=SequenceBatch.concat([p.batch for p in parts]),
+                        logprobs=torch.cat([p.logprobs for p in parts]),
+                        truncated=torch.cat([p.truncated for p in parts]), scores=torch.cat([p.scores for p in parts]),
+                        versions=torch.cat([p.versions for p in parts]),
+                        last_versions=torch.cat([p.last_versions for p in parts]),
+                        prompts=[prompt for p in parts for prompt in p.prompts], n=parts[0].n,
+                        lineage=tuple(origin for p in parts for origin in p.lineage))
 
 
 @dataclass(frozen=True)
@@ -122,11 +127,15 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
     lineage = tuple(Lineage(replica.address) for result, replica in done for _ in range(len(result.response_lens)))
     prompt_ids, prompt_lens = join_ragged(
         [torch.tensor(p.token_ids) for p in prompts for _ in range(sampling.n)], torch.int64)
-    batch = SequenceBatch(prompt_ids, prompt_lens, torch.cat([s.response_ids for s in shards]),
-                          torch.cat([s.response_lens for s in shards]))
-    return Rollouts(batch, torch.cat([s.logprobs for s in shards]), torch.cat([s.truncated for s in shards]),
-                    torch.zeros(len(batch)), torch.cat([s.weight_versions for s in shards]),
-                    torch.cat([s.last_versions for s in shards]), prompts, sampling.n, lineage), counts
+    batch = SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens,
+                          response_ids=torch.cat([s.response_ids for s in shards]),
+                          response_lens=torch.cat([s.response_lens for s in shards]))
+    rollouts = Rollouts(batch=batch, logprobs=torch.cat([s.logprobs for s in shards]),
+                        truncated=torch.cat([s.truncated for s in shards]), scores=torch.zeros(len(batch)),
+                        versions=torch.cat([s.weight_versions for s in shards]),
+                        last_versions=torch.cat([s.last_versions for s in shards]), prompts=prompts, n=sampling.n,
+                        lineage=lineage)
+    return rollouts, counts
 
 
 async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Notices, what: str) -> Scoring:
