@@ -42,9 +42,11 @@ def record_from_pb(request: coordinator_pb2.RegisterRequest) -> ServiceRecord:
     if identity.protocol_version != PROTOCOL_VERSION:
         raise ValueError(f"protocol_version {identity.protocol_version} is not {PROTOCOL_VERSION}, which this "
                          f"coordinator speaks")
-    return ServiceRecord(identity.service_id, identity.kind, identity.address, identity.group or "default",
-                         identity.protocol_version, 0.0, identity.hostname, identity.pid, identity.meshrl_version,
-                         identity.gpu, optional_version(request), dict(identity.limits))
+    return ServiceRecord(service_id=identity.service_id, kind=identity.kind, address=identity.address,
+                         group=identity.group or "default", protocol_version=identity.protocol_version,
+                         last_seen=0.0, hostname=identity.hostname, pid=identity.pid,
+                         meshrl_version=identity.meshrl_version, gpu=identity.gpu,
+                         weight_version=optional_version(request), limits=dict(identity.limits))
 
 
 def status_to_pb(record: ServiceRecord, up: bool, now: float) -> coordinator_pb2.ServiceStatus:

@@ -10,7 +10,8 @@ from services.coordinator.registry import Registry, ServiceRecord
 
 
 def record(service_id: str, kind: str = "rollout", address: str = "", group: str = "default") -> ServiceRecord:
-    return ServiceRecord(service_id, kind, address or f"host:{service_id}", group, protocol_version=1, last_seen=0.0)
+    return ServiceRecord(service_id=service_id, kind=kind, address=address or f"host:{service_id}", group=group,
+                         protocol_version=1, last_seen=0.0)
 
 
 def test_register_then_up_and_heartbeat_of_unknown_is_false():

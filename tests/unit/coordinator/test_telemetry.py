@@ -42,7 +42,8 @@ def test_a_step_sets_the_runs_step_time_and_reward_and_leaves_what_it_lacks():
 
 def test_each_registered_service_has_its_heartbeat_age():
     registry = Registry(heartbeat_interval_s=1.0, misses=5)
-    record = ServiceRecord("rollout-a", "rollout", "h:1", "default", 1, 0.0)
+    record = ServiceRecord(service_id="rollout-a", kind="rollout", address="h:1", group="default", protocol_version=1,
+                           last_seen=0.0)
     registry.register(record)
     registry.register(replace(record, service_id="reward-b", kind="reward", address="h:2"))
     registry._records["reward-b"] = replace(registry._records["reward-b"], last_seen=time.monotonic() - 30)
