@@ -22,20 +22,20 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, TypeVar
 
-Generated = TypeVar("Generated")
+Batch = TypeVar("Batch")
 
 
 @dataclass(frozen=True)
-class Ahead(Generic[Generated]):
+class Ahead(Generic[Batch]):
     """A step's batch, generated ahead of its training."""
 
     step: int
-    batch: Generated
+    batch: Batch
     data_state: dict  # the data sampler's state right after this batch was drawn
 
 
-class Pipeline(Generic[Generated]):
-    def __init__(self, produce: Callable[[int], Awaitable[Generated]], data_state: Callable[[], dict],
+class Pipeline(Generic[Batch]):
+    def __init__(self, produce: Callable[[int], Awaitable[Batch]], data_state: Callable[[], dict],
                  first_step: int, last_step: int, max_staleness: int):
         """``produce(step)`` generates and scores a step's batch; ``data_state()`` is the sampler's state now.
         ``produce`` must draw its batch before it awaits anything, so that the state read after it returns is the
@@ -45,7 +45,7 @@ class Pipeline(Generic[Generated]):
         self.produce, self.data_state = produce, data_state
         self.first_step, self.last_step, self.max_staleness = first_step, last_step, max_staleness
         self.completed = first_step - 1  # the last step whose update and sync are done
-        self._ready: asyncio.Queue[Ahead[Generated]] = asyncio.Queue()
+        self._ready: asyncio.Queue[Ahead[Batch]] = asyncio.Queue()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
         self._busy: list[tuple[float, float]] = []  # (start, end) of each produce call, and of the one running
@@ -64,7 +64,7 @@ class Pipeline(Generic[Generated]):
             self._busy_since = None
             await self._ready.put(Ahead(step, batch, self.data_state()))
 
-    async def next(self, step: int) -> Ahead[Generated]:
+    async def next(self, step: int) -> Ahead[Batch]:
         """The batch of ``step`` (waiting for it); the producer's failure, if it failed, is raised here."""
         getting = asyncio.ensure_future(self._ready.get())
         await asyncio.wait({getting, self._task}, return_when=asyncio.FIRST_COMPLETED)
