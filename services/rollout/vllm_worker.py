@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from services.common.channel import gpu_uuid, open_channel
+from services.common.channel import gpu_uuid, open_weight_channel
 from services.common.lifetime import end_with
 from services.common.memory import memory_metrics
 from services.common.timing import StageTimer
@@ -44,8 +44,8 @@ class MeshrlWorkerExtension:
         for old in channels.values():
             old.close()
         channels.clear()
-        channels[channel_id] = open_channel(channel_id, backend, bytes(rendezvous), rank, world_size, timeout_s,
-                                            str(self.device))
+        channels[channel_id] = open_weight_channel(channel_id, backend, rendezvous=bytes(rendezvous), rank=rank,
+                                                   world_size=world_size, timeout_s=timeout_s, device=str(self.device))
         return rank
 
     def _meshrl_channel(self, channel_id: str, timeout_s: float):

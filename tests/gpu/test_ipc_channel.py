@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from services.common.channel import open_channel
+from services.common.channel import open_weight_channel
 from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.common.weight_sync import StagedWeights, receive_weights, send_weights, tensor_checksum
 from tests.gpu.conftest import needs
@@ -29,7 +29,8 @@ def model_like() -> list[tuple[str, torch.Tensor]]:
 
 def member(rank: int, rendezvous: bytes, results) -> None:
     torch.cuda.set_device(0)
-    channel = open_channel("ipc-test", "cuda_ipc", rendezvous, rank, WORLD, 60, "cuda:0")
+    channel = open_weight_channel("ipc-test", "cuda_ipc", rendezvous=rendezvous, rank=rank, world_size=WORLD,
+                                  timeout_s=60, device="cuda:0")
     try:
         seconds, reserved = [], []
         for version in VERSIONS:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from bench.faults import service_address
-from services.common.channel import open_channel
+from services.common.channel import open_weight_channel
 from services.run.models import load_causal_lm
 from services.common.nccl_channel import new_unique_id
 from services.common.weight_sync import send_weights
@@ -58,7 +58,8 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
         """(what the trainer's send_weights returned or raised, what the rollout's ReceiveWeights did)."""
         unique_id = new_unique_id()
         joining = asyncio.create_task(rollout.join_channel(channel_id, "nccl", unique_id, 1, 2, 60))
-        channel = await asyncio.to_thread(open_channel, channel_id, "nccl", unique_id, 0, 2, 60, "cuda:0")
+        channel = await asyncio.to_thread(open_weight_channel, channel_id, "nccl", rendezvous=unique_id, rank=0,
+                                          world_size=2, timeout_s=60, device="cuda:0")
         await joining
         sender = channel if broadcasts is None else BreaksOff(channel, broadcasts)
         receiving = asyncio.create_task(rollout.receive_weights(channel_id, 5))

@@ -16,7 +16,7 @@ import math
 import torch
 
 from bench.faults import service_address
-from services.common.channel import open_channel
+from services.common.channel import open_weight_channel
 from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.run.models import load_causal_lm
 from services.common.weight_sync import send_weights
@@ -143,7 +143,8 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
     try:
         await rollout.init_run("partial-rollout", model_path, dtype, timeout=TIMEOUT_S)
         joining = asyncio.create_task(rollout.join_channel(channel_id, backend, rendezvous, 1, 2, TIMEOUT_S))
-        channel = await asyncio.to_thread(open_channel, channel_id, backend, rendezvous, 0, 2, TIMEOUT_S, device)
+        channel = await asyncio.to_thread(open_weight_channel, channel_id, backend, rendezvous=rendezvous, rank=0,
+                                          world_size=2, timeout_s=TIMEOUT_S, device=device)
         await joining
         synced, keeping_sync = [], None
         if "restart and finish" in phases:

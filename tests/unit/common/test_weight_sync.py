@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common import weight_sync
-from services.common.channel import ChannelTable, open_channel
+from services.common.channel import ChannelTable, open_weight_channel
 from services.common.errors import NotFound
 from services.common.gloo_channel import GlooChannel, prepare_gloo_rendezvous
 from services.common.timing import StageTimer
@@ -463,7 +463,7 @@ def test_a_rendezvous_not_reached_in_time_is_a_timeout_which_may_pass():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     del store
     with pytest.raises(TimeoutError, match=r"channel c: rank 1 did not reach the rendezvous within 0.2 s"):
-        open_channel("c", "gloo", rendezvous, 1, 2, 0.2, "cpu")
+        open_weight_channel("c", "gloo", rendezvous=rendezvous, rank=1, world_size=2, timeout_s=0.2, device="cpu")
 
 
 def test_a_senders_channels_carrying_one_manifest_share_its_bucket_buffers():
