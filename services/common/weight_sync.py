@@ -147,7 +147,7 @@ def _manifest_from_json(data: bytes) -> list[Bucket]:
     ]
 
 
-IN_FLIGHT = 2  # buckets on the wire at once: one transfers while the next is packed (or loaded)
+BUCKETS_ON_WIRE = 2  # buckets on the wire at once: one transfers while the next is packed (or loaded)
 
 
 class BucketBuffers:
@@ -198,7 +198,7 @@ def send_weights(
 
     Pipelined: bucket k+1 is gathered (DTensors, in order) and packed on the channel's device while bucket k
     is on the wire; each bucket's checksum is computed while the bucket is on the wire and follows it without
-    waiting for the host. The channel keeps ``IN_FLIGHT`` bucket buffers between syncs."""
+    waiting for the host. The channel keeps ``BUCKETS_ON_WIRE`` bucket buffers between syncs."""
     timer = timer or StageTimer()
     device = channel.device
     with timer("manifest"):
@@ -211,18 +211,18 @@ def send_weights(
             _sent[channel] = manifest, _send_buffers(manifest, buckets, device)
     buffers = _sent[channel][1]
     tensors = dict(named)
-    in_flight: list[tuple] = []
+    on_wire: list[tuple] = []
     for index in range(len(buckets)):
         with timer("pack"):
             buffer = buffers.pack(index, tensors, dtype)
         sending = channel.start_broadcast(buffer)
         total = checksum_tensor(buffer)
-        in_flight.append((sending, channel.start_broadcast(total), buffer, total))
-        if len(in_flight) >= IN_FLIGHT:
+        on_wire.append((sending, channel.start_broadcast(total), buffer, total))
+        if len(on_wire) >= BUCKETS_ON_WIRE:
             with timer("transfer"):
-                finish(in_flight.pop(0))
+                finish(on_wire.pop(0))
     with timer("transfer"):
-        for transfers in in_flight:
+        for transfers in on_wire:
             finish(transfers)
     return sum(b.size for b in buckets), len(buckets)
 
@@ -233,7 +233,7 @@ def _send_buffers(manifest: bytes, buckets: list[Bucket], device: torch.device) 
     each send done before the next begins, so they share one set instead of holding one each."""
     shared = (buffers for carried, buffers in list(_sent.values())
               if carried == manifest and torch.device(buffers.device) == device)
-    return next(shared, None) or BucketBuffers(buckets, IN_FLIGHT, device)
+    return next(shared, None) or BucketBuffers(buckets, BUCKETS_ON_WIRE, device)
 
 
 def finish(transfers: tuple) -> None:
@@ -254,8 +254,8 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
     raises (as it must when the transfer breaks off halfway).
 
     With ``keep_buffers`` (``load`` is done with a bucket's tensors when it returns) the buckets arrive in
-    ``IN_FLIGHT`` + 1 buffers the channel keeps between syncs; otherwise each in a new buffer, which ``load`` may
-    keep. Pipelined: bucket k+1 arrives while bucket k is checksummed and loaded."""
+    ``BUCKETS_ON_WIRE`` + 1 buffers the channel keeps between syncs; otherwise each in a new buffer, which
+    ``load`` may keep. Pipelined: bucket k+1 arrives while bucket k is checksummed and loaded."""
     timer = timer or StageTimer()
     device = channel.device
     with timer("manifest"):
@@ -266,7 +266,7 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
             manifest = torch.zeros(length, dtype=torch.uint8, device=device)
             channel.broadcast(manifest)
             buckets = _manifest_from_json(manifest.cpu().numpy().tobytes())
-            _received[channel] = BucketBuffers(buckets, IN_FLIGHT + 1, device)  # one in flight more: one is loading
+            _received[channel] = BucketBuffers(buckets, BUCKETS_ON_WIRE + 1, device)  # one more: one is loading
         if channel not in _received:
             raise ValueError(f"weights of version {version} came without a manifest, and none came before on "
                              "this channel")
@@ -282,14 +282,14 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
         expected = torch.empty(1, dtype=torch.int64, device=device)
         return channel.start_broadcast(buffer), channel.start_broadcast(expected), buffer, expected, views
 
-    arriving = [start(index) for index in range(min(IN_FLIGHT, len(buckets)))]
+    arriving = [start(index) for index in range(min(BUCKETS_ON_WIRE, len(buckets)))]
     computed, sent = [], []
     for index in range(len(buckets)):
         transfers = arriving.pop(0)
         with timer("transfer"):
             finish(transfers)
-        if index + IN_FLIGHT < len(buckets):  # kept buffers: into the one bucket index - 1 was loaded from
-            arriving.append(start(index + IN_FLIGHT))
+        if index + BUCKETS_ON_WIRE < len(buckets):  # kept buffers: into the one bucket index - 1 was loaded from
+            arriving.append(start(index + BUCKETS_ON_WIRE))
         _, _, buffer, expected, views = transfers
         with timer("verify"):  # before the load, in stream order: the buffer is reused only after both
             computed.append(checksum_tensor(buffer))
