@@ -147,12 +147,12 @@ class RolloutClient:
             await self._stub.JoinChannel(join_request(channel_id, backend, rendezvous, rank, world_size, timeout),
                                          timeout=timeout + 15)
 
-    async def receive_weights(self, channel_id: str, timeout: float, in_flight: str = "finish") -> Received:
+    async def receive_weights(self, channel_id: str, timeout: float, partial_rollout: str = "finish") -> Received:
         """Receive one broadcast; the Generate calls in flight at the swap finish under the old weights
         (``finish``), are sampled again under the new ones (``restart``) or go on under them (``keep``)."""
         request = rollout_pb2.ReceiveWeightsRequest(channel_id=channel_id, timeout_s=timeout,
-                                                    restart_in_flight=in_flight == "restart",
-                                                    keep_in_flight=in_flight == "keep")
+                                                    restart_in_flight=partial_rollout == "restart",
+                                                    keep_in_flight=partial_rollout == "keep")
         async with self._conn.slot():
             reply = await self._stub.ReceiveWeights(request, timeout=timeout + 5)
         return Received(reply.version, reply.transfer_s, reply.pause_s, dict(reply.memory))

@@ -282,7 +282,7 @@ class RolloutSet:
         timeout = self.settings.channel_timeout_s
         log.info("weight_sync_started", version=version, channel_id=channel_id, rollouts=[m.address for m in members])
         receiving = {m.address: asyncio.ensure_future(m.receive_weights(channel_id, timeout,
-                                                                        self.settings.in_flight))
+                                                                        self.settings.partial_rollout))
                      for m in members}
         sending = asyncio.ensure_future(self.actor.broadcast_weights(channel_id, self.settings.bucket_bytes, timeout))
         sent, trouble = None, ""

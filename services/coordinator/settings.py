@@ -94,7 +94,7 @@ class RolloutSetSettings:
     channel_timeout_s: float  # joining a channel, and each broadcast
     rpc_timeout_s: float
     bucket_bytes: int
-    in_flight: str  # what a swap does with the Generate calls in flight: finish, restart or keep (partial_rollout)
+    partial_rollout: str  # what a swap does with the Generate calls in flight: finish, restart or keep
 
 
 def loop_settings(config: RunConfig) -> LoopSettings:
@@ -136,7 +136,7 @@ def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
         model_path=model.path, dtype=model.dtype, allow_pickle=model.allow_pickle, group=config.placement.rollout, backend=trainer.weight_sync_backend,
         channel_timeout_s=trainer.channel_timeout_s, rpc_timeout_s=trainer.rpc_timeout_s,
         bucket_bytes=trainer.weight_sync_bucket_mb << 20,
-        in_flight=config.actor_rollout_ref.rollout.partial_rollout,
+        partial_rollout=config.actor_rollout_ref.rollout.partial_rollout,
     )
 
 

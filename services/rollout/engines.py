@@ -27,7 +27,7 @@ from services.common.weight_sync import StagedWeights
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.hf_engine import HFEngine
 from services.rollout.sampling import Completion, SamplingSettings
-from services.rollout.swap import GenerationCall, GenerationInterrupted, InFlight, SwapGate, WeightSwap
+from services.rollout.swap import GenerationCall, GenerationInterrupted, PartialRollout, SwapGate, WeightSwap
 
 
 class Engine(Protocol):
@@ -46,7 +46,8 @@ class Engine(Protocol):
                            timeout_s: float) -> None:
         """Join a weight channel; this engine's workers take ranks rank .. rank + channel_ranks - 1."""
 
-    async def receive_weights(self, channel_id: str, timeout_s: float, in_flight: InFlight = "finish") -> WeightSwap:
+    async def receive_weights(self, channel_id: str, timeout_s: float,
+                              partial_rollout: PartialRollout = "finish") -> WeightSwap:
         """Receive one broadcast while generation goes on and swap it in; the Generate calls in flight at the
         swap finish under the old weights first, are sampled again under the new ones (``restart``), or are
         held for the swap itself and go on under the new ones (``keep``)."""
@@ -141,7 +142,7 @@ class HFRolloutEngine:
         await self._leave_channels()
         await self.channels.join(channel_id, backend, rendezvous, rank, world_size, timeout_s)
 
-    async def receive_weights(self, channel_id, timeout_s, in_flight="finish"):
+    async def receive_weights(self, channel_id, timeout_s, partial_rollout="finish"):
         """Receive into staging buffers while generation goes on, then swap them in behind the gate, on the
         engine thread (under ``keep``, between two token steps of the generation in flight, if any)."""
         channel = self.channels.get(channel_id)
@@ -157,9 +158,9 @@ class HFRolloutEngine:
             self.weight_version = staged.version
 
         received = time.perf_counter()
-        async with self.gate.swap(in_flight):
+        async with self.gate.swap(partial_rollout):
             drained = time.perf_counter()
-            await (self._apply_between_steps(apply) if in_flight == "keep" else self._on_engine(apply))
+            await (self._apply_between_steps(apply) if partial_rollout == "keep" else self._on_engine(apply))
         done = time.perf_counter()
         stages = {**staged.timer.seconds, "drain": drained - received, "apply": done - drained}
         return WeightSwap(self.weight_version, received - started, done - received, stages)

@@ -17,7 +17,7 @@ from services.rollout import telemetry
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engines import Engine, load_engine
 from services.rollout.sampling import SamplingSettings
-from services.rollout.swap import InFlight
+from services.rollout.swap import PartialRollout
 
 log = structlog.get_logger()
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -42,7 +42,7 @@ def sampling_from_pb(params: rollout_pb2.SamplingParams, config: RolloutServiceC
     )
 
 
-def in_flight_from_pb(request: rollout_pb2.ReceiveWeightsRequest) -> InFlight:
+def partial_rollout_from_pb(request: rollout_pb2.ReceiveWeightsRequest) -> PartialRollout:
     """What the swap does with the Generate calls in flight, from the request's two flags (ValueError for
     both)."""
     if request.keep_in_flight and request.restart_in_flight:
@@ -133,10 +133,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def ReceiveWeights(self, request, context):
         timeout_s = check_wait("timeout_s", request.timeout_s)
-        in_flight = in_flight_from_pb(request)
-        swap = await self._require_engine().receive_weights(request.channel_id, timeout_s, in_flight)
+        partial_rollout = partial_rollout_from_pb(request)
+        swap = await self._require_engine().receive_weights(request.channel_id, timeout_s, partial_rollout)
         log.info("weights_received", weight_version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s,
-                 in_flight=in_flight, stages={stage: round(s, 4) for stage, s in swap.stages.items()})
+                 in_flight=partial_rollout, stages={stage: round(s, 4) for stage, s in swap.stages.items()})
         return common_pb2.WeightVersion(version=swap.version, transfer_s=swap.transfer_s, pause_s=swap.pause_s,
                                         memory=await self._require_engine().memory())
 

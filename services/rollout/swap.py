@@ -2,7 +2,7 @@
 
 Both engines receive the weights while generation goes on and swap them in
 behind a ``SwapGate``. What becomes of the Generate calls in flight at the
-swap (``InFlight``): they finish under the old weights first (``finish``);
+swap (``PartialRollout``): they finish under the old weights first (``finish``);
 they are stopped and sampled again, whole, under the new ones (``restart``;
 samples are seeded from (seed, index), so a restarted call returns exactly
 what a fresh call under the new weights returns); or they are held only for
@@ -31,8 +31,7 @@ import structlog
 
 log = structlog.get_logger()
 Result = TypeVar("Result")
-InFlight = Literal["finish", "restart", "keep"]  # what a swap does with the Generate calls in flight (see above)
-IN_FLIGHT: tuple[InFlight, ...] = ("finish", "restart", "keep")
+PartialRollout = Literal["finish", "restart", "keep"]  # what a swap does with the Generate calls in flight (see above)
 
 
 @dataclass(frozen=True)
@@ -133,13 +132,13 @@ class SwapGate:
                 self._changed_now()
 
     @contextlib.asynccontextmanager
-    async def swap(self, in_flight: InFlight = "finish"):
+    async def swap(self, partial_rollout: PartialRollout = "finish"):
         """Hold new calls back for the body of the ``with``; before it, finish or interrupt the calls in flight
         (``finish``, ``restart``), or leave them to the body (``keep``)."""
         await self._until(lambda: not self._swapping)
         self._swapping = True
         try:
-            if in_flight == "keep":
+            if partial_rollout == "keep":
                 try:
                     yield
                 except BaseException:  # a failed or cancelled swap: no call goes on over what it left
@@ -147,7 +146,7 @@ class SwapGate:
                         call.interrupt()
                     raise
                 return
-            stopped = list(self._calls) if in_flight == "restart" else []
+            stopped = list(self._calls) if partial_rollout == "restart" else []
             for call in stopped:
                 call.interrupt()
             await self._until(lambda: not self._calls)

@@ -47,7 +47,7 @@ from services.run.models import load_tokenizer
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.direct_load import STACKED
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
-from services.rollout.swap import GenerationCall, InFlight, SwapGate, WeightSwap
+from services.rollout.swap import GenerationCall, PartialRollout, SwapGate, WeightSwap
 
 if TYPE_CHECKING:
     import torch
@@ -129,7 +129,8 @@ class VLLMEngine:
         await self.llm.collective_rpc("meshrl_join_channel", timeout=timeout_s + 10,
                                       args=(channel_id, backend, bytes(rendezvous), rank, world_size, timeout_s))
 
-    async def receive_weights(self, channel_id: str, timeout_s: float, in_flight: InFlight = "finish") -> WeightSwap:
+    async def receive_weights(self, channel_id: str, timeout_s: float,
+                              partial_rollout: PartialRollout = "finish") -> WeightSwap:
         """Receive one broadcast and serve it.
 
         While calls are generating, every worker receives into staging buffers and generation goes on; then,
@@ -139,7 +140,7 @@ class VLLMEngine:
         generating, the workers load each bucket straight into the model as it arrives, in one call,
         generation held back throughout."""
         if self.gate.generating == 0:
-            return await self._receive_now(channel_id, timeout_s, in_flight)
+            return await self._receive_now(channel_id, timeout_s, partial_rollout)
         started = time.perf_counter()
         await self.llm.collective_rpc("meshrl_start_receive", timeout=30, args=(channel_id, timeout_s))
         stages = {"start_rpc": time.perf_counter() - started}
@@ -153,9 +154,9 @@ class VLLMEngine:
                 raise TimeoutError(f"weights on channel {channel_id} did not arrive within {timeout_s} s")
             await asyncio.sleep(POLL_S)  # the engine core schedules generation between polls
         received = time.perf_counter()
-        async with self.gate.swap(in_flight):
+        async with self.gate.swap(partial_rollout):
             drained = time.perf_counter()
-            freeze = in_flight == "keep" and self.gate.generating > 0
+            freeze = partial_rollout == "keep" and self.gate.generating > 0
             async with self._frozen(freeze, stages):
                 applied = await self._swapped_in("meshrl_apply_received", (), timeout_s,
                                                  clear_prefix_cache=self.prefix_caching and not freeze)
@@ -185,9 +186,9 @@ class VLLMEngine:
             await asyncio.shield(self.llm.resume_generation())  # (a cancelled swap waits for it all the same)
             stages["resume"] = time.perf_counter() - resumed
 
-    async def _receive_now(self, channel_id: str, timeout_s: float, in_flight: InFlight) -> WeightSwap:
+    async def _receive_now(self, channel_id: str, timeout_s: float, partial_rollout: PartialRollout) -> WeightSwap:
         started = time.perf_counter()
-        async with self.gate.swap(in_flight):
+        async with self.gate.swap(partial_rollout):
             drained = time.perf_counter()
             applied = await self._swapped_in("meshrl_receive_now", (channel_id, timeout_s), timeout_s,
                                              clear_prefix_cache=self.prefix_caching)

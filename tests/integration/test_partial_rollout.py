@@ -82,7 +82,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         return await rollout.generate(PROMPTS[:1], Sampling(1, TEMPERATURE, 1.0, long_tokens, ()), seed=5,
                                       first_index=3, timeout=TIMEOUT_S)
 
-    async def sync_while_generating(version: int, in_flight: str, call=generate, then=lambda named: None):
+    async def sync_while_generating(version: int, partial_rollout: str, call=generate, then=lambda named: None):
         """Start a ``call``, send new weights (changed, then ``then``) while it runs; (its samples, the
         rollout's side of the sync)."""
         calls = sum(event["event"] == "generating" for event in log.read())
@@ -90,7 +90,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         await log.wait_for("generating", calls + 1)  # the rollout has begun sampling it
         change(named, seed=version)
         then(named)
-        receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, in_flight))
+        receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, partial_rollout))
         await asyncio.to_thread(send_weights, channel, named, version, 1 << 20)
         assert not in_flight_call.done()  # the whole broadcast has gone out while the call was still sampling
         received = await receiving

@@ -119,7 +119,7 @@ class FakeRollout:
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout):
         pass
 
-    async def receive_weights(self, channel_id, timeout, in_flight="finish"):
+    async def receive_weights(self, channel_id, timeout, partial_rollout="finish"):
         await asyncio.sleep(0)
         self.version = self.trainer.version
         return Received(self.version, 0.001, 0.0)
@@ -447,8 +447,8 @@ def test_one_step_ahead_the_validation_of_a_step_runs_while_the_next_trains_and_
         timeline.append(f"update of step {step}")
         return await update(batch, old, advantages, ref, step, timeout, rollout_logprobs)
 
-    async def traced_receive(channel_id, timeout, restart_in_flight=False):
-        received = await receive(channel_id, timeout, restart_in_flight)
+    async def traced_receive(channel_id, timeout, partial_rollout="finish"):
+        received = await receive(channel_id, timeout, partial_rollout)
         timeline.append(f"sync of v{received.version}")
         return received
 

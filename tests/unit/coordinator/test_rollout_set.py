@@ -66,7 +66,7 @@ class SyncingMember:
     def __init__(self, address: str, fails: Exception | None = None):
         self.address, self.fails, self.closed = address, fails, asyncio.Event()
 
-    async def receive_weights(self, channel_id, timeout, restart_in_flight=False):
+    async def receive_weights(self, channel_id, timeout, partial_rollout="finish"):
         if self.fails is None:
             return Received(3, 0.01, 0.0)
         closing = asyncio.ensure_future(self.closed.wait())

@@ -7,7 +7,7 @@ import pytest
 from meshrl.v1 import rollout_pb2
 from services.common.errors import NotFound, ResourceExhausted
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.server import (check_call_size, check_model_folder, check_prompt_lengths, in_flight_from_pb,
+from services.rollout.server import (check_call_size, check_model_folder, check_prompt_lengths, partial_rollout_from_pb,
                                      sampling_from_pb)
 
 CONFIG = RolloutServiceConfig(max_n=16, max_new_tokens=100, max_tokens_per_call=1000)
@@ -63,10 +63,10 @@ def test_a_model_folder_must_exist_and_hold_a_config(tmp_path):
 
 
 def test_a_sync_keeps_restarts_or_finishes_the_calls_in_flight_and_refuses_both_flags():
-    def in_flight(**flags) -> str:
-        return in_flight_from_pb(rollout_pb2.ReceiveWeightsRequest(channel_id="c", **flags))
+    def partial_rollout(**flags) -> str:
+        return partial_rollout_from_pb(rollout_pb2.ReceiveWeightsRequest(channel_id="c", **flags))
 
-    assert (in_flight(), in_flight(restart_in_flight=True), in_flight(keep_in_flight=True)) == \
+    assert (partial_rollout(), partial_rollout(restart_in_flight=True), partial_rollout(keep_in_flight=True)) == \
         ("finish", "restart", "keep")
     with pytest.raises(ValueError, match="keep_in_flight and restart_in_flight exclude each other"):
-        in_flight(keep_in_flight=True, restart_in_flight=True)
+        partial_rollout(keep_in_flight=True, restart_in_flight=True)

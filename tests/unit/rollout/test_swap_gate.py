@@ -63,8 +63,8 @@ class Model:
         return self.version
 
 
-async def swap_in(gate: SwapGate, model: Model, version: int, in_flight: str) -> None:
-    async with gate.swap(in_flight):
+async def swap_in(gate: SwapGate, model: Model, version: int, partial_rollout: str) -> None:
+    async with gate.swap(partial_rollout):
         await asyncio.sleep(0.02)  # loading the weights takes a while: nothing may start meanwhile
         model.version = version
 
@@ -131,11 +131,11 @@ async def until(condition) -> None:
         await asyncio.sleep(0.001)
 
 
-@pytest.mark.parametrize("in_flight", ["restart", "keep"])
-async def test_new_calls_wait_during_a_swap(in_flight):
+@pytest.mark.parametrize("partial_rollout", ["restart", "keep"])
+async def test_new_calls_wait_during_a_swap(partial_rollout):
     gate, model = SwapGate(), Model()
     model.release.set()
-    async with gate.swap(in_flight):  # nothing in flight: no restart, and in at once
+    async with gate.swap(partial_rollout):  # nothing in flight: no restart, and in at once
         calling = asyncio.create_task(gate.run(model.async_attempt))
         await asyncio.sleep(0.05)
         assert not calling.done() and model.attempts == 0 and gate.generating == 0
@@ -188,20 +188,20 @@ class Timeline:
             for _ in range(self.TURNS):
                 await asyncio.sleep(0)
 
-    async def swap_under_test(self, in_flight: str) -> None:
-        async with self.gate.swap(in_flight):
+    async def swap_under_test(self, partial_rollout: str) -> None:
+        async with self.gate.swap(partial_rollout):
             self.applying = True
             for _ in range(self.TURNS):
                 await asyncio.sleep(0)
             self.applied = True
 
-    async def start(self, in_flight: str) -> None:
+    async def start(self, partial_rollout: str) -> None:
         self.tasks["first call"] = asyncio.create_task(self.gate.run(self.work))
         await asyncio.sleep(0)
         self.tasks["earlier swap"] = asyncio.create_task(self.earlier_swap())
         await asyncio.sleep(0)
         self.tasks["second call"] = asyncio.create_task(self.gate.run(self.work))
-        self.tasks["swap"] = asyncio.create_task(self.swap_under_test(in_flight))
+        self.tasks["swap"] = asyncio.create_task(self.swap_under_test(partial_rollout))
 
     def phase(self) -> str:
         """Where the swap under test is, as seen from outside."""
@@ -210,16 +210,16 @@ class Timeline:
         return "applying" if self.applying else "draining the calls"
 
 
-@pytest.mark.parametrize("in_flight", ["finish", "restart", "keep"])
+@pytest.mark.parametrize("partial_rollout", ["finish", "restart", "keep"])
 @pytest.mark.parametrize("cancelled", ["swap", "second call"])
-async def test_a_task_cancelled_at_any_turn_leaves_the_gate_open(in_flight, cancelled):
+async def test_a_task_cancelled_at_any_turn_leaves_the_gate_open(partial_rollout, cancelled):
     """Cancel one task (a ReceiveWeights' swap, or a Generate call) after 0, 1, 2, ... event-loop turns, until
     it finishes first: whatever it was waiting for then, Generate calls and swaps go on afterwards."""
     phases = set()
     for turns in itertools.count():
         gate = SwapGate()
         timeline = Timeline(gate)
-        await timeline.start(in_flight)
+        await timeline.start(partial_rollout)
         for _ in range(turns):
             await asyncio.sleep(0)
         victim = timeline.tasks[cancelled]
@@ -234,5 +234,5 @@ async def test_a_task_cancelled_at_any_turn_leaves_the_gate_open(in_flight, canc
     # cancelled while it waited for the earlier swap, while the swap under test waited for the second call (or,
     # under keep, for its turn), and while the swap applied (a call then waits to run again, if the swap
     # interrupted it, or goes on beside it, under keep)
-    applying = ["applying"] if cancelled == "swap" or in_flight != "finish" else []
+    applying = ["applying"] if cancelled == "swap" or partial_rollout != "finish" else []
     assert phases == {"behind the earlier swap", "draining the calls", *applying}
