@@ -3,7 +3,7 @@
 The trainer side (this process, GPU 0) holds the model's HF tensors and is
 rank 0 of an NCCL channel; a vLLM engine (AsyncLLM, spawned onto GPU 1)
 joins it through the rollout's worker extension. Measured in the same run:
-- our sync: send_weights (bucketed, checksummed, pipelined) until vLLM serves
+- our sync: WeightSender.send (bucketed, checksummed, pipelined) until vLLM serves
   the new weights (loaded, prefix cache cleared if it is on, generation
   resumed), with nothing generating, as between synchronous steps; the
   trainer's weights change before every sync, so a sync that loads nothing
@@ -39,7 +39,7 @@ from services.run.models import load_causal_lm, load_tokenizer
 from services.common.nccl_channel import NcclChannel, new_unique_id
 from services.common.sequences import SequenceBatch, join_ragged
 from services.common.timing import StageTimer
-from services.common.weight_sync import send_weights, tensor_checksum
+from services.common.weight_sync import WeightSender, tensor_checksum
 from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.sampling import SamplingSettings
@@ -97,6 +97,7 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
         await join
         stage("channel joined")
         sync_s, raw_s, timings, total, buckets = [], [], [], 0, 0
+        weight_sender = WeightSender()
         for version in range(1, repeats + 2):  # the first sync teaches the direct path; reported apart
             with torch.no_grad():  # new weights every time, as after an update
                 for _, tensor in named:
@@ -105,7 +106,8 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
             started = time.perf_counter()
             receiving = asyncio.create_task(engine.receive_weights(channel_id, TIMEOUT_S))
             sender = StageTimer()
-            total, buckets = await asyncio.to_thread(send_weights, channel, named, version, bucket_bytes, None, sender)
+            total, buckets = await asyncio.to_thread(weight_sender.send, channel, named, version, bucket_bytes, None,
+                                                     sender)
             swap = await receiving
             assert swap.version == version
             sync_s.append(time.perf_counter() - started)

@@ -11,8 +11,9 @@ Protocol (rank 0 sends, every other rank receives the same broadcasts):
 
 The receiver hands each bucket to ``load`` as (name, tensor) pairs while the
 next bucket is on its way, and compares the checksums once every bucket is
-in (``receive_weights`` says what that asks of a receiver loading straight
-into its model).
+in (``WeightReceiver.receive`` says what that asks of a receiver loading
+straight into its model). A ``WeightSender`` and a ``WeightReceiver`` keep
+what a service's channels carried from sync to sync (manifests, buffers).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 
 @torch.no_grad()
 def gather_weights(named: list[tuple[str, torch.Tensor]]) -> None:
-    """A sharded trainer's ranks other than the sender: take part in each all-gather of ``send_weights``, in
+    """A sharded trainer's ranks other than the sender: take part in each all-gather of ``WeightSender.send``, in
     its order (every rank must call ``full_tensor`` for every parameter in the same order)."""
     for _, tensor in named:
         full(tensor)
@@ -184,56 +185,58 @@ class BucketBuffers:
         return buffer
 
 
-_sent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> (last manifest it carried, its buffers)
-_received: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> BucketBuffers of that manifest
+class WeightSender:
+    """The sending side of a service's weight channels, kept from sync to sync: the manifest each channel last
+    carried (sent again only when it changes) and the bucket buffers, one set shared by the channels on one
+    device that carry one manifest (a sender's channels, one per transport, e.g. CUDA IPC to a rollout on its
+    GPU and NCCL to the others, are sent into in turn, each send done before the next begins)."""
 
+    def __init__(self) -> None:
+        self._sent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> (manifest, its buffers)
 
-@torch.no_grad()
-def send_weights(
-    channel: TensorChannel, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
-    dtype: torch.dtype | None = None, timer: StageTimer | None = None,
-) -> tuple[int, int]:
-    """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets). ``timer``, if
-    given, gets the time spent on each stage: manifest, pack (gather, copy), transfer (waiting).
+    @torch.no_grad()
+    def send(
+        self, channel: TensorChannel, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
+        dtype: torch.dtype | None = None, timer: StageTimer | None = None,
+    ) -> tuple[int, int]:
+        """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets). ``timer``, if
+        given, gets the time spent on each stage: manifest, pack (gather, copy), transfer (waiting).
 
-    Pipelined: bucket k+1 is gathered (DTensors, in order) and packed on the channel's device while bucket k
-    is on the wire; each bucket's checksum is computed while the bucket is on the wire and follows it without
-    waiting for the host. The channel keeps ``BUCKETS_ON_WIRE`` bucket buffers between syncs."""
-    timer = timer or StageTimer()
-    device = channel.device
-    with timer("manifest"):
-        buckets = plan_buckets(named, bucket_bytes, dtype)
-        manifest = _manifest_json(buckets)
-        new = channel not in _sent or _sent[channel][0] != manifest
-        channel.broadcast(torch.tensor([version, len(manifest) if new else 0], dtype=torch.int64, device=device))
-        if new:
-            channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
-            _sent[channel] = manifest, _send_buffers(manifest, buckets, device)
-    buffers = _sent[channel][1]
-    tensors = dict(named)
-    on_wire: list[tuple] = []
-    for index in range(len(buckets)):
-        with timer("pack"):
-            buffer = buffers.pack(index, tensors, dtype)
-        sending = channel.start_broadcast(buffer)
-        total = checksum_tensor(buffer)
-        on_wire.append((sending, channel.start_broadcast(total), buffer, total))
-        if len(on_wire) >= BUCKETS_ON_WIRE:
-            with timer("transfer"):
-                finish(on_wire.pop(0))
-    with timer("transfer"):
-        for transfers in on_wire:
-            finish(transfers)
-    return sum(b.size for b in buckets), len(buckets)
+        Pipelined: bucket k+1 is gathered (DTensors, in order) and packed on the channel's device while bucket k
+        is on the wire; each bucket's checksum is computed while the bucket is on the wire and follows it without
+        waiting for the host. ``BUCKETS_ON_WIRE`` bucket buffers are kept between syncs."""
+        timer = timer or StageTimer()
+        device = channel.device
+        with timer("manifest"):
+            buckets = plan_buckets(named, bucket_bytes, dtype)
+            manifest = _manifest_json(buckets)
+            new = channel not in self._sent or self._sent[channel][0] != manifest
+            channel.broadcast(torch.tensor([version, len(manifest) if new else 0], dtype=torch.int64, device=device))
+            if new:
+                channel.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device))
+                self._sent[channel] = manifest, self._buffers(manifest, buckets, device)
+        buffers = self._sent[channel][1]
+        tensors = dict(named)
+        on_wire: list[tuple] = []
+        for index in range(len(buckets)):
+            with timer("pack"):
+                buffer = buffers.pack(index, tensors, dtype)
+            sending = channel.start_broadcast(buffer)
+            total = checksum_tensor(buffer)
+            on_wire.append((sending, channel.start_broadcast(total), buffer, total))
+            if len(on_wire) >= BUCKETS_ON_WIRE:
+                with timer("transfer"):
+                    finish(on_wire.pop(0))
+        with timer("transfer"):
+            for transfers in on_wire:
+                finish(transfers)
+        return sum(b.size for b in buckets), len(buckets)
 
-
-def _send_buffers(manifest: bytes, buckets: list[Bucket], device: torch.device) -> BucketBuffers:
-    """The buffers of another channel on ``device`` that carries ``manifest``, else new ones: a sender's channels
-    (one per transport, e.g. CUDA IPC to a rollout on its GPU and NCCL to the others) are sent into in turn,
-    each send done before the next begins, so they share one set instead of holding one each."""
-    shared = (buffers for carried, buffers in list(_sent.values())
-              if carried == manifest and torch.device(buffers.device) == device)
-    return next(shared, None) or BucketBuffers(buckets, BUCKETS_ON_WIRE, device)
+    def _buffers(self, manifest: bytes, buckets: list[Bucket], device: torch.device) -> BucketBuffers:
+        """The buffers of another channel on ``device`` that carries ``manifest``, else new ones."""
+        shared = (buffers for carried, buffers in list(self._sent.values())
+                  if carried == manifest and torch.device(buffers.device) == device)
+        return next(shared, None) or BucketBuffers(buckets, BUCKETS_ON_WIRE, device)
 
 
 def finish(transfers: tuple) -> None:
@@ -242,23 +245,66 @@ def finish(transfers: tuple) -> None:
         transfer.wait()
 
 
-def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None],
-                    timer: StageTimer | None = None, keep_buffers: bool = False) -> int:
-    """Receive one broadcast, ``load`` each bucket and verify each bucket's checksum; returns the weight version.
-    ``timer``, if given, gets the time spent on each stage: manifest, transfer (waiting for buckets), verify,
-    load.
+class WeightReceiver:
+    """The receiving side of a service's weight channels, kept from sync to sync: per channel, the buckets of
+    the last manifest it carried (a broadcast carries the manifest only when it changed) and their buffers."""
 
-    The checksums are computed on the channel's device as the buckets arrive and compared once all are in, so
-    the host never waits for one bucket's checksum before loading it: ``load`` may have been given a bucket that
-    then fails, and a receiver that loads straight into its model must count the model damaged when this
-    raises (as it must when the transfer breaks off halfway).
+    def __init__(self) -> None:
+        self._received: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> its BucketBuffers
 
-    With ``keep_buffers`` (``load`` is done with a bucket's tensors when it returns) the buckets arrive in
-    ``BUCKETS_ON_WIRE`` + 1 buffers the channel keeps between syncs; otherwise each in a new buffer, which
-    ``load`` may keep. Pipelined: bucket k+1 arrives while bucket k is checksummed and loaded."""
-    timer = timer or StageTimer()
-    device = channel.device
-    with timer("manifest"):
+    def receive(self, channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None],
+                timer: StageTimer | None = None, keep_buffers: bool = False) -> int:
+        """Receive one broadcast, ``load`` each bucket and verify each bucket's checksum; returns the weight
+        version. ``timer``, if given, gets the time spent on each stage: manifest, transfer (waiting for
+        buckets), verify, load.
+
+        The checksums are computed on the channel's device as the buckets arrive and compared once all are in,
+        so the host never waits for one bucket's checksum before loading it: ``load`` may have been given a
+        bucket that then fails, and a receiver that loads straight into its model must count the model damaged
+        when this raises (as it must when the transfer breaks off halfway).
+
+        With ``keep_buffers`` (``load`` is done with a bucket's tensors when it returns) the buckets arrive in
+        ``BUCKETS_ON_WIRE`` + 1 buffers kept between syncs; otherwise each in a new buffer, which ``load`` may
+        keep. Pipelined: bucket k+1 arrives while bucket k is checksummed and loaded."""
+        timer = timer or StageTimer()
+        device = channel.device
+        with timer("manifest"):
+            version, kept = self._manifest(channel)
+            buckets = kept.buckets
+
+        def start(index: int) -> tuple:
+            if keep_buffers:
+                buffer, views, _ = kept.place(index)
+            else:
+                buffer = torch.empty(buckets[index].size, dtype=torch.uint8, device=device)
+                views = unpack(buckets[index], buffer)
+            expected = torch.empty(1, dtype=torch.int64, device=device)
+            return channel.start_broadcast(buffer), channel.start_broadcast(expected), buffer, expected, views
+
+        arriving = [start(index) for index in range(min(BUCKETS_ON_WIRE, len(buckets)))]
+        computed, sent = [], []
+        for index in range(len(buckets)):
+            transfers = arriving.pop(0)
+            with timer("transfer"):
+                finish(transfers)
+            if index + BUCKETS_ON_WIRE < len(buckets):  # kept buffers: into the one bucket index - 1 was loaded from
+                arriving.append(start(index + BUCKETS_ON_WIRE))
+            _, _, buffer, expected, views = transfers
+            with timer("verify"):  # before the load, in stream order: the buffer is reused only after both
+                computed.append(checksum_tensor(buffer))
+                sent.append(expected)
+            with timer("load"):
+                load(views)
+        with timer("verify"):
+            failed = (torch.cat(computed) != torch.cat(sent)).nonzero().flatten().tolist() if buckets else []
+        if failed:
+            raise ValueError(f"weight buckets {failed} of version {version} failed their checksums")
+        return version
+
+    def _manifest(self, channel: TensorChannel) -> tuple[int, BucketBuffers]:
+        """A broadcast's header and, if it carries one, its manifest: its weight version, and the buffers of
+        the manifest it is sent under (kept from the last broadcast on ``channel`` if it carries none)."""
+        device = channel.device
         header = torch.zeros(2, dtype=torch.int64, device=device)
         channel.broadcast(header)
         version, length = header.tolist()
@@ -266,56 +312,26 @@ def receive_weights(channel: TensorChannel, load: Callable[[list[tuple[str, torc
             manifest = torch.zeros(length, dtype=torch.uint8, device=device)
             channel.broadcast(manifest)
             buckets = _manifest_from_json(manifest.cpu().numpy().tobytes())
-            _received[channel] = BucketBuffers(buckets, BUCKETS_ON_WIRE + 1, device)  # one more: one is loading
-        if channel not in _received:
+            self._received[channel] = BucketBuffers(buckets, BUCKETS_ON_WIRE + 1, device)  # one more: one loads
+        if channel not in self._received:
             raise ValueError(f"weights of version {version} came without a manifest, and none came before on "
                              "this channel")
-        kept = _received[channel]
-        buckets = kept.buckets
-
-    def start(index: int) -> tuple:
-        if keep_buffers:
-            buffer, views, _ = kept.place(index)
-        else:
-            buffer = torch.empty(buckets[index].size, dtype=torch.uint8, device=device)
-            views = unpack(buckets[index], buffer)
-        expected = torch.empty(1, dtype=torch.int64, device=device)
-        return channel.start_broadcast(buffer), channel.start_broadcast(expected), buffer, expected, views
-
-    arriving = [start(index) for index in range(min(BUCKETS_ON_WIRE, len(buckets)))]
-    computed, sent = [], []
-    for index in range(len(buckets)):
-        transfers = arriving.pop(0)
-        with timer("transfer"):
-            finish(transfers)
-        if index + BUCKETS_ON_WIRE < len(buckets):  # kept buffers: into the one bucket index - 1 was loaded from
-            arriving.append(start(index + BUCKETS_ON_WIRE))
-        _, _, buffer, expected, views = transfers
-        with timer("verify"):  # before the load, in stream order: the buffer is reused only after both
-            computed.append(checksum_tensor(buffer))
-            sent.append(expected)
-        with timer("load"):
-            load(views)
-    with timer("verify"):
-        failed = (torch.cat(computed) != torch.cat(sent)).nonzero().flatten().tolist() if buckets else []
-    if failed:
-        raise ValueError(f"weight buckets {failed} of version {version} failed their checksums")
-    return version
+        return version, self._received[channel]
 
 
 class StagedWeights:
-    """One weight broadcast received on a thread of its own, kept in the verified buckets it arrived in, while
-    the caller goes on (generating); ``buckets`` are then swapped in by whoever owns the model.
+    """One weight broadcast received (by ``receiver``) on a thread of its own, kept in the verified buckets it
+    arrived in, while the caller goes on (generating); ``buckets`` are then swapped in by whoever owns the model.
 
     On a CUDA channel the thread works on a stream of its own, so the transfer runs beside the model's
     kernels; its buckets are complete on the device once ``wait`` says so."""
 
-    def __init__(self, channel: TensorChannel):
-        self.channel = channel
+    def __init__(self, channel: TensorChannel, receiver: WeightReceiver):
+        self.channel, self.receiver = channel, receiver
         self.buckets: list[list[tuple[str, torch.Tensor]]] = []
         self.version: int | None = None
         self.error: BaseException | None = None
-        self.timer = StageTimer()  # receive_weights' stages, and the whole receive
+        self.timer = StageTimer()  # WeightReceiver.receive's stages, and the whole receive
         self._thread = threading.Thread(target=self._receive, name="weights-staging", daemon=True)
         self._thread.start()
 
@@ -324,7 +340,7 @@ class StagedWeights:
         stream = torch.cuda.stream(staging_stream(device)) if device.type == "cuda" else contextlib.nullcontext()
         try:
             with stream, self.timer("receive"):
-                self.version = receive_weights(self.channel, self.buckets.append, self.timer)
+                self.version = self.receiver.receive(self.channel, self.buckets.append, self.timer)
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()
         except BaseException as error:  # noqa: BLE001 - handed to the caller by wait()

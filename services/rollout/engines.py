@@ -23,7 +23,7 @@ import torch
 from services.common.channel import ChannelTable, gpu_uuid
 from services.common.memory import memory_metrics
 from services.run.models import load_causal_lm, load_tokenizer
-from services.common.weight_sync import StagedWeights
+from services.common.weight_sync import StagedWeights, WeightReceiver
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.hf_engine import HFEngine
 from services.rollout.sampling import Completion, SamplingSettings
@@ -85,6 +85,7 @@ class HFRolloutEngine:
         self.weight_version = 0  # changed only inside a swap, on the engine thread
         self.gate = SwapGate()
         self.channels = ChannelTable(config.device)
+        self.receiver = WeightReceiver()  # what its channels carried, kept from sync to sync
         self._staging: StagedWeights | None = None  # the last receive, which may still be on the wire
         self._pending: tuple[Callable[[], None], Future[None]] | None = None  # a keep swap's, for the engine thread
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -147,7 +148,7 @@ class HFRolloutEngine:
         engine thread (under ``keep``, between two token steps of the generation in flight, if any)."""
         channel = self.channels.get(channel_id)
         started = time.perf_counter()
-        self._staging = staged = StagedWeights(channel)
+        self._staging = staged = StagedWeights(channel, self.receiver)
         if not await asyncio.to_thread(staged.wait, timeout_s):
             raise TimeoutError(f"weights on channel {channel_id} did not arrive within {timeout_s} s")
         self._staging = None  # off the wire

@@ -16,7 +16,7 @@ from services.common.channel import gpu_uuid, open_weight_channel
 from services.common.lifetime import end_with
 from services.common.memory import memory_metrics
 from services.common.timing import StageTimer
-from services.common.weight_sync import StagedWeights, receive_weights, tensor_checksum
+from services.common.weight_sync import StagedWeights, WeightReceiver, tensor_checksum
 from services.rollout.direct_load import DirectLoader
 
 
@@ -57,7 +57,7 @@ class MeshrlWorkerExtension:
 
     def meshrl_start_receive(self, channel_id: str, timeout_s: float) -> None:
         """Begin receiving one weight broadcast into staging buffers, on a thread beside the model's work."""
-        self._meshrl_staged = StagedWeights(self._meshrl_channel(channel_id, timeout_s))
+        self._meshrl_staged = StagedWeights(self._meshrl_channel(channel_id, timeout_s), self._meshrl_receiver())
 
     def meshrl_wait_received(self, wait_s: float) -> bool:
         """Whether the staged broadcast has fully arrived, waiting up to ``wait_s``."""
@@ -77,14 +77,18 @@ class MeshrlWorkerExtension:
 
     def meshrl_receive_now(self, channel_id: str, timeout_s: float) -> tuple[int, dict[str, float]]:
         """Receive one broadcast straight into the model (nothing is generating): each bucket is loaded while
-        the next arrives, through three bucket buffers the channel keeps. Returns the version and the seconds of
+        the next arrives, through three bucket buffers its receiver keeps. Returns the version and the seconds of
         each stage."""
         timer = StageTimer()
         with timer("receive"):
             channel = self._meshrl_channel(channel_id, timeout_s)
-            version = receive_weights(channel, self._meshrl_load, timer, keep_buffers=True)
+            version = self._meshrl_receiver().receive(channel, self._meshrl_load, timer, keep_buffers=True)
             torch.cuda.synchronize(self.device)
         return version, timer.seconds
+
+    def _meshrl_receiver(self) -> WeightReceiver:
+        """This worker's receiving side, which keeps what its channels carried from sync to sync."""
+        return self.__dict__.setdefault("_meshrl_receiver", WeightReceiver())
 
     def _meshrl_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket: copied straight into the model when every tensor has a learned view

@@ -38,7 +38,7 @@ from services.common.config import parse_yaml, validate
 from services.common.errors import FailedPrecondition
 from services.run.config import RunConfig
 from services.common.sequences import SequenceBatch
-from services.common.weight_sync import gather_weights, send_weights
+from services.common.weight_sync import WeightSender, gather_weights
 from services.trainer import checkpoint
 from services.trainer.actor import Actor, UpdateInputs
 from services.trainer.critic import Critic
@@ -141,6 +141,7 @@ class Worker:
         self.ranks = ranks
         self.roles: Roles | None = None
         self.weight_version = 0  # of the actor's weights (see the module's docstring); the same on every rank
+        self.weight_sender = WeightSender()  # rank 0's: what its channels carried, kept from sync to sync
 
     # ------------------------------------------------------------ relay
 
@@ -240,8 +241,8 @@ class Worker:
         if self.ranks.rank != 0:
             gather_weights(named)
             return None
-        total, buckets = send_weights(channel, named, version=self.weight_version, bucket_bytes=bucket_bytes,
-                                      dtype=roles.settings.weights_dtype)
+        total, buckets = self.weight_sender.send(channel, named, version=self.weight_version,
+                                                 bucket_bytes=bucket_bytes, dtype=roles.settings.weights_dtype)
         return Sent(total, buckets, self.weight_version)
 
     def save_checkpoint(self, tensors, path: str, key: bytes = b"") -> Saved:

@@ -12,7 +12,7 @@ import torch
 
 from services.common.channel import open_weight_channel
 from services.common.gloo_channel import prepare_gloo_rendezvous
-from services.common.weight_sync import StagedWeights, receive_weights, send_weights, tensor_checksum
+from services.common.weight_sync import StagedWeights, WeightReceiver, WeightSender, tensor_checksum
 from tests.gpu.conftest import needs
 
 WORLD = 3
@@ -33,21 +33,22 @@ def member(rank: int, rendezvous: bytes, results) -> None:
                                   timeout_s=60, device="cuda:0")
     try:
         seconds, reserved = [], []
+        sender, receiver = WeightSender(), WeightReceiver()
         for version in VERSIONS:
             named = [(name, tensor + version if tensor.is_floating_point() else tensor)
                      for name, tensor in model_like()]
             torch.cuda.synchronize()
             started = time.perf_counter()
             if rank == 0:
-                send_weights(channel, named, version, bucket_bytes=64 << 20)
+                sender.send(channel, named, version, bucket_bytes=64 << 20)
                 got = {name: tensor_checksum(tensor) for name, tensor in named}
             elif rank == 1:
                 got = {}
-                received = receive_weights(channel, lambda pairs: got.update(
+                received = receiver.receive(channel, lambda pairs: got.update(
                     (name, tensor_checksum(tensor)) for name, tensor in pairs))
                 assert received == version
             else:
-                staged = StagedWeights(channel)
+                staged = StagedWeights(channel, receiver)
                 assert staged.wait(60) and staged.version == version
                 got = {name: tensor_checksum(tensor) for bucket in staged.buckets for name, tensor in bucket}
                 del staged

@@ -19,7 +19,7 @@ from bench.faults import service_address
 from services.common.channel import open_weight_channel
 from services.run.models import load_causal_lm
 from services.common.nccl_channel import new_unique_id
-from services.common.weight_sync import send_weights
+from services.common.weight_sync import WeightSender
 from services.coordinator.clients import RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster
@@ -55,7 +55,7 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
         return await rollout.generate(PROMPTS, Sampling(2, 1.0, 1.0, 8, ()), seed=1, first_index=0, timeout=60)
 
     async def sync(channel_id: str, version: int, broadcasts: int | None) -> tuple:
-        """(what the trainer's send_weights returned or raised, what the rollout's ReceiveWeights did)."""
+        """(what the trainer's WeightSender.send returned or raised, what the rollout's ReceiveWeights did)."""
         unique_id = new_unique_id()
         joining = asyncio.create_task(rollout.join_channel(channel_id, "nccl", unique_id, 1, 2, 60))
         channel = await asyncio.to_thread(open_weight_channel, channel_id, "nccl", rendezvous=unique_id, rank=0,
@@ -64,7 +64,7 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
         sender = channel if broadcasts is None else BreaksOff(channel, broadcasts)
         receiving = asyncio.create_task(rollout.receive_weights(channel_id, 5))
         try:
-            sent = await asyncio.to_thread(send_weights, sender, named, version, 64 << 20)
+            sent = await asyncio.to_thread(WeightSender().send, sender, named, version, 64 << 20)
         except ConnectionError as error:
             sent = error
         try:

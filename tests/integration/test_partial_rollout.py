@@ -1,6 +1,6 @@
 """New weights arriving while a Generate call is in flight, on a real rollout service (hf engine, CPU).
 
-The test process plays the trainer: rank 0 of a gloo weight channel, sending with send_weights. With
+The test process plays the trainer: rank 0 of a gloo weight channel, sending with a WeightSender. With
 restart_in_flight the call is stopped and sampled again under the new weights, and returns exactly what a fresh
 call under them returns (same seed, same first_index); with neither flag the call finishes under the old
 weights; with keep_in_flight it is held only for the swap and goes on under the new weights with the tokens it
@@ -19,7 +19,7 @@ from bench.faults import service_address
 from services.common.channel import open_weight_channel
 from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.run.models import load_causal_lm
-from services.common.weight_sync import send_weights
+from services.common.weight_sync import WeightSender
 from services.coordinator.clients import Generated, Received, RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster, ServiceSpec
@@ -72,7 +72,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         store, rendezvous = None, new_unique_id()
     else:
         store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", TIMEOUT_S)
-    channel = None
+    channel, sender = None, WeightSender()
 
     async def generate() -> Generated:
         return await rollout.generate(PROMPTS, Sampling(N, TEMPERATURE, 1.0, tokens, ()), seed=5, first_index=3,
@@ -91,7 +91,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         change(named, seed=version)
         then(named)
         receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, partial_rollout))
-        await asyncio.to_thread(send_weights, channel, named, version, 1 << 20)
+        await asyncio.to_thread(sender.send, channel, named, version, 1 << 20)
         assert not in_flight_call.done()  # the whole broadcast has gone out while the call was still sampling
         received = await receiving
         assert received.version == version
@@ -127,7 +127,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         under the new version, keeping its tokens; that version's logits are all 0, so each token it samples
         has logprob -log(V)."""
         receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, "keep"))
-        await asyncio.to_thread(send_weights, channel, named, version, 1 << 20)
+        await asyncio.to_thread(sender.send, channel, named, version, 1 << 20)
         assert (await receiving).version == version
         whole = await generate_long()
         served = int(whole.weight_versions[0])

@@ -13,13 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common import weight_sync
 from services.common.channel import ChannelTable, open_weight_channel
 from services.common.errors import NotFound
 from services.common.gloo_channel import GlooChannel, prepare_gloo_rendezvous
 from services.common.timing import StageTimer
-from services.common.weight_sync import (ALIGN, BucketBuffers, StagedWeights, checksum, plan_buckets, receive_weights,
-                                         send_weights, unpack)
+from services.common.weight_sync import (ALIGN, BucketBuffers, StagedWeights, WeightReceiver, WeightSender, checksum,
+                                         plan_buckets, unpack)
 
 
 def weights() -> list[tuple[str, torch.Tensor]]:
@@ -207,9 +206,9 @@ def test_weights_over_gloo_to_two_receivers_in_several_buckets():
         assert (channel.rank, channel.world_size) == (rank, 3)
         try:
             if rank == 0:
-                return send_weights(channel, named, version=42, bucket_bytes=64)
+                return WeightSender().send(channel, named, version=42, bucket_bytes=64)
             loaded: list[list[tuple[str, torch.Tensor]]] = []
-            version = receive_weights(channel, lambda pairs: loaded.append([(n, t.clone()) for n, t in pairs]))
+            version = WeightReceiver().receive(channel, lambda pairs: loaded.append([(n, t.clone()) for n, t in pairs]))
             return version, loaded
         finally:
             channel.close()
@@ -253,12 +252,12 @@ def test_the_manifest_crosses_a_channel_again_only_when_it_changes_and_kept_buff
     changed = [(name, ~tensor if tensor.dtype == torch.bool else tensor + 1) for name, tensor in named]
     fewer = named[:2]
     channels = run_ranks(2, lambda rank: GlooChannel("manifests", rendezvous, rank, 2, timeout_s=10))
-    sender = Recording(channels[0])
+    sender, sending, receiving = Recording(channels[0]), WeightSender(), WeightReceiver()
     for version, tensors in enumerate((named, changed, fewer, fewer), start=1):
         loaded: list[tuple[str, torch.Tensor]] = []
-        outcomes = run_ranks(2, lambda rank: send_weights(sender, tensors, version, bucket_bytes=64) if rank == 0
-                             else receive_weights(channels[1], lambda pairs: loaded.extend((n, t.clone()) for n, t in pairs),
-                                                  keep_buffers=version > 1))  # buffers kept from the second on
+        outcomes = run_ranks(2, lambda rank: sending.send(sender, tensors, version, bucket_bytes=64) if rank == 0
+                             else receiving.receive(channels[1], lambda pairs: loaded.extend((n, t.clone()) for n, t in pairs),
+                                                    keep_buffers=version > 1))  # buffers kept from the second on
         assert outcomes[1] == version
         assert [name for name, _ in loaded] == [name for name, _ in tensors]
         for (_, tensor), (_, want) in zip(loaded, tensors):
@@ -302,8 +301,9 @@ def test_a_bucket_that_arrives_damaged_fails_the_receive_naming_it(keep_buffers)
     channels = run_ranks(2, lambda rank: GlooChannel(f"damaged-{keep_buffers}", rendezvous, rank, 2, timeout_s=10))
     loaded: list[list[tuple[str, torch.Tensor]]] = []
     # broadcasts: header, manifest, then (bucket, checksum) per bucket: the 6th is bucket 2
-    outcomes = run_ranks(2, lambda rank: send_weights(channels[0], named, 3, bucket_bytes=64) if rank == 0 else
-                         receive_weights(Corrupting(channels[1], nth=6), loaded.append, keep_buffers=keep_buffers))
+    outcomes = run_ranks(2, lambda rank: WeightSender().send(channels[0], named, 3, bucket_bytes=64) if rank == 0 else
+                         WeightReceiver().receive(Corrupting(channels[1], nth=6), loaded.append,
+                                                  keep_buffers=keep_buffers))
     assert isinstance(outcomes[1], ValueError)
     assert str(outcomes[1]) == "weight buckets [2] of version 3 failed their checksums"
     del store
@@ -313,10 +313,10 @@ def test_staged_weights_arrive_on_their_own_thread_while_the_caller_goes_on():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     named = weights()
     channels = run_ranks(2, lambda rank: GlooChannel("staged", rendezvous, rank, 2, timeout_s=10))
-    staged = StagedWeights(channels[1])
+    staged = StagedWeights(channels[1], WeightReceiver())
     assert not staged.wait(0.2)  # nothing sent yet: the receiver is not blocked, it is told "not yet"
     sent = StageTimer()
-    send_weights(channels[0], named, version=7, bucket_bytes=64, timer=sent)
+    WeightSender().send(channels[0], named, version=7, bucket_bytes=64, timer=sent)
     assert set(sent.seconds) == {"manifest", "pack", "transfer"}  # where a sync's time goes, for the benchmark
     assert staged.wait(10)
     assert staged.version == 7
@@ -331,7 +331,7 @@ def test_staged_weights_arrive_on_their_own_thread_while_the_caller_goes_on():
 def test_staged_weights_hand_back_the_transfer_error():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     channels = run_ranks(2, lambda rank: GlooChannel("staged-quiet", rendezvous, rank, 2, timeout_s=1))
-    staged = StagedWeights(channels[1])
+    staged = StagedWeights(channels[1], WeightReceiver())
     with pytest.raises(TimeoutError, match="did not finish within 1.0 s"):
         staged.wait(10)
     del store
@@ -354,7 +354,7 @@ def test_receive_with_no_sender_times_out():
     channels = run_ranks(2, lambda rank: GlooChannel("quiet", rendezvous, rank, 2, timeout_s=1))
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"broadcast from rank 0 did not finish within 1.0 s"):
-        receive_weights(channels[1], lambda pairs: None)
+        WeightReceiver().receive(channels[1], lambda pairs: None)
     assert time.monotonic() - started < 5
     del store
 
@@ -434,9 +434,9 @@ def test_abandoning_a_channel_ends_a_broadcast_waiting_for_a_member_that_never_c
     def rank_main(rank):
         try:
             if rank == 0:
-                return send_weights(channels[0], weights(), version=1, bucket_bytes=64)
+                return WeightSender().send(channels[0], weights(), version=1, bucket_bytes=64)
             if rank == 1:
-                return receive_weights(channels[1], lambda pairs: None)
+                return WeightReceiver().receive(channels[1], lambda pairs: None)
             time.sleep(0.5)  # rank 2 is stopped: the others wait for it by now
             getattr(channels[0], end)()
         finally:
@@ -474,14 +474,16 @@ def test_a_senders_channels_carrying_one_manifest_share_its_bucket_buffers():
     for name in ("beside", "apart"):
         store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
         channels[name] = store, run_ranks(2, lambda rank: GlooChannel(name, rendezvous, rank, 2, timeout_s=10))
+    sending = WeightSender()
     for _, ranks in channels.values():
         sender, receiver = ranks[0], ranks[1]
         loaded: list[tuple[str, torch.Tensor]] = []
-        outcomes = run_ranks(2, lambda rank: send_weights(sender, named, 7, bucket_bytes=64) if rank == 0
-                             else receive_weights(receiver, lambda pairs: loaded.extend((n, t.clone()) for n, t in pairs)))
+        outcomes = run_ranks(2, lambda rank: sending.send(sender, named, 7, bucket_bytes=64) if rank == 0
+                             else WeightReceiver().receive(receiver,
+                                                           lambda pairs: loaded.extend((n, t.clone()) for n, t in pairs)))
         assert outcomes[1] == 7
         for (_, tensor), (_, want) in zip(loaded, named, strict=True):
             assert_same(tensor, want)
-    assert weight_sync._sent[channels["beside"][1][0]][1] is weight_sync._sent[channels["apart"][1][0]][1]
+    assert sending._sent[channels["beside"][1][0]][1] is sending._sent[channels["apart"][1][0]][1]
     for channel in (ranks[rank] for _, ranks in channels.values() for rank in (0, 1)):
         channel.close()
