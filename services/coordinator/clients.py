@@ -138,14 +138,15 @@ class RolloutClient:
         if last is not None and (len(last) != len(prompts) * n or bool((last < out["weight_versions"]).any())):
             raise ValueError(f"rollout {self.address} returned last_weight_versions that are not one per response, "
                              f"each at least its weight_versions")
-        return Generated(out["response_ids"], out["response_lens"], out["logprobs"], out["truncated"],
-                         out["weight_versions"], last)
+        return Generated(response_ids=out["response_ids"], response_lens=out["response_lens"], logprobs=out["logprobs"],
+                         truncated=out["truncated"], weight_versions=out["weight_versions"], last_weight_versions=last)
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
                            timeout: float) -> None:
         async with self._conn.slot():
-            await self._stub.JoinChannel(join_request(channel_id, backend, rendezvous, rank, world_size, timeout),
-                                         timeout=timeout + 15)
+            request = join_request(channel_id, backend, rendezvous=rendezvous, rank=rank, world_size=world_size,
+                                   timeout=timeout)
+            await self._stub.JoinChannel(request, timeout=timeout + 15)
 
     async def receive_weights(self, channel_id: str, timeout: float, partial_rollout: str = "finish") -> Received:
         """Receive one broadcast; the Generate calls in flight at the swap finish under the old weights
@@ -155,7 +156,8 @@ class RolloutClient:
                                                     keep_in_flight=partial_rollout == "keep")
         async with self._conn.slot():
             reply = await self._stub.ReceiveWeights(request, timeout=timeout + 5)
-        return Received(reply.version, reply.transfer_s, reply.pause_s, dict(reply.memory))
+        return Received(version=reply.version, transfer_s=reply.transfer_s, pause_s=reply.pause_s,
+                        memory=dict(reply.memory))
 
     async def sleep(self, timeout: float) -> None:
         """Free the engine's GPU memory for a trainer on the same GPU; Generate is refused until wake_up."""
@@ -170,9 +172,10 @@ class RolloutClient:
         async with self._conn.slot():
             reply = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
         colocated = reply.details.get("colocated", "")
-        return RolloutInfo(reply.run_id, reply.weight_version, int(reply.details.get("channel_ranks", "1")),
-                           frozenset(filter(None, reply.details.get("gpus", "").split(","))),
-                           None if not colocated else colocated == "true")
+        return RolloutInfo(run_id=reply.run_id, weight_version=reply.weight_version,
+                           channel_ranks=int(reply.details.get("channel_ranks", "1")),
+                           gpus=frozenset(filter(None, reply.details.get("gpus", "").split(","))),
+                           colocated=None if not colocated else colocated == "true")
 
     async def weight_version(self) -> int:
         return (await self.info()).weight_version
@@ -202,11 +205,12 @@ class TrainerClient:
 
     async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float, role: str = "actor") -> torch.Tensor:
         """Logprobs [T] of the response tokens under the actor (role actor) or the reference (role ref)."""
-        return await self._stream_out(self._stub.ComputeLogProbs, sequence_tensors(batch), step, role, "logprobs",
-                                      timeout)
+        return await self._stream_out(self._stub.ComputeLogProbs, sequence_tensors(batch), step=step, role=role,
+                                      name="logprobs", timeout=timeout)
 
     async def compute_values(self, batch: SequenceBatch, step: int, timeout: float) -> torch.Tensor:
-        return await self._stream_out(self._stub.ComputeValues, sequence_tensors(batch), step, "", "values", timeout)
+        return await self._stream_out(self._stub.ComputeValues, sequence_tensors(batch), step=step, role="",
+                                      name="values", timeout=timeout)
 
     async def _update(self, method, tensors: dict[str, torch.Tensor], step: int, timeout: float):
         async with self._conn.slot():
@@ -226,15 +230,15 @@ class TrainerClient:
             tensors["ref_logprobs"] = ref_logprobs
         if rollout_logprobs is not None:
             tensors["rollout_logprobs"] = rollout_logprobs
-        return await self._update(self._stub.UpdateActor, tensors, step, timeout)
+        return await self._update(self._stub.UpdateActor, tensors, step=step, timeout=timeout)
 
     async def update_critic(self, batch: SequenceBatch, values: torch.Tensor, returns: torch.Tensor, step: int,
                             timeout: float) -> dict[str, float]:
         tensors = {**sequence_tensors(batch), "values": values, "returns": returns}
-        return (await self._update(self._stub.UpdateCritic, tensors, step, timeout))[0]
+        return (await self._update(self._stub.UpdateCritic, tensors, step=step, timeout=timeout))[0]
 
     async def train_supervised(self, batch: SequenceBatch, step: int, timeout: float) -> tuple[dict[str, float], int]:
-        return await self._update(self._stub.TrainSupervised, sequence_tensors(batch), step, timeout)
+        return await self._update(self._stub.TrainSupervised, sequence_tensors(batch), step=step, timeout=timeout)
 
     async def gpu(self, timeout: float = CONTROL_TIMEOUT_S) -> str:
         """The UUID of the GPU the trainer sends weights from ("" on CPU)."""
@@ -256,15 +260,17 @@ class TrainerClient:
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, world_size: int,
                            timeout: float) -> None:
         async with self._conn.slot():
-            await self._stub.JoinChannel(join_request(channel_id, backend, rendezvous, 0, world_size, timeout),
-                                         timeout=timeout + 15)
+            request = join_request(channel_id, backend, rendezvous=rendezvous, rank=0, world_size=world_size,
+                                   timeout=timeout)
+            await self._stub.JoinChannel(request, timeout=timeout + 15)
 
     async def broadcast_weights(self, channel_id: str, bucket_bytes: int, timeout: float) -> SyncResult:
         async with self._conn.slot():
             reply = await self._stub.BroadcastWeights(
                 trainer_pb2.BroadcastWeightsRequest(channel_id=channel_id, bucket_bytes=bucket_bytes, timeout_s=timeout),
                 timeout=timeout + 5)
-        return SyncResult(reply.weight_version, reply.total_bytes, reply.buckets, reply.seconds)
+        return SyncResult(weight_version=reply.weight_version, total_bytes=reply.total_bytes,
+                          buckets=reply.buckets, seconds=reply.seconds)
 
     async def save_checkpoint(self, run_id: str, path: str, timeout: float) -> int:
         """Save the hosted roles into ``path``; returns the bytes written."""
@@ -307,8 +313,9 @@ class RewardClient:
             reply = await self._stub.Score(request, timeout=timeout)
         if len(reply.scores) != len(samples):
             raise ValueError(f"reward {self.address} returned {len(reply.scores)} scores for {len(samples)} samples")
-        return [ScoredSample(s.score, s.valid, s.error, s.acc if s.HasField("acc") else None, s.pred,
-                             tuple((c.name, c.weight, c.value) for c in s.components), s.timed_out)
+        return [ScoredSample(score=s.score, valid=s.valid, error=s.error, acc=s.acc if s.HasField("acc") else None,
+                             pred=s.pred, components=tuple((c.name, c.weight, c.value) for c in s.components),
+                             timed_out=s.timed_out)
                 for s in reply.scores], reply.service_id
 
     async def close(self) -> None:

@@ -113,7 +113,7 @@ class ReplicaPool(Generic[Replica]):
         for index, size in enumerate(sizes):  # shard ``index`` goes first to replica ``index``
             lo = sum(sizes[:index])
             if size:
-                shards.append(asyncio.ensure_future(self._shard(index, lo, lo + size, call, failed)))
+                shards.append(asyncio.ensure_future(self._shard(index, lo=lo, hi=lo + size, call=call, failed=failed)))
         try:
             return list(await asyncio.gather(*shards))
         finally:  # a shard that failed for good fails the batch: the others' work would be thrown away

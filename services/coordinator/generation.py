@@ -107,7 +107,8 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
 
     async def call(replica: RolloutClient, lo: int, hi: int) -> Generated:
         started = time.monotonic()
-        generated = await replica.generate([p.token_ids for p in prompts[lo:hi]], sampling, seed, lo, timeout_s)
+        generated = await replica.generate([p.token_ids for p in prompts[lo:hi]], sampling, seed=seed, first_index=lo,
+                                           timeout=timeout_s)
         rollouts.speeds.record(replica.address, int(generated.response_lens.sum()), time.monotonic() - started)
         if int(generated.weight_versions.min()) < oldest:
             raise Unavailable(f"rollout {replica.address} generated with weight version "
@@ -119,7 +120,8 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
                     f"generating it again")
         await rollouts.refresh()
 
-    done = await map_shards_recovering(lambda: rollouts.pool, len(prompts), call, GENERATION_ATTEMPTS, refresh)
+    done = await map_shards_recovering(lambda: rollouts.pool, len(prompts), call, attempts=GENERATION_ATTEMPTS,
+                                       recover=refresh)
     counts: dict[str, int] = {}
     for result, replica in done:
         counts[replica.address] = counts.get(replica.address, 0) + len(result.response_lens)
@@ -146,7 +148,8 @@ async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Noti
     invalid = [s.error for s in scored.scores if not s.valid]
     if invalid:
         notices.log(f"{len(invalid)} samples could not be scored (scored 0), first: {invalid[0]}")
-    return Scoring(rollouts.with_scores(samples, scored), samples, scored.scores, scored.by_service)
+    return Scoring(rollouts=rollouts.with_scores(samples, scored), samples=samples, scores=scored.scores,
+                   by_service=scored.by_service)
 
 
 def reward_samples(rollouts: Rollouts, tokenizer) -> list[RewardSample]:
@@ -156,6 +159,8 @@ def reward_samples(rollouts: Rollouts, tokenizer) -> list[RewardSample]:
     samples = []
     for row, response in enumerate(responses):
         prompt = rollouts.prompts[row // rollouts.n]
-        samples.append(RewardSample(prompt.data_source, tokenizer.decode(response.tolist(), skip_special_tokens=True),
-                                    prompt.ground_truth, prompt.extra_info, prompt_texts[row // rollouts.n]))
+        samples.append(RewardSample(data_source=prompt.data_source,
+                                    response=tokenizer.decode(response.tolist(), skip_special_tokens=True),
+                                    ground_truth=prompt.ground_truth, extra_info=prompt.extra_info,
+                                    prompt=prompt_texts[row // rollouts.n]))
     return samples

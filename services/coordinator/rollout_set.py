@@ -200,8 +200,8 @@ class RolloutSet:
                 await self.drop(address, f"it did not answer within {PROBE_TIMEOUT_S:.0f} s")
             return answering
 
-        return await wait_for(look, self.notices, self.should_stop,
-                              f"no rollout of group {self.settings.group!r} answers: waiting for one to register")
+        reason = f"no rollout of group {self.settings.group!r} answers: waiting for one to register"
+        return await wait_for(look, self.notices, should_stop=self.should_stop, reason=reason)
 
     async def _probe(self, addresses: set[str]) -> dict[str, tuple[RolloutClient, RolloutInfo]]:
         """Client and Info of each address that answers within PROBE_TIMEOUT_S (members keep their client)."""
@@ -217,8 +217,8 @@ class RolloutSet:
         is left out, unless the failure is the run's: a bad model path fails the run)."""
         loading = [client for client, info in found.values() if info.run_id != self.run_id]
         settings = self.settings
-        loaded = await asyncio.gather(*(c.init_run(self.run_id, settings.model_path, settings.dtype,
-                                                   settings.rpc_timeout_s, allow_pickle=settings.allow_pickle)
+        loaded = await asyncio.gather(*(c.init_run(self.run_id, settings.model_path, dtype=settings.dtype,
+                                                   timeout=settings.rpc_timeout_s, allow_pickle=settings.allow_pickle)
                                         for c in loading), return_exceptions=True)
         admitted = []
         for client, info in found.values():

@@ -151,7 +151,7 @@ class WeightChannels:
         base = f"{self._prefix}-{self._generation}"
         channel_ids = [base] if len(plans) == 1 else [f"{base}-{index}" for index in range(len(plans))]
         before = list(self.members())
-        joined, joiners = await self._join(channel_ids, plans, clients, ranks) if not failed else ([], [])
+        joined, joiners = await self._join(channel_ids, plans, clients=clients, ranks=ranks) if not failed else ([], [])
         failed |= {c.address: r for c, r in zip(joiners, joined) if c is not None and isinstance(r, Exception)}
         left = [m for m in before if m in clients and m not in self.members()]  # dropped (and closed) while joining
         failed |= {m.address: Unavailable("it left the run meanwhile") for m in left}
@@ -240,17 +240,18 @@ class WeightChannels:
         rpc_timeout_s, timeout = self.settings.rpc_timeout_s, self.settings.channel_timeout_s
         client = {c.address: c for c in clients}
         taken_by = [[ranks[address] for address in plan.addresses] for plan in plans]
-        rendezvous = [await self.actor.prepare_channel(channel_id, plan.backend, 1 + sum(taken), rpc_timeout_s,
-                                                       keep_joined=index > 0)
+        rendezvous = [await self.actor.prepare_channel(channel_id, plan.backend, world_size=1 + sum(taken),
+                                                       timeout=rpc_timeout_s, keep_joined=index > 0)
                       for index, (channel_id, plan, taken) in enumerate(zip(channel_ids, plans, taken_by))]
         joins, joiners = [], []
         for channel_id, plan, taken, meeting in zip(channel_ids, plans, taken_by, rendezvous):
             world_size = 1 + sum(taken)
-            joins.append(self.actor.join_channel(channel_id, plan.backend, meeting, world_size, timeout))
+            joins.append(self.actor.join_channel(channel_id, plan.backend, rendezvous=meeting, world_size=world_size,
+                                                 timeout=timeout))
             joiners.append(None)
             for rank, address in zip(itertools.accumulate([1, *taken]), plan.addresses):
-                joins.append(client[address].join_channel(channel_id, plan.backend, meeting, rank, world_size,
-                                                          timeout))
+                joins.append(client[address].join_channel(channel_id, plan.backend, rendezvous=meeting, rank=rank,
+                                                          world_size=world_size, timeout=timeout))
                 joiners.append(client[address])
         joins = [asyncio.ensure_future(join) for join in joins]
         _, waiting = await asyncio.wait(joins, return_when=asyncio.FIRST_EXCEPTION)

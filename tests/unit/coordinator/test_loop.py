@@ -434,12 +434,12 @@ def test_one_step_ahead_the_validation_of_a_step_runs_while_the_next_trains_and_
     timeline = []
     rollout, trainer = mesh.rollouts["rollout:1"], mesh.trainer
     generate, update, receive = rollout.generate, trainer.update_actor, rollout.receive_weights
-    seed = mesh.loop.settings.validation.seed
+    validation_seed = mesh.loop.settings.validation.seed
 
-    async def traced_generate(prompts, sampling, call_seed, first_index, timeout):
-        kind = "validation" if call_seed == seed else "generation"
+    async def traced_generate(prompts, sampling, seed, first_index, timeout):
+        kind = "validation" if seed == validation_seed else "generation"
         timeline.append(f"{kind} from v{rollout.version} begins")
-        generated = await generate(prompts, sampling, call_seed, first_index, timeout)
+        generated = await generate(prompts, sampling, seed, first_index, timeout)
         timeline.append(f"{kind} from v{int(generated.weight_versions[0])} ends")
         return generated
 
