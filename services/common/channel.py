@@ -82,17 +82,19 @@ def _open_weight_channel(channel_id: str, backend: str, rendezvous: bytes, rank:
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     if backend == "gloo":
-        return GlooChannel(channel_id, rendezvous, rank, world_size, timeout_s)
+        return GlooChannel(channel_id, rendezvous, rank=rank, world_size=world_size, timeout_s=timeout_s)
     if backend == "nccl":
         if not device.startswith("cuda"):
             raise ValueError(f"channel backend nccl needs a CUDA device, this service runs on {device!r}")
         from services.common.nccl_channel import NcclChannel
 
-        return NcclChannel(channel_id, rendezvous, rank, world_size, timeout_s, device)
+        return NcclChannel(channel_id, rendezvous, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                           device=device)
     if backend == "cuda_ipc":
         from services.common.ipc_channel import CudaIpcChannel
 
-        return CudaIpcChannel(channel_id, rendezvous, rank, world_size, timeout_s, device)
+        return CudaIpcChannel(channel_id, rendezvous, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                              device=device)
     raise ValueError(f"channel backend must be gloo, nccl or cuda_ipc, got {backend!r}")
 
 

@@ -38,7 +38,7 @@ class CudaIpcChannel:
         if self.device.index is None:  # "cuda" means the current device
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.channel_id, self.rank, self.world_size = channel_id, rank, world_size
-        self.control = GlooChannel(channel_id, rendezvous, rank, world_size, timeout_s)
+        self.control = GlooChannel(channel_id, rendezvous, rank=rank, world_size=world_size, timeout_s=timeout_s)
 
     @property
     def timeout_s(self) -> float:

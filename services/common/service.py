@@ -175,7 +175,8 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    heartbeat = (asyncio.create_task(keep_registered(identity, endpoint.coordinator, stop, servicer.weight_version))
+    heartbeat = (asyncio.create_task(keep_registered(identity, endpoint.coordinator, stop=stop,
+                                                     weight_version=servicer.weight_version))
                  if endpoint.coordinator else None)
     await stop.wait()
     log.info("stopping", grace_s=endpoint.grace_s)
@@ -246,9 +247,10 @@ def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.ai
 
         torch.set_num_threads(config.torch_threads)
         torch.set_num_interop_threads(config.torch_threads)
-    endpoint = Endpoint(kind, config.host, config.port, config.group, config.coordinator, config.grace_s,
-                        describe_gpus(config.compute_devices()), config.metrics_port,
-                        config.response_write_timeout_s)
+    endpoint = Endpoint(kind=kind, host=config.host, port=config.port, group=config.group,
+                        coordinator=config.coordinator, grace_s=config.grace_s,
+                        gpu=describe_gpus(config.compute_devices()), metrics_port=config.metrics_port,
+                        response_write_timeout_s=config.response_write_timeout_s)
     try:
         uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))
     except ValueError as error:  # what the servicer refuses to start with (a plugin that fails to import, ...)

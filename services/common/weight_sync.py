@@ -69,7 +69,7 @@ def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int,
         if entries and size + padded > bucket_bytes:
             buckets.append(Bucket(size, tuple(entries)))
             entries, size = [], 0
-        entries.append(Entry(name, DTYPE_NAMES[sent_dtype], tuple(tensor.shape), size))
+        entries.append(Entry(name=name, dtype=DTYPE_NAMES[sent_dtype], shape=tuple(tensor.shape), offset=size))
         size += padded
     if entries:
         buckets.append(Bucket(size, tuple(entries)))
@@ -143,7 +143,8 @@ def _manifest_json(buckets: list[Bucket]) -> bytes:
 
 def _manifest_from_json(data: bytes) -> list[Bucket]:
     return [
-        Bucket(b["size"], tuple(Entry(name, dtype, tuple(shape), offset) for name, dtype, shape, offset in b["entries"]))
+        Bucket(b["size"], tuple(Entry(name=name, dtype=dtype, shape=tuple(shape), offset=offset)
+                                for name, dtype, shape, offset in b["entries"]))
         for b in json.loads(data)
     ]
 

@@ -50,8 +50,9 @@ class ServiceEntry:
 
 
 def status_from_pb(info: coordinator_pb2.RunInfo) -> RunStatus:
-    return RunStatus(info.run_id, info.name, info.state, info.step, info.total_steps, info.run_dir, info.error,
-                     dict(info.metrics), info.last_event_id)
+    return RunStatus(run_id=info.run_id, name=info.name, state=info.state, step=info.step,
+                     total_steps=info.total_steps, run_dir=info.run_dir, error=info.error, metrics=dict(info.metrics),
+                     last_event_id=info.last_event_id)
 
 
 class CoordinatorClient:
@@ -92,13 +93,17 @@ class CoordinatorClient:
         """The run's events after ``after_event_id`` (0: all of them), then live ones, until the run ends."""
         request = coordinator_pb2.GetRunRequest(run_id=run_id, after_event_id=after_event_id)
         async for event in self._stub.WatchRun(request):
-            yield RunUpdate(event.kind, event.step, event.state, event.message, dict(event.metrics))
+            yield RunUpdate(kind=event.kind, step=event.step, state=event.state, message=event.message,
+                            metrics=dict(event.metrics))
 
     async def list_services(self) -> list[ServiceEntry]:
         reply = await self._stub.ListServices(coordinator_pb2.ListServicesRequest(), timeout=TIMEOUT_S)
-        return [ServiceEntry(s.identity.kind, s.identity.address, s.identity.group, s.state, s.last_seen_s,
-                             s.identity.service_id, s.identity.hostname, s.identity.gpu, s.identity.meshrl_version,
-                             s.weight_version if s.HasField("weight_version") else None) for s in reply.services]
+        return [ServiceEntry(kind=s.identity.kind, address=s.identity.address, group=s.identity.group, state=s.state,
+                             last_seen_s=s.last_seen_s, service_id=s.identity.service_id,
+                             hostname=s.identity.hostname, gpu=s.identity.gpu,
+                             meshrl_version=s.identity.meshrl_version,
+                             weight_version=s.weight_version if s.HasField("weight_version") else None)
+                for s in reply.services]
 
     async def close(self) -> None:
         await self._channel.close()

@@ -77,7 +77,7 @@ class HFRolloutEngine:
         model = load_causal_lm(model_path, dtype, allow_pickle).to(config.device)
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        self.engine = HFEngine(model, pad, (eos,), config.batch_size)
+        self.engine = HFEngine(model, pad_id=pad, eos_ids=(eos,), batch_size=config.batch_size)
         self.vocab_size = model.config.vocab_size
         self.max_model_len = model.config.max_position_embeddings
         self.device = config.device
@@ -104,7 +104,7 @@ class HFRolloutEngine:
                 self._apply_pending()
                 return self.weight_version
 
-            return self.engine.generate(prompts, sampling, first_index, before_step)
+            return self.engine.generate(prompts, sampling, first_index=first_index, before_step=before_step)
 
         return await self.gate.run(lambda call: self._on_engine(attempt, call))
 
@@ -141,7 +141,8 @@ class HFRolloutEngine:
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s):
         """Leave the channels joined before, then join this one."""
         await self._leave_channels()
-        await self.channels.join(channel_id, backend, rendezvous, rank, world_size, timeout_s)
+        await self.channels.join(channel_id, backend, rendezvous=rendezvous, rank=rank, world_size=world_size,
+                                 timeout_s=timeout_s)
 
     async def receive_weights(self, channel_id, timeout_s, partial_rollout="finish"):
         """Receive into staging buffers while generation goes on, then swap them in behind the gate, on the
@@ -164,7 +165,8 @@ class HFRolloutEngine:
             await (self._apply_between_steps(apply) if partial_rollout == "keep" else self._on_engine(apply))
         done = time.perf_counter()
         stages = {**staged.timer.seconds, "drain": drained - received, "apply": done - drained}
-        return WeightSwap(self.weight_version, received - started, done - received, stages)
+        return WeightSwap(version=self.weight_version, transfer_s=received - started, pause_s=done - received,
+                          stages=stages)
 
     async def sleep(self):
         pass
@@ -183,5 +185,5 @@ async def load_engine(config: RolloutServiceConfig, model_path: str, dtype: str,
     if config.engine == "vllm":
         from services.rollout.vllm_engine import VLLMEngine
 
-        return await VLLMEngine.create(model_path, dtype, config, allow_pickle)
-    return await asyncio.to_thread(HFRolloutEngine, model_path, dtype, config, allow_pickle)
+        return await VLLMEngine.create(model_path, dtype, config=config, allow_pickle=allow_pickle)
+    return await asyncio.to_thread(HFRolloutEngine, model_path, dtype, config=config, allow_pickle=allow_pickle)

@@ -92,7 +92,8 @@ class HFEngine:
             generators = [
                 torch.Generator().manual_seed(hash_seed(sampling.seed, first_index + i, k)) for i, k in chunk
             ]
-            outputs = self._generate_rows([prompts[i] for i, _ in chunk], generators, sampling, before_step)
+            outputs = self._generate_rows([prompts[i] for i, _ in chunk], generators, sampling=sampling,
+                                          before_step=before_step)
             done.update(zip(chunk, outputs))
         return [[done[(i, k)] for k in range(sampling.n)] for i in range(len(prompts))]
 
@@ -135,7 +136,8 @@ class HFEngine:
             step_ids = torch.where(finished, torch.full_like(chosen, self.pad_id), chosen).unsqueeze(-1)
             attention_mask = torch.cat([attention_mask, (~finished).long().unsqueeze(-1)], dim=-1)
         return [
-            Completion(t, lp, "stop" if t and t[-1] in stops.tolist() else "length", first_version, last)
+            Completion(token_ids=t, logprobs=lp, finish_reason="stop" if t and t[-1] in stops.tolist() else "length",
+                       first_version=first_version, last_version=last)
             for t, lp, last in zip(tokens, logprobs, last_versions)
         ]
 

@@ -35,10 +35,11 @@ def sampling_from_pb(params: rollout_pb2.SamplingParams, config: RolloutServiceC
     if len(params.stop_token_ids) > MAX_STOP_TOKENS:
         raise ValueError(f"params.stop_token_ids holds {len(params.stop_token_ids)} ids, more than {MAX_STOP_TOKENS}")
     return SamplingSettings(
-        check_at_most("params.n", params.n, config.max_n, "max_n"),
-        check_temperature("params.temperature", params.temperature), params.top_p,
-        check_at_most("params.max_new_tokens", params.max_new_tokens, config.max_new_tokens, "max_new_tokens"),
-        params.seed, tuple(params.stop_token_ids),
+        n=check_at_most("params.n", params.n, limit=config.max_n, setting="max_n"),
+        temperature=check_temperature("params.temperature", params.temperature), top_p=params.top_p,
+        max_new_tokens=check_at_most("params.max_new_tokens", params.max_new_tokens, limit=config.max_new_tokens,
+                                     setting="max_new_tokens"),
+        seed=params.seed, stop_token_ids=tuple(params.stop_token_ids),
     )
 
 
@@ -53,7 +54,8 @@ def partial_rollout_from_pb(request: rollout_pb2.ReceiveWeightsRequest) -> Parti
 def check_call_size(prompts: int, sampling: SamplingSettings, config: RolloutServiceConfig) -> None:
     """Refuse a call whose prompts x n x max_new_tokens is over max_tokens_per_call."""
     check_at_most(f"{prompts} prompts x params.n {sampling.n} x params.max_new_tokens {sampling.max_new_tokens}",
-                  prompts * sampling.n * sampling.max_new_tokens, config.max_tokens_per_call, "max_tokens_per_call")
+                  prompts * sampling.n * sampling.max_new_tokens, limit=config.max_tokens_per_call,
+                  setting="max_tokens_per_call")
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -84,7 +86,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             await self.engine.close()
             self.engine = None
         try:
-            engine = await load_engine(self.config, request.model_path, dtype, request.allow_pickle)
+            engine = await load_engine(self.config, request.model_path, dtype=dtype, allow_pickle=request.allow_pickle)
         except (OSError, ValueError, KeyError) as error:  # what transformers and vLLM raise for a folder they refuse
             raise ValueError(f"model_path {request.model_path}: the model cannot be loaded "
                              f"({type(error).__name__}: {error})") from None
@@ -127,7 +129,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def JoinChannel(self, request, context):
         timeout_s = check_wait("timeout_s", request.timeout_s)
         await self._require_engine().join_channel(
-            request.channel_id, request.backend, request.rendezvous, request.rank, request.world_size, timeout_s)
+            request.channel_id, request.backend, rendezvous=request.rendezvous, rank=request.rank,
+            world_size=request.world_size, timeout_s=timeout_s)
         log.info("channel_joined", channel_id=request.channel_id, rank=request.rank, world_size=request.world_size)
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 

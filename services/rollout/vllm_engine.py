@@ -87,7 +87,7 @@ class VLLMEngine:
         vocab_size = llm.vllm_config.model_config.get_vocab_size()
         await llm.collective_rpc("meshrl_end_with", args=(os.getpid(),))
         gpus = tuple(await llm.collective_rpc("meshrl_gpu"))
-        return cls(llm, vocab_size, tokenizer.eos_token_id, config, gpus)
+        return cls(llm, vocab_size=vocab_size, eos_id=tokenizer.eos_token_id, config=config, gpus=gpus)
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
                        first_index: int) -> list[list[Completion]]:
@@ -116,7 +116,8 @@ class VLLMEngine:
             request_ids = [uuid.uuid4().hex for _ in prompts]
             try:  # an interrupt cancels the requests (cancelling AsyncLLM.generate aborts its request in vLLM)
                 return list(await call.unless_interrupted(
-                    asyncio.gather(*(one(i, p, version, r) for i, (p, r) in enumerate(zip(prompts, request_ids))))))
+                    asyncio.gather(*(one(i, p, first_version=version, request_id=r)
+                                     for i, (p, r) in enumerate(zip(prompts, request_ids))))))
             except BaseException:  # nothing goes on generating for no one: neither the requests beside one that
                 await self.llm.abort(request_ids)  # failed, nor those of a call cancelled (its client gone, its
                 raise  # deadline passed); vLLM ignores the ids it has finished
@@ -163,7 +164,8 @@ class VLLMEngine:
         done = time.perf_counter()
         stages.update(worker_stages(applied), wait_rpcs=received - started - stages["start_rpc"],
                       drain=drained - received, apply=done - drained)
-        return WeightSwap(self.weight_version, received - started, done - received, stages)
+        return WeightSwap(version=self.weight_version, transfer_s=received - started, pause_s=done - received,
+                          stages=stages)
 
     @contextlib.asynccontextmanager
     async def _frozen(self, freeze: bool, stages: dict[str, float]):
@@ -194,7 +196,8 @@ class VLLMEngine:
                                              clear_prefix_cache=self.prefix_caching)
         done = time.perf_counter()
         stages = {**worker_stages(applied), "drain": drained - started, "receive_rpc": done - drained}
-        return WeightSwap(self.weight_version, done - drained, done - started, stages)
+        return WeightSwap(version=self.weight_version, transfer_s=done - drained, pause_s=done - started,
+                          stages=stages)
 
     async def _swapped_in(self, method: str, args: tuple, timeout_s: float,
                           clear_prefix_cache: bool) -> list[tuple[int, dict]]:
@@ -257,7 +260,8 @@ def completion_of(output, stops: list[int], first_version: int, last_version: in
     tokens = list(output.token_ids)
     logprobs = [output.logprobs[i][token].logprob for i, token in enumerate(tokens)]
     finished_by_stop = output.finish_reason == "stop" or (tokens and tokens[-1] in stops)
-    return Completion(tokens, logprobs, "stop" if finished_by_stop else "length", first_version, last_version)
+    return Completion(token_ids=tokens, logprobs=logprobs, finish_reason="stop" if finished_by_stop else "length",
+                      first_version=first_version, last_version=last_version)
 
 
 async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, timeout_s: float) -> None:
