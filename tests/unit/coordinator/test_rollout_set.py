@@ -38,7 +38,7 @@ class RefusingRollout:
         self.address, self.refusal, self.joins = address, refusal, 0
 
     async def info(self, timeout=None):
-        return RolloutInfo("run", 0, 1)
+        return RolloutInfo(run_id="run", weight_version=0, channel_ranks=1)
 
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout):
         self.joins += 1
@@ -56,8 +56,9 @@ async def test_a_rollout_that_refuses_every_join_ends_the_formation_after_three(
     """Not a wait for the trainer's side (the channel's deadline), nor formations without end: three, each an
     event, then the ending ``not_formed`` chose, naming the rollout's refusal."""
     rollout, notices = RefusingRollout("r:1", refusal), Notices()
-    rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), JoiningTrainer(), lambda: ["r:1"],
-                          notices, lambda: False, connect=lambda address: rollout)
+    rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), actor=JoiningTrainer(),
+                          find=lambda: ["r:1"], notices=notices, should_stop=lambda: False,
+                          connect=lambda address: rollout)
     with pytest.raises(ending, match=r"could not be formed in 3 attempts; the first: rollout r:1 did not join "
                                      rf"\({refusal.code().name}: {refusal.details()}\)"):
         await asyncio.wait_for(rollouts.form(), 5)
@@ -72,7 +73,7 @@ class SendingTrainer:
 
     async def broadcast_weights(self, channel_id, bucket_bytes, timeout):
         self.sent_on.append(channel_id)
-        return SyncResult(3, 1024, 1, 0.001)
+        return SyncResult(weight_version=3, total_bytes=1024, buckets=1, seconds=0.001)
 
 
 class SleepingMember(SyncingMember):
@@ -91,8 +92,8 @@ async def test_a_sync_reaches_every_channel_and_only_rollouts_on_the_trainers_de
     """Every GPU generating: one rollout beside the trainer (its own channel, asleep while the trainer works),
     one on a GPU of its own that goes on."""
     beside, apart, trainer = SleepingMember("beside:1"), SleepingMember("apart:1"), SendingTrainer()
-    rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), trainer, lambda: [], Notices(),
-                          lambda: False)
+    rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), actor=trainer, find=lambda: [],
+                          notices=Notices(), should_stop=lambda: False)
     rollouts.members, rollouts.stale = [beside, apart], False
     rollouts.channels.formed = {"w-0": ("beside:1",), "w-1": ("apart:1",)}
     rollouts.channels.colocated = {"beside:1"}

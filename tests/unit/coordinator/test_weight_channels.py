@@ -19,7 +19,7 @@ from services.coordinator.weight_channels import ChannelNotFormed, ChannelPlan, 
 
 
 def on(*gpus: str, colocated: bool | None = None) -> RolloutInfo:
-    return RolloutInfo("run", 0, 1, frozenset(gpus), colocated)
+    return RolloutInfo(run_id="run", weight_version=0, channel_ranks=1, gpus=frozenset(gpus), colocated=colocated)
 
 
 def test_weight_channels_follow_where_trainer_and_rollouts_sit():
@@ -69,7 +69,7 @@ class SyncingMember:
 
     async def receive_weights(self, channel_id, timeout, partial_rollout="finish"):
         if self.fails is None:
-            return Received(3, 0.01, 0.0)
+            return Received(version=3, transfer_s=0.01, pause_s=0.0)
         closing = asyncio.ensure_future(self.closed.wait())
         done, _ = await asyncio.wait({closing}, timeout=0.05)
         if done:
@@ -94,7 +94,8 @@ class Notices:
 
 def syncing(*members: SyncingMember) -> tuple[RolloutSet, StuckTrainer]:
     trainer = StuckTrainer()
-    rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), trainer, lambda: [], Notices(), lambda: False)
+    rollouts = RolloutSet("run", rollout_set_settings(validate(RunConfig, {})), actor=trainer, find=lambda: [],
+                          notices=Notices(), should_stop=lambda: False)
     rollouts.members = list(members)
     rollouts.channels.formed = {"run-weights-1": tuple(member.address for member in members)}
     return rollouts, trainer
