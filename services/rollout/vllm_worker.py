@@ -88,7 +88,7 @@ class MeshrlWorkerExtension:
 
     def _meshrl_receiver(self) -> WeightReceiver:
         """This worker's receiving side, which keeps what its channels carried from sync to sync."""
-        return self.__dict__.setdefault("_meshrl_receiver", WeightReceiver())
+        return self.__dict__.setdefault("_meshrl_weight_receiver", WeightReceiver())
 
     def _meshrl_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket: copied straight into the model when every tensor has a learned view
