@@ -18,6 +18,7 @@ from services.common.config import Section
 from services.common.limits import MAX_WAIT_S, MIN_TEMPERATURE, check_temperature
 from services.common.paths import check_name
 from services.run.sections.fsdp import FSDPConfig
+from services.run.sections.optim import OptimConfig
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -88,26 +89,6 @@ class ModelConfig(Section):
     backward pass: the fp32 logits it holds are chunk x vocabulary (1024 x 152k: 0.6 GB) instead of the whole
     micro-batch's. Larger chunks make fewer, larger matrix products; 0 = the whole micro-batch's logits at once
     (also what a model whose logits are not its output layer's alone, e.g. soft-capped, always gets)."""
-
-
-class OptimConfig(Section):
-    lr: PositiveFloat = 1e-6
-    """Peak learning rate of AdamW."""
-    weight_decay: float = Field(0.01, ge=0)
-    """AdamW's decoupled weight decay (torch.optim.AdamW's weight_decay): each optimizer step multiplies every
-    trained weight, biases and norms included, by 1 - lr * weight_decay at that step's scheduled lr."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW's (beta1, beta2): decay rates of its running means of the gradient and of the squared gradient.
-    The actor's also serve its warm start's optimizer."""
-    lr_warmup_steps: int = Field(0, ge=0)
-    """Training steps W of linear warmup (0 = none); the schedule advances once per update call, as in verl.
-    Training step k (1-based) updates at lr * k / W up to k = W: lr / W first, the full lr at step W. verl by
-    default ramps one step later, at lr * (k - 1) / W, so its first update runs at lr 0 and changes nothing;
-    meshrl does not spend an RL step that way."""
-    warmup_style: Literal["constant", "cosine"] = "constant"
-    """After warmup: constant, or cosine decay to min_lr_ratio at trainer.total_training_steps."""
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    """Floor of the cosine schedule, as a fraction of lr."""
 
 
 class WarmStartConfig(Section):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from services.run.models import load_causal_lm, load_tokenizer, load_value_model
-from services.run.config import ActorConfig, OptimConfig, RunConfig
+from services.run.config import ActorConfig, RunConfig
 from services.run.sections.fsdp import FSDPConfig
+from services.run.sections.optim import OptimConfig
 from services.trainer.actor import Actor
 from services.trainer.critic import Critic
 from services.trainer.optim import OptimSettings
