@@ -52,7 +52,7 @@ import yaml
 
 from bench.grpo_step import (MICRO_BATCH, PROMPT_TOKENS, PROMPTS, RESPONSE_TOKENS, ROOT, SAMPLES, machine,
                              meshrl_config, prepare_assets)
-from services.run.config import ActorConfig
+from services.run.sections.actor import ActorConfig
 from services.common.sequences import SequenceBatch
 from services.coordinator.runs import parse_run_config
 from services.coordctl.tiny_model import QWEN25_SHAPES

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from services.run.models import load_causal_lm, load_tokenizer, load_value_model
-from services.run.config import ActorConfig, RunConfig
+from services.run.config import RunConfig
+from services.run.sections.actor import ActorConfig
 from services.run.sections.fsdp import FSDPConfig
 from services.run.sections.optim import OptimConfig
 from services.trainer.actor import Actor

@@ -1,0 +1,87 @@
+"""The actor (verl's ``actor_rollout_ref.actor``): the policy being trained, its PPO loss, its batches, its
+optimizer, how the trainer holds it, and the supervised warm start before RL."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from services.common.config import Section
+from services.run.sections.fsdp import FSDPConfig
+from services.run.sections.optim import OptimConfig
+
+
+class WarmStartConfig(Section):
+    steps: int = Field(0, ge=0)
+    """Supervised steps before RL (0 = none), a stand-in for an SFT model: each response taught is the row's
+    worked solution, extra_info.answer (as verl's GSM8K preprocessing keeps it), else its ground truth."""
+    batch_size: PositiveInt = 64
+    """Prompts per supervised step."""
+    lr: PositiveFloat = 3e-3
+    """Peak learning rate of the warm start's own AdamW (betas and grad_clip as the actor's, no weight decay)."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Warm-start steps W of linear warm-up (0 = none): step k (1-based) runs at lr * k / W up to k = W, as the
+    actor's optim.lr_warmup_steps."""
+    warmup_style: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: constant, or cosine decay to min_lr_ratio * lr at the warm start's last step."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Floor of the cosine decay, as a fraction of lr."""
+    own_rows: bool = False
+    """Teach rows that RL never draws: steps x batch_size rows of the training data, chosen by a seeded shuffle,
+    are the warm start's (each taught once) and RL's batches come from the rest, so RL does not spend its steps
+    on problems whose answers were just taught."""
+
+
+class ActorConfig(Section):
+    optim: OptimConfig = OptimConfig()
+    ppo_mini_batch_size: PositiveInt = 16
+    """Prompts per optimizer step (each with its rollout.n responses)."""
+    ppo_micro_batch_size_per_gpu: PositiveInt = 64
+    """Sequences per forward/backward on one rank; gradients are accumulated over a mini-batch."""
+    use_dynamic_bsz: bool = False
+    """Cut micro-batches by a token budget (ppo_max_token_len_per_gpu) instead of a count of sequences."""
+    ppo_max_token_len_per_gpu: PositiveInt = 16384
+    """With use_dynamic_bsz: most tokens a micro-batch holds on one rank, counted as the forward pass holds
+    them: all tokens of its sequences when the passes pack (model.use_remove_padding; by default on a GPU), else
+    rows x its longest row (sequences are taken longest first, so little padding is counted). Must fit the
+    longest sequence, data.max_prompt_length + data.max_response_length."""
+    ppo_epochs: PositiveInt = 1
+    """Passes over each step's batch in the actor's update: each pass reshuffles the batch's responses and cuts
+    them into mini-batches of ppo_mini_batch_size x rollout.n responses, one optimizer step each. The
+    learning-rate schedule still advances once per step."""
+    recompute_old_log_prob: bool | None = None
+    """Compute the old policy's logprobs (pi_old of the PPO ratio) in a no-grad pass over the batch before the
+    update (timing_s/old_log_prob). null = only where the update needs them: when it is one optimizer step over
+    the whole batch (ppo_epochs 1, ppo_mini_batch_size = data.train_batch_size) and no
+    algorithm.use_kl_in_reward, pi_old is the weights the update starts from, and the update takes its own
+    logprobs, detached, instead (the ratio is 1; the rollout correction still compares with the rollout's);
+    true = always; false = never, refused where the update needs them."""
+    clip_ratio_low: float = Field(0.2, gt=0, lt=1)
+    """PPO clip range below 1."""
+    clip_ratio_high: float = Field(0.2, gt=0)
+    """PPO clip range above 1 (raise it for DAPO's clip-higher)."""
+    clip_ratio_c: float | None = Field(3.0, gt=1)
+    """Dual-clip bound for negative advantages (null disables dual-clip)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    """How per-token losses become one number; seq-mean-token-sum-norm is Dr. GRPO."""
+    entropy_coeff: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * KL(actor || reference) to the loss (GRPO's way); needs a reference."""
+    kl_loss_coef: float = Field(0.001, ge=0)
+    """With use_kl_loss: weight of the KL term added to the actor's loss, kl_loss_coef * the kl_loss_type
+    estimate of KL(actor || reference) aggregated as the loss is (loss_agg_mode); logged as actor/kl_loss."""
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    """KL estimator of the loss term."""
+    grad_clip: PositiveFloat = 1.0
+    """Max global gradient norm."""
+    warm_start: WarmStartConfig = WarmStartConfig()
+    strategy: Literal["auto", "fsdp2", "none"] = "auto"
+    """How the trainer holds the actor: fsdp2 = sharded over the trainer's ranks (torchrun) with FSDP2, on one
+    rank too; none = whole on one rank, refused on a trainer of several ranks; auto = fsdp2 when the trainer
+    runs several ranks or fsdp_config asks for mixed precision or parameter offload, else none (so one CPU
+    rank trains as fast as without FSDP)."""
+    fsdp_config: FSDPConfig = FSDPConfig()
+    """How the trainer holds the actor; the reference follows the actor's strategy and fsdp_config."""
