@@ -1,0 +1,82 @@
+"""The rollout (verl's ``actor_rollout_ref.rollout``): how responses are sampled, in training and in
+validation, what becomes of generations in flight when weights change, and the rollout-side settings of the
+trainer's logprob passes."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, PositiveInt
+
+from services.common.config import Section
+from services.common.limits import MIN_TEMPERATURE, check_temperature
+
+
+class ValKwargsConfig(Section):
+    """How validation samples (verl's actor_rollout_ref.rollout.val_kwargs): greedy by default."""
+
+    n: PositiveInt = 1
+    """Responses per validation prompt: mean@n, and best@k, worst@k and maj@k for k = 2, 4, ..., n."""
+    temperature: Annotated[float, AfterValidator(partial(check_temperature, "temperature"))] = 0.0
+    """Sampling temperature of validation when do_sample is true: 0 (greedy) or at least 0.001."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling of validation when do_sample is true."""
+    top_k: Literal[-1] = -1
+    """Accepted for verl's configs; only -1 (no top-k cut), which is all meshrl's engines do."""
+    do_sample: bool = False
+    """False: greedy decoding, whatever temperature and top_p say (verl's meaning); true: sample at them."""
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature validation decodes at (0: greedy)."""
+        return self.temperature if self.do_sample else 0.0
+
+    @property
+    def sampling_top_p(self) -> float:
+        return self.top_p if self.do_sample else 1.0
+
+
+class RolloutConfig(Section):
+    name: Literal["hf", "vllm"] = "hf"
+    """Engine the rollout services must run; checked against what registered."""
+    n: PositiveInt = 8
+    """Responses sampled per prompt."""
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False)
+    """Sampling temperature, at least 0.001: responses are drawn from softmax(logits / temperature). The trainer
+    divides the logits by the same temperature for the old, reference and updated logprobs and the entropy, so
+    the PPO ratio compares the distribution the samples came from."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: each token is drawn from the smallest set of most likely tokens whose probabilities
+    add up to top_p (1 = the whole vocabulary). Only sampling applies it: the trainer's logprobs are those of
+    the whole temperature-scaled distribution."""
+    stop_token_ids: list[int] = []
+    """Token ids that end a response besides EOS."""
+    log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
+    """Sequences per forward pass of the trainer's old and reference logprobs; null = the actor's
+    ppo_micro_batch_size_per_gpu."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Cut those passes by a token budget; null = the actor's use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: PositiveInt | None = None
+    """Their token budget (passes without gradients can hold more); null = the actor's
+    ppo_max_token_len_per_gpu."""
+    free_cache_engine: bool = False
+    """Put the rollout engines that share the actor trainer's GPU to sleep while it works on a step (vLLM sleep
+    level 1: KV cache freed, weights moved to CPU memory) and wake them for the weight sync (those rollout
+    services started with enable_sleep_mode); rollouts on other GPUs stay awake. Synchronous runs only."""
+    partial_rollout: Literal["keep", "finish", "restart"] = "keep"
+    """What becomes of the Generate calls in flight when new weights arrive (asynchronous runs, where
+    generation goes on during a sync): keep = they are held only while the weights are swapped in and go on
+    under the new version with the tokens (and KV cache) they have, each sample recording the first and last
+    version of its tokens (its staleness counted from the first); finish = they complete under the old
+    version, the swap waiting for them; restart = they are stopped and sampled again, whole, under the new
+    version, with the same seeds: fresher samples for the compute thrown away."""
+    val_kwargs: ValKwargsConfig = ValKwargsConfig()
+    """Sampling of validation (verl's key)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """verl's share of a GPU's memory for vLLM. In meshrl a rollout service is started with its own
+    gpu_memory_utilization; coordctl start-run --local passes this one to the rollout it starts, a run on a
+    cluster reports it as not used."""
+    tensor_model_parallel_size: PositiveInt | None = None
+    """verl's tensor parallelism of vLLM. As gpu_memory_utilization: the rollout service's own
+    tensor_parallel_size; --local passes this one on, a cluster run reports it as not used."""
