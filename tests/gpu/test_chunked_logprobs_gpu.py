@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from services.run.models import load_causal_lm
-from services.run.config import ModelConfig
+from services.run.sections.actor_rollout_ref import ModelConfig
 from services.common.sequences import SequenceBatch
 from services.trainer.forward import response_logprobs
 from tests.gpu.conftest import needs

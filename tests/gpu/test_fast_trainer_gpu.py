@@ -20,7 +20,7 @@ import time
 import torch
 
 from services.run.models import load_causal_lm
-from services.run.config import ModelConfig
+from services.run.sections.actor_rollout_ref import ModelConfig
 from services.common.sequences import SequenceBatch
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.batching import MicroBatching

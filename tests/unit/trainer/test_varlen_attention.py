@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.run.models import load_causal_lm
-from services.run.config import ModelConfig
+from services.run.sections.actor_rollout_ref import ModelConfig
 from services.coordctl.tiny_model import build_random_model
 from services.coordinator.loop import make_batch
 from services.trainer.forward import response_logprobs
