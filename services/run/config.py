@@ -17,57 +17,14 @@ from services.common.config import Section
 from services.common.limits import MAX_WAIT_S
 from services.common.paths import check_name
 from services.run.sections.actor_rollout_ref import ActorRolloutRefConfig
+from services.run.sections.critic import CriticConfig
 from services.run.sections.data import DataConfig, as_list
-from services.run.sections.fsdp import FSDPConfig
-from services.run.sections.optim import OptimConfig
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 WRITTEN_LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
 VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml", "trackio", "file")  # verl's: accepted, not written
 LoggerName = Literal[WRITTEN_LOGGERS + VERL_ONLY_LOGGERS]
-
-
-class CriticModelConfig(Section):
-    path: str = ""
-    """Local model folder of the critic's body; empty = the actor's model (a value head is added)."""
-    enable_gradient_checkpointing: bool = False
-    """As actor_rollout_ref.model.enable_gradient_checkpointing, for the critic."""
-    use_remove_padding: bool | None = None
-    """As actor_rollout_ref.model.use_remove_padding, for the critic (null: packed on a GPU)."""
-    fsdp_config: FSDPConfig = FSDPConfig()
-    """How the trainer holds the critic."""
-
-
-class CriticConfig(Section):
-    enable: bool | None = None
-    """Use a critic: null = only when algorithm.adv_estimator is gae."""
-    model: CriticModelConfig = CriticModelConfig()
-    optim: OptimConfig = OptimConfig(lr=1e-5)
-    ppo_mini_batch_size: PositiveInt | None = None
-    """Prompts per critic optimizer step; null = the actor's."""
-    ppo_micro_batch_size_per_gpu: PositiveInt = 64
-    """Sequences per forward/backward (and per forward pass of the values) on one rank."""
-    use_dynamic_bsz: bool = False
-    """Cut micro-batches by a token budget instead of a count of sequences (see the actor's)."""
-    ppo_max_token_len_per_gpu: PositiveInt = 32768
-    """With use_dynamic_bsz: token budget of a micro-batch of the critic's update, counted as the actor's."""
-    forward_max_token_len_per_gpu: PositiveInt | None = None
-    """With use_dynamic_bsz: token budget of the values' forward passes; null = ppo_max_token_len_per_gpu."""
-    ppo_epochs: PositiveInt | None = None
-    """Null = the actor's."""
-    cliprange_value: float = Field(0.5, gt=0)
-    """Clip range of the new value around the old one."""
-    vf_coef: float = Field(1.0, gt=0)
-    """Weight of the value loss."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean")
-    """How the per-token clipped value losses become one number; the modes of the actor's loss_agg_mode."""
-    grad_clip: PositiveFloat = 1.0
-    """Max global gradient norm of the critic: larger gradients are scaled down to it before each optimizer
-    step (critic/grad_norm logs the norm before clipping)."""
-    strategy: Literal["auto", "fsdp2", "none"] = "auto"
-    """As actor_rollout_ref.actor.strategy, for the critic (its fsdp_config is critic.model.fsdp_config)."""
 
 
 class KLControlConfig(Section):
