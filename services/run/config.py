@@ -20,30 +20,12 @@ from services.run.sections.actor_rollout_ref import ActorRolloutRefConfig
 from services.run.sections.algorithm import GROUP_ESTIMATORS, AlgorithmConfig
 from services.run.sections.critic import CriticConfig
 from services.run.sections.data import DataConfig, as_list
+from services.run.sections.placement import PlacementConfig
 
 
 WRITTEN_LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
 VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml", "trackio", "file")  # verl's: accepted, not written
 LoggerName = Literal[WRITTEN_LOGGERS + VERL_ONLY_LOGGERS]
-
-
-class PlacementConfig(Section):
-    """Which service group hosts each role; roles placed in the same trainer group share one trainer service."""
-
-    actor: str = "default"
-    """Group (a trainer service's ``group`` setting) of the trainer that hosts the actor; the run uses the
-    first trainer of that group that is up."""
-    critic: str = "default"
-    """Group of the trainer that hosts the critic, when the run has one (critic.enable, or gae)."""
-    ref: str = "default"
-    """Group of the trainer that hosts the reference policy, when the run has one (use_kl_loss or
-    use_kl_in_reward)."""
-    rollout: str = "default"
-    """Group of the rollout services: every one up in it generates for the run, followed at each step
-    boundary as they come and go."""
-    reward: str = "default"
-    """Group of the reward services: every one up in it scores. SetReward can move a running run to another
-    group, or one address, from the next step boundary."""
 
 
 class AsyncConfig(Section):
