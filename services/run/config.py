@@ -3,6 +3,12 @@
 Key names follow verl where the concept is the same, so a verl user's
 ``data.train_batch_size=64`` or ``actor_rollout_ref.rollout.n=8`` means the
 same thing here. Batch sizes are counted in prompts, as verl counts them.
+
+This module holds the root, ``RunConfig``: its sections and the checks that
+read across them. Each section has a module in services/run/sections/, as
+verl's config is organised: data, actor_rollout_ref (with its larger parts,
+actor and rollout, apart), critic, algorithm, trainer, and meshrl's own
+placement; fsdp and optim are the parts that actor, reference and critic share.
 """
 
 from __future__ import annotations
