@@ -1,7 +1,7 @@
-"""The structure drawn from the imports: four service rooms and the CLI over run and common, no import circles.
+"""The structure drawn from the imports: five service rooms and the CLI over run and common, no import circles.
 
 Every ``import services...`` / ``from services... import`` in services/, at any depth of a module (a
-function-level import counts), is an edge. A room (coordinator, rollout, trainer, reward) imports only
+function-level import counts), is an edge. A room (coordinator, rollout, trainer, reward, env) imports only
 itself, ``services.run`` (what describes a run: its config, data, checks, model), ``services.common`` (plumbing)
 and the pure ``services.algos``; coordctl, the CLI, imports only itself, run and common (it starts the services as
 processes, by module name); run imports only itself and common; common and algos import no room.
@@ -15,7 +15,7 @@ from pathlib import Path
 import services
 
 ROOT = Path(services.__file__).parent
-ROOMS = ("coordinator", "rollout", "trainer", "reward")
+ROOMS = ("coordinator", "rollout", "trainer", "reward", "env")
 ALLOWED = {**{room: {room, "run", "common", "algos"} for room in ROOMS}, "coordctl": {"coordctl", "run", "common"},
            "run": {"run", "common"}, "common": {"common"}, "algos": set()}
 

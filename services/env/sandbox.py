@@ -1,0 +1,403 @@
+"""Run untrusted Python code under limits: one call, one sandbox, stdout, stderr, exit status and why it stopped.
+
+Code that a model wrote (a tool call, a code-contest answer) runs here, never in a service's own process::
+
+    from services.env.sandbox import ContestCase, SandboxLimits, check_sandbox, judge, run_code
+
+    reason = check_sandbox()          # at start: a service refuses its code tools when this is not None
+    result = run_code("print(input()[::-1])", SandboxLimits(wall_s=2), stdin="abc\\n")
+    result.stdout, result.stopped     # 'cba\\n', 'exited'
+    verdicts = judge(program, [ContestCase(stdin="1 2\\n", expected="3\\n")], SandboxLimits())
+
+``run_code`` blocks until the program ends or is stopped; callers that must stay responsive call it from a worker
+thread or process. Concurrent calls from several threads are safe: each gets its own namespaces and its own uid.
+
+What one call gets (``bwrap`` from Debian's ``bubblewrap``):
+
+- new user, mount, pid, network, IPC, UTS and cgroup namespaces; the network namespace has only ``lo``, so nothing
+  on the host (its loopback included) can be reached; no further user namespaces inside (``--disable-userns``);
+- a root with only ``/usr`` (read-only; ``/bin``, ``/lib``, ``/lib64`` are links into it), a fresh ``/proc`` and
+  a minimal ``/dev``; the host's ``/etc``, ``/root``, ``/home``, ``/work``, ``/var``, ``/run`` and ``/tmp`` are not
+  there, so neither is the cluster token (``MESHRL_TOKEN_FILE``, a state folder's ``token``) nor the TLS keys
+  (``MESHRL_TLS_*``) nor any state folder; the environment is cleared, so ``MESHRL_TOKEN`` is not inherited;
+- a private, size-limited tmpfs at ``/tmp`` as the working directory, holding the program (``main.py``) and the
+  caller's files; nothing else is writable;
+- the distribution's interpreter, ``/usr/bin/python3 -I`` (stdlib and Debian's packages only: the service's
+  virtualenv and the repository are not exposed);
+- its own unprivileged uid from a pool (``UID_BASE`` on, one lock file per uid under the host's temporary folder,
+  held for the call), so that ``RLIMIT_NPROC``, which Linux counts per real uid across the whole host, counts this
+  call's processes and nothing else: a fork bomb exhausts its own quota, not the host's nor another sandbox's;
+- rlimits: CPU seconds per process (SIGXCPU, then SIGKILL a second later), address space per process
+  (allocations fail with MemoryError), processes and threads, file size, open files, no core dumps;
+- a wall-clock timeout and an output cap per stream, enforced from outside: either kills the sandbox's pid 1,
+  which takes every process of the pid namespace with it (``--die-with-parent`` covers the caller dying).
+
+Why bubblewrap: it is a small setuid-free binary packaged by Debian, used by Flatpak, that builds exactly the
+namespaces and mounts asked for on its command line, starts in milliseconds, and needs no daemon. nsjail would do
+the same (and adds seccomp policies and cgroups) but is not packaged by Debian stable and must be built; firejail is
+setuid-root with a large profile language and a history of privilege escalations; plain rlimits without namespaces
+leave the filesystem, the network and the host's processes reachable; containers (docker, podman) need a daemon or
+an image store and cost hundreds of milliseconds a call. Known gaps, to close where the host allows it: no seccomp
+filter, and memory is bounded per process (``memory_mb``), so the sandbox's total is at most ``processes`` times
+that; a cgroup (``memory.max``, ``pids.max``) would bound the sum.
+
+Needs root (or CAP_SETUID) to switch each call to its pool uid, and unprivileged user namespaces for that uid.
+Where either is missing, ``check_sandbox`` says why and ``run_code`` raises ``SandboxUnavailable``; code never runs
+unsandboxed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+BWRAP = "/usr/bin/bwrap"
+PRLIMIT = "/usr/bin/prlimit"
+PYTHON = "/usr/bin/python3"
+UID_BASE = 620_000
+"""The first uid of the pool; ``UID_SLOTS`` uids from here must belong to no one else on the host."""
+UID_SLOTS = 64
+WORKDIR = "/tmp"
+PROGRAM = "main.py"
+SANDBOXED = [PYTHON, "-I", "-B", f"{WORKDIR}/{PROGRAM}"]
+"""What runs inside: the distribution's interpreter, isolated from the environment and user site, on the program."""
+HELPER_PROCESSES = 2
+"""bwrap's own processes that count against the uid's RLIMIT_NPROC: the outer bwrap and the sandbox's pid 1."""
+
+_starts = itertools.count()
+"""Where each call's search of the uid pool starts (``next`` on it is atomic)."""
+
+Stopped = Literal["exited", "timeout", "cpu", "memory", "output", "killed"]
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox could not be built (this host lacks what it needs, or every pool uid is busy: the message says
+    which); the code was not run."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one call may use. Defaults fit a code-contest answer or a tool call."""
+
+    cpu_s: float = 5.0
+    """CPU seconds per process (rounded up to whole seconds); past them the process gets SIGXCPU (stopped 'cpu')."""
+    wall_s: float = 10.0
+    """Wall-clock seconds from the sandbox's start; past them every process of the sandbox is killed
+    (stopped 'timeout')."""
+    memory_mb: int = 512
+    """Address space per process, in MiB; allocations past it fail (MemoryError, stopped 'memory')."""
+    processes: int = 16
+    """Processes and threads the program may have at once (the interpreter counts as one)."""
+    output_bytes: int = 1 << 20
+    """Bytes kept of stdout and of stderr each; past them the sandbox is killed (stopped 'output', truncated)."""
+    tmp_mb: int = 64
+    """Size of the writable /tmp (the working directory, which holds the program and the files given), in MiB."""
+
+    def __post_init__(self):
+        for name in ("cpu_s", "wall_s", "memory_mb", "processes", "output_bytes", "tmp_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What one call of ``run_code`` saw."""
+
+    stdout: str
+    """The program's standard output (UTF-8, undecodable bytes replaced), at most ``output_bytes`` of it."""
+    stderr: str
+    """Its standard error, likewise capped."""
+    exit_code: int | None
+    """The program's exit status; 128 + N when signal N ended it; None when the sandbox killed it (timeout,
+    output)."""
+    stopped: Stopped
+    """Why it ended: 'exited' (on its own, whatever the status), 'timeout' (wall clock), 'cpu' (CPU limit),
+    'memory' (an allocation failed: MemoryError), 'output' (past the output cap), 'killed' (another signal)."""
+    seconds: float
+    """Wall-clock seconds the sandbox ran, setup included."""
+    truncated: bool
+    """Whether stdout or stderr lost bytes to the cap."""
+
+
+@dataclass(frozen=True)
+class ContestCase:
+    """One test case of a code-contest program: what it reads and what it must print."""
+
+    stdin: str
+    expected: str
+
+
+@dataclass(frozen=True)
+class CaseVerdict:
+    """One test case's verdict and the run behind it."""
+
+    passed: bool
+    result: SandboxResult
+
+
+def check_sandbox() -> str | None:
+    """Why code cannot be sandboxed on this host, or None when it can (a trial run prints and exits)."""
+    for path in (BWRAP, PRLIMIT, PYTHON):
+        if not os.access(path, os.X_OK):
+            return f"{path} is missing (Debian packages: bubblewrap, util-linux, python3)"
+    if os.geteuid() != 0:
+        return "the sandbox runs each call as a uid of its own and needs root (CAP_SETUID) to switch to it"
+    try:
+        result = run_code("print('ok')", SandboxLimits(wall_s=10))
+    except SandboxUnavailable as error:
+        return str(error)
+    if result.stdout != "ok\n":
+        return f"a trial run printed {result.stdout!r}, stopped {result.stopped}: {result.stderr[-500:]}"
+    return None
+
+
+def run_code(code: str, limits: SandboxLimits, stdin: str = "", files: dict[str, str] | None = None) -> SandboxResult:
+    """Run ``code`` as ``main.py`` with ``files`` (relative path -> text) beside it in /tmp, ``stdin`` as input.
+
+    Raises ValueError for a file path that is absolute, leaves /tmp or names the program, or files larger than the
+    tmpfs; SandboxUnavailable when the sandbox could not be built (the code did not run).
+    """
+    files = {PROGRAM: code, **_checked_files(files or {})}
+    if sum(len(text.encode()) for text in files.values()) > limits.tmp_mb << 20:
+        raise ValueError(f"the program and its files do not fit the sandbox's {limits.tmp_mb} MiB /tmp")
+    if os.geteuid() != 0 or not os.access(BWRAP, os.X_OK):
+        raise SandboxUnavailable(check_sandbox() or "sandbox unavailable")
+    with _pool_uid() as uid, _memory_files(files) as fds:
+        started = time.monotonic()
+        process, sandbox_pid = _start(_command(limits, fds), uid, fds)
+        try:
+            return _watch(process, sandbox_pid, limits, stdin, started)
+        finally:
+            _clear_uid(uid)
+
+
+def _start(command: list[str], uid: int, fds: dict[str, int]) -> tuple[subprocess.Popen, int | None]:
+    """bwrap started as ``uid``, and the host pid of the sandbox's pid 1 (None when bwrap failed to build it)."""
+    info_read, info_write = os.pipe()
+    try:
+        process = subprocess.Popen([*command, "--info-fd", str(info_write), "--", *SANDBOXED],
+                                   user=uid, group=uid, extra_groups=[], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(info_write, *fds.values()))
+    except OSError as error:
+        os.close(info_read)
+        raise SandboxUnavailable(f"could not start bwrap as uid {uid}: {error}") from None
+    finally:
+        os.close(info_write)
+    with os.fdopen(info_read, "rb") as info:  # bwrap writes it once the sandbox stands, then closes it
+        return process, json.loads(info.read() or b"{}").get("child-pid")
+
+
+def judge(code: str, cases: Sequence[ContestCase], limits: SandboxLimits) -> list[CaseVerdict]:
+    """Each test case run in a sandbox of its own: passed when the program exited 0 and printed what was expected."""
+    verdicts = []
+    for case in cases:
+        result = run_code(code, limits, stdin=case.stdin)
+        verdicts.append(CaseVerdict(passed=passes(result, case.expected), result=result))
+    return verdicts
+
+
+def passes(result: SandboxResult, expected: str) -> bool:
+    """Whether a run answered ``expected``: it exited 0, untruncated, and its output equals the expected one line
+    by line, trailing whitespace of each line and trailing empty lines ignored (as code-contest judges compare)."""
+    return (result.stopped == "exited" and result.exit_code == 0 and not result.truncated
+            and _lines(result.stdout) == _lines(expected))
+
+
+def _lines(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _checked_files(files: dict[str, str]) -> dict[str, str]:
+    for name in files:
+        path = PurePosixPath(name)
+        if path.is_absolute() or ".." in path.parts or not path.parts or str(path) == PROGRAM:
+            raise ValueError(f"sandbox file {name!r}: must be a relative path inside {WORKDIR}, not {PROGRAM}")
+    return {str(PurePosixPath(name)): text for name, text in files.items()}
+
+
+def _command(limits: SandboxLimits, fds: dict[str, int]) -> list[str]:
+    """prlimit's limits around bwrap's namespaces and mounts, the sandboxed command left to append."""
+    memory = limits.memory_mb << 20
+    tmp = limits.tmp_mb << 20
+    cpu = math.ceil(limits.cpu_s)
+    rlimits = [f"--cpu={cpu}:{cpu + 1}", f"--as={memory}", f"--nproc={limits.processes + HELPER_PROCESSES}",
+               f"--fsize={tmp}", "--nofile=256", "--core=0"]
+    mounts = ["--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+              "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev",
+              "--size", str(tmp), "--tmpfs", WORKDIR, "--remount-ro", "/dev"]
+    parents = sorted({str(parent) for name in fds for parent in PurePosixPath(name).parents if str(parent) != "."})
+    for parent in parents:
+        mounts += ["--dir", f"{WORKDIR}/{parent}"]
+    for name, fd in fds.items():
+        mounts += ["--file", str(fd), f"{WORKDIR}/{name}"]
+    sandbox = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+               "--hostname", "sandbox", "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", WORKDIR,
+               "--setenv", "LANG", "C.UTF-8", *mounts, "--remount-ro", "/", "--chdir", WORKDIR]
+    return [PRLIMIT, *rlimits, "--", BWRAP, *sandbox]
+
+
+def _watch(process: subprocess.Popen, sandbox_pid: int | None, limits: SandboxLimits, stdin: str,
+           started: float) -> SandboxResult:
+    """Feed stdin, read both streams under the cap, kill the sandbox at the wall limit or the cap, classify."""
+    overflow = threading.Event()
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if sandbox_pid is not None and process.poll() is None:
+                os.kill(sandbox_pid, signal.SIGKILL)  # the pid namespace's init: every process inside goes too
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+
+    def on_overflow() -> None:
+        overflow.set()
+        kill()
+
+    threads = [threading.Thread(target=_feed, args=(process.stdin, stdin.encode()), daemon=True)]
+    streams = [_CappedStream(process.stdout, limits.output_bytes, on_overflow),
+               _CappedStream(process.stderr, limits.output_bytes, on_overflow)]
+    threads += [threading.Thread(target=stream.drain, daemon=True) for stream in streams]
+    for thread in threads:
+        thread.start()
+    timed_out = False
+    try:
+        process.wait(timeout=max(0.0, started + limits.wall_s - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        kill()
+        process.wait()
+    for thread in threads:
+        thread.join()
+    stdout, stderr = (stream.text() for stream in streams)
+    if sandbox_pid is None:
+        raise SandboxUnavailable(f"bwrap could not build the sandbox: {stderr.strip()[-500:]}")
+    stopped = _stopped(process.returncode, stderr, timed_out=timed_out, overflowed=overflow.is_set())
+    return SandboxResult(stdout=stdout, stderr=stderr,
+                         exit_code=None if stopped in ("timeout", "output") else process.returncode,
+                         stopped=stopped, seconds=time.monotonic() - started,
+                         truncated=any(stream.truncated for stream in streams))
+
+
+def _stopped(returncode: int, stderr: str, *, timed_out: bool, overflowed: bool) -> Stopped:
+    if overflowed:
+        return "output"
+    if timed_out:
+        return "timeout"
+    if returncode == 128 + signal.SIGXCPU:
+        return "cpu"
+    if returncode != 0 and stderr.rstrip().rsplit("\n", 1)[-1].startswith("MemoryError"):
+        return "memory"
+    if returncode > 128 or returncode < 0:
+        return "killed"
+    return "exited"
+
+
+def _feed(pipe, data: bytes) -> None:
+    """Write stdin and close it; a program that exits without reading it all is no error."""
+    with contextlib.suppress(BrokenPipeError, OSError):
+        pipe.write(data)
+    with contextlib.suppress(BrokenPipeError, OSError):
+        pipe.close()
+
+
+class _CappedStream:
+    """One output pipe read to its end, keeping ``cap`` bytes; past them ``on_overflow`` is called once."""
+
+    def __init__(self, pipe, cap: int, on_overflow):
+        self._pipe, self._cap, self._on_overflow = pipe, cap, on_overflow
+        self._kept = bytearray()
+        self.truncated = False
+
+    def drain(self) -> None:
+        while chunk := self._pipe.read1(1 << 16):
+            room = self._cap - len(self._kept)
+            self._kept += chunk[:room]
+            if len(chunk) > room and not self.truncated:
+                self.truncated = True
+                self._on_overflow()
+        self._pipe.close()
+
+    def text(self) -> str:
+        return self._kept.decode("utf-8", errors="replace")
+
+
+@contextlib.contextmanager
+def _pool_uid() -> Iterator[int]:
+    """A uid of the pool that no other call on this host holds (a lock file per uid), held until the call ends.
+
+    The search starts past the uid this process took last, so a uid rests between calls while the host's init reaps
+    the zombies its last call left (they still count against its process quota)."""
+    folder = Path(tempfile.gettempdir()) / "meshrl-sandbox-uids"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    start = next(_starts) % UID_SLOTS
+    for slot in ((start + step) % UID_SLOTS for step in range(UID_SLOTS)):
+        handle = open(folder / str(UID_BASE + slot), "a")  # noqa: SIM115 (closed below, or held by the with)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        with handle:
+            yield UID_BASE + slot
+        return
+    raise SandboxUnavailable(f"all {UID_SLOTS} sandbox uids are in use")
+
+
+def _clear_uid(uid: int, seconds: float = 5.0) -> None:
+    """Kill whatever still runs as ``uid`` (processes of a killed pid namespace still exiting) and wait until none
+    does. Zombies are left to the host's init, which reaps them; the pool's rotation rests the uid meanwhile."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = [pid for pid in _pids() if _running_as(pid, uid)]
+        if not left:
+            return
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _running_as(pid: int, uid: int) -> bool:
+    """Whether ``pid`` runs as ``uid`` and is not a zombie."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != uid:
+            return False
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+@contextlib.contextmanager
+def _memory_files(files: dict[str, str]) -> Iterator[dict[str, int]]:
+    """Each file's text in a memory file (bwrap --file copies it into the sandbox's /tmp), closed afterwards."""
+    fds = {}
+    try:
+        for name, text in files.items():
+            fds[name] = os.memfd_create(f"sandbox-{len(fds)}")
+            with open(fds[name], "wb", closefd=False) as memory_file:
+                memory_file.write(text.encode())
+            os.lseek(fds[name], 0, os.SEEK_SET)
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)
