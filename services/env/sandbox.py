@@ -24,8 +24,8 @@ What one call gets (``bwrap`` from Debian's ``bubblewrap``):
   caller's files; nothing else is writable;
 - the distribution's interpreter, ``/usr/bin/python3 -I`` (stdlib and Debian's packages only: the service's
   virtualenv and the repository are not exposed);
-- its own unprivileged uid from a pool (``UID_BASE`` on, one lock file per uid under the host's temporary folder,
-  held for the call), so that ``RLIMIT_NPROC``, which Linux counts per real uid across the whole host, counts this
+- its own unprivileged uid from a pool (``UID_BASE`` on, one lock file per uid under ``/run``, held for the
+  call), so that ``RLIMIT_NPROC``, which Linux counts per real uid across the whole host, counts this
   call's processes and nothing else: a fork bomb exhausts its own quota, not the host's nor another sandbox's;
 - rlimits: CPU seconds per process (SIGXCPU, then SIGKILL a second later), address space per process
   (allocations fail with MemoryError), processes and threads, file size, open files, no core dumps;
@@ -34,7 +34,7 @@ What one call gets (``bwrap`` from Debian's ``bubblewrap``):
 
 Why bubblewrap: it is a small setuid-free binary packaged by Debian, used by Flatpak, that builds exactly the
 namespaces and mounts asked for on its command line, starts in milliseconds, and needs no daemon. nsjail would do
-the same (and adds seccomp policies and cgroups) but is not packaged by Debian stable and must be built; firejail is
+the same (and adds seccomp policies and cgroups) but is not in Debian bookworm's archive and must be built; firejail is
 setuid-root with a large profile language and a history of privilege escalations; plain rlimits without namespaces
 leave the filesystem, the network and the host's processes reachable; containers (docker, podman) need a daemon or
 an image store and cost hundreds of milliseconds a call. Known gaps, to close where the host allows it: no seccomp
@@ -56,7 +56,6 @@ import math
 import os
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -70,6 +69,9 @@ PYTHON = "/usr/bin/python3"
 UID_BASE = 620_000
 """The first uid of the pool; ``UID_SLOTS`` uids from here must belong to no one else on the host."""
 UID_SLOTS = 64
+UID_LOCKS = Path("/run/meshrl-sandbox-uids")
+"""One lock file per pool uid, held by the call using it (in /run: only root can make it, so no one else can hold
+them all)."""
 WORKDIR = "/tmp"
 PROGRAM = "main.py"
 SANDBOXED = [PYTHON, "-I", "-B", f"{WORKDIR}/{PROGRAM}"]
@@ -342,11 +344,10 @@ def _pool_uid() -> Iterator[int]:
 
     The search starts past the uid this process took last, so a uid rests between calls while the host's init reaps
     the zombies its last call left (they still count against its process quota)."""
-    folder = Path(tempfile.gettempdir()) / "meshrl-sandbox-uids"
-    folder.mkdir(mode=0o700, exist_ok=True)
+    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
     start = next(_starts) % UID_SLOTS
     for slot in ((start + step) % UID_SLOTS for step in range(UID_SLOTS)):
-        handle = open(folder / str(UID_BASE + slot), "a")  # noqa: SIM115 (closed below, or held by the with)
+        handle = open(UID_LOCKS / str(UID_BASE + slot), "a")  # noqa: SIM115 (closed below, or held by the with)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
