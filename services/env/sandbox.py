@@ -170,7 +170,9 @@ def run_code(code: str, limits: SandboxLimits, stdin: str = "", files: dict[str,
     """Run ``code`` as ``main.py`` with ``files`` (relative path -> text) beside it in /tmp, ``stdin`` as input.
 
     Raises ValueError for a file path that is absolute, leaves /tmp or names the program, or files larger than the
-    tmpfs; SandboxUnavailable when the sandbox could not be built (the code did not run).
+    tmpfs; SandboxUnavailable when bwrap could not start or create the namespaces (the code did not run). A mount
+    failing inside the new namespaces (none does where ``check_sandbox`` passed) ends the call as exit 1 with bwrap's
+    message in stderr: the program cannot be told apart from one that prints it, so it is no exception here.
     """
     files = {PROGRAM: code, **_checked_files(files or {})}
     if sum(len(text.encode()) for text in files.values()) > limits.tmp_mb << 20:
@@ -179,15 +181,19 @@ def run_code(code: str, limits: SandboxLimits, stdin: str = "", files: dict[str,
         raise SandboxUnavailable(check_sandbox() or "sandbox unavailable")
     with _pool_uid() as uid, _memory_files(files) as fds:
         started = time.monotonic()
-        process, sandbox_pid = _start(_command(limits, fds), uid, fds)
+        process, sandbox_init = _start(_command(limits, fds), uid, fds)
         try:
-            return _watch(process, sandbox_pid, limits, stdin, started)
+            return _watch(process, sandbox_init, limits, stdin, started)
         finally:
+            if sandbox_init is not None:
+                os.close(sandbox_init)
             _clear_uid(uid)
 
 
 def _start(command: list[str], uid: int, fds: dict[str, int]) -> tuple[subprocess.Popen, int | None]:
-    """bwrap started as ``uid``, and the host pid of the sandbox's pid 1 (None when bwrap failed to build it)."""
+    """bwrap started as ``uid``, and a pidfd of the sandbox's pid 1 (None when the program has ended already).
+
+    A pidfd rather than the pid: signalling it after that process has gone cannot hit another that took its pid."""
     info_read, info_write = os.pipe()
     try:
         process = subprocess.Popen([*command, "--info-fd", str(info_write), "--", *SANDBOXED],
@@ -199,7 +205,14 @@ def _start(command: list[str], uid: int, fds: dict[str, int]) -> tuple[subproces
     finally:
         os.close(info_write)
     with os.fdopen(info_read, "rb") as info:  # bwrap writes it once the sandbox stands, then closes it
-        return process, json.loads(info.read() or b"{}").get("child-pid")
+        pid = json.loads(info.read() or b"{}").get("child-pid")
+    if pid is None:
+        _, error = process.communicate(timeout=10)
+        raise SandboxUnavailable(f"bwrap could not build the sandbox: {error.decode(errors='replace').strip()[-500:]}")
+    try:
+        return process, os.pidfd_open(pid)
+    except ProcessLookupError:  # the program has already ended; bwrap has reaped its pid 1
+        return process, None
 
 
 def judge(code: str, cases: Sequence[ContestCase], limits: SandboxLimits) -> list[CaseVerdict]:
@@ -254,15 +267,15 @@ def _command(limits: SandboxLimits, fds: dict[str, int]) -> list[str]:
     return [PRLIMIT, *rlimits, "--", BWRAP, *sandbox]
 
 
-def _watch(process: subprocess.Popen, sandbox_pid: int | None, limits: SandboxLimits, stdin: str,
+def _watch(process: subprocess.Popen, sandbox_init: int | None, limits: SandboxLimits, stdin: str,
            started: float) -> SandboxResult:
     """Feed stdin, read both streams under the cap, kill the sandbox at the wall limit or the cap, classify."""
     overflow = threading.Event()
 
     def kill() -> None:
         with contextlib.suppress(ProcessLookupError):
-            if sandbox_pid is not None and process.poll() is None:
-                os.kill(sandbox_pid, signal.SIGKILL)  # the pid namespace's init: every process inside goes too
+            if sandbox_init is not None:
+                signal.pidfd_send_signal(sandbox_init, signal.SIGKILL)  # pid 1: the whole pid namespace goes too
         with contextlib.suppress(ProcessLookupError):
             process.kill()
 
@@ -286,8 +299,6 @@ def _watch(process: subprocess.Popen, sandbox_pid: int | None, limits: SandboxLi
     for thread in threads:
         thread.join()
     stdout, stderr = (stream.text() for stream in streams)
-    if sandbox_pid is None:
-        raise SandboxUnavailable(f"bwrap could not build the sandbox: {stderr.strip()[-500:]}")
     stopped = _stopped(process.returncode, stderr, timed_out=timed_out, overflowed=overflow.is_set())
     return SandboxResult(stdout=stdout, stderr=stderr,
                          exit_code=None if stopped in ("timeout", "output") else process.returncode,
