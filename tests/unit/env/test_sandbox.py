@@ -10,8 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from services.env.sandbox import (BWRAP, UID_BASE, UID_SLOTS, ContestCase, SandboxLimits, SandboxResult, check_sandbox,
-                                  judge, passes, run_code)
+from services.env import sandbox
+from services.env.sandbox import (BWRAP, UID_BASE, UID_SLOTS, ContestCase, SandboxLimits, SandboxResult,
+                                  SandboxUnavailable, check_sandbox, judge, passes, run_code)
 
 pytestmark = pytest.mark.skipif(not os.access(BWRAP, os.X_OK), reason=f"{BWRAP} missing (Debian package bubblewrap)")
 
@@ -43,6 +44,13 @@ def wait_until_no_sandbox_process(seconds: float) -> list[str]:
 
 def test_the_sandbox_is_available_here():
     assert check_sandbox() is None
+
+
+def test_without_bwrap_the_sandbox_is_refused_and_nothing_runs(monkeypatch):
+    monkeypatch.setattr(sandbox, "BWRAP", "/nonexistent/bwrap")
+    assert "/nonexistent/bwrap is missing" in check_sandbox()
+    with pytest.raises(SandboxUnavailable, match="missing"):
+        run_code("print(1)", SHORT)
 
 
 def test_code_prints_reads_stdin_and_its_files():
@@ -81,6 +89,17 @@ def test_a_fork_bomb_is_contained_and_leaves_nothing_behind():
     assert sandbox_processes(zombies=False) == []
     assert wait_until_no_sandbox_process(seconds=30) == []
     assert run_code("print('still here')", SHORT).stdout == "still here\n"
+
+
+def test_a_fork_bomb_does_not_starve_a_sandbox_beside_it():
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    beside = threading.Thread(target=run_code, args=(bomb, replace(SHORT, wall_s=4)))
+    beside.start()
+    time.sleep(1)
+    answers = [run_code(f"import subprocess\nprint({index})\nsubprocess.run(['true'])\n", SHORT).stdout
+               for index in range(3)]
+    beside.join()
+    assert answers == ["0\n", "1\n", "2\n"]
 
 
 def test_the_process_limit_holds():
