@@ -137,7 +137,7 @@ class ReplicaPool(Generic[Replica]):
                 if asyncio.current_task().cancelling():  # the batch itself is being cancelled
                     raise
                 last_error = Unavailable(f"{self.kind} {getattr(replica, 'address', replica)} was dropped")
-            except Exception as error:  # noqa: BLE001 - decided by is_retryable
+            except Exception as error:  # decided by is_retryable
                 if not (is_retryable(error) or isinstance(error, Unavailable)):
                     raise
                 last_error = error

@@ -317,7 +317,7 @@ class RunManager:
                         completed = await self._attempt(run_id, config, config_yaml, data, run_dir, resume)
                         state = "finished" if completed else "stopped"
                         break
-                    except Exception as failure:  # noqa: BLE001 - sorted below
+                    except Exception as failure:  # sorted below
                         if not recoverable(failure):
                             raise
                         if recoveries >= config.trainer.max_recoveries:  # state stays failed
@@ -335,7 +335,7 @@ class RunManager:
             except asyncio.CancelledError:
                 state, error, shut_down = "stopped", "the coordinator shut down", True
                 raise
-            except Exception as failure:  # noqa: BLE001 - a run's failure is recorded, not raised
+            except Exception as failure:  # a run's failure is recorded, not raised
                 log.exception("run_failed", run_id=run_id)
                 error = describe(failure)
             finally:

@@ -206,7 +206,7 @@ class WeightChannels:
             if sending.done():
                 try:
                     sent = sending.result()
-                except Exception as error:  # noqa: BLE001 - sorted here
+                except Exception as error:  # sorted here
                     if not (is_retryable(error) or isinstance(error, Unavailable)):
                         raise
                     trouble = f"the trainer's side: {describe(error)}"

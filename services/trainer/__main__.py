@@ -12,9 +12,9 @@ import os
 if __name__ == "__main__" and "RANK" in os.environ:  # the agent, taken before the imports below take seconds
     os.environ["MESHRL_PARENT_PID"] = str(os.getppid())
 
-from services.common.service import run_service  # noqa: E402
-from services.trainer.config import TrainerServiceConfig  # noqa: E402
-from services.trainer.server import attach  # noqa: E402
+from services.common.service import run_service
+from services.trainer.config import TrainerServiceConfig
+from services.trainer.server import attach
 
 if __name__ == "__main__":
     if int(os.environ.get("RANK", "0")) == 0:
