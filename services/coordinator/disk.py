@@ -162,7 +162,7 @@ class RunWrites:
         none, the last held write being the run's final state)."""
         while self._refused is not None:
             self.waiting_for = cause = self._refused
-            self._held.appendleft(Write(lambda: self._record_state("waiting", cause), self._db_path))
+            self._held.appendleft(Write(lambda cause=cause: self._record_state("waiting", cause), self._db_path))
             self._changed(cause)
             self._flush()
             while self._refused is not None:
