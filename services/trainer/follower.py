@@ -34,7 +34,7 @@ def follow(worker: Worker) -> None:
             return
         try:
             worker.execute(op, args, tensors)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - fatal() logs it and ends the rank: the ranks are out of step
             fatal("command_failed", op=op, rank=worker.ranks.rank)
 
 

@@ -153,7 +153,7 @@ class Worker:
         self.ranks.send_command(op, args, tensors)
         try:
             return self.execute(op, args, tensors, **local)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - fatal() logs it and ends the rank: the ranks are out of step
             fatal("relayed_command_failed", op=op, rank=self.ranks.rank)
 
     def execute(self, op: str, args: dict, tensors: dict[str, torch.Tensor], **local):
