@@ -100,7 +100,7 @@ def batch_to_chunks(batch: dict[str, torch.Tensor], chunk_bytes: int = CHUNK_BYT
         yield pending
 
 
-async def read_stream(request_iterator, assembler: "BatchAssembler", limits: StreamLimits):
+async def read_stream(request_iterator, assembler: BatchAssembler, limits: StreamLimits):
     """Read a whole request stream into ``assembler``; returns its first message (for its other fields), or None.
 
     The stream is counted as it arrives, each message at least MESSAGE_FLOOR_BYTES: once past

@@ -63,7 +63,7 @@ def _subject(common_name: str) -> x509.Name:
 def make_ca(days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A self-signed CA that may sign host certificates only (no intermediate CAs)."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_subject("meshrl cluster CA"))
@@ -86,7 +86,7 @@ def make_host_cert(host: HostNames, ca_key: ec.EllipticCurvePrivateKey, ca_cert:
                    days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A key and a certificate signed by the CA, good as a TLS server and as a TLS client."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_subject(host.name))

@@ -591,7 +591,7 @@ class RunManager:
             async with self._changed:
                 try:
                     await asyncio.wait_for(self._changed.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     async def close(self) -> None:
