@@ -184,7 +184,7 @@ class LocalCluster:
         return task.result()
 
     async def _registered(self, client: CoordinatorClient) -> None:
-        while len([s for s in await client.list_services() if s.state == "up"]) < len(self.services):
+        while len([s for s in await client.list_services() if s.state == "up"]) < len(self.services):  # noqa: ASYNC110 - polls the coordinator
             await asyncio.sleep(0.2)
 
     def check_alive(self) -> None:

@@ -470,7 +470,7 @@ class PPOLoop:
         verl's GSM8K preprocessing keeps it) where it has one, else its ground truth."""
         target = prompt.extra_info.get("answer") or prompt.ground_truth
         ids = self.tokenizer(str(target), add_special_tokens=False)["input_ids"]
-        return ids + [self.tokenizer.eos_token_id]
+        return [*ids, self.tokenizer.eos_token_id]
 
     async def boundary(self, step: int) -> None:
         """Before step ``step`` is generated: apply a reward swap, follow the reward and rollout replicas."""

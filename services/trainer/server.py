@@ -153,7 +153,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self._info()
 
     async def ComputeLogProbs(self, request_iterator, context):
-        step, role, batch = await read_batch(request_iterator, self.config.stream_limits())
+        _step, role, batch = await read_batch(request_iterator, self.config.stream_limits())
         roles = self._roles()
         role = role or "actor"
         if role not in ("actor", "ref"):

@@ -25,6 +25,8 @@ which the model hands down to each attention call.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 VARLEN = "meshrl_varlen"
@@ -42,7 +44,7 @@ def causal_per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     bounds = starts.tolist()
     pieces = [torch.nn.functional.scaled_dot_product_attention(
         query[None, :, start:end], key[None, :, start:end], value[None, :, start:end], is_causal=True, scale=scale,
-        enable_gqa=True)[0] for start, end in zip(bounds[:-1], bounds[1:])]
+        enable_gqa=True)[0] for start, end in itertools.pairwise(bounds)]
     return torch.cat(pieces, dim=1).transpose(0, 1)
 
 
