@@ -236,7 +236,8 @@ def refuse_open_bind(kind: str, config: ServeConfig) -> None:
     sys.exit(REFUSED_EXIT_CODE)
 
 
-def run_service(kind: str, config_model: type[Config], attach: Callable[[grpc.aio.Server, Config, common_pb2.ServiceIdentity], Attached]) -> None:
+def run_service(kind: str, config_model: type[Config],
+                attach: Callable[[grpc.aio.Server, Config, common_pb2.ServiceIdentity], Attached]) -> None:
     """The whole ``__main__`` of a service: parse the config, log it, check its bind, serve on uvloop."""
     die_with_launcher()
     config = parse_service_config(kind, config_model)

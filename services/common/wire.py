@@ -76,7 +76,8 @@ def tensor_from_pb(message: common_pb2.Tensor, name: str = "tensor") -> torch.Te
     return tensor_from_bytes(message.data, message.dtype, list(message.shape), name)
 
 
-def batch_to_chunks(batch: dict[str, torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[common_pb2.TensorChunk]]:
+def batch_to_chunks(batch: dict[str, torch.Tensor],
+                    chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[common_pb2.TensorChunk]]:
     """Group the batch's tensors into lists of chunks, each list about ``chunk_bytes``.
 
     Every tensor yields at least one chunk, so empty tensors arrive too.
@@ -153,7 +154,8 @@ class BatchAssembler:
             self._buffers[name] = bytearray()
         dtype_name, known_shape, total = self._meta[name]
         if (chunk.dtype, shape) != (dtype_name, known_shape):
-            raise ValueError(f"{name}: chunk says {chunk.dtype} {list(shape)}, earlier ones {dtype_name} {list(known_shape)}")
+            raise ValueError(f"{name}: chunk says {chunk.dtype} {list(shape)}, "
+                             f"earlier ones {dtype_name} {list(known_shape)}")
         buffer = self._buffers[name]
         if chunk.offset != len(buffer):
             raise ValueError(f"{name}: chunk at byte {chunk.offset}, expected byte {len(buffer)}")

@@ -80,7 +80,8 @@ class CoordinatorClient:
         return [status_from_pb(info) for info in reply.runs]
 
     async def resume_run(self, run_id: str) -> RunStatus:
-        return status_from_pb(await self._stub.ResumeRun(coordinator_pb2.GetRunRequest(run_id=run_id), timeout=TIMEOUT_S))
+        return status_from_pb(await self._stub.ResumeRun(coordinator_pb2.GetRunRequest(run_id=run_id),
+                                                         timeout=TIMEOUT_S))
 
     async def stop_run(self, run_id: str) -> RunStatus:
         return status_from_pb(await self._stub.StopRun(coordinator_pb2.GetRunRequest(run_id=run_id), timeout=TIMEOUT_S))

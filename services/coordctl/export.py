@@ -7,9 +7,10 @@ own shards. Here, in one process, one role's whole weights are read back
 run's model folder's config, and written with ``save_pretrained``: config,
 safetensors shards, generation config, beside the tokenizer files of the
 run's model folder. The checkpoint's signed manifest is checked first (see
-``services.common.manifest``; the key is the state_dir's checkpoint.key). The actor becomes a causal LM (what transformers, vLLM
-and a new run load), the critic a token-classification model with one output
-(a value model, as the trainer builds its critic).
+``services.common.manifest``; the key is the state_dir's checkpoint.key).
+The actor becomes a causal LM (what transformers, vLLM and a new run load),
+the critic a token-classification model with one output (a value model, as
+the trainer builds its critic).
 """
 
 from __future__ import annotations

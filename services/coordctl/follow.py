@@ -262,4 +262,5 @@ def print_eval(metrics: dict[str, float]) -> None:
     typer.echo("")
     for source, values in sorted(rows.items()):
         typer.echo(f"{source}: " + "  ".join(f"{name} {value:.3f}" for name, value in sorted(
-            values.items(), key=lambda item: (item[0].split("/")[0], item[0].split("@")[0], int(item[0].split("@")[1])))))
+            values.items(),
+            key=lambda item: (item[0].split("/")[0], item[0].split("@")[0], int(item[0].split("@")[1])))))

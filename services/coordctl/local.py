@@ -66,7 +66,8 @@ def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[s
     overrides = []
     tiny = local.tiny_model
     if not config.actor_rollout_ref.model.path:
-        folder = cache / "models" / f"tiny-qwen2-char-h{tiny.hidden_size}-l{tiny.num_layers}-a{tiny.num_heads}-s{tiny.seed}"
+        folder = (cache / "models"
+                  / f"tiny-qwen2-char-h{tiny.hidden_size}-l{tiny.num_layers}-a{tiny.num_heads}-s{tiny.seed}")
         if not (folder / "config.json").exists():
             build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed)
         overrides.append(f"actor_rollout_ref.model.path={folder}")
@@ -93,7 +94,8 @@ def task_files(local: LocalConfig, cache: Path) -> tuple[Path, Path | None]:
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
             return reverse_task_rows(count, task.min_digits, task.max_digits, seed, split, task.held_out_share)
-    train, test = cache / "data" / f"{name}-train{task.rows}.jsonl", cache / "data" / f"{name}-test{task.val_rows}.jsonl"
+    train = cache / "data" / f"{name}-train{task.rows}.jsonl"
+    test = cache / "data" / f"{name}-test{task.val_rows}.jsonl"
     if not train.exists():
         write_jsonl(rows(task.rows, task.seed, "train"), train)
     if not task.val_rows:
@@ -141,7 +143,8 @@ class LocalCluster:
         write_targets(self.targets_file, self.metrics_ports)
         log = (self.log_dir / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
-            self.command(name, kind, (f"metrics_port={metrics_port}", *settings), ranks), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.command(name, kind, (f"metrics_port={metrics_port}", *settings), ranks),
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **CHILD_ENV, "MESHRL_PARENT_PID": str(os.getpid()), **dict(env)},
             start_new_session=True,  # a terminal's Ctrl-C reaches coordctl only, which stops the run first
         )

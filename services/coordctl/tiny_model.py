@@ -29,7 +29,8 @@ def build_char_tokenizer():
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", clean_up_tokenization_spaces=False
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
     )
 
 

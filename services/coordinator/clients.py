@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from meshrl.v1 import (common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2,
+                       trainer_pb2_grpc)
 from services.common.rpc import Connection
 from services.common.sequences import SequenceBatch
 from services.common.wire import BatchAssembler, batch_to_chunks
@@ -104,7 +105,8 @@ class RolloutClient:
         self._conn = Connection(address)
         self._stub = rollout_pb2_grpc.RolloutStub(self._conn.channel)
 
-    async def init_run(self, run_id: str, model_path: str, dtype: str, timeout: float, allow_pickle: bool = False) -> int:
+    async def init_run(self, run_id: str, model_path: str, dtype: str, timeout: float,
+                       allow_pickle: bool = False) -> int:
         """Load the run's model; returns how many ranks the engine takes in a weight channel."""
         async with self._conn.slot():
             info = await self._stub.InitRun(rollout_pb2.RolloutInitRequest(
@@ -133,7 +135,8 @@ class RolloutClient:
         out = assembler.result(required=("response_ids", "response_lens", "logprobs", "truncated", "weight_versions"))
         n = sampling.n
         if len(out["response_lens"]) != len(prompts) * n or len(out["weight_versions"]) != len(prompts) * n:
-            raise ValueError(f"rollout {self.address} returned {len(out['response_lens'])} responses, not {len(prompts) * n}")
+            raise ValueError(f"rollout {self.address} returned {len(out['response_lens'])} responses, "
+                             f"not {len(prompts) * n}")
         last = out.get("last_weight_versions")  # (a rollout from before it was sent sends none)
         if last is not None and (len(last) != len(prompts) * n or bool((last < out["weight_versions"]).any())):
             raise ValueError(f"rollout {self.address} returned last_weight_versions that are not one per response, "
@@ -203,7 +206,8 @@ class TrainerClient:
                 assembler.add(reply.chunks)
         return assembler.result(required=(name,))[name]
 
-    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float, role: str = "actor") -> torch.Tensor:
+    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float,
+                                role: str = "actor") -> torch.Tensor:
         """Logprobs [T] of the response tokens under the actor (role actor) or the reference (role ref)."""
         return await self._stream_out(self._stub.ComputeLogProbs, sequence_tensors(batch), step=step, role=role,
                                       name="logprobs", timeout=timeout)
@@ -267,7 +271,8 @@ class TrainerClient:
     async def broadcast_weights(self, channel_id: str, bucket_bytes: int, timeout: float) -> SyncResult:
         async with self._conn.slot():
             reply = await self._stub.BroadcastWeights(
-                trainer_pb2.BroadcastWeightsRequest(channel_id=channel_id, bucket_bytes=bucket_bytes, timeout_s=timeout),
+                trainer_pb2.BroadcastWeightsRequest(channel_id=channel_id, bucket_bytes=bucket_bytes,
+                                                    timeout_s=timeout),
                 timeout=timeout + 5)
         return SyncResult(weight_version=reply.weight_version, total_bytes=reply.total_bytes,
                           buckets=reply.buckets, seconds=reply.seconds)

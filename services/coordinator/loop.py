@@ -379,7 +379,8 @@ class PPOLoop:
         limit = self.settings.max_staleness
         staleness = (self.rollouts.served - rollouts.versions).float()
         spanning = (rollouts.last_versions > rollouts.versions).sum()
-        keep = [i for i in range(len(rollouts.prompts)) if staleness[i * rollouts.n:(i + 1) * rollouts.n].max() <= limit]
+        keep = [i for i in range(len(rollouts.prompts))
+                if staleness[i * rollouts.n:(i + 1) * rollouts.n].max() <= limit]
         metrics = {"rollout/weight_version": float(rollouts.versions.min()),
                    "training/off_policy/staleness/mean": float(staleness.mean()),
                    "training/off_policy/staleness/max": float(staleness.max()),
@@ -407,7 +408,8 @@ class PPOLoop:
         for round_index in range(self.settings.max_gen_rounds):
             rollouts = await self.generate_and_score(step, round_index, timer, counts, oldest)
             signal = algos.groups_with_signal(rollouts.scores, rollouts.group_ids)
-            kept.append(rollouts.keep_prompts([i for i in range(len(rollouts.prompts)) if bool(signal[i * rollouts.n])]))
+            kept.append(rollouts.keep_prompts([i for i in range(len(rollouts.prompts))
+                                               if bool(signal[i * rollouts.n])]))
             if sum(len(part.prompts) for part in kept) >= wanted:
                 break
         merged = Rollouts.concat(kept) if any(part.prompts for part in kept) else rollouts

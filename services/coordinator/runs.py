@@ -195,7 +195,8 @@ class RunManager:
         check_loggers_installed(config.trainer.logger)
         earlier = self._checkpoint_to_resume(config)
         if earlier is not None:
-            return await self.resume_run(earlier.run_id, earlier, f"by trainer.resume_mode={config.trainer.resume_mode}")
+            return await self.resume_run(earlier.run_id, earlier,
+                                         f"by trainer.resume_mode={config.trainer.resume_mode}")
         data = await asyncio.to_thread(load_run_data, config)
         config = config.steps_for(len(data.prompts))
         run_id = f"{config.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
@@ -236,7 +237,8 @@ class RunManager:
             return found
         chosen = trainer.default_local_dir
         if trainer.resume_mode == "auto" and chosen is not None and Path(chosen).is_absolute():
-            latest = self.store.latest_checkpoint_under(str(inside(self.state_dir, chosen, "trainer.default_local_dir")))
+            latest = self.store.latest_checkpoint_under(
+                str(inside(self.state_dir, chosen, "trainer.default_local_dir")))
             if latest is not None and self.store.get_run(latest.run_id).state in ("stopped", "failed", "interrupted"):
                 return latest
         return None
@@ -366,7 +368,8 @@ class RunManager:
         reporter = RunReporter(self, run_id, run_dir, self._writes[run_id], self._samples_dir(config, run_dir))
         should_stop = lambda: run_id in self._stop_requested  # noqa: E731
         rollouts = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
-                              lambda: [record.address for record in self.registry.up("rollout", config.placement.rollout)],
+                              lambda: [record.address
+                                       for record in self.registry.up("rollout", config.placement.rollout)],
                               reporter, should_stop)
         rewards = RewardSet(RewardTarget("group", config.placement.reward), self.reward_addresses, reporter,
                             should_stop, config.trainer.rpc_timeout_s)
@@ -389,8 +392,8 @@ class RunManager:
             return loop.result()
         finally:
             self._loops.pop(run_id, None)
-            await asyncio.gather(*(client.close() for client in (trainers.roles() if trainers else ())), rollouts.close(),
-                                 rewards.close(), reporter.close())
+            await asyncio.gather(*(client.close() for client in (trainers.roles() if trainers else ())),
+                                 rollouts.close(), rewards.close(), reporter.close())
 
     async def _watch_members(self, trainers: set[str], rollouts: RolloutSet, rewards: RewardSet) -> bool:
         """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer
@@ -416,7 +419,8 @@ class RunManager:
     @staticmethod
     async def _name_silent_trainers(trainers: list[TrainerClient], failure: Exception) -> Exception:
         """``failure``, or, if a trainer does not answer now (the likely cause), Unavailable naming it."""
-        answers = await asyncio.gather(*(t.gpu(TRAINER_PROBE_S) for t in trainers), return_exceptions=True)  # any Info answer
+        answers = await asyncio.gather(*(t.gpu(TRAINER_PROBE_S) for t in trainers),
+                                       return_exceptions=True)  # any Info answer
         silent = [t.address for t, answer in zip(trainers, answers) if isinstance(answer, BaseException)]
         if not silent:
             return failure

@@ -133,7 +133,8 @@ def validation_settings(config: RunConfig) -> ValidationSettings | None:
 def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
     model, trainer = config.actor_rollout_ref.model, config.trainer
     return RolloutSetSettings(
-        model_path=model.path, dtype=model.dtype, allow_pickle=model.allow_pickle, group=config.placement.rollout, backend=trainer.weight_sync_backend,
+        model_path=model.path, dtype=model.dtype, allow_pickle=model.allow_pickle, group=config.placement.rollout,
+        backend=trainer.weight_sync_backend,
         channel_timeout_s=trainer.channel_timeout_s, rpc_timeout_s=trainer.rpc_timeout_s,
         bucket_bytes=trainer.weight_sync_bucket_mb << 20,
         partial_rollout=config.actor_rollout_ref.rollout.partial_rollout,

@@ -148,7 +148,8 @@ class RunStore:
             self._db.execute("INSERT OR REPLACE INTO steps (run_id, step, time, metrics_json) VALUES (?, ?, ?, ?)",
                              (run_id, step, time.time(), json.dumps(merged)))
 
-    def add_event(self, run_id: str, kind: str, step: int, state: str, message: str, metrics: dict[str, float]) -> Event:
+    def add_event(self, run_id: str, kind: str, step: int, state: str, message: str,
+                  metrics: dict[str, float]) -> Event:
         now = time.time()
         cursor = self._db.execute(
             "INSERT INTO events (run_id, time, kind, step, state, message, metrics_json) VALUES (?, ?, ?, ?, ?, ?, ?)",

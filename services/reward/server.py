@@ -80,7 +80,8 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             log.warning("samples_timed_out", count=len(timed_out), first_data_source=timed_out[0],
                         timeout_s=self.config.sample_timeout_s)
         return reward_pb2.ScoreResponse(service_id=self.identity.service_id, scores=[
-            reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds, pred=r.pred, acc=r.acc,
+            reward_pb2.SampleScore(score=r.score, valid=r.valid, error=r.error, seconds=r.seconds, pred=r.pred,
+                                   acc=r.acc,
                                    components=[reward_pb2.RewardComponent(name=name, weight=weight, value=value)
                                                for name, weight, value in r.components],
                                    timed_out=r.timed_out)

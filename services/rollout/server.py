@@ -119,8 +119,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         logprobs, _ = join_ragged([c.logprobs for c in flat], torch.float32)
         truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)
         versions = torch.tensor([c.first_version for c in flat], dtype=torch.int64)
-        out = {"response_ids": response_ids, "response_lens": response_lens, "logprobs": logprobs, "truncated": truncated,
-               "weight_versions": versions,
+        out = {"response_ids": response_ids, "response_lens": response_lens, "logprobs": logprobs,
+               "truncated": truncated, "weight_versions": versions,
                "last_weight_versions": torch.tensor([c.last_version for c in flat], dtype=torch.int64)}
         oldest = int(versions.min()) if len(versions) else engine.weight_version
         for chunks in batch_to_chunks(out):

@@ -23,7 +23,8 @@ LOGGER_NEEDS = {  # experiment logger -> the modules it imports, and what instal
     "wandb": (("wandb",), "'meshrl[wandb]'"),
     "mlflow": (("mlflow", "sqlalchemy", "alembic"), "'meshrl[mlflow]'"),
 }
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 @dataclass(frozen=True)

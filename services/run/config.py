@@ -177,7 +177,8 @@ class RunConfig(Section):
         if trainer.use_legacy_worker_impl is not None:
             notices.append(f"trainer.use_legacy_worker_impl={trainer.use_legacy_worker_impl}: meshrl has one "
                            "worker implementation")
-        for key, value, setting in (("gpu_memory_utilization", rollout.gpu_memory_utilization, "gpu_memory_utilization"),
+        for key, value, setting in (("gpu_memory_utilization", rollout.gpu_memory_utilization,
+                                     "gpu_memory_utilization"),
                                     ("tensor_model_parallel_size", rollout.tensor_model_parallel_size,
                                      "tensor_parallel_size")):
             if value is not None:
@@ -193,7 +194,8 @@ class RunConfig(Section):
 
     def require_paths(self) -> None:
         """Refuse a config that names no model or no data it needs (before anything starts)."""
-        hint = " (coordctl start-run --local builds a tiny model and data; coordctl init FOLDER writes them with a run config)"
+        hint = (" (coordctl start-run --local builds a tiny model and data; "
+                "coordctl init FOLDER writes them with a run config)")
         if not self.actor_rollout_ref.model.path:
             raise ValueError(f"actor_rollout_ref.model.path: no model folder given{hint}")
         if not self.data.train_files and not self.trainer.val_only:

@@ -102,7 +102,8 @@ def check_init(config: RunConfig, roles: list[str], world_size: int) -> None:
     actor_sharding(config, world_size)
     critic_sharding(config, world_size)
     actor_path = config.actor_rollout_ref.model.path
-    for field, folder in (("actor_rollout_ref.model.path", actor_path), ("critic.model.path", config.critic.model.path)):
+    for field, folder in (("actor_rollout_ref.model.path", actor_path),
+                          ("critic.model.path", config.critic.model.path)):
         if folder and not (Path(folder) / "config.json").exists():
             raise ValueError(f"{field}: no config.json in model folder {folder}")
         if folder:
