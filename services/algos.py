@@ -95,7 +95,7 @@ def _to_padded(flat: torch.Tensor, lengths: torch.Tensor, index: tuple[torch.Ten
     return padded
 
 
-def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
+def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sequence group sum, count and unbiased std of the float64 scores."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores)

@@ -13,6 +13,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from services.run.data import Prompt, count_rows, load_prompts
 from services.run.models import load_tokenizer, refuse_pickled_weights
@@ -41,7 +42,7 @@ class RunData:
         return f"{len(self.prompts)} training prompts{dropped}, {len(self.val_prompts)} held-out"
 
 
-def check_model_folder(path: str, key: str) -> dict:
+def check_model_folder(path: str, key: str) -> dict[str, Any]:
     """The folder's config.json, once the folder is known to hold a config, weights and a tokenizer; ValueError
     naming ``key`` otherwise."""
     folder = Path(path)
@@ -49,7 +50,7 @@ def check_model_folder(path: str, key: str) -> dict:
         raise ValueError(f"{key}: {path} is not a folder (models are read from local folders; nothing is "
                          "downloaded)")
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config: dict[str, Any] = json.loads((folder / "config.json").read_text())
     except FileNotFoundError:
         raise ValueError(f"{key}: no config.json in {path}") from None
     except (OSError, json.JSONDecodeError) as error:

@@ -45,12 +45,13 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
     raise ValueError(f"data file {path}: expected .parquet or .jsonl, got {path.suffix!r}")
 
 
-def render_prompt(prompt: Any, tokenizer) -> str:
+def render_prompt(prompt: Any, tokenizer: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     messages = list(prompt)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered: str = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return rendered
     return "".join(message["content"] for message in messages)
 
 
@@ -89,7 +90,7 @@ TOKENIZE_BATCH = 2048  # prompts tokenised in one call: the fast tokenizer runs 
 # Python round trip per row (100,000 rows: about 12 s instead of 34 on 2 busy cores)
 
 
-def prompts_from_rows(rows: list[tuple[int, Any]], prompt_key: str, source_key: str, tokenizer, max_len: int,
+def prompts_from_rows(rows: list[tuple[int, Any]], prompt_key: str, source_key: str, tokenizer: Any, max_len: int,
                       overlong: str = "error") -> list[Prompt | None]:
     """Each (row number, row) as a validated, tokenised prompt, in order; ValueError "row N: ..." names the first
     bad row. A prompt over ``max_len`` tokens: ``overlong`` error (ValueError), drop (None), or left / right / middle
@@ -112,7 +113,7 @@ def prompts_from_rows(rows: list[tuple[int, Any]], prompt_key: str, source_key: 
     return prompts
 
 
-def prompt_of(row: dict, token_ids: list[int], source_key: str, max_len: int, overlong: str) -> Prompt | None:
+def prompt_of(row: dict[str, Any], token_ids: list[int], source_key: str, max_len: int, overlong: str) -> Prompt | None:
     """A checked row and its prompt's tokens as a Prompt (None: dropped as over-long)."""
     if not token_ids:
         raise ValueError("empty prompt")
@@ -139,11 +140,12 @@ def truncate(token_ids: list[int], max_len: int, side: str) -> list[int]:
     return token_ids[:head] + token_ids[len(token_ids) - (max_len - head):]
 
 
-def load_prompts(files: list[str], prompt_key: str, source_key: str, tokenizer, max_len: int,
+def load_prompts(files: list[str], prompt_key: str, source_key: str, tokenizer: Any, max_len: int,
                  overlong: str = "error") -> tuple[list[Prompt], int]:
     """Every row of ``files`` as a prompt, and how many over-long ones were dropped (``overlong`` drop); ValueError
     naming the file and row of a bad one, or the files when none is left."""
-    prompts, dropped = [], 0
+    prompts: list[Prompt] = []
+    dropped = 0
     for name in files:
         rows = read_rows(Path(name))
         try:

@@ -13,6 +13,7 @@ import json
 import math
 import threading
 from pathlib import Path
+from typing import Any
 
 SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                           "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -25,7 +26,7 @@ PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 _TRANSFORMERS_IMPORT = threading.Lock()
 
 
-def from_transformers(*names: str) -> tuple:
+def from_transformers(*names: str) -> tuple[Any, ...]:
     """``names`` from transformers, imported one thread at a time: transformers 5's lazily imported names are not
     thread-safe the first time (two threads at once, as two runs started together check their model folders on a
     coordinator, get ImportError: cannot import name 'AutoTokenizer')."""
@@ -48,7 +49,7 @@ def refuse_pickled_weights(path: str | Path, allow_pickle: bool, field: str) -> 
                          "actor_rollout_ref.model.allow_pickle=true if you trust the file")
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path) -> Any:
     """The tokenizer saved in ``path``.
 
     Where the folder has a ``tokenizer.json``, it is loaded exactly as saved:
@@ -67,7 +68,7 @@ def load_tokenizer(path: str | Path):
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool = False,
-                   attn_implementation: str | None = None):
+                   attn_implementation: str | None = None) -> Any:
     """A causal LM from a local Hugging Face folder, in the given dtype, on CPU; from safetensors unless
     ``allow_pickle``; attention as ``attn_implementation`` names it (None: transformers' default)."""
     import torch
@@ -84,7 +85,7 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool 
 
 
 def load_value_model(path: str | Path, dtype: str = "float32", allow_pickle: bool = False,
-                     attn_implementation: str | None = None):
+                     attn_implementation: str | None = None) -> Any:
     """A causal LM's body with a one-output token head (a value per position), from a local folder.
 
     The head is freshly initialised when the folder holds a plain causal LM. Dropout in the head is off,
@@ -105,7 +106,7 @@ def load_value_model(path: str | Path, dtype: str = "float32", allow_pickle: boo
                                                            attn_implementation=attn_implementation)
 
 
-def safetensors_header(file: Path) -> dict[str, dict]:
+def safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
     """The tensors a safetensors file holds (name -> dtype, shape, data_offsets), read from its header alone;
     ValueError naming the file (and the tensor) where the header is malformed or the file is too short for it."""
     size = file.stat().st_size
@@ -126,7 +127,7 @@ def safetensors_header(file: Path) -> dict[str, dict]:
     return header
 
 
-def check_tensor_entry(file: Path, name: str, entry, data_bytes: int) -> None:
+def check_tensor_entry(file: Path, name: str, entry: Any, data_bytes: int) -> None:
     """One header entry's dtype is known, its offsets span its shape's bytes, and they lie within the file."""
     try:
         dtype, shape, (start, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
@@ -142,7 +143,7 @@ def check_tensor_entry(file: Path, name: str, entry, data_bytes: int) -> None:
                          f"({data_bytes} bytes): the file is truncated")
 
 
-def folder_tensors(folder: Path) -> dict[str, tuple[Path, dict]] | None:
+def folder_tensors(folder: Path) -> dict[str, tuple[Path, dict[str, Any]]] | None:
     """Each tensor of a folder's safetensors weights (one file, or shards listed in model.safetensors.index.json)
     with the file that holds it; None for a folder with no safetensors weights."""
     index = folder / "model.safetensors.index.json"

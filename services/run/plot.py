@@ -4,6 +4,11 @@ validation), and any metrics over the steps (``coordctl plot``)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 Steps = list[tuple[int, dict[str, float]]]  # (step, its metrics), by step
 
@@ -23,7 +28,7 @@ def curve(steps: Steps, key: str) -> list[tuple[int, float]]:
     return [(step, metrics[key]) for step, metrics in steps if key in metrics]
 
 
-def axes_for(title: str, ylabel: str):
+def axes_for(title: str, ylabel: str) -> tuple[Figure, Axes]:
     """A figure of the size every plot has, and its axes."""
     import matplotlib
 
@@ -38,7 +43,7 @@ def axes_for(title: str, ylabel: str):
     return figure, axes
 
 
-def save(figure, axes, path: Path) -> Path:
+def save(figure: Figure, axes: Axes, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     axes.legend(loc="best", fontsize="small")

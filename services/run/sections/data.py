@@ -11,7 +11,7 @@ from pydantic import PositiveInt
 from services.common.config import Section
 
 
-def as_list(value):
+def as_list(value: object) -> object:
     """verl takes one path or a list of them."""
     return [value] if isinstance(value, str) else value
 

@@ -4,7 +4,7 @@ pipeline."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import pydantic
 from pydantic import Field, PositiveInt
@@ -15,9 +15,10 @@ from services.common.paths import check_name
 from services.run.sections.data import as_list
 
 
-WRITTEN_LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
-VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml", "trackio", "file")  # verl's: accepted, not written
-LoggerName = Literal[WRITTEN_LOGGERS + VERL_ONLY_LOGGERS]
+WrittenLogger = Literal["console", "tensorboard", "wandb", "mlflow"]
+VerlOnlyLogger = Literal["swanlab", "vemlp_wandb", "clearml", "trackio", "file"]  # verl's: accepted, not written
+VERL_ONLY_LOGGERS = get_args(VerlOnlyLogger)
+LoggerName = Literal[WrittenLogger, VerlOnlyLogger]
 
 
 class AsyncConfig(Section):
