@@ -65,7 +65,7 @@ def is_loopback(host: str) -> bool:
     except ValueError:  # a name, not an address
         pass
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)}
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)}
     except (OSError, UnicodeError):
         return False
     return bool(addresses) and all(_is_loopback_address(address) for address in addresses)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pydantic
 import yaml
@@ -88,7 +89,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {override!r} must look like key.path=value (or +key.path=value, ~key.path)")
         config = set_key(config, key.strip(), raw.strip(), override)
     try:
-        return OmegaConf.to_container(config, resolve=True)
+        return cast(dict[str, Any], OmegaConf.to_container(config, resolve=True))  # a DictConfig's container
     except OmegaConfBaseException as error:
         raise ConfigError(f"{getattr(error, 'full_key', None) or '(a value)'}: {first_line(error)}") from None
 
@@ -105,7 +106,7 @@ def set_key(config: DictConfig, key: str, raw: str, override: str) -> DictConfig
         if not raw:
             OmegaConf.update(config, key, "", force_add=True)
             return config
-        return OmegaConf.merge(config, OmegaConf.from_dotlist([f"{key}={raw}"]))
+        return cast(DictConfig, OmegaConf.merge(config, OmegaConf.from_dotlist([f"{key}={raw}"])))  # dict into dict
     except yaml.YAMLError as error:
         raise ConfigError(f"override {override!r}: value is not valid YAML ({first_line(error)})") from None
     except OmegaConfBaseException as error:
@@ -142,7 +143,7 @@ def describe_errors(error: pydantic.ValidationError, section: str = "", model: t
 
 def known_keys_near(model: type, loc: tuple) -> list[str]:
     """The keys of the section at ``loc[:-1]`` of ``model`` closest to ``loc[-1]`` (none when nothing is close)."""
-    section = model
+    section: type | None = model
     for part in loc[:-1]:
         fields = getattr(section, "model_fields", {})
         if part not in fields:
@@ -162,7 +163,7 @@ def validate(model: type[Model], data: dict[str, Any], section: str = "") -> Mod
         raise ConfigError(describe_errors(error, section, model)) from None
 
 
-def load_config(model: type[Model], path: str | Path | None, overrides: list[str] = ()) -> Model:
+def load_config(model: type[Model], path: str | Path | None, overrides: Sequence[str] = ()) -> Model:
     data = read_yaml(path) if path else {}
     return validate(model, apply_overrides(data, list(overrides)))
 

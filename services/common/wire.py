@@ -111,6 +111,7 @@ async def read_stream(request_iterator, assembler: BatchAssembler, limits: Strea
     broken stream (INTERNAL) instead. A stream still open ``limits.timeout_s`` after it began is refused then
     (TimeoutError, or the refusal it had earned).
     """
+    error: Exception | None
     first, error, received = None, None, 0
     try:
         async with asyncio.timeout(limits.timeout_s):

@@ -14,6 +14,7 @@ import json
 import random
 import zlib
 from pathlib import Path
+from typing import Any
 
 DATA_SOURCE = "meshrl/reverse"
 ARITHMETIC_SOURCE = "meshrl/arithmetic"  # scored by the GSM8K rule: the number after the last "#### "
@@ -34,7 +35,7 @@ def reverse_task_rows(count: int, min_digits: int, max_digits: int, seed: int, s
     if split == "test" and held_out_share <= 0:
         raise ValueError("a test split needs a held-out share of the strings")
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict[str, Any]] = []
     while len(rows) < count:
         digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(min_digits, max_digits)))
         if held_out_share > 0 and held_out(digits, held_out_share) != (split == "test"):
@@ -54,7 +55,8 @@ def arithmetic_problem(rng: random.Random, steps: int, largest: int) -> tuple[st
     "#### <answer>", the answer, and what identifies the problem (for the held-out split)."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     value = rng.randint(2, largest)
-    sentences, lines, key = [f"{name} has {value} {item}."], [], [value]
+    sentences, lines = [f"{name} has {value} {item}."], []
+    key: list[int | str] = [value]
     for _ in range(steps):
         operation = rng.choice(("add", "take", "times") if value <= largest else ("take",))
         if operation == "times":
@@ -85,7 +87,7 @@ def arithmetic_task_rows(count: int, min_steps: int, max_steps: int, largest: in
     if split == "test" and held_out_share <= 0:
         raise ValueError("a test split needs a held-out share of the problems")
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict[str, Any]] = []
     while len(rows) < count:
         question, answer, value, key = arithmetic_problem(rng, rng.randint(min_steps, max_steps), largest)
         if held_out_share > 0 and held_out(repr(key), held_out_share) != (split == "test"):

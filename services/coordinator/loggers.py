@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -135,7 +136,8 @@ class Loggers:
 def open_loggers(listed: list[str], run_dir: Path, names: RunNames, first_step: int) -> Loggers:
     """The loggers ``listed`` (trainer.logger) for an attempt whose first step is ``first_step`` (0: from the
     start, validation before training included); RuntimeError naming the one that could not start."""
-    openers = {"tensorboard": lambda: TensorBoardLogger(run_dir / "tensorboard", first_step),
+    openers: dict[str, Callable[[], ExperimentLogger]] = {
+               "tensorboard": lambda: TensorBoardLogger(run_dir / "tensorboard", first_step),
                "wandb": lambda: WandbLogger(run_dir, names), "mlflow": lambda: MlflowLogger(run_dir, names)}
     opened = Loggers({})
     for name in (name for name in openers if name in listed):

@@ -147,7 +147,7 @@ def validation_metrics(results: list[PromptResults]) -> dict[str, float]:
     by_metric: dict[str, list[float]] = {}
     for prompt in results:
         preds = prompt.preds if any(prompt.preds) else None
-        variables = {"reward": (prompt.scores, None)}
+        variables: dict[str, tuple[list[float], int | None]] = {"reward": (prompt.scores, None)}
         if prompt.accs is not None:
             variables["acc"] = ([float(a) for a in prompt.accs], sum(prompt.accs))
         for name, (values, correct) in variables.items():

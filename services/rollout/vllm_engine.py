@@ -40,7 +40,7 @@ import contextlib
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import Unavailable
 from services.run.models import load_tokenizer
@@ -102,7 +102,7 @@ class VLLMEngine:
                 max_tokens=sampling.max_new_tokens, seed=hash_seed(sampling.seed, first_index + index, 0) % (1 << 31),
                 stop_token_ids=stops, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
             )
-            final = None
+            final: Any = None
             async for output in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
                 final = output
             versions = (first_version, self.weight_version)  # a keep swap may have come between its tokens

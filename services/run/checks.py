@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ def check_model_folder(path: str, key: str) -> dict[str, Any]:
     return config
 
 
-def check_loggers_installed(loggers: list[str]) -> None:
+def check_loggers_installed(loggers: Sequence[str]) -> None:
     """Every experiment logger of trainer.logger can be written from this Python (the coordinator's, or coordctl's
     for --local); ValueError naming the key, the loggers missing and what installs them otherwise."""
     missing = [name for name in loggers if name in LOGGER_NEEDS

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,6 +37,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from services.common.errors import FailedPrecondition
 from services.common.manifest import read_manifest, verify, write_manifest
 from services.trainer.ranks import Ranks
+
+if TYPE_CHECKING:
+    from services.trainer.actor import Actor
+    from services.trainer.critic import Critic
 
 EXTRA = "trainer_state.pt"
 STAGING = "meshrl_staging.json"  # in a folder being saved: whose run it is
@@ -50,7 +55,7 @@ class CheckpointNotWritten(FailedPrecondition):
         self.errno = errno
 
 
-def trainable(roles) -> dict[str, object]:
+def trainable(roles) -> dict[str, Actor | Critic]:
     return {name: role for name, role in (("actor", roles.actor), ("critic", roles.critic)) if role is not None}
 
 
@@ -122,6 +127,7 @@ def first_os_error(error: BaseException) -> OSError | None:
     """The first OSError under ``error`` with the system's words for it (a CheckpointException holds each
     rank's failure)."""
     failures = [failure for failure, _ in error.failures.values()] if isinstance(error, CheckpointException) else []
+    candidate: BaseException | None
     for candidate in [error, *failures]:
         while candidate is not None:
             if isinstance(candidate, OSError) and candidate.strerror:
@@ -134,7 +140,7 @@ def cause_of(error: BaseException) -> str:
     """What went wrong, in the system's words where an OSError is under ``error``."""
     refused = first_os_error(error)
     if refused is not None:
-        return refused.strerror + (f" ({refused.filename})" if refused.filename else "")
+        return f"{refused.strerror}" + (f" ({refused.filename})" if refused.filename else "")
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
@@ -164,7 +170,7 @@ def load(roles, path: Path) -> int:
     """Restore the roles from ``path`` (``check_complete`` has passed); returns the actor weight version saved
     there."""
     extra = read_extra(roles, path)
-    state = {}
+    state: dict[str, dict[str, Any]] = {}
     for name, role in trainable(roles).items():
         model_state, optim_state = get_state_dict(role.model, role.optimizer.adamw)
         state[name] = {"model": model_state, "optim": optim_state}

@@ -35,7 +35,7 @@ def attention(packed: bool) -> str | None:
 
 
 def optim_settings(optim: OptimConfig, grad_clip: float, total_steps: int, offload: bool) -> OptimSettings:
-    return OptimSettings(optim.lr, optim.weight_decay, tuple(optim.betas), grad_clip, optim.lr_warmup_steps,
+    return OptimSettings(optim.lr, optim.weight_decay, optim.betas, grad_clip, optim.lr_warmup_steps,
                          optim.warmup_style, optim.min_lr_ratio, total_steps, offload)
 
 
@@ -43,7 +43,7 @@ def warm_start_settings(actor: ActorConfig) -> OptimSettings:
     """The warm start's own AdamW: its lr and schedule over its steps, the actor's betas and grad_clip, no weight
     decay."""
     warm = actor.warm_start
-    return OptimSettings(warm.lr, 0.0, tuple(actor.optim.betas), actor.grad_clip, warm.lr_warmup_steps,
+    return OptimSettings(warm.lr, 0.0, actor.optim.betas, actor.grad_clip, warm.lr_warmup_steps,
                          warm.warmup_style, warm.min_lr_ratio, warm.steps, actor.fsdp_config.optimizer_offload)
 
 
