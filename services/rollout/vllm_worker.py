@@ -9,6 +9,7 @@ own (vLLM refuses an extension that would).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -21,6 +22,12 @@ from services.rollout.direct_load import DirectLoader
 
 
 class MeshrlWorkerExtension:
+    # The worker's own attributes used here, set by vLLM's GPU worker (annotations only: no class attributes, so
+    # nothing for vLLM's name-clash check to see).
+    device: torch.device
+    model_runner: Any
+    parallel_config: Any
+
     def meshrl_gpu(self) -> str:
         """The UUID of this worker's GPU."""
         return gpu_uuid(self.device)
