@@ -92,8 +92,8 @@ class SignedStore(dist.Store):
     def _mac(self, key: str, value: bytes) -> bytes:
         return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
 
-    def set(self, key: str, value: bytes) -> None:
-        self.store.set(key, self._mac(key, value) + value)
+    def set(self, key: str, value: bytes) -> None:  # type: ignore[override]  # torch's stub: str; Store takes bytes
+        self.store.set(key, self._mac(key, value) + value)  # type: ignore[arg-type]  # as above
 
     def get(self, key: str) -> bytes:
         deadline = time.monotonic() + self.timeout_s
@@ -138,11 +138,11 @@ class GlooChannel:
         self._lock = threading.Lock()  # a transfer is started on the group, or the channel abandoned, not both
         self._signed = SignedStore(dist.TCPStore(host, port, is_master=False, timeout=timeout), secret, timeout)
         store = dist.PrefixStore(f"channel/{channel_id}/", self._signed)
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, not in torch's stubs
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_towards(host))]
         try:
-            self._group = dist.ProcessGroupGloo(store, rank, world_size, options)
+            self._group: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(store, rank, world_size, options)
         except dist.DistStoreError as error:
             raise TimeoutError(
                 f"channel {channel_id}: not all {world_size} members joined within {timeout_s} s ({error})"
@@ -183,7 +183,8 @@ class GlooChannel:
             self.abandoned, group = True, self._group
         for peer in range(1, self.world_size):
             try:
-                group.send([torch.zeros(1)], (self.rank + peer) % self.world_size, POKE_TAG).wait(
+                group.send([torch.zeros(1)],  # type: ignore[attr-defined]  # missing from torch's stubs
+                           (self.rank + peer) % self.world_size, POKE_TAG).wait(
                     datetime.timedelta(milliseconds=1))
             except RuntimeError as error:
                 if "timed out" in str(error).lower():  # every connection of the group is closed now

@@ -111,4 +111,5 @@ def open_shared(handle: bytes, device: torch.device) -> torch.Tensor:
         device.index, bytes.fromhex(fields["handle"]), fields["size"], fields["offset"],
         bytes.fromhex(fields["counter"]), fields["counter_offset"], bytes.fromhex(fields["event"]),
         fields["event_sync"])
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, fields["tensor_offset"], (fields["numel"],))
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(  # type: ignore[call-overload]  # stub lacks
+        storage, fields["tensor_offset"], (fields["numel"],))  # set_(source, offset, size)

@@ -28,7 +28,7 @@ def join_ragged(pieces: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.T
 def ragged_index(lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Flat indices of the given rows' tokens, in the order given. [B], [R] -> [sum of their lengths]."""
     starts = torch.cumsum(lengths, 0) - lengths
-    pieces = [torch.arange(starts[r], starts[r] + lengths[r]) for r in rows.tolist()]
+    pieces = [torch.arange(int(starts[r]), int(starts[r] + lengths[r])) for r in rows.tolist()]
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
 
 
@@ -50,7 +50,7 @@ class Padded:
     max_seqlen: int = 0  # packed: the longest sequence
 
     def to(self, device: torch.device | str) -> Padded:
-        return Padded(*(None if t is None else t.to(device) for t in (
+        return Padded(*(None if t is None else t.to(device) for t in (  # type: ignore[arg-type,call-arg]  # mypy cannot match a starred generator to the fields
             self.input_ids, self.attention_mask, self.response_mask, self.position_ids, self.cu_seqlens)),
             self.max_seqlen)
 

@@ -67,11 +67,12 @@ def load_role_weights(model, folder: Path, role: str) -> None:
     weight tied to another counts as there)."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     prefix = f"{role}.model."
     stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     wanted = {key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
-              for key, meta in stored.items() if key.startswith(prefix)}
+              for key, meta in stored.items() if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
     request = {role: {"model": wanted}}
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process reads every shard
         warnings.simplefilter("ignore", UserWarning)

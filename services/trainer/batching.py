@@ -43,7 +43,8 @@ def balanced_shares(lengths: torch.Tensor, rows: torch.Tensor, world_size: int) 
     lengths: [B] tokens of every row of the batch; rows: [R] indices into it."""
     if world_size == 1:
         return [rows]
-    loads, members = [0] * world_size, [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    members: list[list[int]] = [[] for _ in range(world_size)]
     for position in sorted(range(len(rows)), key=lambda i: (-int(lengths[rows[i]]), i)):
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         members[rank].append(position)

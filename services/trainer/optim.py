@@ -74,7 +74,7 @@ class Optimizer:
 
     @property
     def lr(self) -> float:
-        return self.schedule.get_last_lr()[0]
+        return float(self.schedule.get_last_lr()[0])
 
 
 def fusable(params: list[torch.nn.Parameter]) -> bool:

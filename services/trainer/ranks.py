@@ -94,7 +94,9 @@ class Ranks:
         padded[: len(local)] = local
         parts = [torch.zeros_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(padded, parts, dst=0, group=self.cpu)
-        return torch.cat([part[:size] for part, size in zip(parts, sizes)]) if self.rank == 0 else None
+        if parts is None:  # not rank 0
+            return None
+        return torch.cat([part[:size] for part, size in zip(parts, sizes)])
 
     def sum_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Each metric summed over the ranks (every rank reports the same keys)."""
