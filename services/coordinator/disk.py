@@ -22,6 +22,7 @@ import os
 import sqlite3
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -127,7 +128,7 @@ class RunWrites:
     """A run's writes to the state directory, done in order; those the disk refuses are held, in order, until it
     takes them again."""
 
-    def __init__(self, record_state: Callable[[str, str], None], db_path: Path,
+    def __init__(self, record_state: Callable[[str, str], object], db_path: Path,
                  changed: Callable[[str | None], None]):
         """``record_state(state, error)``: the run's state into the run DB; ``changed(cause)``: the run starts
         waiting for the disk (the cause) or stops (None)."""
@@ -162,7 +163,7 @@ class RunWrites:
         none, the last held write being the run's final state)."""
         while self._refused is not None:
             self.waiting_for = cause = self._refused
-            self._held.appendleft(Write(lambda cause=cause: self._record_state("waiting", cause), self._db_path))
+            self._held.appendleft(Write(partial(self._record_state, "waiting", cause), self._db_path))
             self._changed(cause)
             self._flush()
             while self._refused is not None:

@@ -57,7 +57,7 @@ class Pipeline(Generic[Batch]):
     async def _run(self) -> None:
         for step in range(self.first_step, self.last_step + 1):
             async with self._changed:
-                await self._changed.wait_for(lambda step=step: self.completed >= step - 1 - self.max_staleness)
+                await self._changed.wait_for(lambda: self.completed >= step - 1 - self.max_staleness)  # noqa: B023 - called within this wait
             self._busy_since = time.perf_counter()
             batch = await self.produce(step)
             self._busy.append((self._busy_since, time.perf_counter()))
