@@ -47,7 +47,8 @@ def configure_logging(service: str, level: str = "info") -> structlog.stdlib.Bou
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         # one write per line: ranks share a log file
-        logger_factory=structlog.WriteLoggerFactory(file=DiskErrorsDropLines(sys.stderr)),
+        logger_factory=structlog.WriteLoggerFactory(
+            file=DiskErrorsDropLines(sys.stderr)),  # type: ignore[arg-type]  # a TextIO in the stub; write+flush used
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)

@@ -435,14 +435,14 @@ def evaluate(
 
     sampled = temperature if temperature is not None else (1.0 if n > 1 else 0.0)
     try:
-        data = apply_overrides({
+        run_data = apply_overrides({
             "data": {"val_files": [str(path.resolve()) for path in data], "max_response_length": max_response_length},
             "actor_rollout_ref": {"model": {"path": str(model_dir.resolve())}, "rollout": {"val_kwargs": {
                 "n": n, "do_sample": sampled > 0, "temperature": sampled}}},
             "trainer": {"val_only": True, "experiment_name": f"eval-{model_dir.resolve().name}"}},
             list(overrides or []))
-        local_config = validate(LocalConfig, data.pop("local", {}), "local")
-        config = validate(RunConfig, data)
+        local_config = validate(LocalConfig, run_data.pop("local", {}), "local")
+        config = validate(RunConfig, run_data)
         config.require_paths()
     except (ConfigError, ValueError) as error:
         typer.echo(f"bad config: {error}", err=True)

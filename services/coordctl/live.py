@@ -141,7 +141,8 @@ class Block:
     """A block of lines redrawn in place on a terminal."""
 
     def __init__(self, out: TextIO):
-        self.out, self.drawn = out, []
+        self.out = out
+        self.drawn: list[str] = []
 
     def draw(self, lines: list[str]) -> None:
         """Write ``lines`` over the block drawn last (nothing when they are the same)."""

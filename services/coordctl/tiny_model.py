@@ -95,9 +95,10 @@ def build_tiny_reward_model(folder: Path, hidden_size: int, num_layers: int, see
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     tokenizer = build_char_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-                         num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(  # type: ignore[call-arg]  # num_labels goes to PreTrainedConfig's **kwargs
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+        pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     Qwen2ForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

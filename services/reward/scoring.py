@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from services.reward import rules
 from services.reward.config import ComponentConfig, RewardServiceConfig
@@ -64,7 +65,7 @@ class ComponentScore:
 
 
 RULES = "services.reward.rules:judge"
-SYMBOLIC_WARM_UP = ("math", {}, "\\boxed{\\frac{1}{2}}", "0.5")
+SYMBOLIC_WARM_UP: tuple[str, dict[str, Any], str, str] = ("math", {}, "\\boxed{\\frac{1}{2}}", "0.5")
 """A rules worker's first call to a symbolic rule imports math-verify and builds its parser: seconds, which no
 sample's timeout should pay for."""
 
