@@ -33,7 +33,7 @@ class ComponentConfig(Section):
 
     @property
     def name(self) -> str:
-        return self.rule or self.function or self.reward_model
+        return self.rule or self.function or self.reward_model  # type: ignore[return-value]  # one is set (_one_kind)
 
 
 class RewardServiceConfig(ServeConfig):

@@ -42,6 +42,8 @@ def load_function(ref: str) -> Callable:
             if not path.exists():
                 raise FileNotFoundError(f"no such file {path}")
             spec = importlib.util.spec_from_file_location(f"meshrl_reward_plugin_{path.stem}", path)
+            if spec is None or spec.loader is None:  # (a .py path always has a loader)
+                raise ImportError(f"cannot load {path}")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
@@ -69,8 +71,8 @@ def as_score(value: Any) -> FunctionScore:
     (verl's reward_extra_info); ValueError otherwise."""
     acc, pred = None, ""
     if isinstance(value, dict):
-        acc, pred = value.get("acc"), value.get("pred")
-        pred = "" if pred is None else str(pred)
+        acc, given = value.get("acc"), value.get("pred")
+        pred = "" if given is None else str(given)
         value = value.get("score")
         if acc is not None:
             if isinstance(acc, (int, float)) and not isinstance(acc, bool) and acc in (0, 1):
@@ -97,6 +99,7 @@ def _serve(ref: str, connection, parent_pid: int) -> None:
         while (tasks := connection.recv()) is not None:
             for task in tasks:
                 started = time.perf_counter()
+                answer: tuple[str, FunctionScore | str]
                 try:
                     answer = ("ok", replace(as_score(function(*task)), seconds=time.perf_counter() - started))
                 except Exception as error:  # noqa: BLE001 - reported per task

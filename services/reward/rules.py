@@ -112,7 +112,7 @@ def last_boxed_only_string(text: str) -> str | None:
         return None
     if command != "\\boxed" or stripped == rest:  # "\fbox 5" is not a form; "\boxedx" is another command
         return None
-    token = re.match(r"[^\s$]*", stripped).group(0).rstrip(".")
+    token = re.split(r"[\s$]", stripped, maxsplit=1)[0].rstrip(".")  # up to the first space or $
     return f"\\boxed {token}" if token else None
 
 

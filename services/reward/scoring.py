@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +78,7 @@ class Scorer:
         for component in components:
             if component.rule and component.rule not in rules.SCORERS:
                 raise ValueError(f"unknown rule {component.rule!r}; known: {sorted(rules.SCORERS)}")
-            if component.options:
+            if component.rule and component.options:  # (options are for rules only)
                 accepted = set(inspect.signature(rules.SCORERS[component.rule]).parameters) - {"solution_str",
                                                                                                 "ground_truth"}
                 unknown = sorted(set(component.options) - accepted)
@@ -116,6 +117,7 @@ class Scorer:
             except ValueError:
                 continue  # reported when the sample itself is scored
             for position, component in enumerate(components):
+                arguments: tuple[Any, ...]
                 if component.rule:
                     arguments = (component.rule, component.options, sample.response, sample.ground_truth)
                     tasks.setdefault(self.rules, []).append(((index, position), arguments))
@@ -141,6 +143,7 @@ class Scorer:
                 continue  # reported when the sample itself is scored
         scores: dict[tuple[str, int], float | Exception] = {}
         for path, indices in wanted.items():
+            values: Sequence[float | Exception]
             try:
                 values = self.reward_models[path].score([samples[i].prompt + samples[i].response for i in indices])
             except Exception as error:  # noqa: BLE001 - the samples that needed it become invalid
