@@ -81,7 +81,7 @@ class HFRolloutEngine:
         self.vocab_size = model.config.vocab_size
         self.max_model_len = model.config.max_position_embeddings
         self.device = config.device
-        self.gpus = (gpu_uuid(config.device),) if torch.device(config.device).type == "cuda" else ()
+        self.gpus: tuple[str, ...] = (gpu_uuid(config.device),) if torch.device(config.device).type == "cuda" else ()
         self.weight_version = 0  # changed only inside a swap, on the engine thread
         self.gate = SwapGate()
         self.channels = ChannelTable(config.device)
