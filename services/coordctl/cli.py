@@ -119,7 +119,7 @@ def follow_run(begin, coordinator: str, services: tuple | None, state_dir: Path 
     require_valid_security_settings()
     try:
         if services is not None:
-            return asyncio.run(run_local(begin, state_dir.resolve(), services))
+            return asyncio.run(run_local(begin, state_dir.resolve(), services))  # type: ignore[union-attr]  # --local sets both
         return asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
     except grpc.aio.AioRpcError as error:
         raise fail(refused(error, None if services is not None else coordinator), 1)

@@ -102,7 +102,7 @@ class LocalConfig(Section):
     def launches(self, kind: str) -> list[LocalService]:
         """The services of ``kind`` to start: one per entry of local.services' list of {settings, env}, or one
         with its list of settings (none given: one without settings)."""
-        given = self.services.get(kind, [])
+        given = self.services.get(kind, [])  # type: ignore[call-overload]  # any kind; one not listed gets []
         if all(isinstance(entry, str) for entry in given):
             return [LocalService(settings=list(given))]
         return list(given)

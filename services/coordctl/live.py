@@ -111,7 +111,9 @@ class RunView:
         return "services up  " + "  ".join(f"{kind} {up}/{known}" for kind, (up, known) in self.services.items())
 
     def all_up(self) -> bool:
-        return bool(self.services) and all(up == known for up, known in self.services.values())
+        if not self.services:
+            return False
+        return all(up == known for up, known in self.services.values())
 
 
 def render(view: RunView, width: int, height: int, colour: bool) -> list[str]:

@@ -109,7 +109,9 @@ class ReplicaPool(Generic[Replica]):
         """
         if not self.replicas:
             raise Unavailable(f"no {self.kind} replica left for a batch of {count}")
-        sizes, failed, shards = split_by_speed(count, [self.speed(r) for r in self.replicas]), [], []
+        sizes = split_by_speed(count, [self.speed(r) for r in self.replicas])
+        failed: list[Replica] = []
+        shards: list[asyncio.Future[tuple[Result, Replica]]] = []
         for index, size in enumerate(sizes):  # shard ``index`` goes first to replica ``index``
             lo = sum(sizes[:index])
             if size:
@@ -134,7 +136,7 @@ class ReplicaPool(Generic[Replica]):
             try:
                 return await running[1], replica
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # the batch itself is being cancelled
+                if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # (in a task) the batch is being cancelled
                     raise
                 last_error = Unavailable(f"{self.kind} {getattr(replica, 'address', replica)} was dropped")
             except Exception as error:  # decided by is_retryable
