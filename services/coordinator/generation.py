@@ -132,12 +132,12 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
     batch = SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens,
                           response_ids=torch.cat([s.response_ids for s in shards]),
                           response_lens=torch.cat([s.response_lens for s in shards]))
-    rollouts = Rollouts(batch=batch, logprobs=torch.cat([s.logprobs for s in shards]),
+    produced = Rollouts(batch=batch, logprobs=torch.cat([s.logprobs for s in shards]),
                         truncated=torch.cat([s.truncated for s in shards]), scores=torch.zeros(len(batch)),
                         versions=torch.cat([s.weight_versions for s in shards]),
                         last_versions=torch.cat([s.last_versions for s in shards]), prompts=prompts, n=sampling.n,
                         lineage=lineage)
-    return rollouts, counts
+    return produced, counts
 
 
 async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Notices, what: str) -> Scoring:
