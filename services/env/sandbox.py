@@ -207,8 +207,8 @@ def _start(command: list[str], uid: int, fds: dict[str, int]) -> tuple[subproces
     with os.fdopen(info_read, "rb") as info:  # bwrap writes it once the sandbox stands, then closes it
         pid = json.loads(info.read() or b"{}").get("child-pid")
     if pid is None:
-        _, error = process.communicate(timeout=10)
-        raise SandboxUnavailable(f"bwrap could not build the sandbox: {error.decode(errors='replace').strip()[-500:]}")
+        _, stderr = process.communicate(timeout=10)
+        raise SandboxUnavailable(f"bwrap could not build the sandbox: {stderr.decode(errors='replace').strip()[-500:]}")
     try:
         return process, os.pidfd_open(pid)
     except ProcessLookupError:  # the program has already ended; bwrap has reaped its pid 1
@@ -402,7 +402,7 @@ def _running_as(pid: int, uid: int) -> bool:
 @contextlib.contextmanager
 def _memory_files(files: dict[str, str]) -> Iterator[dict[str, int]]:
     """Each file's text in a memory file (bwrap --file copies it into the sandbox's /tmp), closed afterwards."""
-    fds = {}
+    fds: dict[str, int] = {}
     try:
         for name, text in files.items():
             fds[name] = os.memfd_create(f"sandbox-{len(fds)}")
