@@ -28,7 +28,7 @@ HEAD = """# Run config reference
 Every key of a run config, section by section, with its type, its default and what it does. A run config is
 YAML with these keys ([Run configs](../getting-started/run-configs.md) says how it is read and overridden).
 
-This page is generated from the field docstrings in `services/run/config.py` by `python
+This page is generated from the field docstrings in `services/run/config.py` and `services/run/sections/` by `python
 docs/gen_config_reference.py`; `tests/unit/test_docs.py` checks that it is fresh.
 """
 BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
