@@ -186,6 +186,10 @@ class ServeConfig(Section):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port of the Prometheus ``/metrics`` endpoint (plain HTTP, on ``host`` as the gRPC port is); unset: none is
     served; 0 picks a free one (logged as metrics_address). Anyone who reaches it can read the metrics."""
+    ports_file: str = ""
+    """A file this process writes once it listens, as JSON ``{"port": ..., "metrics_port": ...}`` (the ports it
+    got; metrics_port null where none is served), replaced at once; for a launcher that started it on port 0 to
+    learn them (coordctl --local). Empty: none is written."""
     coordinator: str = ""
     """host:port of the coordinator to register with."""
     group: str = "default"

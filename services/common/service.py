@@ -12,6 +12,9 @@ which:
    (either port taken: exit code 2, naming the port and its setting); a
    streamed response whose client takes no message for
    ``response_write_timeout_s`` is ended (handlers.ResponseWriteDeadline);
+   once both listen, writes the ports it got to ``ports_file`` when set (a
+   launcher that starts it on port 0 reads them there: no port is picked
+   free by one process and bound later by another);
 2. registers with the coordinator (with its host name, meshrl version and
    GPUs) and heartbeats (with the weight version it holds), registering
    again whenever the coordinator has forgotten it (it restarted) and
@@ -25,11 +28,13 @@ which:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol, TypeVar
 
 import grpc
@@ -72,6 +77,7 @@ class Endpoint:
     gpu: str = "cpu"  # its GPUs, described (about.describe_gpus)
     metrics_port: int | None = None  # of its Prometheus /metrics (None: none served)
     response_write_timeout_s: float = 60.0  # how long a response stream may wait for its client to read
+    ports_file: str = ""  # where to write the ports it got once it listens ("": nowhere)
 
 
 def identity_for(endpoint: Endpoint, port: int) -> common_pb2.ServiceIdentity:
@@ -165,6 +171,8 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
                if endpoint.metrics_port is not None else None)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    if endpoint.ports_file:
+        write_ports(Path(endpoint.ports_file), port, metrics.port if metrics else None)
     structlog.contextvars.bind_contextvars(service_id=identity.service_id)
     log.info("serving", address=identity.address, kind=endpoint.kind, pid=os.getpid(), gpu=identity.gpu,
              metrics_address=metrics.address if metrics else None,
@@ -203,6 +211,13 @@ def _bind(server: grpc.aio.Server, endpoint: Endpoint, credentials: grpc.ServerC
         raise CannotStart(f"cannot listen on {address} (setting port): the port is in use or the host is not an "
                           "address of this machine; choose another port (0 picks a free one) or stop what holds it")
     return port
+
+
+def write_ports(path: Path, port: int, metrics_port: int | None) -> None:
+    """Replace ``path`` at once with the ports this process listens on (its launcher may read it at any time)."""
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_text(json.dumps({"port": port, "metrics_port": metrics_port}) + "\n")
+    partial.replace(path)
 
 
 def die_with_launcher() -> None:
@@ -251,7 +266,7 @@ def run_service(kind: str, config_model: type[Config],
     endpoint = Endpoint(kind=kind, host=config.host, port=config.port, group=config.group,
                         coordinator=config.coordinator, grace_s=config.grace_s,
                         gpu=describe_gpus(config.compute_devices()), metrics_port=config.metrics_port,
-                        response_write_timeout_s=config.response_write_timeout_s)
+                        response_write_timeout_s=config.response_write_timeout_s, ports_file=config.ports_file)
     try:
         uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))
     except ValueError as error:  # what the servicer refuses to start with (a plugin that fails to import, ...)

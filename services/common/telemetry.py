@@ -111,7 +111,8 @@ class MetricsServer:
         except OSError as error:
             raise CannotStart(f"cannot serve /metrics on {host}:{port} (setting metrics_port): {error.strerror}; "
                               "choose another port (0 picks a free one) or stop what holds it") from None
-        self.address = f"{host}:{self.server.server_port}"
+        self.port = self.server.server_port
+        self.address = f"{host}:{self.port}"
         self.collector = WeightVersion(weight_version)
         REGISTRY.register(self.collector)
 

@@ -3,7 +3,7 @@
 1. Build, once into the cache folder, the tiny model and the synthetic data
    that the ``local`` section of coordctl's config describes (``config.py``).
 2. Start the coordinator, then one trainer, one rollout and one reward
-   service, as subprocesses on loopback ports, each with one torch thread
+   service, as subprocesses on loopback, each with one torch thread
    (on 2 cores, several torch processes with 2 threads each slow each other
    3-20x), each logging to ``<state_dir>/logs/<kind>.log``.
 3. Make a fresh cluster token (unless MESHRL_TOKEN or MESHRL_TOKEN_FILE is
@@ -13,6 +13,11 @@
 4. Give each a Prometheus ``/metrics`` port of its own on loopback, listed
    in ``<state_dir>/prometheus-targets.json`` (Prometheus's file_sd format,
    each labelled with its job: meshrl-coordinator, meshrl-trainer, ...).
+   Every port, gRPC and metrics alike, is bound as port 0 by the service
+   itself, which writes the ports it got to ``<state_dir>/ports/<name>.json``
+   (``ports_file``), where this process reads them: no port is picked free
+   here and bound later there, when another process may have taken it. A
+   coordinator started again binds the port it had (its services know it).
 5. Stop them all on the way out, the coordinator first (SIGTERM, then
    SIGKILL after a grace period); a child also gets SIGTERM if coordctl
    itself dies. The children run in their own session, so Ctrl-C in the
@@ -26,7 +31,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -105,12 +109,6 @@ def task_files(local: LocalConfig, cache: Path) -> tuple[Path, Path | None]:
     return train, test
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class LocalCluster:
     """The four services as subprocesses: ``start`` them, ``stop`` them."""
 
@@ -120,9 +118,11 @@ class LocalCluster:
         self.state_dir = state_dir
         self.log_dir = state_dir / "logs"
         self.log_level = log_level
-        self.coordinator = f"127.0.0.1:{free_port()}"
+        self.coordinator = ""  # host:port, once start_coordinator has seen it listen
         self.processes: dict[str, subprocess.Popen] = {}
         self.metrics_ports: dict[str, tuple[str, int]] = {}  # name -> (kind, its /metrics port)
+        self.ports_dir = state_dir / "ports"
+        self.unread_ports: dict[str, str] = {}  # name -> kind of each started service whose ports are not read yet
         self.targets_file = state_dir / "prometheus-targets.json"
         self.own_token_file: str | None = None  # the token file this cluster made and this process presents
         if cluster_token() is None:  # the local services take calls from holders of the token file only
@@ -139,11 +139,13 @@ class LocalCluster:
     def _spawn(self, name: str, kind: str, *settings: str, env: tuple[tuple[str, str], ...] = (),
                ranks: int = 1) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        metrics_port = self.metrics_ports.setdefault(name, (kind, free_port()))[1]  # kept when it is restarted
-        write_targets(self.targets_file, self.metrics_ports)
+        self.ports_dir.mkdir(parents=True, exist_ok=True)
+        ports_file = self.ports_dir / f"{name}.json"
+        ports_file.unlink(missing_ok=True)  # a restarted service's earlier ports
+        self.unread_ports[name] = kind
         log = (self.log_dir / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
-            self.command(name, kind, (f"metrics_port={metrics_port}", *settings), ranks),
+            self.command(name, kind, ("metrics_port=0", f"ports_file={ports_file}", *settings), ranks),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **CHILD_ENV, "MESHRL_PARENT_PID": str(os.getpid()), **dict(env)},
             start_new_session=True,  # a terminal's Ctrl-C reaches coordctl only, which stops the run first
@@ -151,12 +153,13 @@ class LocalCluster:
 
     async def start(self, timeout_s: float = 60.0) -> None:
         """Start them all (before this process makes any gRPC object: gRPC and fork do not mix), wait for them."""
-        self.start_coordinator()
+        self.start_coordinator(timeout_s)
         kinds = [spec.kind for spec in self.services]
-        for index, spec in enumerate(self.services):  # they retry registering until the coordinator is up
+        for index, spec in enumerate(self.services):
             name = spec.kind if kinds.count(spec.kind) == 1 else f"{spec.kind}-{index}"
             self._spawn(name, spec.kind, "port=0", f"coordinator={self.coordinator}", f"group={spec.group}",
                         "torch_threads=1", *self._roots(spec.kind), *spec.settings, env=spec.env, ranks=spec.ranks)
+        self.wait_listening(timeout_s)
         client = CoordinatorClient(self.coordinator)
         try:
             await asyncio.wait_for(self._wait(client.wait_ready(timeout_s)), timeout_s)
@@ -164,17 +167,49 @@ class LocalCluster:
         finally:
             await client.close()
 
-    def start_coordinator(self) -> None:
-        """Start the coordinator on its port and state dir (again, after it died: it resumes its active runs)."""
-        port = self.coordinator.rpartition(":")[2]
+    def start_coordinator(self, timeout_s: float = 60.0) -> None:
+        """Start the coordinator on its state dir: the first time on a port it picks, waiting until it listens
+        (``coordinator`` then holds its address); again, after it died, on the port it had (it resumes its
+        active runs), its new /metrics port listed once ``wait_listening`` has seen it listen."""
+        port = self.coordinator.rpartition(":")[2] or "0"
         self._spawn("coordinator", "coordinator", f"port={port}", f"state_dir={self.state_dir}")
+        if not self.coordinator:
+            self.coordinator = f"{self.coordinator_host()}:{self.wait_listening(timeout_s)['coordinator']}"
+
+    def coordinator_host(self) -> str:
+        """The address the coordinator binds (``command`` binds every service to loopback)."""
+        return "127.0.0.1"
+
+    def wait_listening(self, timeout_s: float) -> dict[str, int]:
+        """Wait until every service started since the last call listens (RuntimeError if one exits first); the
+        gRPC port of each. Their /metrics ports go into ``metrics_ports`` and the targets file."""
+        deadline, ports = time.monotonic() + timeout_s, {}
+        while unread := list(self.unread_ports):
+            self.check_alive()
+            for name in unread:
+                if (self.ports_dir / f"{name}.json").exists():
+                    ports[name] = self._take_ports(name)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{', '.join(unread)} did not listen within {timeout_s} s")
+            time.sleep(0.1)
+        return ports
+
+    def _take_ports(self, name: str) -> int:
+        """Read the ports service ``name`` wrote; list its /metrics port; its gRPC port."""
+        ports = json.loads((self.ports_dir / f"{name}.json").read_text())
+        kind = self.unread_ports.pop(name)
+        if ports["metrics_port"] is not None:
+            self.metrics_ports[name] = (kind, ports["metrics_port"])
+            write_targets(self.targets_file, self.metrics_ports)
+        return ports["port"]
 
     def _roots(self, kind: str) -> tuple[str, ...]:
         """A trainer saves and loads checkpoints inside the state folder, where the runs keep them."""
         return (f"checkpoint_root={self.state_dir}",) if kind == "trainer" else ()
 
     def add_service(self, spec: ServiceSpec, name: str) -> None:
-        """Start one more service (it registers by itself), e.g. to replace one that died."""
+        """Start one more service (it registers by itself), e.g. to replace one that died; its /metrics port is
+        listed once ``wait_listening`` has seen it listen."""
         self._spawn(name, spec.kind, "port=0", f"coordinator={self.coordinator}", f"group={spec.group}",
                     "torch_threads=1", *self._roots(spec.kind), *spec.settings, env=spec.env, ranks=spec.ranks)
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.coordctl.local import LocalCluster, ServiceSpec, free_port
+from services.coordctl.local import LocalCluster, ServiceSpec
 
 NETNS_ETC = Path("/etc/netns")
 
@@ -120,7 +120,9 @@ class HostCluster(LocalCluster):
                  services: tuple[ServiceSpec, ...]):
         super().__init__(state_dir, services)
         self.hosts, self.certs, self.placement = hosts, certs, placement
-        self.coordinator = f"{hosts.address(placement['coordinator'])}:{free_port()}"
+
+    def coordinator_host(self) -> str:
+        return self.hosts.address(self.placement["coordinator"])
 
     def command(self, name: str, kind: str, settings: tuple[str, ...], ranks: int) -> list[str]:
         host = self.placement[name]

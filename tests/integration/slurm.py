@@ -1,11 +1,12 @@
-"""A real Slurm cluster on one machine: slurmctld and one slurmd per host of ``Hosts`` (network namespaces on a
-bridge, tests/integration/hosts.py), with munge, from Debian's packages (slurmctld, slurmd, slurm-client, munge).
+"""A real Slurm cluster on one machine: slurmctld on one host of ``Hosts`` and one slurmd on each other (network
+namespaces on a bridge, tests/integration/hosts.py), with munge, from Debian's packages (slurmctld, slurmd, slurm-client, munge).
 
 - munged runs in the root namespace with a key made here and its socket in this cluster's folder; every daemon
   and command reaches it there (a socket in the file system is reached from every network namespace).
-- slurmctld runs in the root namespace, bound to the bridge's address, under a host name of its own (a UTS
-  namespace: slurmctld insists that its host name is the SlurmctldHost), on a free port.
-- each host runs one slurmd, under the host's name and on its address (``NodeAddr``), with its own spool,
+- slurmctld runs on a host of its own (``controller``, a network namespace like the nodes', under that host
+  name: slurmctld insists that its host name is the SlurmctldHost), on Slurm's usual port: no other process
+  listens in that namespace, so the port is free by construction, not picked free here and bound later there.
+- each other host runs one slurmd, under the host's name and on its address (``NodeAddr``), with its own spool,
   pid and log files (``%n`` in slurm.conf); the job steps it starts inherit the host's network, name and
   ``/etc/hosts``.
 - no cgroups (a container, PID 1 is not systemd): processes are tracked by parent (proctrack/linuxproc), tasks
@@ -24,7 +25,6 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.coordctl.local import free_port
 from tests.integration import hosts as hosts_module
 from tests.integration.hosts import Hosts
 
@@ -49,14 +49,16 @@ def unavailable() -> str | None:
 
 
 class SlurmCluster:
-    """slurmctld plus a slurmd on each host of ``hosts``, one partition of them all; a context manager that
-    stops every daemon (and cancels what jobs are left) on the way out."""
+    """slurmctld on host ``controller`` of ``hosts`` plus a slurmd on each of the others (``nodes``), one
+    partition of them all; a context manager that stops every daemon (and cancels what jobs are left) on the
+    way out."""
 
-    def __init__(self, hosts: Hosts, folder: Path, kill_wait_s: int = 30):
+    def __init__(self, hosts: Hosts, controller: str, folder: Path, kill_wait_s: int = 30):
         self.hosts, self.folder, self.kill_wait_s = hosts, folder, kill_wait_s
+        self.controller = controller
+        self.nodes = [name for name in hosts.names if name != controller]
         self.conf = folder / "slurm.conf"
         self.munge_socket = folder / "munge" / "socket"
-        self.controller = f"{hosts.subnet}.254"  # the bridge's address, where this process lives
         self.processes: dict[str, subprocess.Popen] = {}
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
 
@@ -78,12 +80,11 @@ class SlurmCluster:
         self._wait(lambda: self.munge_socket.exists(), 20, "munged made no socket")
         self.conf.write_text(self.slurm_conf())
         (self.folder / "state").mkdir()
-        for name in self.hosts.names:
+        for name in self.nodes:
             (self.folder / "spool" / name).mkdir(parents=True)
-        tag = self.hosts.bridge.removeprefix("mrlbr")
-        self._spawn("slurmctld", ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', f"mrlctl{tag}",
-                                  which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
-        for name in self.hosts.names:
+        self._spawn("slurmctld", self.node_command(self.controller, [which("slurmctld"), "-D", "-i", "-f",
+                                                                     str(self.conf)]))
+        for name in self.nodes:
             self._spawn(f"slurmd-{name}", self.node_command(name, [which("slurmd"), "-D", "-N", name, "-f",
                                                                    str(self.conf)]))
         self._wait(self._all_idle, 60, "the nodes did not all come up idle")
@@ -106,11 +107,11 @@ class SlurmCluster:
         tag = self.hosts.bridge.removeprefix("mrlbr")
         folder = self.folder
         nodes = "".join(f"NodeName={name} NodeAddr={self.hosts.address(name)} {node} RealMemory=1000 State=UNKNOWN\n"
-                        for name in self.hosts.names)
+                        for name in self.nodes)
         return f"""\
 ClusterName=mrl{tag}
-SlurmctldHost=mrlctl{tag}({self.controller})
-SlurmctldPort={free_port()}
+SlurmctldHost={self.controller}({self.hosts.address(self.controller)})
+SlurmctldPort=6817
 SlurmdPort=6818
 SlurmUser=root
 SlurmdUser=root
@@ -165,7 +166,7 @@ MinJobAge=600
     def _all_idle(self) -> bool:
         done = self.run("sinfo", "--noheader", "--Node", "--format=%N %t", check=False)
         states = dict(line.split() for line in done.stdout.splitlines() if line.strip())
-        return done.returncode == 0 and sorted(states) == sorted(self.hosts.names) and set(states.values()) == {"idle"}
+        return done.returncode == 0 and sorted(states) == sorted(self.nodes) and set(states.values()) == {"idle"}
 
     def run(self, tool: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """A Slurm command (sbatch, squeue, scancel, scontrol, ...) against this cluster."""

@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 SLURM_PAGE = REPO / "docs" / "operations" / "slurm.md"
 SBATCH = REPO / "deploy" / "slurm" / "meshrl.sbatch"
 NODES = ("node1", "node2", "node3", "node4")
+CONTROLLER = "slurmctl"  # the host slurmctld runs on
 PLACES = {"coordinator": {"node1"}, "reward": {"node1"}, "trainer": {"node2", "node3"}, "rollout": {"node4"}}
 KILL_WAIT_S = 30
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -49,8 +50,9 @@ THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELI
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    with Hosts(*NODES) as hosts, SlurmCluster(hosts, tmp_path_factory.mktemp("slurm"), KILL_WAIT_S) as cluster:
-        yield cluster
+    with Hosts(*NODES, CONTROLLER) as hosts:
+        with SlurmCluster(hosts, CONTROLLER, tmp_path_factory.mktemp("slurm"), KILL_WAIT_S) as cluster:
+            yield cluster
 
 
 @dataclass
