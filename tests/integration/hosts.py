@@ -10,12 +10,15 @@ link down on the bridge cuts it off as a pulled cable does: its packets are
 dropped, no connection is reset. Making namespaces needs root (CI runs as
 root); ``unavailable()`` says why they cannot be made.
 
-Names carry this process's id, so that test sessions running side by side
-do not collide.
+Names carry this process's id and a count of the ``Hosts`` it made, so that
+test sessions running side by side, and two modules (or two runs) in one
+session, do not collide. Leaving removes every link, bridge and namespace
+made, whatever happened meanwhile; ``left_behind`` says what is still there.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -25,6 +28,7 @@ from pathlib import Path
 from services.coordctl.local import LocalCluster, ServiceSpec
 
 NETNS_ETC = Path("/etc/netns")
+MADE = itertools.count()  # the Hosts this process made: each takes names of its own
 
 
 def ip(*args: str) -> None:
@@ -53,9 +57,11 @@ class Hosts:
     """Hosts named ``names``, on one bridge; use as a context manager (everything is removed on the way out)."""
 
     def __init__(self, *names: str):
-        tag = os.getpid() % 65536
+        number = (os.getpid() * 8 + next(MADE) % 8) % 25600  # the /24 below: 10.100.0 .. 10.199.255
+        tag = f"{os.getpid() % 65536}x{number % 8}"  # with the suffixes below, within 15 characters (IFNAMSIZ)
         self.names = names
-        self.subnet = f"10.{100 + tag // 256 % 100}.{tag % 256}"  # a /24 of this session's own
+        self.subnet = f"10.{100 + number // 256}.{number % 256}"  # a /24 of this Hosts' own
+        self.prefix = f"mrl{tag}"  # of every link and namespace made here
         self.bridge = f"mrlbr{tag}"
         self.namespaces = {name: f"mrl{tag}-{name}" for name in names}
         self.links = {name: f"mrl{tag}v{index}" for index, name in enumerate(names)}  # bridge ends of the cables
@@ -90,10 +96,21 @@ class Hosts:
             f"{address} {host}\n" for host, address in self.addresses.items()))
 
     def __exit__(self, *exc) -> None:
-        for namespace in self.namespaces.values():
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)  # its end of the cable goes too
+        """Remove the cables (deleting one end deletes both, even while a process still holds the namespace of
+        the other, which deleting the namespace would not), the namespaces and the bridge."""
+        for name, namespace in self.namespaces.items():
+            subprocess.run(["ip", "link", "del", self.links[name]], capture_output=True)
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
             shutil.rmtree(NETNS_ETC / namespace, ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def left_behind(self) -> list[str]:
+        """The links, bridge and namespaces of these hosts still on the machine (none after leaving)."""
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        names = [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()]
+        names += [line.split()[0] for line in namespaces.splitlines() if line.strip()]
+        return [name for name in names if name.startswith((self.prefix, self.bridge))]
 
     def address(self, name: str) -> str:
         return self.addresses[name]

@@ -40,6 +40,7 @@ SERVICES = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout
 def hosts():
     with Hosts(*HOSTS) as made:
         yield made
+    assert not made.left_behind()
 
 
 @pytest.fixture(scope="module")

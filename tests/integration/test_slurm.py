@@ -53,6 +53,7 @@ def slurm(tmp_path_factory):
     with Hosts(*NODES, CONTROLLER) as hosts:
         with SlurmCluster(hosts, CONTROLLER, tmp_path_factory.mktemp("slurm"), KILL_WAIT_S) as cluster:
             yield cluster
+    assert not hosts.left_behind()
 
 
 @dataclass
