@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services.run.models import load_causal_lm
@@ -77,7 +77,7 @@ def timed(function):
 
 def job(rank: int, world_size: int, port: int, model_path: Path, offload: bool, out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="True")  # the store is the parent's
     ranks = join("cuda", 600.0)
     sharding = Sharding(fsdp=True, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, param_offload=offload)
     model = place(load_causal_lm(model_path, "float32"), ranks, sharding, gradient_checkpointing=True)
@@ -102,12 +102,6 @@ def job(rank: int, world_size: int, port: int, model_path: Path, offload: bool, 
     ranks.close()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_all(model_path: Path, workdir: Path) -> list[dict]:
     """Each configuration of RUNS in its own processes; rank 0's result, with the weights and logprobs compared
     to the first (one-rank) run's."""
@@ -115,7 +109,8 @@ def run_all(model_path: Path, workdir: Path) -> list[dict]:
     for name, world_size, offload in RUNS:
         out = workdir / name.replace(" ", "_").replace(",", "")
         out.mkdir()
-        mp.spawn(job, args=(world_size, free_port(), model_path, offload, out), nprocs=world_size, join=True)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # listening before the ranks
+        mp.spawn(job, args=(world_size, store.port, model_path, offload, out), nprocs=world_size, join=True)
         result = {"name": name, **json.loads((out / "result.json").read_text()),
                   **torch.load(out / "tensors.pt", weights_only=True)}
         reference = results[0] if results else result

@@ -15,13 +15,13 @@ of the mini-batch's) moves weights by ~lr = 1e-3 and metrics by 2x.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services import algos
@@ -108,7 +108,7 @@ def two_rank_job(rank: int, port: int, model_path: Path, out: Path) -> None:
     """One of two ranks: logprobs, an update per loss mode, a checkpoint saved and loaded, a relayed command."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="True")  # the store is the parent's
     ranks = join("cpu", 60.0)
     batch, inputs = case()
     results = {}
@@ -142,10 +142,10 @@ def model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_ranks(model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(two_rank_job, args=(port, model_path, out), nprocs=2, join=True)
+    # the ranks meet at a store this process listens on already (as torchrun's agent hosts it), on a port it got
+    # by binding port 0: a port found free here and bound later by rank 0 could be taken by then
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.spawn(two_rank_job, args=(store.port, model_path, out), nprocs=2, join=True)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)], out
 
 
