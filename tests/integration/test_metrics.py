@@ -69,9 +69,8 @@ def local_run(tmp_path_factory):
             said += line
         coordinator = re.search(r"coordinator at (\S+);", said).group(1)
         targets = Path(re.search(r"for file_sd_configs: (\S+)", said).group(1))
-        address = f"127.0.0.1:{free_port()}"
         if PROMETHEUS is not None:
-            prometheus = start_prometheus(address, targets, folder / "prometheus")
+            prometheus, address = start_prometheus(targets, folder / "prometheus")
         yield process, coordinator, targets, address if prometheus else None
     finally:
         for _ in range(2):
@@ -83,17 +82,38 @@ def local_run(tmp_path_factory):
             prometheus.wait(timeout=30)
 
 
-def start_prometheus(address: str, targets: Path, folder: Path) -> subprocess.Popen:
-    """Prometheus on ``address``, scraping the services ``targets`` lists every second, as
-    docs/operations/metrics.md says."""
+def start_prometheus(targets: Path, folder: Path, attempts: int = 5) -> tuple[subprocess.Popen, str]:
+    """Prometheus scraping the services ``targets`` lists every second, as docs/operations/metrics.md says, once it
+    answers; and its loopback address. It cannot bind port 0 and say which port it got, so it is given one found
+    free here; should another process take that port first, Prometheus exits saying so and is started again on
+    another."""
     folder.mkdir()
     config = folder / "prometheus.yml"
     config.write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s"},
         "scrape_configs": [{"job_name": "meshrl-local", "file_sd_configs": [{"files": [str(targets)]}]}]}))
-    return subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-                             f"--web.listen-address={address}"], stdout=subprocess.DEVNULL,
-                            stderr=(folder / "prometheus.log").open("w"))
+    log = folder / "prometheus.log"
+    for _ in range(attempts):
+        address = f"127.0.0.1:{free_port()}"
+        with log.open("w") as errors:
+            process = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
+                                        f"--web.listen-address={address}"], stdout=subprocess.DEVNULL, stderr=errors)
+        deadline = time.monotonic() + 120
+        while process.poll() is None and not answers(f"http://{address}/-/ready"):
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.5)
+        if process.poll() is None:
+            return process, address
+        assert "address already in use" in log.read_text(), log.read_text()[-2000:]
+    raise AssertionError(f"Prometheus found its port taken {attempts} times: {log.read_text()[-2000:]}")
+
+
+def answers(url: str) -> bool:
+    try:
+        fetch(url)
+    except OSError:
+        return False
+    return True
 
 
 def metrics_of(targets: Path) -> dict[str, str]:
@@ -160,11 +180,7 @@ def test_prometheus_scrapes_the_run_and_sees_the_step_rise(local_run):
                           capture_output=True).returncode == 0
 
     def query(expression: str) -> list[dict]:
-        try:
-            reply = json.loads(fetch(f"http://{prometheus}/api/v1/query?" + urllib.parse.urlencode(
-                {"query": expression})))
-        except OSError:
-            return []  # not listening yet
+        reply = json.loads(fetch(f"http://{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expression})))
         return reply["data"]["result"]
 
     deadline, steps = time.monotonic() + 120, []
@@ -175,5 +191,6 @@ def test_prometheus_scrapes_the_run_and_sees_the_step_rise(local_run):
         steps = [float(v) for _, v in series[0]["values"]] if series else []
     assert steps == sorted(steps)
     assert series[0]["metric"]["job"] == "meshrl-coordinator"  # the job label of coordctl's targets file
-    up = {result["metric"]["job"]: result["value"][1] for result in query("up")}
+    # each scraped whole at least once (one scrape that a loaded service answers late marks it down till the next)
+    up = {result["metric"]["job"]: result["value"][1] for result in query("max_over_time(up[5m])")}
     assert up == {f"meshrl-{kind}": "1" for kind in ("coordinator", "trainer", "rollout", "reward")}
