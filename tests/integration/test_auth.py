@@ -96,7 +96,7 @@ def test_a_service_whose_token_is_refused_exits_saying_how_to_set_it(coordinator
     assert events["token_refused"]["code"] == "UNAUTHENTICATED"
     assert "MESHRL_TOKEN" in events["token_refused"]["fix"] and "MESHRL_TOKEN_FILE" in events["token_refused"]["fix"]
     serving, stopped = (datetime.fromisoformat(events[name]["timestamp"]) for name in ("serving", "stopped"))
-    assert (stopped - serving).total_seconds() < 5
+    assert (stopped - serving).total_seconds() < 30  # at its first refusal: retrying would go on past the 60 s
     assert last_line.startswith(f"reward: the coordinator at {coordinator_alone.coordinator} refused this process")
     assert "MESHRL_TOKEN" in last_line and "MESHRL_TOKEN_FILE" in last_line
 
