@@ -141,7 +141,7 @@ class Estimate(NamedTuple):
     metrics: dict[str, float]  # of the KL penalty in the reward
 
 
-class Updated(NamedTuple):
+class Updates(NamedTuple):
     """What the updates of a step did."""
 
     metrics: dict[str, float]  # the actor's and the critic's
@@ -251,13 +251,13 @@ class PPOLoop:
         async with self.rollouts_asleep(timer):                                     #    (the GPU is the trainer's)
             evaluated = await self.evaluate(rollouts.batch, step, timer)            # 2. what the update needs
             estimate = await self.estimate(rollouts, evaluated, timer)              # 3. rewards and advantages
-            updated, _ = await asyncio.gather(
+            updates, _ = await asyncio.gather(
                 self.update(rollouts, evaluated, estimate, step, timer),            # 4. critic and actor updates
                 self.keep_samples(step, rollouts, served, estimate))                #    (and the samples' lineage)
-        await self.sync_weights(updated, timer)                                     # 5. rollouts serve the new weights
-        metrics = {**updated.metrics, **estimate.metrics, **produced.metrics, **staleness, **timer.metrics(),
+        await self.sync_weights(updates, timer)                                     # 5. rollouts serve the new weights
+        metrics = {**updates.metrics, **estimate.metrics, **produced.metrics, **staleness, **timer.metrics(),
                    **{f"perf/rollout/{key}": value for key, value in self.rollouts.memory.items()}}
-        return {**metrics, **self.batch_metrics(rollouts, evaluated, estimate, updated, metrics["timing_s/step"])}
+        return {**metrics, **self.batch_metrics(rollouts, evaluated, estimate, updates, metrics["timing_s/step"])}
 
     # ------------------------------------------------------------------ the stages of a step
 
@@ -320,12 +320,12 @@ class PPOLoop:
             await self.reporter.samples(step, records)
 
     async def update(self, rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, step: int,
-                     timer: StageTimer) -> Updated:
+                     timer: StageTimer) -> Updates:
         """The critic's and the actor's updates, concurrently (the actor's from step critic_warmup + 1 on)."""
         critic_metrics, (actor_metrics, version) = await asyncio.gather(
             self.update_critic(rollouts.batch, evaluated, estimate, step, timer),
             self.update_actor(rollouts, evaluated, estimate, step, timer))
-        return Updated({**actor_metrics, **critic_metrics}, version)
+        return Updates({**actor_metrics, **critic_metrics}, version)
 
     async def update_critic(self, batch: SequenceBatch, evaluated: Evaluated, estimate: Estimate, step: int,
                             timer: StageTimer) -> dict[str, float]:
@@ -348,19 +348,19 @@ class PPOLoop:
                 rollouts.batch, evaluated.old_logprobs, estimate.advantages, evaluated.ref_logprobs, step,
                 self.timeout, rollout_logprobs=rollout_logprobs)
 
-    async def sync_weights(self, updated: Updated, timer: StageTimer) -> None:
+    async def sync_weights(self, updates: Updates, timer: StageTimer) -> None:
         """Every rollout serves the actor's new weights (nothing to send when only the critic was updated)."""
-        if updated.version is None:
+        if updates.version is None:
             return
         if self.validating is not None:
             with timer("wait_validation"):  # the trainer's time lost to a validation still generating
                 await self.finish_validation()
         with timer("update_weights"):
-            await self.rollouts.sync(updated.version)
+            await self.rollouts.sync(updates.version)
         timer.seconds["rollout_pause"] = self.rollouts.pause_s
 
     @staticmethod
-    def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updated: Updated,
+    def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updates: Updates,
                       step_s: float) -> dict[str, float]:
         """verl's data metrics of the step's batch, its tokens and throughput, and the weight version trained."""
         batch = rollouts.batch
@@ -369,7 +369,7 @@ class PPOLoop:
                                evaluated.values, batch.response_lens, batch.prompt_lens, rollouts.truncated,
                                rollouts.logprobs, evaluated.old_logprobs),
                 "perf/total_num_tokens": float(tokens), "perf/throughput": tokens / step_s,
-                "training/weight_version": float(-1 if updated.version is None else updated.version)}
+                "training/weight_version": float(-1 if updates.version is None else updates.version)}
 
     def within_staleness(self, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
         """The rollouts whose every sample is at most trainer.async_.max_staleness versions older than the
