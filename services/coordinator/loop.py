@@ -64,7 +64,7 @@ from services.coordinator.reward_set import RewardSet, RewardTarget
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import LoopSettings
 from services.coordinator.store import Checkpoint
-from services.coordinator.validation import Validated, validate
+from services.coordinator.validation import Validated, run_validation
 from services.coordinator.waiting import retry_while
 
 SAVE_RETRY_S = 2.0  # a checkpoint save its disk refused is tried again this often (each try writes until refused)
@@ -229,12 +229,12 @@ class PPOLoop:
     def start_validation(self, step: int) -> None:
         """Validate the weights the rollouts serve now, after step ``step``, on the rollouts, while the loop goes
         on (the next weight sync waits for it: ``finish_validation``)."""
-        async def validate_and_report() -> None:
-            validated = await validate(self.settings.validation, self.val_prompts, self.rollouts, self.rewards,
-                                       self.tokenizer, self.reporter, self.timeout, step, self.rollouts.served)
+        async def run_and_report() -> None:
+            validated = await run_validation(self.settings.validation, self.val_prompts, self.rollouts, self.rewards,
+                                             self.tokenizer, self.reporter, self.timeout, step, self.rollouts.served)
             self.reporter.validation(validated)
 
-        self.validating = asyncio.ensure_future(validate_and_report())
+        self.validating = asyncio.ensure_future(run_and_report())
 
     async def finish_validation(self) -> None:
         """Wait for the validation in progress: the rollouts must serve the weights it measures until it is done

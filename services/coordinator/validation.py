@@ -41,8 +41,9 @@ class Validated:
     samples: list[dict]  # one per response: data_source, prompt, response, ground_truth, score, acc, pred, version
 
 
-async def validate(settings: ValidationSettings, prompts: list[Prompt], rollouts: RolloutSet, rewards: RewardSet,
-                   tokenizer, notices: Notices, timeout_s: float, step: int, version: int) -> Validated:
+async def run_validation(settings: ValidationSettings, prompts: list[Prompt], rollouts: RolloutSet,
+                         rewards: RewardSet, tokenizer, notices: Notices, timeout_s: float, step: int,
+                         version: int) -> Validated:
     """Generate every prompt's responses from weight version ``version`` and score them."""
     started = time.perf_counter()
     generated, _ = await generation.generate(rollouts, prompts, settings.sampling, settings.seed, version, timeout_s,
