@@ -150,13 +150,13 @@ class Updates(NamedTuple):
 
 class PPOLoop:
     def __init__(self, run_id: str, settings: LoopSettings, config_yaml: str, trainers: Trainers | None,
-                 rollouts: RolloutSet, rewards: RewardSet, prompts: list[Prompt], val_prompts: list[Prompt],
+                 rollout_set: RolloutSet, reward_set: RewardSet, prompts: list[Prompt], val_prompts: list[Prompt],
                  tokenizer, reporter: Reporter, should_stop: Callable[[], bool], checkpoint_dir: Path):
         """``config_yaml``: the run config as the trainers load it; ``trainers``: None for a run that only
         validates; ``tokenizer``: the model's, to decode responses for the reward services and encode the
         warm start's targets."""
         self.run_id, self.settings, self.config_yaml = run_id, settings, config_yaml
-        self.trainers, self.rollouts, self.rewards = trainers, rollouts, rewards
+        self.trainers, self.rollout_set, self.reward_set = trainers, rollout_set, reward_set
         self.warm_prompts = self.prompts = prompts  # the warm start's rows and RL's
         if settings.warm_start_own_rows:
             taught, rest = split_rows(len(prompts), settings.warm_start_steps * settings.warm_start_batch_size,
@@ -179,7 +179,7 @@ class PPOLoop:
         that only validates does that and ends."""
         settings, validation = self.settings, self.settings.validation
         if validation is not None and validation.only:
-            await self.rollouts.load()
+            await self.rollout_set.load()
             self.start_validation(0)
             await self.finish_validation()
             return True
@@ -230,8 +230,9 @@ class PPOLoop:
         """Validate the weights the rollouts serve now, after step ``step``, on the rollouts, while the loop goes
         on (the next weight sync waits for it: ``finish_validation``)."""
         async def run_and_report() -> None:
-            validated = await run_validation(self.settings.validation, self.val_prompts, self.rollouts, self.rewards,
-                                             self.tokenizer, self.reporter, self.timeout, step, self.rollouts.served)
+            validated = await run_validation(self.settings.validation, self.val_prompts, self.rollout_set,
+                                             self.reward_set, self.tokenizer, self.reporter, self.timeout, step,
+                                             self.rollout_set.served)
             self.reporter.validation(validated)
 
         self.validating = asyncio.ensure_future(run_and_report())
@@ -246,7 +247,7 @@ class PPOLoop:
     async def train(self, step: int, produced: Produced, timer: StageTimer) -> dict[str, float]:
         """The training side of a step: logprobs, advantages, updates, weight sync; returns the step's metrics."""
         timer.seconds.update(produced.seconds)
-        served = self.rollouts.served                                               #    the weights updated from
+        served = self.rollout_set.served                                            #    the weights updated from
         rollouts, staleness = self.within_staleness(produced.rollouts)              # 1. responses and scores
         async with self.rollouts_asleep(timer):                                     #    (the GPU is the trainer's)
             evaluated = await self.evaluate(rollouts.batch, step, timer)            # 2. what the update needs
@@ -256,7 +257,7 @@ class PPOLoop:
                 self.keep_samples(step, rollouts, served, estimate))                #    (and the samples' lineage)
         await self.sync_weights(updates, timer)                                     # 5. rollouts serve the new weights
         metrics = {**updates.metrics, **estimate.metrics, **produced.metrics, **staleness, **timer.metrics(),
-                   **{f"perf/rollout/{key}": value for key, value in self.rollouts.memory.items()}}
+                   **{f"perf/rollout/{key}": value for key, value in self.rollout_set.memory.items()}}
         return {**metrics, **self.batch_metrics(rollouts, evaluated, estimate, updates, metrics["timing_s/step"])}
 
     # ------------------------------------------------------------------ the stages of a step
@@ -270,10 +271,10 @@ class PPOLoop:
             return
         await self.finish_validation()
         with timer("rollout_sleep"):
-            await self.rollouts.sleep()
+            await self.rollout_set.sleep()
         yield
         with timer("rollout_wake_up"):
-            await self.rollouts.wake_up()
+            await self.rollout_set.wake_up()
 
     async def evaluate(self, batch: SequenceBatch, step: int, timer: StageTimer) -> Evaluated:
         """Old logprobs (actor), reference logprobs and values (critic), concurrently."""
@@ -356,8 +357,8 @@ class PPOLoop:
             with timer("wait_validation"):  # the trainer's time lost to a validation still generating
                 await self.finish_validation()
         with timer("update_weights"):
-            await self.rollouts.sync(updates.version)
-        timer.seconds["rollout_pause"] = self.rollouts.pause_s
+            await self.rollout_set.sync(updates.version)
+        timer.seconds["rollout_pause"] = self.rollout_set.pause_s
 
     @staticmethod
     def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updates: Updates,
@@ -377,7 +378,7 @@ class PPOLoop:
         staleness metrics. A sample's staleness counts from its first token's version; those whose later tokens
         came from newer weights (partial_rollout keep) are counted as spanning a swap."""
         limit = self.settings.max_staleness
-        staleness = (self.rollouts.served - rollouts.versions).float()
+        staleness = (self.rollout_set.served - rollouts.versions).float()
         spanning = (rollouts.last_versions > rollouts.versions).sum()
         keep = [i for i in range(len(rollouts.prompts))
                 if staleness[i * rollouts.n:(i + 1) * rollouts.n].max() <= limit]
@@ -400,7 +401,7 @@ class PPOLoop:
         """The generation side of a step: its batch generated and scored (from weights no older than those the
         rollouts serve now). With DAPO dynamic sampling, groups whose scores are all equal are dropped and
         further batches generated, up to filter_groups.max_num_gen_batches rounds."""
-        timer, counts, oldest = StageTimer(), {}, self.rollouts.served
+        timer, counts, oldest = StageTimer(), {}, self.rollout_set.served
         if not self.settings.filter_groups:
             rollouts = await self.generate_and_score(step, 0, timer, counts, oldest)
             return Produced(rollouts, counts, timer.seconds)
@@ -424,13 +425,13 @@ class PPOLoop:
         chosen = [self.prompts[i] for i in self.sampler.next_batch()]
         seed = (self.settings.seed * 1_000_003 + step) * 101 + round_index
         with timer("gen"):
-            rollouts, by_rollout = await generation.generate(self.rollouts, chosen, self.settings.sampling, seed,
+            rollouts, by_rollout = await generation.generate(self.rollout_set, chosen, self.settings.sampling, seed,
                                                              oldest, self.timeout, self.reporter, f"step {step}")
         with timer("reward"):
-            scoring = await generation.score(self.rewards, rollouts, self.tokenizer, self.reporter, f"step {step}")
+            scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, self.reporter, f"step {step}")
         for address, count in by_rollout.items():
             add_count(counts, f"rollout/samples_by/{address}", count)
-        counts |= rollout_balance(counts, self.rollouts.speeds.speeds)
+        counts |= rollout_balance(counts, self.rollout_set.speeds.speeds)
         for service_id, count in scoring.by_service.items():
             add_count(counts, f"reward/samples_by/{service_id}", count)
         add_count(counts, "reward/timeouts", sum(s.timed_out for s in scoring.scores))
@@ -443,12 +444,12 @@ class PPOLoop:
         await asyncio.gather(
             *(trainer.init_run(self.run_id, self.config_yaml, roles, self.settings.seed, self.timeout)
               for trainer, roles in self.trainers.roles().items()),
-            self.rollouts.form(),
+            self.rollout_set.form(),
         )
         if self.settings.sleep_rollouts:
-            await self.rollouts.wake_up()  # one an earlier attempt left asleep
+            await self.rollout_set.wake_up()  # one an earlier attempt left asleep
         version = await (self.restore(resume) if resume else self.warm_start())
-        await self.rollouts.sync(version)
+        await self.rollout_set.sync(version)
 
     async def warm_start(self) -> int:
         """Supervised steps on the ground-truth responses; returns the trainer's weight version."""
@@ -476,8 +477,8 @@ class PPOLoop:
 
     async def boundary(self, step: int) -> None:
         """Before step ``step`` is generated: apply a reward swap, follow the reward and rollout replicas."""
-        await self.rewards.refresh(step)
-        await self.rollouts.refresh()
+        await self.reward_set.refresh(step)
+        await self.rollout_set.refresh()
 
     def data_state(self) -> dict:
         return {"epoch": self.sampler.epoch, "position": self.sampler.position}
@@ -485,7 +486,7 @@ class PPOLoop:
     def loop_state(self, step: int) -> dict:
         """What the coordinator must keep to go on after step ``step``: the data sampler as it was right after
         that step's batch was drawn (it may have run ahead since), the KL coefficient, the reward target."""
-        target = self.rewards.target
+        target = self.reward_set.target
         return {**self.data_after[step], "kl_coef": self.kl_coef, "reward_target": [target.kind, target.name]}
 
     async def save_checkpoint(self, step: int) -> None:
@@ -527,7 +528,7 @@ class PPOLoop:
                 resume = earlier
         state = resume.loop_state
         self.sampler.epoch, self.sampler.position, self.kl_coef = state["epoch"], state["position"], state["kl_coef"]
-        self.rewards.restore(RewardTarget(*state["reward_target"]))
+        self.reward_set.restore(RewardTarget(*state["reward_target"]))
         self.saved_step = resume.step
         self.reporter.log(f"resumed from the checkpoint of step {resume.step}")
         return versions[list(roles).index(self.trainers.actor)]

@@ -367,20 +367,20 @@ class RunManager:
         trainers = await self._connect(run_id, config)
         reporter = RunReporter(self, run_id, run_dir, self._writes[run_id], self._samples_dir(config, run_dir))
         should_stop = lambda: run_id in self._stop_requested  # noqa: E731
-        rollouts = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
-                              lambda: [record.address
-                                       for record in self.registry.up("rollout", config.placement.rollout)],
-                              reporter, should_stop)
-        rewards = RewardSet(RewardTarget("group", config.placement.reward), self.reward_addresses, reporter,
-                            should_stop, config.trainer.rpc_timeout_s)
-        ppo = PPOLoop(run_id, loop_settings(config), config_yaml, trainers, rollouts, rewards, data.prompts,
+        rollout_set = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
+                                 lambda: [record.address
+                                          for record in self.registry.up("rollout", config.placement.rollout)],
+                                 reporter, should_stop)
+        reward_set = RewardSet(RewardTarget("group", config.placement.reward), self.reward_addresses, reporter,
+                               should_stop, config.trainer.rpc_timeout_s)
+        ppo = PPOLoop(run_id, loop_settings(config), config_yaml, trainers, rollout_set, reward_set, data.prompts,
                       data.val_prompts, data.tokenizer, reporter, should_stop, self._checkpoint_dir(config, run_dir))
         self._loops[run_id] = ppo
         try:
             await reporter.open_loggers(config, resume.step + 1 if resume else 0)
             addresses = {client.address for client in trainers.roles()} if trainers else set()
             loop = asyncio.ensure_future(ppo.run(resume))
-            watchdog = asyncio.ensure_future(self._watch_members(addresses, rollouts, rewards))
+            watchdog = asyncio.ensure_future(self._watch_members(addresses, rollout_set, reward_set))
             await asyncio.wait({loop, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if not loop.done():
                 loop.cancel()
@@ -393,9 +393,9 @@ class RunManager:
         finally:
             self._loops.pop(run_id, None)
             await asyncio.gather(*(client.close() for client in (trainers.roles() if trainers else ())),
-                                 rollouts.close(), rewards.close(), reporter.close())
+                                 rollout_set.close(), reward_set.close(), reporter.close())
 
-    async def _watch_members(self, trainers: set[str], rollouts: RolloutSet, rewards: RewardSet) -> bool:
+    async def _watch_members(self, trainers: set[str], rollout_set: RolloutSet, reward_set: RewardSet) -> bool:
         """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer
         up from the run's rollout set, and a reward service that is registered but silent from its reward set
         (one a swap named by address may be one that does not register). Silence while the coordinator itself
@@ -411,10 +411,10 @@ class RunManager:
             silent = f"no heartbeat for {self.registry.down_after_s:.0f} s"
             for address in trainers - up:
                 raise Unavailable(f"the trainer at {address} stopped answering ({silent})")
-            for address in set(rollouts.addresses()) - up:
-                await rollouts.drop(address, silent)
-            for address in set(rewards.addresses()) & down:
-                await rewards.drop(address, silent)
+            for address in set(rollout_set.addresses()) - up:
+                await rollout_set.drop(address, silent)
+            for address in set(reward_set.addresses()) & down:
+                await reward_set.drop(address, silent)
 
     @staticmethod
     async def _name_silent_trainers(trainers: list[TrainerClient], failure: Exception) -> Exception:
@@ -566,7 +566,7 @@ class RunManager:
         if row.state != "running" or loop is None:
             raise FailedPrecondition(f"run {run_id} is {row.state}, not running")
         try:
-            addresses = await loop.rewards.swap(target, probe_samples(loop.prompts))
+            addresses = await loop.reward_set.swap(target, probe_samples(loop.prompts))
         except Exception as error:  # noqa: BLE001 - any failure refuses the swap
             reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
             message = f"reward swap to {target} refused: {reason}"

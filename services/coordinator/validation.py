@@ -41,14 +41,14 @@ class Validated:
     samples: list[dict]  # one per response: data_source, prompt, response, ground_truth, score, acc, pred, version
 
 
-async def run_validation(settings: ValidationSettings, prompts: list[Prompt], rollouts: RolloutSet,
-                         rewards: RewardSet, tokenizer, notices: Notices, timeout_s: float, step: int,
+async def run_validation(settings: ValidationSettings, prompts: list[Prompt], rollout_set: RolloutSet,
+                         reward_set: RewardSet, tokenizer, notices: Notices, timeout_s: float, step: int,
                          version: int) -> Validated:
     """Generate every prompt's responses from weight version ``version`` and score them."""
     started = time.perf_counter()
-    generated, _ = await generation.generate(rollouts, prompts, settings.sampling, settings.seed, version, timeout_s,
+    generated, _ = await generation.generate(rollout_set, prompts, settings.sampling, settings.seed, version, timeout_s,
                                              notices, f"the validation of step {step}")
-    scoring = await generation.score(rewards, generated, tokenizer, notices, f"the validation of step {step}")
+    scoring = await generation.score(reward_set, generated, tokenizer, notices, f"the validation of step {step}")
     metrics = await asyncio.to_thread(validation_metrics, prompt_results(scoring))
     metrics |= {"val/weight_version": float(version), "timing_s/testing": time.perf_counter() - started}
     return Validated(step, version, metrics, sample_records(scoring))

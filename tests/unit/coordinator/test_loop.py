@@ -353,7 +353,7 @@ def test_a_reward_swap_is_probed_and_scores_from_the_next_boundary(tmp_path):
         running = asyncio.ensure_future(loop.run())
         while 1 not in mesh.reporter.steps:
             await asyncio.sleep(0.001)
-        swapped["addresses"] = await loop.rewards.swap(RewardTarget("group", "b"), [
+        swapped["addresses"] = await loop.reward_set.swap(RewardTarget("group", "b"), [
             RewardSample(p.data_source, p.ground_truth, p.ground_truth, p.extra_info) for p in PROMPTS])
         return await running
 
