@@ -149,7 +149,7 @@ class Updates(NamedTuple):
 
 
 class PPOLoop:
-    def __init__(self, run_id: str, settings: LoopSettings, config_yaml: str, trainers: Trainers | None,
+    def __init__(self, *, run_id: str, settings: LoopSettings, config_yaml: str, trainers: Trainers | None,
                  rollout_set: RolloutSet, reward_set: RewardSet, prompts: list[Prompt], val_prompts: list[Prompt],
                  tokenizer, reporter: Reporter, should_stop: Callable[[], bool], checkpoint_dir: Path):
         """``config_yaml``: the run config as the trainers load it; ``trainers``: None for a run that only
@@ -230,9 +230,10 @@ class PPOLoop:
         """Validate the weights the rollouts serve now, after step ``step``, on the rollouts, while the loop goes
         on (the next weight sync waits for it: ``finish_validation``)."""
         async def run_and_report() -> None:
-            validated = await run_validation(self.settings.validation, self.val_prompts, self.rollout_set,
-                                             self.reward_set, self.tokenizer, self.reporter, self.timeout, step,
-                                             self.rollout_set.served)
+            validated = await run_validation(
+                settings=self.settings.validation, prompts=self.val_prompts, rollout_set=self.rollout_set,
+                reward_set=self.reward_set, tokenizer=self.tokenizer, notices=self.reporter, timeout_s=self.timeout,
+                step=step, version=self.rollout_set.served)
             self.reporter.validation(validated)
 
         self.validating = asyncio.ensure_future(run_and_report())

@@ -373,8 +373,10 @@ class RunManager:
                                  reporter, should_stop)
         reward_set = RewardSet(RewardTarget("group", config.placement.reward), self.reward_addresses, reporter,
                                should_stop, config.trainer.rpc_timeout_s)
-        ppo = PPOLoop(run_id, loop_settings(config), config_yaml, trainers, rollout_set, reward_set, data.prompts,
-                      data.val_prompts, data.tokenizer, reporter, should_stop, self._checkpoint_dir(config, run_dir))
+        ppo = PPOLoop(run_id=run_id, settings=loop_settings(config), config_yaml=config_yaml, trainers=trainers,
+                      rollout_set=rollout_set, reward_set=reward_set, prompts=data.prompts,
+                      val_prompts=data.val_prompts, tokenizer=data.tokenizer, reporter=reporter,
+                      should_stop=should_stop, checkpoint_dir=self._checkpoint_dir(config, run_dir))
         self._loops[run_id] = ppo
         try:
             await reporter.open_loggers(config, resume.step + 1 if resume else 0)

@@ -41,7 +41,7 @@ class Validated:
     samples: list[dict]  # one per response: data_source, prompt, response, ground_truth, score, acc, pred, version
 
 
-async def run_validation(settings: ValidationSettings, prompts: list[Prompt], rollout_set: RolloutSet,
+async def run_validation(*, settings: ValidationSettings, prompts: list[Prompt], rollout_set: RolloutSet,
                          reward_set: RewardSet, tokenizer, notices: Notices, timeout_s: float, step: int,
                          version: int) -> Validated:
     """Generate every prompt's responses from weight version ``version`` and score them."""

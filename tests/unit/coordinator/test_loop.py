@@ -205,9 +205,11 @@ class Mesh:
                                  self.reporter, stop, connect=self.rollouts.__getitem__)
         reward_set = RewardSet(RewardTarget("group", "default"), lambda target: groups[str(target)], self.reporter,
                                stop, 60.0, connect=self.rewards.__getitem__)
-        self.loop = PPOLoop("run", loop_settings(config), "", None if only else Trainers(self.trainer, None, None),
-                            rollout_set, reward_set, [] if only else PROMPTS, list(val_prompts), TOKENIZER,
-                            self.reporter, stop, tmp_path / "checkpoints")
+        self.loop = PPOLoop(run_id="run", settings=loop_settings(config), config_yaml="",
+                            trainers=None if only else Trainers(self.trainer, None, None), rollout_set=rollout_set,
+                            reward_set=reward_set, prompts=[] if only else PROMPTS, val_prompts=list(val_prompts),
+                            tokenizer=TOKENIZER, reporter=self.reporter, should_stop=stop,
+                            checkpoint_dir=tmp_path / "checkpoints")
 
     def run(self, resume: Checkpoint | None = None) -> bool:
         return asyncio.run(self.loop.run(resume))
