@@ -4,17 +4,17 @@ A run is refused before anything starts when its config or data is bad
 (ValueError naming the field, or the file and row). Its state moves
 pending -> running -> finished | stopped | failed; each change, each step's
 metrics and each log line is an event in the run DB, which WatchRun streams.
+What a run says about itself is written by one object (``records.RunRecords``); its loop reports through a
+``reporter.RunReporter``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import secrets
 import time
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import grpc
 import structlog
@@ -25,18 +25,17 @@ from services.common.paths import inside
 from services.common.rpc import is_retryable
 from services.run.checks import RunData, check_loggers_installed, load_run_data
 from services.run.config import RunConfig
-from services.coordinator import telemetry
 from services.coordinator.clients import TrainerClient
-from services.coordinator.disk import RunWrites, append_line, disk_fault, metrics_lines, refused_by_state_dir
-from services.coordinator.loggers import Loggers, RunNames, open_loggers
+from services.coordinator.disk import disk_fault, refused_by_state_dir
 from services.coordinator.loop import PPOLoop, Trainers
 from services.run.plot import plot_reward
+from services.coordinator.records import RunRecords
 from services.coordinator.registry import Registry
+from services.coordinator.reporter import RunReporter
 from services.coordinator.reward_set import RewardSet, RewardTarget, probe_samples
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import check_within_rollout_limits, loop_settings, rollout_set_settings
 from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
-from services.coordinator.validation import Validated, headline
 from services.coordinator.waiting import RunStopped, describe
 
 log = structlog.get_logger()
@@ -62,128 +61,20 @@ def parse_run_config(config_yaml: str) -> RunConfig:
     return config
 
 
-class RunReporter:
-    """Where a run's loop reports: the run DB, metrics.jsonl, the experiment loggers, the log, and the watchers.
-    Every record goes through the run's ``RunWrites``: one the disk refuses is held, and the run waits for the
-    disk at the end of its step (the experiment loggers are not records: one that fails is logged)."""
-
-    def __init__(self, manager: RunManager, run_id: str, run_dir: Path, writes: RunWrites,
-                 samples_dir: Path | None = None):
-        """``samples_dir``: where each step's samples go (trainer.rollout_data_dir; None: nowhere)."""
-        self.manager, self.run_id, self.run_dir, self.writes = manager, run_id, run_dir, writes
-        self.samples_dir = samples_dir
-        self.metrics_file = run_dir / "metrics.jsonl"
-        self.loggers = Loggers({})  # trainer.logger's, from open_loggers to close
-
-    async def open_loggers(self, config: RunConfig, first_step: int) -> None:
-        names = RunNames(self.run_id, config.trainer.project_name, config.trainer.experiment_name,
-                         config.model_dump(mode="json"))
-        self.loggers = await asyncio.to_thread(open_loggers, config.trainer.logger, self.run_dir, names, first_step)
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.loggers.close)
-
-    async def step(self, step: int, metrics: dict[str, float]) -> None:
-        store, line = self.manager.store, json.dumps({"step": step, "time": time.time(), **metrics})
-        self.writes.write(lambda: store.record_step(self.run_id, step, metrics), store.path)
-        telemetry.step_done(self.run_id, step, metrics)
-        self.writes.write(lambda: append_line(self.metrics_file, line), self.metrics_file)
-        self.loggers.log(step, metrics)
-        log.info("step_done", run_id=self.run_id, step=step, reward=metrics.get("critic/score/mean"),
-                 step_s=metrics.get("timing_s/step"))
-        self.manager.notify()
-        await self.writes.settle()
-
-    def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
-        store = self.manager.store
-        self.writes.write(lambda: store.add_checkpoint(self.run_id, step, path, loop_state), store.path)
-        self.log(f"checkpoint of step {step} saved in {path}", kind="checkpoint")
-
-    def damaged(self, checkpoint: Checkpoint, reason: str) -> Checkpoint | None:
-        earlier = self.manager.store.last_checkpoint(self.run_id, before=checkpoint.step)
-        instead = f"going on from the checkpoint of step {earlier.step} before it" if earlier else "none is older"
-        self.log(f"the checkpoint of step {checkpoint.step} cannot be loaded ({reason}): {instead}")
-        if earlier is not None:
-            self.manager._rewind(self.run_id, self.run_dir, earlier.step)
-        return earlier
-
-    def log(self, message: str, kind: str = "log") -> None:
-        store = self.manager.store
-        step = store.get_run(self.run_id).step
-        self.writes.write(lambda: store.add_event(self.run_id, kind, step, "", message, {}), store.path)
-        log.info("run_log", run_id=self.run_id, kind=kind, message=message)
-        self.manager.notify()
-
-    def waiting(self, reason: str | None) -> None:
-        self.manager._set_state(self.run_id, "waiting" if reason else "running", reason or "")
-
-    async def samples(self, step: int, records: list[dict]) -> None:
-        """Into <samples_dir>/<step>.jsonl (verl's file), replacing the one of an earlier attempt at the step; whole
-        or not at all for a reader (written aside, then renamed). Written on a worker thread; one the disk refuses
-        is held with the run's records, and written again with them once it takes them."""
-        path = self.samples_dir / f"{step}.jsonl"
-        text = await asyncio.to_thread(lambda: "".join(json.dumps(record) + "\n" for record in records))
-
-        def write() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            written = path.with_name(path.name + ".tmp")
-            written.write_text(text)
-            written.replace(path)
-
-        try:
-            await asyncio.to_thread(write)
-        except OSError as refused:
-            if disk_fault(refused, path) is None:
-                raise
-            self.writes.write(write, path)
-
-    def disk_waiting(self, cause: str | None) -> None:
-        self.writes.wait(cause)
-
-    def validation(self, validated: Validated) -> None:
-        """Its metrics into the step's record and metrics.jsonl, its responses into validation/step_N.jsonl."""
-        store, run_id, step, metrics = self.manager.store, self.run_id, validated.step, validated.metrics
-        line = json.dumps({"step": step, "time": time.time(), **metrics})
-        samples_file = self.run_dir / "validation" / f"step_{step:06d}.jsonl"
-        samples = "".join(json.dumps(sample) + "\n" for sample in validated.samples)
-        self.writes.write(lambda: store.record_validation(run_id, step, metrics), store.path)
-        self.writes.write(lambda: append_line(self.metrics_file, line), self.metrics_file)
-
-        def write_samples() -> None:
-            samples_file.parent.mkdir(exist_ok=True)
-            samples_file.write_text(samples)
-
-        self.writes.write(write_samples, samples_file)
-        self.loggers.log(step, metrics)
-        message = headline(validated)
-        self.writes.write(lambda: store.add_event(run_id, "validation", step, "", message, metrics), store.path)
-        log.info("validated", run_id=run_id, step=step, weight_version=validated.version,
-                 samples=len(validated.samples), seconds=metrics.get("timing_s/testing"))
-        self.manager.notify()
-
-
 class RunManager:
     def __init__(self, store: RunStore, registry: Registry, state_dir: Path):
+        """``store``: the run DB, which this reads and its ``RunRecords`` writes."""
         self.store, self.registry, self.state_dir = store, registry, state_dir
+        self.records = RunRecords(store)
         self._tasks: dict[str, asyncio.Task] = {}
         self._loops: dict[str, PPOLoop] = {}
         self._stop_requested: set[str] = set()
         self._attempt_marks: dict[str, int] = {}  # run -> its last event before its latest resume
         self._resuming: set[str] = set()  # runs whose resume is reading their data
-        self._writes: dict[str, RunWrites] = {}  # active run -> its writes to the state directory
-        self._changed = asyncio.Condition()
         interrupted = [row.run_id for row in store.list_runs() if row.state not in FINAL_STATES]
-        for run_id in interrupted:
-            store.set_state(run_id, "interrupted", "the coordinator restarted while the run was active")
+        self.records.interrupted(interrupted, "the coordinator restarted while the run was active")
         if interrupted:
             asyncio.get_running_loop().create_task(self._resume_all(interrupted))
-
-    def notify(self) -> None:
-        async def wake():
-            async with self._changed:
-                self._changed.notify_all()
-
-        asyncio.get_running_loop().create_task(wake())
 
     async def start_run(self, config_yaml: str) -> tuple[RunRow, int]:
         """Check the run (model folder, data, batch sizes: ValueError naming the key, file or row), then start it;
@@ -207,9 +98,8 @@ class RunManager:
         with refused_by_state_dir("start the run", self.store.path):
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(resolved)
-            self.store.create_run(run_id, config.trainer.experiment_name, resolved, str(run_dir), config.trainer.steps)
-            for notice in [*config.notices(), *([f"{data.describe()}"] if data.dropped else [])]:
-                self.store.add_event(run_id, "log", 0, "", notice, {})
+            self.records.create(run_id, config.trainer.experiment_name, resolved, run_dir, config.trainer.steps,
+                                [*config.notices(), *([f"{data.describe()}"] if data.dropped else [])])
         self._tasks[run_id] = asyncio.create_task(self._execute(run_id, config, resolved, data, run_dir))
         log.info("run_started", run_id=run_id, run_dir=str(run_dir))
         return self.store.get_run(run_id), 0
@@ -283,13 +173,13 @@ class RunManager:
             data = await asyncio.to_thread(load_run_data, config)
             run_dir, step = Path(row.run_dir), checkpoint.step if checkpoint else 0
             with refused_by_state_dir(f"resume run {run_id}", self.store.path):
-                self._rewind(run_id, run_dir, step)
+                self.records.rewind(run_id, run_dir, step)
                 if checkpoint is None:
-                    self.store.add_event(run_id, "log", 0, "", "no checkpoint to resume from: running it again from "
-                                         "the start", {})
+                    self.records.event(run_id, "log", 0, "no checkpoint to resume from: running it again from the "
+                                       "start")
                 elif why:
-                    self.store.add_event(run_id, "log", step, "", f"going on from the checkpoint of step {step} {why} "
-                                         "(with the run's own config)", {})
+                    self.records.event(run_id, "log", step, f"going on from the checkpoint of step {step} {why} "
+                                       "(with the run's own config)")
             self._stop_requested.discard(run_id)
             self._tasks[run_id] = asyncio.create_task(
                 self._execute(run_id, config, row.config_yaml, data, run_dir, checkpoint))
@@ -309,11 +199,10 @@ class RunManager:
         trainer.max_recoveries times; then, or at once for a failure that would come again (``recoverable``),
         it fails with the failure's cause as its error."""
         state, error, recoveries, shut_down = "failed", "", 0, False
-        writes = self._writes[run_id] = RunWrites(lambda state, error: self.store.set_state(run_id, state, error),
-                                                  self.store.path, lambda cause: self._disk_changed(run_id, cause))
+        self.records.open(run_id)
         with structlog.contextvars.bound_contextvars(run_id=run_id):
             try:
-                self._set_state(run_id, "running")
+                self.records.set_state(run_id, "running")
                 while True:
                     try:
                         completed = await self._attempt(run_id, config, config_yaml, data, run_dir, resume)
@@ -349,12 +238,11 @@ class RunManager:
                 except OSError as refused:  # drawn again, with the run's other records, once the disk takes it
                     if disk_fault(refused, plot) is None:
                         raise
-                    writes.write(lambda: plot_reward(self.store.step_metrics(run_id), plot, run_id), plot)
+                    self.records.write(run_id, lambda: plot_reward(self.store.step_metrics(run_id), plot, run_id),
+                                       plot)
                 finally:  # also when the coordinator shuts down while it draws
-                    self._set_state(run_id, state, error)
-                    if not shut_down:  # a shutdown does not wait for the disk
-                        await writes.settle(then=None)
-                    del self._writes[run_id]
+                    self.records.set_state(run_id, state, error)
+                    await self.records.close(run_id, settle=not shut_down)  # a shutdown does not wait for the disk
 
     async def _attempt(self, run_id: str, config: RunConfig, config_yaml: str, data: RunData, run_dir: Path,
                        resume: Checkpoint | None) -> bool:
@@ -365,7 +253,7 @@ class RunManager:
         run's rollout or reward set, and the attempt goes on with the others. A run that only validates has no
         trainer."""
         trainers = await self._connect(run_id, config)
-        reporter = RunReporter(self, run_id, run_dir, self._writes[run_id], self._samples_dir(config, run_dir))
+        reporter = RunReporter(self.records, run_id, run_dir, self._samples_dir(config, run_dir))
         should_stop = lambda: run_id in self._stop_requested  # noqa: E731
         rollout_set = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
                                  lambda: [record.address
@@ -434,30 +322,22 @@ class RunManager:
         start), or STOPPED if the run was stopped meanwhile."""
         reason = failure.details() if isinstance(failure, grpc.aio.AioRpcError) else str(failure)
         checkpoint = self.store.last_checkpoint(run_id)
-        self._rewind(run_id, run_dir, checkpoint.step if checkpoint else 0)  # before the state: it clears the error
-        self._set_state(run_id, "waiting", describe(failure))
+        # rewound before the state is set: the rewind clears the run's error
+        self.records.rewind(run_id, run_dir, checkpoint.step if checkpoint else 0)
+        self.records.set_state(run_id, "waiting", describe(failure))
         where = f"the checkpoint of step {checkpoint.step}" if checkpoint else "the start"
         message = (f"a service failed ({reason}); waiting for the services, then going on from {where} (recovery "
                    f"{attempt} of {config.trainer.max_recoveries})")
-        self._record(run_id, lambda: self.store.add_event(run_id, "log", checkpoint.step if checkpoint else 0, "",
-                                                          message, {}))
-        self.notify()
+        self.records.event(run_id, "log", checkpoint.step if checkpoint else 0, message)
+        self.records.notify()
         # A dead service stays listed until it misses its heartbeats: wait that long before looking again.
         await asyncio.sleep(self.registry.down_after_s)
         while not self._services_up(config):
             if run_id in self._stop_requested:
                 return STOPPED
             await asyncio.sleep(0.5)
-        self._set_state(run_id, "running")
+        self.records.set_state(run_id, "running")
         return checkpoint
-
-    def _rewind(self, run_id: str, run_dir: Path, step: int) -> None:
-        """Forget the metrics of steps after ``step``: they will be run again, and counted once. metrics.jsonl
-        is written again from the run DB, which is the truth (the file may end in a line a crash tore)."""
-        metrics_file = run_dir / "metrics.jsonl"
-        self._record(run_id, lambda: self.store.forget_steps_after(run_id, step))
-        self._record(run_id, lambda: metrics_file.write_text(metrics_lines(self.store.step_records(run_id))),
-                     metrics_file)
 
     @staticmethod
     def _roles(config: RunConfig) -> list[str]:
@@ -488,12 +368,12 @@ class RunManager:
                 raise FailedPrecondition(f"no {', '.join(missing)} registered within "
                                          f"trainer.services_wait_s={config.trainer.services_wait_s}")
             if not waited:
-                self._set_state(run_id, "waiting", f"no {', '.join(missing)} is up: waiting up to "
-                                                   f"{config.trainer.services_wait_s:.0f} s for one to register")
+                self.records.set_state(run_id, "waiting", f"no {', '.join(missing)} is up: waiting up to "
+                                                          f"{config.trainer.services_wait_s:.0f} s for one to register")
                 waited = True
             await asyncio.sleep(0.2)
         if waited:
-            self._set_state(run_id, "running")
+            self.records.set_state(run_id, "running")
         place, roles = config.placement, self._roles(config)
         if not roles:
             return None
@@ -502,52 +382,23 @@ class RunManager:
         return Trainers(trainers[place.actor], trainers[place.critic] if config.use_critic else None,
                         trainers[place.ref] if config.use_reference else None)
 
-    def _set_state(self, run_id: str, state: str, error: str = "") -> None:
-        self._record(run_id, lambda: self.store.set_state(run_id, state, error))
-        telemetry.count_runs(self.store.list_runs())
-        log.info("run_state", run_id=run_id, state=state, error=error or None)
-        self.notify()
-
-    def _record(self, run_id: str, do: Callable[[], object], path: Path | None = None) -> None:
-        """A write of the run's (into the run DB, or ``path``): through its ``RunWrites`` while it is active,
-        so that one the disk refuses waits; else now."""
-        writes = self._writes.get(run_id)
-        if writes is None:
-            do()
-        else:
-            writes.write(do, path or self.store.path)
-
-    def _disk_changed(self, run_id: str, cause: str | None) -> None:
-        if cause is None:
-            log.info("disk_takes_writes_again", run_id=run_id)
-        else:
-            log.warning("run_waits_for_disk", run_id=run_id, cause=cause)
-        self.notify()
-
     def get_run(self, run_id: str) -> RunRow:
         """The run as a person should see it: waiting, for the disk's refusal, while its records wait for the
         disk (the run DB itself may not take that state)."""
         try:
-            return self._as_seen(self.store.get_run(run_id))
+            return self.records.as_seen(self.store.get_run(run_id))
         except LookupError:
             raise NotFound(f"no run {run_id!r}") from None
 
     def list_runs(self) -> list[RunRow]:
-        return [self._as_seen(row) for row in self.store.list_runs()]
-
-    def _as_seen(self, row: RunRow) -> RunRow:
-        writes = self._writes.get(row.run_id)
-        if writes is None or writes.waiting_for is None:
-            return row
-        return dataclasses.replace(row, state="waiting", error=writes.waiting_for)
+        return [self.records.as_seen(row) for row in self.store.list_runs()]
 
     def stop_run(self, run_id: str) -> RunRow:
         row = self.get_run(run_id)
         if row.state not in FINAL_STATES:
             self._stop_requested.add(run_id)
-            self._record(run_id, lambda: self.store.add_event(run_id, "log", row.step, "", "stop requested: stopping "
-                                                              "at the next step boundary", {}))
-            self.notify()
+            self.records.event(run_id, "log", row.step, "stop requested: stopping at the next step boundary")
+            self.records.notify()
         return self.get_run(run_id)
 
     def reward_addresses(self, target: RewardTarget) -> list[str]:
@@ -572,14 +423,14 @@ class RunManager:
         except Exception as error:  # noqa: BLE001 - any failure refuses the swap
             reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
             message = f"reward swap to {target} refused: {reason}"
-            self._record(run_id, lambda: self.store.add_event(run_id, "reward", row.step, "", message, {}))
+            self.records.event(run_id, "reward", row.step, message)
             log.warning("reward_swap_refused", run_id=run_id, target=str(target), error=str(error))
-            self.notify()
+            self.records.notify()
             raise FailedPrecondition(message) from None
         accepted = f"reward swap to {target} accepted; applies at the next step boundary"
-        self._record(run_id, lambda: self.store.add_event(run_id, "reward", row.step, "", accepted, {}))
+        self.records.event(run_id, "reward", row.step, accepted)
         log.info("reward_swap_accepted", run_id=run_id, target=str(target), addresses=addresses)
-        self.notify()
+        self.records.notify()
         return self.get_run(run_id)
 
     async def watch(self, run_id: str, after_event_id: int = 0) -> AsyncIterator[Event]:
@@ -594,11 +445,7 @@ class RunManager:
                 yield event
             if not events and self.store.get_run(run_id).state in FINAL_STATES:
                 return
-            async with self._changed:
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
+            await self.records.changed(timeout_s=1.0)
 
     async def close(self) -> None:
         for task in self._tasks.values():

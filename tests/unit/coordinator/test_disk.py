@@ -16,7 +16,7 @@ from services.common.errors import FailedPrecondition, ResourceExhausted, status
 from services.coordinator import disk
 from services.coordinator.disk import (RunWrites, append_line, disk_fault, metrics_lines, refused_by_state_dir,
                                        trainer_disk_fault)
-from services.coordinator.runs import RunReporter
+from services.coordinator.reporter import RunReporter
 
 
 def test_disk_fault_names_the_file_and_the_systems_words():
@@ -156,6 +156,16 @@ def test_a_wait_for_a_checkpoints_disk_is_shown_at_once_and_recorded_when_the_ru
     assert changes == [changes[0], None]
 
 
+class HeldIn:
+    """The run's records as the reporter's samples reach them: a write the disk refused, held in ``writes``."""
+
+    def __init__(self, writes: RunWrites):
+        self.writes = writes
+
+    def write(self, run_id, do, path):
+        self.writes.write(do, path)
+
+
 def test_a_steps_samples_file_the_disk_refuses_is_held_with_the_runs_records_and_written_once_it_takes_them(
         tmp_path, monkeypatch):
     monkeypatch.setattr(disk, "WAIT_POLL_S", 0.01)
@@ -168,7 +178,7 @@ def test_a_steps_samples_file_the_disk_refuses_is_held_with_the_runs_records_and
 
     monkeypatch.setattr(Path, "write_text", refusing_write_text)
     writes = RunWrites(lambda state, error: changes.append((state, error)), tmp_path / "db", lambda cause: None)
-    reporter = RunReporter(None, "r", tmp_path, writes, tmp_path / "rollout_data")
+    reporter = RunReporter(HeldIn(writes), "r", tmp_path, tmp_path / "rollout_data")
 
     async def scenario():
         await reporter.samples(3, [{"step": 3, "output": "a"}, {"step": 3, "output": "b"}])  # held, not raised
