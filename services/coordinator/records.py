@@ -2,7 +2,7 @@
 validations, in the run DB and the run's folder (metrics.jsonl, validation/step_N.jsonl).
 
 ``RunRecords`` is the only code that writes what a run says about itself. The process-wide API
-(``runs.RunManager``), a run's supervising task (``RunManager._execute``) and the reporter its loop
+(``runs.RunManager``), a run's supervising task (``supervisor.RunSupervisor``) and the reporter its loop
 reports through (``reporter.RunReporter``) ask it; none writes the run DB itself. So why a run says
 ``waiting`` is answered here: it waits for a service (``set_state``, asked by the supervisor while it connects
 or recovers, and by the reporter while the loop waits for a rollout or reward service), or for its disk (its

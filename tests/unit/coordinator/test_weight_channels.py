@@ -13,7 +13,7 @@ from services.common.errors import FROM_HANDLER, ORIGIN_KEY, Unavailable
 from services.run.config import RunConfig
 from services.coordinator.clients import Received, RolloutInfo
 from services.coordinator.rollout_set import RolloutSet
-from services.coordinator.runs import recoverable
+from services.coordinator.supervisor import recoverable
 from services.coordinator.settings import rollout_set_settings
 from services.coordinator.weight_channels import ChannelNotFormed, ChannelPlan, not_formed, plan_channels
 
