@@ -60,7 +60,7 @@ from services.coordinator.samples import step_records
 from services.coordinator.generation import Rollouts
 from services.coordinator.metrics import data_metrics, rollout_balance
 from services.coordinator.pipeline import Pipeline
-from services.coordinator.reward_set import RewardSet, RewardTarget
+from services.coordinator.reward_set import RewardSet, RewardTarget, probe_samples
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import LoopSettings
 from services.coordinator.store import Checkpoint
@@ -480,6 +480,11 @@ class PPOLoop:
         """Before step ``step`` is generated: apply a reward swap, follow the reward and rollout replicas."""
         await self.reward_set.refresh(step)
         await self.rollout_set.refresh()
+
+    async def swap_reward(self, target: RewardTarget) -> list[str]:
+        """Probe ``target``'s reward services on the run's rows; if every one scores the probe, they score from
+        the next step boundary on (``RewardSet.swap``). Returns their addresses."""
+        return await self.reward_set.swap(target, probe_samples(self.prompts))
 
     def data_state(self) -> dict:
         return {"epoch": self.sampler.epoch, "position": self.sampler.position}

@@ -28,7 +28,7 @@ from services.run.config import RunConfig
 from services.coordinator.disk import refused_by_state_dir
 from services.coordinator.records import RunRecords
 from services.coordinator.registry import Registry
-from services.coordinator.reward_set import RewardTarget, probe_samples
+from services.coordinator.reward_set import RewardTarget
 from services.coordinator.settings import check_within_rollout_limits
 from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
 from services.coordinator.supervisor import RunSupervisor, checkpoint_dir, samples_dir
@@ -196,15 +196,14 @@ class RunManager:
         Refused (FailedPrecondition, recorded as a reward event) when the run is not running, or when a
         service does not answer the probe with valid scores; the run then keeps the services it has.
         """
-        supervisor = self._supervisors.get(run_id)
-        row, loop = self.get_run(run_id), supervisor.loop if supervisor else None
+        row, supervisor = self.get_run(run_id), self._supervisors.get(run_id)
         if (group == "") == (address == ""):
             raise ValueError("name exactly one of group or address")
         target = RewardTarget("group", group) if group else RewardTarget("address", address)
-        if row.state != "running" or loop is None:
+        if row.state != "running" or supervisor is None or not supervisor.attempting():
             raise FailedPrecondition(f"run {run_id} is {row.state}, not running")
         try:
-            addresses = await loop.reward_set.swap(target, probe_samples(loop.prompts))
+            addresses = await supervisor.swap_reward(target)
         except Exception as error:  # noqa: BLE001 - any failure refuses the swap
             reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
             message = f"reward swap to {target} refused: {reason}"

@@ -81,6 +81,15 @@ class RunSupervisor:
         """Stop the run at its next step boundary (or while it waits)."""
         self.stop_requested = True
 
+    def attempting(self) -> bool:
+        """Whether an attempt's loop is running now (one that can swap its reward services)."""
+        return self.loop is not None
+
+    async def swap_reward(self, target: RewardTarget) -> list[str]:
+        """Have the attempt in progress (``attempting``) probe ``target``'s reward services and switch to them at
+        its next step boundary (``PPOLoop.swap_reward``)."""
+        return await self.loop.swap_reward(target)
+
     async def execute(self, resume: Checkpoint | None = None) -> None:
         """Drive the run to its end. When a service goes away mid-run (a retryable failure), the run waits
         for the services of its placement and continues from its last checkpoint (or from the start), at most
