@@ -54,7 +54,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     from services.run.config import RunConfig
     from services.run.data import load_prompts
     from services.coordinator.sampler import PromptSampler
-    from services.coordinator.loop import make_batch
+    from services.coordinator.warm_start import make_batch
     from services.reward.rules import score_sample
     from services.rollout.hf_engine import HFEngine
     from services.rollout.sampling import SamplingSettings

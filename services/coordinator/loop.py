@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Protocol
@@ -49,13 +48,13 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from services import algos
-from services.common.sequences import SequenceBatch, join_ragged
+from services.common.sequences import SequenceBatch
 from services.common.timing import StageTimer
 from services.coordinator import generation
 from services.coordinator.clients import CheckpointRefused, TrainerClient
 from services.coordinator.disk import DiskRefused, trainer_disk_fault
 from services.run.data import Prompt
-from services.coordinator.sampler import PromptSampler, split_rows
+from services.coordinator.sampler import PromptSampler
 from services.coordinator.samples import step_records
 from services.coordinator.generation import Rollouts
 from services.coordinator.metrics import data_metrics, rollout_balance
@@ -66,6 +65,7 @@ from services.coordinator.settings import LoopSettings
 from services.coordinator.store import Checkpoint
 from services.coordinator.validation import Validated, run_validation
 from services.coordinator.waiting import retry_while
+from services.coordinator.warm_start import WarmStart, warm_start_rows
 
 SAVE_RETRY_S = 2.0  # a checkpoint save its disk refused is tried again this often (each try writes until refused)
 
@@ -157,17 +157,15 @@ class PPOLoop:
         warm start's targets."""
         self.run_id, self.settings, self.config_yaml = run_id, settings, config_yaml
         self.trainers, self.rollout_set, self.reward_set = trainers, rollout_set, reward_set
-        self.warm_prompts = self.prompts = prompts  # the warm start's rows and RL's
-        if settings.warm_start_own_rows:
-            taught, rest = split_rows(len(prompts), settings.warm_start_steps * settings.warm_start_batch_size,
-                                      settings.seed)
-            self.warm_prompts, self.prompts = [prompts[i] for i in taught], [prompts[i] for i in rest]
+        warm_prompts, self.prompts = warm_start_rows(settings, prompts)  # the warm start's rows and RL's
         self.val_prompts = val_prompts
         self.tokenizer, self.reporter, self.should_stop = tokenizer, reporter, should_stop
         self.sampler = PromptSampler(len(self.prompts), settings.batch_size, settings.shuffle, settings.seed) if \
             self.prompts else None  # a run that only validates draws no batch
         self.timeout = settings.rpc_timeout_s
         self.kl_coef = settings.kl_in_reward.initial_coef if settings.kl_in_reward else 0.0
+        self.warm_start = WarmStart(settings=settings, actor=trainers.actor if trainers else None,
+                                    prompts=warm_prompts, tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout)
         self.checkpoint_dir = checkpoint_dir
         self.saved_step = 0  # last step checkpointed (or resumed from)
         self.data_after: dict[int, dict] = {}  # step -> the data sampler's state right after its batch was drawn
@@ -449,32 +447,8 @@ class PPOLoop:
         )
         if self.settings.sleep_rollouts:
             await self.rollout_set.wake_up()  # one an earlier attempt left asleep
-        version = await (self.restore(resume) if resume else self.warm_start())
+        version = await (self.restore(resume) if resume else self.warm_start.run())
         await self.rollout_set.sync(version)
-
-    async def warm_start(self) -> int:
-        """Supervised steps on the ground-truth responses; returns the trainer's weight version."""
-        steps, version = self.settings.warm_start_steps, 0
-        if not steps:
-            return version
-        sampler = PromptSampler(len(self.warm_prompts), self.settings.warm_start_batch_size, True,
-                                self.settings.seed + 1)
-        started = time.monotonic()
-        for index in range(steps):
-            chosen = [self.warm_prompts[i] for i in sampler.next_batch()]
-            batch = make_batch([p.token_ids for p in chosen], [self.encode_target(p) for p in chosen])
-            metrics, version = await self.trainers.actor.train_supervised(batch, 0, self.timeout)
-            if (index + 1) % max(1, steps // 5) == 0:
-                self.reporter.log(f"warm start {index + 1}/{steps}: loss {metrics['warm_start/loss']:.3f}, "
-                                  f"lr {metrics['warm_start/lr']:.2g} ({time.monotonic() - started:.0f} s)")
-        return version
-
-    def encode_target(self, prompt: Prompt) -> list[int]:
-        """The response the warm start teaches, ending in EOS: the row's worked solution (extra_info.answer, as
-        verl's GSM8K preprocessing keeps it) where it has one, else its ground truth."""
-        target = prompt.extra_info.get("answer") or prompt.ground_truth
-        ids = self.tokenizer(str(target), add_special_tokens=False)["input_ids"]
-        return [*ids, self.tokenizer.eos_token_id]
 
     async def boundary(self, step: int) -> None:
         """Before step ``step`` is generated: apply a reward swap, follow the reward and rollout replicas."""
@@ -558,9 +532,3 @@ def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollou
 
 def add_count(counts: dict[str, float], name: str, count: int) -> None:
     counts[name] = counts.get(name, 0.0) + float(count)
-
-
-def make_batch(prompts: list[list[int]], responses: list[list[int]]) -> SequenceBatch:
-    prompt_ids, prompt_lens = join_ragged([torch.tensor(p) for p in prompts], torch.int64)
-    response_ids, response_lens = join_ragged([torch.tensor(r) for r in responses], torch.int64)
-    return SequenceBatch(prompt_ids, prompt_lens, response_ids, response_lens)

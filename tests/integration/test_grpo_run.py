@@ -24,7 +24,7 @@ from services.common.service import keep_registered
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.control import CoordinatorClient
-from services.coordinator.loop import make_batch
+from services.coordinator.warm_start import make_batch
 from services.coordinator.settings import Sampling
 
 

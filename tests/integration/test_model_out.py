@@ -16,7 +16,7 @@ import torch
 from services.run.models import load_causal_lm, load_value_model
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
 from services.coordinator.clients import TrainerClient
-from services.coordinator.loop import make_batch
+from services.coordinator.warm_start import make_batch
 from tests.integration.test_grpo_run import run_config, run_to_end
 
 CORE = "val-core/meshrl/reverse/reward/mean@1"

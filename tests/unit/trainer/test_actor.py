@@ -11,7 +11,7 @@ import torch
 from services import algos
 from services.run.models import load_causal_lm
 from services.common.sequences import SequenceBatch
-from services.coordinator.loop import make_batch
+from services.coordinator.warm_start import make_batch
 from services.coordctl.tiny_model import build_tiny_model
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.optim import OptimSettings, chunks

@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from services import algos
-from services.coordinator.loop import make_batch
+from services.coordinator.warm_start import make_batch
 from services.trainer.chunked_head import chunkable, chunked_logprobs
 from services.trainer.forward import response_logprobs
 

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from services import algos
 from services.run.models import load_causal_lm, load_value_model
-from services.coordinator.loop import make_batch
+from services.coordinator.warm_start import make_batch
 from services.coordctl.tiny_model import build_tiny_model
 from services.trainer import checkpoint
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs

@@ -11,7 +11,7 @@ import torch
 from services.run.models import load_causal_lm
 from services.run.sections.actor_rollout_ref import ModelConfig
 from services.coordctl.tiny_model import build_random_model
-from services.coordinator.loop import make_batch
+from services.coordinator.warm_start import make_batch
 from services.trainer.forward import response_logprobs
 from services.trainer.settings import packs
 from services.trainer.setup import attention
