@@ -51,8 +51,8 @@ from services import algos
 from services.common.sequences import SequenceBatch
 from services.common.timing import StageTimer
 from services.coordinator import generation
-from services.coordinator.clients import CheckpointRefused, TrainerClient
-from services.coordinator.disk import DiskRefused, trainer_disk_fault
+from services.coordinator.checkpointer import CheckpointNotices, Checkpointer
+from services.coordinator.clients import TrainerClient
 from services.run.data import Prompt
 from services.coordinator.sampler import PromptSampler
 from services.coordinator.samples import step_records
@@ -64,25 +64,14 @@ from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import LoopSettings
 from services.coordinator.store import Checkpoint
 from services.coordinator.validation import Validated, run_validation
-from services.coordinator.waiting import retry_while
 from services.coordinator.warm_start import WarmStart, warm_start_rows
 
-SAVE_RETRY_S = 2.0  # a checkpoint save its disk refused is tried again this often (each try writes until refused)
+class Reporter(CheckpointNotices, Protocol):
+    """Where the loop reports; besides what its checkpoints report (``log``, ``checkpoint``, ``damaged``,
+    ``disk_waiting``):"""
 
-
-class Reporter(Protocol):
     async def step(self, step: int, metrics: dict[str, float]) -> None:
         """A step finished with these metrics (returns once they are recorded)."""
-
-    def log(self, message: str, kind: str = "log") -> None:
-        """Something a person watching the run should see (kind: log, or reward for reward swaps)."""
-
-    def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
-        """Every trainer has saved step ``step`` under ``path``; ``loop_state`` is the coordinator's part."""
-
-    def damaged(self, checkpoint: Checkpoint, reason: str) -> Checkpoint | None:
-        """A trainer refused to load ``checkpoint`` (``reason``): say so, and give the run's newest checkpoint
-        before it, its later steps forgotten (None: there is none)."""
 
     def waiting(self, reason: str | None) -> None:
         """The run waits for ``reason`` (state waiting); None: it goes on (state running)."""
@@ -93,10 +82,6 @@ class Reporter(Protocol):
     async def samples(self, step: int, records: list[dict]) -> None:
         """Step ``step``'s responses with their lineage (samples.step_records), to keep (with
         trainer.rollout_data_dir set; written on a worker thread, held while the disk refuses them)."""
-
-    def disk_waiting(self, cause: str | None) -> None:
-        """A checkpoint's disk refuses it (``cause``): the run waits for it (state waiting, shown at once);
-        None: it goes on."""
 
 
 @dataclass
@@ -164,11 +149,12 @@ class PPOLoop:
             self.prompts else None  # a run that only validates draws no batch
         self.timeout = settings.rpc_timeout_s
         self.kl_coef = settings.kl_in_reward.initial_coef if settings.kl_in_reward else 0.0
-        self.warm_start = WarmStart(settings=settings, actor=trainers.actor if trainers else None,
-                                    prompts=warm_prompts, tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout)
-        self.checkpoint_dir = checkpoint_dir
-        self.saved_step = 0  # last step checkpointed (or resumed from)
-        self.data_after: dict[int, dict] = {}  # step -> the data sampler's state right after its batch was drawn
+        actor = trainers.actor if trainers else None
+        self.warm_start = WarmStart(settings=settings, actor=actor, prompts=warm_prompts, tokenizer=tokenizer,
+                                    notices=reporter, timeout_s=self.timeout)
+        self.checkpoints = Checkpointer(run_id=run_id, roles=trainers.roles() if trainers else {}, actor=actor,
+                                        sampler=self.sampler, reward_set=reward_set, notices=reporter,
+                                        should_stop=should_stop, folder=checkpoint_dir, timeout_s=self.timeout)
         self.validating: asyncio.Task | None = None  # a validation generating on the rollouts
 
     async def run(self, resume: Checkpoint | None = None) -> bool:
@@ -182,30 +168,31 @@ class PPOLoop:
             await self.finish_validation()
             return True
         await self.set_up(resume)
-        first, last = self.saved_step + 1, settings.total_steps
+        checkpoints = self.checkpoints
+        first, last = checkpoints.saved_step + 1, settings.total_steps
         if self.should_stop():
             return False
-        if validation is not None and validation.before_train and self.saved_step == 0:
+        if validation is not None and validation.before_train and checkpoints.saved_step == 0:
             self.start_validation(0)                                      # the starting weights
         await self.boundary(first)
-        pipeline = Pipeline(self.produce, self.data_state, first, last, settings.max_staleness)
+        pipeline = Pipeline(self.produce, checkpoints.data_state, first, last, settings.max_staleness)
         pipeline.start()
         try:
             for step in range(first, last + 1):
                 timer = StageTimer()
                 ahead = await pipeline.next(step)                          # generated (ahead, when K > 0)
                 metrics = await self.train(step, ahead.batch, timer)      # trained, synced
-                self.data_after[step] = ahead.data_state
+                checkpoints.drawn(step, ahead.data_state)
                 metrics["perf/rollout_idle_fraction"] = pipeline.idle_fraction(since=timer.started)
                 await self.reporter.step(step, metrics)
                 if self.validation_due(step):
                     self.start_validation(step)                           # beside the next step's work
                 if settings.save_freq and step % settings.save_freq == 0:
-                    await self.save_checkpoint(step)
+                    await checkpoints.save(step, self.kl_coef)
                 if self.should_stop() and step < last:
                     await self.finish_validation()
-                    if step > self.saved_step:
-                        await self.save_checkpoint(step)
+                    if step > checkpoints.saved_step:
+                        await checkpoints.save(step, self.kl_coef)
                     return False
                 if step < last:
                     await self.boundary(step + 1)
@@ -436,7 +423,7 @@ class PPOLoop:
         add_count(counts, "reward/timeouts", sum(s.timed_out for s in scoring.scores))
         return scoring.rollouts
 
-    # ------------------------------------------------------------------ set-up, boundaries, checkpoints
+    # ------------------------------------------------------------------ set-up and boundaries
 
     async def set_up(self, resume: Checkpoint | None) -> None:
         """Load the roles and models everywhere, open the weight channel, warm start (or restore), and sync."""
@@ -447,7 +434,10 @@ class PPOLoop:
         )
         if self.settings.sleep_rollouts:
             await self.rollout_set.wake_up()  # one an earlier attempt left asleep
-        version = await (self.restore(resume) if resume else self.warm_start.run())
+        if resume is None:
+            version = await self.warm_start.run()
+        else:
+            version, self.kl_coef = await self.checkpoints.restore(resume)
         await self.rollout_set.sync(version)
 
     async def boundary(self, step: int) -> None:
@@ -459,59 +449,6 @@ class PPOLoop:
         """Probe ``target``'s reward services on the run's rows; if every one scores the probe, they score from
         the next step boundary on (``RewardSet.swap``). Returns their addresses."""
         return await self.reward_set.swap(target, probe_samples(self.prompts))
-
-    def data_state(self) -> dict:
-        return {"epoch": self.sampler.epoch, "position": self.sampler.position}
-
-    def loop_state(self, step: int) -> dict:
-        """What the coordinator must keep to go on after step ``step``: the data sampler as it was right after
-        that step's batch was drawn (it may have run ahead since), the KL coefficient, the reward target."""
-        target = self.reward_set.target
-        return {**self.data_after[step], "kl_coef": self.kl_coef, "reward_target": [target.kind, target.name]}
-
-    async def save_checkpoint(self, step: int) -> None:
-        """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step. A save
-        a trainer's disk refuses (full, read-only) makes the run wait, saying so, and is tried again every
-        SAVE_RETRY_S until the disk takes it (or the run is stopped)."""
-        folder, roles = self.checkpoint_dir / f"step_{step:06d}", self.trainers.roles()
-
-        async def save_all() -> None:
-            outcomes = await asyncio.gather(*(trainer.save_checkpoint(self.run_id, str(folder / "-".join(names)),
-                                                                      self.timeout)
-                                              for trainer, names in roles.items()), return_exceptions=True)
-            for trainer, outcome in zip(roles, outcomes):
-                if isinstance(outcome, BaseException):
-                    cause = trainer_disk_fault(outcome, trainer.address)
-                    raise outcome if cause is None else DiskRefused(cause)
-
-        await retry_while(save_all, lambda error: str(error) if isinstance(error, DiskRefused) else None,
-                          self.reporter.disk_waiting, self.should_stop, SAVE_RETRY_S)
-        self.reporter.checkpoint(step, str(folder), self.loop_state(step))
-        self.saved_step = step
-        self.data_after = {later: state for later, state in self.data_after.items() if later > step}
-
-    async def restore(self, resume: Checkpoint) -> int:
-        """Load every trainer's roles and the loop's own state; returns the actor's weight version. A checkpoint
-        a trainer refuses (damaged: its manifest does not match its files) gives way to the one before it."""
-        roles = self.trainers.roles()
-        while True:
-            folder = Path(resume.path)
-            try:
-                versions = await asyncio.gather(*(trainer.load_checkpoint(
-                    self.run_id, str(folder / "-".join(names)), self.timeout) for trainer, names in roles.items()))
-                break
-            except CheckpointRefused as refused:
-                earlier = self.reporter.damaged(resume, str(refused))
-                if earlier is None:
-                    raise ValueError(f"no checkpoint of run {self.run_id} can be loaded: the checkpoint of step "
-                                     f"{resume.step} is refused ({refused}) and none is older") from None
-                resume = earlier
-        state = resume.loop_state
-        self.sampler.epoch, self.sampler.position, self.kl_coef = state["epoch"], state["position"], state["kl_coef"]
-        self.reward_set.restore(RewardTarget(*state["reward_target"]))
-        self.saved_step = resume.step
-        self.reporter.log(f"resumed from the checkpoint of step {resume.step}")
-        return versions[list(roles).index(self.trainers.actor)]
 
 
 def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollouts, evaluated: Evaluated) -> Estimate:

@@ -24,7 +24,7 @@ from services.common.sequences import SequenceBatch, split_ragged
 from services.coordctl.tiny_model import build_char_tokenizer
 from services.coordinator.clients import Generated, Received, RewardSample, RolloutInfo, ScoredSample, SyncResult
 from services.run.data import Prompt
-from services.coordinator import loop as loop_module
+from services.coordinator import checkpointer
 from services.coordinator.loop import PPOLoop, Trainers
 from services.coordinator.reward_set import RewardSet, RewardTarget
 from services.coordinator.rollout_set import RolloutSet
@@ -369,7 +369,7 @@ def test_a_reward_swap_is_probed_and_scores_from_the_next_boundary(tmp_path):
     [switched] = [m for m in mesh.reporter.messages if "reward services switched to group b" in m]
     first = int(switched.split("from step ")[1].split(":")[0])  # the first batch group b scored
     assert samples_a == (first - 1) * 4 * N
-    assert mesh.loop.loop_state(3)["reward_target"] == ["group", "b"]
+    assert mesh.loop.checkpoints.loop_state(3, mesh.loop.kl_coef)["reward_target"] == ["group", "b"]
 
 
 def test_a_stop_request_checkpoints_the_last_step_and_a_resume_goes_on_from_it(tmp_path):
@@ -463,7 +463,7 @@ def test_one_step_ahead_the_validation_of_a_step_runs_while_the_next_trains_and_
 
 
 def test_a_checkpoint_save_the_trainers_disk_refuses_waits_saying_why_and_is_tried_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(loop_module, "SAVE_RETRY_S", 0.01)
+    monkeypatch.setattr(checkpointer, "SAVE_RETRY_S", 0.01)
     mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 2, "save_freq": 2}})
     refusals = ["CheckpointNotWritten: the checkpoint was not written to /ckpt/step_000002/actor: No space left on "
                 "device (/ckpt/step_000002.tmp/__0_0.distcp); 0.0 MiB free on the disk of /ckpt"] * 2

@@ -1,0 +1,118 @@
+"""A run's checkpoints as its loop saves and restores them: each trainer's roles, which the trainers save under
+checkpoints/step_N/<roles>, and the loop's own state, which the run DB records with the checkpoint.
+
+Choices:
+- The loop's state after step s is the data sampler as it was right after step s's batch was drawn (generation
+  may have run ahead since), the KL coefficient and the reward target: a run resumed from it draws the batches
+  it would have drawn.
+- A save a trainer's disk refuses (full, read-only) makes the run wait, saying so, and is tried again every
+  SAVE_RETRY_S until the disk takes it (or the run is stopped); a checkpoint a trainer refuses to load (damaged:
+  its manifest does not match its files) gives way to the one before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Callable, NamedTuple, Protocol
+
+from services.coordinator.clients import CheckpointRefused, TrainerClient
+from services.coordinator.disk import DiskRefused, trainer_disk_fault
+from services.coordinator.reward_set import RewardSet, RewardTarget
+from services.coordinator.sampler import PromptSampler
+from services.coordinator.store import Checkpoint
+from services.coordinator.waiting import retry_while
+
+SAVE_RETRY_S = 2.0  # a checkpoint save its disk refused is tried again this often (each try writes until refused)
+
+
+class CheckpointNotices(Protocol):
+    def log(self, message: str, kind: str = "log") -> None:
+        """Something a person watching the run should see."""
+
+    def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
+        """Every trainer has saved step ``step`` under ``path``; ``loop_state`` is the coordinator's part."""
+
+    def damaged(self, checkpoint: Checkpoint, reason: str) -> Checkpoint | None:
+        """A trainer refused to load ``checkpoint`` (``reason``): say so, and give the run's newest checkpoint
+        before it, its later steps forgotten (None: there is none)."""
+
+    def disk_waiting(self, cause: str | None) -> None:
+        """A checkpoint's disk refuses it (``cause``): the run waits for it (state waiting, shown at once);
+        None: it goes on."""
+
+
+class Restored(NamedTuple):
+    """What a restored checkpoint gives the loop back."""
+
+    version: int  # the actor's weight version
+    kl_coef: float
+
+
+class Checkpointer:
+    def __init__(self, *, run_id: str, roles: dict[TrainerClient, list[str]], actor: TrainerClient | None,
+                 sampler: PromptSampler | None, reward_set: RewardSet, notices: CheckpointNotices,
+                 should_stop: Callable[[], bool], folder: Path, timeout_s: float):
+        """``roles``: each trainer's roles (none for a run that only validates, which saves nothing);
+        ``folder``: where the run's checkpoints go."""
+        self.run_id, self.roles, self.actor, self.sampler, self.reward_set = run_id, roles, actor, sampler, reward_set
+        self.notices, self.should_stop, self.folder, self.timeout_s = notices, should_stop, folder, timeout_s
+        self.saved_step = 0  # last step checkpointed (or resumed from)
+        self.data_after: dict[int, dict] = {}  # step -> the data sampler's state right after its batch was drawn
+
+    def data_state(self) -> dict:
+        return {"epoch": self.sampler.epoch, "position": self.sampler.position}
+
+    def drawn(self, step: int, data_state: dict) -> None:
+        """Step ``step``'s batch was drawn with the data sampler in ``data_state`` right after."""
+        self.data_after[step] = data_state
+
+    def loop_state(self, step: int, kl_coef: float) -> dict:
+        """What the coordinator must keep to go on after step ``step``: the data sampler as it was right after
+        that step's batch was drawn (it may have run ahead since), the KL coefficient, the reward target."""
+        target = self.reward_set.target
+        return {**self.data_after[step], "kl_coef": kl_coef, "reward_target": [target.kind, target.name]}
+
+    async def save(self, step: int, kl_coef: float) -> None:
+        """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step. A save
+        a trainer's disk refuses (full, read-only) makes the run wait, saying so, and is tried again every
+        SAVE_RETRY_S until the disk takes it (or the run is stopped)."""
+        folder, roles = self.folder / f"step_{step:06d}", self.roles
+
+        async def save_all() -> None:
+            outcomes = await asyncio.gather(*(trainer.save_checkpoint(self.run_id, str(folder / "-".join(names)),
+                                                                      self.timeout_s)
+                                              for trainer, names in roles.items()), return_exceptions=True)
+            for trainer, outcome in zip(roles, outcomes):
+                if isinstance(outcome, BaseException):
+                    cause = trainer_disk_fault(outcome, trainer.address)
+                    raise outcome if cause is None else DiskRefused(cause)
+
+        await retry_while(save_all, lambda error: str(error) if isinstance(error, DiskRefused) else None,
+                          self.notices.disk_waiting, self.should_stop, SAVE_RETRY_S)
+        self.notices.checkpoint(step, str(folder), self.loop_state(step, kl_coef))
+        self.saved_step = step
+        self.data_after = {later: state for later, state in self.data_after.items() if later > step}
+
+    async def restore(self, resume: Checkpoint) -> Restored:
+        """Load every trainer's roles and the loop's own state. A checkpoint a trainer refuses (damaged: its
+        manifest does not match its files) gives way to the one before it."""
+        roles = self.roles
+        while True:
+            folder = Path(resume.path)
+            try:
+                versions = await asyncio.gather(*(trainer.load_checkpoint(
+                    self.run_id, str(folder / "-".join(names)), self.timeout_s) for trainer, names in roles.items()))
+                break
+            except CheckpointRefused as refused:
+                earlier = self.notices.damaged(resume, str(refused))
+                if earlier is None:
+                    raise ValueError(f"no checkpoint of run {self.run_id} can be loaded: the checkpoint of step "
+                                     f"{resume.step} is refused ({refused}) and none is older") from None
+                resume = earlier
+        state = resume.loop_state
+        self.sampler.epoch, self.sampler.position = state["epoch"], state["position"]
+        self.reward_set.restore(RewardTarget(*state["reward_target"]))
+        self.saved_step = resume.step
+        self.notices.log(f"resumed from the checkpoint of step {resume.step}")
+        return Restored(versions[list(roles).index(self.actor)], state["kl_coef"])
