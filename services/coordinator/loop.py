@@ -63,21 +63,16 @@ from services.coordinator.reward_set import RewardSet, RewardTarget, probe_sampl
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import LoopSettings
 from services.coordinator.store import Checkpoint
-from services.coordinator.validation import Validated, run_validation
+from services.coordinator.validation import ValidationNotices, Validations
 from services.coordinator.warm_start import WarmStart, warm_start_rows
 
-class Reporter(CheckpointNotices, Protocol):
-    """Where the loop reports; besides what its checkpoints report (``log``, ``checkpoint``, ``damaged``,
-    ``disk_waiting``):"""
+
+class Reporter(CheckpointNotices, ValidationNotices, Protocol):
+    """Where the loop reports; besides what its checkpoints and validations report (``log``, ``checkpoint``,
+    ``damaged``, ``disk_waiting``, ``waiting``, ``validation``):"""
 
     async def step(self, step: int, metrics: dict[str, float]) -> None:
         """A step finished with these metrics (returns once they are recorded)."""
-
-    def waiting(self, reason: str | None) -> None:
-        """The run waits for ``reason`` (state waiting); None: it goes on (state running)."""
-
-    def validation(self, validated: Validated) -> None:
-        """A validation is done: its metrics (recorded with its step's) and every response it scored."""
 
     async def samples(self, step: int, records: list[dict]) -> None:
         """Step ``step``'s responses with their lineage (samples.step_records), to keep (with
@@ -143,7 +138,6 @@ class PPOLoop:
         self.run_id, self.settings, self.config_yaml = run_id, settings, config_yaml
         self.trainers, self.rollout_set, self.reward_set = trainers, rollout_set, reward_set
         warm_prompts, self.prompts = warm_start_rows(settings, prompts)  # the warm start's rows and RL's
-        self.val_prompts = val_prompts
         self.tokenizer, self.reporter, self.should_stop = tokenizer, reporter, should_stop
         self.sampler = PromptSampler(len(self.prompts), settings.batch_size, settings.shuffle, settings.seed) if \
             self.prompts else None  # a run that only validates draws no batch
@@ -155,7 +149,9 @@ class PPOLoop:
         self.checkpoints = Checkpointer(run_id=run_id, roles=trainers.roles() if trainers else {}, actor=actor,
                                         sampler=self.sampler, reward_set=reward_set, notices=reporter,
                                         should_stop=should_stop, folder=checkpoint_dir, timeout_s=self.timeout)
-        self.validating: asyncio.Task | None = None  # a validation generating on the rollouts
+        self.validations = Validations(settings=settings.validation, total_steps=settings.total_steps,
+                                       prompts=val_prompts, rollout_set=rollout_set, reward_set=reward_set,
+                                       tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout)
 
     async def run(self, resume: Checkpoint | None = None) -> bool:
         """Set up (from ``resume`` if given), then train until the last step or a stop request, checkpointing
@@ -164,16 +160,16 @@ class PPOLoop:
         settings, validation = self.settings, self.settings.validation
         if validation is not None and validation.only:
             await self.rollout_set.load()
-            self.start_validation(0)
-            await self.finish_validation()
+            self.validations.start(0)
+            await self.validations.finish()
             return True
         await self.set_up(resume)
-        checkpoints = self.checkpoints
+        checkpoints, validations = self.checkpoints, self.validations
         first, last = checkpoints.saved_step + 1, settings.total_steps
         if self.should_stop():
             return False
         if validation is not None and validation.before_train and checkpoints.saved_step == 0:
-            self.start_validation(0)                                      # the starting weights
+            validations.start(0)                                          # the starting weights
         await self.boundary(first)
         pipeline = Pipeline(self.produce, checkpoints.data_state, first, last, settings.max_staleness)
         pipeline.start()
@@ -185,50 +181,23 @@ class PPOLoop:
                 checkpoints.drawn(step, ahead.data_state)
                 metrics["perf/rollout_idle_fraction"] = pipeline.idle_fraction(since=timer.started)
                 await self.reporter.step(step, metrics)
-                if self.validation_due(step):
-                    self.start_validation(step)                           # beside the next step's work
+                if validations.due(step):
+                    validations.start(step)                               # beside the next step's work
                 if settings.save_freq and step % settings.save_freq == 0:
                     await checkpoints.save(step, self.kl_coef)
                 if self.should_stop() and step < last:
-                    await self.finish_validation()
+                    await validations.finish()
                     if step > checkpoints.saved_step:
                         await checkpoints.save(step, self.kl_coef)
                     return False
                 if step < last:
                     await self.boundary(step + 1)
                 await pipeline.complete(step)                             # later batches may be begun
-            await self.finish_validation()
+            await validations.finish()
         finally:
             await pipeline.close()
-            if self.validating is not None:
-                self.validating.cancel()
-                await asyncio.gather(self.validating, return_exceptions=True)
+            await validations.cancel()
         return True
-
-    def validation_due(self, step: int) -> bool:
-        """Validate after every trainer.test_freq-th step and after the last."""
-        validation = self.settings.validation
-        return (validation is not None and validation.test_freq > 0
-                and (step % validation.test_freq == 0 or step == self.settings.total_steps))
-
-    def start_validation(self, step: int) -> None:
-        """Validate the weights the rollouts serve now, after step ``step``, on the rollouts, while the loop goes
-        on (the next weight sync waits for it: ``finish_validation``)."""
-        async def run_and_report() -> None:
-            validated = await run_validation(
-                settings=self.settings.validation, prompts=self.val_prompts, rollout_set=self.rollout_set,
-                reward_set=self.reward_set, tokenizer=self.tokenizer, notices=self.reporter, timeout_s=self.timeout,
-                step=step, version=self.rollout_set.served)
-            self.reporter.validation(validated)
-
-        self.validating = asyncio.ensure_future(run_and_report())
-
-    async def finish_validation(self) -> None:
-        """Wait for the validation in progress: the rollouts must serve the weights it measures until it is done
-        (its failure is raised here)."""
-        if self.validating is not None:
-            task, self.validating = self.validating, None
-            await task
 
     async def train(self, step: int, produced: Produced, timer: StageTimer) -> dict[str, float]:
         """The training side of a step: logprobs, advantages, updates, weight sync; returns the step's metrics."""
@@ -255,7 +224,7 @@ class PPOLoop:
         if not self.settings.sleep_rollouts:
             yield
             return
-        await self.finish_validation()
+        await self.validations.finish()
         with timer("rollout_sleep"):
             await self.rollout_set.sleep()
         yield
@@ -339,9 +308,9 @@ class PPOLoop:
         """Every rollout serves the actor's new weights (nothing to send when only the critic was updated)."""
         if updates.version is None:
             return
-        if self.validating is not None:
+        if self.validations.in_progress is not None:
             with timer("wait_validation"):  # the trainer's time lost to a validation still generating
-                await self.finish_validation()
+                await self.validations.finish()
         with timer("update_weights"):
             await self.rollout_set.sync(updates.version)
         timer.seconds["rollout_pause"] = self.rollout_set.pause_s

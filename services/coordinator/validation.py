@@ -8,7 +8,10 @@ Choices:
   validation measured.
 - Every response must come from one weight version, the one validated: the
   loop holds the next weight sync back until the validation's generation is
-  done (``PPOLoop.finish_validation``), and generation refuses older weights.
+  done (``Validations.finish``), and generation refuses older weights.
+- When (``Validations``): before training (trainer.val_before_train), after
+  every trainer.test_freq-th step and after the last, on the rollouts beside
+  the next step's work.
 - Metrics under verl's names (``metrics.validation_metrics``), plus
   ``val/weight_version`` (which weights were measured) and
   ``timing_s/testing``; every response is kept with its prompt, score, the
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from services.coordinator import generation
 from services.run.data import Prompt
@@ -52,6 +56,57 @@ async def run_validation(*, settings: ValidationSettings, prompts: list[Prompt],
     metrics = await asyncio.to_thread(validation_metrics, prompt_results(scoring))
     metrics |= {"val/weight_version": float(version), "timing_s/testing": time.perf_counter() - started}
     return Validated(step, version, metrics, sample_records(scoring))
+
+
+class ValidationNotices(Notices, Protocol):
+    def validation(self, validated: Validated) -> None:
+        """A validation is done: its metrics (recorded with its step's) and every response it scored."""
+
+
+class Validations:
+    """When a run validates, and the validation in progress: it generates on the rollouts while the loop goes on,
+    and the next weight sync waits for it (``finish``)."""
+
+    def __init__(self, *, settings: ValidationSettings | None, total_steps: int, prompts: list[Prompt],
+                 rollout_set: RolloutSet, reward_set: RewardSet, tokenizer, notices: ValidationNotices,
+                 timeout_s: float):
+        """``settings``: None for a run without held-out prompts (it never validates); ``prompts``: the held-out
+        ones."""
+        self.settings, self.total_steps, self.prompts = settings, total_steps, prompts
+        self.rollout_set, self.reward_set, self.tokenizer = rollout_set, reward_set, tokenizer
+        self.notices, self.timeout_s = notices, timeout_s
+        self.in_progress: asyncio.Task | None = None  # a validation generating on the rollouts
+
+    def due(self, step: int) -> bool:
+        """Validate after every trainer.test_freq-th step and after the last."""
+        settings = self.settings
+        return (settings is not None and settings.test_freq > 0
+                and (step % settings.test_freq == 0 or step == self.total_steps))
+
+    def start(self, step: int) -> None:
+        """Validate the weights the rollouts serve now, after step ``step``, on the rollouts, while the loop goes
+        on (the next weight sync waits for it: ``finish``)."""
+        async def run_and_report() -> None:
+            validated = await run_validation(
+                settings=self.settings, prompts=self.prompts, rollout_set=self.rollout_set,
+                reward_set=self.reward_set, tokenizer=self.tokenizer, notices=self.notices, timeout_s=self.timeout_s,
+                step=step, version=self.rollout_set.served)
+            self.notices.validation(validated)
+
+        self.in_progress = asyncio.ensure_future(run_and_report())
+
+    async def finish(self) -> None:
+        """Wait for the validation in progress: the rollouts must serve the weights it measures until it is done
+        (its failure is raised here)."""
+        if self.in_progress is not None:
+            task, self.in_progress = self.in_progress, None
+            await task
+
+    async def cancel(self) -> None:
+        """Give up the validation in progress (the loop ends without waiting for it)."""
+        if self.in_progress is not None:
+            self.in_progress.cancel()
+            await asyncio.gather(self.in_progress, return_exceptions=True)
 
 
 def prompt_results(scoring: Scoring) -> list[PromptResults]:
