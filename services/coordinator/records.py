@@ -66,12 +66,12 @@ class RunRecords:
 
     # ------------------------------------------------------------------ what a run says
 
-    def create(self, run_id: str, name: str, config_yaml: str, run_dir: Path, total_steps: int,
+    def create(self, run_id: str, *, name: str, config_yaml: str, run_dir: Path, total_steps: int,
                notices: list[str]) -> None:
         """A new run (state pending), and the notices about its config and data a person should read first."""
-        self.store.create_run(run_id, name, config_yaml, str(run_dir), total_steps)
+        self.store.create_run(run_id, name=name, config_yaml=config_yaml, run_dir=str(run_dir), total_steps=total_steps)
         for notice in notices:
-            self.store.add_event(run_id, "log", 0, "", notice, {})
+            self.store.add_event(run_id, "log", step=0, state="", message=notice, metrics={})
 
     def set_state(self, run_id: str, state: str, error: str = "") -> None:
         self.write(run_id, lambda: self.store.set_state(run_id, state, error))
@@ -92,20 +92,20 @@ class RunRecords:
             return row
         return dataclasses.replace(row, state="waiting", error=writes.waiting_for)
 
-    def event(self, run_id: str, kind: str, step: int, message: str, metrics: dict[str, float] | None = None) -> None:
-        """Something a person watching the run should see (kind: log, checkpoint, reward, validation)."""
-        self.write(run_id, lambda: self.store.add_event(run_id, kind, step, "", message, metrics or {}))
+    def event(self, run_id: str, kind: str, *, step: int, message: str) -> None:
+        """Something a person watching the run should see at step ``step`` (kind: log, checkpoint, reward)."""
+        self.write(run_id, lambda: self.store.add_event(run_id, kind, step=step, state="", message=message, metrics={}))
 
-    def step(self, run_id: str, run_dir: Path, step: int, metrics: dict[str, float]) -> None:
+    def step(self, run_id: str, *, run_dir: Path, step: int, metrics: dict[str, float]) -> None:
         """A step's metrics, into the run DB (the run's step moves) and metrics.jsonl."""
         line = json.dumps({"step": step, "time": time.time(), **metrics})
         self.write(run_id, lambda: self.store.record_step(run_id, step, metrics))
         self.write(run_id, lambda: append_line(metrics_file(run_dir), line), metrics_file(run_dir))
 
-    def checkpoint(self, run_id: str, step: int, path: str, loop_state: dict) -> None:
-        self.write(run_id, lambda: self.store.add_checkpoint(run_id, step, path, loop_state))
+    def checkpoint(self, run_id: str, *, step: int, path: str, loop_state: dict) -> None:
+        self.write(run_id, lambda: self.store.add_checkpoint(run_id, step=step, path=path, loop_state=loop_state))
 
-    def validation(self, run_id: str, run_dir: Path, validated: Validated, headline: str) -> None:
+    def validation(self, run_id: str, *, run_dir: Path, validated: Validated, headline: str) -> None:
         """Its metrics into the step's record and metrics.jsonl, its responses into validation/step_N.jsonl,
         and ``headline`` as an event."""
         step, metrics = validated.step, validated.metrics
@@ -120,7 +120,8 @@ class RunRecords:
             samples_file.write_text(samples)
 
         self.write(run_id, write_samples, samples_file)
-        self.write(run_id, lambda: self.store.add_event(run_id, "validation", step, "", headline, metrics))
+        self.write(run_id, lambda: self.store.add_event(run_id, "validation", step=step, state="", message=headline,
+                                                        metrics=metrics))
 
     def rewind(self, run_id: str, run_dir: Path, step: int) -> None:
         """Forget the metrics of steps after ``step``: they will be run again, and counted once. metrics.jsonl

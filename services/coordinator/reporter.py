@@ -30,22 +30,22 @@ log = structlog.get_logger()
 class RunReporter:
     """What one attempt at a run reports through, from its loop and its rollout and reward sets."""
 
-    def __init__(self, records: RunRecords, run_id: str, run_dir: Path, samples_dir: Path | None = None):
+    def __init__(self, *, records: RunRecords, run_id: str, run_dir: Path, samples_dir: Path | None):
         """``samples_dir``: where each step's samples go (trainer.rollout_data_dir; None: nowhere)."""
         self.records, self.run_id, self.run_dir = records, run_id, run_dir
         self.samples_dir = samples_dir
         self.loggers = Loggers({})  # trainer.logger's, from open_loggers to close
 
     async def open_loggers(self, config: RunConfig, first_step: int) -> None:
-        names = RunNames(self.run_id, config.trainer.project_name, config.trainer.experiment_name,
-                         config.model_dump(mode="json"))
+        names = RunNames(run_id=self.run_id, project=config.trainer.project_name,
+                         experiment=config.trainer.experiment_name, config=config.model_dump(mode="json"))
         self.loggers = await asyncio.to_thread(open_loggers, config.trainer.logger, self.run_dir, names, first_step)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.loggers.close)
 
     async def step(self, step: int, metrics: dict[str, float]) -> None:
-        self.records.step(self.run_id, self.run_dir, step, metrics)
+        self.records.step(self.run_id, run_dir=self.run_dir, step=step, metrics=metrics)
         telemetry.step_done(self.run_id, step, metrics)
         self.loggers.log(step, metrics)
         log.info("step_done", run_id=self.run_id, step=step, reward=metrics.get("critic/score/mean"),
@@ -54,7 +54,7 @@ class RunReporter:
         await self.records.settle(self.run_id)
 
     def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
-        self.records.checkpoint(self.run_id, step, path, loop_state)
+        self.records.checkpoint(self.run_id, step=step, path=path, loop_state=loop_state)
         self.log(f"checkpoint of step {step} saved in {path}", kind="checkpoint")
 
     def damaged(self, checkpoint: Checkpoint, reason: str) -> Checkpoint | None:
@@ -66,7 +66,7 @@ class RunReporter:
         return earlier
 
     def log(self, message: str, kind: str = "log") -> None:
-        self.records.event(self.run_id, kind, self.records.store.get_run(self.run_id).step, message)
+        self.records.event(self.run_id, kind, step=self.records.store.get_run(self.run_id).step, message=message)
         log.info("run_log", run_id=self.run_id, kind=kind, message=message)
         self.records.notify()
 
@@ -98,7 +98,7 @@ class RunReporter:
 
     def validation(self, validated: Validated) -> None:
         """Its metrics into the step's record and metrics.jsonl, its responses into validation/step_N.jsonl."""
-        self.records.validation(self.run_id, self.run_dir, validated, headline(validated))
+        self.records.validation(self.run_id, run_dir=self.run_dir, validated=validated, headline=headline(validated))
         self.loggers.log(validated.step, validated.metrics)
         log.info("validated", run_id=self.run_id, step=validated.step, weight_version=validated.version,
                  samples=len(validated.samples), seconds=validated.metrics.get("timing_s/testing"))

@@ -82,8 +82,9 @@ class RunManager:
         with refused_by_state_dir("start the run", self.store.path):
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(resolved)
-            self.records.create(run_id, config.trainer.experiment_name, resolved, run_dir, config.trainer.steps,
-                                [*config.notices(), *([f"{data.describe()}"] if data.dropped else [])])
+            self.records.create(run_id, name=config.trainer.experiment_name, config_yaml=resolved, run_dir=run_dir,
+                                total_steps=config.trainer.steps,
+                                notices=[*config.notices(), *([f"{data.describe()}"] if data.dropped else [])])
         self._drive(run_id, config, resolved, data, run_dir, resume=None)
         log.info("run_started", run_id=run_id, run_dir=str(run_dir))
         return self.store.get_run(run_id), 0
@@ -148,11 +149,11 @@ class RunManager:
             with refused_by_state_dir(f"resume run {run_id}", self.store.path):
                 self.records.rewind(run_id, run_dir, step)
                 if checkpoint is None:
-                    self.records.event(run_id, "log", 0, "no checkpoint to resume from: running it again from the "
-                                       "start")
+                    self.records.event(run_id, "log", step=0, message="no checkpoint to resume from: running it "
+                                       "again from the start")
                 elif why:
-                    self.records.event(run_id, "log", step, f"going on from the checkpoint of step {step} {why} "
-                                       "(with the run's own config)")
+                    self.records.event(run_id, "log", step=step, message=f"going on from the checkpoint of step "
+                                       f"{step} {why} (with the run's own config)")
             self._drive(run_id, config, row.config_yaml, data, run_dir, resume=checkpoint)
         finally:
             self._resuming.discard(run_id)
@@ -186,7 +187,8 @@ class RunManager:
         row = self.get_run(run_id)
         if row.state not in FINAL_STATES:
             self._supervisors[run_id].stop()
-            self.records.event(run_id, "log", row.step, "stop requested: stopping at the next step boundary")
+            self.records.event(run_id, "log", step=row.step, message="stop requested: stopping at the next step "
+                               "boundary")
             self.records.notify()
         return self.get_run(run_id)
 
@@ -207,12 +209,12 @@ class RunManager:
         except Exception as error:  # noqa: BLE001 - any failure refuses the swap
             reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
             message = f"reward swap to {target} refused: {reason}"
-            self.records.event(run_id, "reward", row.step, message)
+            self.records.event(run_id, "reward", step=row.step, message=message)
             log.warning("reward_swap_refused", run_id=run_id, target=str(target), error=str(error))
             self.records.notify()
             raise FailedPrecondition(message) from None
         accepted = f"reward swap to {target} accepted; applies at the next step boundary"
-        self.records.event(run_id, "reward", row.step, accepted)
+        self.records.event(run_id, "reward", step=row.step, message=accepted)
         log.info("reward_swap_accepted", run_id=run_id, target=str(target), addresses=addresses)
         self.records.notify()
         return self.get_run(run_id)

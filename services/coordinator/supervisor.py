@@ -155,14 +155,15 @@ class RunSupervisor:
         trainer."""
         run_id, config, run_dir = self.run_id, self.config, self.run_dir
         trainers = await self.connect()
-        reporter = RunReporter(self.records, run_id, run_dir, samples_dir(self.state_dir, config, run_dir))
+        reporter = RunReporter(records=self.records, run_id=run_id, run_dir=run_dir,
+                               samples_dir=samples_dir(self.state_dir, config, run_dir))
         should_stop = lambda: self.stop_requested  # noqa: E731
-        rollout_set = RolloutSet(run_id, rollout_set_settings(config), trainers.actor if trainers else None,
-                                 lambda: [record.address
-                                          for record in self.registry.up("rollout", config.placement.rollout)],
-                                 reporter, should_stop)
-        reward_set = RewardSet(RewardTarget("group", config.placement.reward), self.reward_addresses, reporter,
-                               should_stop, config.trainer.rpc_timeout_s)
+        rollout_set = RolloutSet(
+            run_id=run_id, settings=rollout_set_settings(config), actor=trainers.actor if trainers else None,
+            find=lambda: [record.address for record in self.registry.up("rollout", config.placement.rollout)],
+            notices=reporter, should_stop=should_stop)
+        reward_set = RewardSet(target=RewardTarget("group", config.placement.reward), find=self.reward_addresses,
+                               notices=reporter, should_stop=should_stop, timeout_s=config.trainer.rpc_timeout_s)
         ppo = PPOLoop(run_id=run_id, settings=loop_settings(config), config_yaml=self.config_yaml, trainers=trainers,
                       rollout_set=rollout_set, reward_set=reward_set, prompts=self.data.prompts,
                       val_prompts=self.data.val_prompts, tokenizer=self.data.tokenizer, reporter=reporter,
@@ -235,7 +236,7 @@ class RunSupervisor:
         where = f"the checkpoint of step {checkpoint.step}" if checkpoint else "the start"
         message = (f"a service failed ({reason}); waiting for the services, then going on from {where} (recovery "
                    f"{attempt} of {config.trainer.max_recoveries})")
-        self.records.event(run_id, "log", checkpoint.step if checkpoint else 0, message)
+        self.records.event(run_id, "log", step=checkpoint.step if checkpoint else 0, message=message)
         self.records.notify()
         # A dead service stays listed until it misses its heartbeats: wait that long before looking again.
         await asyncio.sleep(self.registry.down_after_s)

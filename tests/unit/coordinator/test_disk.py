@@ -178,7 +178,7 @@ def test_a_steps_samples_file_the_disk_refuses_is_held_with_the_runs_records_and
 
     monkeypatch.setattr(Path, "write_text", refusing_write_text)
     writes = RunWrites(lambda state, error: changes.append((state, error)), tmp_path / "db", lambda cause: None)
-    reporter = RunReporter(HeldIn(writes), "r", tmp_path, tmp_path / "rollout_data")
+    reporter = RunReporter(records=HeldIn(writes), run_id="r", run_dir=tmp_path, samples_dir=tmp_path / "rollout_data")
 
     async def scenario():
         await reporter.samples(3, [{"step": 3, "output": "a"}, {"step": 3, "output": "b"}])  # held, not raised
