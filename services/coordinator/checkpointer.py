@@ -50,8 +50,8 @@ class Restored(NamedTuple):
 
 
 class Checkpointer:
-    def __init__(self, *, run_id: str, roles: dict[TrainerClient, list[str]], actor: TrainerClient | None,
-                 sampler: PromptSampler | None, reward_set: RewardSet, notices: CheckpointNotices,
+    def __init__(self, *, run_id: str, roles: dict[TrainerClient, list[str]], actor: TrainerClient,
+                 sampler: PromptSampler, reward_set: RewardSet, notices: CheckpointNotices,
                  should_stop: Callable[[], bool], folder: Path, timeout_s: float):
         """``roles``: each trainer's roles (none for a run that only validates, which saves nothing);
         ``folder``: where the run's checkpoints go."""

@@ -143,7 +143,7 @@ class PPOLoop:
             self.prompts else None  # a run that only validates draws no batch
         self.timeout = settings.rpc_timeout_s
         self.kl_coef = settings.kl_in_reward.initial_coef if settings.kl_in_reward else 0.0
-        actor = trainers.actor if trainers else None
+        actor = trainers.actor if trainers else None  # None: a run that only validates (no warm start, no checkpoint)
         self.warm_start = WarmStart(settings=settings, actor=actor, prompts=warm_prompts, tokenizer=tokenizer,
                                     notices=reporter, timeout_s=self.timeout)
         self.checkpoints = Checkpointer(run_id=run_id, roles=trainers.roles() if trainers else {}, actor=actor,

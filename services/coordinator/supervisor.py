@@ -88,7 +88,7 @@ class RunSupervisor:
     async def swap_reward(self, target: RewardTarget) -> list[str]:
         """Have the attempt in progress (``attempting``) probe ``target``'s reward services and switch to them at
         its next step boundary (``PPOLoop.swap_reward``)."""
-        return await self.loop.swap_reward(target)
+        return await self.loop.swap_reward(target)  # type: ignore[union-attr]  # asked only while attempting()
 
     async def execute(self, resume: Checkpoint | None = None) -> None:
         """Drive the run to its end. When a service goes away mid-run (a retryable failure), the run waits
@@ -180,8 +180,9 @@ class RunSupervisor:
                 await asyncio.gather(loop, return_exceptions=True)
                 return watchdog.result()  # raises the Unavailable that ended the attempt
             watchdog.cancel()
-            if loop.exception() is not None and recoverable(loop.exception()):
-                raise await self.name_silent_trainers(list(trainers.roles()) if trainers else [], loop.exception())
+            failure = loop.exception()
+            if isinstance(failure, Exception) and recoverable(failure):
+                raise await self.name_silent_trainers(list(trainers.roles()) if trainers else [], failure)
             return loop.result()
         finally:
             self.loop = None

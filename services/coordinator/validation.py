@@ -88,7 +88,8 @@ class Validations:
         on (the next weight sync waits for it: ``finish``)."""
         async def run_and_report() -> None:
             validated = await run_validation(
-                settings=self.settings, prompts=self.prompts, rollout_set=self.rollout_set,
+                settings=self.settings,  # type: ignore[arg-type]  # started only for a run with held-out prompts
+                prompts=self.prompts, rollout_set=self.rollout_set,
                 reward_set=self.reward_set, tokenizer=self.tokenizer, notices=self.notices, timeout_s=self.timeout_s,
                 step=step, version=self.rollout_set.served)
             self.notices.validation(validated)

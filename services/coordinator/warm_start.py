@@ -32,10 +32,9 @@ def warm_start_rows(settings: LoopSettings, prompts: list[Prompt]) -> tuple[list
 
 
 class WarmStart:
-    def __init__(self, *, settings: LoopSettings, actor: TrainerClient | None, prompts: list[Prompt], tokenizer,
+    def __init__(self, *, settings: LoopSettings, actor: TrainerClient, prompts: list[Prompt], tokenizer,
                  notices: Notices, timeout_s: float):
-        """``actor``: None for a run that only validates; ``prompts``: the warm start's rows; ``tokenizer``: the
-        model's, to encode the responses it teaches."""
+        """``prompts``: the warm start's rows; ``tokenizer``: the model's, to encode the responses it teaches."""
         self.settings, self.actor, self.prompts, self.tokenizer = settings, actor, prompts, tokenizer
         self.notices, self.timeout_s = notices, timeout_s
 
