@@ -33,6 +33,13 @@ Choices, stated before the code:
   log-ratio is clamped to +-20 first, as verl does, so exp stays finite.
   Above the threshold a weight is truncated to it (TIS) or set to 0 (masked
   IS, TRL's *_mask); only the upper side is bounded.
+- A loss mask [T] bool (``SequenceBatch.loss_mask``: False on the tool and
+  environment tokens inside a multi-turn response) is the one place the
+  trainer's tokens are chosen: the losses take it as ``mask``, and a masked
+  token has no policy-gradient, entropy, KL or value loss, no rollout
+  correction weight, and counts in no divisor (``LossScale.of``, the
+  per-sequence means of ``aggregate``) nor statistic. Without it every
+  response token trains.
 
 No config objects, no I/O: everything arrives as plain arguments.
 """
@@ -236,24 +243,38 @@ class LossScale(NamedTuple):
     max_response_length: int  # the constant divisor of seq-mean-token-sum-norm (Dr. GRPO)
 
     @classmethod
-    def of(cls, lengths: torch.Tensor, max_response_length: int) -> LossScale:
-        return cls(int(lengths.sum()), len(lengths), max_response_length)
+    def of(cls, lengths: torch.Tensor, max_response_length: int, mask: torch.Tensor | None = None) -> LossScale:
+        """The scale of a mini-batch of responses with ``lengths`` [B] and, where some tokens do not train, the
+        loss ``mask`` [T] of their tokens (its trained tokens are the mini-batch's tokens)."""
+        tokens = int(lengths.sum()) if mask is None else int(mask.sum())
+        return cls(tokens, len(lengths), max_response_length)
 
 
-def aggregate(per_token: torch.Tensor, lengths: torch.Tensor, mode: str, scale: LossScale) -> torch.Tensor:
+def masked(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``per_token`` [T] with 0 (and a zero gradient, even from inf or NaN) where ``mask`` [T] is False."""
+    if mask is None:
+        return per_token
+    return torch.where(mask.to(per_token.device), per_token, torch.zeros_like(per_token))
+
+
+def aggregate(per_token: torch.Tensor, lengths: torch.Tensor, mode: str, scale: LossScale,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce per-token losses [T] of sequences with ``lengths`` [B] to a scalar, verl's way.
 
     token-mean: sum / tokens; seq-mean-token-sum: sum of sequence sums / sequences;
     seq-mean-token-mean: sum of sequence means / sequences;
     seq-mean-token-sum-norm: sum of sequence sums / max_response_length.
+    With a loss ``mask`` [T] only its tokens are summed, and a sequence's mean is over its trained tokens.
     """
+    per_token = masked(per_token, mask)
     if mode == "token-mean":
         return per_token.sum() / max(scale.num_tokens, 1)
     sums = sequence_sums(per_token, lengths)
     if mode == "seq-mean-token-sum":
         return sums.sum() / max(scale.num_sequences, 1)
     if mode == "seq-mean-token-mean":
-        return (sums / lengths.to(sums.device).clamp(min=1)).sum() / max(scale.num_sequences, 1)
+        counts = lengths.to(sums.device) if mask is None else sequence_sums(mask.to(sums.device).long(), lengths)
+        return (sums / counts.clamp(min=1)).sum() / max(scale.num_sequences, 1)
     if mode == "seq-mean-token-sum-norm":
         return sums.sum() / scale.max_response_length
     raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
@@ -269,14 +290,15 @@ class PolicyLoss(NamedTuple):
 def policy_loss(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, lengths: torch.Tensor, *,
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, mode: str, scale: LossScale,
-    is_weights: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None, mask: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """PPO clipped surrogate with clip-higher and dual-clip. Token tensors [T], lengths [B].
 
     l_t = max(-A r, -A clip(r, 1 - low, 1 + high)), r = exp(logp - old_logp) (log-ratio clamped to +-20);
     where A < 0 and clip_ratio_c is set: l_t = min(l_t, -A c). With ``is_weights`` [T] (rollout
     correction, from ``rollout_is_weights``) l_t becomes w_t l_t; the divisors of the aggregation stay.
-    The statistics are token means over the mini-batch (``scale.num_tokens``).
+    The statistics are token means over the mini-batch (``scale.num_tokens``); with a loss ``mask`` [T],
+    over its tokens only (``aggregate``).
     """
     log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
@@ -292,22 +314,23 @@ def policy_loss(
         per_token = per_token * is_weights.detach()
     tokens = max(scale.num_tokens, 1)
     with torch.no_grad():
-        clipfrac = (clipped > unclipped).float().sum() / tokens
-        clipfrac_lower = capped.float().sum() / tokens
-        approx_kl = (-log_ratio).sum() / tokens
-    return PolicyLoss(aggregate(per_token, lengths, mode, scale), clipfrac, clipfrac_lower, approx_kl)
+        clipfrac = masked((clipped > unclipped).float(), mask).sum() / tokens
+        clipfrac_lower = masked(capped.float(), mask).sum() / tokens
+        approx_kl = masked(-log_ratio, mask).sum() / tokens
+    return PolicyLoss(aggregate(per_token, lengths, mode, scale, mask), clipfrac, clipfrac_lower, approx_kl)
 
 
 # ---------------------------------------------------------------- rollout correction
 
 
 def rollout_log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, lengths: torch.Tensor,
-                      level: str) -> torch.Tensor:
+                      level: str, mask: torch.Tensor | None = None) -> torch.Tensor:
     """log(pi_old / pi_rollout), detached and clamped to +-20. [T], [T], [B] -> [T] (token) or [B] (sequence).
 
-    token: old_logp_t - rollout_logp_t; sequence: the sum of those over each response (0 for an empty one).
+    token: old_logp_t - rollout_logp_t (0 where the loss ``mask`` is False); sequence: the sum of those over
+    each response (0 for an empty one), so over its trained tokens only.
     """
-    per_token = (old_logprobs - rollout_logprobs).detach()
+    per_token = masked((old_logprobs - rollout_logprobs).detach(), mask)
     if level == "token":
         return per_token.clamp(-20.0, 20.0)
     if level == "sequence":
@@ -321,22 +344,27 @@ class RolloutISWeights(NamedTuple):
 
 
 def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, lengths: torch.Tensor,
-                       level: str, mode: str, threshold: float) -> RolloutISWeights:
+                       level: str, mode: str, threshold: float, mask: torch.Tensor | None = None) -> RolloutISWeights:
     """Importance weights pi_old / pi_rollout of the rollout/trainer mismatch. [T], [T], [B] -> [T].
 
     token: rho_t = exp(old_logp_t - rollout_logp_t); sequence: every token of a response gets
     exp(sum of its log-ratios). Ratios above ``threshold`` are truncated to it (mode truncate, TIS)
-    or set to 0 (mode mask).
+    or set to 0 (mode mask). Where the loss ``mask`` [T] is False a token has weight 0 and never exceeds,
+    and a response's sequence ratio is over its trained tokens only.
     """
     if mode not in ROLLOUT_IS_MODES:
         raise ValueError(f"unknown rollout_is mode {mode!r}; expected one of {ROLLOUT_IS_MODES}")
-    ratio = torch.exp(rollout_log_ratio(old_logprobs, rollout_logprobs, lengths, level))
+    ratio = torch.exp(rollout_log_ratio(old_logprobs, rollout_logprobs, lengths, level, mask))
     if level == "sequence":
         ratio = expand_per_token(ratio, lengths.to(ratio.device))
     exceeded = ratio > threshold
+    if mask is not None:
+        exceeded = exceeded & mask.to(ratio.device)
     if mode == "truncate":
-        return RolloutISWeights(ratio.clamp(max=threshold), exceeded)
-    return RolloutISWeights(torch.where(exceeded, torch.zeros_like(ratio), ratio), exceeded)
+        weights = ratio.clamp(max=threshold)
+    else:
+        weights = torch.where(exceeded, torch.zeros_like(ratio), ratio)
+    return RolloutISWeights(masked(weights, mask), exceeded)
 
 
 class ValueLoss(NamedTuple):
@@ -345,15 +373,16 @@ class ValueLoss(NamedTuple):
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, lengths: torch.Tensor,
-               cliprange_value: float, mode: str, scale: LossScale) -> ValueLoss:
-    """Clipped value loss: 0.5 * agg(max((V - R)^2, (clip(V, V_old +- c) - R)^2)). Token tensors [T]."""
+               cliprange_value: float, mode: str, scale: LossScale, mask: torch.Tensor | None = None) -> ValueLoss:
+    """Clipped value loss: 0.5 * agg(max((V - R)^2, (clip(V, V_old +- c) - R)^2)). Token tensors [T]; with a
+    loss ``mask`` [T], over its tokens only."""
     clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     unclipped_error = (values - returns).square()
     clipped_error = (clipped_values - returns).square()
     per_token = torch.maximum(unclipped_error, clipped_error)
     with torch.no_grad():
-        clipfrac = (clipped_error > unclipped_error).float().sum() / max(scale.num_tokens, 1)
-    return ValueLoss(0.5 * aggregate(per_token, lengths, mode, scale), clipfrac)
+        clipfrac = masked((clipped_error > unclipped_error).float(), mask).sum() / max(scale.num_tokens, 1)
+    return ValueLoss(0.5 * aggregate(per_token, lengths, mode, scale, mask), clipfrac)
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
@@ -487,7 +516,7 @@ def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def mismatch_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                     response_lens: torch.Tensor) -> dict[str, float]:
+                     response_lens: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
     """How far the trainer's policy (old logprobs) is from the rollout engine's on the same tokens. [T], [T], [B].
 
     verl's training/rollout_probs_diff_{mean,max,std} (|p_rollout - p_old|, unbiased std) and
@@ -495,11 +524,14 @@ def mismatch_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     KL(pi_rollout || pi_old) (samples are the rollout's); training/rollout_is_ratio/* and
     training/rollout_is_seq_ratio/* describe the raw weights pi_old / pi_rollout per token and per
     (non-empty) response, before any truncation, whether or not algorithm.rollout_correction is on.
+    With a loss ``mask`` [T] they describe its tokens only (a response's ratio: over its trained tokens).
     """
+    seq_ratio = rollout_log_ratio(old_logprobs, rollout_logprobs, response_lens, "sequence", mask).exp()
+    if mask is not None:
+        rollout_logprobs, old_logprobs = rollout_logprobs[mask], old_logprobs[mask]
     rollout_probs, old_probs = rollout_logprobs.exp(), old_logprobs.exp()
     probs_diff = (rollout_probs - old_probs).abs()
     token_ratio = rollout_log_ratio(old_logprobs, rollout_logprobs, response_lens, "token").exp()
-    seq_ratio = rollout_log_ratio(old_logprobs, rollout_logprobs, response_lens, "sequence").exp()
     kl = kl_penalty(rollout_logprobs, old_logprobs, "k3")
     return {
         "training/rollout_probs_diff_mean": float(probs_diff.mean()) if probs_diff.numel() else 0.0,
