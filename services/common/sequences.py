@@ -3,6 +3,8 @@
 A batch of B sequences is stored flat: all prompt tokens concatenated with
 their lengths, all response tokens concatenated with theirs. Token-level
 values (logprobs, advantages) are flat tensors aligned with ``response_ids``.
+In a multi-turn response, tool and environment tokens sit among the model's:
+``loss_mask`` says which response tokens are the model's, the ones that train.
 This is the form batches travel in, between every service.
 """
 
@@ -65,6 +67,7 @@ class SequenceBatch:
     prompt_lens: torch.Tensor  # [B] int64
     response_ids: torch.Tensor  # [T] int64
     response_lens: torch.Tensor  # [B] int64
+    loss_mask: torch.Tensor | None = None  # [T] bool: the model's tokens (they train); None: every response token
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -85,16 +88,29 @@ class SequenceBatch:
     def select(self, rows: torch.Tensor) -> SequenceBatch:
         """The sub-batch of the given rows (indices), in that order."""
         return SequenceBatch(
-            ragged_select(self.prompt_ids, self.prompt_lens, rows),
-            self.prompt_lens[rows],
-            ragged_select(self.response_ids, self.response_lens, rows),
-            self.response_lens[rows],
+            prompt_ids=ragged_select(self.prompt_ids, self.prompt_lens, rows),
+            prompt_lens=self.prompt_lens[rows],
+            response_ids=ragged_select(self.response_ids, self.response_lens, rows),
+            response_lens=self.response_lens[rows],
+            loss_mask=None if self.loss_mask is None else self.loss_mask[self.token_index(rows)],
         )
+
+    def trained(self) -> torch.Tensor:
+        """The loss mask, all True where the batch has none. [T] bool"""
+        if self.loss_mask is None:
+            return torch.ones(self.num_response_tokens, dtype=torch.bool)
+        return self.loss_mask
 
     @staticmethod
     def concat(batches: list[SequenceBatch]) -> SequenceBatch:
-        return SequenceBatch(*(torch.cat([getattr(b, field) for b in batches])
-                               for field in ("prompt_ids", "prompt_lens", "response_ids", "response_lens")))
+        """One batch of all of ``batches``' sequences; it has a loss mask where any of them has one."""
+        def joined(field: str) -> torch.Tensor:
+            return torch.cat([getattr(b, field) for b in batches])
+
+        loss_mask = None if all(b.loss_mask is None for b in batches) else torch.cat([b.trained() for b in batches])
+        return SequenceBatch(prompt_ids=joined("prompt_ids"), prompt_lens=joined("prompt_lens"),
+                             response_ids=joined("response_ids"), response_lens=joined("response_lens"),
+                             loss_mask=loss_mask)
 
     def padded(self, pad_id: int = 0) -> Padded:
         """Right-padded prompt+response rows and the mask of response predictions."""

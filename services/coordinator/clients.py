@@ -27,8 +27,10 @@ class CheckpointRefused(ValueError):
 
 
 def sequence_tensors(batch: SequenceBatch) -> dict[str, torch.Tensor]:
-    return {"prompt_ids": batch.prompt_ids, "prompt_lens": batch.prompt_lens,
-            "response_ids": batch.response_ids, "response_lens": batch.response_lens}
+    """The batch's tensors under their names on the wire; its loss mask only where it has one."""
+    tensors = {"prompt_ids": batch.prompt_ids, "prompt_lens": batch.prompt_lens,
+               "response_ids": batch.response_ids, "response_lens": batch.response_lens}
+    return tensors if batch.loss_mask is None else tensors | {"loss_mask": batch.loss_mask}
 
 
 @dataclass(frozen=True)

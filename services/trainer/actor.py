@@ -135,7 +135,8 @@ class Actor:
 
     def _update_mini_batch(self, batch: SequenceBatch, rows: torch.Tensor, inputs: UpdateInputs,
                            settings: ActorSettings) -> dict[str, float]:
-        scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length)
+        mask = None if batch.loss_mask is None else batch.loss_mask[batch.token_index(rows)]
+        scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length, mask)
         stats: dict[str, float] = {}
         plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, settings.micro)
         mismatch = inputs.old_logprobs is None and inputs.rollout_logprobs is not None  # reported from this pass
@@ -151,17 +152,20 @@ class Actor:
         if mismatch:
             old_logprobs = gather_tokens(batch, plan, own_logprobs, self.ranks)  # this one step's rows: the batch
             if old_logprobs is not None:  # rank 0
-                stats |= algos.mismatch_metrics(inputs.rollout_logprobs, old_logprobs, batch.response_lens)
+                stats |= algos.mismatch_metrics(inputs.rollout_logprobs, old_logprobs, batch.response_lens,
+                                                batch.loss_mask)
         stats["actor/grad_norm"] = self.optimizer.step()
         return stats
 
     def _micro_batch_loss(self, batch, micro, inputs: UpdateInputs, settings: ActorSettings,
                           scale: algos.LossScale, weight: float = 1.0) -> tuple[dict[str, float], torch.Tensor]:
         """Backpropagate ``weight`` x one micro-batch's share of the mini-batch loss; return its share of the
-        metrics, and its logprobs, detached (pi_old where ``inputs`` has no old logprobs)."""
+        metrics, and its logprobs, detached (pi_old where ``inputs`` has no old logprobs). Only the tokens of the
+        batch's loss mask, where it has one, carry loss (``algos``)."""
         part = batch.select(micro)
         tokens = batch.token_index(micro)
         device = self.ranks.device
+        mask = None if part.loss_mask is None else part.loss_mask.to(device)
         logprobs, entropy = response_logprobs(
             self.model, part, pad_id=self.pad_id, temperature=settings.temperature, with_entropy=True, device=device,
             remove_padding=settings.remove_padding, chunk_tokens=settings.logprob_chunk_tokens,
@@ -174,13 +178,13 @@ class Actor:
         tis = algos.rollout_is_weights(
             old_logprobs=old_logprobs, rollout_logprobs=inputs.rollout_logprobs[tokens].to(device), lengths=lengths,
             level=settings.rollout_is, mode=settings.rollout_is_mode, threshold=settings.rollout_is_threshold,
-        ) if settings.rollout_is else None
+            mask=mask) if settings.rollout_is else None
         pg = algos.policy_loss(
             logprobs=logprobs, old_logprobs=old_logprobs, advantages=inputs.advantages[tokens].to(device),
             lengths=lengths, clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
             clip_ratio_c=settings.clip_ratio_c, mode=settings.loss_agg_mode, scale=scale,
-            is_weights=None if tis is None else tis.weights)
-        entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale)
+            is_weights=None if tis is None else tis.weights, mask=mask)
+        entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale, mask)
         loss = pg.loss - settings.entropy_coeff * entropy_loss
         stats = {"actor/pg_loss": float(pg.loss.detach()), "actor/pg_clipfrac": float(pg.clipfrac),
                  "actor/pg_clipfrac_lower": float(pg.clipfrac_lower), "actor/ppo_kl": float(pg.approx_kl),
@@ -190,7 +194,7 @@ class Actor:
             stats["rollout_corr/rollout_is_ratio_fraction_high"] = float(tis.exceeded.sum()) / max(scale.num_tokens, 1)
         if settings.use_kl_loss:
             kl = algos.kl_penalty(logprobs, inputs.ref_logprobs[tokens].to(device), settings.kl_loss_type)
-            kl_loss = algos.aggregate(kl, lengths, settings.loss_agg_mode, scale)
+            kl_loss = algos.aggregate(kl, lengths, settings.loss_agg_mode, scale, mask)
             loss = loss + settings.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = float(kl_loss.detach())
         (weight * loss).backward()

@@ -72,7 +72,8 @@ class Critic:
         return metrics
 
     def _update_mini_batch(self, batch, rows, old_values, returns, settings: CriticSettings) -> dict[str, float]:
-        scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length)
+        mask = None if batch.loss_mask is None else batch.loss_mask[batch.token_index(rows)]
+        scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length, mask)
         device = self.ranks.device
         stats = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
         plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, settings.micro)
@@ -80,13 +81,16 @@ class Critic:
             part = batch.select(micro)
             tokens = batch.token_index(micro)
             values = response_values(self.model, part, self.pad_id, device, settings.remove_padding)
+            part_mask = None if part.loss_mask is None else part.loss_mask.to(device)
             result = algos.value_loss(values, old_values[tokens].to(device), returns[tokens].to(device),
-                                      part.response_lens, settings.cliprange_value, settings.loss_agg_mode, scale)
+                                      part.response_lens, settings.cliprange_value, settings.loss_agg_mode, scale,
+                                      part_mask)
             ((self.ranks.grad_scale if real else 0.0) * settings.vf_coef * result.loss).backward()
             if real:
                 stats["critic/vf_loss"] += float(result.loss.detach())
                 stats["critic/vf_clipfrac"] += float(result.clipfrac)
-                stats["critic/vpred_mean"] += float(values.detach().sum()) / max(scale.num_tokens, 1)
+                stats["critic/vpred_mean"] += float(algos.masked(values.detach(), part_mask).sum()) / max(
+                    scale.num_tokens, 1)
         stats = self.ranks.sum_metrics(stats)
         stats["critic/grad_norm"] = self.optimizer.step()
         return stats

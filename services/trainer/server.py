@@ -57,7 +57,19 @@ async def read_batch(request_iterator, limits: StreamLimits,
     if len(batch["prompt_lens"]) != len(batch["response_lens"]):
         raise ValueError("prompt_lens and response_lens must have one entry per sequence")
     check_token_tensors(batch, extra)
+    check_loss_mask(batch)
     return (first.step, first.role, batch) if first else (0, "", batch)
+
+
+def check_loss_mask(batch: dict[str, torch.Tensor]) -> None:
+    """A loss mask, where the batch has one, is bool with one value per response token."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return
+    tokens = batch["response_ids"].numel()
+    if mask.dtype != torch.bool or mask.shape != (tokens,):
+        raise ValueError(f"loss_mask must be a bool tensor with one value per response token ({tokens}), "
+                         f"got {mask.dtype} {list(mask.shape)}")
 
 
 def check_token_tensors(batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -> None:
@@ -73,13 +85,14 @@ def check_token_tensors(batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -
 
 
 def check_vocab(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The batch's four sequence tensors, once their token ids are known to be in the model's vocabulary."""
+    """The batch's four sequence tensors (and its loss mask, where it has one), once their token ids are known to
+    be in the model's vocabulary."""
     vocab_size = model.config.vocab_size
     for key in ("prompt_ids", "response_ids"):
         ids = batch[key]
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
             raise ValueError(f"{key} must lie in [0, {vocab_size})")
-    return {key: batch[key] for key in SEQUENCE_KEYS}
+    return {key: batch[key] for key in (*SEQUENCE_KEYS, "loss_mask") if key in batch}
 
 
 def actor_update_tensors(batch: dict[str, torch.Tensor], settings: ActorSettings,

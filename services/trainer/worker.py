@@ -133,7 +133,10 @@ def unloaded_notice(held: Roles | None, beside: bool) -> str:
 
 
 def sequences(tensors: dict[str, torch.Tensor]) -> SequenceBatch:
-    return SequenceBatch(*(tensors[key] for key in SEQUENCE_KEYS))
+    """The batch of a request's tensors, with its loss mask where it has one."""
+    return SequenceBatch(prompt_ids=tensors["prompt_ids"], prompt_lens=tensors["prompt_lens"],
+                         response_ids=tensors["response_ids"], response_lens=tensors["response_lens"],
+                         loss_mask=tensors.get("loss_mask"))
 
 
 class Worker:

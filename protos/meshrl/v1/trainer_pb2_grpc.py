@@ -110,8 +110,10 @@ class TrainerServicer:
     def ComputeLogProbs(self, request_iterator, context):
         """Logprobs of the response tokens under the actor's current weights
         (role "actor") or the frozen reference's (role "ref").
-        Request chunks: prompt_ids, prompt_lens, response_ids, response_lens.
-        Response chunks: logprobs [T] float32.
+        Request chunks: prompt_ids, prompt_lens, response_ids, response_lens
+        (the four sequence tensors), and loss_mask [T] bool where the batch has
+        one (see BatchRequest). Response chunks: logprobs [T] float32, of every
+        response token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,7 +129,7 @@ class TrainerServicer:
 
     def UpdateActor(self, request_iterator, context):
         """One PPO update of the actor over a batch. Request chunks: the four
-        sequence tensors plus old_logprobs [T] and advantages [T],
+        sequence tensors (and loss_mask) plus old_logprobs [T] and advantages [T],
         ref_logprobs [T] when the run uses a KL loss, and rollout_logprobs [T]
         (the rollout engine's) when algorithm.rollout_correction is on.
         Without old_logprobs the update must be one optimizer step over the
@@ -140,8 +142,9 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateCritic(self, request_iterator, context):
-        """One update of the critic. Request chunks: the four sequence tensors plus
-        values [T] (the old values) and returns [T].
+        """One update of the critic. Request chunks: the four sequence tensors (and
+        loss_mask) plus values [T] (the old values) and returns [T]; the value
+        loss covers the loss mask's tokens only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

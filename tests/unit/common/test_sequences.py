@@ -53,6 +53,23 @@ def test_select_reorders_and_repeats_rows():
     assert len(empty) == 0 and empty.num_response_tokens == 0 and empty.prompt_ids.numel() == 0
 
 
+def test_the_loss_mask_follows_the_rows_it_belongs_to():
+    batch = _batch([[5, 6, 7], [8], [1, 2]], [[9, 10], [11, 12, 13], [3]])
+    assert batch.loss_mask is None and batch.trained().tolist() == [True] * 6
+    assert batch.select(torch.tensor([1])).loss_mask is None
+    tools = SequenceBatch(batch.prompt_ids, batch.prompt_lens, batch.response_ids, batch.response_lens,
+                          loss_mask=torch.tensor([True, False, True, False, True, True]))
+    assert tools.select(torch.tensor([2, 1])).loss_mask.tolist() == [True, True, False, True]
+
+
+def test_concat_has_a_loss_mask_where_any_part_has_one():
+    plain = _batch([[5]], [[9, 10]])
+    tools = SequenceBatch(plain.prompt_ids, plain.prompt_lens, plain.response_ids, plain.response_lens,
+                          loss_mask=torch.tensor([False, True]))
+    assert SequenceBatch.concat([plain, plain]).loss_mask is None
+    assert SequenceBatch.concat([plain, tools]).loss_mask.tolist() == [True, True, False, True]
+
+
 def test_padded_by_hand():
     # row 0: prompt [5, 6, 7], response [9, 10]      -> 5 tokens
     # row 1: prompt [8],       response [11, 12, 13] -> 4 tokens, one pad

@@ -14,6 +14,7 @@ from services.common.sequences import SequenceBatch
 from services.coordinator.warm_start import make_batch
 from services.coordctl.tiny_model import build_tiny_model
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
+from services.trainer.forward import response_logprobs
 from services.trainer.optim import OptimSettings, chunks
 
 OPTIM = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 10)
@@ -178,3 +179,35 @@ def test_more_than_one_optimizer_step_needs_old_logprobs(model_path):
     for split in ({"mini_batch_size": 3}, {"epochs": 2}):
         with pytest.raises(ValueError, match="old_logprobs"):
             actor.update(batch, replace(inputs, old_logprobs=None), replace(settings("token-mean", 4), **split))
+
+
+# ---------------------------------------------------------------------------
+# a loss mask: tool tokens inside the responses
+
+
+def test_tool_tokens_give_their_logits_no_gradient(model_path):
+    """Every third response token is a tool's: with the policy-gradient, entropy and KL terms and the rollout
+    correction on, the logits that predict those tokens get an exactly zero gradient, those of the model's tokens
+    do not, and the entropy metric is the mean over the model's tokens."""
+    actor, batch, inputs = tiny_case(model_path)
+    mask = torch.arange(batch.num_response_tokens) % 3 != 1
+    tools = replace(batch, loss_mask=mask)
+    actor_settings = replace(settings("token-mean", 4), rollout_is="token")
+    inputs = replace(inputs, rollout_logprobs=inputs.old_logprobs - 0.1)
+    logits = []
+
+    def keep(_module, _args, output):
+        output.retain_grad()
+        logits.append(output)
+
+    head = actor.model.get_output_embeddings().register_forward_hook(keep)
+    actor.model.train()
+    stats, _ = actor._micro_batch_loss(tools, torch.arange(len(batch)), inputs, actor_settings,
+                                       algos.LossScale.of(batch.response_lens, 7, mask))
+    head.remove()
+    grad = logits[0].grad[:, :-1][batch.padded().response_mask]  # [T, V], aligned with the response tokens
+    assert torch.equal(grad[~mask], torch.zeros_like(grad[~mask]))
+    assert (grad[mask].abs().sum(-1) > 0).all()
+    with torch.no_grad():
+        _, entropy = response_logprobs(actor.model, batch, 0, actor_settings.temperature, True, torch.device("cpu"))
+    assert stats["actor/entropy"] == pytest.approx(float(entropy[mask].mean()), rel=1e-12)
