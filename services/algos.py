@@ -39,7 +39,11 @@ Choices, stated before the code:
   token has no policy-gradient, entropy, KL or value loss, no rollout
   correction weight, and counts in no divisor (``LossScale.of``, the
   per-sequence means of ``aggregate``) nor statistic. Without it every
-  response token trains.
+  response token trains. The advantages see the same mask
+  (``compute_advantages``): a response's score sits on its last model token,
+  GAE and discounted returns pass over tool tokens as verl's GAE does with
+  its multi-turn response_mask, whitening counts model tokens only, and tool
+  tokens get advantage and return 0.
 
 No config objects, no I/O: everything arrives as plain arguments.
 """
@@ -78,8 +82,18 @@ def last_token_index(lengths: torch.Tensor) -> torch.Tensor:
     return ends[lengths > 0]
 
 
-def whiten(values: torch.Tensor) -> torch.Tensor:
-    """(x - mean) / sqrt(unbiased var + 1e-8) over all tokens. [T] -> [T]."""
+def masked(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``per_token`` [T] with 0 (and a zero gradient, even from inf or NaN) where ``mask`` [T] is False."""
+    if mask is None:
+        return per_token
+    return torch.where(mask.to(per_token.device), per_token, torch.zeros_like(per_token))
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(x - mean) / sqrt(unbiased var + 1e-8) over all tokens, or over the tokens of a loss ``mask`` (the others
+    become 0). [T] -> [T]."""
+    if mask is not None:
+        return torch.zeros_like(values).masked_scatter(mask, whiten(values[mask]))
     if values.numel() < 2:
         return values - values.mean() if values.numel() else values
     mean = values.mean()
@@ -133,13 +147,27 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
+def last_trained_index(lengths: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Flat index of each non-empty sequence's last token in the loss ``mask`` (its last token where it has
+    none). [B], [T] -> [B']."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    positions = torch.where(mask, torch.arange(len(mask)), torch.full_like(rows, -1))
+    last = torch.full((len(lengths),), -1, dtype=torch.int64).scatter_reduce(0, rows, positions, "amax")
+    ends = torch.cumsum(lengths, 0) - 1
+    return torch.where(last >= 0, last, ends)[lengths > 0]
+
+
 def token_rewards(scores: torch.Tensor, lengths: torch.Tensor, kl: torch.Tensor | None = None,
-                  kl_coef: float = 0.0) -> torch.Tensor:
-    """Score on each response's last token, minus kl_coef * kl on every token. [B], [B], [T] -> [T]."""
+                  kl_coef: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Score on each response's last token, minus kl_coef * kl on every token. [B], [B], [T] -> [T].
+
+    With a loss ``mask`` [T]: on each response's last model token (``last_trained_index``), the KL penalty on
+    model tokens only."""
     rewards = torch.zeros(int(lengths.sum()), dtype=torch.float32)
-    rewards[last_token_index(lengths)] = scores[lengths > 0].float()
+    last = last_token_index(lengths) if mask is None else last_trained_index(lengths, mask)
+    rewards[last] = scores[lengths > 0].float()
     if kl is not None:
-        rewards = rewards - kl_coef * kl.float()
+        rewards = rewards - kl_coef * masked(kl.float(), mask)
     return rewards
 
 
@@ -157,27 +185,35 @@ class Advantages(NamedTuple):
     returns: torch.Tensor  # [T]
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamma: float, lam: float) -> Advantages:
+def gae(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamma: float, lam: float,
+        mask: torch.Tensor | None = None) -> Advantages:
     """Generalised advantage estimation, per sequence, then advantages whitened over the batch.
 
     rewards, values: [T]; delta_t = r_t + gamma V_{t+1} - V_t (V after the last token is 0),
     A_t = delta_t + gamma lam A_{t+1}; returns = A + V (before whitening). The recursion runs in
     float64 on right-padded [B, L] rows, all rows at once; zero padding keeps it inside each row.
+
+    With a loss ``mask`` [T] (multi-turn: False on tool and environment tokens) the recursion passes
+    over the masked tokens as if they were not there, verl's convention for its multi-turn
+    response_mask: V_{t+1} is the value of the next model token and A_{t+1} its advantage, so the
+    discount counts model tokens only; whitening is over model tokens, and masked tokens get
+    advantage and return 0 (they train nothing).
     """
     index = _padded_index(lengths.to(rewards.device))
     padded_rewards = _to_padded(rewards, lengths, index)
     padded_values = _to_padded(values, lengths, index)
+    trained = _to_padded(torch.ones_like(rewards) if mask is None else mask.to(rewards.device), lengths, index) > 0
     padded = torch.zeros_like(padded_rewards)
     running = torch.zeros(len(lengths), dtype=torch.float64, device=rewards.device)
     next_value = torch.zeros_like(running)
     for t in range(padded.shape[1] - 1, -1, -1):
         delta = padded_rewards[:, t] + gamma * next_value - padded_values[:, t]
-        running = delta + gamma * lam * running
+        running = torch.where(trained[:, t], delta + gamma * lam * running, running)
         padded[:, t] = running
-        next_value = padded_values[:, t]
+        next_value = torch.where(trained[:, t], padded_values[:, t], next_value)
     advantages = padded[index].float()
-    returns = advantages + values.float()
-    return Advantages(whiten(advantages), returns)
+    returns = masked(advantages + values.float(), mask)
+    return Advantages(whiten(advantages, mask), returns)
 
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
@@ -202,33 +238,41 @@ def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tens
     return torch.where(counts > 1, scores - others, torch.zeros_like(scores)).to(torch.float32)
 
 
-def discounted_returns(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma G_{t+1} within each sequence, in float64 on padded rows (see ``gae``). [T], [B] -> [T]."""
+def discounted_returns(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
+    """G_t = r_t + gamma G_{t+1} within each sequence, in float64 on padded rows (see ``gae``). [T], [B] -> [T].
+
+    With a loss ``mask`` [T], G_{t+1} is the next model token's and masked tokens get 0 (as ``gae``)."""
     index = _padded_index(lengths.to(rewards.device))
     padded_rewards = _to_padded(rewards, lengths, index)
+    trained = _to_padded(torch.ones_like(rewards) if mask is None else mask.to(rewards.device), lengths, index) > 0
     padded = torch.zeros_like(padded_rewards)
     running = torch.zeros(len(lengths), dtype=torch.float64, device=rewards.device)
     for t in range(padded.shape[1] - 1, -1, -1):
-        running = padded_rewards[:, t] + gamma * running
+        running = torch.where(trained[:, t], padded_rewards[:, t] + gamma * running, running)
         padded[:, t] = running
-    return padded[index].float()
+    return masked(padded[index].float(), mask)
 
 
-def reinforce_plus_plus(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float) -> Advantages:
-    """REINFORCE++: discounted returns, whitened over the batch, are the advantages. [T] -> [T]."""
-    returns = discounted_returns(rewards, lengths, gamma)
-    return Advantages(whiten(returns), returns)
+def reinforce_plus_plus(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float,
+                        mask: torch.Tensor | None = None) -> Advantages:
+    """REINFORCE++: discounted returns, whitened over the batch (its model tokens), are the advantages.
+    [T] -> [T]."""
+    returns = discounted_returns(rewards, lengths, gamma, mask)
+    return Advantages(whiten(returns, mask), returns)
 
 
-def reinforce_plus_plus_baseline(scores: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor) -> Advantages:
+def reinforce_plus_plus_baseline(scores: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
+                                 mask: torch.Tensor | None = None) -> Advantages:
     """REINFORCE++ with the group mean as baseline, on every token, whitened over the batch. [B] -> [T].
 
-    The returns are the whitened advantages too, as verl returns them (``(scores, scores)``).
+    The returns are the whitened advantages too, as verl returns them (``(scores, scores)``). With a loss
+    ``mask`` [T], on and over its tokens only (0 on the others).
     """
     scores = scores.to(torch.float64)
     sums, counts, _ = _group_stats(scores, group_ids)
     centred = torch.where(counts > 1, scores - sums / counts, torch.zeros_like(scores)).to(torch.float32)
-    advantages = whiten(expand_per_token(centred, lengths))
+    advantages = whiten(expand_per_token(centred, lengths), mask)
     return Advantages(advantages, advantages)
 
 
@@ -248,13 +292,6 @@ class LossScale(NamedTuple):
         loss ``mask`` [T] of their tokens (its trained tokens are the mini-batch's tokens)."""
         tokens = int(lengths.sum()) if mask is None else int(mask.sum())
         return cls(tokens, len(lengths), max_response_length)
-
-
-def masked(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``per_token`` [T] with 0 (and a zero gradient, even from inf or NaN) where ``mask`` [T] is False."""
-    if mask is None:
-        return per_token
-    return torch.where(mask.to(per_token.device), per_token, torch.zeros_like(per_token))
 
 
 def aggregate(per_token: torch.Tensor, lengths: torch.Tensor, mode: str, scale: LossScale,
@@ -458,7 +495,7 @@ def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.T
 
 def compute_advantages(
     estimator: str, rewards: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor,
-    values: torch.Tensor | None, gamma: float, lam: float, norm_by_std: bool,
+    values: torch.Tensor | None, gamma: float, lam: float, norm_by_std: bool, mask: torch.Tensor | None = None,
 ) -> Advantages:
     """Advantages and returns [T] of the named estimator from token rewards [T].
 
@@ -466,31 +503,35 @@ def compute_advantages(
     sequence's summed reward; gae needs ``values`` [T]. For grpo, rloo and
     reinforce_plus_plus_baseline the returns are the advantages (for the last,
     the whitened ones), as in verl; for gae they are advantages + values before
-    whitening, for reinforce_plus_plus the discounted returns.
+    whitening, for reinforce_plus_plus the discounted returns. With a loss ``mask`` [T] (multi-turn) only
+    its tokens get advantages and returns, the others 0 (see ``gae`` for how the recursions pass them).
     """
     if estimator == "gae":
         if values is None:
             raise ValueError("the gae estimator needs values from a critic")
-        return gae(rewards, values, lengths, gamma, lam)
+        return gae(rewards, values, lengths, gamma, lam, mask)
     if estimator == "reinforce_plus_plus":
-        return reinforce_plus_plus(rewards, lengths, gamma)
+        return reinforce_plus_plus(rewards, lengths, gamma, mask)
     scores = sequence_sums(rewards, lengths)
     if estimator == "reinforce_plus_plus_baseline":
-        return reinforce_plus_plus_baseline(scores, group_ids, lengths)
+        return reinforce_plus_plus_baseline(scores, group_ids, lengths, mask)
     if estimator == "grpo":
         per_token = expand_per_token(grpo_advantages(scores, group_ids, norm_by_std), lengths)
     elif estimator == "rloo":
         per_token = expand_per_token(rloo_advantages(scores, group_ids), lengths)
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}")
+    per_token = masked(per_token, mask)
     return Advantages(per_token, per_token)
 
 
-def mean_sequence_kl(kl: torch.Tensor, lengths: torch.Tensor) -> float:
-    """Batch mean of each sequence's token-mean KL (the adaptive controller's measurement)."""
+def mean_sequence_kl(kl: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Batch mean of each sequence's token-mean KL (the adaptive controller's measurement); with a loss ``mask``,
+    each sequence's mean over its model tokens."""
     if len(lengths) == 0:
         return 0.0
-    return float((sequence_sums(kl, lengths) / lengths.clamp(min=1)).mean())
+    counts = lengths if mask is None else sequence_sums(mask.long(), lengths)
+    return float((sequence_sums(masked(kl, mask), lengths) / counts.clamp(min=1)).mean())
 
 
 # ---------------------------------------------------------------- metrics of the rollout/trainer mismatch

@@ -323,7 +323,7 @@ class PPOLoop:
         tokens = batch.num_response_tokens + int(batch.prompt_lens.sum())
         return {**data_metrics(rollouts.scores, estimate.rewards, estimate.advantages, estimate.returns,
                                evaluated.values, batch.response_lens, batch.prompt_lens, rollouts.truncated,
-                               rollouts.logprobs, evaluated.old_logprobs),
+                               rollouts.logprobs, evaluated.old_logprobs, batch.loss_mask),
                 "perf/total_num_tokens": float(tokens), "perf/throughput": tokens / step_s,
                 "training/weight_version": float(-1 if updates.version is None else updates.version)}
 
@@ -421,18 +421,19 @@ class PPOLoop:
 
 
 def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollouts, evaluated: Evaluated) -> Estimate:
-    """Scores on the last tokens (minus ``kl_coef`` times the KL penalty when it goes into the reward), and the
-    estimator's advantages and returns."""
+    """Scores on the last (model) tokens (minus ``kl_coef`` times the KL penalty when it goes into the reward), and
+    the estimator's advantages and returns, on the model tokens of the batch's loss mask where it has one."""
     lengths, kl_in_reward, estimator = rollouts.batch.response_lens, settings.kl_in_reward, settings.estimator
+    mask = rollouts.batch.loss_mask
     if kl_in_reward is None:
-        rewards, metrics = algos.token_rewards(rollouts.scores, lengths), {}
+        rewards, metrics = algos.token_rewards(rollouts.scores, lengths, mask=mask), {}
     else:
         kl = algos.kl_penalty(evaluated.old_logprobs, evaluated.ref_logprobs, kl_in_reward.estimator)
-        rewards = algos.token_rewards(rollouts.scores, lengths, kl, kl_coef)
-        metrics = {"actor/reward_kl_penalty": algos.mean_sequence_kl(kl, lengths),
+        rewards = algos.token_rewards(rollouts.scores, lengths, kl, kl_coef, mask)
+        metrics = {"actor/reward_kl_penalty": algos.mean_sequence_kl(kl, lengths, mask),
                    "actor/reward_kl_penalty_coeff": kl_coef}
     advantages = algos.compute_advantages(estimator.name, rewards, lengths, rollouts.group_ids, evaluated.values,
-                                          estimator.gamma, estimator.lam, estimator.norm_by_std)
+                                          estimator.gamma, estimator.lam, estimator.norm_by_std, mask)
     return Estimate(rewards, advantages.advantages, advantages.returns, metrics)
 
 

@@ -16,7 +16,7 @@ from services.algos import mismatch_metrics, summary
 def data_metrics(
     scores: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
     values: torch.Tensor | None, response_lens: torch.Tensor, prompt_lens: torch.Tensor, truncated: torch.Tensor,
-    rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, loss_mask: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """One step's data under verl's names.
 
@@ -24,8 +24,12 @@ def data_metrics(
     Per token [T]: rewards (summed per sequence for critic/rewards), advantages,
     returns, values, and the rollout's and the trainer's logprobs of the same tokens
     (their mismatch: ``mismatch_metrics``; old_logprobs None: the actor's update took
-    its own and reported the mismatch itself).
+    its own and reported the mismatch itself). With a ``loss_mask`` [T] (multi-turn) the per-token ones
+    describe the model's tokens only.
     """
+    if loss_mask is not None:
+        advantages, returns = advantages[loss_mask], returns[loss_mask]
+        values = None if values is None else values[loss_mask]
     metrics = {
         **summary("critic/score", scores),
         **summary("critic/rewards", algos.sequence_sums(rewards, response_lens)),
@@ -36,7 +40,7 @@ def data_metrics(
         **summary("prompt_length", prompt_lens),
     }
     if old_logprobs is not None:
-        metrics.update(mismatch_metrics(rollout_logprobs, old_logprobs, response_lens))
+        metrics.update(mismatch_metrics(rollout_logprobs, old_logprobs, response_lens, loss_mask))
     if values is not None:
         metrics.update(summary("critic/values", values))
         metrics["critic/vf_explained_var"] = algos.explained_variance(returns, values)

@@ -162,3 +162,50 @@ def test_mismatch_metrics_describe_the_model_tokens_only():
     metrics = algos.mismatch_metrics(rollout, data["old_logprobs"], LENGTHS, MASK)
     kept = algos.mismatch_metrics(rollout[MASK], data["old_logprobs"][MASK], torch.tensor([4, 3]))
     assert metrics == pytest.approx(kept, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# advantages: the coordinator's side
+
+
+def test_the_score_sits_on_the_last_model_token():
+    tools_last = torch.tensor([True, True, False, False, True, False, True, False, True, True])
+    rewards = algos.token_rewards(torch.tensor([2.0, 3.0]), LENGTHS, mask=tools_last)
+    assert rewards.tolist() == [0, 0, 0, 0, 2.0, 0, 0, 0, 0, 3.0]
+    kl = torch.ones(10)
+    penalised = algos.token_rewards(torch.tensor([2.0, 3.0]), LENGTHS, kl, 0.5, tools_last)
+    assert penalised.tolist() == [-0.5, -0.5, 0, 0, 1.5, 0, -0.5, 0, -0.5, 2.5]
+
+
+def reference_gae(rewards: list[float], values: list[float], gamma: float, lam: float) -> list[float]:
+    """Plain GAE over one response's model tokens, taken out of it by hand."""
+    advantages, running, next_value = [0.0] * len(rewards), 0.0, 0.0
+    for t in reversed(range(len(rewards))):
+        running = rewards[t] + gamma * next_value - values[t] + gamma * lam * running
+        advantages[t], next_value = running, values[t]
+    return advantages
+
+
+def test_gae_passes_over_tool_tokens_as_if_they_were_taken_out():
+    generator = torch.Generator().manual_seed(5)
+    rewards = torch.randn(10, generator=generator)
+    values = torch.randn(10, generator=generator)
+    result = algos.compute_advantages("gae", rewards, LENGTHS, torch.tensor([0, 1]), values, 0.9, 0.8, True, MASK)
+    raw, model_returns = [], []
+    for tokens in model_tokens():
+        advantages = reference_gae([float(rewards[i]) for i in tokens], [float(values[i]) for i in tokens], 0.9, 0.8)
+        raw += advantages
+        model_returns += [a + float(values[i]) for a, i in zip(advantages, tokens)]
+    mean, std = sum(raw) / len(raw), math.sqrt(sum((a - sum(raw) / len(raw)) ** 2 for a in raw) / (len(raw) - 1))
+    whitened = [(a - mean) / math.sqrt(std ** 2 + algos.WHITEN_EPS) for a in raw]
+    assert result.advantages[MASK].tolist() == pytest.approx(whitened, rel=1e-5, abs=1e-6)
+    assert result.returns[MASK].tolist() == pytest.approx(model_returns, rel=1e-5, abs=1e-6)
+    assert not result.advantages[~MASK].any() and not result.returns[~MASK].any()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_every_estimator_leaves_tool_tokens_without_advantage(estimator):
+    rewards = algos.token_rewards(torch.tensor([1.0, 0.0]), LENGTHS, mask=MASK)
+    result = algos.compute_advantages(estimator, rewards, LENGTHS, torch.tensor([0, 0]), None, 0.9, 1.0, True, MASK)
+    assert not result.advantages[~MASK].any() and not result.returns[~MASK].any()
+    assert result.advantages[MASK].abs().sum() > 0

@@ -74,6 +74,25 @@ def test_data_metrics_by_hand():
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
 
 
+def test_data_metrics_with_a_loss_mask_count_the_model_tokens_only():
+    # the second token of the first response is a tool's, with wild numbers that must not show
+    tensors = {"scores": torch.tensor([1.0, 0.0]), "rewards": torch.tensor([0.0, 0.0, 1.0, -0.5]),
+               "advantages": torch.tensor([0.5, 99.0, -1.5, 1.0]), "returns": torch.tensor([2.0, 99.0, 1.0, 0.0]),
+               "values": torch.tensor([1.0, 99.0, 1.0, 0.0]), "response_lens": torch.tensor([3, 1]),
+               "prompt_lens": torch.tensor([4, 6]), "truncated": torch.tensor([False, True]),
+               "rollout_logprobs": torch.log(torch.tensor([0.5, 1e-9, 0.25, 0.9])),
+               "old_logprobs": torch.log(torch.tensor([0.4, 0.99, 0.25, 0.6]))}
+    masked = data_metrics(**tensors, loss_mask=torch.tensor([True, False, True, True]))
+    model = torch.tensor([True, False, True, True])
+    plain = data_metrics(**{**tensors, **{key: tensors[key][model] for key in (
+        "rewards", "advantages", "returns", "values", "rollout_logprobs", "old_logprobs")},
+        "response_lens": torch.tensor([2, 1])})
+    lengths = {key for key in masked if key.startswith("response_length/")}
+    assert masked["response_length/max"] == 3.0  # the whole response, tool tokens too: what max_response_length caps
+    assert {key: masked[key] for key in masked.keys() - lengths} == pytest.approx(
+        {key: plain[key] for key in plain.keys() - lengths}, abs=1e-6)
+
+
 def test_data_metrics_of_an_empty_step_are_zero():
     empty, lengths = torch.tensor([]), torch.tensor([], dtype=torch.int64)
     metrics = data_metrics(empty, empty, empty, empty, None, lengths, lengths, torch.tensor([], dtype=torch.bool),
