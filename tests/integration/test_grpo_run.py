@@ -12,6 +12,7 @@ import math
 import os
 import sqlite3
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -130,8 +131,10 @@ def test_kl_in_reward_with_adaptive_controller_and_reinforce_plus_plus(cluster, 
     assert all("timing_s/old_log_prob" in step for step in steps)
 
 
-async def update_actor_calls(coordinator: str, config_yaml: str, rollout_logprobs_of) -> list:
-    """InitRun on the trainer, then one update_actor per rollout_logprobs_of(old_logprobs): metrics or the error."""
+async def update_actor_calls(coordinator: str, config_yaml: str, rollout_logprobs_of,
+                             loss_mask: torch.Tensor | None = None) -> list:
+    """InitRun on the trainer, then one update_actor per rollout_logprobs_of(old_logprobs): metrics or the error;
+    the batch carries ``loss_mask`` where one is given."""
     control = CoordinatorClient(coordinator)
     try:
         address = next(s.address for s in await control.list_services() if s.kind == "trainer")
@@ -140,7 +143,7 @@ async def update_actor_calls(coordinator: str, config_yaml: str, rollout_logprob
     trainer = TrainerClient(address)
     try:
         await trainer.init_run("rc", config_yaml, ["actor"], seed=0, timeout=120)
-        batch = make_batch([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14, 15]])
+        batch = replace(make_batch([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14, 15]]), loss_mask=loss_mask)
         old = await trainer.compute_log_probs(batch, step=1, timeout=60)
         advantages = torch.tensor([1.0, 1.0, -1.0, 0.5, 0.5, 0.5, -0.5, -0.5])
         results = []
@@ -169,6 +172,23 @@ def test_update_actor_with_rollout_correction(cluster, tiny_model, reverse_data)
         assert words in error.details()
     assert tripled["rollout_corr/rollout_is_mean"] == pytest.approx(2.0, rel=1e-6)
     assert tripled["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0
+
+
+def test_update_actor_with_a_loss_mask_counts_only_the_model_tokens(cluster, tiny_model, reverse_data):
+    """A batch whose responses hold tool tokens, sent as the coordinator sends it: the rollout's logprobs are far
+    off on the tool tokens only (pi_old / pi_rollout = e^30), which the rollout correction and its metrics must not
+    see; a mask that is not bool is refused."""
+    config = run_config(tiny_model, reverse_data, algorithm__rollout_correction={"enable": True})
+    tools = torch.tensor([False, True, False, False, True, False, False, True])
+    off_on_tools = asyncio.run(update_actor_calls(cluster.coordinator, config, [
+        lambda old: torch.where(tools, old - 30.0, old)], loss_mask=~tools))[0]
+    assert off_on_tools["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, rel=1e-6)
+    assert off_on_tools["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+    assert math.isfinite(off_on_tools["actor/pg_loss"]) and off_on_tools["actor/grad_norm"] > 0
+    with pytest.raises(grpc.aio.AioRpcError) as refused:  # by the logprob pass, the first call it comes with
+        asyncio.run(update_actor_calls(cluster.coordinator, config, [], loss_mask=(~tools).long()))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "loss_mask must be a bool tensor" in refused.value.details()
 
 
 def test_a_run_with_partial_rollout_restart_asks_every_sync_to_restart(cluster, tiny_model, reverse_data):
