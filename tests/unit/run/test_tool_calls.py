@@ -1,4 +1,4 @@
-"""CPU tests of services/coordinator/tool_calls.py: Hermes tool calls parsed, hostile ones answered, never raised."""
+"""CPU tests of services/run/tool_calls.py: Hermes tool calls parsed, hostile ones answered, never raised."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.coordinator.tool_calls import ParseError, ToolCall, check_format, parse_tool_calls
+from services.run.tool_calls import ParseError, ToolCall, check_format, parse_tool_calls
 
 TOOLS = frozenset({"calculator", "lookup"})
 
