@@ -35,8 +35,8 @@ def optional_version(message: coordinator_pb2.RegisterRequest | coordinator_pb2.
 
 def record_from_pb(request: coordinator_pb2.RegisterRequest) -> ServiceRecord:
     identity = request.identity
-    if identity.kind not in ("rollout", "trainer", "reward"):
-        raise ValueError(f"identity.kind must be rollout, trainer or reward, got {identity.kind!r}")
+    if identity.kind not in ("rollout", "trainer", "reward", "env"):
+        raise ValueError(f"identity.kind must be rollout, trainer, reward or env, got {identity.kind!r}")
     if not identity.service_id or ":" not in identity.address:
         raise ValueError("identity needs a service_id and an address host:port")
     if identity.protocol_version != PROTOCOL_VERSION:

@@ -104,3 +104,15 @@ def test_after_the_coordinator_did_not_run_every_service_gets_a_fresh_window():
     assert [r.service_id for r in registry.up("rollout")] == ["r1"]
     time.sleep(0.35)  # and still silent a whole window after the coordinator came back: down
     assert registry.up("rollout") == []
+
+
+def test_env_services_register_and_unknown_kinds_are_refused_naming_the_kinds():
+    from meshrl.v1 import common_pb2, coordinator_pb2
+    from services.coordinator.server import record_from_pb
+
+    def identity(kind: str) -> common_pb2.ServiceIdentity:
+        return common_pb2.ServiceIdentity(service_id="e1", kind=kind, address="node1:7074", protocol_version=1)
+
+    assert record_from_pb(coordinator_pb2.RegisterRequest(identity=identity("env"))).kind == "env"
+    with pytest.raises(ValueError, match="rollout, trainer, reward or env, got 'judge'"):
+        record_from_pb(coordinator_pb2.RegisterRequest(identity=identity("judge")))
