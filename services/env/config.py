@@ -1,0 +1,84 @@
+"""Settings of an env service process: the environments it hosts, their workers and their limits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from services.common.config import Section, ServeConfig
+
+
+class ToolConfig(Section):
+    """One tool in verl's tool-config format, as verl's ``tool_config_path`` files list them."""
+
+    class_name: str
+    """A verl tool class that has a meshrl built-in (services/env/tools.py BUILTINS: verl.tools.gsm8k_tool.Gsm8kTool,
+    verl.tools.sandbox_fusion_tools.SandboxFusionTool), or a user's class: path/to/file.py:Class or
+    package.module:Class."""
+    config: dict[str, Any] = {}
+    """Keyword settings the tool is built with (verl's ``type: native`` and the like are accepted and ignored by
+    the built-ins)."""
+    tool_schema: dict[str, Any]
+    """Its OpenAI function schema: ``{"type": "function", "function": {"name": ..., "description": ...,
+    "parameters": {...}}}``; the model calls the tool by ``function.name``."""
+
+    @pydantic.field_validator("tool_schema")
+    @classmethod
+    def _named_function(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        function = schema.get("function")
+        if schema.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
+            raise ValueError('must be an OpenAI function schema: {"type": "function", "function": {"name": ...}}')
+        return schema
+
+    @property
+    def name(self) -> str:
+        return str(self.tool_schema["function"]["name"])
+
+
+class EnvironmentConfig(Section):
+    """One hosted environment: tools whose calls its steps run, or a user's environment class."""
+
+    tools: list[ToolConfig] = []
+    """The tools of a tool environment (verl's ``tools:`` list), each named once."""
+    tool_config_path: str | None = None
+    """A verl tool-config YAML file (``tools: [{class_name, config, tool_schema}, ...]``) whose tools are added to
+    ``tools``."""
+    environment: str | None = None
+    """A user's environment class, path/to/file.py:Class or package.module:Class, with ``reset(row) -> messages``
+    and ``step(message) -> StepResult`` (services/env/environment.py)."""
+    options: dict[str, Any] = {}
+    """Keyword arguments the user's environment class is built with."""
+
+    @pydantic.model_validator(mode="after")
+    def _one_kind(self) -> EnvironmentConfig:
+        has_tools = bool(self.tools) or self.tool_config_path is not None
+        if has_tools == (self.environment is not None):
+            raise ValueError("an environment names either tools (tools or tool_config_path) or an environment class")
+        if self.options and self.environment is None:
+            raise ValueError("options are for an environment class only")
+        names = [tool.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must differ, got {names}")
+        return self
+
+
+class EnvServiceConfig(ServeConfig):
+    environments: dict[str, EnvironmentConfig] = {}
+    """The environments this service hosts, by the name a Reset asks for."""
+    workers: PositiveInt = Field(4, le=256)
+    """Worker processes; each holds one open episode, so this many episodes may be open at once."""
+    call_timeout_s: PositiveFloat = 10.0
+    """Longest one tool call (or one step of a user's environment, or a reset) may take; past it the worker is
+    replaced, the model is told in an error reply, and the episode goes on from a fresh reset of its row."""
+    max_parallel_calls: PositiveInt = Field(8, le=1024)
+    """Tool calls run of one assistant turn; the rest are answered with one error reply."""
+    max_call_bytes: PositiveInt = 64 << 10
+    """Largest tool call (its JSON, UTF-8) that is parsed; a larger one is answered with an error reply unread."""
+    max_reply_chars: PositiveInt = 16 << 10
+    """Characters kept of one tool reply; the rest is cut off."""
+    max_message_chars: PositiveInt = 1 << 20
+    """Longest assistant message a Step may carry, and longest row a Reset may; longer ones are refused."""
+    max_steps: PositiveInt = 64
+    """Steps one episode may take; past them the episode is done."""

@@ -1,0 +1,99 @@
+"""The env servicer: wire <-> episodes, nothing else.
+
+Each RPC's work runs in a thread (a call may wait on a worker process up to ``call_timeout_s`` per tool call);
+the episodes and their workers are ``services/env/episodes.py``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import structlog
+
+from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc
+from services.common.limits import MAX_NESTING
+from services.env import telemetry
+from services.env.config import EnvServiceConfig
+from services.env.environment import Message
+from services.env.episodes import Episodes
+from services.env.tools import check_tools, environment_tools
+
+log = structlog.get_logger()
+
+
+def row_from_json(text: str, limit: int) -> dict:
+    """The Reset's row: a JSON object of at most ``limit`` characters, nested at most MAX_NESTING deep."""
+    if len(text) > limit:
+        raise ValueError(f"row_json is {len(text)} characters long, more than {limit} (max_message_chars)")
+    try:
+        row = json.loads(text or "{}")
+    except json.JSONDecodeError as error:
+        raise ValueError(f"row_json is not valid JSON: {error.msg}") from None
+    except RecursionError:
+        raise ValueError(f"row_json nests deeper than {MAX_NESTING} levels") from None
+    if not isinstance(row, dict):
+        raise ValueError("row_json must be a JSON object")
+    return row
+
+
+def message_to_pb(message: Message) -> env_pb2.ChatMessage:
+    return env_pb2.ChatMessage(role=message.role, content=message.content, name=message.name)
+
+
+class EnvServicer(env_pb2_grpc.EnvServicer):
+    def __init__(self, config: EnvServiceConfig, identity: common_pb2.ServiceIdentity):
+        self.tools = {name: environment_tools(environment) for name, environment in config.environments.items()}
+        for tools in self.tools.values():
+            check_tools(tools)
+        self.config = config
+        self.identity = identity
+        self.episodes = Episodes(config)
+
+    async def Reset(self, request, context):
+        if not request.episode_id:
+            raise ValueError("episode_id is empty")
+        row = row_from_json(request.row_json, self.config.max_message_chars)
+        messages = await asyncio.to_thread(self.episodes.reset, request.episode_id, request.env_name, row)
+        telemetry.EPISODES.inc()
+        telemetry.OPEN_EPISODES.set(self.episodes.open_count)
+        return env_pb2.ResetResponse(messages=[message_to_pb(m) for m in messages],
+                                     service_id=self.identity.service_id)
+
+    async def Step(self, request, context):
+        content = request.message.content
+        if len(content) > self.config.max_message_chars:
+            raise ValueError(f"message.content is {len(content)} characters long, more than "
+                             f"{self.config.max_message_chars} (max_message_chars)")
+        message = Message(request.message.role or "assistant", content)
+        result = await asyncio.to_thread(self.episodes.step, request.episode_id, message)
+        telemetry.count_step(result)
+        if "error" in result.info:
+            log.warning("step_failed", episode=request.episode_id, error=result.info["error"][:300])
+        return env_pb2.StepResponse(messages=[message_to_pb(m) for m in result.messages], reward=result.reward,
+                                    done=result.done, info_json=json.dumps(result.info))
+
+    async def Close(self, request, context):
+        closed = await asyncio.to_thread(self.episodes.close, request.episode_id)
+        telemetry.OPEN_EPISODES.set(self.episodes.open_count)
+        return env_pb2.CloseResponse(closed=closed)
+
+    async def Info(self, request, context):
+        return env_pb2.EnvInfo(identity=self.identity, open_episodes=self.episodes.open_count, environments=[
+            env_pb2.EnvironmentInfo(
+                name=name, source=environment.environment or "tools",
+                tools=[env_pb2.ToolInfo(name=tool.name, schema_json=json.dumps(tool.tool_schema))
+                       for tool in self.tools[name]])
+            for name, environment in self.config.environments.items()])
+
+    def weight_version(self) -> None:
+        return None  # hosts environments; holds no weights
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.episodes.close_all)
+
+
+def attach(server, config: EnvServiceConfig, identity: common_pb2.ServiceIdentity) -> EnvServicer:
+    servicer = EnvServicer(config, identity)
+    env_pb2_grpc.add_EnvServicer_to_server(servicer, server)
+    return servicer

@@ -1,0 +1,61 @@
+"""Users' tools and environments for tests/integration/test_env_service.py, loaded by path."""
+
+from __future__ import annotations
+
+import time
+
+
+class Lookup:
+    """A tool that knows one value per key (its config's table) and earns 0.5 per known key."""
+
+    def __init__(self, config: dict, create_kwargs: dict):
+        self.table = dict(config.get("table", {}))
+
+    def call(self, arguments: dict):
+        key = arguments["key"]
+        return (str(self.table[key]), 0.5) if key in self.table else f"no value for {key}"
+
+
+class Hangs:
+    def __init__(self, config: dict, create_kwargs: dict):
+        pass
+
+    def call(self, arguments: dict):
+        while True:
+            time.sleep(1)
+
+
+class Raises:
+    def __init__(self, config: dict, create_kwargs: dict):
+        pass
+
+    def call(self, arguments: dict):
+        raise RuntimeError("the tool broke")
+
+
+class Garbage:
+    def __init__(self, config: dict, create_kwargs: dict):
+        pass
+
+    def call(self, arguments: dict):
+        return {"not": "a reply"}
+
+
+class GuessNumber:
+    """A stateful environment: the model guesses the row's number; told higher or lower until right (reward 1)."""
+
+    def __init__(self, tries: int = 3):
+        self.tries = tries
+
+    def reset(self, row: dict) -> list[dict]:
+        self.secret, self.guesses = int(row["secret"]), 0
+        return [{"role": "user", "content": f"Guess my number; {self.tries} tries."}]
+
+    def step(self, message: dict) -> dict:
+        self.guesses += 1
+        guess = int(message["content"].strip())
+        if guess == self.secret:
+            return {"messages": [{"role": "user", "content": "right"}], "reward": 1.0, "done": True}
+        hint = "higher" if guess < self.secret else "lower"
+        return {"messages": [{"role": "user", "content": hint}], "done": self.guesses >= self.tries,
+                "info": {"guesses": self.guesses}}
