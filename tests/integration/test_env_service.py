@@ -1,0 +1,188 @@
+"""An env service as a real process beside a coordinator: it registers and shows in ``coordctl services``; episodes
+of a built-in tool environment (verl's GSM8K tool config), of users' tools and of a user's environment class
+reset, step and close; tools that hang or raise get error replies within their timeout while the service keeps
+answering; the code interpreter's code runs sandboxed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc
+from services.common.rpc import open_channel
+from services.coordctl.cli import app
+from services.coordctl.control import CoordinatorClient
+from services.coordctl.local import LocalCluster, ServiceSpec
+from services.env.sandbox import check_sandbox
+
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+USER = PLUGINS / "user_env.py"
+GSM8K_TOOL = {"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "config": {"type": "native"},
+              "tool_schema": {"type": "function", "function": {
+                  "name": "calc_gsm8k_reward", "description": "Checks the answer to the GSM8K problem",
+                  "parameters": {"type": "object", "properties": {"answer": {"type": "string"}},
+                                 "required": ["answer"]}}}}
+CODE_TOOL = {"class_name": "verl.tools.sandbox_fusion_tools.SandboxFusionTool",
+             "config": {"sandbox_fusion_url": "unused", "default_timeout": 5},
+             "tool_schema": {"type": "function", "function": {"name": "code_interpreter", "parameters": {
+                 "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}}
+SANDBOXED = check_sandbox() is None
+
+
+def user_tool(name: str, cls: str, **config) -> dict:
+    return {"class_name": f"{USER}:{cls}", "config": config,
+            "tool_schema": {"type": "function", "function": {"name": name}}}
+
+
+@pytest.fixture(scope="module")
+def env_cluster(tmp_path_factory):
+    """Coordinator and one env service: gsm8k (verl's tool config file, and the code interpreter where this host
+    can sandbox), user_tools (users' tools), guess (a user's environment class); 2 s per call."""
+    root = tmp_path_factory.mktemp("env")
+    tool_config = root / "gsm8k_tool_config.yaml"
+    tool_config.write_text(yaml.safe_dump({"tools": [GSM8K_TOOL, *([CODE_TOOL] if SANDBOXED else [])]}))
+    environments = {
+        "gsm8k": {"tool_config_path": str(tool_config)},
+        "user_tools": {"tools": [user_tool("lookup", "Lookup", table={"a": 1}), user_tool("hangs", "Hangs"),
+                                 user_tool("raises", "Raises"), user_tool("garbage", "Garbage")]},
+        "guess": {"environment": f"{USER}:GuessNumber", "options": {"tries": 3}},
+    }
+    config = root / "env.yaml"
+    config.write_text(yaml.safe_dump({"environments": environments, "workers": 3, "call_timeout_s": 2.0}))
+    cluster = LocalCluster(root / "state", (ServiceSpec("env", settings=("--config", str(config))),))
+    asyncio.run(cluster.start(timeout_s=90))
+    yield cluster
+    cluster.stop()
+
+
+def call(name: str, arguments: dict) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def assistant(content: str) -> env_pb2.ChatMessage:
+    return env_pb2.ChatMessage(role="assistant", content=content)
+
+
+async def env_address(coordinator: str) -> str:
+    control = CoordinatorClient(coordinator)
+    [service] = await control.list_services()
+    await control.close()
+    assert service.kind == "env"
+    return service.address
+
+
+def with_env(coordinator: str, body):
+    """Run ``body(stub)`` against the env service the coordinator lists."""
+    async def run():
+        channel = open_channel(await env_address(coordinator))
+        try:
+            return await body(env_pb2_grpc.EnvStub(channel))
+        finally:
+            await channel.close()
+    return asyncio.run(run())
+
+
+def test_the_env_service_registers_shows_in_coordctl_services_and_describes_its_tools(env_cluster):
+    listed = CliRunner().invoke(app, ["services", "--coordinator", env_cluster.coordinator])
+    assert listed.exit_code == 0, listed.output
+    assert any(line.split()[1:2] == ["env"] for line in listed.output.splitlines()), listed.output
+    info = with_env(env_cluster.coordinator, lambda stub: stub.Info(common_pb2.InfoRequest(), timeout=10))
+    assert info.identity.kind == "env" and info.open_episodes == 0
+    tools = {e.name: [t.name for t in e.tools] for e in info.environments}
+    assert tools["gsm8k"][0] == "calc_gsm8k_reward" and tools["guess"] == []
+    assert json.loads(info.environments[0].tools[0].schema_json) == GSM8K_TOOL["tool_schema"]
+
+
+def test_a_gsm8k_tool_episode_rewards_the_right_answer_and_ends_on_a_final_answer(env_cluster):
+    row = {"prompt": [{"role": "user", "content": "How many?"}], "reward_model": {"ground_truth": "72"},
+           "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}
+
+    async def episode(stub):
+        reset = await stub.Reset(env_pb2.ResetRequest(episode_id="g1", row_json=json.dumps(row), env_name="gsm8k"),
+                                 timeout=30)
+        wrong = await stub.Step(env_pb2.StepRequest(episode_id="g1", message=assistant(
+            call("calc_gsm8k_reward", {"answer": "71"}))), timeout=30)
+        right = await stub.Step(env_pb2.StepRequest(episode_id="g1", message=assistant(
+            "so " + call("calc_gsm8k_reward", {"answer": "72"}))), timeout=30)
+        final = await stub.Step(env_pb2.StepRequest(episode_id="g1", message=assistant("#### 72")), timeout=30)
+        closed = [await stub.Close(env_pb2.CloseRequest(episode_id="g1"), timeout=30) for _ in range(2)]
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await stub.Step(env_pb2.StepRequest(episode_id="g1", message=assistant("x")), timeout=30)
+        return reset, wrong, right, final, closed, gone.value.code()
+
+    reset, wrong, right, final, closed, gone = with_env(env_cluster.coordinator, episode)
+    assert list(reset.messages) == [] and reset.service_id
+    assert (wrong.reward, wrong.done, wrong.messages[0].role, wrong.messages[0].name) == (
+        0.0, False, "tool", "calc_gsm8k_reward")
+    assert (right.reward, right.done, right.messages[0].content) == (1.0, False, "Current parsed answer=72 reward=1.0")
+    assert (final.done, list(final.messages)) == (True, [])
+    assert [c.closed for c in closed] == [True, False] and gone == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_user_environment_class_keeps_its_state_across_steps(env_cluster):
+    async def episode(stub):
+        reset = await stub.Reset(env_pb2.ResetRequest(episode_id="u1", row_json='{"secret": 5}', env_name="guess"),
+                                 timeout=30)
+        steps = [await stub.Step(env_pb2.StepRequest(episode_id="u1", message=assistant(guess)), timeout=30)
+                 for guess in ("3", "5")]
+        await stub.Close(env_pb2.CloseRequest(episode_id="u1"), timeout=30)
+        return reset, steps
+
+    reset, (low, right) = with_env(env_cluster.coordinator, episode)
+    assert [(m.role, m.content) for m in reset.messages] == [("user", "Guess my number; 3 tries.")]
+    assert (low.messages[0].content, low.done, json.loads(low.info_json)) == ("higher", False, {"guesses": 1})
+    assert (right.messages[0].content, right.reward, right.done) == ("right", 1.0, True)
+
+
+def test_tools_that_hang_raise_or_return_garbage_get_error_replies_and_the_service_keeps_answering(env_cluster):
+    hostile = (call("lookup", {"key": "a"}) + call("raises", {}) + call("garbage", {}) + "<tool_call>{oops</tool_call>"
+               + call("hangs", {}))
+
+    async def episode(stub):
+        await stub.Reset(env_pb2.ResetRequest(episode_id="h1", row_json="{}", env_name="user_tools"), timeout=30)
+        started = time.monotonic()
+        step = await stub.Step(env_pb2.StepRequest(episode_id="h1", message=assistant(hostile)), timeout=30)
+        elapsed = time.monotonic() - started
+        after = await stub.Step(env_pb2.StepRequest(episode_id="h1", message=assistant(
+            call("lookup", {"key": "a"}))), timeout=30)
+        huge = await stub.Step(env_pb2.StepRequest(episode_id="h1", message=assistant(
+            call("lookup", {"key": "x" * 100_000}) + call("lookup", {"key": "a"}) * 5000)), timeout=30)
+        await stub.Close(env_pb2.CloseRequest(episode_id="h1"), timeout=30)
+        return step, elapsed, after, huge
+
+    step, elapsed, after, huge = with_env(env_cluster.coordinator, episode)
+    replies = [m.content for m in step.messages]
+    assert replies[0] == "1"
+    assert "RuntimeError: the tool broke" in replies[1] and "not a string" in replies[2]
+    assert "not valid JSON" in replies[3] and "hangs did not return within 2.0 s" in replies[4]
+    assert not step.done and json.loads(step.info_json)["restarted"] and elapsed < 10
+    assert (after.messages[0].content, after.reward) == ("1", 0.5)
+    huge_replies = [m.content for m in huge.messages]
+    assert "at most 65536" in huge_replies[0] and "5001 tool calls in one turn" in huge_replies[-1]
+    assert len(huge_replies) == 9  # max_parallel_calls (8) and one error for the rest
+
+
+@pytest.mark.skipif(not SANDBOXED, reason=f"no code sandbox here: {check_sandbox()}")
+def test_the_code_interpreter_runs_code_sandboxed(env_cluster):
+    code = ("print(6 * 7)\n"
+            "try:\n    open('/etc/shadow').read()\nexcept OSError as e:\n    print('file', type(e).__name__)\n"
+            "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n"
+            "except OSError as e:\n    print('net', type(e).__name__)\n")
+
+    async def episode(stub):
+        await stub.Reset(env_pb2.ResetRequest(episode_id="c1", row_json="{}", env_name="gsm8k"), timeout=30)
+        step = await stub.Step(env_pb2.StepRequest(episode_id="c1", message=assistant(
+            call("code_interpreter", {"code": code}))), timeout=60)
+        await stub.Close(env_pb2.CloseRequest(episode_id="c1"), timeout=30)
+        return step
+
+    step = with_env(env_cluster.coordinator, episode)
+    [reply] = step.messages
+    assert reply.content.splitlines()[:3] == ["42", "file FileNotFoundError", "net OSError"], reply.content
