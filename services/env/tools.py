@@ -15,14 +15,12 @@ start. Tool code runs in the episode's worker process (services/env/episodes.py)
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import re
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from services.common.config import read_yaml, validate
+from services.common.plugins import load_named
 from services.env.config import EnvironmentConfig, ToolConfig
 from services.env.sandbox import SandboxLimits, check_sandbox, run_code
 
@@ -102,25 +100,7 @@ BUILTINS: dict[str, type] = {
 def load_class(ref: str, what: str) -> type:
     """The class named by ``path/to/file.py:Class`` or ``package.module:Class``; ValueError naming ``what`` and
     the error if it cannot be had."""
-    target, sep, name = ref.rpartition(":")
-    if not sep or not target or not name:
-        raise ValueError(f"{what} {ref!r} must look like path/to/file.py:Class or package.module:Class")
-    try:
-        if target.endswith(".py"):
-            path = Path(target).resolve()
-            spec = importlib.util.spec_from_file_location(f"meshrl_env_plugin_{path.stem}", path)
-            if not path.exists() or spec is None or spec.loader is None:
-                raise FileNotFoundError(f"no such file {path}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except Exception as error:  # noqa: BLE001 - any import failure refuses the class
-        raise ValueError(f"{what} {ref}: {target} failed to import: {type(error).__name__}: {error}") from None
-    found = getattr(module, name, None)
-    if not isinstance(found, type):
-        raise ValueError(f"{what} {ref}: {target} has no class {name!r}")
-    return found
+    return load_named(ref, what, "class", lambda found: isinstance(found, type))
 
 
 def tool_class(tool: ToolConfig) -> type:

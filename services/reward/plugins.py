@@ -13,8 +13,6 @@ service, however it ends.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import multiprocessing
 import multiprocessing.process
@@ -25,35 +23,15 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, Callable
 
 from services.common.lifetime import die_with_parent
+from services.common.plugins import load_named
 
 
 def load_function(ref: str) -> Callable:
     """The function named by ``path/to/file.py:name`` or ``package.module:name``; ValueError if it cannot be had."""
-    target, sep, name = ref.rpartition(":")
-    if not sep or not target or not name:
-        raise ValueError(f"reward function {ref!r} must look like path/to/file.py:function or module:function")
-    try:
-        if target.endswith(".py"):
-            path = Path(target).resolve()
-            if not path.exists():
-                raise FileNotFoundError(f"no such file {path}")
-            spec = importlib.util.spec_from_file_location(f"meshrl_reward_plugin_{path.stem}", path)
-            if spec is None or spec.loader is None:  # (a .py path always has a loader)
-                raise ImportError(f"cannot load {path}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except Exception as error:  # noqa: BLE001 - any import failure refuses the plugin
-        raise ValueError(f"reward function {ref}: {target} failed to import: {type(error).__name__}: {error}") from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ValueError(f"reward function {ref}: {target} has no function {name!r}")
-    return function
+    return load_named(ref, "reward function", "function", callable)
 
 
 @dataclass(frozen=True)

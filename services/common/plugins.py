@@ -1,0 +1,37 @@
+"""Users' code named ``path/to/file.py:name`` or ``package.module:name``: a reward function, a tool or
+environment class. Loaded where it runs (a worker process) and once at a service's start, so that a name that
+cannot be had refuses the service with the file and the error."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable
+
+
+def load_named(ref: str, what: str, kind: str, accept: Callable[[Any], bool]) -> Any:
+    """The object ``ref`` names, which ``accept`` must take; ValueError naming ``what`` (e.g. "reward function")
+    and saying what is wrong otherwise: ``ref`` is not ``target:name``, the target fails to import, or it has no
+    such ``kind`` (function, class)."""
+    target, sep, name = ref.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"{what} {ref!r} must look like path/to/file.py:{kind} or module:{kind}")
+    try:
+        if target.endswith(".py"):
+            path = Path(target).resolve()
+            if not path.exists():
+                raise FileNotFoundError(f"no such file {path}")
+            spec = importlib.util.spec_from_file_location(f"meshrl_plugin_{path.stem}", path)
+            if spec is None or spec.loader is None:  # (a .py path always has a loader)
+                raise ImportError(f"cannot load {path}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except Exception as error:  # noqa: BLE001 - any import failure refuses the plugin
+        raise ValueError(f"{what} {ref}: {target} failed to import: {type(error).__name__}: {error}") from None
+    found = getattr(module, name, None)
+    if not accept(found):
+        raise ValueError(f"{what} {ref}: {target} has no {kind} {name!r}")
+    return found
