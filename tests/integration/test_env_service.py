@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -186,3 +188,14 @@ def test_the_code_interpreter_runs_code_sandboxed(env_cluster):
     step = with_env(env_cluster.coordinator, episode)
     [reply] = step.messages
     assert reply.content.splitlines()[:3] == ["42", "file FileNotFoundError", "net OSError"], reply.content
+
+
+def test_a_tool_class_that_fails_to_import_refuses_the_service_at_start(tmp_path: Path):
+    config = tmp_path / "env.yaml"
+    broken = {"class_name": f"{PLUGINS / 'broken_import.py'}:Tool",
+              "tool_schema": {"type": "function", "function": {"name": "broken"}}}
+    config.write_text(yaml.safe_dump({"environments": {"e": {"tools": [broken]}}}))
+    result = subprocess.run([sys.executable, "-m", "services.env", "--config", str(config), "port=0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "broken_import.py" in result.stderr and "a_module_that_does_not_exist" in result.stderr

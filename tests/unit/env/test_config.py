@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from services.common.config import ConfigError, load_config
-from services.env.config import EnvironmentConfig, EnvServiceConfig
+from services.env.config import EnvironmentConfig, EnvServiceConfig, ToolConfig
 from services.env.tools import (AnswerCheckTool, CodeInterpreterTool, ToolReply, as_reply, create_kwargs,
                                 environment_tools, load_class, tool_class)
 
@@ -101,3 +101,13 @@ def test_a_tools_return_value_is_a_string_or_a_string_and_a_finite_reward():
     for garbage in (None, 4, ("4", float("nan")), ("4", True), ["4"]):
         with pytest.raises(ValueError, match="not a string"):
             as_reply(garbage)
+
+
+def test_a_code_interpreter_is_refused_where_the_sandbox_cannot_be_had(monkeypatch):
+    from services.env import tools
+
+    monkeypatch.setattr(tools, "check_sandbox", lambda: "the sandbox needs root")
+    code = ToolConfig.model_validate(SANDBOX_TOOL)
+    with pytest.raises(ValueError, match=r"code_interpreter .* needs the code sandbox.*: the sandbox needs root"):
+        tools.check_tools([ToolConfig.model_validate(GSM8K_TOOL), code])
+    tools.check_tools([ToolConfig.model_validate(GSM8K_TOOL)])  # no code, no sandbox needed
