@@ -9,6 +9,7 @@ docs/operations/request-limits.md lists them all. A streamed request is counted 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -58,4 +59,29 @@ def check_at_most(field: str, value: int, limit: int, setting: str) -> int:
     """``value`` if it is within ``limit``; ResourceExhausted naming the ``setting`` that raises the limit."""
     if value > limit:
         raise ResourceExhausted(f"{field} = {value} is over this service's limit of {limit} (setting {setting})")
+    return value
+
+
+def nesting_depth(value) -> int:
+    """Levels of lists and dicts in a JSON value: 0 for a scalar, 1 for ``{"a": 1}``, 2 for ``{"a": [1]}``."""
+    depth, level = 0, [value]
+    while containers := [v for v in level if isinstance(v, (dict, list))]:
+        depth += 1
+        level = [child for v in containers for child in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def json_object(text: str, field: str) -> dict:
+    """``text`` read as a JSON object nested at most MAX_NESTING deep; ValueError naming ``field`` otherwise."""
+    too_deep = f"{field} nests deeper than {MAX_NESTING} levels"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{field} is not valid JSON: {error.msg}") from None
+    except RecursionError:
+        raise ValueError(too_deep) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} must be a JSON object")
+    if nesting_depth(value) > MAX_NESTING:
+        raise ValueError(too_deep)
     return value

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.common.limits import MAX_NESTING
+from services.common.limits import json_object
 from services.reward import telemetry
 from services.reward.config import RewardServiceConfig
 from services.reward.scoring import Sample, Scorer
@@ -23,30 +23,8 @@ from services.reward.scoring import Sample, Scorer
 log = structlog.get_logger()
 
 
-def nesting_depth(value) -> int:
-    """Levels of lists and dicts in a JSON value: 0 for a scalar, 1 for ``{"a": 1}``, 2 for ``{"a": [1]}``."""
-    depth, level = 0, [value]
-    while containers := [v for v in level if isinstance(v, (dict, list))]:
-        depth += 1
-        level = [child for v in containers for child in (v.values() if isinstance(v, dict) else v)]
-    return depth
-
-
 def extra_info_of(sample: reward_pb2.Sample, index: int) -> dict:
-    if not sample.extra_info_json:
-        return {}
-    too_deep = f"samples[{index}].extra_info_json nests deeper than {MAX_NESTING} levels"
-    try:
-        extra = json.loads(sample.extra_info_json)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"samples[{index}].extra_info_json is not valid JSON: {error.msg}") from None
-    except RecursionError:
-        raise ValueError(too_deep) from None
-    if not isinstance(extra, dict):
-        raise ValueError(f"samples[{index}].extra_info_json must be a JSON object")
-    if nesting_depth(extra) > MAX_NESTING:
-        raise ValueError(too_deep)
-    return extra
+    return json_object(sample.extra_info_json, f"samples[{index}].extra_info_json") if sample.extra_info_json else {}
 
 
 def sample_from_pb(sample: reward_pb2.Sample, index: int) -> Sample:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.common.errors import ResourceExhausted
-from services.common.limits import MAX_WAIT_S, check_at_most, check_temperature, check_wait
+from services.common.limits import (MAX_NESTING, MAX_WAIT_S, check_at_most, check_temperature, check_wait, json_object,
+                                    nesting_depth)
 
 
 @pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 0.0, -1.0, MAX_WAIT_S * 2])
@@ -32,3 +35,19 @@ def test_over_a_limit_names_the_field_the_limit_and_the_setting():
     assert check_at_most("params.n", 1024, 1024, "max_n") == 1024
     with pytest.raises(ResourceExhausted, match=r"params.n = 1025 is over this service.s limit of 1024 .setting max_n"):
         check_at_most("params.n", 1025, 1024, "max_n")
+
+
+def test_nesting_depth_counts_levels_of_lists_and_objects():
+    assert nesting_depth(3) == 0
+    assert nesting_depth({"a": 1}) == 1
+    assert nesting_depth({"a": [1], "b": {"c": [[]]}}) == 4
+    assert nesting_depth(json.loads('{"a": ' + "[" * 9 + "]" * 9 + "}")) == 10
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{", "row_json is not valid JSON"), ("[1]", "row_json must be a JSON object"),
+    ('{"a": ' + "[" * MAX_NESTING + "]" * MAX_NESTING + "}", f"row_json nests deeper than {MAX_NESTING} levels"),
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", f"row_json nests deeper than {MAX_NESTING} levels")])
+def test_a_json_object_that_is_none_or_too_deep_is_refused_naming_the_field(text: str, message: str):
+    with pytest.raises(ValueError, match=message):
+        json_object(text, "row_json")

@@ -8,19 +8,12 @@ import pytest
 
 from meshrl.v1 import reward_pb2
 from services.common.limits import MAX_NESTING
-from services.reward.server import extra_info_of, nesting_depth
+from services.reward.server import extra_info_of
 
 
 def nested(depth: int) -> str:
     """A JSON object ``depth`` levels deep: {"a": [[...]]}."""
     return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
-
-
-def test_nesting_depth_counts_levels_of_lists_and_objects():
-    assert nesting_depth(3) == 0
-    assert nesting_depth({"a": 1}) == 1
-    assert nesting_depth({"a": [1], "b": {"c": [[]]}}) == 4
-    assert nesting_depth(json.loads(nested(10))) == 10
 
 
 @pytest.mark.parametrize("depth", [MAX_NESTING + 1, 100_000])
