@@ -12,7 +12,7 @@ import json
 import structlog
 
 from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc
-from services.common.limits import MAX_NESTING
+from services.common.limits import check_at_most, json_object
 from services.env import telemetry
 from services.env.config import EnvServiceConfig
 from services.env.environment import Message
@@ -23,18 +23,10 @@ log = structlog.get_logger()
 
 
 def row_from_json(text: str, limit: int) -> dict:
-    """The Reset's row: a JSON object of at most ``limit`` characters, nested at most MAX_NESTING deep."""
-    if len(text) > limit:
-        raise ValueError(f"row_json is {len(text)} characters long, more than {limit} (max_message_chars)")
-    try:
-        row = json.loads(text or "{}")
-    except json.JSONDecodeError as error:
-        raise ValueError(f"row_json is not valid JSON: {error.msg}") from None
-    except RecursionError:
-        raise ValueError(f"row_json nests deeper than {MAX_NESTING} levels") from None
-    if not isinstance(row, dict):
-        raise ValueError("row_json must be a JSON object")
-    return row
+    """The Reset's row: a JSON object of at most ``limit`` characters (ResourceExhausted past it), nested at most
+    MAX_NESTING deep (ValueError otherwise)."""
+    check_at_most("row_json characters", len(text), limit, "max_message_chars")
+    return json_object(text or "{}", "row_json")
 
 
 def message_to_pb(message: Message) -> env_pb2.ChatMessage:
@@ -62,9 +54,7 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
 
     async def Step(self, request, context):
         content = request.message.content
-        if len(content) > self.config.max_message_chars:
-            raise ValueError(f"message.content is {len(content)} characters long, more than "
-                             f"{self.config.max_message_chars} (max_message_chars)")
+        check_at_most("message.content characters", len(content), self.config.max_message_chars, "max_message_chars")
         message = Message(request.message.role or "assistant", content)
         result = await asyncio.to_thread(self.episodes.step, request.episode_id, message)
         telemetry.count_step(result)

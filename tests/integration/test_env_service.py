@@ -199,3 +199,29 @@ def test_a_tool_class_that_fails_to_import_refuses_the_service_at_start(tmp_path
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "broken_import.py" in result.stderr and "a_module_that_does_not_exist" in result.stderr
+
+
+def test_bad_requests_are_refused_with_their_status_and_a_full_service_says_so(env_cluster):
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+    async def refused(call) -> grpc.StatusCode:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call
+        return error.value.code()
+
+    async def requests(stub):
+        codes = [await refused(stub.Reset(env_pb2.ResetRequest(episode_id="b", row_json=deep, env_name="gsm8k"),
+                                          timeout=30)),
+                 await refused(stub.Reset(env_pb2.ResetRequest(episode_id="b", env_name="nowhere"), timeout=30))]
+        for index in range(3):  # workers: 3
+            await stub.Reset(env_pb2.ResetRequest(episode_id=f"b{index}", env_name="gsm8k"), timeout=30)
+        codes += [await refused(stub.Reset(env_pb2.ResetRequest(episode_id="b3", env_name="gsm8k"), timeout=30)),
+                  await refused(stub.Step(env_pb2.StepRequest(episode_id="b0", message=assistant("x" * (2 << 20))),
+                                          timeout=30))]
+        for index in range(3):
+            await stub.Close(env_pb2.CloseRequest(episode_id=f"b{index}"), timeout=30)
+        return codes
+
+    assert with_env(env_cluster.coordinator, requests) == [
+        grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED]
