@@ -93,6 +93,7 @@ class Episode:
     row: dict
     worker: Worker
     steps: int = 0
+    closed: bool = False  # its worker went back (a call that waited for the lock meanwhile must not use it)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time on its worker
 
 
@@ -158,6 +159,8 @@ class Episodes:
         """The episode's reply to ``message``; NotFound for an episode not open, FailedPrecondition past max_steps."""
         episode = self._episode(episode_id)
         with episode.lock:
+            if episode.closed:
+                raise NotFound(f"episode {episode_id!r} was closed")
             if episode.steps >= self.config.max_steps:
                 raise FailedPrecondition(f"episode {episode_id!r} took its {self.config.max_steps} steps (max_steps)")
             episode.steps += 1
@@ -188,6 +191,8 @@ class Episodes:
         if episode is None:
             return False
         with episode.lock:
+            if episode.closed:
+                return False
             try:
                 self._call(episode, ("close",))
                 self._forget(episode_id, episode, replace=False)
@@ -203,6 +208,8 @@ class Episodes:
         return episode
 
     def _forget(self, episode_id: str, episode: Episode, *, replace: bool) -> None:
+        """Close the episode (its lock held) and give its worker back, or a fresh one in its place."""
+        episode.closed = True
         with self._lock:
             self._open.pop(episode_id, None)
         self._idle.put(self._replace(episode.worker) if replace else episode.worker)

@@ -1,0 +1,44 @@
+"""Tests of services/env/episodes.py with real worker processes: an episode closed twice at once is closed once,
+and what is closed or past max_steps is refused."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from services.common.errors import FailedPrecondition, NotFound
+from services.env.config import EnvServiceConfig
+from services.env.environment import Message
+from services.env.episodes import Episodes
+
+CHECK = {"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "tool_schema": {"type": "function",
+                                                                        "function": {"name": "check"}}}
+
+
+@pytest.fixture
+def episodes():
+    pool = Episodes(EnvServiceConfig.model_validate({"workers": 1, "max_steps": 2,
+                                                     "environments": {"e": {"tools": [CHECK]}}}))
+    yield pool
+    pool.close_all()
+
+
+def test_an_episode_closed_twice_at_once_is_closed_once_and_its_worker_serves_the_next(episodes):
+    episodes.reset("a", "e", {})
+    with ThreadPoolExecutor(2) as threads:
+        closed = list(threads.map(episodes.close, ["a", "a"]))
+    assert sorted(closed) == [False, True]
+    with pytest.raises(NotFound):
+        episodes.step("a", Message("assistant", "x"))
+    assert episodes.reset("b", "e", {}) == []  # the one worker went back once
+
+
+def test_the_last_step_says_done_and_one_more_is_refused(episodes):
+    episodes.reset("a", "e", {})
+    call = '<tool_call>{"name": "check", "arguments": {"answer": "1"}}</tool_call>'
+    assert not episodes.step("a", Message("assistant", call)).done
+    last = episodes.step("a", Message("assistant", call))
+    assert last.done and last.info["max_steps"]
+    with pytest.raises(FailedPrecondition, match="max_steps"):
+        episodes.step("a", Message("assistant", call))
