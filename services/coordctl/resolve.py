@@ -33,7 +33,8 @@ def resolve_config(args: list[str], local: bool) -> tuple[RunConfig, LocalConfig
 
     With ``local``, the file and overrides are laid over the embedded default, and their ``local`` section
     (what to build, how to start the services) is taken off before the rest is validated as the run config;
-    the model and data it names are built if missing."""
+    the model and data it names are built if missing, and unless trainer.save_freq is given the run saves a
+    checkpoint of its last step (what ``coordctl export`` reads)."""
     files = [a for a in args if "=" not in a and not a.startswith("~")]
     overrides = [a for a in args if "=" in a or a.startswith("~")]
     if len(files) > 1:
@@ -53,6 +54,8 @@ def resolve_config(args: list[str], local: bool) -> tuple[RunConfig, LocalConfig
         from services.coordctl.local import cache_dir, prepare_assets
 
         assets = prepare_assets(config, local_config, cache_dir())
+        if "save_freq" not in data.get("trainer", {}) and config.trainer.total_training_steps is not None:
+            assets.append(f"trainer.save_freq={config.trainer.total_training_steps}")  # its last step: to export
         config = validate(RunConfig, apply_overrides(config.model_dump(mode="json"), assets))
     config.require_paths()
     return config, local_config

@@ -11,7 +11,7 @@ from services.common.config import ConfigError, validate
 from services.run.config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.local import ServiceSpec
-from services.coordctl.resolve import local_services
+from services.coordctl.resolve import local_services, resolve_config
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -37,3 +37,11 @@ def test_a_list_of_settings_is_one_service_and_a_mixed_list_is_refused_naming_th
         ("engine=vllm", "device=cuda")]
     with pytest.raises(ConfigError, match=r"local\.services\.rollout"):
         validate(LocalConfig, {"services": {"rollout": ["engine=vllm", {"settings": ["device=cuda"]}]}}, "local")
+
+
+@pytest.mark.parametrize(("args", "save_freq"), [([], 200), (["trainer.total_training_steps=5"], 5),
+                                                 (["trainer.save_freq=0"], 0), (["trainer.save_freq=2"], 2)])
+def test_the_local_default_saves_its_last_step_unless_told_otherwise(tmp_path, monkeypatch, args, save_freq):
+    monkeypatch.setenv("MESHRL_CACHE", str(tmp_path))
+    config, _ = resolve_config(args, local=True)
+    assert config.trainer.save_freq == save_freq
