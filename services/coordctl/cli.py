@@ -420,7 +420,9 @@ def evaluate(
     n: int = typer.Option(1, "--n", min=1, help="responses per prompt: mean@n, best@k, maj@k and pass@k"),
     temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0,
                                                 help="default: greedy for --n 1, 1.0 otherwise"),
-    max_response_length: int = typer.Option(512, "--max-response-length", min=1),
+    max_response_length: Optional[int] = typer.Option(
+        None, "--max-response-length", min=1,
+        help="default: the run's, for a folder coordctl export wrote (meshrl_export.json); 512 otherwise"),
     out: Optional[Path] = typer.Option(None, "--out", help="the per-response JSONL to write (default: "
                                                            "<MODEL_DIR name>-eval.jsonl here)"),
     overrides: Optional[list[str]] = typer.Argument(None, help="more run config: key.path=value ... (and, with "
@@ -430,13 +432,18 @@ def evaluate(
     state_dir: Optional[Path] = typer.Option(None, help="--local: folder for the run DB and logs"),
 ) -> None:
     """Score a model folder on a dataset through the rollout and reward services (a run that only validates):
-    print mean@n and pass@k per data source, write every response with its score."""
+    print mean@n and pass@k per data source, write every response with its score. A folder that coordctl export
+    wrote is scored with its run's prompt and response lengths unless told otherwise."""
+    from services.coordctl.export import exported_data
     from services.coordctl.local import ServiceSpec
 
     sampled = temperature if temperature is not None else (1.0 if n > 1 else 0.0)
+    data_settings = {"max_response_length": 512, **exported_data(model_dir)}
+    if max_response_length is not None:
+        data_settings["max_response_length"] = max_response_length
     try:
         run_data = apply_overrides({
-            "data": {"val_files": [str(path.resolve()) for path in data], "max_response_length": max_response_length},
+            "data": {"val_files": [str(path.resolve()) for path in data], **data_settings},
             "actor_rollout_ref": {"model": {"path": str(model_dir.resolve())}, "rollout": {"val_kwargs": {
                 "n": n, "do_sample": sampled > 0, "temperature": sampled}}},
             "trainer": {"val_only": True, "experiment_name": f"eval-{model_dir.resolve().name}"}},

@@ -10,7 +10,8 @@ run's model folder. The checkpoint's signed manifest is checked first (see
 ``services.common.manifest``; the key is the state_dir's checkpoint.key).
 The actor becomes a causal LM (what transformers, vLLM and a new run load),
 the critic a token-classification model with one output (a value model, as
-the trainer builds its critic).
+the trainer builds its critic). Beside the model, ``meshrl_export.json`` records where it came from and the
+run's prompt and response lengths, which ``coordctl eval`` of the folder defaults to.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ import yaml
 from services.common.config import validate
 from services.common.manifest import MANIFEST, checkpoint_key, verify
 from services.run.config import RunConfig
+
+EXPORT_RECORD = "meshrl_export.json"
+EVAL_DATA_KEYS = ("max_prompt_length", "max_response_length", "truncation")
+"""The run's data.* keys an export records in EXPORT_RECORD: how long a prompt and a response may be, and what
+a longer prompt becomes; ``coordctl eval`` of the folder starts from them."""
 
 
 def checkpoint_steps(folder: Path, role: str) -> dict[int, Path]:
@@ -111,6 +117,17 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "a
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="4GB")
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "meshrl_export.json").write_text(json.dumps(
-        {"run_dir": str(run_dir), "step": step, "role": role, "checkpoint": str(folder)}, indent=1) + "\n")
+    data = {key: getattr(config.data, key) for key in EVAL_DATA_KEYS}
+    (out_dir / EXPORT_RECORD).write_text(json.dumps(
+        {"run_dir": str(run_dir), "step": step, "role": role, "checkpoint": str(folder), "data": data},
+        indent=1) + "\n")
     return step, out_dir
+
+
+def exported_data(model_dir: Path) -> dict:
+    """The run's data settings that ``export`` recorded beside the model (EVAL_DATA_KEYS), for ``coordctl eval``
+    to default to; empty for a folder that was not exported by coordctl or that predates the record."""
+    record = model_dir / EXPORT_RECORD
+    if not record.exists():
+        return {}
+    return json.loads(record.read_text()).get("data", {})

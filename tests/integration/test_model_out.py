@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from services.run.models import load_causal_lm, load_value_model
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
@@ -77,6 +79,8 @@ def test_validate_export_evaluate_and_train_again(cluster, tiny_model, reverse_d
     assert "exported the actor of step 3" in done.stdout
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in exported.iterdir()}
+    assert json.loads((exported / "meshrl_export.json").read_text())["data"] == {
+        "max_prompt_length": 16, "max_response_length": 6, "truncation": "error"}
     prompt, response = [5, 6, 7, 16], [9, 12, 3]
     address = {s.kind: s.address for s in services}
     assert torch.allclose(transformers_logprobs(exported, prompt, response),
@@ -94,10 +98,10 @@ def test_validate_export_evaluate_and_train_again(cluster, tiny_model, reverse_d
     evaluated = [json.loads(line) for line in results.read_text().splitlines()]
     assert [(e["prompt"], e["response"]) for e in evaluated] == [(s["prompt"], s["response"]) for s in samples]
     assert sum(e["score"] for e in evaluated) / 16 == pytest.approx(validations[-1][CORE])
-    # with services of its own and the default lengths (1024 tokens, more than the model's positions): refused,
-    # naming why, by the coordinator it started (not one at the default address)
+    # with services of its own and a response length given over the run's recorded one (1040 tokens, more than
+    # the model's positions): refused, naming why, by the coordinator it started (not one at the default address)
     refused = coordctl("eval", str(exported), "--local", "--state-dir", str(tmp_path / "eval-state"), "--data",
-                       str(held_out))
+                       str(held_out), "--max-response-length", "1024")
     assert refused.returncode == 1 and "the local coordinator refused: INVALID_ARGUMENT" in refused.stderr
     assert "data.max_prompt_length + data.max_response_length" in refused.stderr and "7070" not in refused.stderr
 
@@ -105,6 +109,29 @@ def test_validate_export_evaluate_and_train_again(cluster, tiny_model, reverse_d
     again, _, _ = asyncio.run(run_to_end(cluster.coordinator, run_config(exported, reverse_data,
                                                                          trainer__total_training_steps=1)))
     assert again.state == "finished", again.error
+
+
+def test_the_quick_start_run_exports_without_flags_and_evaluates_at_its_lengths(held_out, tmp_path):
+    # coordctl start-run --local as the quick start types it, a few steps long: it saves its last step
+    cache, state_dir = tmp_path / "cache", tmp_path / "state"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MESHRL_TOKEN")}, "MESHRL_CACHE": str(cache)}
+    started = subprocess.run([sys.executable, "-m", "services.coordctl.cli", "start-run", "--local",
+                              "trainer.total_training_steps=3", "--state-dir", str(state_dir)],
+                             capture_output=True, text=True, timeout=600, env=env)
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    [run_dir] = state_dir.glob("runs/*")
+    exported = tmp_path / "exported"
+    done = coordctl("export", run_dir.name, str(exported), "--state-dir", str(state_dir))
+    assert done.returncode == 0, done.stderr
+    assert "exported the actor of step 3" in done.stdout
+    # no length flags: the run's 16 + 6 tokens, which fit the tiny model (512 + 512 would not)
+    done = coordctl("eval", str(exported), "--local", "--state-dir", str(tmp_path / "eval-state"), "--data",
+                    str(held_out), "--out", str(tmp_path / "eval.jsonl"))
+    assert done.returncode == 0, done.stderr
+    assert "meshrl/reverse: acc/mean@1 " in done.stdout
+    [eval_dir] = (tmp_path / "eval-state").glob("runs/*")
+    evaluated = yaml.safe_load((eval_dir / "config.yaml").read_text())["data"]
+    assert (evaluated["max_prompt_length"], evaluated["max_response_length"]) == (16, 6)
 
 
 def test_a_critic_exports_as_a_value_model(cluster, tiny_model, reverse_data, tmp_path):
