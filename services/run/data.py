@@ -22,6 +22,7 @@ class Prompt:
     data_source: str
     ground_truth: str
     extra_info: dict[str, Any]
+    messages: tuple[dict[str, Any], ...] = ()  # the row's chat messages (a string prompt: one user message)
 
 
 def read_rows(path: Path) -> list[tuple[int, Any]]:
@@ -107,13 +108,21 @@ def prompts_from_rows(rows: list[tuple[int, Any]], prompt_key: str, source_key: 
         encoded = tokenizer(texts[start:start + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]
         for (number, row), token_ids in zip(rows[start:start + TOKENIZE_BATCH], encoded):
             try:
-                prompts.append(prompt_of(row, token_ids, source_key, max_len, overlong))
+                prompts.append(prompt_of(row, token_ids, source_key, max_len, overlong, prompt_key))
             except ValueError as error:
                 raise ValueError(f"row {number}: {error}") from None
     return prompts
 
 
-def prompt_of(row: dict[str, Any], token_ids: list[int], source_key: str, max_len: int, overlong: str) -> Prompt | None:
+def chat_messages(prompt: Any) -> tuple[dict[str, Any], ...]:
+    """A row's prompt as chat messages: a string is one user message."""
+    if isinstance(prompt, str):
+        return ({"role": "user", "content": prompt},)
+    return tuple(dict(message) for message in prompt)
+
+
+def prompt_of(row: dict[str, Any], token_ids: list[int], source_key: str, max_len: int, overlong: str,
+              prompt_key: str) -> Prompt | None:
     """A checked row and its prompt's tokens as a Prompt (None: dropped as over-long)."""
     if not token_ids:
         raise ValueError("empty prompt")
@@ -126,7 +135,8 @@ def prompt_of(row: dict[str, Any], token_ids: list[int], source_key: str, max_le
             return None
         token_ids = truncate(token_ids, max_len, overlong)
     extra = row.get("extra_info") or {}
-    return Prompt(list(token_ids), str(row[source_key]), str(row["reward_model"]["ground_truth"]), dict(extra))
+    return Prompt(list(token_ids), str(row[source_key]), str(row["reward_model"]["ground_truth"]), dict(extra),
+                  chat_messages(row[prompt_key]))
 
 
 def truncate(token_ids: list[int], max_len: int, side: str) -> list[int]:

@@ -46,4 +46,8 @@ class DataConfig(Section):
     row; left = its last max_prompt_length tokens are kept; right = its first; middle = its first and last
     halves (verl's key)."""
 
+    return_raw_chat: bool = False
+    """verl's key (its agent loop needs the chat messages, not the rendered prompt): meshrl keeps every row's
+    messages beside its tokens, so it is accepted and changes nothing."""
+
     _one_or_more_files = pydantic.field_validator("train_files", "val_files", mode="before")(as_list)

@@ -22,3 +22,6 @@ class PlacementConfig(Section):
     reward: str = "default"
     """Group of the reward services: every one up in it scores. SetReward can move a running run to another
     group, or one address, from the next step boundary."""
+    env: str = "default"
+    """Group of the env services that run a multi-turn run's episodes (actor_rollout_ref.rollout.multi_turn):
+    every one up in it, followed at each step boundary as they come and go."""

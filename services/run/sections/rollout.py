@@ -7,10 +7,12 @@ from __future__ import annotations
 from functools import partial
 from typing import Annotated, Literal
 
+import pydantic
 from pydantic import AfterValidator, Field, PositiveInt
 
 from services.common.config import Section
 from services.common.limits import MIN_TEMPERATURE, check_temperature
+from services.run.tool_calls import check_format
 
 
 class ValKwargsConfig(Section):
@@ -35,6 +37,47 @@ class ValKwargsConfig(Section):
     @property
     def sampling_top_p(self) -> float:
         return self.top_p if self.do_sample else 1.0
+
+
+class MultiTurnConfig(Section):
+    """Multi-turn rollouts with tools or environments (verl's actor_rollout_ref.rollout.multi_turn): each
+    trajectory is a conversation the coordinator's agent loop runs turn by turn, the model's turns sampled on a
+    rollout and the tools' or environment's replies from an env service (placement.env), all of it within
+    data.max_response_length, only the model's tokens trained."""
+
+    enable: bool = False
+    """Run every prompt as a multi-turn trajectory (false: one response per prompt, as before)."""
+    max_assistant_turns: PositiveInt | None = None
+    """Most model turns of a trajectory; null = as many as data.max_response_length holds (verl's key)."""
+    max_user_turns: PositiveInt | None = None
+    """Most tool or environment replies of a trajectory; null = no bound but the response length (verl's key)."""
+    max_parallel_calls: PositiveInt = 1
+    """Tool calls run of one model turn; the env service answers the others with an error reply (verl's key;
+    the env service's own max_parallel_calls bounds it too)."""
+    max_tool_response_length: PositiveInt = 256
+    """Tokens kept of one tool or environment reply (verl counts characters), cut as
+    tool_response_truncate_side says with verl's "(truncated)" marker."""
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    """Which part of an over-long reply is KEPT: left = its start, right = its end, middle = both ends (verl's
+    key and meaning)."""
+    format: str = "hermes"
+    """How the model writes tool calls: hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, as
+    Qwen2.5 and Qwen3 do); services/run/tool_calls.py lists the formats parsed."""
+    tool_config_path: str | None = None
+    """verl's tool-config YAML (tools: [{class_name, config, tool_schema}]). The env services host the tools
+    (their own config names them, so that a run config never names code); coordctl start-run --local starts
+    its env service with this file, and a run checks that its env services host every tool the file names."""
+    environment: str = "tools"
+    """Which environment of the env services runs the episodes (an env service's environments, by name)."""
+    env_reward_weight: float = Field(1.0, allow_inf_nan=False)
+    """A trajectory's score: the reward service's score of the whole response plus this times the sum of the
+    environment's step rewards (verl sums tool rewards into the score: 1.0); 0 = the reward service alone."""
+
+    @pydantic.field_validator("format")
+    @classmethod
+    def _known_format(cls, name: str) -> str:
+        check_format(name)
+        return name
 
 
 class RolloutConfig(Section):
@@ -73,6 +116,8 @@ class RolloutConfig(Section):
     version, with the same seeds: fresher samples for the compute thrown away."""
     val_kwargs: ValKwargsConfig = ValKwargsConfig()
     """Sampling of validation (verl's key)."""
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
+    """Multi-turn trajectories with tools or environments (verl's key)."""
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     """verl's share of a GPU's memory for vLLM. In meshrl a rollout service is started with its own
     gpu_memory_utilization; coordctl start-run --local passes this one to the rollout it starts, a run on a

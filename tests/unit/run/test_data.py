@@ -71,17 +71,21 @@ def test_load_prompts_from_jsonl(tmp_path, tokenizer):
         {"data_source": "s", "prompt": "plain", "reward_model": {"ground_truth": 42}},  # string prompt, no extra_info
     ])
     prompts = load(tokenizer, path)
-    assert prompts[0] == Prompt(ids(tokenizer, "123="), "meshrl/reverse", "321", {"index": 0})
-    assert prompts[1] == Prompt(ids(tokenizer, "4567="), "other", "7654", {"index": 1})
-    assert prompts[2] == Prompt(ids(tokenizer, "plain"), "s", "42", {})
+    assert prompts[0] == Prompt(ids(tokenizer, "123="), "meshrl/reverse", "321", {"index": 0},
+                                ({"role": "user", "content": "123="},))
+    assert prompts[1] == Prompt(ids(tokenizer, "4567="), "other", "7654", {"index": 1},
+                                ({"role": "user", "content": "4567="},))
+    assert prompts[2] == Prompt(ids(tokenizer, "plain"), "s", "42", {}, ({"role": "user", "content": "plain"},))
 
 
 def test_load_prompts_from_parquet(tmp_path, tokenizer):
     rows = [row("12", extra_info={"split": "train", "index": 0}), row("9876", extra_info={"split": "train", "index": 1})]
     prompts = load(tokenizer, write_parquet(tmp_path / "train.parquet", rows))
     assert prompts == [
-        Prompt(ids(tokenizer, "12="), "meshrl/reverse", "21", {"split": "train", "index": 0}),
-        Prompt(ids(tokenizer, "9876="), "meshrl/reverse", "6789", {"split": "train", "index": 1}),
+        Prompt(ids(tokenizer, "12="), "meshrl/reverse", "21", {"split": "train", "index": 0},
+               ({"role": "user", "content": "12="},)),
+        Prompt(ids(tokenizer, "9876="), "meshrl/reverse", "6789", {"split": "train", "index": 1},
+               ({"role": "user", "content": "9876="},)),
     ]
 
 
