@@ -116,12 +116,13 @@ class RolloutClient:
         return int(info.details.get("channel_ranks", "1"))
 
     async def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int, first_index: int,
-                       timeout: float) -> Generated:
-        """``sampling.n`` responses per prompt, prompt i seeded from (``seed``, ``first_index`` + i)."""
+                       timeout: float, seed_indices: list[int] | None = None) -> Generated:
+        """``sampling.n`` responses per prompt, prompt i seeded from (``seed``, ``first_index`` + i), or from
+        (``seed``, ``seed_indices[i]``) where they are given."""
         params = rollout_pb2.SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             max_new_tokens=sampling.max_new_tokens, seed=seed, first_index=first_index,
-            stop_token_ids=list(sampling.stop_token_ids),
+            stop_token_ids=list(sampling.stop_token_ids), seed_indices=seed_indices or [],
         )
         flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)

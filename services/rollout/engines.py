@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -38,8 +38,8 @@ class Engine(Protocol):
     gpus: tuple[str, ...]  # UUIDs of the GPUs its workers use (none on CPU): where weights must reach it
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
-                       first_index: int) -> list[list[Completion]]:
-        """``sampling.n`` completions per prompt, prompt i seeded from ``first_index + i``, each stamped with
+                       seed_indices: Sequence[int]) -> list[list[Completion]]:
+        """``sampling.n`` completions per prompt, prompt i seeded from ``seed_indices[i]``, each stamped with
         the weight versions that sampled its first and its last token."""
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
@@ -96,7 +96,7 @@ class HFRolloutEngine:
     async def _on_engine(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
 
-    async def generate(self, prompts, sampling, first_index):
+    async def generate(self, prompts, sampling, seed_indices):
         def attempt(call: GenerationCall) -> list[list[Completion]]:
             def before_step() -> int:  # on the engine thread, between token steps
                 if call.should_stop():
@@ -104,7 +104,7 @@ class HFRolloutEngine:
                 self._apply_pending()
                 return self.weight_version
 
-            return self.engine.generate(prompts, sampling, first_index=first_index, before_step=before_step)
+            return self.engine.generate(prompts, sampling, seed_indices=seed_indices, before_step=before_step)
 
         return await self.gate.run(lambda call: self._on_engine(attempt, call))
 

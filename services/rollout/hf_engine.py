@@ -21,7 +21,7 @@ forward declares.
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -78,19 +78,20 @@ class HFEngine:
         self.batch_size = batch_size
         self.cache_argument = cache_argument(model)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, first_index: int = 0,
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seed_indices: Sequence[int] | None = None,
                  before_step: Callable[[], int] = version_0) -> list[list[Completion]]:
-        """``sampling.n`` completions for each prompt; prompt i seeds from ``first_index + i``.
+        """``sampling.n`` completions for each prompt; prompt i seeds from ``seed_indices[i]`` (default: i).
 
         ``before_step`` is called before every token step and returns the weight version the step runs under
         (it may swap new weights in first); each completion is stamped with the versions of its first and last
         tokens. It may raise GenerationInterrupted, which drops the work."""
+        indices = list(range(len(prompts))) if seed_indices is None else list(seed_indices)
         rows = [(i, k) for i in range(len(prompts)) for k in range(sampling.n)]
         done: dict[tuple[int, int], Completion] = {}
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start : start + self.batch_size]
             generators = [
-                torch.Generator().manual_seed(hash_seed(sampling.seed, first_index + i, k)) for i, k in chunk
+                torch.Generator().manual_seed(hash_seed(sampling.seed, indices[i], k)) for i, k in chunk
             ]
             outputs = self._generate_rows([prompts[i] for i, _ in chunk], generators, sampling=sampling,
                                           before_step=before_step)

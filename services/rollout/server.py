@@ -51,6 +51,16 @@ def partial_rollout_from_pb(request: rollout_pb2.ReceiveWeightsRequest) -> Parti
     return "keep" if request.keep_in_flight else "restart" if request.restart_in_flight else "finish"
 
 
+def seed_indices_of(params: rollout_pb2.SamplingParams, prompts: int) -> list[int]:
+    """Each prompt's seed index: its seed_indices entry where they are given (one per prompt, else
+    INVALID_ARGUMENT), else first_index + its position."""
+    if not params.seed_indices:
+        return [params.first_index + i for i in range(prompts)]
+    if len(params.seed_indices) != prompts:
+        raise ValueError(f"seed_indices has {len(params.seed_indices)} entries for {prompts} prompts")
+    return list(params.seed_indices)
+
+
 def check_call_size(prompts: int, sampling: SamplingSettings, config: RolloutServiceConfig) -> None:
     """Refuse a call whose prompts x n x max_new_tokens is over max_tokens_per_call."""
     check_at_most(f"{prompts} prompts x params.n {sampling.n} x params.max_new_tokens {sampling.max_new_tokens}",
@@ -111,7 +121,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         check_prompt_lengths(prompts, sampling.max_new_tokens, engine.max_model_len)
         log.info("generating", run_id=self.run_id, prompts=len(prompts), n=sampling.n)
         with telemetry.REQUESTS_IN_FLIGHT.track_inprogress():
-            completions = await engine.generate(prompts, sampling, params.first_index)
+            completions = await engine.generate(prompts, sampling, seed_indices_of(params, len(prompts)))
         flat = [c for group in completions for c in group]
         telemetry.GENERATED_SEQUENCES.inc(len(flat))
         telemetry.GENERATED_TOKENS.inc(sum(len(c.token_ids) for c in flat))

@@ -5,7 +5,7 @@
   re-tokenised; EOS and the run's stop tokens end a response.
 - The logprob of each sampled token is the processed one (after
   temperature), the quantity the trainer recomputes.
-- Each of the n samples of prompt i is seeded from (seed, first_index + i),
+- Each of the n samples of prompt i is seeded from (seed, its seed index),
   as in the hf engine, so a prompt's samples do not depend on the replica.
 - Weights arrive inside vLLM's workers, through the worker extension
   ``services.rollout.vllm_worker.MeshrlWorkerExtension``: the coordinator's
@@ -40,6 +40,7 @@ import contextlib
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import Unavailable
@@ -90,7 +91,7 @@ class VLLMEngine:
         return cls(llm, vocab_size=vocab_size, eos_id=tokenizer.eos_token_id, config=config, gpus=gpus)
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
-                       first_index: int) -> list[list[Completion]]:
+                       seed_indices: Sequence[int]) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -99,7 +100,7 @@ class VLLMEngine:
         async def one(index: int, prompt: list[int], first_version: int, request_id: str) -> list[Completion]:
             params = SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                max_tokens=sampling.max_new_tokens, seed=hash_seed(sampling.seed, first_index + index, 0) % (1 << 31),
+                max_tokens=sampling.max_new_tokens, seed=hash_seed(sampling.seed, seed_indices[index], 0) % (1 << 31),
                 stop_token_ids=stops, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
             )
             final: Any = None

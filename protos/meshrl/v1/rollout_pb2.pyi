@@ -20,7 +20,7 @@ class RolloutInitRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., allow_pickle: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "max_new_tokens", "seed", "first_index", "stop_token_ids")
+    __slots__ = ("n", "temperature", "top_p", "max_new_tokens", "seed", "first_index", "stop_token_ids", "seed_indices")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_INDICES_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -35,7 +36,8 @@ class SamplingParams(_message.Message):
     seed: int
     first_index: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., first_index: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    seed_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., first_index: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("params", "chunks")

@@ -174,11 +174,15 @@ def test_same_seed_same_completions_whatever_the_batching(tiny, prompts):
     assert _as_tuples(other) != _as_tuples(reference)
 
 
-def test_first_index_offsets_are_consistent(tiny, prompts):
+def test_seed_indices_give_each_prompt_its_samples_wherever_it_is_sent(tiny, prompts):
     whole = _engine(tiny, batch_size=4).generate(prompts, SETTINGS)
     # prompts 1.. sent alone, as another replica would get them, seeded from their global index
-    tail = _engine(tiny, batch_size=2).generate(prompts[1:], SETTINGS, first_index=1)
+    tail = _engine(tiny, batch_size=2).generate(prompts[1:], SETTINGS, seed_indices=list(range(1, len(prompts))))
     assert _as_tuples(tail) == _as_tuples(whole[1:])
+    # in another order, gathered with others (as an agent loop's turns are): each keeps its own samples
+    order = list(reversed(range(len(prompts))))
+    gathered = _engine(tiny, batch_size=3).generate([prompts[i] for i in order], SETTINGS, seed_indices=order)
+    assert _as_tuples(gathered) == _as_tuples([whole[i] for i in order])
     # without the offset the same prompt draws other samples
     shifted = _engine(tiny, batch_size=4).generate(prompts[2:], SETTINGS)
     assert _as_tuples(shifted) != _as_tuples(whole[2:])
@@ -269,3 +273,13 @@ def test_generation_passes_no_deprecated_argument_to_the_model(tiny, prompts):
         warnings.simplefilter("error", DeprecationWarning)
         results = _engine(tiny, batch_size=4).generate(prompts, SETTINGS)
     assert _as_tuples(results) == _as_tuples(_engine(tiny, batch_size=4).generate(prompts, SETTINGS))
+
+
+def test_a_generate_call_gives_one_seed_index_per_prompt_or_none():
+    from meshrl.v1 import rollout_pb2
+    from services.rollout.server import seed_indices_of
+
+    assert seed_indices_of(rollout_pb2.SamplingParams(first_index=5), 3) == [5, 6, 7]
+    assert seed_indices_of(rollout_pb2.SamplingParams(first_index=5, seed_indices=[9, 2, 4]), 3) == [9, 2, 4]
+    with pytest.raises(ValueError, match="seed_indices has 2 entries for 3 prompts"):
+        seed_indices_of(rollout_pb2.SamplingParams(seed_indices=[1, 2]), 3)
