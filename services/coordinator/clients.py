@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from meshrl.v1 import (common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2,
-                       trainer_pb2_grpc)
+from meshrl.v1 import (common_pb2, env_pb2, env_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2,
+                       rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc)
 from services.common.rpc import Connection
 from services.common.sequences import SequenceBatch
 from services.common.wire import BatchAssembler, batch_to_chunks
@@ -325,6 +325,73 @@ class RewardClient:
                              pred=s.pred, components=tuple((c.name, c.weight, c.value) for c in s.components),
                              timed_out=s.timed_out)
                 for s in reply.scores], reply.service_id
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+Message = dict[str, str]  # a chat message: role, content (and a tool reply's name)
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    """An environment's answer to one model turn."""
+
+    messages: list[Message]  # the reply: tool messages, or the environment's observation (none: nothing to say)
+    reward: float
+    done: bool
+    info: dict  # what the environment reports besides: tool calls and their outcomes, ...
+
+
+@dataclass(frozen=True)
+class EnvDescription:
+    """An env service: who it is, what it hosts (environment name -> its tools' OpenAI schemas), and how many
+    episodes it can hold open at once."""
+
+    service_id: str
+    meshrl_version: str
+    environments: dict[str, tuple[dict, ...]]
+    workers: int
+
+
+def message_of(pb: env_pb2.ChatMessage) -> Message:
+    message = {"role": pb.role, "content": pb.content}
+    return message | {"name": pb.name} if pb.name else message
+
+
+class EnvClient:
+    def __init__(self, address: str):
+        self.address = address
+        self._conn = Connection(address)
+        self._stub = env_pb2_grpc.EnvStub(self._conn.channel)
+
+    async def describe(self, timeout: float = CONTROL_TIMEOUT_S) -> EnvDescription:
+        async with self._conn.slot():
+            info = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
+        return EnvDescription(
+            service_id=info.identity.service_id, meshrl_version=info.identity.meshrl_version,
+            environments={e.name: tuple(json.loads(tool.schema_json) for tool in e.tools) for e in info.environments},
+            workers=info.workers)
+
+    async def reset(self, episode_id: str, row: dict, environment: str, timeout: float) -> list[Message]:
+        """Open an episode of ``environment`` on ``row``: the messages it adds before the model's first turn."""
+        async with self._conn.slot():
+            reply = await self._stub.Reset(env_pb2.ResetRequest(episode_id=episode_id, row_json=json.dumps(row),
+                                                                env_name=environment), timeout=timeout)
+        return [message_of(m) for m in reply.messages]
+
+    async def step(self, episode_id: str, content: str, timeout: float) -> EnvStep:
+        """The model's turn ``content`` (its text as sampled) into the episode; the environment's answer."""
+        async with self._conn.slot():
+            reply = await self._stub.Step(env_pb2.StepRequest(
+                episode_id=episode_id, message=env_pb2.ChatMessage(role="assistant", content=content)),
+                timeout=timeout)
+        return EnvStep([message_of(m) for m in reply.messages], reply.reward, reply.done,
+                       json.loads(reply.info_json or "{}"))
+
+    async def close_episode(self, episode_id: str, timeout: float = CONTROL_TIMEOUT_S) -> None:
+        async with self._conn.slot():
+            await self._stub.Close(env_pb2.CloseRequest(episode_id=episode_id), timeout=timeout)
 
     async def close(self) -> None:
         await self._conn.close()

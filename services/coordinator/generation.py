@@ -8,8 +8,10 @@ validation both do.
   ``oldest``, is redone on another; if every replica fails, the rollouts are refreshed (waiting for one if
   none is left) and the whole batch generated again: same prompts, same seeds (from (seed, prompt index)),
   so nothing is lost or counted twice.
+- ``generate_trajectories``: the same for a multi-turn run, each response a trajectory of the agent loop
+  (services/coordinator/agent.py), with its loss mask and, in its lineage, its turns.
 - ``score``: the responses decoded (on a worker thread: the event loop stays free for the calls in flight)
-  and scored by the reward replicas.
+  and scored by the reward replicas (a trajectory: its final model turn, plus its environment's rewards).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import Unavailable
+from services.coordinator.agent import AgentLoop, AgentTrace, agent_metrics, trajectory_batch
 from services.common.sequences import SequenceBatch, join_ragged
 from services.coordinator.clients import Generated, RewardSample, RolloutClient, ScoredSample
 from services.run.data import Prompt
@@ -39,7 +42,8 @@ class Lineage:
     """Who made one response: the rollout replica that sampled it and, once it is scored, the reward replica that
     scored it, the decoded prompt and response it scored, and what it said."""
 
-    rollout: str  # the rollout replica's address
+    rollout: str  # the rollout replica's address (a trajectory: its first turn's)
+    trace: AgentTrace | None = None  # a trajectory's turns, tools and episode (None: a single-turn response)
     scored_by: ScoredBy | None = None
     sample: RewardSample | None = None
     scored: ScoredSample | None = None
@@ -58,6 +62,7 @@ class Rollouts:
     prompts: list[Prompt]  # [B]
     n: int
     lineage: tuple[Lineage, ...]  # [B*n]
+    env_scores: torch.Tensor | None = None  # [B*n] float32, trajectories' weighted environment rewards (None: none)
 
     @property
     def group_ids(self) -> torch.Tensor:
@@ -69,12 +74,16 @@ class Rollouts:
             self, batch=self.batch.select(rows), logprobs=self.logprobs[self.batch.token_index(rows)],
             truncated=self.truncated[rows], scores=self.scores[rows], versions=self.versions[rows],
             last_versions=self.last_versions[rows], prompts=[self.prompts[i] for i in keep],
-            lineage=tuple(self.lineage[row] for row in rows.tolist()))
+            lineage=tuple(self.lineage[row] for row in rows.tolist()),
+            env_scores=None if self.env_scores is None else self.env_scores[rows])
 
     def with_scores(self, samples: list[RewardSample], scored: Scored) -> Rollouts:
-        """These rollouts with the scores of ``scored`` (of ``samples``, their decoded responses)."""
+        """These rollouts with the scores of ``scored`` (of ``samples``, their decoded responses), plus the
+        environment's where they have them."""
         scores = torch.tensor([s.score for s in scored.scores], dtype=torch.float32)
-        lineage = tuple(Lineage(rollout=origin.rollout, scored_by=by, sample=sample, scored=score)
+        if self.env_scores is not None:
+            scores = scores + self.env_scores
+        lineage = tuple(dataclasses.replace(origin, scored_by=by, sample=sample, scored=score)
                         for origin, by, sample, score
                         in zip(self.lineage, scored.scored_by, samples, scored.scores, strict=True))
         return dataclasses.replace(self, scores=scores, lineage=lineage)
@@ -87,7 +96,9 @@ class Rollouts:
                         versions=torch.cat([p.versions for p in parts]),
                         last_versions=torch.cat([p.last_versions for p in parts]),
                         prompts=[prompt for p in parts for prompt in p.prompts], n=parts[0].n,
-                        lineage=tuple(origin for p in parts for origin in p.lineage))
+                        lineage=tuple(origin for p in parts for origin in p.lineage),
+                        env_scores=None if parts[0].env_scores is None else torch.cat([p.env_scores for p in parts
+                                                                                         if p.env_scores is not None]))
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,24 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
     return produced, counts
 
 
+async def generate_trajectories(agent: AgentLoop, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int,
+                                timeout_s: float) -> tuple[Rollouts, dict[str, int], dict[str, float]]:
+    """``sampling.n`` trajectories per prompt, their model turns sampled from weight versions >= ``oldest`` (not
+    yet scored); the turns each replica sampled (by address), and the trajectories' metrics."""
+    trajectories, traces, dispatcher = await agent.run(prompts, sampling, seed, oldest, timeout_s)
+    produced = Rollouts(
+        batch=trajectory_batch(trajectories),
+        logprobs=torch.tensor([lp for t in trajectories for lp in t.logprobs], dtype=torch.float32),
+        truncated=torch.tensor([trace.ended == "length" for trace in traces]), scores=torch.zeros(len(traces)),
+        versions=torch.tensor([t.weight_versions[0] for t in trajectories], dtype=torch.int64),
+        last_versions=torch.tensor([trace.last_version for trace in traces], dtype=torch.int64),
+        prompts=prompts, n=sampling.n,
+        lineage=tuple(Lineage(trace.rollouts[0], trace=trace) for trace in traces),
+        env_scores=torch.tensor([agent.settings.env_reward_weight * trace.env_reward for trace in traces],
+                                dtype=torch.float32))
+    return produced, dict(dispatcher.turns), agent_metrics(traces, trajectories)
+
+
 async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Notices, what: str) -> Scoring:
     """One score per response, spread over the reward replicas (an invalid sample scores 0, with an event);
     ``what`` names the batch in events."""
@@ -158,9 +187,9 @@ def reward_samples(rollouts: Rollouts, tokenizer) -> list[RewardSample]:
     prompt_texts = [tokenizer.decode(p.token_ids, skip_special_tokens=True) for p in rollouts.prompts]
     samples = []
     for row, response in enumerate(responses):
-        prompt = rollouts.prompts[row // rollouts.n]
-        samples.append(RewardSample(data_source=prompt.data_source,
-                                    response=tokenizer.decode(response.tolist(), skip_special_tokens=True),
+        prompt, trace = rollouts.prompts[row // rollouts.n], rollouts.lineage[row].trace
+        text = trace.final_text if trace is not None else tokenizer.decode(response.tolist(), skip_special_tokens=True)
+        samples.append(RewardSample(data_source=prompt.data_source, response=text,
                                     ground_truth=prompt.ground_truth, extra_info=prompt.extra_info,
                                     prompt=prompt_texts[row // rollouts.n]))
     return samples

@@ -51,6 +51,8 @@ from services import algos
 from services.common.sequences import SequenceBatch
 from services.common.timing import StageTimer
 from services.coordinator import generation
+from services.coordinator.agent import AgentLoop
+from services.coordinator.env_set import EnvSet
 from services.coordinator.checkpointer import CheckpointNotices, Checkpointer
 from services.coordinator.clients import TrainerClient
 from services.run.data import Prompt
@@ -130,13 +132,16 @@ class Updates(NamedTuple):
 
 class PPOLoop:
     def __init__(self, *, run_id: str, settings: LoopSettings, config_yaml: str, trainers: Trainers | None,
-                 rollout_set: RolloutSet, reward_set: RewardSet, prompts: list[Prompt], val_prompts: list[Prompt],
-                 tokenizer, reporter: Reporter, should_stop: Callable[[], bool], checkpoint_dir: Path):
+                 rollout_set: RolloutSet, reward_set: RewardSet, env_set: EnvSet | None, prompts: list[Prompt],
+                 val_prompts: list[Prompt], tokenizer, reporter: Reporter, should_stop: Callable[[], bool],
+                 checkpoint_dir: Path):
         """``config_yaml``: the run config as the trainers load it; ``trainers``: None for a run that only
-        validates; ``tokenizer``: the model's, to decode responses for the reward services and encode the
-        warm start's targets."""
+        validates; ``env_set``: a multi-turn run's env services (None: one response per prompt); ``tokenizer``:
+        the model's, to decode responses for the reward services and encode the warm start's targets."""
         self.run_id, self.settings, self.config_yaml = run_id, settings, config_yaml
-        self.trainers, self.rollout_set, self.reward_set = trainers, rollout_set, reward_set
+        self.trainers, self.rollout_set, self.reward_set, self.env_set = trainers, rollout_set, reward_set, env_set
+        self.agent = AgentLoop(rollout_set=rollout_set, env_set=env_set, settings=settings.agent, tokenizer=tokenizer,
+                               notices=reporter) if settings.agent is not None and env_set is not None else None
         warm_prompts, self.prompts = warm_start_rows(settings, prompts)  # the warm start's rows and RL's
         self.tokenizer, self.reporter, self.should_stop = tokenizer, reporter, should_stop
         self.sampler = PromptSampler(len(self.prompts), settings.batch_size, settings.shuffle, settings.seed) if \
@@ -151,7 +156,7 @@ class PPOLoop:
                                         should_stop=should_stop, folder=checkpoint_dir, timeout_s=self.timeout)
         self.validations = Validations(settings=settings.validation, total_steps=settings.total_steps,
                                        prompts=val_prompts, rollout_set=rollout_set, reward_set=reward_set,
-                                       tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout)
+                                       agent=self.agent, tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout)
 
     async def run(self, resume: Checkpoint | None = None) -> bool:
         """Set up (from ``resume`` if given), then train until the last step or a stop request, checkpointing
@@ -159,6 +164,7 @@ class PPOLoop:
         that only validates does that and ends."""
         settings, validation = self.settings, self.settings.validation
         if validation is not None and validation.only:
+            await self.follow_envs()
             await self.rollout_set.load()
             self.validations.start(0)
             await self.validations.finish()
@@ -380,8 +386,14 @@ class PPOLoop:
         chosen = [self.prompts[i] for i in self.sampler.next_batch()]
         seed = (self.settings.seed * 1_000_003 + step) * 101 + round_index
         with timer("gen"):
-            rollouts, by_rollout = await generation.generate(self.rollout_set, chosen, self.settings.sampling, seed,
-                                                             oldest, self.timeout, self.reporter, f"step {step}")
+            if self.agent is None:
+                rollouts, by_rollout = await generation.generate(self.rollout_set, chosen, self.settings.sampling,
+                                                                 seed, oldest, self.timeout, self.reporter,
+                                                                 f"step {step}")
+            else:
+                rollouts, by_rollout, trajectories = await generation.generate_trajectories(
+                    self.agent, chosen, self.settings.sampling, seed, oldest, self.timeout)
+                counts |= trajectories
         with timer("reward"):
             scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, self.reporter, f"step {step}")
         for address, count in by_rollout.items():
@@ -396,6 +408,7 @@ class PPOLoop:
 
     async def set_up(self, resume: Checkpoint | None) -> None:
         """Load the roles and models everywhere, open the weight channel, warm start (or restore), and sync."""
+        await self.follow_envs()
         await asyncio.gather(
             *(trainer.init_run(self.run_id, self.config_yaml, roles, self.settings.seed, self.timeout)
               for trainer, roles in self.trainers.roles().items()),
@@ -410,9 +423,16 @@ class PPOLoop:
         await self.rollout_set.sync(version)
 
     async def boundary(self, step: int) -> None:
-        """Before step ``step`` is generated: apply a reward swap, follow the reward and rollout replicas."""
+        """Before step ``step`` is generated: apply a reward swap, follow the reward, env and rollout replicas."""
         await self.reward_set.refresh(step)
+        await self.follow_envs()
         await self.rollout_set.refresh()
+
+    async def follow_envs(self) -> None:
+        """A multi-turn run: follow its env replicas (waiting for one), which must host its environment."""
+        if self.agent is not None and self.env_set is not None:
+            await self.env_set.refresh()
+            self.env_set.tools(self.agent.settings.environment)  # ValueError naming what they host
 
     async def swap_reward(self, target: RewardTarget) -> list[str]:
         """Probe ``target``'s reward services on the run's rows; if every one scores the probe, they score from

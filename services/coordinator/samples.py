@@ -11,12 +11,16 @@ Choices:
 - A response's advantage is the mean over its response tokens: every token's own for the outcome estimators
   (GRPO, RLOO, REINFORCE++), the average of GAE's per-token ones.
 - ``group`` numbers the step's prompts: the responses of one prompt (one GRPO group) share it.
+- A multi-turn trajectory's ``output`` is its final model turn (what the reward service scored); ``turns``
+  lists every turn: the model's (trained, with the weight version that sampled it) and the tools' or
+  environment's replies (not trained, with the tool that answered and the seconds the step took).
 """
 
 from __future__ import annotations
 
 import torch
 
+from services.coordinator.agent import AgentTrace
 from services.coordinator.generation import Rollouts
 
 
@@ -41,5 +45,17 @@ def step_records(step: int, rollouts: Rollouts, served: int, advantages: torch.T
             "advantage": float(per_token[row].mean()) if len(per_token[row]) else 0.0,
             "response_length": int(lens[row]), "truncated": bool(rollouts.truncated[row]),
             "group": row // rollouts.n,
-        })
+        } | trajectory_fields(origin.trace))
     return records
+
+
+def trajectory_fields(trace: AgentTrace | None) -> dict:
+    """A trajectory's turns (role, text, token count, trained or not, weight version, tool, seconds), how it
+    ended, its episode's env replica and rewards; nothing for a single-turn response."""
+    if trace is None:
+        return {}
+    return {"num_turns": len(trace.turns), "ended": trace.ended, "env_service": trace.episode_service,
+            "env_reward": trace.env_reward, "restarts": trace.restarts,
+            "turns": [{"role": turn.role, "text": turn.text, "tokens": turn.tokens, "trained": turn.trained,
+                       "weight_version": turn.weight_version, "tool": turn.tool, "seconds": round(turn.seconds, 4)}
+                      for turn in trace.turns]}

@@ -56,6 +56,20 @@ class ValidationSettings:
 
 
 @dataclass(frozen=True)
+class AgentSettings:
+    """How a multi-turn run's trajectories go (actor_rollout_ref.rollout.multi_turn)."""
+
+    environment: str  # which environment of the env services runs the episodes
+    max_assistant_turns: int | None  # None: as many as the response length holds
+    max_user_turns: int | None  # replies; None: no bound but the response length
+    max_reply_tokens: int  # of one tool or environment reply
+    truncate_side: str  # the side of an over-long reply that is kept: left, right, middle
+    env_reward_weight: float  # score = reward service's + this times the environment's step rewards
+    max_response_length: int  # every token after the prompt, the model's and the replies'
+    calls_in_flight: int  # Generate calls at once per rollout replica (hf: 1, its engine runs one at a time)
+
+
+@dataclass(frozen=True)
 class LoopSettings:
     """What the PPO loop of one run does each step."""
 
@@ -80,6 +94,7 @@ class LoopSettings:
     warm_start_own_rows: bool  # the warm start teaches rows RL never draws
     validation: ValidationSettings | None  # None: the run has no held-out data
     keep_samples: bool  # report each step's samples with their lineage (trainer.rollout_data_dir)
+    agent: AgentSettings | None  # None: one response per prompt; else multi-turn trajectories
 
 
 @dataclass(frozen=True)
@@ -117,7 +132,20 @@ def loop_settings(config: RunConfig) -> LoopSettings:
         warm_start_steps=warm_start.steps, warm_start_batch_size=warm_start.batch_size,
         warm_start_own_rows=warm_start.own_rows,
         validation=validation_settings(config), keep_samples=trainer.rollout_data_dir is not None,
+        agent=agent_settings(config),
     )
+
+
+def agent_settings(config: RunConfig) -> AgentSettings | None:
+    rollout = config.actor_rollout_ref.rollout
+    turns = rollout.multi_turn
+    if not turns.enable:
+        return None
+    return AgentSettings(
+        environment=turns.environment, max_assistant_turns=turns.max_assistant_turns,
+        max_user_turns=turns.max_user_turns, max_reply_tokens=turns.max_tool_response_length,
+        truncate_side=turns.tool_response_truncate_side, env_reward_weight=turns.env_reward_weight,
+        max_response_length=config.data.max_response_length, calls_in_flight=1 if rollout.name == "hf" else 64)
 
 
 def validation_settings(config: RunConfig) -> ValidationSettings | None:

@@ -21,6 +21,7 @@ from services.common.paths import inside
 from services.common.rpc import is_retryable
 from services.coordinator.clients import TrainerClient
 from services.coordinator.disk import disk_fault
+from services.coordinator.env_set import EnvSet
 from services.coordinator.loop import PPOLoop, Trainers
 from services.coordinator.records import RunRecords
 from services.coordinator.registry import Registry
@@ -164,8 +165,11 @@ class RunSupervisor:
             notices=reporter, should_stop=should_stop)
         reward_set = RewardSet(target=RewardTarget("group", config.placement.reward), find=self.reward_addresses,
                                notices=reporter, should_stop=should_stop, timeout_s=config.trainer.rpc_timeout_s)
+        env_set = None if not config.actor_rollout_ref.rollout.multi_turn.enable else EnvSet(
+            group=config.placement.env, find=lambda group: [r.address for r in self.registry.up("env", group)],
+            notices=reporter, should_stop=should_stop, timeout_s=config.trainer.rpc_timeout_s)
         ppo = PPOLoop(run_id=run_id, settings=loop_settings(config), config_yaml=self.config_yaml, trainers=trainers,
-                      rollout_set=rollout_set, reward_set=reward_set, prompts=self.data.prompts,
+                      rollout_set=rollout_set, reward_set=reward_set, env_set=env_set, prompts=self.data.prompts,
                       val_prompts=self.data.val_prompts, tokenizer=self.data.tokenizer, reporter=reporter,
                       should_stop=should_stop, checkpoint_dir=checkpoint_dir(self.state_dir, config, run_dir))
         self.loop = ppo
@@ -173,7 +177,7 @@ class RunSupervisor:
             await reporter.open_loggers(config, resume.step + 1 if resume else 0)
             addresses = {client.address for client in trainers.roles()} if trainers else set()
             loop = asyncio.ensure_future(ppo.run(resume))
-            watchdog = asyncio.ensure_future(self.watch_members(addresses, rollout_set, reward_set))
+            watchdog = asyncio.ensure_future(self.watch_members(addresses, rollout_set, reward_set, env_set))
             await asyncio.wait({loop, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if not loop.done():
                 loop.cancel()
@@ -187,14 +191,16 @@ class RunSupervisor:
         finally:
             self.loop = None
             await asyncio.gather(*(client.close() for client in (trainers.roles() if trainers else ())),
-                                 rollout_set.close(), reward_set.close(), reporter.close())
+                                 rollout_set.close(), reward_set.close(), reporter.close(),
+                                 *([env_set.close()] if env_set is not None else []))
 
     def reward_addresses(self, target: RewardTarget) -> list[str]:
         if target.kind == "address":
             return [target.name]
         return [record.address for record in self.registry.up("reward", target.name)]
 
-    async def watch_members(self, trainers: set[str], rollout_set: RolloutSet, reward_set: RewardSet) -> bool:
+    async def watch_members(self, trainers: set[str], rollout_set: RolloutSet, reward_set: RewardSet,
+                            env_set: EnvSet | None = None) -> bool:
         """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer
         up from the run's rollout set, and a reward service that is registered but silent from its reward set
         (one a swap named by address may be one that does not register). Silence while the coordinator itself
@@ -214,6 +220,9 @@ class RunSupervisor:
                 await rollout_set.drop(address, silent)
             for address in set(reward_set.addresses()) & down:
                 await reward_set.drop(address, silent)
+            if env_set is not None:
+                for address in set(env_set.addresses()) & down:
+                    await env_set.drop(address, silent)
 
     @staticmethod
     async def name_silent_trainers(trainers: list[TrainerClient], failure: Exception) -> Exception:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.coordinator import generation
+from services.coordinator.agent import AgentLoop
 from services.run.data import Prompt
 from services.coordinator.generation import Scoring
 from services.coordinator.metrics import PromptResults, validation_metrics
@@ -46,15 +47,22 @@ class Validated:
 
 
 async def run_validation(*, settings: ValidationSettings, prompts: list[Prompt], rollout_set: RolloutSet,
-                         reward_set: RewardSet, tokenizer, notices: Notices, timeout_s: float, step: int,
-                         version: int) -> Validated:
-    """Generate every prompt's responses from weight version ``version`` and score them."""
+                         reward_set: RewardSet, agent: AgentLoop | None, tokenizer, notices: Notices,
+                         timeout_s: float, step: int, version: int) -> Validated:
+    """Generate every prompt's responses (a multi-turn run: trajectories of ``agent``) from weight version
+    ``version`` and score them."""
     started = time.perf_counter()
-    generated, _ = await generation.generate(rollout_set, prompts, settings.sampling, settings.seed, version, timeout_s,
-                                             notices, f"the validation of step {step}")
+    agent_metrics: dict[str, float] = {}
+    if agent is None:
+        generated, _ = await generation.generate(rollout_set, prompts, settings.sampling, settings.seed, version,
+                                                 timeout_s, notices, f"the validation of step {step}")
+    else:
+        generated, _, agent_metrics = await generation.generate_trajectories(agent, prompts, settings.sampling,
+                                                                             settings.seed, version, timeout_s)
     scoring = await generation.score(reward_set, generated, tokenizer, notices, f"the validation of step {step}")
     metrics = await asyncio.to_thread(validation_metrics, prompt_results(scoring))
-    metrics |= {"val/weight_version": float(version), "timing_s/testing": time.perf_counter() - started}
+    metrics |= {"val/weight_version": float(version), "timing_s/testing": time.perf_counter() - started,
+                **{f"val/{name}": value for name, value in agent_metrics.items()}}
     return Validated(step, version, metrics, sample_records(scoring))
 
 
@@ -68,12 +76,12 @@ class Validations:
     and the next weight sync waits for it (``finish``)."""
 
     def __init__(self, *, settings: ValidationSettings | None, total_steps: int, prompts: list[Prompt],
-                 rollout_set: RolloutSet, reward_set: RewardSet, tokenizer, notices: ValidationNotices,
-                 timeout_s: float):
+                 rollout_set: RolloutSet, reward_set: RewardSet, agent: AgentLoop | None, tokenizer,
+                 notices: ValidationNotices, timeout_s: float):
         """``settings``: None for a run without held-out prompts (it never validates); ``prompts``: the held-out
-        ones."""
+        ones; ``agent``: a multi-turn run's agent loop (None: one response per prompt)."""
         self.settings, self.total_steps, self.prompts = settings, total_steps, prompts
-        self.rollout_set, self.reward_set, self.tokenizer = rollout_set, reward_set, tokenizer
+        self.rollout_set, self.reward_set, self.agent, self.tokenizer = rollout_set, reward_set, agent, tokenizer
         self.notices, self.timeout_s = notices, timeout_s
         self.in_progress: asyncio.Task | None = None  # a validation generating on the rollouts
 
@@ -90,7 +98,8 @@ class Validations:
             validated = await run_validation(
                 settings=self.settings,  # type: ignore[arg-type]  # started only for a run with held-out prompts
                 prompts=self.prompts, rollout_set=self.rollout_set,
-                reward_set=self.reward_set, tokenizer=self.tokenizer, notices=self.notices, timeout_s=self.timeout_s,
+                reward_set=self.reward_set, agent=self.agent, tokenizer=self.tokenizer, notices=self.notices,
+                timeout_s=self.timeout_s,
                 step=step, version=self.rollout_set.served)
             self.notices.validation(validated)
 

@@ -69,7 +69,8 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         return env_pb2.CloseResponse(closed=closed)
 
     async def Info(self, request, context):
-        return env_pb2.EnvInfo(identity=self.identity, open_episodes=self.episodes.open_count, environments=[
+        return env_pb2.EnvInfo(identity=self.identity, open_episodes=self.episodes.open_count,
+                               workers=self.config.workers, environments=[
             env_pb2.EnvironmentInfo(
                 name=name, source=environment.environment or "tools",
                 tools=[env_pb2.ToolInfo(name=tool.name, schema_json=json.dumps(tool.tool_schema))

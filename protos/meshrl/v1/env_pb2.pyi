@@ -86,11 +86,13 @@ class EnvironmentInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolInfo, _Mapping]]] = ...) -> None: ...
 
 class EnvInfo(_message.Message):
-    __slots__ = ("identity", "environments", "open_episodes")
+    __slots__ = ("identity", "environments", "open_episodes", "workers")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
     OPEN_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     identity: _common_pb2.ServiceIdentity
     environments: _containers.RepeatedCompositeFieldContainer[EnvironmentInfo]
     open_episodes: int
-    def __init__(self, identity: _Optional[_Union[_common_pb2.ServiceIdentity, _Mapping]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentInfo, _Mapping]]] = ..., open_episodes: _Optional[int] = ...) -> None: ...
+    workers: int
+    def __init__(self, identity: _Optional[_Union[_common_pb2.ServiceIdentity, _Mapping]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentInfo, _Mapping]]] = ..., open_episodes: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...

@@ -207,7 +207,7 @@ class Mesh:
                                stop, 60.0, connect=self.rewards.__getitem__)
         self.loop = PPOLoop(run_id="run", settings=loop_settings(config), config_yaml="",
                             trainers=None if only else Trainers(self.trainer, None, None), rollout_set=rollout_set,
-                            reward_set=reward_set, prompts=[] if only else PROMPTS, val_prompts=list(val_prompts),
+                            reward_set=reward_set, env_set=None, prompts=[] if only else PROMPTS, val_prompts=list(val_prompts),
                             tokenizer=TOKENIZER, reporter=self.reporter, should_stop=stop,
                             checkpoint_dir=tmp_path / "checkpoints")
 
