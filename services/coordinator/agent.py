@@ -311,7 +311,7 @@ def trajectory_batch(trajectories: list[Trajectory]) -> SequenceBatch:
     prompt_ids, prompt_lens = join_ragged([torch.tensor(t.prompt_ids) for t in trajectories], torch.int64)
     response_ids, response_lens = join_ragged([torch.tensor(t.response_ids, dtype=torch.int64)
                                                for t in trajectories], torch.int64)
-    mask, _ = join_ragged([torch.tensor(t.loss_mask, dtype=torch.int64) for t in trajectories], torch.int64)
+    mask, _ = join_ragged([torch.tensor(t.loss_mask, dtype=torch.bool) for t in trajectories], torch.bool)
     return SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens, response_ids=response_ids,
                          response_lens=response_lens, loss_mask=mask)
 

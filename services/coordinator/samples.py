@@ -11,7 +11,8 @@ Choices:
 - A response's advantage is the mean over its response tokens: every token's own for the outcome estimators
   (GRPO, RLOO, REINFORCE++), the average of GAE's per-token ones.
 - ``group`` numbers the step's prompts: the responses of one prompt (one GRPO group) share it.
-- A multi-turn trajectory's ``output`` is its final model turn (what the reward service scored); ``turns``
+- A multi-turn trajectory's ``output`` is its final model turn (what the reward service scored), its
+  ``score`` that score plus its weighted environment rewards (``env_reward`` unweighted); ``turns``
   lists every turn: the model's (trained, with the weight version that sampled it) and the tools' or
   environment's replies (not trained, with the tool that answered and the seconds the step took).
 """
@@ -35,7 +36,7 @@ def step_records(step: int, rollouts: Rollouts, served: int, advantages: torch.T
         version = int(rollouts.versions[row])
         records.append({
             "step": step, "input": sample.prompt, "output": sample.response, "gts": sample.ground_truth,
-            "score": scored.score, "data_source": sample.data_source, "acc": scored.acc, "pred": scored.pred,
+            "score": float(rollouts.scores[row]), "data_source": sample.data_source, "acc": scored.acc, "pred": scored.pred,
             "valid": scored.valid, "error": scored.error,
             "reward_components": [{"name": name, "weight": weight, "value": value}
                                   for name, weight, value in scored.components],

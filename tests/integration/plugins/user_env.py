@@ -59,3 +59,20 @@ class GuessNumber:
         hint = "higher" if guess < self.secret else "lower"
         return {"messages": [{"role": "user", "content": hint}], "done": self.guesses >= self.tries,
                 "info": {"guesses": self.guesses}}
+
+
+class Countdown:
+    """Answers every model turn with "again" (reward 0.25 a step) until the third, which ends the episode: any
+    model, trained or not, goes three turns with it."""
+
+    def __init__(self, turns: int = 3):
+        self.turns = turns
+
+    def reset(self, row: dict) -> list[dict]:
+        self.steps = 0
+        return []
+
+    def step(self, message: dict) -> dict:
+        self.steps += 1
+        done = self.steps >= self.turns
+        return {"messages": [] if done else [{"role": "user", "content": "again"}], "reward": 0.25, "done": done}
