@@ -111,6 +111,7 @@ class TurnDispatcher:
         self.turns: Counter = Counter()  # replica address -> turns it sampled
         self.tokens: Counter = Counter()  # replica address -> tokens it sampled
         self._tasks: set[asyncio.Task] = set()
+        self._refreshing = asyncio.Lock()  # one wait for the rollouts at a time, whichever turn found none
 
     async def sample(self, ids: list[int], room: int, seed_index: int, prefer: RolloutClient | None) -> Sampled:
         """One turn after ``ids``: at most ``room`` tokens, seeded from ``seed_index``, sampled on ``prefer``
@@ -127,7 +128,9 @@ class TurnDispatcher:
     async def _queue(self, request: _TurnRequest, prefer: RolloutClient | None) -> None:
         replicas = self._replicas()
         while not replicas:
-            await self.rollout_set.refresh()  # every rollout left: wait for the group's, with the current weights
+            async with self._refreshing:
+                if not self._replicas():
+                    await self.rollout_set.refresh()  # every rollout left: wait for the group's, with the weights
             replicas = self._replicas()
         untried = [r for r in replicas if r.address not in request.tried] or replicas
         replica = prefer if prefer in untried else min(
@@ -207,11 +210,14 @@ class AgentLoop:
         dispatcher = TurnDispatcher(self.rollout_set, sampling, seed, oldest, timeout_s, self.settings.calls_in_flight)
         tools = self.env_set.tools(self.settings.environment)
         try:
-            results = await asyncio.gather(*(
-                self.trajectory(prompt, index * sampling.n + j, tools, dispatcher)
-                for index, prompt in enumerate(prompts) for j in range(sampling.n)))
+            async with asyncio.TaskGroup() as group:  # one failing for good cancels the others (their episodes close)
+                tasks = [group.create_task(self.trajectory(prompt, index * sampling.n + j, tools, dispatcher))
+                         for index, prompt in enumerate(prompts) for j in range(sampling.n)]
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
         finally:
             await dispatcher.close()
+        results = [task.result() for task in tasks]
         return [t for t, _ in results], [trace for _, trace in results], dispatcher
 
     async def trajectory(self, prompt: Prompt, index: int, tools: tuple[dict, ...],
@@ -273,8 +279,8 @@ class AgentLoop:
                 break
             trajectory, messages, replies = extend(trajectory, reply), reply.messages, replies + 1
             seconds = episode.seconds / max(1, episode.steps)
-            records.extend(TurnRecord("reply", m["content"], 0, False, None, m.get("name", ""), seconds)
-                           for m in step.messages)
+            records.extend(TurnRecord("reply", str(m.get("content", "")), 0, False, None, str(m.get("name", "")),
+                                      seconds) for m in reply.messages[len(reply.messages) - len(step.messages):])
             records[-1] = records[-1]._replace(tokens=len(reply.ids))  # the reply's ids, template tokens included
         trace = AgentTrace(turns=tuple(records), final_text=final_text, env_reward=env_reward,
                            episode_service=episode.service, rollouts=tuple(used),

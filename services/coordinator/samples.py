@@ -36,8 +36,8 @@ def step_records(step: int, rollouts: Rollouts, served: int, advantages: torch.T
         version = int(rollouts.versions[row])
         records.append({
             "step": step, "input": sample.prompt, "output": sample.response, "gts": sample.ground_truth,
-            "score": float(rollouts.scores[row]), "data_source": sample.data_source, "acc": scored.acc, "pred": scored.pred,
-            "valid": scored.valid, "error": scored.error,
+            "score": float(rollouts.scores[row]), "data_source": sample.data_source, "acc": scored.acc,
+            "pred": scored.pred, "valid": scored.valid, "error": scored.error,
             "reward_components": [{"name": name, "weight": weight, "value": value}
                                   for name, weight, value in scored.components],
             "weight_version": version, "last_weight_version": int(rollouts.last_versions[row]),
