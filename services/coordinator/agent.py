@@ -239,6 +239,10 @@ class AgentLoop:
         template_kwargs = {"tools": list(tools)} if tools else {}
         messages: tuple[Mapping[str, Any], ...] = (*prompt.messages, *episode.opening)
         prompt_ids = await asyncio.to_thread(render_prompt, tokenizer, messages, template_kwargs)
+        if len(prompt_ids) > settings.max_prompt_length:
+            raise ValueError(f"a prompt rendered with the environment's tools and opening messages has "
+                             f"{len(prompt_ids)} tokens, over data.max_prompt_length={settings.max_prompt_length} "
+                             f"(row {prompt.extra_info.get('index', '?')} of {prompt.data_source})")
         trajectory = Trajectory(prompt_ids, settings.max_response_length)
         records: list[TurnRecord] = []
         calls: Counter = Counter()

@@ -66,6 +66,7 @@ class AgentSettings:
     truncate_side: str  # the side of an over-long reply that is kept: left, right, middle
     env_reward_weight: float  # score = reward service's + this times the environment's step rewards
     max_response_length: int  # every token after the prompt, the model's and the replies'
+    max_prompt_length: int  # of the prompt as rendered with the environment's tools and opening messages
     calls_in_flight: int  # Generate calls at once per rollout replica (hf: 1, its engine runs one at a time)
 
 
@@ -145,7 +146,8 @@ def agent_settings(config: RunConfig) -> AgentSettings | None:
         environment=turns.environment, max_assistant_turns=turns.max_assistant_turns,
         max_user_turns=turns.max_user_turns, max_reply_tokens=turns.max_tool_response_length,
         truncate_side=turns.tool_response_truncate_side, env_reward_weight=turns.env_reward_weight,
-        max_response_length=config.data.max_response_length, calls_in_flight=1 if rollout.name == "hf" else 64)
+        max_response_length=config.data.max_response_length, max_prompt_length=config.data.max_prompt_length,
+        calls_in_flight=1 if rollout.name == "hf" else 64)
 
 
 def validation_settings(config: RunConfig) -> ValidationSettings | None:

@@ -102,6 +102,10 @@ def load_run_data(config: RunConfig) -> RunData:
         raise ValueError(f"actor_rollout_ref.model.path: the tokenizer in {model.path} cannot be loaded "
                          f"({type(error).__name__}: {error})") from None
 
+    if config.actor_rollout_ref.rollout.multi_turn.enable and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"actor_rollout_ref.rollout.multi_turn.enable: the tokenizer in {model.path} has no chat "
+                         "template, and a multi-turn run renders its turns and the tools' replies with it")
+
     def load(files: list[str]) -> tuple[list[Prompt], int]:
         return load_prompts(files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length,
                             overlong_rule(config))

@@ -96,3 +96,33 @@ def test_a_multi_turn_run_trains_on_trajectories_whose_replies_are_masked(agent_
         reply_tokens = sum(t["tokens"] for t in record["turns"] if not t["trained"])
         assert model_tokens + reply_tokens == record["response_length"]
         assert record["output"] == record["turns"][-1]["text"]
+
+
+def test_a_multi_turn_run_without_a_chat_template_is_refused_before_anything_starts(agent_cluster, tiny_model,
+                                                                                     reverse_data, tmp_path):
+    import grpc
+
+    from services.coordctl.control import CoordinatorClient
+
+    async def start():
+        client = CoordinatorClient(agent_cluster.coordinator)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.start_run(agent_config(tiny_model, reverse_data, tmp_path / "samples"))
+            return refused.value, await client.list_runs()
+        finally:
+            await client.close()
+
+    refused, runs = asyncio.run(start())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "actor_rollout_ref.rollout.multi_turn.enable" in refused.details()
+    assert "no chat template" in refused.details()
+
+
+def test_a_run_naming_an_environment_no_env_service_hosts_fails_naming_what_they_host(agent_cluster, chat_model,
+                                                                                      reverse_data, tmp_path):
+    config = yaml.safe_load(agent_config(chat_model, reverse_data, agent_cluster.state_dir / "chess-samples"))
+    config["actor_rollout_ref"]["rollout"]["multi_turn"]["environment"] = "chess"
+    final, _, _ = asyncio.run(run_to_end(agent_cluster.coordinator, yaml.safe_dump(config)))
+    assert final.state == "failed"
+    assert "multi_turn.environment = 'chess'" in final.error and "countdown" in final.error
