@@ -225,7 +225,8 @@ class AgentLoop:
         """One trajectory, started again from its prompt where its env replica fails."""
         for restarts in range(EPISODE_ATTEMPTS):
             try:
-                async with self.env_set.episode(episode_row(prompt), self.settings.environment) as episode:
+                async with self.env_set.episode(episode_row(prompt), self.settings.environment,
+                                                self.settings.max_parallel_calls) as episode:
                     trajectory, trace = await self.turns(prompt, index, tools, episode, dispatcher)
                     return trajectory, replace(trace, restarts=restarts)
             except EnvLost as error:

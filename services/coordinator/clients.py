@@ -373,11 +373,14 @@ class EnvClient:
             environments={e.name: tuple(json.loads(tool.schema_json) for tool in e.tools) for e in info.environments},
             workers=info.workers)
 
-    async def reset(self, episode_id: str, row: dict, environment: str, timeout: float) -> list[Message]:
-        """Open an episode of ``environment`` on ``row``: the messages it adds before the model's first turn."""
+    async def reset(self, episode_id: str, row: dict, environment: str, max_parallel_calls: int,
+                    timeout: float) -> list[Message]:
+        """Open an episode of ``environment`` on ``row`` (at most ``max_parallel_calls`` tool calls run per turn):
+        the messages it adds before the model's first turn."""
         async with self._conn.slot():
-            reply = await self._stub.Reset(env_pb2.ResetRequest(episode_id=episode_id, row_json=json.dumps(row),
-                                                                env_name=environment), timeout=timeout)
+            reply = await self._stub.Reset(env_pb2.ResetRequest(
+                episode_id=episode_id, row_json=json.dumps(row), env_name=environment,
+                max_parallel_calls=max_parallel_calls), timeout=timeout)
         return [message_of(m) for m in reply.messages]
 
     async def step(self, episode_id: str, content: str, timeout: float) -> EnvStep:

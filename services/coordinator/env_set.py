@@ -154,13 +154,14 @@ class EnvSet:
             self._changed.notify_all()
 
     @contextlib.asynccontextmanager
-    async def episode(self, row: dict, environment: str) -> AsyncIterator[Episode]:
-        """An episode of ``environment`` on ``row``, open for the ``with`` body and closed after it."""
+    async def episode(self, row: dict, environment: str, max_parallel_calls: int) -> AsyncIterator[Episode]:
+        """An episode of ``environment`` on ``row`` (at most ``max_parallel_calls`` tool calls run per turn), open
+        for the ``with`` body and closed after it."""
         replica = await self._take()
         episode_id = uuid.uuid4().hex
         try:
             try:
-                opening = await replica.client.reset(episode_id, row, environment, self.timeout_s)
+                opening = await replica.client.reset(episode_id, row, environment, max_parallel_calls, self.timeout_s)
             except grpc.aio.AioRpcError as error:
                 raise lost(replica, error) from error
             yield Episode(replica, episode_id, opening, self.timeout_s)

@@ -62,6 +62,7 @@ class AgentSettings:
     environment: str  # which environment of the env services runs the episodes
     max_assistant_turns: int | None  # None: as many as the response length holds
     max_user_turns: int | None  # replies; None: no bound but the response length
+    max_parallel_calls: int  # tool calls run of one model turn (the env service's own bound applies too)
     max_reply_tokens: int  # of one tool or environment reply
     truncate_side: str  # the side of an over-long reply that is kept: left, right, middle
     env_reward_weight: float  # score = reward service's + this times the environment's step rewards
@@ -144,7 +145,8 @@ def agent_settings(config: RunConfig) -> AgentSettings | None:
         return None
     return AgentSettings(
         environment=turns.environment, max_assistant_turns=turns.max_assistant_turns,
-        max_user_turns=turns.max_user_turns, max_reply_tokens=turns.max_tool_response_length,
+        max_user_turns=turns.max_user_turns, max_parallel_calls=turns.max_parallel_calls,
+        max_reply_tokens=turns.max_tool_response_length,
         truncate_side=turns.tool_response_truncate_side, env_reward_weight=turns.env_reward_weight,
         max_response_length=config.data.max_response_length, max_prompt_length=config.data.max_prompt_length,
         calls_in_flight=1 if rollout.name == "hf" else 64)

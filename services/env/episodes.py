@@ -55,7 +55,8 @@ def build(name: str, environment: EnvironmentConfig, limits: ToolLimits, report)
 def _serve(config: EnvServiceConfig, connection: Connection, parent_pid: int) -> None:
     """A worker: die with the service; answer each command until None or the service's end of the pipe closes.
 
-    ("reset", env name, row) builds a new environment and resets it; ("step", message dict) steps it; ("close",)
+    ("reset", env name, row, max parallel calls) builds a new environment (its tool calls per step bounded by the
+    smaller of that, when positive, and the service's) and resets it; ("step", message dict) steps it; ("close",)
     drops it. Each answer is ("done", value) or ("error", text), after any ("calling", tool) and ("reply",
     Message) that a tool environment's step reports."""
     die_with_parent(parent_pid, signal.SIGKILL)
@@ -66,7 +67,9 @@ def _serve(config: EnvServiceConfig, connection: Connection, parent_pid: int) ->
         while (command := connection.recv()) is not None:
             try:
                 if command[0] == "reset":
-                    environment = build(command[1], config.environments[command[1]], limits,
+                    bound = min(limits.max_parallel_calls, command[3]) if command[3] > 0 else limits.max_parallel_calls
+                    environment = build(command[1], config.environments[command[1]],
+                                        limits._replace(max_parallel_calls=bound),
                                         lambda kind, value: connection.send((kind, value)))
                     answer: Any = as_messages(environment.reset(command[2]))
                 elif command[0] == "step":
@@ -92,6 +95,7 @@ class Episode:
     env_name: str
     row: dict
     worker: Worker
+    max_parallel_calls: int  # the caller's bound on tool calls per step (0: the service's)
     steps: int = 0
     closed: bool = False  # its worker went back (a call that waited for the lock meanwhile must not use it)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time on its worker
@@ -132,8 +136,9 @@ class Episodes:
     def open_count(self) -> int:
         return len(self._open)
 
-    def reset(self, episode_id: str, env_name: str, row: dict) -> list[Message]:
-        """Open the episode on an idle worker: the environment's first messages. ValueError for an unknown
+    def reset(self, episode_id: str, env_name: str, row: dict, max_parallel_calls: int = 0) -> list[Message]:
+        """Open the episode on an idle worker: the environment's first messages; ``max_parallel_calls`` (> 0)
+        lowers the service's bound on the tool calls run per step for this episode. ValueError for an unknown
         environment or an environment that fails to reset; FailedPrecondition for an id already open;
         ResourceExhausted when every worker holds an episode."""
         if env_name not in self.config.environments:
@@ -147,10 +152,10 @@ class Episodes:
             if episode_id in self._open:
                 self._idle.put(worker)
                 raise FailedPrecondition(f"episode {episode_id!r} is open already")
-            episode = self._open[episode_id] = Episode(env_name, row, worker)
+            episode = self._open[episode_id] = Episode(env_name, row, worker, max_parallel_calls)
         with episode.lock:
             try:
-                return self._call(episode, ("reset", env_name, row))
+                return self._call(episode, ("reset", env_name, row, max_parallel_calls))
             except CallFailed as failed:
                 self._forget(episode_id, episode, replace=True)
                 raise ValueError(f"environment {env_name} could not reset: {failed}") from None
@@ -179,7 +184,7 @@ class Episodes:
             return StepResult(messages=[], done=True, info=info)
         reply = Message("tool", f"error: {failed}", failed.tool)
         try:
-            self._call(episode, ("reset", episode.env_name, episode.row))
+            self._call(episode, ("reset", episode.env_name, episode.row, episode.max_parallel_calls))
         except CallFailed as again:
             return StepResult(messages=[*failed.replies, reply], done=True, info={**info, "reset_error": str(again)})
         return StepResult(messages=[*failed.replies, reply], info={**info, "restarted": True})

@@ -46,7 +46,8 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         if not request.episode_id:
             raise ValueError("episode_id is empty")
         row = row_from_json(request.row_json, self.config.max_message_chars)
-        messages = await asyncio.to_thread(self.episodes.reset, request.episode_id, request.env_name, row)
+        messages = await asyncio.to_thread(self.episodes.reset, request.episode_id, request.env_name, row,
+                                           max(0, request.max_parallel_calls))
         telemetry.EPISODES.inc()
         telemetry.OPEN_EPISODES.set(self.episodes.open_count)
         return env_pb2.ResetResponse(messages=[message_to_pb(m) for m in messages],

@@ -171,6 +171,25 @@ def test_tools_that_hang_raise_or_return_garbage_get_error_replies_and_the_servi
     assert len(huge_replies) == 9  # max_parallel_calls (8) and one error for the rest
 
 
+def test_a_reset_can_lower_the_tool_calls_run_per_turn_and_the_bound_survives_a_fresh_worker(env_cluster):
+    four = call("lookup", {"key": "a"}) * 4
+
+    async def episode(stub):
+        await stub.Reset(env_pb2.ResetRequest(episode_id="p1", row_json="{}", env_name="user_tools",
+                                              max_parallel_calls=2), timeout=30)
+        first = await stub.Step(env_pb2.StepRequest(episode_id="p1", message=assistant(four)), timeout=30)
+        hung = await stub.Step(env_pb2.StepRequest(episode_id="p1", message=assistant(call("hangs", {}))), timeout=30)
+        after = await stub.Step(env_pb2.StepRequest(episode_id="p1", message=assistant(four)), timeout=30)
+        await stub.Close(env_pb2.CloseRequest(episode_id="p1"), timeout=30)
+        return first, hung, after
+
+    first, hung, after = with_env(env_cluster.coordinator, episode)
+    assert json.loads(hung.info_json)["restarted"]  # the episode went on in a fresh worker
+    for step in (first, after):
+        replies = [m.content for m in step.messages]
+        assert replies[:2] == ["1", "1"] and len(replies) == 3 and "4 tool calls in one turn" in replies[2]
+
+
 @pytest.mark.skipif(not SANDBOXED, reason=f"no code sandbox here: {check_sandbox()}")
 def test_the_code_interpreter_runs_code_sandboxed(env_cluster):
     code = ("print(6 * 7)\n"

@@ -18,14 +18,16 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("episode_id", "row_json", "env_name")
+    __slots__ = ("episode_id", "row_json", "env_name", "max_parallel_calls")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROW_JSON_FIELD_NUMBER: _ClassVar[int]
     ENV_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_PARALLEL_CALLS_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     row_json: str
     env_name: str
-    def __init__(self, episode_id: _Optional[str] = ..., row_json: _Optional[str] = ..., env_name: _Optional[str] = ...) -> None: ...
+    max_parallel_calls: int
+    def __init__(self, episode_id: _Optional[str] = ..., row_json: _Optional[str] = ..., env_name: _Optional[str] = ..., max_parallel_calls: _Optional[int] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ("messages", "service_id")

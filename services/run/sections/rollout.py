@@ -52,8 +52,8 @@ class MultiTurnConfig(Section):
     max_user_turns: PositiveInt | None = None
     """Most tool or environment replies of a trajectory; null = no bound but the response length (verl's key)."""
     max_parallel_calls: PositiveInt = 1
-    """Tool calls run of one model turn; the env service answers the others with an error reply (verl's key;
-    the env service's own max_parallel_calls bounds it too)."""
+    """Tool calls run of one model turn; the env service answers the others with one error reply (verl's key;
+    the smaller of this and the env service's own max_parallel_calls applies)."""
     max_tool_response_length: PositiveInt = 256
     """Tokens kept of one tool or environment reply (verl counts characters), cut as
     tool_response_truncate_side says with verl's "(truncated)" marker."""
