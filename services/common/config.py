@@ -24,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field
 
-from services.common.limits import MAX_NESTING, MAX_WAIT_S, MAX_YAML_CHARS, StreamLimits
+from services.common.limits import MAX_WAIT_S, StreamLimits
+from services.common.request_text import yaml_value
 
 
 class ConfigError(ValueError):
@@ -41,21 +42,13 @@ Model = TypeVar("Model", bound=pydantic.BaseModel)
 
 
 def parse_yaml(text: str, what: str) -> Any:
-    """``text`` read as YAML by the safe loader (no tag builds an object or runs code); ConfigError naming
-    ``what`` if it is not YAML, is longer than MAX_YAML_CHARS or
-    nests deeper than MAX_NESTING (which would overflow the loader's stack)."""
-    if len(text) > MAX_YAML_CHARS:
-        raise ConfigError(f"{what} is {len(text)} characters long, more than {MAX_YAML_CHARS}")
+    """``text`` read as YAML by the safe loader (no tag builds an object or runs code) within the limits of a
+    request's YAML (``request_text.yaml_value``: its length, nesting and aliases); ConfigError naming ``what``
+    otherwise."""
     try:
-        depth = 0
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events: no recursion, however deep
-            depth += isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
-            depth -= isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent))
-            if depth > MAX_NESTING:
-                raise ConfigError(f"{what} nests deeper than {MAX_NESTING} levels")
-        return yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{what} is not valid YAML: {error}") from None
+        return yaml_value(text, what)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -199,7 +192,8 @@ class ServeConfig(Section):
     log_level: str = "info"
     """Least severe level logged, a Python logging level name in any case: debug, info, warning, error."""
     grace_s: float = Field(10.0, ge=0)
-    """On SIGTERM, how long calls in flight may take to finish."""
+    """On SIGTERM, how long calls in flight may take to finish. The service then releases what it holds and exits;
+    one still running 5 s later (a thread stuck in a call that does not return) exits at once, with code 1."""
     response_write_timeout_s: float = Field(60.0, gt=0, le=MAX_WAIT_S)
     """Seconds a streamed response (Generate, ComputeLogProbs, WatchRun, ...) may wait for its client to take
     the next message; a client that stops reading longer has its call ended with DEADLINE_EXCEEDED and the

@@ -9,7 +9,6 @@ docs/operations/request-limits.md lists them all. A streamed request is counted 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
@@ -27,7 +26,10 @@ MAX_NESTING = 64
 sample's extra_info (a dataset row holds a few levels; far deeper overflows a parser's stack)."""
 MAX_YAML_CHARS = 64 << 10
 """The longest YAML a request may carry (a whole run config written out is about 4 KB; pure-Python YAML reads
-about 100 KB a second)."""
+about 100 KB a second). Its aliases and interpolations count, written out in full (``request_text``)."""
+MAX_YAML_PARSE_S = 10.0
+"""The longest reading one request's YAML may take (a whole run config takes a few milliseconds; the longest YAML
+allowed, about a second)."""
 MESSAGE_FLOOR_BYTES = 1024
 """Each message of a request stream counts at least this much against its byte limit, so a stream of empty
 messages is bounded too."""
@@ -69,19 +71,3 @@ def nesting_depth(value) -> int:
         depth += 1
         level = [child for v in containers for child in (v.values() if isinstance(v, dict) else v)]
     return depth
-
-
-def json_object(text: str, field: str) -> dict:
-    """``text`` read as a JSON object nested at most MAX_NESTING deep; ValueError naming ``field`` otherwise."""
-    too_deep = f"{field} nests deeper than {MAX_NESTING} levels"
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{field} is not valid JSON: {error.msg}") from None
-    except RecursionError:
-        raise ValueError(too_deep) from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{field} must be a JSON object")
-    if nesting_depth(value) > MAX_NESTING:
-        raise ValueError(too_deep)
-    return value

@@ -22,7 +22,11 @@ which:
    process's cluster token ends the service (exit code 2), as retrying
    cannot mend the token;
 3. on SIGTERM or SIGINT, marks itself NOT_SERVING, deregisters, lets the
-   calls in flight finish within the grace period and exits.
+   calls in flight finish within the grace period, releases what it holds
+   and exits; a process still there RELEASE_S after the grace period (a
+   thread stuck in a call that does not return: a read of a hung mount, a
+   collective whose peer is gone) logs which threads hold it and exits at
+   once with code 1.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
@@ -55,6 +60,10 @@ from services.common.rpc import SERVER_OPTIONS, open_channel
 from services.common.telemetry import MetricsServer, RpcMetricsInterceptor
 
 PROTOCOL_VERSION = 1
+RELEASE_S = 5.0
+"""After the grace period of a stop, how long a service may take to release what it holds (engines, channels, its
+run DB) before it exits at once, whatever its threads are doing."""
+OVERDUE_EXIT_CODE = 1
 REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 Config = TypeVar("Config", bound=ServeConfig)
 log = structlog.get_logger()
@@ -188,6 +197,7 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
                  if endpoint.coordinator else None)
     await stop.wait()
     log.info("stopping", grace_s=endpoint.grace_s)
+    exit_after(endpoint.grace_s + RELEASE_S)
     await health_servicer.enter_graceful_shutdown()
     if heartbeat is not None:
         await asyncio.wait({heartbeat})
@@ -198,6 +208,20 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     log.info("stopped")
     if heartbeat is not None:
         heartbeat.result()  # raises TokenRefused if that is what stopped us
+
+
+def exit_after(seconds: float) -> None:
+    """End the process ``seconds`` from now unless it has ended by then, from a daemon thread: a thread busy in a
+    call that does not return cannot hold it (Python waits for every worker thread when it exits)."""
+
+    def overdue() -> None:
+        busy = [thread.name for thread in threading.enumerate() if not thread.daemon and thread.is_alive()]
+        log.error("stop_overdue", seconds=seconds, busy_threads=busy)
+        os._exit(OVERDUE_EXIT_CODE)
+
+    timer = threading.Timer(seconds, overdue)
+    timer.daemon = True
+    timer.start()
 
 
 def _bind(server: grpc.aio.Server, endpoint: Endpoint, credentials: grpc.ServerCredentials | None) -> int:

@@ -20,9 +20,10 @@ from typing import AsyncIterator
 import grpc
 import structlog
 
-from services.common.config import apply_overrides, parse_yaml, to_yaml, validate
+from services.common.config import apply_overrides, to_yaml, validate
 from services.common.errors import FailedPrecondition, NotFound
 from services.common.paths import inside
+from services.common.request_text import request_yaml
 from services.run.checks import RunData, check_loggers_installed, load_run_data
 from services.run.config import RunConfig
 from services.coordinator.disk import refused_by_state_dir
@@ -38,10 +39,9 @@ FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
 
 
 def parse_run_config(config_yaml: str) -> RunConfig:
-    data = parse_yaml(config_yaml, "run config") or {}
-    if not isinstance(data, dict):
-        raise ValueError("run config must be a mapping")
-    config = validate(RunConfig, apply_overrides(data, []))  # its ${...} interpolations resolved
+    """StartRun's run config, read within the limits of a request's YAML (``request_text.request_yaml``), its
+    ${...} interpolations resolved; ValueError naming the field or the limit."""
+    config = validate(RunConfig, apply_overrides(request_yaml(config_yaml, "run config"), []))
     config.require_paths()
     return config
 

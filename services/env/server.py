@@ -12,7 +12,8 @@ import json
 import structlog
 
 from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc
-from services.common.limits import check_at_most, json_object
+from services.common.limits import check_at_most
+from services.common.request_text import json_object
 from services.env import telemetry
 from services.env.config import EnvServiceConfig
 from services.env.environment import Message
@@ -45,7 +46,7 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
     async def Reset(self, request, context):
         if not request.episode_id:
             raise ValueError("episode_id is empty")
-        row = row_from_json(request.row_json, self.config.max_message_chars)
+        row = await asyncio.to_thread(row_from_json, request.row_json, self.config.max_message_chars)  # off the loop
         messages = await asyncio.to_thread(self.episodes.reset, request.episode_id, request.env_name, row,
                                            max(0, request.max_parallel_calls))
         telemetry.EPISODES.inc()

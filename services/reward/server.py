@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.common.limits import json_object
+from services.common.request_text import json_object
 from services.reward import telemetry
 from services.reward.config import RewardServiceConfig
 from services.reward.scoring import Sample, Scorer
@@ -32,6 +32,10 @@ def sample_from_pb(sample: reward_pb2.Sample, index: int) -> Sample:
     return Sample(sample.data_source, sample.response, sample.ground_truth, extra_info_of(sample, index), sample.prompt)
 
 
+def samples_from_pb(samples) -> list[Sample]:
+    return [sample_from_pb(sample, index) for index, sample in enumerate(samples)]
+
+
 class RewardServicer(reward_pb2_grpc.RewardServicer):
     def __init__(self, config: RewardServiceConfig, identity: common_pb2.ServiceIdentity):
         self.config = config
@@ -41,7 +45,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         self._batches = asyncio.Semaphore(config.max_concurrent_batches)
 
     async def Score(self, request, context):
-        samples = [sample_from_pb(s, i) for i, s in enumerate(request.samples)]
+        samples = await asyncio.to_thread(samples_from_pb, request.samples)  # their JSON read off the loop
         loop = asyncio.get_running_loop()
         size = max(1, -(-len(samples) // self.config.score_threads))  # one slice of the batch per thread
         async with self._batches:

@@ -34,7 +34,8 @@ from typing import NamedTuple
 import structlog
 import torch
 
-from services.common.config import parse_yaml, validate
+from services.common.config import validate
+from services.common.request_text import request_yaml
 from services.common.errors import FailedPrecondition
 from services.run.config import RunConfig
 from services.common.sequences import SequenceBatch
@@ -107,8 +108,9 @@ def check_roles(roles: list[str]) -> None:
 
 
 def parse_run_config(run_config_yaml: str) -> RunConfig:
-    """InitRun's run config; ConfigError naming the field it refuses."""
-    return validate(RunConfig, parse_yaml(run_config_yaml, "run_config_yaml") or {}, "run_config_yaml")
+    """InitRun's run config, read within the limits of a request's YAML (``request_text.request_yaml``);
+    ValueError naming the field it refuses or the limit it passes."""
+    return validate(RunConfig, request_yaml(run_config_yaml, "run_config_yaml"), "run_config_yaml")
 
 
 def build_roles(run_id: str, config: RunConfig, roles: list[str], seed: int, ranks: Ranks) -> Roles:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from services.common.errors import ResourceExhausted
-from services.common.limits import (MAX_NESTING, MAX_WAIT_S, check_at_most, check_temperature, check_wait, json_object,
+from services.common.limits import (MAX_WAIT_S, check_at_most, check_temperature, check_wait,
                                     nesting_depth)
 
 
@@ -42,12 +42,3 @@ def test_nesting_depth_counts_levels_of_lists_and_objects():
     assert nesting_depth({"a": 1}) == 1
     assert nesting_depth({"a": [1], "b": {"c": [[]]}}) == 4
     assert nesting_depth(json.loads('{"a": ' + "[" * 9 + "]" * 9 + "}")) == 10
-
-
-@pytest.mark.parametrize(("text", "message"), [
-    ("{", "row_json is not valid JSON"), ("[1]", "row_json must be a JSON object"),
-    ('{"a": ' + "[" * MAX_NESTING + "]" * MAX_NESTING + "}", f"row_json nests deeper than {MAX_NESTING} levels"),
-    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", f"row_json nests deeper than {MAX_NESTING} levels")])
-def test_a_json_object_that_is_none_or_too_deep_is_refused_naming_the_field(text: str, message: str):
-    with pytest.raises(ValueError, match=message):
-        json_object(text, "row_json")
