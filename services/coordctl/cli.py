@@ -2,6 +2,7 @@
 
     coordctl start-run --local                       # the embedded default, all on this machine
     coordctl start-run run.yaml data.train_batch_size=64 --coordinator host:7070
+    coordctl start-run actor_rollout_ref.model.path=M data.train_files=F ...   # verl's main_ppo overrides as typed
     coordctl start-run --local --dry-run             # the resolved config and what would start
     coordctl init FOLDER                             # a run config, model, data and token to start services by hand
     coordctl runs | status RUN | watch RUN | stop RUN | resume RUN | services
@@ -32,7 +33,8 @@ from services.run.config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient, RunStatus
 from services.coordctl.follow import begin_and_follow, print_eval, print_summary, read_metrics, run_local
-from services.coordctl.resolve import checked, local_services, plan, readable_here, resolve_config
+from services.coordctl.resolve import (checked, hydra_config_file, local_services, plan, readable_here,
+                                      resolve_config)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Control a meshrl coordinator.")
 DEFAULT_COORDINATOR = "127.0.0.1:7070"
@@ -157,15 +159,22 @@ def start_run(
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and what would start; start "
                                                           "nothing"),
     state_dir: Optional[Path] = typer.Option(None, help="--local: folder for the run DB, runs and logs"),
+    config_path: Optional[str] = typer.Option(None, "--config-path", "-cp",
+                                              help="Hydra's (verl's): the folder of --config-name (default: here)"),
+    config_name: Optional[str] = typer.Option(None, "--config-name", "-cn",
+                                              help="Hydra's (verl's): the run config file NAME[.yaml] in "
+                                                   "--config-path, as CONFIG.yaml"),
 ) -> None:
-    """Start a run and follow it to the end (Ctrl-C stops it at a step boundary). With --local: on this machine,
-    from the embedded default (a CONFIG.yaml given too is laid over it). The config, the model folder and the
-    data are checked before anything starts."""
+    """Start a run and follow it to the end (Ctrl-C stops it at a step boundary). The overrides apply to
+    CONFIG.yaml, or with none to meshrl's defaults (as verl's main_ppo applies them to its own). With --local: on
+    this machine, from the embedded default (a CONFIG.yaml given too is laid over it). The config, the model
+    folder and the data are checked before anything starts."""
     started = time.monotonic()
     if local:
         refuse_local_with(context, detach)
     try:
-        config, local_config = resolve_config(list(args or []), local)
+        config_file = hydra_config_file(config_path, config_name)
+        config, local_config = resolve_config(list(args or []), local, config_file)
         data = None
         if local or readable_here(config):
             config, data = checked(config)

@@ -27,20 +27,36 @@ def merge(base: dict, top: dict) -> dict:
     return merged
 
 
-def resolve_config(args: list[str], local: bool) -> tuple[RunConfig, LocalConfig | None]:
+def hydra_config_file(config_path: str | None, config_name: str | None) -> str | None:
+    """The config file Hydra's ``--config-path DIR --config-name NAME`` pair names, as verl's scripts give it:
+    DIR/NAME, with .yaml added unless NAME ends in .yaml or .yml (DIR: the current folder if not given); None
+    without a --config-name. ConfigError naming the file if there is none."""
+    if config_name is None:
+        if config_path is not None:
+            raise ConfigError(f"--config-path {config_path} names the folder of a --config-name: give both")
+        return None
+    name = config_name if config_name.endswith((".yaml", ".yml")) else f"{config_name}.yaml"
+    path = Path(config_path or ".") / name
+    if not path.is_file():
+        raise ConfigError(f"--config-name {config_name}: there is no config file {path}")
+    return str(path)
+
+
+def resolve_config(args: list[str], local: bool,
+                   config_file: str | None = None) -> tuple[RunConfig, LocalConfig | None]:
     """The run config from an optional YAML file and overrides, and (with ``local``) the ``local`` section;
     ConfigError naming the field if bad.
 
-    With ``local``, the file and overrides are laid over the embedded default, and their ``local`` section
-    (what to build, how to start the services) is taken off before the rest is validated as the run config;
-    the model and data it names are built if missing, and unless trainer.save_freq is given the run saves a
-    checkpoint of its last step (what ``coordctl export`` reads)."""
-    files = [a for a in args if "=" not in a and not a.startswith("~")]
+    The file is the one argument that is not an override, or ``config_file`` (``hydra_config_file``); with
+    neither, the overrides apply to meshrl's defaults (those of RunConfig), as verl's main_ppo applies them to
+    its own. With ``local``, the file and overrides are laid over the embedded default, and their ``local``
+    section (what to build, how to start the services) is taken off before the rest is validated as the run
+    config; the model and data it names are built if missing, and unless trainer.save_freq is given the run
+    saves a checkpoint of its last step (what ``coordctl export`` reads)."""
+    files = [a for a in args if "=" not in a and not a.startswith("~")] + ([config_file] if config_file else [])
     overrides = [a for a in args if "=" in a or a.startswith("~")]
     if len(files) > 1:
         raise ConfigError(f"one config file at most, got {files}")
-    if not files and not local:
-        raise ConfigError("give a run config file, or --local for the embedded default")
     data = read_yaml(files[0]) if files else {}
     if local:  # a file given with --local is laid over the embedded default
         data = merge(default_config(), data)

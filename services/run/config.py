@@ -174,6 +174,13 @@ class RunConfig(Section):
         if placement:
             notices.append(", ".join(f"{key}={value}" for key, value in placement.items()) + ": verl's Ray "
                            "placement; meshrl uses the services that registered with the coordinator")
+        if rollout.name in ("sglang", "sglang_async"):
+            notices.append(f"actor_rollout_ref.rollout.name={rollout.name}: meshrl has no SGLang engine; the run "
+                           "samples with the engine of its rollout services (their setting engine=hf|vllm)")
+        if self.actor_rollout_ref.hybrid_engine is not None:
+            notices.append(f"actor_rollout_ref.hybrid_engine={self.actor_rollout_ref.hybrid_engine}: verl's actor "
+                           "and rollout in one process; meshrl's rollouts are services of their own (on the "
+                           "trainer's GPUs with rollout.free_cache_engine)")
         if trainer.use_legacy_worker_impl is not None:
             notices.append(f"trainer.use_legacy_worker_impl={trainer.use_legacy_worker_impl}: meshrl has one "
                            "worker implementation")

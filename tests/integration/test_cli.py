@@ -20,8 +20,10 @@ import pytest
 import yaml
 
 from services.coordctl.control import CoordinatorClient
+from services.run.config import RunConfig
 from tests.integration.test_grpo_run import run_config, run_to_end
 from tests.logger_files import tensorboard_scalars
+from tests.unit.run.test_verl_configs import GRPO_SCRIPT, as_the_shell_passes
 
 COORDCTL = [sys.executable, "-m", "services.coordctl.cli"]
 
@@ -248,3 +250,39 @@ def test_the_services_table_shows_each_services_host_gpu_version_and_weights_aft
     assert rows["reward"]["WEIGHTS"] == "-"
     header, *lines = listed.stdout.splitlines()
     assert {line.index(" up ") + 1 for line in lines} == {header.index("STATE")}  # aligned under its header
+
+
+def test_a_verl_command_line_with_no_config_file_plans_a_run_on_meshrls_defaults_without_a_coordinator():
+    """verl's GRPO GSM8K script with SGLang, as typed after `coordctl start-run --dry-run` instead of
+    `python3 -m verl.trainer.main_ppo`: exit 0, the resolved config shown (each key the script leaves out at
+    meshrl's default), what meshrl does not use said once each, and no coordinator asked (none answers there)."""
+    typed = as_the_shell_passes(GRPO_SCRIPT.replace("rollout.name=vllm", "rollout.name=sglang"))
+    planned = coordctl("start-run", "--dry-run", "--coordinator", "127.0.0.1:9", *typed,
+                       "actor_rollout_ref.hybrid_engine=True")
+    assert planned.returncode == 0, planned.stderr
+    shown = yaml.safe_load(planned.stdout.split("# not read here")[0])
+    assert (shown["algorithm"]["adv_estimator"], shown["actor_rollout_ref"]["rollout"]["n"]) == ("grpo", 5)
+    assert shown["actor_rollout_ref"]["rollout"]["name"] == "sglang"
+    assert shown["trainer"]["rpc_timeout_s"] == RunConfig().trainer.rpc_timeout_s  # not in the script
+    for note in ("# note: actor_rollout_ref.rollout.name=sglang: meshrl has no SGLang engine",
+                 "# note: actor_rollout_ref.hybrid_engine=True: verl's actor and rollout in one process",
+                 "# note: trainer.n_gpus_per_node=8, trainer.nnodes=1: verl's Ray placement"):
+        assert planned.stdout.count(note) == 1, planned.stdout
+    assert "# would send it to the coordinator at 127.0.0.1:9" in planned.stdout
+
+
+def test_hydras_config_path_and_name_name_the_run_config_and_a_missing_one_is_named(tmp_path):
+    folder = tmp_path / "config"
+    folder.mkdir()
+    (folder / "gsm8k_grpo.yaml").write_text(yaml.safe_dump({
+        "actor_rollout_ref": {"model": {"path": "/models/qwen"}, "rollout": {"n": 3}},
+        "data": {"train_files": "/data/train.parquet", "train_batch_size": 16}}))
+    planned = coordctl("start-run", "--dry-run", f"--config-path={folder}", "--config-name=gsm8k_grpo",
+                       "data.max_prompt_length=64")
+    assert planned.returncode == 0, planned.stderr
+    shown = yaml.safe_load(planned.stdout.split("# not read here")[0])
+    assert (shown["actor_rollout_ref"]["rollout"]["n"], shown["data"]["train_batch_size"],
+            shown["data"]["max_prompt_length"]) == (3, 16, 64)
+    missing = coordctl("start-run", "--dry-run", "--config-path", str(folder), "--config-name", "gsm8k_ppo")
+    assert missing.returncode == 2
+    assert f"--config-name gsm8k_ppo: there is no config file {folder / 'gsm8k_ppo.yaml'}" in missing.stderr

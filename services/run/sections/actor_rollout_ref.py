@@ -63,3 +63,6 @@ class ActorRolloutRefConfig(Section):
     """Sampling, and the rollout-side settings of the trainer's logprob passes."""
     ref: RefConfig = RefConfig()
     """The reference policy (used with actor.use_kl_loss or algorithm.use_kl_in_reward)."""
+    hybrid_engine: bool | None = None
+    """verl's actor and rollout in one process (its only mode). meshrl's rollouts are services of their own,
+    which may share the trainer's GPUs (rollout.free_cache_engine); reported as not used."""

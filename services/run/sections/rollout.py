@@ -81,8 +81,11 @@ class MultiTurnConfig(Section):
 
 
 class RolloutConfig(Section):
-    name: Literal["hf", "vllm"] = "hf"
-    """Engine the rollout services must run; checked against what registered."""
+    name: Literal["hf", "vllm", "sglang", "sglang_async"] = "hf"
+    """verl's choice of rollout engine. A meshrl run samples with the engine each rollout service was started with
+    (python -m services.rollout engine=hf|vllm); with vllm, coordctl start-run --local passes
+    gpu_memory_utilization and tensor_model_parallel_size on to the rollout it starts. meshrl has no SGLang
+    engine: sglang and sglang_async (verl's multi-turn scripts) are accepted and reported as not used."""
     n: PositiveInt = 8
     """Responses sampled per prompt."""
     temperature: float = Field(1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False)

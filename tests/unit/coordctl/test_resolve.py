@@ -1,4 +1,5 @@
-"""CPU tests of the services ``coordctl start-run --local`` starts (services/coordctl/resolve.py local_services)."""
+"""CPU tests of services/coordctl/resolve.py: the run config coordctl start-run resolves from what is typed, and
+the services --local starts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from services.common.config import ConfigError, validate
 from services.run.config import RunConfig
 from services.coordctl.config import LocalConfig
 from services.coordctl.local import ServiceSpec
-from services.coordctl.resolve import local_services, resolve_config
+from services.coordctl.resolve import hydra_config_file, local_services, resolve_config
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -45,3 +46,41 @@ def test_the_local_default_saves_its_last_step_unless_told_otherwise(tmp_path, m
     monkeypatch.setenv("MESHRL_CACHE", str(tmp_path))
     config, _ = resolve_config(args, local=True)
     assert config.trainer.save_freq == save_freq
+
+
+def test_overrides_with_no_config_file_apply_to_meshrls_defaults():
+    """As verl's main_ppo applies a script's overrides to its default config: every key not given is RunConfig's."""
+    config, local = resolve_config(["actor_rollout_ref.model.path=/models/m", "data.train_files=/data/train.parquet",
+                                    "actor_rollout_ref.rollout.n=5"], local=False)
+    assert local is None
+    expected = RunConfig().model_dump()
+    expected["actor_rollout_ref"]["model"]["path"] = "/models/m"
+    expected["actor_rollout_ref"]["rollout"]["n"] = 5
+    expected["data"]["train_files"] = ["/data/train.parquet"]
+    assert config.model_dump() == expected
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.path: no model folder given"):
+        resolve_config(["data.train_files=/data/train.parquet"], local=False)
+
+
+@pytest.mark.parametrize("name", ["mine", "mine.yaml"])
+def test_hydras_config_path_and_name_name_the_file_as_the_positional_argument_does(tmp_path, name):
+    folder = tmp_path / "config"
+    folder.mkdir()
+    (folder / "mine.yaml").write_text("actor_rollout_ref: {model: {path: /models/m}}\n"
+                                      "data: {train_files: [/data/train.parquet], train_batch_size: 16}\n")
+    config_file = hydra_config_file(str(folder), name)
+    assert config_file == str(folder / "mine.yaml")
+    named, _ = resolve_config(["data.max_prompt_length=64"], local=False, config_file=config_file)
+    positional, _ = resolve_config([str(folder / "mine.yaml"), "data.max_prompt_length=64"], local=False)
+    assert named == positional
+    assert (named.data.train_batch_size, named.data.max_prompt_length) == (16, 64)
+    with pytest.raises(ConfigError, match="one config file at most"):
+        resolve_config([str(folder / "mine.yaml")], local=False, config_file=config_file)
+
+
+def test_a_config_name_that_is_not_there_names_the_file_it_looked_for(tmp_path):
+    with pytest.raises(ConfigError, match=rf"--config-name ppo: there is no config file {tmp_path}/ppo.yaml"):
+        hydra_config_file(str(tmp_path), "ppo")
+    with pytest.raises(ConfigError, match=f"--config-path {tmp_path} names the folder of a --config-name"):
+        hydra_config_file(str(tmp_path), None)
+    assert hydra_config_file(None, None) is None

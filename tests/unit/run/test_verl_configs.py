@@ -159,3 +159,23 @@ def test_hydra_add_remove_and_interpolation():
 def test_verls_never_saving_is_only_at_a_stop_here():
     config = load_config(RunConfig, None, ["trainer.save_freq=-1"])
     assert loop_settings(config).save_freq == 0
+
+
+@pytest.mark.parametrize("engine", ["sglang", "sglang_async"])
+def test_verls_sglang_and_hybrid_engine_are_accepted_and_each_said_once_as_not_used(engine):
+    """verl's multi-turn scripts choose SGLang and say hybrid_engine=True; meshrl samples with its rollout services'
+    engine and runs them as services of their own, and says so once each."""
+    config = load_config(RunConfig, None, [f"actor_rollout_ref.rollout.name={engine}",
+                                           "actor_rollout_ref.hybrid_engine=True"])
+    assert config.actor_rollout_ref.rollout.name == engine and config.actor_rollout_ref.hybrid_engine
+    notices = config.notices()
+    [named] = [notice for notice in notices if "rollout.name" in notice]
+    assert named.startswith(f"actor_rollout_ref.rollout.name={engine}: meshrl has no SGLang engine; the run samples "
+                            "with the engine of its rollout services")
+    [hybrid] = [notice for notice in notices if "hybrid_engine" in notice]
+    assert hybrid.startswith("actor_rollout_ref.hybrid_engine=True: verl's actor and rollout in one process")
+    assert not any("rollout.name" in notice or "hybrid_engine" in notice
+                   for notice in load_config(RunConfig, None, ["actor_rollout_ref.rollout.name=vllm"]).notices())
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.name: Input should be 'hf', 'vllm', 'sglang' "
+                                          r"or 'sglang_async'"):
+        load_config(RunConfig, None, ["actor_rollout_ref.rollout.name=trtllm"])
