@@ -40,8 +40,10 @@ FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
 
 def parse_run_config(config_yaml: str) -> RunConfig:
     """StartRun's run config, read within the limits of a request's YAML (``request_text.request_yaml``), its
-    ${...} interpolations resolved; ValueError naming the field or the limit."""
-    config = validate(RunConfig, apply_overrides(request_yaml(config_yaml, "run config"), []))
+    ${...} interpolations resolved (by OmegaConf, which takes seconds for the longest YAML allowed: only where
+    there are some); ValueError naming the field or the limit."""
+    data = request_yaml(config_yaml, "run config")
+    config = validate(RunConfig, apply_overrides(data, []) if "${" in config_yaml else data)
     config.require_paths()
     return config
 

@@ -123,15 +123,18 @@ def reader_waits(fifo: Path) -> int | None:
 
 
 def test_a_service_stops_within_its_grace_period_whatever_its_threads_are_doing(tmp_path, tiny_model):
-    """A StartRun whose data file never ends (a pipe that nobody writes, as a file on a hung mount reads) holds
-    one of the coordinator's threads for good; SIGTERM still ends the coordinator, grace_s + RELEASE_S later, naming
-    the thread; the trainer beside it, idle, stops within its grace period as it always did."""
+    """After the alias bomb, a StartRun whose data file never ends (a pipe that nobody writes, as a file on a hung
+    mount reads) holds one of the coordinator's threads for good; SIGTERM still ends the coordinator, grace_s +
+    RELEASE_S later, naming the thread; the trainer beside it, idle, stops within its grace period."""
     fifo = tmp_path / "train.jsonl"
     os.mkfifo(fifo)
     cluster = start(tmp_path)
     writers: list[int] = []
 
     async def hold_a_thread_then_stop():
+        trainer = await trainer_address(cluster.coordinator)
+        for address, call in ((cluster.coordinator, "StartRun"), (trainer, "InitRun")):
+            assert (await send(address, call, alias_bomb()))[0] == grpc.StatusCode.INVALID_ARGUMENT
         start_run = asyncio.ensure_future(send(cluster.coordinator, "StartRun", run_config(tiny_model, fifo)))
         deadline = time.monotonic() + ANSWER_S
         while not writers and time.monotonic() < deadline:
