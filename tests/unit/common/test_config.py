@@ -148,7 +148,7 @@ def test_every_bad_field_is_named():
 @pytest.mark.parametrize(("override", "field"), [
     ("data.train_batch_size=abc", "data.train_batch_size"),
     ("data.train_batch_size=0", "data.train_batch_size"),
-    ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
+    ("actor_rollout_ref.rollout.name=trtllm", "actor_rollout_ref.rollout.name"),
     ("actor_rollout_ref.actor.optim.betas=[0.9]", "actor_rollout_ref.actor.optim.betas"),
     ("actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.top_p"),
     ("actor_rollout_ref.rollout.partial_rollout=resume", "actor_rollout_ref.rollout.partial_rollout"),
