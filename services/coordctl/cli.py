@@ -500,6 +500,25 @@ def reward_set(
     typer.echo(f"run {run.run_id}: reward swap accepted; it applies at the next step boundary")
 
 
+env_app = typer.Typer(no_args_is_help=True, help="The env services of a running multi-turn run.")
+app.add_typer(env_app, name="env")
+
+
+@env_app.command("set")
+def env_set(
+    run_id: str,
+    group: str = typer.Option("", "--group", help="switch to every env service up in this group"),
+    address: str = typer.Option("", "--address", help="switch to the env service at host:port"),
+    coordinator: str = COORDINATOR,
+) -> None:
+    """Switch a running multi-turn run to other env services at its next step boundary (after each hosts the run's
+    environment and opens and closes a probe episode on one of its rows)."""
+    if bool(group) == bool(address):
+        raise typer.BadParameter("give exactly one of --group or --address")
+    run = call(coordinator, "set_env", run_id, group, address)
+    typer.echo(f"run {run.run_id}: env swap accepted; it applies at the next step boundary")
+
+
 @app.command("services")
 def services(coordinator: str = COORDINATOR) -> None:
     """Every service registered with the coordinator: its host, kind, group and address, its GPUs, the meshrl

@@ -90,6 +90,10 @@ class CoordinatorClient:
         request = coordinator_pb2.SetRewardRequest(run_id=run_id, group=group, address=address)
         return status_from_pb(await self._stub.SetReward(request, timeout=TIMEOUT_S))
 
+    async def set_env(self, run_id: str, group: str = "", address: str = "") -> RunStatus:
+        request = coordinator_pb2.SetEnvRequest(run_id=run_id, group=group, address=address)
+        return status_from_pb(await self._stub.SetEnv(request, timeout=TIMEOUT_S))
+
     async def watch(self, run_id: str, after_event_id: int = 0) -> AsyncIterator[RunUpdate]:
         """The run's events after ``after_event_id`` (0: all of them), then live ones, until the run ends."""
         request = coordinator_pb2.GetRunRequest(run_id=run_id, after_event_id=after_event_id)

@@ -37,7 +37,7 @@ from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
 from services.common.sequences import SequenceBatch, join_ragged
 from services.coordinator.clients import RolloutClient
-from services.coordinator.env_set import EnvLost, EnvSet, Episode
+from services.coordinator.env_set import EnvFleet, EnvLost, EnvSet, Episode
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import AgentSettings, Sampling
 from services.coordinator.turns import (CannotExtend, OverBudget, SampledTokens, Trajectory, extend, render_prompt,
@@ -203,16 +203,19 @@ class AgentLoop:
         self.rollout_set, self.env_set, self.settings = rollout_set, env_set, settings
         self.tokenizer, self.notices = tokenizer, notices
 
-    async def run(self, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int,
-                  timeout_s: float) -> tuple[list[Trajectory], list[AgentTrace], TurnDispatcher]:
+    async def run(self, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int, timeout_s: float,
+                  what: str) -> tuple[list[Trajectory], list[AgentTrace], TurnDispatcher]:
         """``sampling.n`` trajectories per prompt (trajectory i*n+j is sample j of prompt i), each of its model
-        turns sampled from weight versions >= ``oldest``."""
+        turns sampled from weight versions >= ``oldest``, their episodes on the env replicas the run has as the
+        batch (``what``: "step 5") begins."""
         dispatcher = TurnDispatcher(self.rollout_set, sampling, seed, oldest, timeout_s, self.settings.calls_in_flight)
-        tools = self.env_set.tools(self.settings.environment)
         try:
-            async with asyncio.TaskGroup() as group:  # one failing for good cancels the others (their episodes close)
-                tasks = [group.create_task(self.trajectory(prompt, index * sampling.n + j, tools, dispatcher))
-                         for index, prompt in enumerate(prompts) for j in range(sampling.n)]
+            async with self.env_set.batch(what) as fleet:
+                tools = fleet.tools(self.settings.environment)
+                async with asyncio.TaskGroup() as group:  # one failing for good cancels the others (episodes close)
+                    tasks = [group.create_task(self.trajectory(prompt, index * sampling.n + j, tools, dispatcher,
+                                                               fleet))
+                             for index, prompt in enumerate(prompts) for j in range(sampling.n)]
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0] from None
         finally:
@@ -220,13 +223,14 @@ class AgentLoop:
         results = [task.result() for task in tasks]
         return [t for t, _ in results], [trace for _, trace in results], dispatcher
 
-    async def trajectory(self, prompt: Prompt, index: int, tools: tuple[dict, ...],
-                         dispatcher: TurnDispatcher) -> tuple[Trajectory, AgentTrace]:
-        """One trajectory, started again from its prompt where its env replica fails."""
+    async def trajectory(self, prompt: Prompt, index: int, tools: tuple[dict, ...], dispatcher: TurnDispatcher,
+                         fleet: EnvFleet) -> tuple[Trajectory, AgentTrace]:
+        """One trajectory on a replica of its batch's ``fleet``, started again from its prompt where its env replica
+        fails."""
         for restarts in range(EPISODE_ATTEMPTS):
             try:
                 async with self.env_set.episode(episode_row(prompt), self.settings.environment,
-                                                self.settings.max_parallel_calls) as episode:
+                                                self.settings.max_parallel_calls, fleet) as episode:
                     trajectory, trace = await self.turns(prompt, index, tools, episode, dispatcher)
                     return trajectory, replace(trace, restarts=restarts)
             except EnvLost as error:

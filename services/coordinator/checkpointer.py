@@ -3,8 +3,8 @@ checkpoints/step_N/<roles>, and the loop's own state, which the run DB records w
 
 Choices:
 - The loop's state after step s is the data sampler as it was right after step s's batch was drawn (generation
-  may have run ahead since), the KL coefficient and the reward target: a run resumed from it draws the batches
-  it would have drawn.
+  may have run ahead since), the KL coefficient and the reward target (and a multi-turn run's env target): a run
+  resumed from it draws the batches it would have drawn, on the services it had.
 - A save a trainer's disk refuses (full, read-only) makes the run wait, saying so, and is tried again every
   SAVE_RETRY_S until the disk takes it (or the run is stopped); a checkpoint a trainer refuses to load (damaged:
   its manifest does not match its files) gives way to the one before it.
@@ -18,9 +18,11 @@ from typing import Callable, NamedTuple, Protocol
 
 from services.coordinator.clients import CheckpointRefused, TrainerClient
 from services.coordinator.disk import DiskRefused, trainer_disk_fault
-from services.coordinator.reward_set import RewardSet, RewardTarget
+from services.coordinator.env_set import EnvSet
+from services.coordinator.reward_set import RewardSet
 from services.coordinator.sampler import PromptSampler
 from services.coordinator.store import Checkpoint
+from services.coordinator.targets import ServiceTarget
 from services.coordinator.waiting import retry_while
 
 SAVE_RETRY_S = 2.0  # a checkpoint save its disk refused is tried again this often (each try writes until refused)
@@ -51,11 +53,12 @@ class Restored(NamedTuple):
 
 class Checkpointer:
     def __init__(self, *, run_id: str, roles: dict[TrainerClient, list[str]], actor: TrainerClient,
-                 sampler: PromptSampler, reward_set: RewardSet, notices: CheckpointNotices,
+                 sampler: PromptSampler, reward_set: RewardSet, env_set: EnvSet | None, notices: CheckpointNotices,
                  should_stop: Callable[[], bool], folder: Path, timeout_s: float):
-        """``roles``: each trainer's roles (none for a run that only validates, which saves nothing);
-        ``folder``: where the run's checkpoints go."""
+        """``roles``: each trainer's roles (none for a run that only validates, which saves nothing); ``env_set``:
+        a multi-turn run's (None: a single-turn run); ``folder``: where the run's checkpoints go."""
         self.run_id, self.roles, self.actor, self.sampler, self.reward_set = run_id, roles, actor, sampler, reward_set
+        self.env_set = env_set
         self.notices, self.should_stop, self.folder, self.timeout_s = notices, should_stop, folder, timeout_s
         self.saved_step = 0  # last step checkpointed (or resumed from)
         self.data_after: dict[int, dict] = {}  # step -> the data sampler's state right after its batch was drawn
@@ -69,9 +72,13 @@ class Checkpointer:
 
     def loop_state(self, step: int, kl_coef: float) -> dict:
         """What the coordinator must keep to go on after step ``step``: the data sampler as it was right after
-        that step's batch was drawn (it may have run ahead since), the KL coefficient, the reward target."""
+        that step's batch was drawn (it may have run ahead since), the KL coefficient, the reward target and a
+        multi-turn run's env target."""
         target = self.reward_set.target
-        return {**self.data_after[step], "kl_coef": kl_coef, "reward_target": [target.kind, target.name]}
+        state = {**self.data_after[step], "kl_coef": kl_coef, "reward_target": [target.kind, target.name]}
+        if self.env_set is not None:
+            state["env_target"] = [self.env_set.target.kind, self.env_set.target.name]
+        return state
 
     async def save(self, step: int, kl_coef: float) -> None:
         """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step. A save
@@ -112,7 +119,9 @@ class Checkpointer:
                 resume = earlier
         state = resume.loop_state
         self.sampler.epoch, self.sampler.position = state["epoch"], state["position"]
-        self.reward_set.restore(RewardTarget(*state["reward_target"]))
+        self.reward_set.restore(ServiceTarget(*state["reward_target"]))
+        if self.env_set is not None and "env_target" in state:  # a checkpoint from before env swaps has none
+            self.env_set.restore(ServiceTarget(*state["env_target"]))
         self.saved_step = resume.step
         self.notices.log(f"resumed from the checkpoint of step {resume.step}")
         return Restored(versions[list(roles).index(self.actor)], state["kl_coef"])

@@ -1,14 +1,22 @@
-"""A run's env replicas: the env services of its placement group, and the episodes they hold for it.
+"""A run's env replicas: the env services of its target (``placement.env``, or where a swap sent it), and the
+episodes they hold for it.
 
 Mirrors the reward set, for services that keep state per episode:
-- The run uses the env services up in ``placement.env``; ``refresh`` (at each step boundary) follows them as
-  they come and go, asking each new one what it hosts (``Info``) and how many episodes it can hold open.
+- The run uses the env services up in its target (a group, or one address); ``refresh`` (at each step boundary)
+  follows them as they come and go, asking each new one what it hosts (``Info``) and how many episodes it can
+  hold open.
 - An episode (``episode``) is opened on the replica with the most free workers, waiting while every one is
   full, and closed when the trajectory ends, whatever its outcome. A replica whose call fails as unreachable
   is dropped (the trajectory starts its episode again on another: ``EnvLost``); one that left is taken back
   at a boundary once it is up again.
 - ``tools(environment)``: the OpenAI schemas of an environment's tools, as its replicas host them (what the
   chat template renders into the prompt).
+- A swap (``swap``, from ``coordctl env set``) is probed first: each new service must say (``Info``) that it
+  hosts the run's environment, and open and close an episode of it on one of the run's rows, or the swap is
+  refused and the run keeps its services. An accepted swap applies at the next step boundary. A batch opens
+  every episode on the replicas that were the run's when it began (``batch``: generated ahead, it may still
+  run on the services swapped out, which are closed once it ends), so the swap's event names the first batch
+  the new services run.
 """
 
 from __future__ import annotations
@@ -22,11 +30,14 @@ from typing import Callable
 
 import grpc
 
+from services.common.errors import FailedPrecondition
 from services.common.rpc import is_retryable
 from services.coordinator.clients import EnvClient, EnvDescription, EnvStep, Message
+from services.coordinator.targets import ServiceTarget
 from services.coordinator.waiting import Notices, wait_for
 
 DESCRIBE_TIMEOUT_S = 5.0  # an env service that does not say what it hosts this fast is not used yet
+SWAP_PROBE_TIMEOUT_S = 15.0  # of each call of a swap's probe
 
 
 class EnvLost(Exception):
@@ -87,26 +98,13 @@ class Episode:
             self.seconds += loop.time() - started
 
 
-def lost(replica: EnvReplica, error: grpc.aio.AioRpcError) -> Exception:
-    """EnvLost for a failure that says the replica is gone; the error itself for one that is the request's."""
-    if is_retryable(error):
-        return EnvLost(f"env {replica.address}: {error.code().name}: {error.details()}")
-    return error
+@dataclass(eq=False)
+class EnvFleet:
+    """The env replicas of one target; the episodes of a batch begun on it are opened there."""
 
-
-class EnvSet:
-    def __init__(self, group: str, find: Callable[[str], list[str]], notices: Notices,
-                 should_stop: Callable[[], bool], timeout_s: float, connect: Callable[[str], EnvClient] = EnvClient):
-        """``find(group)``: the addresses of the group's env services up now; ``timeout_s``: of each Reset and
-        Step call (a tool call is bounded by the env service's own call_timeout_s, well within it)."""
-        self.group, self.find, self.connect = group, find, connect
-        self.notices, self.should_stop, self.timeout_s = notices, should_stop, timeout_s
-        self.replicas: list[EnvReplica] = []
-        self.left: dict[str, str] = {}  # address -> why it was dropped
-        self._changed = asyncio.Condition()
-
-    def addresses(self) -> list[str]:
-        return [replica.address for replica in self.replicas]
+    target: ServiceTarget
+    replicas: list[EnvReplica]
+    batches: int = 0  # batches running on it now
 
     def tools(self, environment: str) -> tuple[dict, ...]:
         """The tool schemas of ``environment``; ValueError if no replica hosts it, naming what they host."""
@@ -115,25 +113,120 @@ class EnvSet:
                 return replica.description.environments[environment]
         hosted = sorted({name for r in self.replicas for name in r.description.environments})
         raise ValueError(f"actor_rollout_ref.rollout.multi_turn.environment = {environment!r}: no env service of "
-                         f"group {self.group!r} hosts it (they host: {', '.join(hosted) or 'nothing'})")
+                         f"{self.target} hosts it (they host: {', '.join(hosted) or 'nothing'})")
+
+
+@dataclass(frozen=True)
+class EnvProbe:
+    """What each service of a swap must do before the run takes it: host ``environment``, and open and close an
+    episode of it on ``row`` (one of the run's rows, as an episode gets it, with the run's ``max_parallel_calls``)."""
+
+    environment: str
+    row: dict
+    max_parallel_calls: int
+
+
+async def probe(client: EnvClient, env_probe: EnvProbe) -> EnvDescription:
+    """What the service at ``client`` hosts; ValueError (naming the service and what it hosts) unless it hosts the
+    probe's environment, or a call's error if the probe episode fails to open or close."""
+    description = await client.describe(SWAP_PROBE_TIMEOUT_S)
+    if env_probe.environment not in description.environments:
+        hosted = ", ".join(sorted(description.environments)) or "nothing"
+        raise ValueError(f"env {client.address} ({description.service_id}) does not host the run's environment "
+                         f"{env_probe.environment!r} (it hosts: {hosted})")
+    episode_id = f"probe-{uuid.uuid4().hex}"
+    await client.reset(episode_id, env_probe.row, env_probe.environment, env_probe.max_parallel_calls,
+                       SWAP_PROBE_TIMEOUT_S)
+    await client.close_episode(episode_id, SWAP_PROBE_TIMEOUT_S)
+    return description
+
+
+def lost(replica: EnvReplica, error: grpc.aio.AioRpcError) -> Exception:
+    """EnvLost for a failure that says the replica is gone; the error itself for one that is the request's."""
+    if is_retryable(error):
+        return EnvLost(f"env {replica.address}: {error.code().name}: {error.details()}")
+    return error
+
+
+class EnvSet:
+    def __init__(self, target: ServiceTarget, find: Callable[[ServiceTarget], list[str]], notices: Notices,
+                 should_stop: Callable[[], bool], timeout_s: float, connect: Callable[[str], EnvClient] = EnvClient):
+        """``find(target)``: the addresses of the target's env services up now; ``timeout_s``: of each Reset and
+        Step call (a tool call is bounded by the env service's own call_timeout_s, well within it)."""
+        self.find, self.connect = find, connect
+        self.notices, self.should_stop, self.timeout_s = notices, should_stop, timeout_s
+        self.fleet = EnvFleet(target, [])  # the run's: batches begun now open their episodes there
+        self.left: dict[str, str] = {}  # address -> why it was dropped
+        self._next: EnvFleet | None = None  # a swap waiting for the boundary
+        self._switched = False  # a swap was applied: the next batch says that it is the first the new services run
+        self._swapped_out: list[EnvFleet] = []  # fleets swapped out while batches still ran on them
+        self._changed = asyncio.Condition()
+
+    @property
+    def target(self) -> ServiceTarget:
+        return self.fleet.target
+
+    def addresses(self) -> list[str]:
+        """Every replica the run's episodes may be on: its fleet's, and those of fleets swapped out while batches
+        still run on them."""
+        return [replica.address for fleet in (self.fleet, *self._swapped_out) for replica in fleet.replicas]
+
+    def tools(self, environment: str) -> tuple[dict, ...]:
+        """The tool schemas of ``environment`` on the run's replicas (``EnvFleet.tools``)."""
+        return self.fleet.tools(environment)
+
+    async def swap(self, target: ServiceTarget, env_probe: EnvProbe) -> list[str]:
+        """Probe the target's services; if every one passes, batches begun from the next step boundary on open
+        their episodes there. Returns their addresses; FailedPrecondition if none is up, ValueError or a call's
+        error if one fails the probe (the run then keeps its services)."""
+        addresses = self.find(target)
+        if not addresses:
+            raise FailedPrecondition(f"no env service is up in {target}")
+        clients = [self.connect(address) for address in addresses]
+        try:
+            descriptions = await asyncio.gather(*(probe(client, env_probe) for client in clients))
+        except BaseException:
+            await asyncio.gather(*(client.close() for client in clients))
+            raise
+        replaced, self._next = self._next, EnvFleet(target, [EnvReplica(client, description) for client, description
+                                                             in zip(clients, descriptions)])
+        if replaced is not None:  # a second swap before the boundary: the last one named wins
+            await close_clients(replaced)
+        return addresses
 
     async def refresh(self) -> None:
-        """Follow the group's env services: new ones are asked what they host, gone ones dropped; waits (state
+        """At a step boundary: apply an accepted swap, then follow the target's env services (``follow``)."""
+        if self._next is not None:
+            swapped_out, (self.fleet, self._next) = self.fleet, (self._next, None)
+            self._switched = True
+            if swapped_out.batches:
+                self._swapped_out.append(swapped_out)  # closed once its batches end
+            else:
+                await close_clients(swapped_out)
+        await self.follow()
+
+    def restore(self, target: ServiceTarget) -> None:
+        """Go on with the target a checkpoint recorded (taken up at the next refresh)."""
+        self.fleet.target = target
+
+    async def follow(self) -> None:
+        """Follow the target's env services: new ones are asked what they host, gone ones dropped; waits (state
         waiting) while none is up."""
+        fleet = self.fleet
+
         async def answering() -> list[EnvReplica]:
-            known = {replica.address: replica for replica in self.replicas}
-            fresh = [address for address in self.find(self.group) if address not in known]
+            known = {replica.address: replica for replica in fleet.replicas}
+            fresh = [address for address in self.find(fleet.target) if address not in known]
             described = await asyncio.gather(*(self._describe(address) for address in fresh))
-            up = set(self.find(self.group))
-            return [r for r in self.replicas if r.address in up] + [r for r in described if r is not None]
+            up = set(self.find(fleet.target))
+            return [r for r in fleet.replicas if r.address in up] + [r for r in described if r is not None]
 
         replicas = await wait_for(answering, self.notices, self.should_stop,
-                                  f"no env service of group {self.group!r} answers; waiting for one")
-        if {r.address for r in replicas} != set(self.addresses()):
-            self.notices.log(f"env replicas of group {self.group!r}: {sorted(r.address for r in replicas)}",
-                             kind="env")
-        gone = [r for r in self.replicas if r not in replicas and r.open == 0]
-        self.replicas = replicas
+                                  f"no env service of {fleet.target} answers; waiting for one")
+        if {r.address for r in replicas} != {r.address for r in fleet.replicas}:
+            self.notices.log(f"env replicas of {fleet.target}: {sorted(r.address for r in replicas)}", kind="env")
+        gone = [r for r in fleet.replicas if r not in replicas and r.open == 0]
+        fleet.replicas = replicas
         for replica in replicas:
             self.left.pop(replica.address, None)
         await asyncio.gather(*(r.client.close() for r in gone))
@@ -142,22 +235,43 @@ class EnvSet:
 
     async def drop(self, address: str, reason: str) -> None:
         """No further episode goes to the replica at ``address`` (its open ones fail as EnvLost)."""
-        replica = next((r for r in self.replicas if r.address == address), None)
-        if replica is None:
+        found = next(((fleet, r) for fleet in (self.fleet, *self._swapped_out) for r in fleet.replicas
+                      if r.address == address), None)
+        if found is None:
             return
-        self.replicas.remove(replica)
+        fleet, replica = found
+        fleet.replicas.remove(replica)
         replica.gone.set()
         self.left[address] = reason
-        rest = f"its episodes go to {', '.join(self.addresses())}" if self.replicas else "no env service is left"
+        rest = f"its episodes go to {', '.join(self.addresses())}" if self.addresses() else "no env service is left"
         self.notices.log(f"env {address} left the run ({reason}); {rest}", kind="env")
         async with self._changed:
             self._changed.notify_all()
 
     @contextlib.asynccontextmanager
-    async def episode(self, row: dict, environment: str, max_parallel_calls: int) -> AsyncIterator[Episode]:
-        """An episode of ``environment`` on ``row`` (at most ``max_parallel_calls`` tool calls run per turn), open
-        for the ``with`` body and closed after it."""
-        replica = await self._take()
+    async def batch(self, what: str) -> AsyncIterator[EnvFleet]:
+        """The fleet a batch (``what`` names it: "step 5") opens its episodes on: the run's when it begins, for the
+        whole batch. The first batch after a swap says so."""
+        fleet = self.fleet
+        if self._switched:
+            self._switched = False
+            self.notices.log(f"env services switched to {fleet.target} from {what}: the first batch they run",
+                             kind="env")
+        fleet.batches += 1
+        try:
+            yield fleet
+        finally:
+            fleet.batches -= 1
+            if fleet in self._swapped_out and fleet.batches == 0:
+                self._swapped_out.remove(fleet)
+                await close_clients(fleet)
+
+    @contextlib.asynccontextmanager
+    async def episode(self, row: dict, environment: str, max_parallel_calls: int,
+                      fleet: EnvFleet) -> AsyncIterator[Episode]:
+        """An episode of ``environment`` on ``row`` (at most ``max_parallel_calls`` tool calls run per turn), on a
+        replica of the batch's ``fleet``, open for the ``with`` body and closed after it."""
+        replica = await self._take(fleet)
         episode_id = uuid.uuid4().hex
         try:
             try:
@@ -172,25 +286,29 @@ class EnvSet:
             await self._give_back(replica, episode_id)
 
     async def close(self) -> None:
-        await asyncio.gather(*(r.client.close() for r in self.replicas))
+        fleets = [self.fleet, *self._swapped_out, *([self._next] if self._next else [])]
+        await asyncio.gather(*(close_clients(fleet) for fleet in fleets))
 
-    async def _take(self) -> EnvReplica:
-        """The replica with the most free workers, one taken for this episode (waiting while all are full)."""
+    async def _take(self, fleet: EnvFleet) -> EnvReplica:
+        """The replica of ``fleet`` with the most free workers, one taken for this episode (waiting while all are
+        full). A swapped-out fleet with none left gives way to the run's."""
         async with self._changed:
             while True:
-                free = [r for r in self.replicas if r.free > 0]
+                if not fleet.replicas and fleet is not self.fleet:
+                    fleet = self.fleet
+                free = [r for r in fleet.replicas if r.free > 0]
                 if free:
                     replica = max(free, key=lambda r: r.free)
                     replica.open += 1
                     return replica
-                if not self.replicas:
+                if not fleet.replicas:
                     break
                 await self._changed.wait()
-        await self.refresh()  # every replica left: wait for one to come
-        return await self._take()
+        await self.follow()  # every replica left: wait for one to come
+        return await self._take(fleet)
 
     async def _give_back(self, replica: EnvReplica, episode_id: str) -> None:
-        if replica in self.replicas:
+        if any(replica in fleet.replicas for fleet in (self.fleet, *self._swapped_out)):  # it still serves the run
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await replica.client.close_episode(episode_id, timeout=self.timeout_s)
         async with self._changed:
@@ -204,3 +322,7 @@ class EnvSet:
         except grpc.aio.AioRpcError:
             await client.close()
             return None
+
+
+async def close_clients(fleet: EnvFleet) -> None:
+    await asyncio.gather(*(replica.client.close() for replica in fleet.replicas))

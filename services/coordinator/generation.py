@@ -152,10 +152,11 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
 
 
 async def generate_trajectories(agent: AgentLoop, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int,
-                                timeout_s: float) -> tuple[Rollouts, dict[str, int], dict[str, float]]:
+                                timeout_s: float, what: str) -> tuple[Rollouts, dict[str, int], dict[str, float]]:
     """``sampling.n`` trajectories per prompt, their model turns sampled from weight versions >= ``oldest`` (not
-    yet scored); the turns each replica sampled (by address), and the trajectories' metrics."""
-    trajectories, traces, dispatcher = await agent.run(prompts, sampling, seed, oldest, timeout_s)
+    yet scored); the turns each replica sampled (by address), and the trajectories' metrics. ``what`` names the
+    batch ("step 5") in the event of an env swap's first batch."""
+    trajectories, traces, dispatcher = await agent.run(prompts, sampling, seed, oldest, timeout_s, what)
     produced = Rollouts(
         batch=trajectory_batch(trajectories),
         logprobs=torch.tensor([lp for t in trajectories for lp in t.logprobs], dtype=torch.float32),

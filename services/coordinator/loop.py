@@ -51,8 +51,9 @@ from services import algos
 from services.common.sequences import SequenceBatch
 from services.common.timing import StageTimer
 from services.coordinator import generation
-from services.coordinator.agent import AgentLoop
-from services.coordinator.env_set import EnvSet
+from services.common.errors import FailedPrecondition
+from services.coordinator.agent import AgentLoop, episode_row
+from services.coordinator.env_set import EnvProbe, EnvSet
 from services.coordinator.checkpointer import CheckpointNotices, Checkpointer
 from services.coordinator.clients import TrainerClient
 from services.run.data import Prompt
@@ -61,8 +62,9 @@ from services.coordinator.samples import step_records
 from services.coordinator.generation import Rollouts
 from services.coordinator.metrics import data_metrics, rollout_balance
 from services.coordinator.pipeline import Pipeline
-from services.coordinator.reward_set import RewardSet, RewardTarget, probe_samples
+from services.coordinator.reward_set import RewardSet, probe_samples
 from services.coordinator.rollout_set import RolloutSet
+from services.coordinator.targets import ServiceTarget
 from services.coordinator.settings import LoopSettings
 from services.coordinator.store import Checkpoint
 from services.coordinator.validation import ValidationNotices, Validations
@@ -152,7 +154,7 @@ class PPOLoop:
         self.warm_start = WarmStart(settings=settings, actor=actor, prompts=warm_prompts, tokenizer=tokenizer,
                                     notices=reporter, timeout_s=self.timeout)
         self.checkpoints = Checkpointer(run_id=run_id, roles=trainers.roles() if trainers else {}, actor=actor,
-                                        sampler=self.sampler, reward_set=reward_set, notices=reporter,
+                                        sampler=self.sampler, reward_set=reward_set, env_set=env_set, notices=reporter,
                                         should_stop=should_stop, folder=checkpoint_dir, timeout_s=self.timeout)
         self.validations = Validations(settings=settings.validation, total_steps=settings.total_steps,
                                        prompts=val_prompts, rollout_set=rollout_set, reward_set=reward_set,
@@ -392,7 +394,7 @@ class PPOLoop:
                                                                  f"step {step}")
             else:
                 rollouts, by_rollout, trajectories = await generation.generate_trajectories(
-                    self.agent, chosen, self.settings.sampling, seed, oldest, self.timeout)
+                    self.agent, chosen, self.settings.sampling, seed, oldest, self.timeout, f"step {step}")
                 counts |= trajectories
         with timer("reward"):
             scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, self.reporter, f"step {step}")
@@ -434,10 +436,20 @@ class PPOLoop:
             await self.env_set.refresh()
             self.env_set.tools(self.agent.settings.environment)  # ValueError naming what they host
 
-    async def swap_reward(self, target: RewardTarget) -> list[str]:
+    async def swap_reward(self, target: ServiceTarget) -> list[str]:
         """Probe ``target``'s reward services on the run's rows; if every one scores the probe, they score from
         the next step boundary on (``RewardSet.swap``). Returns their addresses."""
         return await self.reward_set.swap(target, probe_samples(self.prompts))
+
+    async def swap_env(self, target: ServiceTarget) -> list[str]:
+        """A multi-turn run: probe ``target``'s env services (each must host the run's environment and open and
+        close an episode of it on one of the run's rows); if every one passes, the batches begun from the next
+        step boundary on run their episodes there (``EnvSet.swap``). Returns their addresses."""
+        if self.agent is None or self.env_set is None:
+            raise FailedPrecondition("the run is not multi-turn (actor_rollout_ref.rollout.multi_turn.enable is "
+                                     "off): it has no env services to swap")
+        settings, row = self.agent.settings, episode_row((self.prompts or self.validations.prompts)[0])
+        return await self.env_set.swap(target, EnvProbe(settings.environment, row, settings.max_parallel_calls))
 
 
 def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollouts, evaluated: Evaluated) -> Estimate:

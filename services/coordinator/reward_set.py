@@ -28,23 +28,13 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.coordinator.clients import RewardClient, RewardSample, ScoredSample
 from services.run.data import Prompt
 from services.coordinator.dispatch import ReplicaPool, map_shards_recovering
+from services.coordinator.targets import ServiceTarget
 from services.coordinator.waiting import Notices, wait_for
 
 SCORING_ATTEMPTS = 3  # a batch scored again after every reward replica failed it, before giving up
 ANSWER_TIMEOUT_S = 2.0  # a reward service that does not answer an empty Score this fast is not waited for
 SWAP_PROBE_SAMPLES = 4
 SWAP_PROBE_TIMEOUT_S = 15.0
-
-
-@dataclass(frozen=True)
-class RewardTarget:
-    """Where a run's rewards come from: every reward service up in a group, or one address."""
-
-    kind: str  # group or address
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.kind} {self.name}"
 
 
 class ScoredBy(NamedTuple):
@@ -85,7 +75,7 @@ async def probe(client: RewardClient, samples: list[RewardSample]) -> None:
 
 
 class RewardSet:
-    def __init__(self, target: RewardTarget, find: Callable[[RewardTarget], list[str]], notices: Notices,
+    def __init__(self, target: ServiceTarget, find: Callable[[ServiceTarget], list[str]], notices: Notices,
                  should_stop: Callable[[], bool], timeout_s: float,
                  connect: Callable[[str], RewardClient] = RewardClient):
         """``find(target)``: the addresses of the target's reward services up now; ``connect``: a client of the
@@ -93,7 +83,7 @@ class RewardSet:
         self.target, self.find, self.connect = target, find, connect
         self.notices, self.should_stop, self.timeout_s = notices, should_stop, timeout_s
         self.clients: list[RewardClient] = [connect(address) for address in find(target)]
-        self._next: tuple[list[RewardClient], RewardTarget] | None = None  # a swap waiting for the boundary
+        self._next: tuple[list[RewardClient], ServiceTarget] | None = None  # a swap waiting for the boundary
         self._switched = False  # a swap was applied: the next score call says which batch it scores first
         self._retired: list[RewardClient] = []  # clients left at the last boundary, closed at the next
         self._pools: weakref.WeakSet[ReplicaPool] = weakref.WeakSet()  # of the batches scoring now: drop reaches them
@@ -141,7 +131,7 @@ class RewardSet:
                       [ScoredBy(service_id, replica.address) for (scores, service_id), replica in shards
                        for _ in scores])
 
-    async def swap(self, target: RewardTarget, probe_batch: list[RewardSample]) -> list[str]:
+    async def swap(self, target: ServiceTarget, probe_batch: list[RewardSample]) -> list[str]:
         """Probe the target's services; if every one scores the probe, use them from the next step boundary on.
         Returns their addresses; FailedPrecondition if none is up, ValueError or a call's error if one fails
         the probe (the run then keeps its services)."""
@@ -168,7 +158,7 @@ class RewardSet:
         addresses = self.find(self.target) or [c.address for c in clients]  # none up: keep trying these
         await self._use(clients, addresses, f"from step {step}")
 
-    def restore(self, target: RewardTarget) -> None:
+    def restore(self, target: ServiceTarget) -> None:
         """Go on with the target a checkpoint recorded (taken up at the next refresh)."""
         self.target = target
 

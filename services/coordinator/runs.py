@@ -1,4 +1,4 @@
-"""Runs, as the coordinator's API sees them: start, resume, stop, get, list, watch, and reward swaps.
+"""Runs, as the coordinator's API sees them: start, resume, stop, get, list, watch, and reward and env swaps.
 
 A run is refused before anything starts when its config or data is bad
 (ValueError naming the field, or the file and row). Its state moves
@@ -15,7 +15,7 @@ import asyncio
 import secrets
 import time
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 import structlog
@@ -29,10 +29,10 @@ from services.run.config import RunConfig
 from services.coordinator.disk import refused_by_state_dir
 from services.coordinator.records import RunRecords
 from services.coordinator.registry import Registry
-from services.coordinator.reward_set import RewardTarget
 from services.coordinator.settings import check_within_rollout_limits
 from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
 from services.coordinator.supervisor import RunSupervisor, checkpoint_dir, samples_dir
+from services.coordinator.targets import ServiceTarget, named_target
 
 log = structlog.get_logger()
 FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
@@ -200,24 +200,49 @@ class RunManager:
         Refused (FailedPrecondition, recorded as a reward event) when the run is not running, or when a
         service does not answer the probe with valid scores; the run then keeps the services it has.
         """
+        target = named_target(group, address)
+        supervisor = self._running_supervisor(run_id)
+        return await self._swap(run_id, "reward", target, supervisor.swap_reward)
+
+    async def set_env(self, run_id: str, group: str, address: str) -> RunRow:
+        """Probe the named env services, then have the multi-turn run switch to them at its next step boundary.
+
+        Refused (FailedPrecondition) when the run is not multi-turn or not running; refused and recorded as an
+        env event when a service does not host the run's environment or cannot open and close an episode of it
+        on one of the run's rows: the run then keeps the services it has.
+        """
+        target = named_target(group, address)
+        supervisor = self._supervisors.get(run_id)
+        if supervisor is not None and not supervisor.multi_turn():
+            raise FailedPrecondition(f"run {run_id} is not multi-turn (actor_rollout_ref.rollout.multi_turn.enable "
+                                     f"is off): it has no env services to swap")
+        supervisor = self._running_supervisor(run_id)
+        return await self._swap(run_id, "env", target, supervisor.swap_env)
+
+    def _running_supervisor(self, run_id: str) -> RunSupervisor:
+        """The supervisor of a run whose attempt is running now; FailedPrecondition naming its state otherwise."""
         row, supervisor = self.get_run(run_id), self._supervisors.get(run_id)
-        if (group == "") == (address == ""):
-            raise ValueError("name exactly one of group or address")
-        target = RewardTarget("group", group) if group else RewardTarget("address", address)
         if row.state != "running" or supervisor is None or not supervisor.attempting():
             raise FailedPrecondition(f"run {run_id} is {row.state}, not running")
+        return supervisor
+
+    async def _swap(self, run_id: str, kind: str, target: ServiceTarget,
+                    swap: Callable[[ServiceTarget], Awaitable[list[str]]]) -> RunRow:
+        """``swap(target)`` for the run's ``kind`` (reward, env) services, its outcome recorded as an event of that
+        kind; FailedPrecondition saying why if it fails."""
+        step = self.get_run(run_id).step
         try:
-            addresses = await supervisor.swap_reward(target)
+            addresses = await swap(target)
         except Exception as error:  # noqa: BLE001 - any failure refuses the swap
             reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
-            message = f"reward swap to {target} refused: {reason}"
-            self.records.event(run_id, "reward", step=row.step, message=message)
-            log.warning("reward_swap_refused", run_id=run_id, target=str(target), error=str(error))
+            message = f"{kind} swap to {target} refused: {reason}"
+            self.records.event(run_id, kind, step=step, message=message)
+            log.warning("swap_refused", kind=kind, run_id=run_id, target=str(target), error=str(error))
             self.records.notify()
             raise FailedPrecondition(message) from None
-        accepted = f"reward swap to {target} accepted; applies at the next step boundary"
-        self.records.event(run_id, "reward", step=row.step, message=accepted)
-        log.info("reward_swap_accepted", run_id=run_id, target=str(target), addresses=addresses)
+        accepted = f"{kind} swap to {target} accepted; applies at the next step boundary"
+        self.records.event(run_id, kind, step=step, message=accepted)
+        log.info("swap_accepted", kind=kind, run_id=run_id, target=str(target), addresses=addresses)
         self.records.notify()
         return self.get_run(run_id)
 

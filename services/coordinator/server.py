@@ -101,6 +101,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def SetReward(self, request, context):
         return self._info(await self.runs.set_reward(request.run_id, request.group, request.address))
 
+    async def SetEnv(self, request, context):
+        return self._info(await self.runs.set_env(request.run_id, request.group, request.address))
+
     async def WatchRun(self, request, context):
         async for event in self.runs.watch(request.run_id, request.after_event_id):
             yield event_to_pb(event)

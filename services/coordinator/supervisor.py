@@ -26,8 +26,9 @@ from services.coordinator.loop import PPOLoop, Trainers
 from services.coordinator.records import RunRecords
 from services.coordinator.registry import Registry
 from services.coordinator.reporter import RunReporter
-from services.coordinator.reward_set import RewardSet, RewardTarget
+from services.coordinator.reward_set import RewardSet
 from services.coordinator.rollout_set import RolloutSet
+from services.coordinator.targets import ServiceTarget, target_addresses
 from services.coordinator.settings import loop_settings, rollout_set_settings
 from services.coordinator.store import Checkpoint
 from services.coordinator.waiting import RunStopped, describe
@@ -83,13 +84,22 @@ class RunSupervisor:
         self.stop_requested = True
 
     def attempting(self) -> bool:
-        """Whether an attempt's loop is running now (one that can swap its reward services)."""
+        """Whether an attempt's loop is running now (one that can swap its reward or env services)."""
         return self.loop is not None
 
-    async def swap_reward(self, target: RewardTarget) -> list[str]:
+    def multi_turn(self) -> bool:
+        """Whether the run is multi-turn (it has env services to swap)."""
+        return self.config.actor_rollout_ref.rollout.multi_turn.enable
+
+    async def swap_reward(self, target: ServiceTarget) -> list[str]:
         """Have the attempt in progress (``attempting``) probe ``target``'s reward services and switch to them at
         its next step boundary (``PPOLoop.swap_reward``)."""
         return await self.loop.swap_reward(target)  # type: ignore[union-attr]  # asked only while attempting()
+
+    async def swap_env(self, target: ServiceTarget) -> list[str]:
+        """Have the attempt in progress (``attempting``) probe ``target``'s env services and switch to them at its
+        next step boundary (``PPOLoop.swap_env``)."""
+        return await self.loop.swap_env(target)  # type: ignore[union-attr]  # asked only while attempting()
 
     async def execute(self, resume: Checkpoint | None = None) -> None:
         """Drive the run to its end. When a service goes away mid-run (a retryable failure), the run waits
@@ -163,10 +173,12 @@ class RunSupervisor:
             run_id=run_id, settings=rollout_set_settings(config), actor=trainers.actor if trainers else None,
             find=lambda: [record.address for record in self.registry.up("rollout", config.placement.rollout)],
             notices=reporter, should_stop=should_stop)
-        reward_set = RewardSet(target=RewardTarget("group", config.placement.reward), find=self.reward_addresses,
+        reward_set = RewardSet(target=ServiceTarget("group", config.placement.reward),
+                               find=lambda target: target_addresses(self.registry, "reward", target),
                                notices=reporter, should_stop=should_stop, timeout_s=config.trainer.rpc_timeout_s)
-        env_set = None if not config.actor_rollout_ref.rollout.multi_turn.enable else EnvSet(
-            group=config.placement.env, find=lambda group: [r.address for r in self.registry.up("env", group)],
+        env_set = None if not self.multi_turn() else EnvSet(
+            target=ServiceTarget("group", config.placement.env),
+            find=lambda target: target_addresses(self.registry, "env", target),
             notices=reporter, should_stop=should_stop, timeout_s=config.trainer.rpc_timeout_s)
         ppo = PPOLoop(run_id=run_id, settings=loop_settings(config), config_yaml=self.config_yaml, trainers=trainers,
                       rollout_set=rollout_set, reward_set=reward_set, env_set=env_set, prompts=self.data.prompts,
@@ -193,11 +205,6 @@ class RunSupervisor:
             await asyncio.gather(*(client.close() for client in (trainers.roles() if trainers else ())),
                                  rollout_set.close(), reward_set.close(), reporter.close(),
                                  *([env_set.close()] if env_set is not None else []))
-
-    def reward_addresses(self, target: RewardTarget) -> list[str]:
-        if target.kind == "address":
-            return [target.name]
-        return [record.address for record in self.registry.up("reward", target.name)]
 
     async def watch_members(self, trainers: set[str], rollout_set: RolloutSet, reward_set: RewardSet,
                             env_set: EnvSet | None = None) -> bool:

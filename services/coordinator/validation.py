@@ -57,8 +57,8 @@ async def run_validation(*, settings: ValidationSettings, prompts: list[Prompt],
         generated, _ = await generation.generate(rollout_set, prompts, settings.sampling, settings.seed, version,
                                                  timeout_s, notices, f"the validation of step {step}")
     else:
-        generated, _, agent_metrics = await generation.generate_trajectories(agent, prompts, settings.sampling,
-                                                                             settings.seed, version, timeout_s)
+        generated, _, agent_metrics = await generation.generate_trajectories(
+            agent, prompts, settings.sampling, settings.seed, version, timeout_s, f"the validation of step {step}")
     scoring = await generation.score(reward_set, generated, tokenizer, notices, f"the validation of step {step}")
     metrics = await asyncio.to_thread(validation_metrics, prompt_results(scoring))
     metrics |= {"val/weight_version": float(version), "timing_s/testing": time.perf_counter() - started,

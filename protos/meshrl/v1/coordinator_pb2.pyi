@@ -85,6 +85,16 @@ class SetRewardRequest(_message.Message):
     address: str
     def __init__(self, run_id: _Optional[str] = ..., group: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
+class SetEnvRequest(_message.Message):
+    __slots__ = ("run_id", "group", "address")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    group: str
+    address: str
+    def __init__(self, run_id: _Optional[str] = ..., group: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
 class RunInfo(_message.Message):
     __slots__ = ("run_id", "name", "state", "step", "total_steps", "run_dir", "error", "created_at", "metrics", "last_event_id")
     class MetricsEntry(_message.Message):

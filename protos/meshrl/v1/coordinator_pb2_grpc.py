@@ -89,6 +89,11 @@ class CoordinatorStub:
                 request_serializer=meshrl_dot_v1_dot_coordinator__pb2.SetRewardRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
                 _registered_method=True)
+        self.SetEnv = channel.unary_unary(
+                '/meshrl.v1.Coordinator/SetEnv',
+                request_serializer=meshrl_dot_v1_dot_coordinator__pb2.SetEnvRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -174,6 +179,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetEnv(self, request, context):
+        """Switches a running multi-turn run to other env services: the batches
+        begun from its next step boundary open their episodes there, once each
+        service said it hosts the run's environment and opened and closed an
+        episode of it on one of the run's rows; refused (FAILED_PRECONDITION)
+        otherwise, or for a run that is not multi-turn, and the run goes on with
+        the services it has.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +247,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'SetReward': grpc.unary_unary_rpc_method_handler(
                     servicer.SetReward,
                     request_deserializer=meshrl_dot_v1_dot_coordinator__pb2.SetRewardRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_coordinator__pb2.RunInfo.SerializeToString,
+            ),
+            'SetEnv': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetEnv,
+                    request_deserializer=meshrl_dot_v1_dot_coordinator__pb2.SetEnvRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_coordinator__pb2.RunInfo.SerializeToString,
             ),
     }
@@ -529,6 +551,33 @@ class Coordinator:
             target,
             '/meshrl.v1.Coordinator/SetReward',
             meshrl_dot_v1_dot_coordinator__pb2.SetRewardRequest.SerializeToString,
+            meshrl_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetEnv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Coordinator/SetEnv',
+            meshrl_dot_v1_dot_coordinator__pb2.SetEnvRequest.SerializeToString,
             meshrl_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
             options,
             channel_credentials,

@@ -26,7 +26,8 @@ from services.coordinator.clients import Generated, Received, RewardSample, Roll
 from services.run.data import Prompt
 from services.coordinator import checkpointer
 from services.coordinator.loop import PPOLoop, Trainers
-from services.coordinator.reward_set import RewardSet, RewardTarget
+from services.coordinator.reward_set import RewardSet
+from services.coordinator.targets import ServiceTarget
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import loop_settings, rollout_set_settings
 from services.coordinator.store import Checkpoint
@@ -203,7 +204,7 @@ class Mesh:
         stop = (lambda: len(self.reporter.steps) >= stop_after) if stop_after else (lambda: False)
         rollout_set = RolloutSet("run", rollout_set_settings(config), self.trainer, lambda: list(self.rollouts),
                                  self.reporter, stop, connect=self.rollouts.__getitem__)
-        reward_set = RewardSet(RewardTarget("group", "default"), lambda target: groups[str(target)], self.reporter,
+        reward_set = RewardSet(ServiceTarget("group", "default"), lambda target: groups[str(target)], self.reporter,
                                stop, 60.0, connect=self.rewards.__getitem__)
         self.loop = PPOLoop(run_id="run", settings=loop_settings(config), config_yaml="",
                             trainers=None if only else Trainers(self.trainer, None, None), rollout_set=rollout_set,
@@ -355,7 +356,7 @@ def test_a_reward_swap_is_probed_and_scores_from_the_next_boundary(tmp_path):
         running = asyncio.ensure_future(loop.run())
         while 1 not in mesh.reporter.steps:
             await asyncio.sleep(0.001)
-        swapped["addresses"] = await loop.reward_set.swap(RewardTarget("group", "b"), [
+        swapped["addresses"] = await loop.reward_set.swap(ServiceTarget("group", "b"), [
             RewardSample(p.data_source, p.ground_truth, p.ground_truth, p.extra_info) for p in PROMPTS])
         return await running
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from services.coordinator.clients import RewardSample, ScoredSample
-from services.coordinator.reward_set import RewardSet, RewardTarget
+from services.coordinator.reward_set import RewardSet
+from services.coordinator.targets import ServiceTarget
 
 SAMPLES = [RewardSample("reverse", str(i), str(i), {}) for i in range(8)]
 
@@ -39,7 +40,7 @@ class Notices:
 
 def reward_set(services: dict[str, Reward], notices: Notices) -> RewardSet:
     up = lambda target: [a for a, s in services.items() if not s.stopped]  # noqa: E731 - the registry's view
-    return RewardSet(RewardTarget("group", "default"), up, notices, lambda: False, 60.0, connect=services.__getitem__)
+    return RewardSet(ServiceTarget("group", "default"), up, notices, lambda: False, 60.0, connect=services.__getitem__)
 
 
 async def test_a_replica_dropped_mid_batch_has_its_shard_scored_on_the_other():
