@@ -1,19 +1,24 @@
-"""Multi-turn runs through real processes: coordinator, trainer, rollout, reward and an env service.
+"""Multi-turn runs through real processes: coordinator, trainer, rollout, reward and env services.
 
-The env service hosts a user's environment (tests/integration/plugins/user_env.py Countdown) that answers every
-model turn until the third, so an untrained model goes three turns with it. The tiny model gets a chat template
-(its character alphabet only) and its turns end at any digit (stop_token_ids), so that they are short."""
+The run's env service (group default) hosts a user's environment (tests/integration/plugins/user_env.py
+Countdown) that answers every model turn until the third, so an untrained model goes three turns with it; the
+one of group b hosts the same environment ending after two turns, the one of group c another environment (runs
+are swapped to them). The tiny model gets a chat template (its character alphabet only) and its turns end at any
+digit (stop_token_ids), so that they are short."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_grpo_run import run_config, run_to_end
 
@@ -41,11 +46,16 @@ def chat_model(tiny_model, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def agent_cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("agent")
-    env_config = root / "env.yaml"
-    env_config.write_text(yaml.safe_dump({
-        "environments": {"countdown": {"environment": f"{PLUGINS / 'user_env.py'}:Countdown"}}, "workers": 16}))
+    countdown = f"{PLUGINS / 'user_env.py'}:Countdown"
+    env_configs = {"default": {"countdown": {"environment": countdown}},
+                   "b": {"countdown": {"environment": countdown, "options": {"turns": 2}}},
+                   "c": {"guess": {"environment": f"{PLUGINS / 'user_env.py'}:GuessNumber"}}}
+    for group, environments in env_configs.items():
+        workers = {"default": 16, "b": 8, "c": 1}[group]
+        (root / f"env-{group}.yaml").write_text(yaml.safe_dump({"environments": environments, "workers": workers}))
     services = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"),
-                ServiceSpec("env", settings=("--config", str(env_config))))
+                *(ServiceSpec("env", group, settings=("--config", str(root / f"env-{group}.yaml")))
+                  for group in env_configs))
     cluster = LocalCluster(root / "state", services)
     asyncio.run(cluster.start(timeout_s=120))
     yield cluster
@@ -59,7 +69,7 @@ def agent_config(model: Path, data: Path, samples: Path, **changes) -> str:
     return run_config(model, data, data__max_response_length=48, data__max_prompt_length=24,
                       actor_rollout_ref__rollout__stop_token_ids=digits,
                       actor_rollout_ref__rollout__multi_turn={"enable": True, "environment": "countdown"},
-                      trainer__total_training_steps=2, trainer__rollout_data_dir=str(samples), **changes)
+                      trainer__rollout_data_dir=str(samples), **{"trainer__total_training_steps": 2, **changes})
 
 
 def test_a_multi_turn_run_trains_on_trajectories_whose_replies_are_masked(agent_cluster, chat_model, reverse_data,
@@ -126,3 +136,80 @@ def test_a_run_naming_an_environment_no_env_service_hosts_fails_naming_what_they
     final, _, _ = asyncio.run(run_to_end(agent_cluster.coordinator, yaml.safe_dump(config)))
     assert final.state == "failed"
     assert "multi_turn.environment = 'chess'" in final.error and "countdown" in final.error
+
+
+def env_set(coordinator: str, run_id: str, group: str) -> subprocess.CompletedProcess:
+    """``coordctl env set RUN --group GROUP``, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "services.coordctl.cli", "env", "set", run_id, "--group", group,
+                           "--coordinator", coordinator], capture_output=True, text=True, timeout=120)
+
+
+async def swap_stop_and_resume(coordinator: str, config_yaml: str):
+    """Start the run; after step 1 swap its env services to group b, then (with coordctl, as a user does) to group c,
+    which is refused; stop the run once group b runs its batches, and resume it to its end. The run's id, the
+    refusal, and the run's events (kind, message)."""
+    client = CoordinatorClient(coordinator)
+    refusals, events = [], []
+    try:
+        run = await client.start_run(config_yaml)
+        async for update in client.watch(run.run_id):
+            events.append((update.kind, update.message))
+            if update.kind == "step" and update.step == 1:
+                await client.set_env(run.run_id, group="b")
+                refusals.append(await asyncio.to_thread(env_set, coordinator, run.run_id, "c"))
+            elif update.kind == "env" and "switched to group b" in update.message:
+                await client.stop_run(run.run_id)  # its checkpoint is taken with group b's services in use
+        resumed = await client.resume_run(run.run_id)
+        events += [(u.kind, u.message) async for u in client.watch(run.run_id, resumed.last_event_id)]
+        return run.run_id, refusals, events
+    finally:
+        await client.close()
+
+
+def test_env_services_swapped_mid_run_run_its_episodes_from_the_next_boundary_and_after_a_resume(
+        agent_cluster, chat_model, reverse_data):
+    coordinator, samples_dir = agent_cluster.coordinator, agent_cluster.state_dir / "swap-samples"
+    config = agent_config(chat_model, reverse_data, samples_dir, trainer__total_training_steps=8)
+    run_id, [to_c], events = asyncio.run(swap_stop_and_resume(coordinator, config))
+
+    assert to_c.returncode == 1
+    assert "FAILED_PRECONDITION" in to_c.stderr and "env swap to group c refused" in to_c.stderr
+    assert "does not host the run's environment 'countdown' (it hosts: guess)" in to_c.stderr
+    messages = [message for kind, message in events if kind == "env"]
+    assert "env swap to group b accepted; applies at the next step boundary" in messages
+    [switched] = [m for m in messages if "switched to group b" in m]  # once: the resumed run goes on with group b
+    first_b = int(switched.split("from step ")[1].split(":")[0])
+    assert first_b >= 3  # accepted after step 1 was reported, once step 2 had begun
+    [resumed] = [m for kind, m in events if kind == "log" and m.startswith("resumed from the checkpoint of step")]
+    assert int(resumed.split("step ")[1]) >= first_b
+
+    async def outcome():
+        client = CoordinatorClient(coordinator)
+        try:
+            return await client.get_run(run_id), await client.list_services()
+        finally:
+            await client.close()
+
+    final, services = asyncio.run(outcome())
+    assert final.state == "finished" and final.step == 8, final.error
+    env_ids = {s.group: s.service_id for s in services if s.kind == "env"}
+    for step in range(1, 9):
+        records = [json.loads(line) for line in (samples_dir / f"{step}.jsonl").read_text().splitlines()]
+        ran_on = {record["env_service"].split(" ")[0] for record in records}
+        assert ran_on == {env_ids["default"] if step < first_b else env_ids["b"]}, step
+        done = [record for record in records if record["ended"] == "done"]
+        assert done, f"no trajectory of step {step} went its turns"
+        turns = 3 if step < first_b else 2  # group b's Countdown ends after two turns
+        for record in done:
+            assert [turn["role"] for turn in record["turns"]] == ["model", "reply"] * (turns - 1) + ["model"]
+            assert record["env_reward"] == pytest.approx(0.25 * turns)
+
+
+def test_a_single_turn_run_has_no_env_services_to_swap(agent_cluster, tiny_model, reverse_data):
+    final, _, _ = asyncio.run(run_to_end(agent_cluster.coordinator,
+                                         run_config(tiny_model, reverse_data, trainer__total_training_steps=1)))
+    assert final.state == "finished", final.error
+    refused = env_set(agent_cluster.coordinator, final.run_id, "b")
+    assert refused.returncode == 1
+    assert f"run {final.run_id} is not multi-turn" in refused.stderr
+    assert "actor_rollout_ref.rollout.multi_turn.enable is off" in refused.stderr

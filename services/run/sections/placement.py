@@ -24,4 +24,5 @@ class PlacementConfig(Section):
     group, or one address, from the next step boundary."""
     env: str = "default"
     """Group of the env services that run a multi-turn run's episodes (actor_rollout_ref.rollout.multi_turn):
-    every one up in it, followed at each step boundary as they come and go."""
+    every one up in it, followed at each step boundary as they come and go. SetEnv (coordctl env set) can move a
+    running run to another group, or one address, from the next step boundary."""
