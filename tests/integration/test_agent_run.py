@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
@@ -110,10 +111,6 @@ def test_a_multi_turn_run_trains_on_trajectories_whose_replies_are_masked(agent_
 
 def test_a_multi_turn_run_without_a_chat_template_is_refused_before_anything_starts(agent_cluster, tiny_model,
                                                                                      reverse_data, tmp_path):
-    import grpc
-
-    from services.coordctl.control import CoordinatorClient
-
     async def start():
         client = CoordinatorClient(agent_cluster.coordinator)
         try:
@@ -145,8 +142,7 @@ def env_set(coordinator: str, run_id: str, group: str) -> subprocess.CompletedPr
 
 
 async def swap_stop_and_resume(coordinator: str, config_yaml: str):
-    """Start the run; after step 1 swap its env services to group b, then (with coordctl, as a user does) to group c,
-    which is refused; stop the run once group b runs its batches, and resume it to its end. The run's id, the
+    """Start the run; after step 1 swap its env services to group b, then to group c, which is refused; stop the run once group b runs its batches, and resume it to its end. The run's id, the
     refusal, and the run's events (kind, message)."""
     client = CoordinatorClient(coordinator)
     refusals, events = [], []
@@ -156,7 +152,10 @@ async def swap_stop_and_resume(coordinator: str, config_yaml: str):
             events.append((update.kind, update.message))
             if update.kind == "step" and update.step == 1:
                 await client.set_env(run.run_id, group="b")
-                refusals.append(await asyncio.to_thread(env_set, coordinator, run.run_id, "c"))
+                try:  # through the client, not coordctl's process: the run must still be going when it lands
+                    await client.set_env(run.run_id, group="c")
+                except grpc.aio.AioRpcError as refused:
+                    refusals.append(refused)
             elif update.kind == "env" and "switched to group b" in update.message:
                 await client.stop_run(run.run_id)  # its checkpoint is taken with group b's services in use
         resumed = await client.resume_run(run.run_id)
@@ -172,9 +171,8 @@ def test_env_services_swapped_mid_run_run_its_episodes_from_the_next_boundary_an
     config = agent_config(chat_model, reverse_data, samples_dir, trainer__total_training_steps=8)
     run_id, [to_c], events = asyncio.run(swap_stop_and_resume(coordinator, config))
 
-    assert to_c.returncode == 1
-    assert "FAILED_PRECONDITION" in to_c.stderr and "env swap to group c refused" in to_c.stderr
-    assert "does not host the run's environment 'countdown' (it hosts: guess)" in to_c.stderr
+    assert to_c.code() == grpc.StatusCode.FAILED_PRECONDITION and "env swap to group c refused" in to_c.details()
+    assert "does not host the run's environment 'countdown' (it hosts: guess)" in to_c.details()
     messages = [message for kind, message in events if kind == "env"]
     assert "env swap to group b accepted; applies at the next step boundary" in messages
     [switched] = [m for m in messages if "switched to group b" in m]  # once: the resumed run goes on with group b
