@@ -76,7 +76,7 @@ def agent_config(model: Path, data: Path, samples: Path, **changes) -> str:
 def test_a_multi_turn_run_trains_on_trajectories_whose_replies_are_masked(agent_cluster, chat_model, reverse_data,
                                                                            tmp_path):
     samples_dir = agent_cluster.state_dir / "agent-samples"
-    final, updates, _ = asyncio.run(run_to_end(agent_cluster.coordinator,
+    final, _, _ = asyncio.run(run_to_end(agent_cluster.coordinator,
                                                agent_config(chat_model, reverse_data, samples_dir)))
     assert final.state == "finished", final.error
     assert final.step == 2
@@ -114,13 +114,15 @@ def test_a_multi_turn_run_without_a_chat_template_is_refused_before_anything_sta
     async def start():
         client = CoordinatorClient(agent_cluster.coordinator)
         try:
+            before = await client.list_runs()
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await client.start_run(agent_config(tiny_model, reverse_data, tmp_path / "samples"))
-            return refused.value, await client.list_runs()
+            return refused.value, before, await client.list_runs()
         finally:
             await client.close()
 
-    refused, runs = asyncio.run(start())
+    refused, before, after = asyncio.run(start())
+    assert [r.run_id for r in after] == [r.run_id for r in before]  # nothing was started
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "actor_rollout_ref.rollout.multi_turn.enable" in refused.details()
     assert "no chat template" in refused.details()
@@ -142,8 +144,9 @@ def env_set(coordinator: str, run_id: str, group: str) -> subprocess.CompletedPr
 
 
 async def swap_stop_and_resume(coordinator: str, config_yaml: str):
-    """Start the run; after step 1 swap its env services to group b, then to group c, which is refused; stop the run once group b runs its batches, and resume it to its end. The run's id, the
-    refusal, and the run's events (kind, message)."""
+    """Start the run; after step 1 swap its env services to group b, then to group c, which is refused; stop the
+    run once group b runs its batches, and resume it to its end. The run's id, the refusal, and the run's events
+    (kind, message)."""
     client = CoordinatorClient(coordinator)
     refusals, events = [], []
     try:
