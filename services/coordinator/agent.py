@@ -256,6 +256,8 @@ class AgentLoop:
         replica, used, env_reward, final_text, ended = None, [], 0.0, "", "length"
         model_turns = replies = 0
         while True:
+            if trajectory.room == 0:  # a reply filled the response: no token is left for another turn
+                break
             if settings.max_assistant_turns is not None and model_turns >= settings.max_assistant_turns:
                 ended = "max_assistant_turns"
                 break
