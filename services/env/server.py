@@ -1,13 +1,18 @@
 """The env servicer: wire <-> episodes, nothing else.
 
-Each RPC's work runs in a thread (a call may wait on a worker process up to ``call_timeout_s`` per tool call);
-the episodes and their workers are ``services/env/episodes.py``'s.
+Each RPC's work runs in a thread of the servicer's own pool (a call may wait on a worker process up to
+``call_timeout_s`` per tool call), sized so that every worker can be busy at once: asyncio's default pool (a few
+threads more than the CPUs) would hold the steps of a service with more workers than that in a queue, their
+episodes waiting on each other's tools. The episodes and their workers are ``services/env/episodes.py``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import structlog
 
@@ -42,13 +47,19 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         self.config = config
         self.identity = identity
         self.episodes = Episodes(config)
+        # a thread for each worker's call and as many again for the calls that wait on a busy episode (a Close
+        # while its step runs), besides a few for the quick ones
+        self.threads = ThreadPoolExecutor(max_workers=2 * config.workers + 4, thread_name_prefix="episodes")
+
+    async def _in_thread(self, function: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.threads, functools.partial(function, *args))
 
     async def Reset(self, request, context):
         if not request.episode_id:
             raise ValueError("episode_id is empty")
         row = await asyncio.to_thread(row_from_json, request.row_json, self.config.max_message_chars)  # off the loop
-        messages = await asyncio.to_thread(self.episodes.reset, request.episode_id, request.env_name, row,
-                                           max(0, request.max_parallel_calls))
+        messages = await self._in_thread(self.episodes.reset, request.episode_id, request.env_name, row,
+                                         max(0, request.max_parallel_calls))
         telemetry.EPISODES.inc()
         telemetry.OPEN_EPISODES.set(self.episodes.open_count)
         return env_pb2.ResetResponse(messages=[message_to_pb(m) for m in messages],
@@ -58,7 +69,7 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         content = request.message.content
         check_at_most("message.content characters", len(content), self.config.max_message_chars, "max_message_chars")
         message = Message(request.message.role or "assistant", content)
-        result = await asyncio.to_thread(self.episodes.step, request.episode_id, message)
+        result = await self._in_thread(self.episodes.step, request.episode_id, message)
         telemetry.count_step(result)
         if "error" in result.info:
             log.warning("step_failed", episode=request.episode_id, error=result.info["error"][:300])
@@ -66,7 +77,7 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
                                     done=result.done, info_json=json.dumps(result.info))
 
     async def Close(self, request, context):
-        closed = await asyncio.to_thread(self.episodes.close, request.episode_id)
+        closed = await self._in_thread(self.episodes.close, request.episode_id)
         telemetry.OPEN_EPISODES.set(self.episodes.open_count)
         return env_pb2.CloseResponse(closed=closed)
 
@@ -84,6 +95,7 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
 
     async def close(self) -> None:
         await asyncio.to_thread(self.episodes.close_all)
+        self.threads.shutdown(wait=False, cancel_futures=True)
 
 
 def attach(server, config: EnvServiceConfig, identity: common_pb2.ServiceIdentity) -> EnvServicer:
