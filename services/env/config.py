@@ -82,3 +82,8 @@ class EnvServiceConfig(ServeConfig):
     """Longest assistant message a Step may carry, and longest row a Reset may; longer ones are refused."""
     max_steps: PositiveInt = 64
     """Steps one episode may take; past them the episode is done."""
+    worker_memory_mb: PositiveInt | None = 4096
+    """Private memory (RLIMIT_DATA, MiB) of each worker process, and of each process its code starts: past it an
+    allocation fails (MemoryError in Python) and the call gets an error reply. Raise it for environments that
+    load large data or models; null: unbounded. Code in a service run as root could raise it again (root may
+    raise its own limits)."""

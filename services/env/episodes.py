@@ -12,6 +12,16 @@ or when the worker dies, the worker is killed and replaced, and
 - a user environment's episode, whose state is lost, is done, its error in ``info``.
 
 Workers end with the service, however it ends (``die_with_parent``).
+
+Before any user code runs, a worker is contained as far as a process of the service's own user can be
+(``contain``): it leads a process group of its own, so that replacing it (a timeout, the service's stop) kills
+every process its code started; the cluster's credentials (``MESHRL_TOKEN``, ``MESHRL_TOKEN_FILE``,
+``MESHRL_TLS_*``) are not in its environment; its private memory and that of each process it starts is bounded
+(``worker_memory_mb``: past it an allocation fails, a MemoryError in Python, and the call gets an error reply).
+What it is not: a sandbox. A user's tool or environment runs as the service's user, so it can read the files
+that user can (the token file at a path it knows or guesses, included), write where that user can, open sockets,
+and start processes without a count limit; only the built-in code interpreter runs sandboxed
+(services/env/sandbox.py).
 """
 
 from __future__ import annotations
@@ -20,12 +30,14 @@ import multiprocessing
 import multiprocessing.process
 import os
 import queue
+import resource
 import signal
 import threading
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+from services.common.auth import TLS_VARIABLES
 from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted
 from services.common.lifetime import die_with_parent
 from services.env.config import EnvironmentConfig, EnvServiceConfig
@@ -52,6 +64,33 @@ def build(name: str, environment: EnvironmentConfig, limits: ToolLimits, report)
     return ToolEnvironment(environment_tools(environment), limits, report)
 
 
+CREDENTIAL_VARIABLES = ("MESHRL_TOKEN", "MESHRL_TOKEN_FILE", *TLS_VARIABLES)
+"""Environment variables that name the cluster's credentials: a worker drops them before running user code."""
+
+
+def contain(memory_mb: int | None) -> None:
+    """In a new worker, before user code: its own process group (the service kills the group when it replaces
+    the worker), no credentials in its environment, its private memory bounded (RLIMIT_DATA, inherited by the
+    processes it starts; None: unbounded)."""
+    os.setsid()
+    for name in CREDENTIAL_VARIABLES:
+        os.environ.pop(name, None)
+    if memory_mb is not None:
+        resource.setrlimit(resource.RLIMIT_DATA, (memory_mb << 20, memory_mb << 20))
+
+
+def kill_group(process: multiprocessing.process.BaseProcess) -> None:
+    """SIGKILL a worker and every process in its group (those its code started and left running), then reap it.
+    Safe after the worker was reaped: Linux reuses no pid while a process group of that id has members."""
+    if process.pid is None:  # never started
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # its pid is its group's id (contain)
+    except ProcessLookupError:  # no such group: the worker is not contained yet (or gone); it alone
+        process.kill()
+    process.join(5)
+
+
 def _serve(config: EnvServiceConfig, connection: Connection, parent_pid: int) -> None:
     """A worker: die with the service; answer each command until None or the service's end of the pipe closes.
 
@@ -60,6 +99,7 @@ def _serve(config: EnvServiceConfig, connection: Connection, parent_pid: int) ->
     drops it. Each answer is ("done", value) or ("error", text), after any ("calling", tool) and ("reply",
     Message) that a tool environment's step reports."""
     die_with_parent(parent_pid, signal.SIGKILL)
+    contain(config.worker_memory_mb)
     limits = ToolLimits(config.max_parallel_calls, config.max_call_bytes, config.max_reply_chars)
     environment: Any = None
     try:
@@ -125,8 +165,7 @@ class Episodes:
         return worker
 
     def _replace(self, worker: Worker) -> Worker:
-        worker.process.kill()
-        worker.process.join(5)
+        kill_group(worker.process)
         worker.connection.close()
         with self._lock:
             self._workers.remove(worker)
@@ -258,7 +297,5 @@ class Episodes:
         with self._lock:
             workers = list(self._workers)
         for worker in workers:
-            if worker.process.is_alive():
-                worker.process.kill()
-            worker.process.join(5)
+            kill_group(worker.process)
             worker.connection.close()
