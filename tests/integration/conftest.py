@@ -22,6 +22,26 @@ def reverse_data(tmp_path_factory) -> Path:
     return write_jsonl(reverse_task_rows(64, 2, 4, seed=3), tmp_path_factory.mktemp("data") / "reverse.jsonl")
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] | upper }}:{{ m['content'] }}"
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %} {% endfor %}"
+                 "{% if add_generation_prompt %}A:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model with a chat template over its alphabet (for multi-turn runs)."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("chat") / "tiny-chat"
+    folder.mkdir()
+    for item in tiny_model.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Coordinator, trainer, rollout and reward as real processes, one cluster for a test module: its tests run

@@ -24,24 +24,6 @@ from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_grpo_run import run_config, run_to_end
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
-TEMPLATE = ("{% for m in messages %}{{ m['role'][0] | upper }}:{{ m['content'] }}"
-            "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %} {% endfor %}"
-            "{% if add_generation_prompt %}A:{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def chat_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny model with a chat template over its alphabet."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("chat") / "tiny-chat"
-    folder.mkdir()
-    for item in tiny_model.iterdir():
-        (folder / item.name).write_bytes(item.read_bytes())
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +49,11 @@ def agent_config(model: Path, data: Path, samples: Path, **changes) -> str:
     from transformers import AutoTokenizer
 
     digits = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(list("0123456789"))
-    return run_config(model, data, data__max_response_length=48, data__max_prompt_length=24,
-                      actor_rollout_ref__rollout__stop_token_ids=digits,
-                      actor_rollout_ref__rollout__multi_turn={"enable": True, "environment": "countdown"},
-                      trainer__rollout_data_dir=str(samples), **{"trainer__total_training_steps": 2, **changes})
+    settings = {"data__max_response_length": 48, "data__max_prompt_length": 24,
+                "actor_rollout_ref__rollout__stop_token_ids": digits,
+                "actor_rollout_ref__rollout__multi_turn": {"enable": True, "environment": "countdown"},
+                "trainer__total_training_steps": 2, "trainer__rollout_data_dir": str(samples)}
+    return run_config(model, data, **{**settings, **changes})
 
 
 def test_a_multi_turn_run_trains_on_trajectories_whose_replies_are_masked(agent_cluster, chat_model, reverse_data,

@@ -1,8 +1,12 @@
-"""Users' tools and environments for tests/integration/test_env_service.py, loaded by path."""
+"""Users' tools and environments for tests/integration/test_env_service.py, test_agent_run.py and
+test_agent_faults.py, loaded by path."""
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
+from pathlib import Path
 
 
 class Lookup:
@@ -76,3 +80,42 @@ class Countdown:
         self.steps += 1
         done = self.steps >= self.turns
         return {"messages": [] if done else [{"role": "user", "content": "again"}], "reward": 0.25, "done": done}
+
+
+class StallsOnce(Countdown):
+    """Countdown, but the first step of all (of any episode, on any env service given the same ``folder``)
+    writes its env service's process id to ``folder/stalled`` and never returns: the test kills that service
+    mid-episode."""
+
+    def __init__(self, folder: str, turns: int = 3):
+        super().__init__(turns)
+        self.folder = Path(folder)
+
+    def step(self, message: dict) -> dict:
+        claim = self.folder / f"claim-{uuid.uuid4().hex}"
+        claim.write_text(str(os.getppid()))  # the worker's parent: the env service
+        try:
+            os.link(claim, self.folder / "stalled")  # atomic: one step of all wins, its pid already written
+        except FileExistsError:
+            return super().step(message)
+        finally:
+            claim.unlink()
+        while True:  # until its env service is killed (its workers die with it)
+            time.sleep(1)
+
+
+class HeldAfterFirstTurn(Countdown):
+    """Countdown, but each episode's first step leaves a file in ``folder/held`` and waits until
+    ``folder/released`` exists: every trajectory holds between its first and second model turns until the test
+    releases them."""
+
+    def __init__(self, folder: str, turns: int = 3):
+        super().__init__(turns)
+        self.folder = Path(folder)
+
+    def step(self, message: dict) -> dict:
+        if self.steps == 0:
+            (self.folder / "held" / uuid.uuid4().hex).touch()
+            while not (self.folder / "released").exists():
+                time.sleep(0.05)
+        return super().step(message)

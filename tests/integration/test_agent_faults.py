@@ -1,0 +1,334 @@
+"""Faults under a multi-turn run, and hostile tools on a running env service, on real processes.
+
+- An env service killed (kill -9) mid-episode, a rollout killed mid-trajectory; what a user checks afterwards:
+  the run finished, and every step's samples file holds all its samples (train_batch_size x n), each
+  trajectory whole. Each kill lands where the test needs it every time, whatever the machine's speed: the user's
+  environment (tests/integration/plugins/user_env.py) holds the trajectories at the point of the fault until the
+  test has killed the service, and the test waits for files the environment writes, never for a time.
+- Tools (tests/integration/plugins/hostile_tools.py) that loop forever, fork, fill memory or look for the
+  cluster's credentials; a call to an unknown tool; a 10 MB call: each answered (the model gets an error reply,
+  or the Step is refused with its limit named) and the service answers afterwards. What user tools can still do
+  (they run as the service's user, unsandboxed: services/env/episodes.py) is written down as strict xfails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from bench.faults import service_address
+from meshrl.v1 import common_pb2, env_pb2
+from services.coordctl.control import CoordinatorClient, RunStatus
+from services.coordctl.local import LocalCluster, ServiceSpec
+from tests.integration.test_agent_run import agent_config
+from tests.integration.test_env_service import assistant, call, with_env
+from tests.integration.test_faults import LogTail
+
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+USER_ENV = PLUGINS / "user_env.py"
+HOSTILE = PLUGINS / "hostile_tools.py"
+PROMPTS, N, STEPS = 4, 2, 2
+WAIT_S = 180  # longest the test waits for the run to reach the fault's point (pytest-timeout ends a test at 300 s)
+
+
+@pytest.fixture
+def local_cluster(tmp_path):
+    """A LocalCluster of the given services, started; stopped afterwards."""
+    clusters = []
+
+    def make(*services: ServiceSpec) -> LocalCluster:
+        cluster = LocalCluster(tmp_path / "state", services)
+        clusters.append(cluster)
+        asyncio.run(cluster.start(timeout_s=120))
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+def env_service(root: Path, environment: str, folder: Path, workers: int) -> ServiceSpec:
+    """An env service hosting ``countdown``, the user's ``environment`` class sharing ``folder`` with the test;
+    its calls may wait for the test (call_timeout_s well past WAIT_S)."""
+    config = root / f"env-{environment}.yaml"
+    config.write_text(yaml.safe_dump({
+        "environments": {"countdown": {"environment": f"{USER_ENV}:{environment}", "options": {"folder": str(folder)}}},
+        "workers": workers, "call_timeout_s": 2 * WAIT_S}))
+    return ServiceSpec("env", settings=("--config", str(config)))
+
+
+async def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"the run did not reach {what} within {WAIT_S} s"
+        await asyncio.sleep(0.05)
+
+
+def kill(cluster: LocalCluster, name: str) -> None:
+    victim = cluster.processes.pop(name)
+    victim.kill()  # SIGKILL
+    victim.wait()
+
+
+def fault_config(cluster: LocalCluster, chat_model: Path, data: Path) -> str:
+    """A multi-turn run whose model turns are one token each (every token stops a turn): none runs out of room,
+    so every trajectory reaches its environment's first step."""
+    from transformers import AutoTokenizer
+
+    every_token = list(range(len(AutoTokenizer.from_pretrained(chat_model))))
+    return agent_config(chat_model, data, cluster.state_dir / "samples", data__train_batch_size=PROMPTS,
+                        actor_rollout_ref__rollout__n=N, actor_rollout_ref__actor__ppo_mini_batch_size=PROMPTS,
+                        actor_rollout_ref__rollout__stop_token_ids=every_token)
+
+
+async def follow(cluster: LocalCluster, config: str, fault) -> tuple[RunStatus, list[str]]:
+    """Start the run, ``await fault()`` (it kills something), then follow the run to its end: its status and
+    messages."""
+    client = CoordinatorClient(cluster.coordinator)
+    try:
+        started = await client.start_run(config)
+        await fault()
+        messages = [update.message async for update in client.watch(started.run_id)]
+        return await client.get_run(started.run_id), messages
+    finally:
+        await client.close()
+
+
+async def list_services(cluster: LocalCluster):
+    client = CoordinatorClient(cluster.coordinator)
+    try:
+        return await client.list_services()
+    finally:
+        await client.close()
+
+
+def check_every_sample_kept(cluster: LocalCluster, final: RunStatus) -> tuple[dict[int, dict], dict[int, list]]:
+    """The run finished; each step has its metrics and all its samples, scored: (step -> metrics, step ->
+    samples file records)."""
+    assert final.state == "finished", final.error
+    assert final.step == STEPS
+    with sqlite3.connect(cluster.state_dir / "meshrl.db") as db:
+        metrics = {step: json.loads(m) for step, m in
+                   db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ?", (final.run_id,))}
+    assert sorted(metrics) == list(range(1, STEPS + 1))
+    records = {step: [json.loads(line) for line in (cluster.state_dir / "samples" / f"{step}.jsonl").read_text()
+                      .splitlines()] for step in metrics}
+    for step in metrics:
+        assert len(records[step]) == PROMPTS * N, step  # 0 samples lost
+        assert sum(v for k, v in metrics[step].items() if k.startswith("reward/samples_by/")) == PROMPTS * N
+        assert all(r["turns"] and r["turns"][0]["role"] == "model" for r in records[step])
+    return metrics, records
+
+
+def test_an_env_service_killed_mid_episode_its_episodes_start_again_on_the_other(local_cluster, chat_model,
+                                                                                 reverse_data, tmp_path):
+    """Two env services host StallsOnce: the first step of all, on whichever service gets it, writes that
+    service's pid to a file and never returns, so when the test kills that service one of its episodes is
+    inside a step (the others open on it lose their state with it). Those trajectories start again from their
+    prompts on the other service."""
+    folder = tmp_path / "stall"
+    folder.mkdir()
+    env = env_service(tmp_path, "StallsOnce", folder, workers=PROMPTS * N // 2)
+    cluster = local_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"), env, env)
+    killed: dict[str, str] = {}
+
+    async def kill_the_stalled_env() -> None:
+        await wait_until((folder / "stalled").exists, "a step of an episode")
+        pid = int((folder / "stalled").read_text())
+        [name] = [name for name, process in cluster.processes.items() if process.pid == pid]
+        killed.update(name=name, address=str(service_address(cluster, name)))
+        kill(cluster, name)
+
+    final, messages = asyncio.run(follow(cluster, fault_config(cluster, chat_model, reverse_data),
+                                         kill_the_stalled_env))
+    metrics, records = check_every_sample_kept(cluster, final)
+    assert metrics[1]["agent/episodes_restarted"] >= 1
+    restarted = [r for r in records[1] if r["restarts"] > 0]
+    assert restarted, "no trajectory of step 1 says it started again"
+    [survivor] = [service_address(cluster, name) for name in cluster.processes if name.startswith("env")]
+    service_ids = {s.address: s.service_id for s in asyncio.run(list_services(cluster))}
+    on_survivor = f"{service_ids[survivor]} ("  # a record's env_service: service id (meshrl version)
+    assert all(r["env_service"].startswith(on_survivor) for r in restarted)
+    assert all(r["env_service"].startswith(on_survivor) for r in records[2])
+    assert any(f"env {killed['address']} left the run" in message for message in messages), messages
+
+
+def test_a_rollout_killed_mid_trajectory_its_next_turns_are_sampled_on_the_other(local_cluster, chat_model,
+                                                                                 reverse_data, tmp_path):
+    """Every trajectory of step 1 holds in its environment's first step (HeldAfterFirstTurn) until the test has
+    killed a rollout that sampled first turns; their second turns, from the same prefix, are sampled on the other
+    rollout (after a Generate call to the killed one fails, or once the run has dropped it)."""
+    folder = tmp_path / "hold"
+    (folder / "held").mkdir(parents=True)
+    env = env_service(tmp_path, "HeldAfterFirstTurn", folder, workers=PROMPTS * N)
+    cluster = local_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout"),
+                            ServiceSpec("reward"), env)
+    rollouts = [name for name in cluster.processes if name.startswith("rollout")]
+    killed: dict[str, str] = {}
+
+    async def kill_a_rollout_between_turns() -> None:
+        await wait_until(lambda: len(list((folder / "held").iterdir())) == PROMPTS * N,
+                         "every trajectory's first step")
+        # a rollout that sampled first turns (each "generating" is a Generate call of them)
+        name = next(name for name in rollouts if any(e["event"] == "generating" for e in LogTail(cluster, name).read()))
+        killed.update(name=name, address=str(service_address(cluster, name)))
+        kill(cluster, name)
+        (folder / "released").touch()
+
+    final, _ = asyncio.run(follow(cluster, fault_config(cluster, chat_model, reverse_data),
+                                  kill_a_rollout_between_turns))
+    metrics, records = check_every_sample_kept(cluster, final)
+    [kept] = [str(service_address(cluster, name)) for name in rollouts if name != killed["name"]]
+    first_there = [r for r in records[1] if r["rollout"] == killed["address"]]
+    assert first_there, "no trajectory of step 1 had its first turn sampled on the killed rollout"
+    # their later turns came from the other rollout, the killed one gone
+    assert any(len([t for t in r["turns"] if t["role"] == "model"]) >= 2 for r in first_there), first_there
+    assert metrics[1][f"rollout/samples_by/{kept}"] >= sum(
+        len([t for t in r["turns"] if t["role"] == "model"]) - 1 for r in first_there)
+    assert f"rollout/samples_by/{killed['address']}" not in metrics[2]
+    assert all(r["rollout"] == kept for r in records[2])
+
+
+FORKS = 200  # processes the forking tool starts: enough to see them all ended, few enough for a shared machine
+
+
+def hostile_tool(name: str, cls: str, **config) -> dict:
+    return {"class_name": f"{HOSTILE}:{cls}", "config": config,
+            "tool_schema": {"type": "function", "function": {"name": name}}}
+
+
+@pytest.fixture(scope="module")
+def hostile_env(tmp_path_factory):
+    """Coordinator and one env service hosting "hostile": hostile_tools.py's tools beside user_env.py's Lookup;
+    2 s per call, 512 MiB of private memory per worker. Yields (cluster, the forking tool's folder)."""
+    root = tmp_path_factory.mktemp("hostile")
+    folder = root / "forks"
+    folder.mkdir()
+    tools = [{"class_name": f"{USER_ENV}:Lookup", "config": {"table": {"a": 1}},
+              "tool_schema": {"type": "function", "function": {"name": "lookup"}}},
+             hostile_tool("spins", "Spins"), hostile_tool("forks", "Forks", count=FORKS, folder=str(folder)),
+             hostile_tool("hogs", "Hogs"), hostile_tool("credentials", "ReadsCredentials"),
+             hostile_tool("reads_file", "ReadsFile"), hostile_tool("writes_file", "WritesFile"),
+             hostile_tool("connects", "Connects")]
+    config = root / "env.yaml"
+    config.write_text(yaml.safe_dump({"environments": {"hostile": {"tools": tools}}, "workers": 2,
+                                      "call_timeout_s": 2.0, "worker_memory_mb": 512}))
+    cluster = LocalCluster(root / "state", (ServiceSpec("env", settings=("--config", str(config))),))
+    asyncio.run(cluster.start(timeout_s=90))
+    yield cluster, folder
+    cluster.stop()
+
+
+def steps(coordinator: str, episode_id: str, messages: list[str]) -> list[env_pb2.StepResponse]:
+    """Open an episode of "hostile", step it with each of ``messages`` in turn, close it: the steps' answers."""
+    async def episode(stub):
+        await stub.Reset(env_pb2.ResetRequest(episode_id=episode_id, row_json="{}", env_name="hostile"), timeout=30)
+        try:
+            return [await stub.Step(env_pb2.StepRequest(episode_id=episode_id, message=assistant(message)),
+                                    timeout=60) for message in messages]
+        finally:
+            await stub.Close(env_pb2.CloseRequest(episode_id=episode_id), timeout=30)
+    return with_env(coordinator, episode)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not yet reaped by whoever adopted it, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def end_leftovers(pids: list[int]) -> None:
+    """Kill what the forking tool started that still runs (a failed test's mess), its processes only."""
+    for pid in pids:
+        try:
+            if running(pid) and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+
+
+def test_tools_that_loop_fork_or_fill_memory_get_error_replies_and_what_they_started_ends(hostile_env):
+    cluster, folder = hostile_env
+    spin, fork, hog, after = steps(cluster.coordinator, "contained", [
+        call("spins", {}), call("forks", {}), call("hogs", {}), call("lookup", {"key": "a"})])
+
+    def started() -> list[int]:  # the processes that wrote their ids (all FORKS, unless the tool's 2 s ran out)
+        listed = folder / "forked"
+        return [int(line) for line in listed.read_text().split()] if listed.exists() else []
+
+    pids = started()
+    try:
+        assert "error: tool spins did not return within 2.0 s" in spin.messages[0].content
+        assert "error: tool forks did not return within 2.0 s" in fork.messages[0].content
+        assert pids, "the forking tool started no process"
+        # its worker was replaced, and every process it started was killed with it (seen once the kernel has
+        # delivered the signals: waited for, not timed)
+        deadline = time.monotonic() + 60
+        while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"{len(left)} of the {len(pids)} processes the tool started still run"
+        [hogged] = hog.messages
+        assert hogged.content.startswith("error: tool hogs failed: MemoryError"), hogged.content
+        assert (after.messages[0].content, after.reward) == ("1", 0.5)
+    finally:
+        end_leftovers(started())
+    info = with_env(cluster.coordinator, lambda stub: stub.Info(common_pb2.InfoRequest(), timeout=10))
+    assert info.open_episodes == 0 and info.workers == 2
+
+
+def test_a_tool_finds_no_cluster_credentials_in_its_environment(hostile_env):
+    cluster, _ = hostile_env
+    assert os.environ.get("MESHRL_TOKEN_FILE"), "the cluster runs with a token file, named in its environment"
+    [found] = steps(cluster.coordinator, "credentials", [call("credentials", {})])
+    assert json.loads(found.messages[0].content) == {}
+
+
+def test_an_unknown_tool_and_a_10_mb_call_are_answered_and_the_service_keeps_answering(hostile_env):
+    cluster, _ = hostile_env
+    huge = call("lookup", {"key": "x" * 10_000_000})
+
+    async def episode(stub):
+        await stub.Reset(env_pb2.ResetRequest(episode_id="bounded", row_json="{}", env_name="hostile"), timeout=30)
+        unknown = await stub.Step(env_pb2.StepRequest(episode_id="bounded", message=assistant(call("nope", {}))),
+                                  timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Step(env_pb2.StepRequest(episode_id="bounded", message=assistant(huge)), timeout=30)
+        after = await stub.Step(env_pb2.StepRequest(episode_id="bounded", message=assistant(
+            call("lookup", {"key": "a"}))), timeout=30)
+        await stub.Close(env_pb2.CloseRequest(episode_id="bounded"), timeout=30)
+        return unknown, refused.value, after
+
+    unknown, refused, after = with_env(cluster.coordinator, episode)
+    assert unknown.messages[0].content.startswith("unknown tool 'nope'; tools: connects, credentials"), unknown
+    assert not unknown.done and json.loads(unknown.info_json)["calls"] == [{"tool": "", "outcome": "error"}]
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_message_chars" in refused.details() and str(len(huge)) in refused.details()
+    assert after.messages[0].content == "1"
+
+
+NOT_CONTAINED = ("not contained today: a user's tool runs in the env service's worker process as the service's "
+                 "user, unsandboxed (only the built-in code interpreter is), so it reads what that user can read "
+                 "(the token file at a path it knows), writes where it can, and opens sockets")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=NOT_CONTAINED)
+@pytest.mark.parametrize("tool", ["reads_file", "writes_file", "connects"])
+def test_a_tool_cannot_read_the_token_file_write_outside_its_folder_or_open_a_socket(hostile_env, tool, tmp_path):
+    cluster, _ = hostile_env
+    arguments = {"reads_file": {"path": os.environ["MESHRL_TOKEN_FILE"]},
+                 "writes_file": {"path": str(tmp_path / "written")},
+                 "connects": {"address": cluster.coordinator}}[tool]
+    [step] = steps(cluster.coordinator, tool, [call(tool, arguments)])
+    assert step.messages[0].content.startswith("error"), step.messages[0].content
