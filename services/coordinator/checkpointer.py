@@ -5,9 +5,18 @@ Choices:
 - The loop's state after step s is the data sampler as it was right after step s's batch was drawn (generation
   may have run ahead since), the KL coefficient and the reward target (and a multi-turn run's env target): a run
   resumed from it draws the batches it would have drawn, on the services it had.
-- A save a trainer's disk refuses (full, read-only) makes the run wait, saying so, and is tried again every
-  SAVE_RETRY_S until the disk takes it (or the run is stopped); a checkpoint a trainer refuses to load (damaged:
-  its manifest does not match its files) gives way to the one before it.
+- A save a trainer's disk refuses (full, read-only) makes the run wait, saying so, and is tried again until the
+  disk takes it (or the run is stopped): after SAVE_RETRY_FIRST_S, then twice as long after each further refusal,
+  never more than SAVE_RETRY_MOST_S, so a disk that stays full is not written to the brim every few seconds. A
+  retry asks only the trainers whose part was refused: a part already saved is not written again. Nothing older
+  is touched meanwhile: each trainer writes the new step's folder aside and renames it into place once complete,
+  and the run DB records the step only once every part is saved, so the last complete checkpoint stays the one
+  a resume goes on from.
+- After a save is recorded, the run keeps only its ``keep`` newest checkpoints (trainer.max_actor_ckpt_to_keep,
+  max_critic_ckpt_to_keep): the records remove the oldest (``records.RunRecords.checkpoint``), never the one just
+  saved.
+- A checkpoint a trainer refuses to load (damaged: its manifest does not match its files) gives way to the one
+  before it.
 """
 
 from __future__ import annotations
@@ -25,15 +34,17 @@ from services.coordinator.store import Checkpoint
 from services.coordinator.targets import ServiceTarget
 from services.coordinator.waiting import retry_while
 
-SAVE_RETRY_S = 2.0  # a checkpoint save its disk refused is tried again this often (each try writes until refused)
+SAVE_RETRY_FIRST_S = 2.0  # a checkpoint save its disk refused is first tried again after this long
+SAVE_RETRY_MOST_S = 30.0  # and, backing off, never waits longer than this (each try writes until refused)
 
 
 class CheckpointNotices(Protocol):
     def log(self, message: str, kind: str = "log") -> None:
         """Something a person watching the run should see."""
 
-    def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
-        """Every trainer has saved step ``step`` under ``path``; ``loop_state`` is the coordinator's part."""
+    def checkpoint(self, step: int, path: str, loop_state: dict, keep: int | None) -> None:
+        """Every trainer has saved step ``step`` under ``path``; ``loop_state`` is the coordinator's part. Then
+        only the ``keep`` newest checkpoints of the run stay (None: all)."""
 
     def damaged(self, checkpoint: Checkpoint, reason: str) -> Checkpoint | None:
         """A trainer refused to load ``checkpoint`` (``reason``): say so, and give the run's newest checkpoint
@@ -54,12 +65,14 @@ class Restored(NamedTuple):
 class Checkpointer:
     def __init__(self, *, run_id: str, roles: dict[TrainerClient, list[str]], actor: TrainerClient,
                  sampler: PromptSampler, reward_set: RewardSet, env_set: EnvSet | None, notices: CheckpointNotices,
-                 should_stop: Callable[[], bool], folder: Path, timeout_s: float):
+                 should_stop: Callable[[], bool], folder: Path, keep: int | None, timeout_s: float):
         """``roles``: each trainer's roles (none for a run that only validates, which saves nothing); ``env_set``:
-        a multi-turn run's (None: a single-turn run); ``folder``: where the run's checkpoints go."""
+        a multi-turn run's (None: a single-turn run); ``folder``: where the run's checkpoints go; ``keep``: how
+        many of them the run keeps (None: all)."""
         self.run_id, self.roles, self.actor, self.sampler, self.reward_set = run_id, roles, actor, sampler, reward_set
         self.env_set = env_set
         self.notices, self.should_stop, self.folder, self.timeout_s = notices, should_stop, folder, timeout_s
+        self.keep = keep
         self.saved_step = 0  # last step checkpointed (or resumed from)
         self.data_after: dict[int, dict] = {}  # step -> the data sampler's state right after its batch was drawn
 
@@ -81,23 +94,32 @@ class Checkpointer:
         return state
 
     async def save(self, step: int, kl_coef: float) -> None:
-        """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step. A save
-        a trainer's disk refuses (full, read-only) makes the run wait, saying so, and is tried again every
-        SAVE_RETRY_S until the disk takes it (or the run is stopped)."""
-        folder, roles = self.folder / f"step_{step:06d}", self.roles
+        """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step, and
+        checkpoints beyond the run's ``keep`` newest go. A save a trainer's disk refuses (full, read-only) makes
+        the run wait, saying so, and is tried again, backing off, until the disk takes it (or the run is
+        stopped); each retry asks only the trainers not saved yet."""
+        folder = self.folder / f"step_{step:06d}"
+        unsaved = dict(self.roles)
 
-        async def save_all() -> None:
-            outcomes = await asyncio.gather(*(trainer.save_checkpoint(self.run_id, str(folder / "-".join(names)),
-                                                                      self.timeout_s)
-                                              for trainer, names in roles.items()), return_exceptions=True)
-            for trainer, outcome in zip(roles, outcomes):
+        async def save_unsaved() -> None:
+            trainers = list(unsaved)
+            outcomes = await asyncio.gather(*(trainer.save_checkpoint(self.run_id, str(folder / "-".join(unsaved[
+                trainer])), self.timeout_s) for trainer in trainers), return_exceptions=True)
+            failures = []
+            for trainer, outcome in zip(trainers, outcomes):
                 if isinstance(outcome, BaseException):
-                    cause = trainer_disk_fault(outcome, trainer.address)
-                    raise outcome if cause is None else DiskRefused(cause)
+                    failures.append((trainer, outcome, trainer_disk_fault(outcome, trainer.address)))
+                else:
+                    del unsaved[trainer]
+            for _, failure, cause in failures:  # a failure that is not the disk's fails the run
+                if cause is None:
+                    raise failure
+            if failures:
+                raise DiskRefused(failures[0][2])
 
-        await retry_while(save_all, lambda error: str(error) if isinstance(error, DiskRefused) else None,
-                          self.notices.disk_waiting, self.should_stop, SAVE_RETRY_S)
-        self.notices.checkpoint(step, str(folder), self.loop_state(step, kl_coef))
+        await retry_while(save_unsaved, lambda error: str(error) if isinstance(error, DiskRefused) else None,
+                          self.notices.disk_waiting, self.should_stop, SAVE_RETRY_FIRST_S, SAVE_RETRY_MOST_S)
+        self.notices.checkpoint(step, str(folder), self.loop_state(step, kl_coef), self.keep)
         self.saved_step = step
         self.data_after = {later: state for later, state in self.data_after.items() if later > step}
 

@@ -155,7 +155,8 @@ class PPOLoop:
                                     notices=reporter, timeout_s=self.timeout)
         self.checkpoints = Checkpointer(run_id=run_id, roles=trainers.roles() if trainers else {}, actor=actor,
                                         sampler=self.sampler, reward_set=reward_set, env_set=env_set, notices=reporter,
-                                        should_stop=should_stop, folder=checkpoint_dir, timeout_s=self.timeout)
+                                        should_stop=should_stop, folder=checkpoint_dir,
+                                        keep=settings.checkpoints_kept, timeout_s=self.timeout)
         self.validations = Validations(settings=settings.validation, total_steps=settings.total_steps,
                                        prompts=val_prompts, rollout_set=rollout_set, reward_set=reward_set,
                                        agent=self.agent, tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout)

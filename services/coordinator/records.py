@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,17 @@ from services.coordinator.store import RunRow, RunStore
 from services.coordinator.validation import Validated
 
 log = structlog.get_logger()
+
+
+def removed(folder: Path) -> str:
+    """Remove ``folder`` and all in it; what happened, for an event ('removed from <folder>', or why not)."""
+    try:
+        shutil.rmtree(folder)
+    except FileNotFoundError:
+        return f"forgotten ({folder} was gone already)"
+    except OSError as error:
+        return f"forgotten, but {folder} could not be removed: {error.strerror} ({error.filename})"
+    return f"removed from {folder}"
 
 
 def metrics_file(run_dir: Path) -> Path:
@@ -104,6 +116,21 @@ class RunRecords:
 
     def checkpoint(self, run_id: str, *, step: int, path: str, loop_state: dict) -> None:
         self.write(run_id, lambda: self.store.add_checkpoint(run_id, step=step, path=path, loop_state=loop_state))
+
+    def keep_newest_checkpoints(self, run_id: str, keep: int) -> None:
+        """Remove the run's checkpoints but the ``keep`` saved last (``keep`` >= 1: never the newest, the one a
+        resume goes on from), once the records before this are written: each one's run DB record first, so
+        that nothing points at a folder half removed, then its folder, then an event saying so."""
+        def remove_oldest() -> None:
+            for old in self.store.checkpoints_by_age(run_id)[:-keep]:
+                self.store.forget_checkpoint(run_id, old.step)
+                outcome = removed(Path(old.path))
+                self.store.add_event(run_id, "checkpoint", step=old.step, state="", metrics={},
+                                     message=f"checkpoint of step {old.step} {outcome} (the run keeps its {keep} "
+                                             "newest)")
+                log.info("checkpoint_removed", run_id=run_id, step=old.step, path=old.path, outcome=outcome)
+
+        self.write(run_id, remove_oldest)
 
     def validation(self, run_id: str, *, run_dir: Path, validated: Validated, headline: str) -> None:
         """Its metrics into the step's record and metrics.jsonl, its responses into validation/step_N.jsonl,

@@ -53,9 +53,11 @@ class RunReporter:
         self.records.notify()
         await self.records.settle(self.run_id)
 
-    def checkpoint(self, step: int, path: str, loop_state: dict) -> None:
+    def checkpoint(self, step: int, path: str, loop_state: dict, keep: int | None) -> None:
         self.records.checkpoint(self.run_id, step=step, path=path, loop_state=loop_state)
         self.log(f"checkpoint of step {step} saved in {path}", kind="checkpoint")
+        if keep is not None:
+            self.records.keep_newest_checkpoints(self.run_id, keep)
 
     def damaged(self, checkpoint: Checkpoint, reason: str) -> Checkpoint | None:
         earlier = self.records.store.last_checkpoint(self.run_id, before=checkpoint.step)

@@ -77,6 +77,7 @@ class LoopSettings:
 
     total_steps: int
     save_freq: int  # checkpoint every this many steps (0: only when stopped; verl's -1 is 0 here)
+    checkpoints_kept: int | None  # the run keeps this many newest checkpoints (None: all)
     max_staleness: int  # generation may run this many weight versions ahead of training
     seed: int
     rpc_timeout_s: float  # of each training, generation and scoring call
@@ -122,6 +123,8 @@ def loop_settings(config: RunConfig) -> LoopSettings:
                               control.horizon) if algorithm.use_kl_in_reward else None
     return LoopSettings(
         total_steps=trainer.steps, save_freq=max(trainer.save_freq, 0),
+        checkpoints_kept=checkpoints_kept(trainer.max_actor_ckpt_to_keep, trainer.max_critic_ckpt_to_keep,
+                                          has_critic=config.use_critic),
         max_staleness=trainer.async_.max_staleness, seed=trainer.seed, rpc_timeout_s=trainer.rpc_timeout_s,
         batch_size=data.train_batch_size, shuffle=data.shuffle,
         sampling=Sampling(rollout.n, rollout.temperature, rollout.top_p, data.max_response_length,
@@ -150,6 +153,17 @@ def agent_settings(config: RunConfig) -> AgentSettings | None:
         truncate_side=turns.tool_response_truncate_side, env_reward_weight=turns.env_reward_weight,
         max_response_length=config.data.max_response_length, max_prompt_length=config.data.max_prompt_length,
         calls_in_flight=1 if rollout.name == "hf" else 64)
+
+
+def checkpoints_kept(actor_bound: int | None, critic_bound: int | None, has_critic: bool) -> int | None:
+    """How many step folders a run keeps (None: all), from verl's two bounds (None: keep all). A step folder
+    holds both roles, so it goes only once each role's bound lets it: the larger bound, and None if either
+    role keeps all; a run without a critic follows the actor's alone."""
+    if not has_critic:
+        return actor_bound
+    if actor_bound is None or critic_bound is None:
+        return None
+    return max(actor_bound, critic_bound)
 
 
 def validation_settings(config: RunConfig) -> ValidationSettings | None:

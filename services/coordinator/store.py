@@ -210,6 +210,15 @@ class RunStore:
                                (run_id, before if before is not None else 2**62)).fetchone()
         return Checkpoint(row[0], row[1], row[2], json.loads(row[3])) if row else None
 
+    def checkpoints_by_age(self, run_id: str) -> list[Checkpoint]:
+        """The run's checkpoints, the one saved first first."""
+        rows = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE run_id = ?"
+                                " ORDER BY time, step", (run_id,))
+        return [Checkpoint(row[0], row[1], row[2], json.loads(row[3])) for row in rows]
+
+    def forget_checkpoint(self, run_id: str, step: int) -> None:
+        self._db.execute("DELETE FROM checkpoints WHERE run_id = ? AND step = ?", (run_id, step))
+
     def checkpoint_at(self, path: str) -> Checkpoint | None:
         """The checkpoint recorded at ``path``, of whichever run."""
         row = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE path = ?",

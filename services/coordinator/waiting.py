@@ -2,7 +2,8 @@
 
 A run that has no rollout or reward service to go on with waits (state ``waiting``, with the reason) and
 looks again every ``WAIT_POLL_S``; the run's own stop request ends the wait with ``RunStopped``. A call that
-fails for a reason the run can wait out (a checkpoint its disk refuses) is tried again (``retry_while``).
+fails for a reason the run can wait out (a checkpoint its disk refuses) is tried again, less and less often
+(``retry_while``).
 """
 
 from __future__ import annotations
@@ -45,13 +46,30 @@ async def wait_for(look: Callable[[], Awaitable[Found]], notices: Notices, shoul
     return found
 
 
+def backoff_s(failures: int, first_s: float, most_s: float) -> float:
+    """The wait after ``failures`` failed tries in a row (1, 2, ...): ``first_s``, doubled after each further
+    failure, never over ``most_s``."""
+    return min(first_s * 2 ** (failures - 1), most_s)
+
+
+async def pause(seconds: float, should_stop: Callable[[], bool], reason: str) -> None:
+    """Sleep ``seconds``, looking every WAIT_POLL_S whether the run was stopped (RunStopped, naming ``reason``)."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + seconds
+    while (left := until - loop.time()) > 0:
+        if should_stop():
+            raise RunStopped(f"the run was stopped while it waited ({reason})")
+        await asyncio.sleep(min(left, WAIT_POLL_S))
+
+
 async def retry_while(attempt: Callable[[], Awaitable[Found]], refusal: Callable[[Exception], str | None],
                       waiting: Callable[[str | None], None], should_stop: Callable[[], bool],
-                      every_s: float) -> Found:
+                      first_s: float, most_s: float) -> Found:
     """``await attempt()`` until it succeeds. While it fails with an error that ``refusal`` gives a reason for,
-    the run waits (``waiting(reason)``, then ``waiting(None)``) and tries again every ``every_s``; any other
-    error is raised, and RunStopped if the run is stopped meanwhile."""
-    reason = None
+    the run waits (``waiting(reason)``, then ``waiting(None)``) and tries again, backing off: ``first_s`` after
+    the first failure, twice as long after each further one, never over ``most_s``. Any other error is raised,
+    and RunStopped if the run is stopped meanwhile."""
+    reason, failures = None, 0
     while True:
         try:
             found = await attempt()
@@ -61,9 +79,8 @@ async def retry_while(attempt: Callable[[], Awaitable[Found]], refusal: Callable
                 raise
             if now != reason:
                 waiting(reason := now)
-            if should_stop():
-                raise RunStopped(f"the run was stopped while it waited ({reason})") from None
-            await asyncio.sleep(every_s)
+            failures += 1
+            await pause(backoff_s(failures, first_s, most_s), should_stop, reason)
             continue
         if reason is not None:
             waiting(None)

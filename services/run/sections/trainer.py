@@ -47,6 +47,16 @@ class TrainerConfig(Section):
     save_freq: int = Field(0, ge=-1)
     """Checkpoint every this many steps (0 or -1, verl's "never": only when the run is stopped); coordctl resume
     continues from the last."""
+    max_actor_ckpt_to_keep: PositiveInt | None = None
+    """How many checkpoints of the actor the run keeps (verl's key; null = all, verl's default). meshrl saves the
+    actor and the critic of a step into one folder, step_<N>/, so a run keeps whole steps: the larger of this and
+    max_critic_ckpt_to_keep when the run has a critic (a null one of the two keeps all), else this. Once a save
+    is recorded the oldest saved go (folder and run DB record; an event says which), never the one just saved,
+    which is the one a resume goes on from. The coordinator removes them: it must see default_local_dir."""
+    max_critic_ckpt_to_keep: PositiveInt | None = None
+    """How many checkpoints of the critic the run keeps (verl's key; null = all): with a critic, a step's
+    folder goes only once both this and max_actor_ckpt_to_keep let it go (see that key); without a critic
+    (GRPO and the like) it is not used."""
     default_local_dir: str | None = None
     """Where the checkpoints go, step_<N>/<roles>/ under it (verl's key); a relative path is under the run's
     folder; null = the run's folder's checkpoints/. It must lie inside the coordinator's state_dir and each

@@ -170,7 +170,7 @@ class Reporter:
     def log(self, message, kind="log"):
         self.messages.append(message)
 
-    def checkpoint(self, step, path, loop_state):
+    def checkpoint(self, step, path, loop_state, keep):
         self.checkpoints.append((step, path, loop_state))
 
     def waiting(self, reason):
@@ -464,7 +464,7 @@ def test_one_step_ahead_the_validation_of_a_step_runs_while_the_next_trains_and_
 
 
 def test_a_checkpoint_save_the_trainers_disk_refuses_waits_saying_why_and_is_tried_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpointer, "SAVE_RETRY_S", 0.01)
+    monkeypatch.setattr(checkpointer, "SAVE_RETRY_FIRST_S", 0.01)
     mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 2, "save_freq": 2}})
     refusals = ["CheckpointNotWritten: the checkpoint was not written to /ckpt/step_000002/actor: No space left on "
                 "device (/ckpt/step_000002.tmp/__0_0.distcp); 0.0 MiB free on the disk of /ckpt"] * 2

@@ -179,3 +179,15 @@ def test_verls_sglang_and_hybrid_engine_are_accepted_and_each_said_once_as_not_u
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.name: Input should be 'hf', 'vllm', 'sglang' "
                                           r"or 'sglang_async'"):
         load_config(RunConfig, None, ["actor_rollout_ref.rollout.name=trtllm"])
+
+
+def test_verls_checkpoint_bounds_set_how_many_step_folders_a_run_keeps():
+    grpo = load_config(RunConfig, None, ["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=5"])
+    assert loop_settings(grpo).checkpoints_kept == 2  # no critic: the actor's bound
+    ppo = ["algorithm.adv_estimator=gae", "trainer.max_actor_ckpt_to_keep=2"]
+    assert loop_settings(load_config(RunConfig, None, ppo)).checkpoints_kept is None  # the critic keeps all
+    both = load_config(RunConfig, None, [*ppo, "trainer.max_critic_ckpt_to_keep=3"])
+    assert loop_settings(both).checkpoints_kept == 3
+    assert loop_settings(load_config(RunConfig, None, [])).checkpoints_kept is None  # verl's default: all
+    with pytest.raises(ConfigError, match="trainer.max_actor_ckpt_to_keep"):
+        load_config(RunConfig, None, ["trainer.max_actor_ckpt_to_keep=0"])
