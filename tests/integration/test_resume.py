@@ -197,3 +197,30 @@ def test_verls_resume_modes_go_on_from_a_checkpoint_of_an_earlier_run(cluster, t
     assert f"holds the checkpoints of run {second.run_id} (stopped)" in error.details()
     again = asyncio.run(run(cluster.coordinator, elsewhere))  # the same script again: auto finds the stopped run
     assert again.run_id == second.run_id and again.state == "finished"
+
+
+def test_a_run_keeps_its_newest_checkpoints_and_goes_on_from_the_last(cluster, straight, tiny_model, reverse_data):
+    """trainer.max_actor_ckpt_to_keep (verl's key): after each save the oldest step folders go, the run DB
+    forgetting them, and a resume goes on from the newest as ever."""
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=STEPS, trainer__save_freq=1,
+                        trainer__max_actor_ckpt_to_keep=2)
+    stopped = asyncio.run(run(cluster.coordinator, config, stop_after=3))
+    assert stopped.state == "stopped", stopped.error
+    folder = Path(stopped.run_dir) / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [f"step_{step:06d}" for step in (stopped.step - 1, stopped.step)]
+
+    resumed, final = asyncio.run(resume(cluster.coordinator, stopped.run_id))
+    assert (resumed.step, final.state, final.step) == (stopped.step, "finished", STEPS), final.error
+    assert sorted(p.name for p in folder.iterdir()) == ["step_000005", "step_000006"]
+    got = comparable(final.run_dir)
+    assert all(got[step] == straight[step] for step in range(1, STEPS + 1))  # as if it had kept them all
+
+    async def removals():
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            return [u.message for u in [u async for u in client.watch(stopped.run_id)] if "removed" in u.message]
+        finally:
+            await client.close()
+
+    assert [message.split(" removed from ")[0] for message in asyncio.run(removals())] == [
+        f"checkpoint of step {step}" for step in range(1, STEPS - 1)]
