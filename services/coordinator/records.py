@@ -80,10 +80,10 @@ class RunRecords:
 
     def create(self, run_id: str, *, name: str, config_yaml: str, run_dir: Path, total_steps: int,
                notices: list[str]) -> None:
-        """A new run (state pending), and the notices about its config and data a person should read first."""
-        self.store.create_run(run_id, name=name, config_yaml=config_yaml, run_dir=str(run_dir), total_steps=total_steps)
-        for notice in notices:
-            self.store.add_event(run_id, "log", step=0, state="", message=notice, metrics={})
+        """A new run (state pending), and the notices about its config and data a person should read first: all
+        of it in the run DB, or none of it."""
+        self.store.create_run(run_id, name=name, config_yaml=config_yaml, run_dir=str(run_dir), total_steps=total_steps,
+                              notices=tuple(notices))
 
     def set_state(self, run_id: str, state: str, error: str = "") -> None:
         self.write(run_id, lambda: self.store.set_state(run_id, state, error))

@@ -1,7 +1,8 @@
 """Runs, as the coordinator's API sees them: start, resume, stop, get, list, watch, and reward and env swaps.
 
 A run is refused before anything starts when its config or data is bad
-(ValueError naming the field, or the file and row). Its state moves
+(ValueError naming the field, or the file and row), and a StartRun refused for
+any reason (a full disk too) leaves no run folder and no run DB record. Its state moves
 pending -> running -> finished | stopped | failed; each change, each step's
 metrics and each log line is an event in the run DB, which WatchRun streams.
 
@@ -12,7 +13,9 @@ about itself is written by one object beneath both (``records.RunRecords``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
@@ -46,6 +49,18 @@ def parse_run_config(config_yaml: str) -> RunConfig:
     config = validate(RunConfig, apply_overrides(data, []) if "${" in config_yaml else data)
     config.require_paths()
     return config
+
+
+@contextlib.contextmanager
+def removed_unless_done(run_dir: Path):
+    """Around the writes into a new run's folder (just made) and its run DB record: a refusal (a full or
+    read-only disk) takes the folder away again, so that a refused StartRun leaves no runs/<id> behind (the
+    record is one transaction: all or nothing)."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 class RunManager:
@@ -82,11 +97,12 @@ class RunManager:
         samples_dir(self.state_dir, config, run_dir)
         resolved = to_yaml(config)
         with refused_by_state_dir("start the run", self.store.path):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(resolved)
-            self.records.create(run_id, name=config.trainer.experiment_name, config_yaml=resolved, run_dir=run_dir,
-                                total_steps=config.trainer.steps,
-                                notices=[*config.notices(), *([f"{data.describe()}"] if data.dropped else [])])
+            run_dir.mkdir(parents=True)  # a new id: never a folder there already
+            with removed_unless_done(run_dir):
+                (run_dir / "config.yaml").write_text(resolved)
+                self.records.create(run_id, name=config.trainer.experiment_name, config_yaml=resolved,
+                                    run_dir=run_dir, total_steps=config.trainer.steps,
+                                    notices=[*config.notices(), *([f"{data.describe()}"] if data.dropped else [])])
         self._drive(run_id, config, resolved, data, run_dir, resume=None)
         log.info("run_started", run_id=run_id, run_dir=str(run_dir))
         return self.store.get_run(run_id), 0

@@ -115,13 +115,20 @@ class RunStore:
             self._db.close()
             raise DamagedRunDB(damaged_message(path, problems[0]))
 
-    def create_run(self, run_id: str, name: str, config_yaml: str, run_dir: str, total_steps: int) -> None:
+    def create_run(self, run_id: str, name: str, config_yaml: str, run_dir: str, total_steps: int,
+                   notices: tuple[str, ...] = ()) -> None:
+        """A new run (state pending) with ``notices`` as its first events, in one transaction: all of it, or
+        nothing when the disk refuses the write."""
         now = time.time()
-        self._db.execute(
-            "INSERT INTO runs (run_id, name, state, config_yaml, run_dir, total_steps, created_at, updated_at)"
-            " VALUES (?, ?, 'pending', ?, ?, ?, ?, ?)",
-            (run_id, name, config_yaml, run_dir, total_steps, now, now),
-        )
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT INTO runs (run_id, name, state, config_yaml, run_dir, total_steps, created_at, updated_at)"
+                " VALUES (?, ?, 'pending', ?, ?, ?, ?, ?)",
+                (run_id, name, config_yaml, run_dir, total_steps, now, now),
+            )
+            self._db.executemany("INSERT INTO events (run_id, time, kind, step, state, message, metrics_json)"
+                                 " VALUES (?, ?, 'log', 0, '', ?, '{}')", [(run_id, now, n) for n in notices])
 
     def set_state(self, run_id: str, state: str, error: str = "") -> Event:
         self._db.execute("UPDATE runs SET state = ?, error = ?, updated_at = ? WHERE run_id = ?",

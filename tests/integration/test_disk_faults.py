@@ -173,6 +173,31 @@ def test_full_then_read_only_state_dir_the_run_waits_says_why_and_loses_nothing(
     assert all(len((samples_dir / f"{step}.jsonl").read_text().splitlines()) == 8 * 4 for step in range(1, STEPS + 1))
 
 
+def test_a_refused_start_run_leaves_no_run_folder_and_no_run_record(cluster_on_tmpfs, tiny_model, reverse_data):
+    """Refused for a full state directory (the run folder can be made, its config.yaml not) or for a bad config."""
+    state = cluster_on_tmpfs.state_dir
+
+    async def refused_starts():
+        client = CoordinatorClient(cluster_on_tmpfs.coordinator)
+        try:
+            before = ({r.run_id for r in await client.list_runs()}, set((state / "runs").glob("*")))
+            filler = fill(state)
+            try:
+                full = await refusal(client.start_run(run_config(tiny_model, reverse_data)))
+            finally:
+                filler.unlink()
+            bad = await refusal(client.start_run(run_config(tiny_model, reverse_data, data__train_batch_size=0)))
+            after = ({r.run_id for r in await client.list_runs()}, set((state / "runs").glob("*")))
+            return full, bad, before, after
+        finally:
+            await client.close()
+
+    full, bad, before, after = asyncio.run(refused_starts())
+    assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "No space left on device" in full.details()
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "data.train_batch_size" in bad.details()
+    assert after == before  # no run listed, no runs/<id> folder, by either refusal
+
+
 async def final_run(coordinator: str, run_id: str):
     client = CoordinatorClient(coordinator)
     try:
