@@ -10,6 +10,7 @@
     coordctl plot RUN [METRIC ...]                   # PNGs of the run's metrics
     coordctl export RUN OUT_DIR | eval MODEL_DIR --data FILE
     coordctl certs OUT_DIR --host node1 --host node2,10.0.0.2   # a CA and certificates for mTLS
+    coordctl checkpoint trust PATH                   # sign a checkpoint saved before meshrl signed them
 """
 
 from __future__ import annotations
@@ -517,6 +518,41 @@ def env_set(
         raise typer.BadParameter("give exactly one of --group or --address")
     run = call(coordinator, "set_env", run_id, group, address)
     typer.echo(f"run {run.run_id}: env swap accepted; it applies at the next step boundary")
+
+
+checkpoint_app = typer.Typer(no_args_is_help=True, help="A run's checkpoint folders.")
+app.add_typer(checkpoint_app, name="checkpoint")
+
+
+@checkpoint_app.command("trust")
+def checkpoint_trust(
+    path: Path = typer.Argument(..., metavar="PATH", help="a checkpoint's step_<N> folder, or a trainer's folder in "
+                                                          "it"),
+    state_dir: Optional[Path] = typer.Option(None, help="the folder the checkpoints are kept under (its "
+                                                        "checkpoint.key signs them; default: the nearest above PATH)"),
+    run_id: Optional[str] = typer.Option(None, "--run", help="the run it belongs to (default: the <run_id> of the "
+                                                             "runs/<run_id>/ folder PATH is in)"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="sign without asking"),
+) -> None:
+    """Sign a checkpoint saved before meshrl wrote manifests, so that a resume and coordctl export accept it:
+    its files and sizes are shown, and signed once you confirm. Sign only a folder you know is what the run
+    saved: a trainer unpickles what a signed checkpoint holds."""
+    from services.common.manifest import checkpoint_key, write_manifest
+    from services.coordctl.trust import describe, key_folder, run_of, trainer_folders, unsigned
+
+    try:
+        folders = [unsigned(folder) for folder in trainer_folders(path)]
+        key, run = key_folder(path, state_dir), run_of(path, run_id)
+    except ValueError as error:
+        raise fail(f"error: {error}")
+    typer.echo(describe(folders, run, key))
+    if not yes and not typer.confirm("sign these files as they are now?"):
+        raise fail("not signed", code=1)
+    for each in folders:
+        if unsigned(each.folder) != each:
+            raise fail(f"error: {each.folder} changed since it was shown: nothing more signed; look again")
+        write_manifest(each.folder, run, checkpoint_key(key))
+        typer.echo(f"signed {each.folder}")
 
 
 @app.command("services")

@@ -1,7 +1,8 @@
 """Paths and files from outside, on real processes: every path a request or run config names stays inside its
 service's folder, a save replaces only a checkpoint of its own run, nothing in a checkpoint is unpickled before
 its signed manifest is checked, a damaged last checkpoint gives way to the one before it, a save into a full disk
-fails at once naming it, and pickled model weights are refused unless the run allows them."""
+fails at once naming it, pickled model weights are refused unless the run allows them, and a checkpoint without
+a manifest is refused until an operator trusts it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import pickle
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -205,3 +207,43 @@ def test_a_damaged_last_checkpoint_gives_way_to_the_one_before_it(cluster, tiny_
             "checkpoint's manifest: 100 bytes where") in "\n".join(messages)
     assert f"going on from the checkpoint of step {last - 1} before it" in "\n".join(messages)
     assert f"resumed from the checkpoint of step {last - 1}" in messages
+
+
+def coordctl(*args: str, answer: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.coordctl.cli", *args], input=answer, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_checkpoint_without_a_manifest_is_refused_until_an_operator_trusts_it(cluster, tiny_model, reverse_data,
+                                                                               tmp_path):
+    """As a checkpoint saved before meshrl signed them: refused by a resume and by coordctl export, accepted by
+    both once `coordctl checkpoint trust` has shown its files and signed them."""
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=4)  # saves only at the stop
+    stopped = asyncio.run(run(cluster.coordinator, config, stop_after=2))
+    assert stopped.state == "stopped", stopped.error
+    step_dir = Path(stopped.run_dir) / "checkpoints" / f"step_{stopped.step:06d}"
+    [saved] = list(step_dir.iterdir())
+    (saved / "meshrl_manifest.json").unlink()
+    state_dir = str(cluster.state_dir)
+
+    exported = coordctl("export", stopped.run_id, str(tmp_path / "before"), "--state-dir", state_dir)
+    assert exported.returncode == 2 and "holds no complete checkpoint" in exported.stderr, exported.stderr
+    _, failed = asyncio.run(resume(cluster.coordinator, stopped.run_id))
+    assert failed.state == "failed" and f"{saved}/meshrl_manifest.json does not exist" in failed.error, failed.error
+
+    declined = coordctl("checkpoint", "trust", str(step_dir), answer="n\n")
+    assert declined.returncode == 1 and "not signed" in declined.stderr
+    assert f"{saved} (" in declined.stdout and "trainer_state.pt" in declined.stdout and ".metadata" in declined.stdout
+    assert f"signed as a checkpoint of run {stopped.run_id} with {state_dir}/checkpoint.key" in declined.stdout
+    assert not (saved / "meshrl_manifest.json").exists()
+
+    trusted = coordctl("checkpoint", "trust", str(step_dir), "--yes")
+    assert trusted.returncode == 0 and f"signed {saved}" in trusted.stdout, trusted.stderr
+    again = coordctl("checkpoint", "trust", str(step_dir), "--yes")  # signed already: nothing to do
+    assert again.returncode == 2 and "is signed already" in again.stderr
+
+    exported = coordctl("export", stopped.run_id, str(tmp_path / "after"), "--state-dir", state_dir)
+    assert exported.returncode == 0, exported.stderr
+    assert f"exported the actor of step {stopped.step}" in exported.stdout
+    _, final = asyncio.run(resume(cluster.coordinator, stopped.run_id))
+    assert (final.state, final.step) == ("finished", 4), final.error
