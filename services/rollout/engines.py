@@ -25,9 +25,10 @@ from services.common.memory import memory_metrics
 from services.run.models import load_causal_lm, load_tokenizer
 from services.common.weight_sync import StagedWeights, WeightReceiver
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.hf_engine import HFEngine
+from services.rollout.hf_engine import HFEngine, WeightsNotLoaded
 from services.rollout.sampling import Completion, SamplingSettings
-from services.rollout.swap import GenerationCall, GenerationInterrupted, PartialRollout, SwapGate, WeightSwap
+from services.rollout.swap import (GenerationCall, GenerationInterrupted, PartialRollout, SwapGate, WeightSwap,
+                                   failed_swap, not_whole)
 
 
 class Engine(Protocol):
@@ -50,7 +51,9 @@ class Engine(Protocol):
                               partial_rollout: PartialRollout = "finish") -> WeightSwap:
         """Receive one broadcast while generation goes on and swap it in; the Generate calls in flight at the
         swap finish under the old weights first, are sampled again under the new ones (``restart``), or are
-        held for the swap itself and go on under the new ones (``keep``)."""
+        held for the swap itself and go on under the new ones (``keep``). A swap that fails after part of the
+        weights went in leaves the engine damaged: Generate is refused (``swap.not_whole``) until a sync swaps a
+        whole version in."""
 
     async def memory(self) -> dict[str, float]:
         """verl's memory metrics of the process holding the model since the previous call (``memory_metrics``;
@@ -83,6 +86,7 @@ class HFRolloutEngine:
         self.device = config.device
         self.gpus: tuple[str, ...] = (gpu_uuid(config.device),) if torch.device(config.device).type == "cuda" else ()
         self.weight_version = 0  # changed only inside a swap, on the engine thread
+        self.damaged: str | None = None  # why the model is not one whole version (a swap failed part way)
         self.gate = SwapGate()
         self.channels = ChannelTable(config.device)
         self.receiver = WeightReceiver()  # what its channels carried, kept from sync to sync
@@ -102,8 +106,12 @@ class HFRolloutEngine:
                 if call.should_stop():
                     raise GenerationInterrupted
                 self._apply_pending()
+                if self.damaged:  # a keep swap failed part way under this call
+                    raise not_whole(self.damaged)
                 return self.weight_version
 
+            if self.damaged:
+                raise not_whole(self.damaged)
             return self.engine.generate(prompts, sampling, seed_indices=seed_indices, before_step=before_step)
 
         return await self.gate.run(lambda call: self._on_engine(attempt, call))
@@ -155,9 +163,16 @@ class HFRolloutEngine:
         self._staging = None  # off the wire
 
         def apply() -> None:  # version and weights change together on the engine thread, even if this is cancelled
-            for bucket in staged.buckets:
-                self.engine.load_weights(bucket)
-            self.weight_version = staged.version
+            loaded = 0  # buckets copied in
+            try:
+                for bucket in staged.buckets:
+                    self.engine.load_weights(bucket)
+                    loaded += 1
+            except BaseException as error:
+                if loaded or not isinstance(error, WeightsNotLoaded):  # part of the new weights went in
+                    self.damaged = failed_swap(self.weight_version, error)
+                raise
+            self.weight_version, self.damaged = staged.version, None
 
         received = time.perf_counter()
         async with self.gate.swap(partial_rollout):

@@ -143,11 +143,19 @@ class HFEngine:
         ]
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy received tensors into the model's parameters and buffers, by name."""
+        """Copy received tensors into the model's parameters and buffers, by name: all of them, or none when one
+        does not fit (WeightsNotLoaded naming it: a name the model lacks, another shape)."""
         state = self.model.state_dict()
+        for name, tensor in named:
+            if name not in state:
+                raise WeightsNotLoaded(f"received weight {name!r} is not in the rollout model")
+            if state[name].shape != tensor.shape:
+                raise WeightsNotLoaded(f"received weight {name!r} has shape {tuple(tensor.shape)}, the rollout "
+                                       f"model's {tuple(state[name].shape)}")
         with torch.no_grad():
             for name, tensor in named:
-                if name not in state:
-                    raise KeyError(f"received weight {name!r} is not in the rollout model")
                 state[name].copy_(tensor)
 
+
+class WeightsNotLoaded(ValueError):
+    """Received weights that do not fit the model; none of them was copied in."""

@@ -16,7 +16,9 @@ An engine runs each Generate call through ``SwapGate.run`` as a
 whose client goes away is cancelled: async work (vLLM's requests) is
 cancelled with it, work on a thread (the hf engine) sees ``should_stop`` and
 ends at its next token step, so abandoned work does not hold the engine.
-Each sync ends in a ``WeightSwap``, what the engine reports of it.
+Each sync ends in a ``WeightSwap``, what the engine reports of it. A swap that fails after part of the
+new weights went in leaves the engine damaged: it refuses Generate (``not_whole``, UNAVAILABLE, so the call
+is sent elsewhere) until a sync swaps a whole version in.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Literal, TypeVar
 
 import structlog
+
+from services.common.errors import Unavailable
 
 log = structlog.get_logger()
 Result = TypeVar("Result")
@@ -42,6 +46,17 @@ class WeightSwap:
     transfer_s: float  # receiving the weights (generation may go on meanwhile)
     pause_s: float  # generation held back: the calls in flight finishing (``finish``), the swap itself
     stages: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per stage, where the engine knows
+
+
+def not_whole(damaged: str) -> Unavailable:
+    """The refusal of a Generate call by an engine whose weights are not one whole version (``damaged``: why)."""
+    return Unavailable(f"this rollout's weights are not one whole version ({damaged}); it generates again once a "
+                       "sync swaps one in")
+
+
+def failed_swap(version: int, error: BaseException) -> str:
+    """Why an engine is damaged: the swap after ``version`` failed with ``error`` part way."""
+    return f"the swap after version {version} failed: {type(error).__name__}: {error}"
 
 
 class GenerationInterrupted(Exception):

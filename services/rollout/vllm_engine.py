@@ -43,12 +43,11 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from services.common.errors import Unavailable
 from services.run.models import load_tokenizer
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.direct_load import STACKED
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
-from services.rollout.swap import GenerationCall, PartialRollout, SwapGate, WeightSwap
+from services.rollout.swap import GenerationCall, PartialRollout, SwapGate, WeightSwap, failed_swap, not_whole
 
 if TYPE_CHECKING:
     import torch
@@ -111,8 +110,7 @@ class VLLMEngine:
 
         async def attempt(call: GenerationCall) -> list[list[Completion]]:
             if self.damaged:
-                raise Unavailable(f"this rollout's weights are not one whole version ({self.damaged}); it generates "
-                                  "again once a sync swaps one in")
+                raise not_whole(self.damaged)
             version = self.weight_version  # of its first tokens; only a keep swap lets it go on under another
             request_ids = [uuid.uuid4().hex for _ in prompts]
             try:  # an interrupt cancels the requests (cancelling AsyncLLM.generate aborts its request in vLLM)
@@ -218,7 +216,7 @@ class VLLMEngine:
             if len(set(versions)) != 1:
                 raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
         except BaseException as error:
-            self.damaged = f"the swap after version {self.weight_version} failed: {type(error).__name__}: {error}"
+            self.damaged = failed_swap(self.weight_version, error)
             raise
         self.weight_version, self.damaged = versions[0], None
         return applied

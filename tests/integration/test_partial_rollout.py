@@ -5,7 +5,8 @@ restart_in_flight the call is stopped and sampled again under the new weights, a
 call under them returns (same seed, same first_index); with neither flag the call finishes under the old
 weights; with keep_in_flight it is held only for the swap and goes on under the new weights with the tokens it
 had. (tests/gpu/test_partial_rollout_vllm.py and test_keep_swap_vllm.py play the same scenario against the vLLM
-engine over NCCL.)
+engine over NCCL.) A swap that fails part way leaves the rollout refusing Generate until a whole version is
+swapped in.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import grpc
 import torch
 
 from bench.faults import service_address
@@ -171,3 +173,65 @@ def test_a_sync_restarts_finishes_or_keeps_the_generate_call_in_flight(tmp_path,
         assert kept.pause_s < 0.1
     finally:
         cluster.stop()
+
+
+def test_a_swap_that_fails_part_way_leaves_the_hf_rollout_refusing_to_generate_until_a_whole_one(tmp_path,
+                                                                                                 tiny_model):
+    """The test process sends weights that do not fit the rollout's model: in a bucket after others (so part of
+    the new weights went in: the rollout is damaged, as a vLLM rollout is, and refuses Generate with
+    UNAVAILABLE, which sends the call elsewhere), or in the first bucket (nothing went in: it serves its last
+    whole version as before). A whole sync after either makes it generate again."""
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("rollout"),))
+
+    async def go():
+        rollout = RolloutClient(service_address(cluster, "rollout"))
+        model = load_causal_lm(str(tiny_model), "float32")
+        named = [(name, tensor.detach().clone()) for name, tensor in model.named_parameters()]
+        unknown = ("model.layers.9.mlp.extra.weight", torch.zeros(4))  # no such weight in the rollout's model
+        store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", TIMEOUT_S)
+        channel, sender = None, WeightSender()
+
+        async def sync(weights, version) -> Received | grpc.aio.AioRpcError:
+            receiving = asyncio.create_task(rollout.receive_weights("weights", TIMEOUT_S))
+            await asyncio.to_thread(sender.send, channel, weights, version, 1 << 10)  # about a tensor a bucket
+            try:
+                return await receiving
+            except grpc.aio.AioRpcError as error:
+                return error
+
+        async def generate() -> Generated | grpc.aio.AioRpcError:
+            try:
+                return await rollout.generate(PROMPTS, Sampling(N, 1.0, 1.0, 4, ()), seed=5, first_index=0,
+                                              timeout=TIMEOUT_S)
+            except grpc.aio.AioRpcError as error:
+                return error
+
+        try:
+            await rollout.init_run("damaged", str(tiny_model), "float32", timeout=TIMEOUT_S)
+            joining = asyncio.create_task(rollout.join_channel("weights", "gloo", rendezvous, 1, 2, TIMEOUT_S))
+            channel = await asyncio.to_thread(open_weight_channel, "weights", "gloo", rendezvous=rendezvous, rank=0,
+                                              world_size=2, timeout_s=TIMEOUT_S, device="cpu")
+            await joining
+            assert (await sync(named, 1)).version == 1
+            return (await sync([unknown, *named], 2), await generate(), await sync([*named, unknown], 3),
+                    await generate(), await sync(named, 4), await generate())
+        finally:
+            if channel is not None:
+                channel.close()
+            await rollout.close()
+            del store
+
+    try:
+        asyncio.run(cluster.start(timeout_s=120))
+        untouched, served, partial, refused, whole, healed = asyncio.run(go())
+    finally:
+        cluster.stop()
+    not_in_model = "received weight 'model.layers.9.mlp.extra.weight' is not in the rollout model"
+    assert isinstance(untouched, grpc.aio.AioRpcError) and not_in_model in untouched.details()
+    assert isinstance(served, Generated) and set(served.weight_versions.tolist()) == {1}  # still whole: version 1
+    assert isinstance(partial, grpc.aio.AioRpcError) and not_in_model in partial.details()
+    assert isinstance(refused, grpc.aio.AioRpcError) and refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert (f"this rollout's weights are not one whole version (the swap after version 1 failed: WeightsNotLoaded: "
+            f"{not_in_model}); it generates again once a sync swaps one in") in refused.details()
+    assert whole.version == 4
+    assert isinstance(healed, Generated) and set(healed.weight_versions.tolist()) == {4}
