@@ -25,6 +25,7 @@ import ipaddress
 import os
 import secrets
 import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,6 +141,19 @@ def server_credentials() -> grpc.ServerCredentials | None:
     if tls is None:
         return None
     return grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True)
+
+
+def metrics_tls() -> ssl.SSLContext | None:
+    """HTTPS for a service's /metrics that demands a client certificate signed by the cluster CA and presents this
+    process's certificate, as its gRPC port does; None for plain HTTP (no mTLS)."""
+    tls = cluster_tls()
+    if tls is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=tls.ca.decode())
+    context.load_cert_chain(os.environ["MESHRL_TLS_CERT"], os.environ["MESHRL_TLS_KEY"])
+    return context
 
 
 def channel_credentials() -> grpc.ChannelCredentials | None:

@@ -55,7 +55,7 @@ from services.common.errors import ErrorInterceptor
 from services.common.handlers import ResponseWriteDeadline
 from services.common.lifetime import die_with_parent
 from services.common.logging import configure_logging
-from services.common.auth import TokenServerInterceptor, cluster_token, is_loopback, server_credentials
+from services.common.auth import TokenServerInterceptor, cluster_token, is_loopback, metrics_tls, server_credentials
 from services.common.rpc import SERVER_OPTIONS, open_channel
 from services.common.telemetry import MetricsServer, RpcMetricsInterceptor
 
@@ -176,8 +176,8 @@ async def serve(endpoint: Endpoint, attach: Callable[[grpc.aio.Server, common_pb
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     servicer = attach(server, identity)
-    metrics = (MetricsServer(endpoint.host, endpoint.metrics_port, servicer.weight_version)
-               if endpoint.metrics_port is not None else None)
+    metrics = (MetricsServer(endpoint.host, endpoint.metrics_port, servicer.weight_version, token=token,
+                             tls=metrics_tls()) if endpoint.metrics_port is not None else None)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     if endpoint.ports_file:

@@ -1,7 +1,13 @@
 """Prometheus metrics: what every service exports, and the HTTP server that serves them.
 
 A service with ``metrics_port`` set serves ``/metrics`` there, on its own bind
-address (``host``), in Prometheus's text format. Every service exports:
+address (``host``), in Prometheus's text format, behind the same door as its
+gRPC port: with a cluster token a scrape must present it
+(``Authorization: Bearer <token>``, else 401), with mTLS it is HTTPS that
+demands a client certificate signed by the cluster CA, and with both both. It
+is open only where gRPC is (no token: loopback, or ``allow_open``). A scraper
+that stalls is dropped after ``SCRAPE_TIMEOUT_S`` without holding the others.
+Every service exports:
 
 - ``meshrl_rpc_duration_seconds{grpc_service, grpc_method, grpc_code}``: a
   histogram of the RPCs it served, by final status (its ``_count`` counts
@@ -20,16 +26,24 @@ heartbeats).
 from __future__ import annotations
 
 import asyncio
+import hmac
+import socket
+import ssl
+import threading
 import time
+from socketserver import ThreadingMixIn
 from typing import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import grpc
-from prometheus_client import REGISTRY, Histogram, start_http_server
+from prometheus_client import REGISTRY, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.cli import CannotStart
 from services.common.handlers import wrap_behaviour
+
+SCRAPE_TIMEOUT_S = 10.0
 
 RPC_SECONDS = Histogram(
     "meshrl_rpc_duration_seconds", "Time from an RPC's arrival to its final status, by method and status code",
@@ -102,15 +116,23 @@ class WeightVersion(Collector):
 
 
 class MetricsServer:
-    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one), in a thread of its own, until ``close``.
-    ``weight_version`` is read at each scrape (on that thread), so it must not block."""
+    """``/metrics`` over HTTP on ``host:port`` (port 0: a free one), in a thread of its own, until ``close``: for
+    callers presenting ``token`` (None: any), over ``tls`` (an SSL context that demands a client certificate;
+    None: plain HTTP). ``weight_version`` is read at each scrape (on that thread), so it must not block."""
 
-    def __init__(self, host: str, port: int, weight_version: Callable[[], int | None]):
+    def __init__(self, host: str, port: int, weight_version: Callable[[], int | None], token: str | None = None,
+                 tls: ssl.SSLContext | None = None):
+        app = make_wsgi_app(REGISTRY)
         try:
-            self.server, self.thread = start_http_server(port, addr=host.strip("[]"))
+            self.server = MetricsHTTPServer(*bind_address(host, port))
         except OSError as error:
             raise CannotStart(f"cannot serve /metrics on {host}:{port} (setting metrics_port): {error.strerror}; "
                               "choose another port (0 picks a free one) or stop what holds it") from None
+        self.server.set_app(app if token is None else bearer_only(app, token))
+        if tls is not None:  # the handshake happens on the scrape's own thread, under its timeout
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True, do_handshake_on_connect=False)
+        self.thread = threading.Thread(target=self.server.serve_forever, name="metrics", daemon=True)
+        self.thread.start()
         self.port = self.server.server_port
         self.address = f"{host}:{self.port}"
         self.collector = WeightVersion(weight_version)
@@ -120,3 +142,46 @@ class MetricsServer:
         self.server.shutdown()
         self.server.server_close()
         REGISTRY.unregister(self.collector)
+
+
+def bind_address(host: str, port: int) -> tuple[tuple, socket.AddressFamily]:
+    """The socket address that ``host`` (a name, an IPv4 or IPv6 address, bracketed or not) binds ``port`` to,
+    and its address family."""
+    family, _, _, _, address = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    return address, family
+
+
+def bearer_only(app, token: str):
+    """The WSGI ``app``, answering only requests that present ``token`` (``Authorization: Bearer``); 401 to the
+    others."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ, start_response):
+        if hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", "").encode(), expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("WWW-Authenticate", 'Bearer realm="meshrl"')])
+        return [b"missing or wrong cluster token (Authorization: Bearer <token>)\n"]
+
+    return guarded
+
+
+class MetricsHTTPServer(ThreadingMixIn, WSGIServer):
+    """Each scrape on a thread of its own, so that one that stalls holds no other."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple, family: socket.AddressFamily):
+        self.address_family = family  # read when the socket is made, below
+        super().__init__(address, ScrapeHandler)
+
+    def handle_error(self, request, client_address) -> None:
+        """A scraper that went away, timed out or failed the TLS handshake: nothing to answer, nothing to log."""
+
+
+class ScrapeHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S  # a scraper silent this long (in its handshake, or its request) is dropped
+
+    def log_message(self, format: str, *args) -> None:
+        """Scrapes are not logged (every few seconds from each Prometheus)."""

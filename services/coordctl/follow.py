@@ -204,7 +204,8 @@ def how_to_reach(coordinator: str, targets_file: Path) -> str:
     return (f"coordinator at {coordinator}; from another terminal, with {token}:\n"
             f"    coordctl runs --coordinator {coordinator}                      # and watch, status, stop RUN\n"
             f"    python -m services.reward --coordinator {coordinator} group=b  # one more service joins\n"
-            f"each service's Prometheus /metrics, for file_sd_configs: {targets_file}")
+            f"each service's Prometheus /metrics (with that token as its authorization), for file_sd_configs: "
+            f"{targets_file}")
 
 
 def print_summary(run: RunStatus, lines: list[dict], seconds: float, state_dir: Path | None) -> None:

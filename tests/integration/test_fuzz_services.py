@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshrl.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2,
                        rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc)
-from services.common.auth import token_interceptors
+from services.common.auth import cluster_token, token_interceptors
 from services.common.cli import REFUSED_EXIT_CODE
 from services.common.rpc import open_channel
 from services.common.wire import DTYPES, batch_to_chunks, tensor_bytes
@@ -395,7 +395,9 @@ def test_a_run_over_a_rollouts_limits_is_refused_at_start_run(loaded, tiny_model
 
 def rpcs_ended(metrics_address: str, method: str, code: str) -> float:
     """How many ``method`` calls the service's /metrics counts as ended with ``code``."""
-    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    scrape = urllib.request.Request(f"http://{metrics_address}/metrics",
+                                    headers={"Authorization": f"Bearer {cluster_token()}"})  # the cluster's token
+    text = urllib.request.urlopen(scrape, timeout=10).read().decode()
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == "meshrl_rpc_duration_seconds_count"
                and (sample.labels["grpc_method"], sample.labels["grpc_code"]) == (method, code))

@@ -1,6 +1,7 @@
 """Prometheus /metrics of a `coordctl start-run --local` run, as an operator reads them: each service's exposition
-parsed with prometheus_client's own parser, and a real Prometheus server (Debian's package) scraping the run
-through the targets file coordctl prints, whose query API sees the step rise. One local run serves the module."""
+parsed with prometheus_client's own parser (a scrape without the run's token refused with 401), and a real
+Prometheus server (Debian's package) scraping the run through the targets file coordctl prints, with the token
+file as its authorization, whose query API sees the step rise. One local run serves the module."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -27,8 +29,10 @@ SMALL_RUN = ("actor_rollout_ref.actor.warm_start.steps=0", "data.train_batch_siz
              "actor_rollout_ref.actor.ppo_mini_batch_size=8", "local.synthetic_task.rows=400")
 
 
-def fetch(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as reply:
+def fetch(url: str, token_file: Path | None = None) -> str:
+    """The body of a GET of ``url``, presenting the token in ``token_file`` as Prometheus's authorization does."""
+    headers = {"Authorization": f"Bearer {token_file.read_text().strip()}"} if token_file else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as reply:
         return reply.read().decode()
 
 
@@ -91,7 +95,8 @@ def start_prometheus(targets: Path, folder: Path, attempts: int = 5) -> tuple[su
     config = folder / "prometheus.yml"
     config.write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s"},
-        "scrape_configs": [{"job_name": "meshrl-local", "file_sd_configs": [{"files": [str(targets)]}]}]}))
+        "scrape_configs": [{"job_name": "meshrl-local", "file_sd_configs": [{"files": [str(targets)]}],
+                            "authorization": {"credentials_file": str(targets.parent / "token")}}]}))
     log = folder / "prometheus.log"
     for _ in range(attempts):
         address = f"127.0.0.1:{free_port()}"
@@ -118,7 +123,7 @@ def answers(url: str) -> bool:
 
 def metrics_of(targets: Path) -> dict[str, str]:
     """Each service's /metrics text, by its job."""
-    return {group["labels"]["job"]: fetch(f"http://{group['targets'][0]}/metrics")
+    return {group["labels"]["job"]: fetch(f"http://{group['targets'][0]}/metrics", targets.parent / "token")
             for group in json.loads(targets.read_text())}
 
 
@@ -140,6 +145,10 @@ def test_every_service_kind_exports_its_metrics(local_run):
     token = terminal_env(MESHRL_TOKEN_FILE=str(targets.parent / "token"))
     assert coordctl("status", "no-such-run", "--coordinator", coordinator, env=token).returncode != 0
     texts = wait_for_steps(targets, 2)
+    for group in json.loads(targets.read_text()):  # the services demand the run's token of a scrape too
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            fetch(f"http://{group['targets'][0]}/metrics")
+        assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"].startswith("Bearer")
 
     coordinator_text = texts["meshrl-coordinator"]
     assert value(coordinator_text, "meshrl_coordinator_runs", state="running") == 1
@@ -174,10 +183,14 @@ def test_every_service_kind_exports_its_metrics(local_run):
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus package is not installed (apt-get install "
                                                "prometheus): no Prometheus server to scrape the run")
-def test_prometheus_scrapes_the_run_and_sees_the_step_rise(local_run):
+def test_prometheus_scrapes_the_run_and_sees_the_step_rise(local_run, tmp_path):
     *_, prometheus = local_run
-    assert subprocess.run(["promtool", "check", "config", ROOT / "deploy" / "prometheus" / "prometheus.yml"],
-                          capture_output=True).returncode == 0
+    shipped = (ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text()  # its token file made here
+    (tmp_path / "meshrl-token").write_text("a-token\n")
+    (tmp_path / "prometheus.yml").write_text(shipped.replace("/etc/prometheus/", f"{tmp_path}/"))
+    checked = subprocess.run(["promtool", "check", "config", tmp_path / "prometheus.yml"], capture_output=True,
+                             text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
     def query(expression: str) -> list[dict]:
         reply = json.loads(fetch(f"http://{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expression})))

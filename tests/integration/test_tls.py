@@ -1,13 +1,17 @@
 """With MESHRL_TLS_* set, the services speak mTLS and still demand the token: only a caller with a certificate
-from the cluster CA and the token gets answers."""
+from the cluster CA and the token gets answers, from their gRPC ports and their /metrics alike."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import secrets
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -121,6 +125,31 @@ def test_the_right_certificate_with_a_wrong_token_is_refused(tls_cluster, certs)
     right = credentials(certs / "ca.pem", certs / "node1-key.pem", certs / "node1.pem")
     code = refusal(list_services(tls_cluster.coordinator, right, "not-the-token"))
     assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_metrics_are_https_for_a_certificate_of_the_cluster_ca_with_the_token_only(tls_cluster, certs):
+    """Each service's /metrics, as Prometheus's scheme https, tls_config and authorization scrape it."""
+    context = ssl.create_default_context(cafile=certs / "ca.pem")
+    context.load_cert_chain(certs / "node1.pem", certs / "node1-key.pem")
+    bare = ssl.create_default_context(cafile=certs / "ca.pem")  # no client certificate
+
+    def scrape(scheme: str, port: int, tls: ssl.SSLContext | None, token: str | None) -> int:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        request = urllib.request.Request(f"{scheme}://127.0.0.1:{port}/metrics", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10, context=tls) as reply:
+                return reply.status if b"meshrl_rpc_duration_seconds" in reply.read() else -1
+        except urllib.error.HTTPError as refused:
+            return refused.code
+        except (OSError, http.client.HTTPException):  # the handshake or the connection refused
+            return 0
+
+    for kind, port in tls_cluster.metrics_ports.values():
+        assert scrape("https", port, context, cluster_token()) == 200, kind
+        assert scrape("https", port, context, None) == 401, kind
+        assert scrape("https", port, context, "not-the-token") == 401, kind
+        assert scrape("https", port, bare, cluster_token()) == 0, kind
+        assert scrape("http", port, None, cluster_token()) == 0, kind
 
 
 def test_a_service_with_a_partial_tls_setting_does_not_start(tmp_path, certs):
