@@ -58,17 +58,23 @@ logs=${MESHRL_LOGS:?set by meshrl.sbatch}
 read -r -a gpu_ids <<<"$(gpus)"
 device=${MESHRL_DEVICE:-$([[ ${#gpu_ids[@]} -gt 0 ]] && echo cuda || echo cpu)}
 common=(host="$address" coordinator="$MESHRL_COORDINATOR")
+ports=${MESHRL_STATE:?set by meshrl.sbatch}/ports
+# Each service serves /metrics on a port of its own choosing (metrics_port=0; a MESHRL_*_SETTINGS metrics_port
+# wins) and writes the ports it got to $ports/ROLE@ADDRESS[-gpuIDS].json, from which meshrl.sbatch writes the
+# job's Prometheus targets file.
 export PYTHONUNBUFFERED=1
 
 case $role in
 coordinator)
     # shellcheck disable=SC2086  # settings are words: key=value ...
     exec "$python" -m services.coordinator host="$address" port="$MESHRL_PORT" state_dir="$MESHRL_STATE" \
-        ${MESHRL_COORDINATOR_SETTINGS:-} >>"$logs/coordinator-$node.log" 2>&1
+        metrics_port=0 ports_file="$ports/coordinator@$address.json" ${MESHRL_COORDINATOR_SETTINGS:-} \
+        >>"$logs/coordinator-$node.log" 2>&1
     ;;
 reward)
     # shellcheck disable=SC2086
-    exec "$python" -m services.reward "${common[@]}" ${MESHRL_REWARD_SETTINGS:-} >>"$logs/reward-$node.log" 2>&1
+    exec "$python" -m services.reward "${common[@]}" metrics_port=0 ports_file="$ports/reward@$address.json" \
+        ${MESHRL_REWARD_SETTINGS:-} >>"$logs/reward-$node.log" 2>&1
     ;;
 trainer)
     ranks=${MESHRL_TRAINER_RANKS_PER_NODE:-$([[ $device == cuda ]] && echo "${#gpu_ids[@]}" || echo 1)}
@@ -78,13 +84,15 @@ trainer)
     exec "$python" -m torch.distributed.run --nnodes="$MESHRL_TRAINER_NODES" --nproc-per-node="$ranks" \
         --rdzv-backend=c10d --rdzv-endpoint="$MESHRL_RENDEZVOUS" --rdzv-id="meshrl-$SLURM_JOB_ID" \
         --rdzv-conf="is_host=$host" --local-addr="$address" \
-        -m services.trainer "${common[@]}" device="$device" checkpoint_root="$MESHRL_STATE" ${MESHRL_TRAINER_SETTINGS:-} \
+        -m services.trainer "${common[@]}" device="$device" checkpoint_root="$MESHRL_STATE" \
+        metrics_port=0 ports_file="$ports/trainer@$address.json" ${MESHRL_TRAINER_SETTINGS:-} \
         >>"$logs/trainer-$node.log" 2>&1
     ;;
 rollout)
     if [[ $device == cpu ]]; then
         # shellcheck disable=SC2086
-        "$python" -m services.rollout "${common[@]}" engine=hf device=cpu ${MESHRL_ROLLOUT_SETTINGS:-} \
+        "$python" -m services.rollout "${common[@]}" engine=hf device=cpu \
+            metrics_port=0 ports_file="$ports/rollout@$address.json" ${MESHRL_ROLLOUT_SETTINGS:-} \
             >>"$logs/rollout-$node.log" 2>&1 &
     else
         tp=${MESHRL_ROLLOUT_TP:-1}
@@ -94,7 +102,8 @@ rollout)
             visible=$(IFS=,; echo "${gpu_ids[*]:first:tp}")
             # shellcheck disable=SC2086
             CUDA_VISIBLE_DEVICES=$visible "$python" -m services.rollout "${common[@]}" engine=vllm \
-                tensor_parallel_size="$tp" ${MESHRL_ROLLOUT_SETTINGS:-} \
+                tensor_parallel_size="$tp" metrics_port=0 ports_file="$ports/rollout@$address-gpu${visible//,/_}.json" \
+                ${MESHRL_ROLLOUT_SETTINGS:-} \
                 >>"$logs/rollout-$node-gpu${visible//,/_}.log" 2>&1 &
         done
     fi

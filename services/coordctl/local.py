@@ -200,7 +200,7 @@ class LocalCluster:
         kind = self.unread_ports.pop(name)
         if ports["metrics_port"] is not None:
             self.metrics_ports[name] = (kind, ports["metrics_port"])
-            write_targets(self.targets_file, self.metrics_ports)
+            write_targets(self.targets_file, scrape_targets(self.metrics_ports))
         return ports["port"]
 
     def _roots(self, kind: str) -> tuple[str, ...]:
@@ -255,12 +255,30 @@ def scrape_targets(metrics_ports: dict[str, tuple[str, int]]) -> list[dict]:
             for name, (kind, port) in sorted(metrics_ports.items())]
 
 
-def write_targets(path: Path, metrics_ports: dict[str, tuple[str, int]]) -> None:
-    """Replace ``path`` at once (Prometheus may read it at any time)."""
+def write_targets(path: Path, groups: list[dict]) -> None:
+    """Replace ``path`` with Prometheus's file_sd ``groups`` at once (Prometheus may read it at any time)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(scrape_targets(metrics_ports), indent=1) + "\n")
+    partial.write_text(json.dumps(groups, indent=1) + "\n")
     partial.replace(path)
+
+
+def job_targets(ports_dir: Path) -> list[dict]:
+    """Prometheus's file_sd groups for the services of a Slurm job (deploy/slurm/node.sh): each wrote its ports
+    to ``ports_dir``/KIND@ADDRESS[-MORE].json; one group per service that serves /metrics, at its address, its
+    job meshrl-KIND, its name (the file's) the label service."""
+    groups = []
+    for path in sorted(ports_dir.glob("*@*.json")):
+        kind, _, rest = path.stem.partition("@")
+        address = rest.partition("-")[0]
+        try:
+            metrics_port = json.loads(path.read_text())["metrics_port"]
+        except (OSError, ValueError, KeyError):
+            continue  # being written, or not a ports file: the next look sees it
+        if metrics_port:
+            groups.append({"targets": [f"{address}:{metrics_port}"],
+                           "labels": {"job": f"meshrl-{kind}", "service": path.stem}})
+    return groups
 
 
 def terminate(processes: list[subprocess.Popen], grace_s: float) -> None:

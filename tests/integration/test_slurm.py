@@ -24,6 +24,8 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,6 +249,20 @@ def test_the_docs_slurm_job_runs_as_written_across_four_nodes(slurm, tmp_path, m
         assert service.hostname in PLACES[service.kind], service
         assert service.address.startswith(slurm.hosts.address(service.hostname) + ":"), service
 
+    # the job's Prometheus targets: each service's /metrics at its node's address, served with the token only
+    targets = job.wait_until(lambda: re.search(r"for file_sd_configs: (\S+)", job.output.read_text()), 60,
+                             "the targets file")
+    listed_file = Path(targets.group(1))
+    groups = job.wait_until(lambda: listed if len(listed := targets_listed(listed_file)) == 4 else None, 60,
+                            "a target for each service")
+    assert sorted(group["labels"]["job"] for group in groups) == [
+        "meshrl-coordinator", "meshrl-reward", "meshrl-rollout", "meshrl-trainer"]
+    for group in groups:
+        [target] = group["targets"]
+        kind = group["labels"]["job"].removeprefix("meshrl-")
+        assert any(target.startswith(slurm.hosts.address(node) + ":") for node in PLACES[kind]), group
+        assert scrape(target, token) == 200 and scrape(target, None) == 401, group
+
     # the output says how another machine follows the run; that command, as printed, from the login node
     follow = job.wait_until(lambda: re.search(r"from any machine that reaches node1: (.*); after the job",
                                               job.output.read_text()), 60, "how to follow the run")
@@ -284,6 +300,25 @@ def test_the_docs_slurm_job_runs_as_written_across_four_nodes(slurm, tmp_path, m
     check_stopped_by_themselves(job)
     check_nothing_left(slurm, job)
     assert f"run {run_id} finished" in job.output.read_text()
+
+
+def targets_listed(path: Path) -> list[dict]:
+    """The groups of a Prometheus targets file; none before it is written."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def scrape(target: str, token: str | None) -> int:
+    """The status of a GET of ``target``'s /metrics presenting ``token`` (as Prometheus's authorization does)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"http://{target}/metrics", headers=headers),
+                                    timeout=10) as reply:
+            return reply.status if b"meshrl_rpc_duration_seconds" in reply.read() else -1
+    except urllib.error.HTTPError as refused:
+        return refused.code
 
 
 def kill_rollout(slurm: SlurmCluster, job: Job) -> None:
