@@ -32,6 +32,8 @@ import secrets
 from pathlib import Path
 
 MANIFEST = "meshrl_manifest.json"
+EXTRA = "trainer_state.pt"  # a trainer's part of a checkpoint besides its weights: optimizer, schedule, RNG
+STAGING = "meshrl_staging.json"  # in a folder being saved: whose run it is
 KEY_FILE = "checkpoint.key"
 FORMAT = 1
 CHUNK = 1 << 20

@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.manifest import KEY_FILE, MANIFEST
-from services.trainer.checkpoint import EXTRA, STAGING
+from services.common.manifest import EXTRA, KEY_FILE, MANIFEST, STAGING
 
 DCP_METADATA = ".metadata"
 

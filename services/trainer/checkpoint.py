@@ -35,15 +35,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from services.common.errors import FailedPrecondition
-from services.common.manifest import read_manifest, verify, write_manifest
+from services.common.manifest import EXTRA, STAGING, read_manifest, verify, write_manifest
 from services.trainer.ranks import Ranks
 
 if TYPE_CHECKING:
     from services.trainer.actor import Actor
     from services.trainer.critic import Critic
 
-EXTRA = "trainer_state.pt"
-STAGING = "meshrl_staging.json"  # in a folder being saved: whose run it is
 
 
 class CheckpointNotWritten(FailedPrecondition):
