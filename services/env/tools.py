@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from services.common.config import read_yaml, validate
 from services.common.plugins import load_named
 from services.env.config import EnvironmentConfig, ToolConfig
-from services.env.sandbox import SandboxLimits, check_sandbox, run_code
+from services.common.sandbox import SandboxLimits, check_sandbox, run_in_sandbox
 
 
 class ToolReply(NamedTuple):
@@ -67,7 +67,7 @@ def _number(text: str) -> str | None:
 
 
 class CodeInterpreterTool:
-    """Runs the model's Python code in the sandbox (services/env/sandbox.py) and replies with what it printed.
+    """Runs the model's Python code in the sandbox (services/common/sandbox.py) and replies with what it printed.
 
     Arguments: ``{"code": "print(1 + 1)"}``. Config (verl's SandboxFusionTool keys): ``default_timeout`` (wall
     seconds, default 10) and ``memory_limit_mb`` (default 512); its other keys (``sandbox_fusion_url``,
@@ -81,7 +81,7 @@ class CodeInterpreterTool:
         code = arguments.get("code")
         if not isinstance(code, str):
             raise ValueError('the arguments need "code", a string of Python')
-        result = run_code(code, self.limits)
+        result = run_in_sandbox(code, self.limits)
         text = result.stdout + (f"\nstderr:\n{result.stderr}" if result.stderr else "")
         if result.stopped != "exited" or result.exit_code:
             text += f"\n(stopped: {result.stopped}, exit code {result.exit_code})"

@@ -22,7 +22,7 @@ from services.common.rpc import open_channel
 from services.coordctl.cli import app
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
-from services.env.sandbox import check_sandbox
+from services.common.sandbox import check_sandbox
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 USER = PLUGINS / "user_env.py"

@@ -1,16 +1,17 @@
 """Run untrusted Python code under limits: one call, one sandbox, stdout, stderr, exit status and why it stopped.
 
-Code that a model wrote (a tool call, a code-contest answer) runs here, never in a service's own process::
+Code that a model wrote (a tool call of the env service, a code-contest answer the reward service judges, a
+user's reward function checking a program) runs here, never in a service's own process::
 
-    from services.env.sandbox import ContestCase, SandboxLimits, check_sandbox, judge, run_code
+    from services.common.sandbox import SandboxLimits, check_sandbox, run_in_sandbox
 
-    reason = check_sandbox()          # at start: a service refuses its code tools when this is not None
-    result = run_code("print(input()[::-1])", SandboxLimits(wall_s=2), stdin="abc\\n")
+    reason = check_sandbox()          # at start: a service refuses what needs the sandbox when this is not None
+    result = run_in_sandbox("print(input()[::-1])", SandboxLimits(wall_s=2), stdin="abc\\n")
     result.stdout, result.stopped     # 'cba\\n', 'exited'
-    verdicts = judge(program, [ContestCase(stdin="1 2\\n", expected="3\\n")], SandboxLimits())
 
-``run_code`` blocks until the program ends or is stopped; callers that must stay responsive call it from a worker
-thread or process. Concurrent calls from several threads are safe: each gets its own namespaces and its own uid.
+``run_in_sandbox`` blocks until the program ends or is stopped; callers that must stay responsive call it from a
+worker thread or process. Concurrent calls from several threads are safe: each gets its own namespaces and its own
+uid.
 
 What one call gets (``bwrap`` from Debian's ``bubblewrap``):
 
@@ -42,8 +43,8 @@ filter, and memory is bounded per process (``memory_mb``), so the sandbox's tota
 that; a cgroup (``memory.max``, ``pids.max``) would bound the sum.
 
 Needs root (or CAP_SETUID) to switch each call to its pool uid, and unprivileged user namespaces for that uid.
-Where either is missing, ``check_sandbox`` says why and ``run_code`` raises ``SandboxUnavailable``; code never runs
-unsandboxed.
+Where either is missing, ``check_sandbox`` says why and ``run_in_sandbox`` raises ``SandboxUnavailable``; code
+never runs unsandboxed.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
@@ -114,9 +115,13 @@ class SandboxLimits:
                 raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)}")
 
 
+DEFAULT_LIMITS = SandboxLimits()
+"""The limits of a call that names none."""
+
+
 @dataclass(frozen=True)
 class SandboxResult:
-    """What one call of ``run_code`` saw."""
+    """What one call of ``run_in_sandbox`` saw."""
 
     stdout: str
     """The program's standard output (UTF-8, undecodable bytes replaced), at most ``output_bytes`` of it."""
@@ -134,22 +139,6 @@ class SandboxResult:
     """Whether stdout or stderr lost bytes to the cap."""
 
 
-@dataclass(frozen=True)
-class ContestCase:
-    """One test case of a code-contest program: what it reads and what it must print."""
-
-    stdin: str
-    expected: str
-
-
-@dataclass(frozen=True)
-class CaseVerdict:
-    """One test case's verdict and the run behind it."""
-
-    passed: bool
-    result: SandboxResult
-
-
 def check_sandbox() -> str | None:
     """Why code cannot be sandboxed on this host, or None when it can (a trial run prints and exits)."""
     for path in (BWRAP, PRLIMIT, PYTHON):
@@ -158,7 +147,7 @@ def check_sandbox() -> str | None:
     if os.geteuid() != 0:
         return "the sandbox runs each call as a uid of its own and needs root (CAP_SETUID) to switch to it"
     try:
-        result = run_code("print('ok')", SandboxLimits(wall_s=10))
+        result = run_in_sandbox("print('ok')", SandboxLimits(wall_s=10))
     except SandboxUnavailable as error:
         return str(error)
     if result.stdout != "ok\n":
@@ -166,7 +155,8 @@ def check_sandbox() -> str | None:
     return None
 
 
-def run_code(code: str, limits: SandboxLimits, stdin: str = "", files: dict[str, str] | None = None) -> SandboxResult:
+def run_in_sandbox(code: str, limits: SandboxLimits = DEFAULT_LIMITS, stdin: str = "",
+                   files: dict[str, str] | None = None) -> SandboxResult:
     """Run ``code`` as ``main.py`` with ``files`` (relative path -> text) beside it in /tmp, ``stdin`` as input.
 
     Raises ValueError for a file path that is absolute, leaves /tmp or names the program, or files larger than the
@@ -213,29 +203,6 @@ def _start(command: list[str], uid: int, fds: dict[str, int]) -> tuple[subproces
         return process, os.pidfd_open(pid)
     except ProcessLookupError:  # the program has already ended; bwrap has reaped its pid 1
         return process, None
-
-
-def judge(code: str, cases: Sequence[ContestCase], limits: SandboxLimits) -> list[CaseVerdict]:
-    """Each test case run in a sandbox of its own: passed when the program exited 0 and printed what was expected."""
-    verdicts = []
-    for case in cases:
-        result = run_code(code, limits, stdin=case.stdin)
-        verdicts.append(CaseVerdict(passed=passes(result, case.expected), result=result))
-    return verdicts
-
-
-def passes(result: SandboxResult, expected: str) -> bool:
-    """Whether a run answered ``expected``: it exited 0, untruncated, and its output equals the expected one line
-    by line, trailing whitespace of each line and trailing empty lines ignored (as code-contest judges compare)."""
-    return (result.stopped == "exited" and result.exit_code == 0 and not result.truncated
-            and _lines(result.stdout) == _lines(expected))
-
-
-def _lines(text: str) -> list[str]:
-    lines = [line.rstrip() for line in text.splitlines()]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
 
 
 def _checked_files(files: dict[str, str]) -> dict[str, str]:

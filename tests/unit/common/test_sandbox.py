@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from services.env import sandbox
-from services.env.sandbox import (BWRAP, UID_BASE, UID_SLOTS, ContestCase, SandboxLimits, SandboxResult,
-                                  SandboxUnavailable, check_sandbox, judge, passes, run_code)
+from services.common import sandbox
+from services.common.sandbox import (BWRAP, UID_BASE, UID_SLOTS, SandboxLimits, SandboxResult, SandboxUnavailable,
+                                     check_sandbox, run_in_sandbox)
 
 pytestmark = pytest.mark.skipif(not os.access(BWRAP, os.X_OK), reason=f"{BWRAP} missing (Debian package bubblewrap)")
 
@@ -50,53 +50,53 @@ def test_without_bwrap_the_sandbox_is_refused_and_nothing_runs(monkeypatch):
     monkeypatch.setattr(sandbox, "BWRAP", "/nonexistent/bwrap")
     assert "/nonexistent/bwrap is missing" in check_sandbox()
     with pytest.raises(SandboxUnavailable, match="missing"):
-        run_code("print(1)", SHORT)
+        run_in_sandbox("print(1)", SHORT)
 
 
 def test_code_prints_reads_stdin_and_its_files():
     code = "import sys\nprint(input()[::-1])\nprint(open('data/x.txt').read())\nprint('warn', file=sys.stderr)\n"
-    result = run_code(code, SHORT, stdin="abc\n", files={"data/x.txt": "hello"})
+    result = run_in_sandbox(code, SHORT, stdin="abc\n", files={"data/x.txt": "hello"})
     assert (result.stdout, result.stderr, result.exit_code, result.stopped) == ("cba\nhello\n", "warn\n", 0, "exited")
     assert not result.truncated
-    failed = run_code("raise SystemExit(3)", SHORT)
+    failed = run_in_sandbox("raise SystemExit(3)", SHORT)
     assert (failed.exit_code, failed.stopped) == (3, "exited")
 
 
 def test_file_paths_stay_inside_the_working_directory():
     for name in ("/etc/x", "../x", "a/../../x", "main.py"):
         with pytest.raises(ValueError, match="relative path"):
-            run_code("", SHORT, files={name: ""})
+            run_in_sandbox("", SHORT, files={name: ""})
 
 
 def test_the_working_directory_holds_only_tmp_mb():
     code = "try:\n    open('big', 'wb').write(b'x' * (16 << 20))\nexcept OSError as error:\n    print('full')\n"
-    assert run_code(code, SHORT).stdout == "full\n"
+    assert run_in_sandbox(code, SHORT).stdout == "full\n"
     with pytest.raises(ValueError, match="do not fit"):
-        run_code("", SHORT, files={"big.txt": "x" * (9 << 20)})
+        run_in_sandbox("", SHORT, files={"big.txt": "x" * (9 << 20)})
 
 
 def test_an_endless_loop_is_stopped_by_the_cpu_or_wall_limit():
-    result = run_code("while True:\n    pass\n", SHORT)
+    result = run_in_sandbox("while True:\n    pass\n", SHORT)
     assert result.stopped in ("cpu", "timeout") and result.seconds < 30
-    asleep = run_code("import time\ntime.sleep(600)\n", SHORT)
+    asleep = run_in_sandbox("import time\ntime.sleep(600)\n", SHORT)
     assert (asleep.stopped, asleep.exit_code) == ("timeout", None) and asleep.seconds < 30
 
 
 def test_a_fork_bomb_is_contained_and_leaves_nothing_behind():
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    result = run_code(bomb, SHORT)
+    result = run_in_sandbox(bomb, SHORT)
     assert result.stopped in ("timeout", "cpu", "killed") and result.seconds < 60
     assert sandbox_processes(zombies=False) == []
     assert wait_until_no_sandbox_process(seconds=30) == []
-    assert run_code("print('still here')", SHORT).stdout == "still here\n"
+    assert run_in_sandbox("print('still here')", SHORT).stdout == "still here\n"
 
 
 def test_a_fork_bomb_does_not_starve_a_sandbox_beside_it():
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    beside = threading.Thread(target=run_code, args=(bomb, replace(SHORT, wall_s=4)))
+    beside = threading.Thread(target=run_in_sandbox, args=(bomb, replace(SHORT, wall_s=4)))
     beside.start()
     time.sleep(1)
-    answers = [run_code(f"import subprocess\nprint({index})\nsubprocess.run(['true'])\n", SHORT).stdout
+    answers = [run_in_sandbox(f"import subprocess\nprint({index})\nsubprocess.run(['true'])\n", SHORT).stdout
                for index in range(3)]
     beside.join()
     assert answers == ["0\n", "1\n", "2\n"]
@@ -105,12 +105,12 @@ def test_a_fork_bomb_does_not_starve_a_sandbox_beside_it():
 def test_the_process_limit_holds():
     code = ("import os, time\nforked = 0\nwhile True:\n    try:\n        if os.fork() == 0:\n"
             "            time.sleep(60)\n        forked += 1\n    except OSError:\n        break\nprint(forked)\n")
-    result = run_code(code, SHORT)
+    result = run_in_sandbox(code, SHORT)
     assert result.stopped == "exited" and 0 < int(result.stdout) < SHORT.processes
 
 
 def test_allocating_100_gb_fails_as_memory():
-    result = run_code("x = bytearray(100 * 10**9)\n", SHORT)
+    result = run_in_sandbox("x = bytearray(100 * 10**9)\n", SHORT)
     assert result.stopped == "memory" and "MemoryError" in result.stderr
 
 
@@ -118,7 +118,7 @@ def test_nothing_outside_the_working_directory_is_writable():
     code = ("import os\nfor path in ('/x', '/usr/x', '/proc/x', '/dev/x'):\n    try:\n        open(path, 'w')\n"
             "        print('wrote', path)\n    except OSError as error:\n        print('refused', path)\n"
             "open('ok.txt', 'w').write('fine')\nprint(open('ok.txt').read())\n")
-    result = run_code(code, SHORT)
+    result = run_in_sandbox(code, SHORT)
     assert "wrote" not in result.stdout and result.stdout.count("refused") == 4
     assert result.stdout.endswith("fine\n")
 
@@ -133,7 +133,7 @@ def test_the_cluster_token_the_host_home_and_the_repository_cannot_be_read(tmp_p
             "for path in sys.stdin.read().split('\\n'):\n    try:\n"
             "        print(open(path).read() if os.path.isfile(path) else os.listdir(path))\n"
             "    except OSError as error:\n        print('refused', type(error).__name__)\n")
-    result = run_code(code, SHORT, stdin="\n".join(targets))
+    result = run_in_sandbox(code, SHORT, stdin="\n".join(targets))
     assert "secret-token" not in result.stdout + result.stderr
     assert result.stdout.splitlines() == ["None None"] + ["refused FileNotFoundError"] * len(targets)
 
@@ -146,14 +146,14 @@ def test_a_socket_to_the_hosts_loopback_fails():
         port = listener.getsockname()[1]
         code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
                 "    print('connected')\nexcept OSError as error:\n    print('refused')\n")
-        result = run_code(code, SHORT)
+        result = run_in_sandbox(code, SHORT)
         assert result.stdout == "refused\n"
         with pytest.raises(BlockingIOError):
             listener.accept()
 
 
 def test_10_mb_of_output_is_truncated_to_the_cap():
-    result = run_code("import sys\nsys.stdout.write('x' * 10_000_000)\n", SHORT)
+    result = run_in_sandbox("import sys\nsys.stdout.write('x' * 10_000_000)\n", SHORT)
     assert result.truncated and result.stopped == "output" and result.stdout == "x" * SHORT.output_bytes
 
 
@@ -161,7 +161,7 @@ def test_many_concurrent_calls_each_get_their_own_answer():
     results: dict[int, SandboxResult] = {}
 
     def call(index: int) -> None:
-        results[index] = run_code(f"print({index} * {index})", SandboxLimits(wall_s=30))
+        results[index] = run_in_sandbox(f"print({index} * {index})", SandboxLimits(wall_s=30))
 
     threads = [threading.Thread(target=call, args=(index,)) for index in range(12)]
     for thread in threads:
@@ -169,22 +169,6 @@ def test_many_concurrent_calls_each_get_their_own_answer():
     for thread in threads:
         thread.join()
     assert {index: result.stdout for index, result in results.items()} == {i: f"{i * i}\n" for i in range(12)}
-
-
-def test_judge_passes_or_fails_each_case():
-    program = "a, b = map(int, input().split())\nprint(a + b)\n"
-    cases = [ContestCase(stdin="1 2\n", expected="3\n"), ContestCase(stdin="2 2\n", expected="5"),
-             ContestCase(stdin="x\n", expected="0\n")]
-    assert [verdict.passed for verdict in judge(program, cases, SHORT)] == [True, False, False]
-
-
-def test_passes_compares_lines_without_trailing_whitespace():
-    ran = SandboxResult(stdout="1 2  \n3\n\n", stderr="", exit_code=0, stopped="exited", seconds=0.1,
-                        truncated=False)
-    assert passes(ran, "1 2\n3") and not passes(ran, "1 2\n4\n") and not passes(ran, "1  2\n3\n")
-    assert not passes(replace(ran, exit_code=1), "1 2\n3")
-    assert not passes(replace(ran, stopped="timeout", exit_code=None), "1 2\n3")
-    assert not passes(replace(ran, truncated=True), "1 2\n3")
 
 
 def test_limits_must_be_positive():
