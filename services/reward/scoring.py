@@ -1,6 +1,7 @@
 """What a reward service scores with: per data_source, a weighted sum of components.
 
-A component is a built-in rule (``services/reward/rules.py``), a user's
+A component is a built-in rule (``services/reward/rules.py``), a code-contest
+rule (``services/reward/code_contests.py``), a user's
 function (``services/reward/plugins.py``) or a reward model
 (``services/reward/reward_model.py``, batched over the samples that use it). A data_source the config does
 not name uses ``default`` when given, else the built-in rule registered
@@ -10,7 +11,13 @@ with the error), and the rest of the batch is unaffected; but a rule that runs
 out of time gives its failure value (``rules.FAILURE_SCORE``): a response it
 cannot read in time has no answer it accepts. Rules and user functions run in
 worker processes under ``sample_timeout_s``; a sample that ran out of time in
-any component says so (``timed_out``). Besides its score, a
+any component says so (``timed_out``). A code-contest rule runs each test case of a
+sample in the code sandbox (``services/common/sandbox.py``), from a pool of
+``sandbox.concurrent_runs`` threads, each case bounded by ``sandbox.wall_s``;
+a service configured with such a rule refuses to start where the sandbox
+cannot be had, and a sample that reaches one otherwise (its data_source named
+no rule, so the built-in of its name applies) is invalid with the reason:
+code never runs unsandboxed. Besides its score, a
 sample carries the answer read in its response and whether it is right
 (verl's ``pred`` and ``acc``, for validation metrics): from the first
 component that gives them (a rule: its reading and its full marks; a user's
@@ -19,13 +26,16 @@ function: the ``acc`` and ``pred`` it returns; a reward model gives neither).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from services.reward import rules
+from services.common.sandbox import SandboxResult, SandboxUnavailable, check_sandbox, run_in_sandbox
+from services.reward import code_contests, rules
 from services.reward.config import ComponentConfig, RewardServiceConfig
 from services.reward.plugins import FunctionScore, FunctionWorkers
 from services.reward.reward_model import RewardModel
@@ -76,8 +86,12 @@ class Scorer:
         self.config = config
         components = [c for group in [*config.scorers.values(), config.default or []] for c in group]
         for component in components:
+            if component.rule in code_contests.CODE_RULES:
+                code_contests.check_options(component.rule, component.options)
+                continue
             if component.rule and component.rule not in rules.SCORERS:
-                raise ValueError(f"unknown rule {component.rule!r}; known: {sorted(rules.SCORERS)}")
+                raise ValueError(f"unknown rule {component.rule!r}; known: "
+                                 f"{sorted([*rules.SCORERS, *code_contests.CODE_RULES])}")
             if component.rule and component.options:  # (options are for rules only)
                 accepted = set(inspect.signature(rules.SCORERS[component.rule]).parameters) - {"solution_str",
                                                                                                 "ground_truth"}
@@ -89,13 +103,25 @@ class Scorer:
         self.rules = FunctionWorkers(RULES, config.function_workers, config.sample_timeout_s)
         self.reward_models = {path: RewardModel(path, config.device, config.reward_model_batch_size)
                               for path in sorted({c.reward_model for c in components if c.reward_model})}
+        code_rules = sorted({c.rule for c in components if c.rule in code_contests.CODE_RULES})
+        if code_rules and self.sandbox_refusal is not None:
+            raise ValueError(f"rules {code_rules} run the response's code in the sandbox, which this host cannot "
+                             f"give: {self.sandbox_refusal}")
+        self.sandbox_limits = config.sandbox.limits()
+        self._sandbox_runs = ThreadPoolExecutor(config.sandbox.concurrent_runs, thread_name_prefix="sandbox")
+
+    @functools.cached_property
+    def sandbox_refusal(self) -> str | None:
+        """Why this host cannot run the code-contest rules (None: it can): checked at start when the config names
+        one, else when a sample first needs one."""
+        return check_sandbox()
 
     def components_for(self, data_source: str) -> list[ComponentConfig]:
         if data_source in self.config.scorers:
             return self.config.scorers[data_source]
         if self.config.default:
             return self.config.default
-        if data_source in rules.SCORERS:
+        if data_source in rules.SCORERS or data_source in code_contests.CODE_RULES:
             return [ComponentConfig(rule=data_source)]
         raise ValueError(f"no scorer for data_source {data_source!r}; configured: {sorted(self.config.scorers)}, "
                          f"built-in rules: {sorted(rules.SCORERS)}")
@@ -104,7 +130,7 @@ class Scorer:
         """Blocking: each sample's weighted score, or an invalid result with its error. Reward models see the
         batch at once, and each pool of worker processes (the rules', a user function's) its part of it."""
         model_scores = self._reward_model_scores(samples)
-        judged = self._worker_results(samples)
+        judged = {**self._worker_results(samples), **self._code_results(samples)}
         return [self._score_one(index, sample, model_scores, judged) for index, sample in enumerate(samples)]
 
     def _worker_results(self, samples: list[Sample]) -> dict[tuple[int, int], FunctionScore | Exception]:
@@ -118,6 +144,8 @@ class Scorer:
                 continue  # reported when the sample itself is scored
             for position, component in enumerate(components):
                 arguments: tuple[Any, ...]
+                if component.rule in code_contests.CODE_RULES:
+                    continue  # run by _code_results
                 if component.rule:
                     arguments = (component.rule, component.options, sample.response, sample.ground_truth)
                     tasks.setdefault(self.rules, []).append(((index, position), arguments))
@@ -131,6 +159,52 @@ class Scorer:
             answers = workers.score_all(calls, SYMBOLIC_WARM_UP if symbolic else None)
             results.update(zip([key for key, _ in keyed], answers))
         return results
+
+    def _code_results(self, samples: list[Sample]) -> dict[tuple[int, int], FunctionScore | Exception]:
+        """(sample index, component position) -> the verdict of each component that is a code-contest rule; the
+        cases of all of them are queued on the sandbox threads at once, then awaited."""
+        results: dict[tuple[int, int], FunctionScore | Exception] = {}
+        queued: dict[tuple[int, int], tuple[ComponentConfig, code_contests.CodeTask, list[Future]]] = {}
+        for index, position, component in self._code_components(samples):
+            sample = samples[index]
+            try:
+                if self.sandbox_refusal is not None:
+                    raise ValueError(f"rule {component.rule} runs the response's code in the sandbox, which this "
+                                     f"host cannot give: {self.sandbox_refusal}")
+                max_cases = int(component.options.get("max_cases", code_contests.MAX_CASES))
+                task = code_contests.code_task(sample.response, sample.ground_truth, max_cases=max_cases)
+            except ValueError as error:
+                results[(index, position)] = error
+                continue
+            if task is None:
+                nothing = code_contests.NO_PROGRAM
+                results[(index, position)] = FunctionScore(score=nothing.score, acc=nothing.acc, pred=nothing.pred)
+                continue
+            runs = [self._sandbox_runs.submit(run_in_sandbox, task.program, self.sandbox_limits, case.stdin,
+                                              task.files) for case in task.cases]
+            queued[(index, position)] = (component, task, runs)
+        for key, (component, task, runs) in queued.items():
+            try:
+                ran: list[SandboxResult] = [run.result() for run in runs]
+            except (SandboxUnavailable, ValueError) as error:
+                results[key] = error
+                continue
+            verdicts = [code_contests.verdict(result, case, task.call_based) for result, case in zip(ran, task.cases)]
+            answer = code_contests.code_score(verdicts, bool(component.options.get("all_or_nothing", False)))
+            results[key] = FunctionScore(score=answer.score, acc=answer.acc, pred=answer.pred,
+                                         seconds=sum(result.seconds for result in ran))
+        return results
+
+    def _code_components(self, samples: list[Sample]) -> Iterator[tuple[int, int, ComponentConfig]]:
+        """(sample index, component position, component) of each component that is a code-contest rule."""
+        for index, sample in enumerate(samples):
+            try:
+                components = self.components_for(sample.data_source)
+            except ValueError:
+                continue  # reported when the sample itself is scored
+            for position, component in enumerate(components):
+                if component.rule in code_contests.CODE_RULES:
+                    yield index, position, component
 
     def _reward_model_scores(self, samples: list[Sample]) -> dict[tuple[str, int], float | Exception]:
         wanted: dict[str, list[int]] = {}
@@ -184,3 +258,4 @@ class Scorer:
     def close(self) -> None:
         for workers in [*self.functions.values(), self.rules]:
             workers.close()
+        self._sandbox_runs.shutdown(wait=False, cancel_futures=True)
