@@ -74,7 +74,7 @@ and prints what it returned as JSON."""
 
 
 @dataclass(frozen=True)
-class TestCase:
+class ContestCase:
     """One test case as the sandbox runs it."""
 
     stdin: str  # what the program reads (a call-based case: the harness's request)
@@ -87,7 +87,7 @@ class CodeTask:
 
     program: str
     files: dict[str, str]
-    cases: tuple[TestCase, ...]
+    cases: tuple[ContestCase, ...]
     call_based: bool
 
 
@@ -100,7 +100,7 @@ def extract_code(response: str) -> str | None:
     return response if "```" not in response else None
 
 
-def read_cases(ground_truth: str, max_cases: int) -> tuple[tuple[TestCase, ...], str | None]:
+def read_cases(ground_truth: str, max_cases: int) -> tuple[tuple[ContestCase, ...], str | None]:
     """The first ``max_cases`` test cases of a ground truth, and its ``fn_name`` (None: stdin/stdout cases).
     ValueError naming the field for anything that is not verl's format."""
     try:
@@ -119,9 +119,9 @@ def read_cases(ground_truth: str, max_cases: int) -> tuple[tuple[TestCase, ...],
         raise ValueError(f"ground_truth.fn_name must be a Python name, got {fn_name!r}")
     pairs = list(zip(inputs, outputs))[:max_cases]
     if fn_name is None:
-        return tuple(TestCase(stdin=_text(given, f"inputs[{index}]"), expected=_text(wanted, f"outputs[{index}]"))
+        return tuple(ContestCase(stdin=_text(given, f"inputs[{index}]"), expected=_text(wanted, f"outputs[{index}]"))
                      for index, (given, wanted) in enumerate(pairs)), None
-    return tuple(TestCase(stdin=json.dumps({"fn_name": fn_name, "arguments": _arguments(given, index)}),
+    return tuple(ContestCase(stdin=json.dumps({"fn_name": fn_name, "arguments": _arguments(given, index)}),
                           expected=_json_value(wanted)) for index, (given, wanted) in enumerate(pairs)), fn_name
 
 
@@ -217,7 +217,7 @@ def return_matches(printed: str, expected: Any) -> bool:
     return returned == expected or one_wrapped
 
 
-def verdict(result: SandboxResult, case: TestCase, call_based: bool) -> str:
+def verdict(result: SandboxResult, case: ContestCase, call_based: bool) -> str:
     """One letter for one case's run: P passed, W wrong answer, E error, T time, M memory, O output cap."""
     if result.stopped == "output" or result.truncated:
         return "O"
