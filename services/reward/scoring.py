@@ -98,15 +98,15 @@ class Scorer:
                 unknown = sorted(set(component.options) - accepted)
                 if unknown:
                     raise ValueError(f"rule {component.rule} has no options {unknown}; it takes {sorted(accepted)}")
+        code_rules = sorted({c.rule for c in components if c.rule in code_contests.CODE_RULES})
+        if code_rules and self.sandbox_refusal is not None:
+            raise ValueError(f"rules {code_rules} run the response's code in the sandbox, which this host cannot "
+                             f"give: {self.sandbox_refusal}")
         self.functions = {ref: FunctionWorkers(ref, config.function_workers, config.sample_timeout_s)
                           for ref in sorted({c.function for c in components if c.function})}
         self.rules = FunctionWorkers(RULES, config.function_workers, config.sample_timeout_s)
         self.reward_models = {path: RewardModel(path, config.device, config.reward_model_batch_size)
                               for path in sorted({c.reward_model for c in components if c.reward_model})}
-        code_rules = sorted({c.rule for c in components if c.rule in code_contests.CODE_RULES})
-        if code_rules and self.sandbox_refusal is not None:
-            raise ValueError(f"rules {code_rules} run the response's code in the sandbox, which this host cannot "
-                             f"give: {self.sandbox_refusal}")
         self.sandbox_limits = config.sandbox.limits()
         self._sandbox_runs = ThreadPoolExecutor(config.sandbox.concurrent_runs, thread_name_prefix="sandbox")
 
