@@ -14,10 +14,10 @@ and ``taco`` to its ``prime_code`` scorer, or to ``sandbox_fusion`` where a sand
   function's module starts with the names of ``typing``, ``collections``, ``math``, ``itertools``, ``functools``,
   ``heapq``, ``bisect``, ``string`` and ``re`` imported (``List``, ``deque``, ``inf`` ...), as verl's harness
   does.
-- The program is the last fenced block marked ``python`` (``py``, ``python3``) or unmarked; a block left open at the
-  end of a truncated response runs to its end. A response with no fence at all is taken as the program itself
-  (verl's reading: the response may be pure code); one whose fences all name other languages has no program and
-  scores 0.
+- The program is the last fenced block marked ``python`` (``py``, ``python3``), else the last unmarked one; a block
+  left open at the end of a truncated response runs to its end. A response with no fence at all is taken as the
+  program itself (verl's reading: the response may be pure code); one whose fences all name other languages has no
+  program and scores 0.
 - Each case runs in a sandbox of its own (``services/common/sandbox.py``) under the service's ``sandbox`` limits:
   ``wall_s`` is the per-case timeout (verl's 10 s by default).
 - A case passes when the program exits 0, its output is not cut at the cap, and what it printed matches: equal
@@ -48,7 +48,7 @@ MAX_CASES = 10
 """Cases scored by default: the first ten, as verl's continuous code scores count."""
 
 _FENCE = re.compile(r"```([^\n`]*)\n(.*?)(?:```|\Z)", re.DOTALL)
-_PYTHON_MARKS = frozenset({"", "python", "py", "python3"})
+_PYTHON_MARKS = frozenset({"python", "py", "python3"})
 
 SOLUTION_FILE = "solution.py"
 CALL_HARNESS = '''\
@@ -92,11 +92,14 @@ class CodeTask:
 
 
 def extract_code(response: str) -> str | None:
-    """The program in a response: the last python or unmarked fenced block, the whole response when it has no
-    fence, None when all its fences name other languages."""
-    blocks = [code for mark, code in _FENCE.findall(response) if mark.strip().lower() in _PYTHON_MARKS]
-    if blocks:
-        return blocks[-1]
+    """The program in a response: its last fenced block marked python, else its last unmarked one (a block of
+    sample output after the program does not replace it), the whole response when it has no fence, None when all
+    its fences name other languages."""
+    blocks = [(mark.strip().lower(), code) for mark, code in _FENCE.findall(response)]
+    python = [code for mark, code in blocks if mark in _PYTHON_MARKS]
+    unmarked = [code for mark, code in blocks if not mark]
+    if python or unmarked:
+        return (python or unmarked)[-1]
     return response if "```" not in response else None
 
 

@@ -27,8 +27,9 @@ def test_the_last_python_block_is_the_program():
     assert extract_code("```Python3\nx = 3\n```") == "x = 3\n"
 
 
-def test_an_unmarked_block_counts_and_other_languages_do_not():
+def test_an_unmarked_block_counts_where_no_block_is_marked_python_and_other_languages_do_not():
     assert extract_code("```\nprint(5)\n```") == "print(5)\n"
+    assert extract_code("```python\nprint(3)\n```\nIt prints:\n```\n3\n```") == "print(3)\n"
     assert extract_code("```python\nprint(1)\n```\nIn C:\n```cpp\nint main() {}\n```") == "print(1)\n"
     assert extract_code("Only C++:\n```cpp\nint main() {}\n```") is None
 
