@@ -21,7 +21,7 @@ every process its code started; the cluster's credentials (``MESHRL_TOKEN``, ``M
 What it is not: a sandbox. A user's tool or environment runs as the service's user, so it can read the files
 that user can (the token file at a path it knows or guesses, included), write where that user can, open sockets,
 and start processes without a count limit; only the built-in code interpreter runs sandboxed
-(services/env/sandbox.py).
+(services/common/sandbox.py).
 """
 
 from __future__ import annotations
