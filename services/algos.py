@@ -51,6 +51,8 @@ No config objects, no I/O: everything arrives as plain arguments.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -183,6 +185,7 @@ def adaptive_kl_coef(coef: float, current_kl: float, n_steps: int, target: float
 class Advantages(NamedTuple):
     advantages: torch.Tensor  # [T]
     returns: torch.Tensor  # [T]
+    metrics: Mapping[str, float] = MappingProxyType({})  # what the estimator reports besides (verl's names)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamma: float, lam: float,
@@ -491,38 +494,6 @@ def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.T
     high = torch.full((groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, inverse, scores.double(), "amax")
     low = torch.full((groups,), math.inf, dtype=torch.float64).scatter_reduce(0, inverse, scores.double(), "amin")
     return (high > low)[inverse]
-
-
-def compute_advantages(
-    estimator: str, rewards: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor,
-    values: torch.Tensor | None, gamma: float, lam: float, norm_by_std: bool, mask: torch.Tensor | None = None,
-) -> Advantages:
-    """Advantages and returns [T] of the named estimator from token rewards [T].
-
-    Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline) use each
-    sequence's summed reward; gae needs ``values`` [T]. For grpo, rloo and
-    reinforce_plus_plus_baseline the returns are the advantages (for the last,
-    the whitened ones), as in verl; for gae they are advantages + values before
-    whitening, for reinforce_plus_plus the discounted returns. With a loss ``mask`` [T] (multi-turn) only
-    its tokens get advantages and returns, the others 0 (see ``gae`` for how the recursions pass them).
-    """
-    if estimator == "gae":
-        if values is None:
-            raise ValueError("the gae estimator needs values from a critic")
-        return gae(rewards, values, lengths, gamma, lam, mask)
-    if estimator == "reinforce_plus_plus":
-        return reinforce_plus_plus(rewards, lengths, gamma, mask)
-    scores = sequence_sums(rewards, lengths)
-    if estimator == "reinforce_plus_plus_baseline":
-        return reinforce_plus_plus_baseline(scores, group_ids, lengths, mask)
-    if estimator == "grpo":
-        per_token = expand_per_token(grpo_advantages(scores, group_ids, norm_by_std), lengths)
-    elif estimator == "rloo":
-        per_token = expand_per_token(rloo_advantages(scores, group_ids), lengths)
-    else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}")
-    per_token = masked(per_token, mask)
-    return Advantages(per_token, per_token)
 
 
 def mean_sequence_kl(kl: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None = None) -> float:

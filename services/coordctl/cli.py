@@ -559,14 +559,18 @@ def checkpoint_trust(
 def services(coordinator: str = COORDINATOR) -> None:
     """Every service registered with the coordinator: its host, kind, group and address, its GPUs, the meshrl
     version it runs, the weight version it holds (trainer) or serves (rollout), and how long ago it was last
-    heard from (a service silent for the heartbeat window is down)."""
-    from services.coordctl.tables import SERVICE_COLUMNS, aligned, service_rows
+    heard from (a service silent for the heartbeat window is down); then the algorithms each registered: the
+    coordinator's advantage estimators and each trainer's policy losses ("?" from one too old to say)."""
+    from services.coordctl.tables import SERVICE_COLUMNS, algorithm_lines, aligned, service_rows
 
     entries = call(coordinator, "list_services")
     if not entries:
         typer.echo(f"no service has registered with the coordinator at {coordinator}")
-        return
-    for line in aligned(SERVICE_COLUMNS, service_rows(entries), right=("WEIGHTS", "SEEN")):
+    else:
+        for line in aligned(SERVICE_COLUMNS, service_rows(entries), right=("WEIGHTS", "SEEN")):
+            typer.echo(line)
+        typer.echo("")
+    for line in algorithm_lines(coordinator, call(coordinator, "adv_estimators"), entries):
         typer.echo(line)
 
 

@@ -47,6 +47,7 @@ class ServiceEntry:
     gpu: str = ""  # "" from a service too old to say
     meshrl_version: str = ""
     weight_version: int | None = None  # None: it holds no weights
+    policy_losses: tuple[str, ...] = ()  # a trainer's registered policy losses
 
 
 def status_from_pb(info: coordinator_pb2.RunInfo) -> RunStatus:
@@ -107,8 +108,14 @@ class CoordinatorClient:
                              last_seen_s=s.last_seen_s, service_id=s.identity.service_id,
                              hostname=s.identity.hostname, gpu=s.identity.gpu,
                              meshrl_version=s.identity.meshrl_version,
-                             weight_version=s.weight_version if s.HasField("weight_version") else None)
+                             weight_version=s.weight_version if s.HasField("weight_version") else None,
+                             policy_losses=tuple(s.identity.policy_losses))
                 for s in reply.services]
+
+    async def adv_estimators(self) -> list[str]:
+        """The advantage estimators the coordinator has registered."""
+        reply = await self._stub.ListServices(coordinator_pb2.ListServicesRequest(), timeout=TIMEOUT_S)
+        return list(reply.adv_estimators)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -26,3 +26,12 @@ def service_rows(entries: list[ServiceEntry]) -> list[tuple[str, ...]]:
              entry.meshrl_version or "?", "-" if entry.weight_version is None else str(entry.weight_version),
              f"{entry.last_seen_s:.1f} s", entry.state, entry.service_id)
             for entry in sorted(entries, key=lambda e: (e.hostname, e.kind, e.address))]
+
+
+def algorithm_lines(coordinator: str, adv_estimators: list[str], entries: list[ServiceEntry]) -> list[str]:
+    """What each service registered: the coordinator's advantage estimators (algorithm.adv_estimator) and each
+    trainer's policy losses (actor_rollout_ref.actor.policy_loss.loss_mode)."""
+    lines = [f"advantage estimators (coordinator {coordinator}): {', '.join(adv_estimators) or '?'}"]
+    lines += [f"policy losses (trainer {entry.address}): {', '.join(entry.policy_losses) or '?'}"
+              for entry in sorted(entries, key=lambda e: (e.hostname, e.address)) if entry.kind == "trainer"]
+    return lines

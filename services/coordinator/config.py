@@ -14,3 +14,8 @@ class CoordinatorServiceConfig(ServeConfig):
     """How often services heartbeat."""
     heartbeat_misses: PositiveInt = 5
     """Heartbeats a service may miss before it is marked down."""
+    adv_estimator_modules: list[str] = []
+    """Python files (path/to/file.py) or modules (package.module) to import at start, whose @register_adv_est
+    functions this coordinator then offers besides the built-ins (services/estimators.py); runs choose one by
+    algorithm.adv_estimator. One that fails to import, or reuses a registered name, stops the coordinator at start
+    with the module and the error."""

@@ -63,6 +63,8 @@ class Rollouts:
     n: int
     lineage: tuple[Lineage, ...]  # [B*n]
     env_scores: torch.Tensor | None = None  # [B*n] float32, trajectories' weighted environment rewards (None: none)
+    baselines: torch.Tensor | None = None  # [B*n] float32: the score of a greedy response to each one's prompt
+    # (an estimator's greedy_baseline); None where the run does not generate them
 
     @property
     def group_ids(self) -> torch.Tensor:
@@ -75,7 +77,8 @@ class Rollouts:
             truncated=self.truncated[rows], scores=self.scores[rows], versions=self.versions[rows],
             last_versions=self.last_versions[rows], prompts=[self.prompts[i] for i in keep],
             lineage=tuple(self.lineage[row] for row in rows.tolist()),
-            env_scores=None if self.env_scores is None else self.env_scores[rows])
+            env_scores=None if self.env_scores is None else self.env_scores[rows],
+            baselines=None if self.baselines is None else self.baselines[rows])
 
     def with_scores(self, samples: list[RewardSample], scored: Scored) -> Rollouts:
         """These rollouts with the scores of ``scored`` (of ``samples``, their decoded responses), plus the
@@ -98,7 +101,9 @@ class Rollouts:
                         prompts=[prompt for p in parts for prompt in p.prompts], n=parts[0].n,
                         lineage=tuple(origin for p in parts for origin in p.lineage),
                         env_scores=None if parts[0].env_scores is None else torch.cat([p.env_scores for p in parts
-                                                                                         if p.env_scores is not None]))
+                                                                                         if p.env_scores is not None]),
+                        baselines=(None if any(p.baselines is None for p in parts)
+                                   else torch.cat([p.baselines for p in parts if p.baselines is not None])))
 
 
 @dataclass(frozen=True)

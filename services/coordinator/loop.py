@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Protocol
@@ -48,6 +49,8 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from services import algos
+from services.algo_registry import EstimatorInputs, EstimatorParams
+from services.estimators import compute_advantages
 from services.common.sequences import SequenceBatch
 from services.common.timing import StageTimer
 from services.coordinator import generation
@@ -399,13 +402,29 @@ class PPOLoop:
                 counts |= trajectories
         with timer("reward"):
             scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, self.reporter, f"step {step}")
+        if self.settings.estimator.greedy_baseline:
+            rollouts = await self.with_greedy_baselines(scoring.rollouts, chosen, seed, oldest, step, timer)
+        else:
+            rollouts = scoring.rollouts
         for address, count in by_rollout.items():
             add_count(counts, f"rollout/samples_by/{address}", count)
         counts |= rollout_balance(counts, self.rollout_set.speeds.speeds)
         for service_id, count in scoring.by_service.items():
             add_count(counts, f"reward/samples_by/{service_id}", count)
         add_count(counts, "reward/timeouts", sum(s.timed_out for s in scoring.scores))
-        return scoring.rollouts
+        return rollouts
+
+    async def with_greedy_baselines(self, rollouts: Rollouts, chosen: list[Prompt], seed: int, oldest: int, step: int,
+                                    timer: StageTimer) -> Rollouts:
+        """``rollouts`` with the score of one greedy response (temperature 0) to each prompt, from the same weights,
+        as every response's baseline (remax; verl's timing_s/gen_max)."""
+        greedy_sampling = dataclasses.replace(self.settings.sampling, n=1, temperature=0.0, top_p=1.0)
+        with timer("gen_max"):
+            greedy, _ = await generation.generate(self.rollout_set, chosen, greedy_sampling, seed, oldest,
+                                                  self.timeout, self.reporter, f"step {step} greedy baselines")
+            scored = await generation.score(self.reward_set, greedy, self.tokenizer, self.reporter,
+                                            f"step {step} greedy baselines")
+        return dataclasses.replace(rollouts, baselines=scored.rollouts.scores.repeat_interleave(rollouts.n))
 
     # ------------------------------------------------------------------ set-up and boundaries
 
@@ -465,9 +484,11 @@ def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollou
         rewards = algos.token_rewards(rollouts.scores, lengths, kl, kl_coef, mask)
         metrics = {"actor/reward_kl_penalty": algos.mean_sequence_kl(kl, lengths, mask),
                    "actor/reward_kl_penalty_coeff": kl_coef}
-    advantages = algos.compute_advantages(estimator.name, rewards, lengths, rollouts.group_ids, evaluated.values,
-                                          estimator.gamma, estimator.lam, estimator.norm_by_std, mask)
-    return Estimate(rewards, advantages.advantages, advantages.returns, metrics)
+    inputs = EstimatorInputs(rewards=rewards, lengths=lengths, group_ids=rollouts.group_ids, mask=mask,
+                             values=evaluated.values, baselines=rollouts.baselines)
+    advantages = compute_advantages(estimator.name, inputs,
+                                    EstimatorParams(estimator.gamma, estimator.lam, estimator.norm_by_std))
+    return Estimate(rewards, advantages.advantages, advantages.returns, {**metrics, **advantages.metrics})
 
 
 def add_count(counts: dict[str, float], name: str, count: int) -> None:

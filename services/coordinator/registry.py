@@ -22,6 +22,7 @@ class ServiceRecord:
     gpu: str = ""  # "cpu", or its GPUs: "cuda:0 NVIDIA H200"
     weight_version: int | None = None  # of its last Register or Heartbeat; None where it holds no weights
     limits: Mapping[str, int] = field(default_factory=dict)  # what one request may ask of it, by setting
+    policy_losses: tuple[str, ...] = ()  # a trainer's registered policy losses (none from one too old to say)
 
 
 class Registry:

@@ -32,7 +32,7 @@ from services.run.config import RunConfig
 from services.coordinator.disk import refused_by_state_dir
 from services.coordinator.records import RunRecords
 from services.coordinator.registry import Registry
-from services.coordinator.settings import check_within_rollout_limits
+from services.coordinator.settings import check_algorithms_registered, check_within_rollout_limits
 from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
 from services.coordinator.supervisor import RunSupervisor, checkpoint_dir, samples_dir
 from services.coordinator.targets import ServiceTarget, named_target
@@ -84,6 +84,8 @@ class RunManager:
         config = await asyncio.to_thread(parse_run_config, config_yaml)  # not on the loop: heartbeats go on
         check_within_rollout_limits(config, {record.address: record.limits
                                              for record in self.registry.up("rollout", config.placement.rollout)})
+        check_algorithms_registered(config, {record.address: record.policy_losses
+                                             for record in self.registry.up("trainer", config.placement.actor)})
         check_loggers_installed(config.trainer.logger)
         earlier = self._checkpoint_to_resume(config)
         if earlier is not None:

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.algo_registry import ADV_ESTIMATORS, load_modules
 from services.common.service import PROTOCOL_VERSION
 from services.coordinator import telemetry
 from services.coordinator.config import CoordinatorServiceConfig
@@ -46,14 +47,16 @@ def record_from_pb(request: coordinator_pb2.RegisterRequest) -> ServiceRecord:
                          group=identity.group or "default", protocol_version=identity.protocol_version,
                          last_seen=0.0, hostname=identity.hostname, pid=identity.pid,
                          meshrl_version=identity.meshrl_version, gpu=identity.gpu,
-                         weight_version=optional_version(request), limits=dict(identity.limits))
+                         weight_version=optional_version(request), limits=dict(identity.limits),
+                         policy_losses=tuple(identity.policy_losses))
 
 
 def status_to_pb(record: ServiceRecord, up: bool, now: float) -> coordinator_pb2.ServiceStatus:
     identity = common_pb2.ServiceIdentity(
         service_id=record.service_id, kind=record.kind, address=record.address, group=record.group,
         protocol_version=record.protocol_version, pid=record.pid, hostname=record.hostname,
-        meshrl_version=record.meshrl_version, gpu=record.gpu, limits=record.limits)
+        meshrl_version=record.meshrl_version, gpu=record.gpu, limits=record.limits,
+        policy_losses=record.policy_losses)
     return coordinator_pb2.ServiceStatus(identity=identity, state="up" if up else "down",
                                          last_seen_s=now - record.last_seen, weight_version=record.weight_version)
 
@@ -81,7 +84,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def ListServices(self, request, context):
         now = time.monotonic()
         return coordinator_pb2.ListServicesResponse(services=[
-            status_to_pb(record, self.registry.is_up(record), now) for record in self.registry.all()])
+            status_to_pb(record, self.registry.is_up(record), now) for record in self.registry.all()],
+            adv_estimators=ADV_ESTIMATORS.names())
 
     async def StartRun(self, request, context):
         return self._info(*await self.runs.start_run(request.config_yaml))
@@ -123,6 +127,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def attach(server, config: CoordinatorServiceConfig, identity: common_pb2.ServiceIdentity) -> CoordinatorServicer:
+    """The coordinator's servicer, offering the built-in advantage estimators and those its adv_estimator_modules
+    register."""
+    load_modules(config.adv_estimator_modules, "adv_estimator_modules")
     servicer = CoordinatorServicer(config)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     return servicer

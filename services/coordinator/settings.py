@@ -6,9 +6,10 @@ trainer's ops take its ``trainer.settings.RunSettings``: each value is named for
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from services.algo_registry import ADV_ESTIMATORS
 from services.run.config import RunConfig
 
 
@@ -25,12 +26,13 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Estimator:
-    """The advantage estimator and its parameters (services/algos.compute_advantages)."""
+    """The advantage estimator and its parameters (services/algo_registry.ADV_ESTIMATORS)."""
 
-    name: str  # gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline
+    name: str  # as registered: gae, grpo, rloo, ..., or a user's
     gamma: float
     lam: float
     norm_by_std: bool  # GRPO divides by the group's std (False: Dr. GRPO)
+    greedy_baseline: bool = False  # it needs a greedy response to each prompt, scored (remax)
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,8 @@ def loop_settings(config: RunConfig) -> LoopSettings:
         batch_size=data.train_batch_size, shuffle=data.shuffle,
         sampling=Sampling(rollout.n, rollout.temperature, rollout.top_p, data.max_response_length,
                           tuple(rollout.stop_token_ids)),
-        estimator=Estimator(algorithm.adv_estimator, algorithm.gamma, algorithm.lam, algorithm.norm_adv_by_std_in_grpo),
+        estimator=Estimator(algorithm.adv_estimator, algorithm.gamma, algorithm.lam, algorithm.norm_adv_by_std_in_grpo,
+                            ADV_ESTIMATORS.get(algorithm.adv_estimator).greedy_baseline),
         kl_in_reward=kl_in_reward, critic_warmup=trainer.critic_warmup,
         recompute_old_logprobs=config.recomputes_old_log_prob,
         rollout_correction=config.use_rollout_correction, sleep_rollouts=rollout.free_cache_engine,
@@ -185,6 +188,18 @@ def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
         bucket_bytes=trainer.weight_sync_bucket_mb << 20,
         partial_rollout=config.actor_rollout_ref.rollout.partial_rollout,
     )
+
+
+def check_algorithms_registered(config: RunConfig, trainer_losses: Mapping[str, Sequence[str]]) -> None:
+    """Refuse a run whose advantage estimator this coordinator has not registered, or whose policy loss one of the
+    actor's trainers (address -> the losses it registered) has not: ValueError naming the key and the names that
+    are registered. A trainer that registered none (too old to say) is not asked; it refuses the run itself."""
+    ADV_ESTIMATORS.get(config.algorithm.adv_estimator)
+    mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
+    for address, losses in sorted(trainer_losses.items()):
+        if losses and mode not in losses:
+            raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: trainer {address} has no policy "
+                             f"loss of that name; registered there: {', '.join(losses)}")
 
 
 def check_within_rollout_limits(config: RunConfig, limits: Mapping[str, Mapping[str, int]]) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from services import algos
+from services.algo_registry import POLICY_LOSSES, PolicyLossInputs, PolicyLossParams
 from services.common.sequences import SequenceBatch
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.forward import batched_logprobs, gather_tokens, response_logprobs
@@ -40,7 +41,7 @@ class ActorSettings:
     clip_ratio_low: float
     clip_ratio_high: float
     clip_ratio_c: float | None
-    loss_agg_mode: str
+    loss_agg_mode: str  # resolved: the run's, else the policy loss's own
     entropy_coeff: float
     use_kl_loss: bool
     kl_loss_coef: float
@@ -53,6 +54,12 @@ class ActorSettings:
     max_token_len: int | None = None  # token budget per micro-batch instead of micro_batch_size (use_dynamic_bsz)
     remove_padding: bool = False  # forward passes pack their sequences into one row
     logprob_chunk_tokens: int = 0  # logprobs from the hidden states this many tokens at a time; 0 = all at once
+    loss_mode: str = "vanilla"  # the registered policy loss (algo_registry.POLICY_LOSSES)
+    clip_cov_ratio: float = 0.0002  # the parameters of clip_cov and kl_cov (actor.policy_loss)
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
 
     @property
     def micro(self) -> MicroBatching:
@@ -75,6 +82,15 @@ class ActorSettings:
             raise ValueError("batch is missing tensor 'ref_logprobs', which use_kl_loss needs")
         if self.rollout_is and "rollout_logprobs" not in given:
             raise ValueError("batch is missing tensor 'rollout_logprobs', which the rollout correction needs")
+
+
+def policy_loss_params(settings: ActorSettings, scale: algos.LossScale) -> PolicyLossParams:
+    """What the policy loss of ``settings`` takes of them, for a mini-batch of ``scale``."""
+    return PolicyLossParams(
+        clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
+        clip_ratio_c=settings.clip_ratio_c, loss_agg_mode=settings.loss_agg_mode, scale=scale,
+        clip_cov_ratio=settings.clip_cov_ratio, clip_cov_lb=settings.clip_cov_lb, clip_cov_ub=settings.clip_cov_ub,
+        kl_cov_ratio=settings.kl_cov_ratio, ppo_kl_coef=settings.ppo_kl_coef)
 
 
 @dataclass(frozen=True)
@@ -179,16 +195,14 @@ class Actor:
             old_logprobs=old_logprobs, rollout_logprobs=inputs.rollout_logprobs[tokens].to(device), lengths=lengths,
             level=settings.rollout_is, mode=settings.rollout_is_mode, threshold=settings.rollout_is_threshold,
             mask=mask) if settings.rollout_is else None
-        pg = algos.policy_loss(
-            logprobs=logprobs, old_logprobs=old_logprobs, advantages=inputs.advantages[tokens].to(device),
-            lengths=lengths, clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
-            clip_ratio_c=settings.clip_ratio_c, mode=settings.loss_agg_mode, scale=scale,
-            is_weights=None if tis is None else tis.weights, mask=mask)
+        pg = POLICY_LOSSES.get(settings.loss_mode).fn(
+            PolicyLossInputs(logprobs=logprobs, old_logprobs=old_logprobs,
+                             advantages=inputs.advantages[tokens].to(device), lengths=lengths, mask=mask,
+                             is_weights=None if tis is None else tis.weights),
+            policy_loss_params(settings, scale))
         entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale, mask)
         loss = pg.loss - settings.entropy_coeff * entropy_loss
-        stats = {"actor/pg_loss": float(pg.loss.detach()), "actor/pg_clipfrac": float(pg.clipfrac),
-                 "actor/pg_clipfrac_lower": float(pg.clipfrac_lower), "actor/ppo_kl": float(pg.approx_kl),
-                 "actor/entropy": float(entropy_loss.detach())}
+        stats = {"actor/pg_loss": float(pg.loss.detach()), **pg.metrics, "actor/entropy": float(entropy_loss.detach())}
         if tis is not None:  # shares of the mini-batch's token means, like the statistics above
             stats["rollout_corr/rollout_is_mean"] = float(tis.weights.sum()) / max(scale.num_tokens, 1)
             stats["rollout_corr/rollout_is_ratio_fraction_high"] = float(tis.exceeded.sum()) / max(scale.num_tokens, 1)

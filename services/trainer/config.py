@@ -15,6 +15,11 @@ class TrainerServiceConfig(StreamingServeConfig):
     relative one is under it. Each run's checkpoints must land in it: set it to the coordinator's state_dir (the
     default is the coordinator's default), or to a folder holding every run's trainer.default_local_dir. Checkpoint
     manifests are signed with its checkpoint.key (made, 0600, by the first save)."""
+    policy_loss_modules: list[str] = []
+    """Python files (path/to/file.py) or modules (package.module) to import at start, whose
+    @register_policy_loss functions this trainer then offers besides the built-ins (services/policy_losses.py);
+    runs choose one by actor_rollout_ref.actor.policy_loss.loss_mode. One that fails to import, or reuses a
+    registered name, stops the trainer at start with the module and the error. Every rank imports them."""
     collective_timeout_s: PositiveFloat = 600.0
     """Under torchrun: deadline of each collective among the ranks (a rank that does not take part in time
     ends the group)."""

@@ -13,6 +13,7 @@ import signal
 
 import structlog
 
+from services.algo_registry import load_modules
 from services.common.cli import log_config, parse_service_config
 from services.common.logging import configure_logging
 from services.trainer.config import TrainerServiceConfig
@@ -48,6 +49,7 @@ def main() -> None:
         torch.set_num_interop_threads(config.torch_threads)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
+    load_modules(config.policy_loss_modules, "policy_loss_modules")
     ranks = join(config.device, config.collective_timeout_s)
     structlog.contextvars.bind_contextvars(rank=ranks.rank)
     follow(Worker(ranks))

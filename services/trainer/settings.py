@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.algo_registry import POLICY_LOSSES
 from services.common.wire import DTYPES
 from services.run.config import RunConfig
 from services.trainer.actor import ActorSettings
@@ -89,7 +90,7 @@ def actor_settings(config: RunConfig, device: torch.device) -> ActorSettings:
         clip_ratio_low=actor.clip_ratio_low,
         clip_ratio_high=actor.clip_ratio_high,
         clip_ratio_c=actor.clip_ratio_c,
-        loss_agg_mode=actor.loss_agg_mode,
+        loss_agg_mode=actor.loss_agg_mode or POLICY_LOSSES.get(actor.policy_loss.loss_mode).loss_agg_mode,
         entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
@@ -102,6 +103,9 @@ def actor_settings(config: RunConfig, device: torch.device) -> ActorSettings:
         max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
         remove_padding=packs(config.actor_rollout_ref.model.use_remove_padding, device),
         logprob_chunk_tokens=config.actor_rollout_ref.model.logprob_chunk_tokens,
+        loss_mode=actor.policy_loss.loss_mode, clip_cov_ratio=actor.policy_loss.clip_cov_ratio,
+        clip_cov_lb=actor.policy_loss.clip_cov_lb, clip_cov_ub=actor.policy_loss.clip_cov_ub,
+        kl_cov_ratio=actor.policy_loss.kl_cov_ratio, ppo_kl_coef=actor.policy_loss.ppo_kl_coef,
     )
 
 

@@ -19,11 +19,19 @@ import numpy as np
 import pytest
 import torch
 
-from services import algos
+from services import algos, estimators
+from services.algo_registry import EstimatorInputs, EstimatorParams
 from services.trainer.optim import Optimizer, OptimSettings
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 F64 = torch.float64
+
+
+def compute_advantages(name, rewards, lengths, group_ids, values, gamma, lam, norm_by_std, mask=None, baselines=None):
+    """The registered estimator ``name`` on these tensors (the coordinator's call)."""
+    inputs = EstimatorInputs(rewards=rewards, lengths=lengths, group_ids=group_ids, mask=mask, values=values,
+                             baselines=baselines)
+    return estimators.compute_advantages(name, inputs, EstimatorParams(gamma, lam, norm_by_std))
 
 
 # ---------------------------------------------------------------------------
@@ -579,7 +587,7 @@ def test_compute_advantages_reinforce_plus_plus_baseline_returns_are_the_advanta
     # The same case through compute_advantages: each score on its response's last token.
     # rewards [0, 1 | 0 | 0, 0, 3 | 0, 5]; the expected numbers are the hand-worked ones above.
     rewards = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 3.0, 0.0, 5.0])
-    out = algos.compute_advantages("reinforce_plus_plus_baseline", rewards, torch.tensor([2, 1, 3, 2]),
+    out = compute_advantages("reinforce_plus_plus_baseline", rewards, torch.tensor([2, 1, 3, 2]),
                                    torch.tensor([7, 7, 7, 2]), None, 1.0, 1.0, True)
     s = math.sqrt(221 / 168 + 1e-8)
     expected = [d / 24 / s for d in (-17, -17, -41, 31, 31, 31, -9, -9)]

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from services import algos
+from services import algos, estimators
+from services.algo_registry import EstimatorInputs, EstimatorParams
 
 F64 = torch.float64
 LENGTHS = torch.tensor([6, 4])
@@ -21,6 +22,13 @@ LENGTHS = torch.tensor([6, 4])
 MASK = torch.tensor([True, True, False, False, True, True, True, False, True, True])
 VOCAB = 5
 MAX_RESPONSE_LENGTH = 8
+
+
+def compute_advantages(name, rewards, lengths, group_ids, values, gamma, lam, norm_by_std, mask=None, baselines=None):
+    """The registered estimator ``name`` on these tensors (the coordinator's call)."""
+    inputs = EstimatorInputs(rewards=rewards, lengths=lengths, group_ids=group_ids, mask=mask, values=values,
+                             baselines=baselines)
+    return estimators.compute_advantages(name, inputs, EstimatorParams(gamma, lam, norm_by_std))
 
 
 def case() -> dict[str, torch.Tensor]:
@@ -190,7 +198,7 @@ def test_gae_passes_over_tool_tokens_as_if_they_were_taken_out():
     generator = torch.Generator().manual_seed(5)
     rewards = torch.randn(10, generator=generator)
     values = torch.randn(10, generator=generator)
-    result = algos.compute_advantages("gae", rewards, LENGTHS, torch.tensor([0, 1]), values, 0.9, 0.8, True, MASK)
+    result = compute_advantages("gae", rewards, LENGTHS, torch.tensor([0, 1]), values, 0.9, 0.8, True, MASK)
     raw, model_returns = [], []
     for tokens in model_tokens():
         advantages = reference_gae([float(rewards[i]) for i in tokens], [float(values[i]) for i in tokens], 0.9, 0.8)
@@ -206,6 +214,6 @@ def test_gae_passes_over_tool_tokens_as_if_they_were_taken_out():
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
 def test_every_estimator_leaves_tool_tokens_without_advantage(estimator):
     rewards = algos.token_rewards(torch.tensor([1.0, 0.0]), LENGTHS, mask=MASK)
-    result = algos.compute_advantages(estimator, rewards, LENGTHS, torch.tensor([0, 0]), None, 0.9, 1.0, True, MASK)
+    result = compute_advantages(estimator, rewards, LENGTHS, torch.tensor([0, 0]), None, 0.9, 1.0, True, MASK)
     assert not result.advantages[~MASK].any() and not result.returns[~MASK].any()
     assert result.advantages[MASK].abs().sum() > 0

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/common.proto\x12\tmeshrl.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x98\x02\n\x0fServiceIdentity\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05group\x18\x04 \x01(\t\x12\x18\n\x10protocol_version\x18\x05 \x01(\x05\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x10\n\x08hostname\x18\x07 \x01(\t\x12\x16\n\x0emeshrl_version\x18\x08 \x01(\t\x12\x0b\n\x03gpu\x18\t \x01(\t\x12\x36\n\x06limits\x18\n \x03(\x0b\x32&.meshrl.v1.ServiceIdentity.LimitsEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xaa\x01\n\rWeightVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\ntransfer_s\x18\x02 \x01(\x01\x12\x0f\n\x07pause_s\x18\x03 \x01(\x01\x12\x34\n\x06memory\x18\x04 \x03(\x0b\x32$.meshrl.v1.WeightVersion.MemoryEntry\x1a-\n\x0bMemoryEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x82\x01\n\x12JoinChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x12\n\nrendezvous\x18\x05 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\")\n\x13JoinChannelResponse\x12\x12\n\nchannel_id\x18\x01 \x01(\t\"\r\n\x0bInfoRequest\"\xc9\x01\n\x0bServiceInfo\x12,\n\x08identity\x18\x01 \x01(\x0b\x32\x1a.meshrl.v1.ServiceIdentity\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x34\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32#.meshrl.v1.ServiceInfo.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/common.proto\x12\tmeshrl.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\xaf\x02\n\x0fServiceIdentity\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05group\x18\x04 \x01(\t\x12\x18\n\x10protocol_version\x18\x05 \x01(\x05\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x10\n\x08hostname\x18\x07 \x01(\t\x12\x16\n\x0emeshrl_version\x18\x08 \x01(\t\x12\x0b\n\x03gpu\x18\t \x01(\t\x12\x36\n\x06limits\x18\n \x03(\x0b\x32&.meshrl.v1.ServiceIdentity.LimitsEntry\x12\x15\n\rpolicy_losses\x18\x0b \x03(\t\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xaa\x01\n\rWeightVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\ntransfer_s\x18\x02 \x01(\x01\x12\x0f\n\x07pause_s\x18\x03 \x01(\x01\x12\x34\n\x06memory\x18\x04 \x03(\x0b\x32$.meshrl.v1.WeightVersion.MemoryEntry\x1a-\n\x0bMemoryEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x82\x01\n\x12JoinChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x12\n\nrendezvous\x18\x05 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\")\n\x13JoinChannelResponse\x12\x12\n\nchannel_id\x18\x01 \x01(\t\"\r\n\x0bInfoRequest\"\xc9\x01\n\x0bServiceInfo\x12,\n\x08identity\x18\x01 \x01(\x0b\x32\x1a.meshrl.v1.ServiceIdentity\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x34\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32#.meshrl.v1.ServiceInfo.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,21 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORCHUNK']._serialized_start=91
   _globals['_TENSORCHUNK']._serialized_end=178
   _globals['_SERVICEIDENTITY']._serialized_start=181
-  _globals['_SERVICEIDENTITY']._serialized_end=461
-  _globals['_SERVICEIDENTITY_LIMITSENTRY']._serialized_start=416
-  _globals['_SERVICEIDENTITY_LIMITSENTRY']._serialized_end=461
-  _globals['_WEIGHTVERSION']._serialized_start=464
-  _globals['_WEIGHTVERSION']._serialized_end=634
-  _globals['_WEIGHTVERSION_MEMORYENTRY']._serialized_start=589
-  _globals['_WEIGHTVERSION_MEMORYENTRY']._serialized_end=634
-  _globals['_JOINCHANNELREQUEST']._serialized_start=637
-  _globals['_JOINCHANNELREQUEST']._serialized_end=767
-  _globals['_JOINCHANNELRESPONSE']._serialized_start=769
-  _globals['_JOINCHANNELRESPONSE']._serialized_end=810
-  _globals['_INFOREQUEST']._serialized_start=812
-  _globals['_INFOREQUEST']._serialized_end=825
-  _globals['_SERVICEINFO']._serialized_start=828
-  _globals['_SERVICEINFO']._serialized_end=1029
-  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_start=983
-  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_end=1029
+  _globals['_SERVICEIDENTITY']._serialized_end=484
+  _globals['_SERVICEIDENTITY_LIMITSENTRY']._serialized_start=439
+  _globals['_SERVICEIDENTITY_LIMITSENTRY']._serialized_end=484
+  _globals['_WEIGHTVERSION']._serialized_start=487
+  _globals['_WEIGHTVERSION']._serialized_end=657
+  _globals['_WEIGHTVERSION_MEMORYENTRY']._serialized_start=612
+  _globals['_WEIGHTVERSION_MEMORYENTRY']._serialized_end=657
+  _globals['_JOINCHANNELREQUEST']._serialized_start=660
+  _globals['_JOINCHANNELREQUEST']._serialized_end=790
+  _globals['_JOINCHANNELRESPONSE']._serialized_start=792
+  _globals['_JOINCHANNELRESPONSE']._serialized_end=833
+  _globals['_INFOREQUEST']._serialized_start=835
+  _globals['_INFOREQUEST']._serialized_end=848
+  _globals['_SERVICEINFO']._serialized_start=851
+  _globals['_SERVICEINFO']._serialized_end=1052
+  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_start=1006
+  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_end=1052
 # @@protoc_insertion_point(module_scope)

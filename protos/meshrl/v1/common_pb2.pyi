@@ -31,7 +31,7 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ServiceIdentity(_message.Message):
-    __slots__ = ("service_id", "kind", "address", "group", "protocol_version", "pid", "hostname", "meshrl_version", "gpu", "limits")
+    __slots__ = ("service_id", "kind", "address", "group", "protocol_version", "pid", "hostname", "meshrl_version", "gpu", "limits", "policy_losses")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class ServiceIdentity(_message.Message):
     MESHRL_VERSION_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_LOSSES_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     kind: str
     address: str
@@ -59,7 +60,8 @@ class ServiceIdentity(_message.Message):
     meshrl_version: str
     gpu: str
     limits: _containers.ScalarMap[str, int]
-    def __init__(self, service_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., group: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., meshrl_version: _Optional[str] = ..., gpu: _Optional[str] = ..., limits: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    policy_losses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, service_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., group: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., meshrl_version: _Optional[str] = ..., gpu: _Optional[str] = ..., limits: _Optional[_Mapping[str, int]] = ..., policy_losses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
     __slots__ = ("version", "transfer_s", "pause_s", "memory")

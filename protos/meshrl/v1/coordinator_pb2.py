@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeshrl/v1/coordinator.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"o\n\x0fRegisterRequest\x12,\n\x08identity\x18\x01 \x01(\x0b\x32\x1a.meshrl.v1.ServiceIdentity\x12\x1b\n\x0eweight_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_weight_version\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"V\n\x10HeartbeatRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x1b\n\x0eweight_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_weight_version\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x15\n\x13ListServicesRequest\"\x91\x01\n\rServiceStatus\x12,\n\x08identity\x18\x01 \x01(\x0b\x32\x1a.meshrl.v1.ServiceIdentity\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\x1b\n\x0eweight_version\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_weight_version\"B\n\x14ListServicesResponse\x12*\n\x08services\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.ServiceStatus\"&\n\x0fStartRunRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\"7\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x03\"\x11\n\x0fListRunsRequest\"B\n\x10SetRewardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"?\n\rSetEnvRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\x86\x02\n\x07RunInfo\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x03\x12\x0f\n\x07run_dir\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x30\n\x07metrics\x18\t \x03(\x0b\x32\x1f.meshrl.v1.RunInfo.MetricsEntry\x12\x15\n\rlast_event_id\x18\n \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\x10ListRunsResponse\x12 \n\x04runs\x18\x01 \x03(\x0b\x32\x12.meshrl.v1.RunInfo\"\xc7\x01\n\x08RunEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x31\n\x07metrics\x18\x05 \x03(\x0b\x32 .meshrl.v1.RunEvent.MetricsEntry\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x0c\n\x04time\x18\x07 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x94\x06\n\x0b\x43oordinator\x12\x43\n\x08Register\x12\x1a.meshrl.v1.RegisterRequest\x1a\x1b.meshrl.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.meshrl.v1.HeartbeatRequest\x1a\x1c.meshrl.v1.HeartbeatResponse\x12G\n\nDeregister\x12\x1b.meshrl.v1.HeartbeatRequest\x1a\x1c.meshrl.v1.HeartbeatResponse\x12O\n\x0cListServices\x12\x1e.meshrl.v1.ListServicesRequest\x1a\x1f.meshrl.v1.ListServicesResponse\x12:\n\x08StartRun\x12\x1a.meshrl.v1.StartRunRequest\x1a\x12.meshrl.v1.RunInfo\x12\x36\n\x06GetRun\x12\x18.meshrl.v1.GetRunRequest\x1a\x12.meshrl.v1.RunInfo\x12\x43\n\x08ListRuns\x12\x1a.meshrl.v1.ListRunsRequest\x1a\x1b.meshrl.v1.ListRunsResponse\x12\x37\n\x07StopRun\x12\x18.meshrl.v1.GetRunRequest\x1a\x12.meshrl.v1.RunInfo\x12\x39\n\tResumeRun\x12\x18.meshrl.v1.GetRunRequest\x1a\x12.meshrl.v1.RunInfo\x12;\n\x08WatchRun\x12\x18.meshrl.v1.GetRunRequest\x1a\x13.meshrl.v1.RunEvent0\x01\x12<\n\tSetReward\x12\x1b.meshrl.v1.SetRewardRequest\x1a\x12.meshrl.v1.RunInfo\x12\x36\n\x06SetEnv\x12\x18.meshrl.v1.SetEnvRequest\x1a\x12.meshrl.v1.RunInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeshrl/v1/coordinator.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"o\n\x0fRegisterRequest\x12,\n\x08identity\x18\x01 \x01(\x0b\x32\x1a.meshrl.v1.ServiceIdentity\x12\x1b\n\x0eweight_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_weight_version\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"V\n\x10HeartbeatRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x1b\n\x0eweight_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_weight_version\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x15\n\x13ListServicesRequest\"\x91\x01\n\rServiceStatus\x12,\n\x08identity\x18\x01 \x01(\x0b\x32\x1a.meshrl.v1.ServiceIdentity\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\x1b\n\x0eweight_version\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_weight_version\"Z\n\x14ListServicesResponse\x12*\n\x08services\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.ServiceStatus\x12\x16\n\x0e\x61\x64v_estimators\x18\x02 \x03(\t\"&\n\x0fStartRunRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\"7\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x03\"\x11\n\x0fListRunsRequest\"B\n\x10SetRewardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"?\n\rSetEnvRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\x86\x02\n\x07RunInfo\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x03\x12\x0f\n\x07run_dir\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x30\n\x07metrics\x18\t \x03(\x0b\x32\x1f.meshrl.v1.RunInfo.MetricsEntry\x12\x15\n\rlast_event_id\x18\n \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\x10ListRunsResponse\x12 \n\x04runs\x18\x01 \x03(\x0b\x32\x12.meshrl.v1.RunInfo\"\xc7\x01\n\x08RunEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x31\n\x07metrics\x18\x05 \x03(\x0b\x32 .meshrl.v1.RunEvent.MetricsEntry\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x0c\n\x04time\x18\x07 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x94\x06\n\x0b\x43oordinator\x12\x43\n\x08Register\x12\x1a.meshrl.v1.RegisterRequest\x1a\x1b.meshrl.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.meshrl.v1.HeartbeatRequest\x1a\x1c.meshrl.v1.HeartbeatResponse\x12G\n\nDeregister\x12\x1b.meshrl.v1.HeartbeatRequest\x1a\x1c.meshrl.v1.HeartbeatResponse\x12O\n\x0cListServices\x12\x1e.meshrl.v1.ListServicesRequest\x1a\x1f.meshrl.v1.ListServicesResponse\x12:\n\x08StartRun\x12\x1a.meshrl.v1.StartRunRequest\x1a\x12.meshrl.v1.RunInfo\x12\x36\n\x06GetRun\x12\x18.meshrl.v1.GetRunRequest\x1a\x12.meshrl.v1.RunInfo\x12\x43\n\x08ListRuns\x12\x1a.meshrl.v1.ListRunsRequest\x1a\x1b.meshrl.v1.ListRunsResponse\x12\x37\n\x07StopRun\x12\x18.meshrl.v1.GetRunRequest\x1a\x12.meshrl.v1.RunInfo\x12\x39\n\tResumeRun\x12\x18.meshrl.v1.GetRunRequest\x1a\x12.meshrl.v1.RunInfo\x12;\n\x08WatchRun\x12\x18.meshrl.v1.GetRunRequest\x1a\x13.meshrl.v1.RunEvent0\x01\x12<\n\tSetReward\x12\x1b.meshrl.v1.SetRewardRequest\x1a\x12.meshrl.v1.RunInfo\x12\x36\n\x06SetEnv\x12\x18.meshrl.v1.SetEnvRequest\x1a\x12.meshrl.v1.RunInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,27 +49,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVICESTATUS']._serialized_start=377
   _globals['_SERVICESTATUS']._serialized_end=522
   _globals['_LISTSERVICESRESPONSE']._serialized_start=524
-  _globals['_LISTSERVICESRESPONSE']._serialized_end=590
-  _globals['_STARTRUNREQUEST']._serialized_start=592
-  _globals['_STARTRUNREQUEST']._serialized_end=630
-  _globals['_GETRUNREQUEST']._serialized_start=632
-  _globals['_GETRUNREQUEST']._serialized_end=687
-  _globals['_LISTRUNSREQUEST']._serialized_start=689
-  _globals['_LISTRUNSREQUEST']._serialized_end=706
-  _globals['_SETREWARDREQUEST']._serialized_start=708
-  _globals['_SETREWARDREQUEST']._serialized_end=774
-  _globals['_SETENVREQUEST']._serialized_start=776
-  _globals['_SETENVREQUEST']._serialized_end=839
-  _globals['_RUNINFO']._serialized_start=842
-  _globals['_RUNINFO']._serialized_end=1104
-  _globals['_RUNINFO_METRICSENTRY']._serialized_start=1058
-  _globals['_RUNINFO_METRICSENTRY']._serialized_end=1104
-  _globals['_LISTRUNSRESPONSE']._serialized_start=1106
-  _globals['_LISTRUNSRESPONSE']._serialized_end=1158
-  _globals['_RUNEVENT']._serialized_start=1161
-  _globals['_RUNEVENT']._serialized_end=1360
-  _globals['_RUNEVENT_METRICSENTRY']._serialized_start=1058
-  _globals['_RUNEVENT_METRICSENTRY']._serialized_end=1104
-  _globals['_COORDINATOR']._serialized_start=1363
-  _globals['_COORDINATOR']._serialized_end=2151
+  _globals['_LISTSERVICESRESPONSE']._serialized_end=614
+  _globals['_STARTRUNREQUEST']._serialized_start=616
+  _globals['_STARTRUNREQUEST']._serialized_end=654
+  _globals['_GETRUNREQUEST']._serialized_start=656
+  _globals['_GETRUNREQUEST']._serialized_end=711
+  _globals['_LISTRUNSREQUEST']._serialized_start=713
+  _globals['_LISTRUNSREQUEST']._serialized_end=730
+  _globals['_SETREWARDREQUEST']._serialized_start=732
+  _globals['_SETREWARDREQUEST']._serialized_end=798
+  _globals['_SETENVREQUEST']._serialized_start=800
+  _globals['_SETENVREQUEST']._serialized_end=863
+  _globals['_RUNINFO']._serialized_start=866
+  _globals['_RUNINFO']._serialized_end=1128
+  _globals['_RUNINFO_METRICSENTRY']._serialized_start=1082
+  _globals['_RUNINFO_METRICSENTRY']._serialized_end=1128
+  _globals['_LISTRUNSRESPONSE']._serialized_start=1130
+  _globals['_LISTRUNSRESPONSE']._serialized_end=1182
+  _globals['_RUNEVENT']._serialized_start=1185
+  _globals['_RUNEVENT']._serialized_end=1384
+  _globals['_RUNEVENT_METRICSENTRY']._serialized_start=1082
+  _globals['_RUNEVENT_METRICSENTRY']._serialized_end=1128
+  _globals['_COORDINATOR']._serialized_start=1387
+  _globals['_COORDINATOR']._serialized_end=2175
 # @@protoc_insertion_point(module_scope)

@@ -52,10 +52,12 @@ class ServiceStatus(_message.Message):
     def __init__(self, identity: _Optional[_Union[_common_pb2.ServiceIdentity, _Mapping]] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class ListServicesResponse(_message.Message):
-    __slots__ = ("services",)
+    __slots__ = ("services", "adv_estimators")
     SERVICES_FIELD_NUMBER: _ClassVar[int]
+    ADV_ESTIMATORS_FIELD_NUMBER: _ClassVar[int]
     services: _containers.RepeatedCompositeFieldContainer[ServiceStatus]
-    def __init__(self, services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ...) -> None: ...
+    adv_estimators: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., adv_estimators: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StartRunRequest(_message.Message):
     __slots__ = ("config_yaml",)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import pydantic
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from services.common.config import Section
@@ -31,6 +32,37 @@ class WarmStartConfig(Section):
     """Teach rows that RL never draws: steps x batch_size rows of the training data, chosen by a seeded shuffle,
     are the warm start's (each taught once) and RL's batches come from the rest, so RL does not spend its steps
     on problems whose answers were just taught."""
+
+
+class PolicyLossConfig(Section):
+    """Which policy loss the actor minimises, and the parameters of those that take some (verl's
+    actor.policy_loss). Every loss also reads the actor's clip_ratio_low/high (vanilla: clip_ratio_c too)."""
+
+    loss_mode: str = Field("vanilla", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The policy loss, by the name a trainer registered it under: vanilla (PPO's clipped surrogate), gspo
+    (sequence-level ratio and clipping), cispo (clipped, detached importance weight on every token), geo_mean
+    (GMPO: geometric mean of the token ratios), clip_cov and kl_cov (entropy-preserving: detach, or penalise
+    the KL of, the tokens of largest advantage-logprob covariance), gpg (plain policy gradient), or one a
+    trainer's policy_loss_modules register. A run naming a loss no trainer has is refused at start, with the
+    names they have (coordctl services lists them)."""
+    clip_cov_ratio: float = Field(0.0002, gt=0, le=1)
+    """clip_cov: share of the micro-batch's trained tokens taken out of the loss (at least one)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: tokens whose centred covariance (A - mean A)(log pi - mean log pi) is above this..."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: ...and below this are the candidates to take out."""
+    kl_cov_ratio: float = Field(0.0002, gt=0, le=1)
+    """kl_cov: share of the micro-batch's trained tokens (those of largest covariance, at least one) whose loss
+    gains ppo_kl_coef * |log ratio|."""
+    ppo_kl_coef: float = Field(0.1, ge=0)
+    """kl_cov: weight of the |log ratio| penalty on the tokens it picks."""
+
+    @pydantic.model_validator(mode="after")
+    def _bounds_in_order(self) -> PolicyLossConfig:
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"actor_rollout_ref.actor.policy_loss.clip_cov_lb ({self.clip_cov_lb}) must be below "
+                             f"clip_cov_ub ({self.clip_cov_ub})")
+        return self
 
 
 class ActorConfig(Section):
@@ -63,9 +95,12 @@ class ActorConfig(Section):
     """PPO clip range above 1 (raise it for DAPO's clip-higher)."""
     clip_ratio_c: float | None = Field(3.0, gt=1)
     """Dual-clip bound for negative advantages (null disables dual-clip)."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean")
-    """How per-token losses become one number; seq-mean-token-sum-norm is Dr. GRPO."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] | None = None
+    """How per-token losses (policy, entropy, KL) become one number; seq-mean-token-sum-norm is Dr. GRPO. null =
+    the one the policy loss's paper prescribes: token-mean for vanilla, cispo, clip_cov, kl_cov and gpg,
+    seq-mean-token-mean for gspo and geo_mean (whose policy term is always a mean over responses)."""
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
     entropy_coeff: float = Field(0.0, ge=0)
     """Weight of the entropy bonus (subtracted from the loss)."""
     use_kl_loss: bool = False

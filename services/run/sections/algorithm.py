@@ -10,7 +10,8 @@ from pydantic import Field, PositiveFloat, PositiveInt
 from services.common.config import Section
 
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")  # built-ins that
+# compare the responses to one prompt
 
 
 class KLControlConfig(Section):
@@ -55,8 +56,11 @@ class RolloutCorrectionConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
-    """Advantage estimator."""
+    adv_estimator: str = Field("grpo", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Advantage estimator, by the name the coordinator registered it under: gae (with a critic), grpo, rloo,
+    reinforce_plus_plus, reinforce_plus_plus_baseline, opo, gpg, grpo_passk, remax (a greedy response to each
+    prompt is generated and scored as the baseline), or one the coordinator's adv_estimator_modules register.
+    A name the coordinator has not registered is refused at start, with the names it has."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount (gae, reinforce_plus_plus)."""
     lam: float = Field(1.0, ge=0, le=1)
