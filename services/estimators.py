@@ -38,8 +38,9 @@ def scores_of(inputs: EstimatorInputs) -> torch.Tensor:
 
 
 def per_response(advantages: torch.Tensor, inputs: EstimatorInputs) -> algos.Advantages:
-    """Per-response advantages [B] on each of its model tokens, as both advantages and returns [T]."""
-    per_token = algos.masked(algos.expand_per_token(advantages.to(torch.float32), inputs.lengths), inputs.mask)
+    """Per-response advantages [B] on each of its model tokens, as both advantages and returns [T], in the dtype
+    of the rewards."""
+    per_token = algos.masked(algos.expand_per_token(advantages.to(inputs.rewards.dtype), inputs.lengths), inputs.mask)
     return algos.Advantages(per_token, per_token)
 
 
@@ -134,13 +135,22 @@ def grpo_passk(inputs: EstimatorInputs, params: EstimatorParams) -> algos.Advant
     return per_response(advantages, inputs)
 
 
+def reward_to_go(rewards: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Undiscounted sum of each token's model-token rewards from it to its response's end, in the rewards' dtype;
+    0 off the mask. [T], [B] -> [T]."""
+    taken = algos.masked(rewards, mask)
+    running = torch.cumsum(taken, 0)
+    ends = algos.expand_per_token(running[torch.cumsum(lengths, 0) - 1] if len(running) else running, lengths)
+    return algos.masked(ends - running + taken, mask)
+
+
 @register_adv_est("remax", greedy_baseline=True)
 def remax(inputs: EstimatorInputs, params: EstimatorParams) -> algos.Advantages:
     """Advantages: reward-to-go (undiscounted) minus the greedy response's score, on every model token; returns:
     the reward-to-go."""
     if inputs.baselines is None:
         raise ValueError("the remax estimator needs the greedy responses' scores (baselines)")
-    returns = algos.discounted_returns(inputs.rewards, inputs.lengths, 1.0, inputs.mask)
+    returns = reward_to_go(inputs.rewards, inputs.lengths, inputs.mask)
     baseline = algos.expand_per_token(inputs.baselines.to(returns.dtype), inputs.lengths)
     return algos.Advantages(algos.masked(returns - baseline, inputs.mask), returns)
 
