@@ -38,8 +38,6 @@ from services import algos
 from services.algo_registry import PolicyLossInputs, PolicyLossOutput, PolicyLossParams, register_policy_loss
 
 GSPO_LOG_RATIO_CAP = 10.0  # verl's cap on log s_t, before exp
-GEO_MEAN_EPS = 1e-8  # verl's guard on a response's token count (an all-masked response has ratio 1)
-IS_WEIGHT_FLOOR = 1e-10  # verl's guard on log(weight) in geo_mean's geometric mean
 
 
 def token_share(per_token: torch.Tensor, inputs: PolicyLossInputs, params: PolicyLossParams) -> float:
@@ -124,12 +122,12 @@ def geo_mean(inputs: PolicyLossInputs, params: PolicyLossParams) -> PolicyLossOu
     sign = torch.sign(advantages)
     bounded = torch.clamp(log_ratio, -params.clip_ratio_low, params.clip_ratio_high)
     clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * bounded)
-    counts = algos.sequence_sums(trained(inputs).to(log_ratio.dtype), lengths) + GEO_MEAN_EPS
+    counts = algos.sequence_sums(trained(inputs).to(log_ratio.dtype), lengths).clamp(min=1)  # all-masked: ratio 1
     ratio = torch.exp(algos.sequence_sums(algos.masked(clipped_log_ratio, inputs.mask), lengths) / counts)
     sequence_advantage = algos.sequence_sums(algos.masked(advantages, inputs.mask), lengths) / counts
     per_sequence = -sequence_advantage * ratio
     if inputs.is_weights is not None:
-        log_weights = algos.masked(torch.log(inputs.is_weights.detach() + IS_WEIGHT_FLOOR), inputs.mask)
+        log_weights = algos.masked(torch.log(inputs.is_weights.detach()), inputs.mask)  # a weight 0: the response 0
         per_sequence = per_sequence * torch.exp(algos.sequence_sums(log_weights, lengths) / counts)
     loss = per_sequence.sum() / max(params.scale.num_sequences, 1)
     out_of_range = log_ratio != bounded
