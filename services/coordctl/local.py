@@ -112,9 +112,12 @@ def task_files(local: LocalConfig, cache: Path) -> tuple[Path, Path | None]:
 class LocalCluster:
     """The four services as subprocesses: ``start`` them, ``stop`` them."""
 
-    def __init__(self, state_dir: Path, services: tuple[ServiceSpec, ...] = ONE_OF_EACH, log_level: str = "info"):
-        """``services``: each service to start besides the coordinator."""
+    def __init__(self, state_dir: Path, services: tuple[ServiceSpec, ...] = ONE_OF_EACH, log_level: str = "info",
+                 coordinator_settings: tuple[str, ...] = ()):
+        """``services``: each service to start besides the coordinator; ``coordinator_settings``: its extra
+        key=value settings."""
         self.services = services
+        self.coordinator_settings = coordinator_settings
         self.state_dir = state_dir
         self.log_dir = state_dir / "logs"
         self.log_level = log_level
@@ -172,7 +175,8 @@ class LocalCluster:
         (``coordinator`` then holds its address); again, after it died, on the port it had (it resumes its
         active runs), its new /metrics port listed once ``wait_listening`` has seen it listen."""
         port = self.coordinator.rpartition(":")[2] or "0"
-        self._spawn("coordinator", "coordinator", f"port={port}", f"state_dir={self.state_dir}")
+        self._spawn("coordinator", "coordinator", f"port={port}", f"state_dir={self.state_dir}",
+                    *self.coordinator_settings)
         if not self.coordinator:
             self.coordinator = f"{self.coordinator_host()}:{self.wait_listening(timeout_s)['coordinator']}"
 

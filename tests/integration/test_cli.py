@@ -207,8 +207,9 @@ def test_a_run_that_is_not_there_is_named(cluster, command):
 
 def services_table(output: str) -> tuple[list[str], dict[str, dict[str, str]]]:
     """The header of `coordctl services` and its rows by kind, each a dict by column (cells are two or more spaces
-    apart; a cell holds single spaces at most: "0.4 s", "cuda:0 NVIDIA H200")."""
-    header, *lines = output.splitlines()
+    apart; a cell holds single spaces at most: "0.4 s", "cuda:0 NVIDIA H200"). The algorithms each service
+    registered follow the table after a blank line."""
+    header, *lines = output.partition("\n\n")[0].splitlines()
     columns = header.split()
     rows = [dict(zip(columns, re.split(r" {2,}", line.strip()), strict=True)) for line in lines]
     return columns, {row["KIND"]: row for row in rows}
@@ -248,8 +249,13 @@ def test_the_services_table_shows_each_services_host_gpu_version_and_weights_aft
         assert unit == "s" and 0 <= float(seen) < 5.0  # within the down window (1 s heartbeats, 5 missed)
     assert rows["trainer"]["WEIGHTS"] == rows["rollout"]["WEIGHTS"] == str(synced)
     assert rows["reward"]["WEIGHTS"] == "-"
-    header, *lines = listed.stdout.splitlines()
+    table, _, algorithms = listed.stdout.partition("\n\n")
+    header, *lines = table.splitlines()
     assert {line.index(" up ") + 1 for line in lines} == {header.index("STATE")}  # aligned under its header
+    estimators, losses = algorithms.splitlines()
+    assert estimators.startswith(f"advantage estimators (coordinator {cluster.coordinator}): gae, grpo, rloo, ")
+    assert losses == (f"policy losses (trainer {rows['trainer']['ADDRESS']}): vanilla, gspo, cispo, geo_mean, "
+                      "clip_cov, kl_cov, gpg")
 
 
 def test_a_verl_command_line_with_no_config_file_plans_a_run_on_meshrls_defaults_without_a_coordinator():
