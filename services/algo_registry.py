@@ -17,14 +17,13 @@ Choices, stated before the code:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
 from services.algos import LOSS_AGG_MODES, Advantages, LossScale
-from services.common.plugins import import_target
 
 
 
@@ -130,18 +129,20 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         """The entry of ``name``; ValueError naming the config key and every registered name otherwise."""
-        self._load_builtins()
+        self.load_builtins()
         if name not in self._entries:
             raise ValueError(f"{self.key}={name!r}: no {self.what} of that name is registered; registered: "
                              f"{', '.join(self.names())}")
         return self._entries[name]
 
     def names(self) -> tuple[str, ...]:
-        self._load_builtins()
+        self.load_builtins()
         return tuple(self._entries)
 
-    def _load_builtins(self) -> None:
-        importlib.import_module(self.builtins)  # registers them (once: later imports are cached)
+    def load_builtins(self) -> None:
+        """Register the built-ins (once: later imports are cached). A service does this before it imports its
+        users' modules, so that a user's module reusing a built-in's name is the one refused."""
+        importlib.import_module(self.builtins)
 
 
 def describe(fn: Callable) -> str:
@@ -177,12 +178,3 @@ def register_policy_loss(name: str, loss_agg_mode: str = "token-mean") -> Callab
         return fn
 
     return decorator
-
-
-def load_modules(targets: Sequence[str], setting: str) -> None:
-    """Import each user module (path/to/file.py or package.module) that registers algorithms, after the
-    built-ins (so that a clash of names is the user's module's); ValueError naming ``setting`` and the module where
-    one fails to import or reuses a registered name."""
-    ADV_ESTIMATORS.names(), POLICY_LOSSES.names()
-    for target in targets:
-        import_target(target, setting)

@@ -44,3 +44,10 @@ def load_named(ref: str, what: str, kind: str, accept: Callable[[Any], bool]) ->
     if not accept(found):
         raise ValueError(f"{what} {ref}: {target} has no {kind} {name!r}")
     return found
+
+
+def import_modules(targets: list[str], setting: str) -> None:
+    """Import each module ``setting`` names (path/to/file.py or package.module), for what importing it does (a
+    module of @register_... functions); ValueError naming ``setting``, the module and the error where one fails."""
+    for target in targets:
+        import_target(target, setting)

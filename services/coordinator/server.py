@@ -6,7 +6,8 @@ import time
 from pathlib import Path
 
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.algo_registry import ADV_ESTIMATORS, load_modules
+from services.algo_registry import ADV_ESTIMATORS
+from services.common.plugins import import_modules
 from services.common.service import PROTOCOL_VERSION
 from services.coordinator import telemetry
 from services.coordinator.config import CoordinatorServiceConfig
@@ -129,7 +130,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 def attach(server, config: CoordinatorServiceConfig, identity: common_pb2.ServiceIdentity) -> CoordinatorServicer:
     """The coordinator's servicer, offering the built-in advantage estimators and those its adv_estimator_modules
     register."""
-    load_modules(config.adv_estimator_modules, "adv_estimator_modules")
+    ADV_ESTIMATORS.load_builtins()  # first: a user's module reusing a built-in's name is the one refused
+    import_modules(config.adv_estimator_modules, "adv_estimator_modules")
     servicer = CoordinatorServicer(config)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     return servicer

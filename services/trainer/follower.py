@@ -13,7 +13,8 @@ import signal
 
 import structlog
 
-from services.algo_registry import load_modules
+from services.algo_registry import POLICY_LOSSES
+from services.common.plugins import import_modules
 from services.common.cli import log_config, parse_service_config
 from services.common.logging import configure_logging
 from services.trainer.config import TrainerServiceConfig
@@ -49,7 +50,8 @@ def main() -> None:
         torch.set_num_interop_threads(config.torch_threads)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
-    load_modules(config.policy_loss_modules, "policy_loss_modules")
+    POLICY_LOSSES.load_builtins()  # first: a user's module reusing a built-in's name is the one refused
+    import_modules(config.policy_loss_modules, "policy_loss_modules")
     ranks = join(config.device, config.collective_timeout_s)
     structlog.contextvars.bind_contextvars(rank=ranks.rank)
     follow(Worker(ranks))

@@ -26,7 +26,8 @@ from services.common.channel import ChannelTable, gpu_uuid
 from services.common.gloo_channel import prepare_gloo_rendezvous, rendezvous_host
 from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
-from services.algo_registry import POLICY_LOSSES, load_modules
+from services.algo_registry import POLICY_LOSSES
+from services.common.plugins import import_modules
 from services.common.limits import StreamLimits, check_wait
 from services.common.manifest import checkpoint_key
 from services.run.models import check_weights, refuse_pickled_weights
@@ -300,7 +301,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 def attach(server, config: TrainerServiceConfig, identity: common_pb2.ServiceIdentity) -> TrainerServicer:
     """Rank 0's servicer; under torchrun this first waits for the other ranks to join. It offers the built-in policy
     losses and those its policy_loss_modules register (listed in ``identity``)."""
-    load_modules(config.policy_loss_modules, "policy_loss_modules")
+    POLICY_LOSSES.load_builtins()  # first: a user's module reusing a built-in's name is the one refused
+    import_modules(config.policy_loss_modules, "policy_loss_modules")
     identity.policy_losses.extend(POLICY_LOSSES.names())
     servicer = TrainerServicer(config, identity, Worker(join(config.device, config.collective_timeout_s)))
     telemetry.watch_memory(servicer.worker.ranks.device)

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 import yaml
 
-from services.algo_registry import ADV_ESTIMATORS, POLICY_LOSSES, load_modules
+from services.algo_registry import ADV_ESTIMATORS, POLICY_LOSSES
+from services.common.plugins import import_modules
 from services.common.config import validate
 from services.coordctl.control import ServiceEntry
 from services.coordctl.tables import algorithm_lines
@@ -46,6 +47,7 @@ def test_an_unknown_name_is_refused_with_the_key_and_the_registered_names():
 
 
 def test_a_users_module_registers_by_path_and_a_clash_or_broken_module_is_refused(tmp_path):
+    ADV_ESTIMATORS.load_builtins(), POLICY_LOSSES.load_builtins()  # as a service does before its users' modules
     plugin = tmp_path / "my_algos.py"
     plugin.write_text(textwrap.dedent("""
         from services.algo_registry import register_adv_est, register_policy_loss
@@ -60,7 +62,7 @@ def test_a_users_module_registers_by_path_and_a_clash_or_broken_module_is_refuse
         def gpg_sum(inputs, params):
             return gpg(inputs, params)
     """))
-    load_modules([str(plugin)], "adv_estimator_modules")
+    import_modules([str(plugin)], "adv_estimator_modules")
     assert "test_registry_twice_grpo" in ADV_ESTIMATORS.names()
     assert POLICY_LOSSES.get("test_registry_gpg_sum").loss_agg_mode == "seq-mean-token-sum"
 
@@ -68,9 +70,9 @@ def test_a_users_module_registers_by_path_and_a_clash_or_broken_module_is_refuse
     clash.write_text("from services.algo_registry import register_policy_loss\n"
                      "@register_policy_loss('gspo')\ndef mine(inputs, params):\n    return None\n")
     with pytest.raises(ValueError, match=r"policy_loss_modules .*clash\.py.*'gspo' is registered already"):
-        load_modules([str(clash)], "policy_loss_modules")
+        import_modules([str(clash)], "policy_loss_modules")
     with pytest.raises(ValueError, match=r"adv_estimator_modules .*missing\.py failed to import.*no such file"):
-        load_modules([str(tmp_path / "missing.py")], "adv_estimator_modules")
+        import_modules([str(tmp_path / "missing.py")], "adv_estimator_modules")
     with pytest.raises(ValueError, match="loss_agg_mode 'token-sum' is not one of"):
         from services.algo_registry import register_policy_loss
 
