@@ -6,6 +6,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 import yaml
 
 from services.algo_registry import ADV_ESTIMATORS, POLICY_LOSSES
@@ -21,11 +22,14 @@ BUILT_IN_ESTIMATORS = {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_
 BUILT_IN_LOSSES = {"vanilla", "gspo", "cispo", "geo_mean", "clip_cov", "kl_cov", "gpg"}
 
 
-def run_config(estimator: str = "grpo", loss: str = "vanilla") -> RunConfig:
+def run_config(estimator: str = "grpo", loss: str = "vanilla", loss_agg_mode: str | None = None) -> RunConfig:
     return validate(RunConfig, yaml.safe_load(f"""
         data: {{train_files: [x.jsonl]}}
         algorithm: {{adv_estimator: {estimator}}}
-        actor_rollout_ref: {{model: {{path: m}}, rollout: {{n: 2}}, actor: {{policy_loss: {{loss_mode: {loss}}}}}}}
+        actor_rollout_ref:
+          model: {{path: m}}
+          rollout: {{n: 2}}
+          actor: {{policy_loss: {{loss_mode: {loss}}}, loss_agg_mode: {loss_agg_mode or 'null'}}}
     """))
 
 
@@ -105,3 +109,15 @@ def test_coordctl_services_lists_what_each_service_registered():
                            service_id="r")
     assert algorithm_lines("h:1", ["grpo", "opo"], [rollout, trainer]) == [
         "advantage estimators (coordinator h:1): grpo, opo", "policy losses (trainer h:2): vanilla, gspo"]
+
+
+def test_the_trainer_resolves_the_losss_own_aggregation_unless_the_run_names_one():
+    from services.trainer.settings import actor_settings
+
+    cpu = torch.device("cpu")
+    assert actor_settings(run_config(loss="gspo"), cpu).loss_agg_mode == "seq-mean-token-mean"
+    assert actor_settings(run_config(loss="cispo"), cpu).loss_agg_mode == "token-mean"
+    settings = actor_settings(run_config(loss="gspo", loss_agg_mode="seq-mean-token-sum-norm"), cpu)
+    assert (settings.loss_mode, settings.loss_agg_mode) == ("gspo", "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match=r"loss_mode='mine': no policy loss of that name is registered"):
+        actor_settings(run_config(loss="mine"), cpu)
