@@ -1,4 +1,5 @@
-"""The PPO loop of one run (GAE with a critic, GRPO, RLOO, REINFORCE++), driven by the coordinator.
+"""The PPO loop of one run (with a critic and GAE, or any estimator the coordinator registered), driven by the
+coordinator.
 
 Choices:
 - The rollout engines, the trainer roles (actor, critic, reference) and the
@@ -11,7 +12,8 @@ Choices:
   update that is one optimizer step over the batch takes its own, and reports
   their mismatch with the rollout's), reference logprobs and values,
   concurrently -> token rewards
-  (minus the KL penalty when it goes into the reward) -> advantages ->
+  (minus the KL penalty when it goes into the reward) -> advantages (the run's estimator, by its name in
+  ``algo_registry``; remax's greedy responses are generated and scored beside the samples) ->
   critic and actor updates, concurrently -> weight sync trainer -> every
   rollout -> metrics. ``train`` reads as those stages, one call each.
 - Before the first step the run loads its roles everywhere, opens the weight
