@@ -193,8 +193,13 @@ def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
 def check_algorithms_registered(config: RunConfig, trainer_losses: Mapping[str, Sequence[str]]) -> None:
     """Refuse a run whose advantage estimator this coordinator has not registered, or whose policy loss one of the
     actor's trainers (address -> the losses it registered) has not: ValueError naming the key and the names that
-    are registered. A trainer that registered none (too old to say) is not asked; it refuses the run itself."""
-    ADV_ESTIMATORS.get(config.algorithm.adv_estimator)
+    are registered. A trainer that registered none (too old to say) is not asked; it refuses the run itself. An
+    estimator that needs greedy baselines (remax) is refused on multi-turn runs: they are generated one turn."""
+    estimator = ADV_ESTIMATORS.get(config.algorithm.adv_estimator)
+    if estimator.greedy_baseline and config.actor_rollout_ref.rollout.multi_turn.enable:
+        raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} compares each response with one "
+                         "greedy single-turn response to its prompt; it cannot run with "
+                         "actor_rollout_ref.rollout.multi_turn.enable")
     mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
     for address, losses in sorted(trainer_losses.items()):
         if losses and mode not in losses:

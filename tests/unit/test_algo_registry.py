@@ -92,9 +92,13 @@ def test_start_run_check_names_the_estimator_and_each_trainers_losses():
         check_algorithms_registered(run_config(loss="cispo"), {"t:1": ("vanilla", "gspo")})
 
 
-def test_remax_runs_generate_greedy_baselines():
+def test_remax_runs_generate_greedy_baselines_and_not_on_multi_turn_runs():
     assert loop_settings(run_config("remax")).estimator.greedy_baseline
     assert not loop_settings(run_config("grpo")).estimator.greedy_baseline
+    multi_turn = run_config("remax").model_dump()
+    multi_turn["actor_rollout_ref"]["rollout"]["multi_turn"]["enable"] = True
+    with pytest.raises(ValueError, match=r"adv_estimator=remax .*rollout\.multi_turn\.enable"):
+        check_algorithms_registered(validate(RunConfig, multi_turn), {})
 
 
 def test_a_name_that_could_name_code_is_refused_by_the_run_config():
