@@ -452,10 +452,17 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return -(log_probs.exp() * log_probs).sum(-1)
 
 
-def sequence_nll(logprobs: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
-    """Supervised loss: mean negative log-likelihood of the target tokens. [T] -> scalar."""
-    divisor = num_tokens if num_tokens is not None else logprobs.numel()
-    return -logprobs.sum() / divisor
+def sequence_nll(logprobs: torch.Tensor, num_tokens: int | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Supervised loss: mean negative log-likelihood of the target tokens. [T] -> scalar.
+
+    ``mask`` ([T] bool): only its tokens are targets (a tool's reply inside a multi-turn response is not); the
+    divisor is ``num_tokens`` (the whole batch's targets, when this is one micro-batch of it), else their count.
+    """
+    if mask is not None:
+        logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
+    divisor = num_tokens if num_tokens is not None else (logprobs.numel() if mask is None else int(mask.sum()))
+    return -logprobs.sum() / max(divisor, 1)
 
 
 # ---------------------------------------------------------------- optimisation

@@ -215,17 +215,20 @@ class Actor:
         return stats, logprobs.detach()
 
     def train_supervised(self, batch: SequenceBatch, micro: MicroBatching) -> dict[str, float]:
-        """One step of next-token NLL on the response tokens (the warm start), with its own optimizer."""
+        """One step of next-token NLL on the response tokens the loss mask keeps (all, without one: the warm
+        start's tool replies carry none), with its own optimizer."""
         self.model.train()
-        num_tokens = batch.num_response_tokens
+        num_tokens = int(batch.trained().sum())
         rows = torch.arange(len(batch))
         plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, micro)
         total = 0.0
         with self.warm_start.resident():
             for part, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
-                logprobs, _ = response_logprobs(self.model, batch.select(part), self.pad_id, 1.0, False,
+                chosen = batch.select(part)
+                logprobs, _ = response_logprobs(self.model, chosen, self.pad_id, 1.0, False,
                                                 self.ranks.device, micro.remove_padding, micro.chunk_tokens)
-                loss = algos.sequence_nll(logprobs, num_tokens)
+                mask = None if chosen.loss_mask is None else chosen.loss_mask.to(logprobs.device)
+                loss = algos.sequence_nll(logprobs, num_tokens, mask)
                 ((self.ranks.grad_scale if real else 0.0) * loss).backward()
                 total += float(loss.detach()) if real else 0.0
             total = self.ranks.sum_metrics({"warm_start/loss": total})["warm_start/loss"]

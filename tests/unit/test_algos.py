@@ -1225,3 +1225,13 @@ def test_sequence_nll():
     # two micro-batches with the whole count sum to the full-batch value
     halves = algos.sequence_nll(lp[:1], num_tokens=3) + algos.sequence_nll(lp[1:], num_tokens=3)
     assert halves.item() == pytest.approx(2.0)
+
+
+def test_sequence_nll_with_a_loss_mask_counts_only_the_kept_tokens():
+    lp = torch.tensor([-1.0, -2.0, -3.0, -6.0], requires_grad=True)
+    mask = torch.tensor([True, False, True, False])
+    loss = algos.sequence_nll(lp, mask=mask)
+    assert loss.item() == pytest.approx(2.0)  # (1 + 3) / 2
+    loss.backward()
+    assert lp.grad.tolist() == [-0.5, 0.0, -0.5, 0.0]  # a masked token's gradient is exactly zero
+    assert algos.sequence_nll(lp, num_tokens=4, mask=mask).item() == pytest.approx(1.0)  # 4 / the batch's 4

@@ -150,6 +150,40 @@ def test_the_warm_start_follows_its_own_schedule(model_path):
     assert actor.optimizer.lr == pytest.approx(1e-3 / 4)  # the RL update's warm-up has not begun
 
 
+def test_the_warm_start_trains_only_the_tokens_the_loss_mask_keeps(model_path):
+    """A warm start step over two micro-batches with a loss mask (a tool reply's tokens inside responses, and at
+    the end of some): its loss is the NLL of the kept tokens alone, computed here by hand, and so is its gradient
+    (the same norm); masked tokens at a response's end, which nothing kept reads, can be anything: the step gives
+    the same weights."""
+    _, batch, _ = tiny_case(model_path)
+    mask = torch.ones(batch.num_response_tokens, dtype=torch.bool)
+    # responses of 7, 1, 4, 6, 3, 5 tokens (rows at 0, 7, 8, 12, 18, 21): inside rows 0 and 3, the ends of 1, 2, 5
+    mask[[2, 3, 4, 7, 10, 11, 13, 14, 24, 25]] = False
+    masked = replace(batch, loss_mask=mask)
+
+    reference = load_causal_lm(model_path).double()
+    logprobs, _ = response_logprobs(reference, masked, 0, 1.0, False, torch.device("cpu"))
+    hand_loss = -logprobs[mask].sum() / mask.sum()
+    hand_loss.backward()
+    hand_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+
+    def stepped(tails: SequenceBatch) -> tuple[dict[str, float], list[torch.Tensor]]:
+        actor = Actor(load_causal_lm(model_path).double(), OPTIM, WARM_START, pad_id=0, seed=0)
+        metrics = actor.train_supervised(tails, settings("token-mean", 2).micro)
+        return metrics, [p.detach().clone() for p in actor.model.parameters()]
+
+    metrics, weights = stepped(masked)
+    assert metrics["warm_start/loss"] == pytest.approx(float(hand_loss.detach()), rel=1e-9)
+    assert metrics["warm_start/grad_norm"] == pytest.approx(float(hand_norm), rel=1e-9)
+    other_tails = masked.response_ids.clone()
+    other_tails[[7, 10, 11, 24, 25]] += 1  # the masked ends of rows 1, 2 and 5
+    _, same = stepped(replace(masked, response_ids=other_tails))
+    for before, after in zip(weights, same):
+        assert torch.equal(before, after)
+    _, unmasked = stepped(batch)
+    assert not all(torch.equal(a, b) for a, b in zip(weights, unmasked))
+
+
 # ---------------------------------------------------------------------------
 # one optimizer step without old logprobs (actor.recompute_old_log_prob)
 
