@@ -5,6 +5,13 @@ Face model directory (``config.json``, ``model.safetensors``,
 ``tokenizer.json``). The tokenizer maps each character to one token and back,
 exactly: ``decode(encode(s)) == s`` for every string over its alphabet, spaces
 included (checked when the folder is built).
+
+The chat variant (``chat=True``) is the same idea for multi-turn runs with tools: its alphabet also holds what
+a Hermes tool call needs (braces, quotes, brackets, newline, ...), ChatML's ``<|im_start|>`` and
+``<|im_end|>`` and Qwen2.5's ``<tool_call>``, ``</tool_call>``, ``<tool_response>``, ``</tool_response>`` are
+one token each, ``<|im_end|>`` is the EOS (a turn ends there), and its chat template is ChatML as Qwen2.5
+writes it, tools and tool replies included, but with the tools named in one short line (a character model's
+prompt must stay small).
 """
 
 from __future__ import annotations
@@ -17,6 +24,28 @@ from pathlib import Path
 
 ALPHABET = string.digits + string.ascii_letters + " =+-*/#.,:?!()"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+CHAT_ALPHABET = ALPHABET + "{}[]\"'_<>;|\n"
+CHAT_SPECIAL_TOKENS = ("<pad>", "<|im_end|>", "<unk>", "<|im_start|>")
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+"""Single tokens of the chat variant that decoding keeps (as Qwen2.5's are): the tool-call parser reads them."""
+
+# ChatML as Qwen2.5 renders it, tools in one line ("Tools: lookup(key) other(a,b)") instead of their JSON schemas;
+# consecutive tool replies share one user turn, each in its own <tool_response> block, as Qwen2.5's do.
+CHAT_TEMPLATE = (  # every literal in {{ }}: the chat template renders with trim_blocks, which eats "\n" after a tag
+    "{%- if tools %}{{ '<|im_start|>system\\nTools:' }}"
+    "{%- for tool in tools %}{%- set function = tool.function if tool.function is defined else tool %}"
+    "{{ ' ' + function.name + '(' + ((function.parameters.properties if function.parameters is defined else {})"
+    " | list | join(',')) + ')' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def build_char_tokenizer():
@@ -32,6 +61,25 @@ def build_char_tokenizer():
         tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
         clean_up_tokenization_spaces=False,
     )
+
+
+def build_chat_tokenizer():
+    """The chat variant: one token per character of CHAT_ALPHABET (newline included), ChatML's special tokens and
+    the tool tokens, ``<|im_end|>`` as EOS, and CHAT_TEMPLATE."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(CHAT_SPECIAL_TOKENS + TOOL_TOKENS + tuple(CHAT_ALPHABET))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_tokens([AddedToken(token, special=False, normalized=False) for token in TOOL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"], clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def check_round_trip(tokenizer, text: str = ALPHABET) -> None:
@@ -51,15 +99,19 @@ QWEN25_SHAPES = {
 }
 
 
-def build_tiny_model(folder: Path, hidden_size: int, num_layers: int, num_heads: int, seed: int) -> Path:
-    """Write a tiny random-init Qwen2 model and its tokenizer into ``folder`` (atomically); return it."""
+def build_tiny_model(folder: Path, hidden_size: int, num_layers: int, num_heads: int, seed: int,
+                     chat: bool = False) -> Path:
+    """Write a tiny random-init Qwen2 model and its tokenizer (the chat variant's with ``chat``) into ``folder``
+    (atomically); return it."""
     shape = dict(hidden_size=hidden_size, intermediate_size=hidden_size * 4, num_hidden_layers=num_layers,
-                 num_attention_heads=num_heads, num_key_value_heads=num_heads, max_position_embeddings=256)
-    return build_random_model(folder, shape, "float32", seed)
+                 num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                 max_position_embeddings=1024 if chat else 256)  # a conversation with tools is longer
+    return build_random_model(folder, shape, "float32", seed, chat)
 
 
-def build_random_model(folder: Path, shape: dict, dtype: str, seed: int) -> Path:
-    """Write a random-init Qwen2 model of the given shape, with the character tokenizer, into ``folder``.
+def build_random_model(folder: Path, shape: dict, dtype: str, seed: int, chat: bool = False) -> Path:
+    """Write a random-init Qwen2 model of the given shape, with the character tokenizer (the chat variant's with
+    ``chat``), into ``folder``.
 
     A vocabulary larger than the tokenizer's is allowed (its extra ids are never produced by the tokenizer).
     """
@@ -68,7 +120,7 @@ def build_random_model(folder: Path, shape: dict, dtype: str, seed: int) -> Path
 
     from services.run.models import load_tokenizer
 
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_chat_tokenizer() if chat else build_char_tokenizer()
     config = Qwen2Config(**{
         "vocab_size": len(tokenizer), "tie_word_embeddings": True, "max_position_embeddings": 4096,
         **shape,
@@ -81,8 +133,9 @@ def build_random_model(folder: Path, shape: dict, dtype: str, seed: int) -> Path
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    check_round_trip(load_tokenizer(staging))
-    (staging / "meshrl_random_model.json").write_text(json.dumps({"seed": seed, "dtype": dtype, **shape}))
+    check_round_trip(load_tokenizer(staging), CHAT_ALPHABET if chat else ALPHABET)
+    (staging / "meshrl_random_model.json").write_text(json.dumps({"seed": seed, "dtype": dtype, **shape,
+                                                                  **({"chat": True} if chat else {})}))
     if folder.exists():
         shutil.rmtree(folder)
     staging.rename(folder)
