@@ -27,6 +27,10 @@ class TinyModelConfig(Section):
     """Attention heads; must divide hidden_size."""
     seed: int = 0
     """Seed of the random initialisation (the same seed and shape give the same weights)."""
+    chat: bool = False
+    """The chat variant, for multi-turn runs with tools: its characters also cover tool calls' JSON, ChatML's
+    <|im_start|> and <|im_end|> (the EOS) and Qwen2.5's <tool_call> and <tool_response> tags are one token each,
+    and its chat template is Qwen2.5's ChatML with the tools named in one short line."""
 
     @pydantic.model_validator(mode="after")
     def _heads_divide_width(self) -> TinyModelConfig:
@@ -72,6 +76,15 @@ class ArithmeticTaskConfig(TaskConfig):
     """Largest number a problem starts with or adds."""
 
 
+class LookupTaskConfig(TaskConfig):
+    """Look up a key's code with a tool: "code of QX?" is answered by the 4 digits the lookup tool
+    (examples/local_tools/lookup.py) gives for QX, a keyed hash no prompt gives away. Each row carries the worked
+    trajectory (tool call, tool reply, answer) that a warm start teaches; held-out keys are never trained on."""
+
+    key_letters: PositiveInt = 2
+    """Capital letters of a key (2: 676 keys, of which held_out_share are held out)."""
+
+
 class LocalService(Section):
     """One service that --local starts, where local.services lists several of a kind."""
 
@@ -87,17 +100,21 @@ class LocalConfig(Section):
 
     tiny_model: TinyModelConfig = TinyModelConfig()
     """Used when actor_rollout_ref.model.path is empty."""
-    task: Literal["reverse", "arithmetic"] = "reverse"
+    task: Literal["reverse", "arithmetic", "lookup"] = "reverse"
     """The synthetic task generated when data.train_files is empty (and its held-out part when data.val_files
-    is empty too): synthetic_task (reverse digit strings) or arithmetic_task."""
+    is empty too): synthetic_task (reverse digit strings), arithmetic_task or lookup_task (a multi-turn task
+    with a tool: a tiny model built for it must be the chat variant)."""
     synthetic_task: SyntheticTaskConfig = SyntheticTaskConfig()
     """The digit-reversal task."""
     arithmetic_task: ArithmeticTaskConfig = ArithmeticTaskConfig()
     """The arithmetic word problems."""
-    services: dict[Literal["trainer", "rollout", "reward"], list[str] | list[LocalService]] = {}
+    lookup_task: LookupTaskConfig = LookupTaskConfig()
+    """The key lookup with a tool."""
+    services: dict[Literal["trainer", "rollout", "reward", "env"], list[str] | list[LocalService]] = {}
     """key=value settings of the services started, by kind, e.g. {rollout: [engine=vllm, device=cuda]} on a GPU
     machine (python -m services.<kind> --help lists them); or a list of {settings, env}, one service each, e.g.
-    a rollout on each GPU (examples/every_gpu_generating.yaml)."""
+    a rollout on each GPU (examples/every_gpu_generating.yaml). An env service is started only for a run with
+    actor_rollout_ref.rollout.multi_turn.enable."""
 
     def launches(self, kind: str) -> list[LocalService]:
         """The services of ``kind`` to start: one per entry of local.services' list of {settings, env}, or one

@@ -1,5 +1,6 @@
-"""The synthetic tasks of ``--local``: reverse a string of digits (the default), or multi-step arithmetic
-written as word problems and answered GSM8K's way (the GPU example).
+"""The synthetic tasks of ``--local``: reverse a string of digits (the default), multi-step arithmetic
+written as word problems and answered GSM8K's way (the GPU example), or look up the code of a key with a tool
+(the multi-turn example, examples/local_tools.yaml).
 
 Rows follow verl's data schema (``data_source``, ``prompt`` as chat messages,
 ``ability``, ``reward_model.ground_truth``, ``extra_info``), so the task goes
@@ -12,12 +13,17 @@ from __future__ import annotations
 
 import json
 import random
+import string
 import zlib
 from pathlib import Path
 from typing import Any
 
 DATA_SOURCE = "meshrl/reverse"
 ARITHMETIC_SOURCE = "meshrl/arithmetic"  # scored by the GSM8K rule: the number after the last "#### "
+LOOKUP_SOURCE = "meshrl/lookup"  # scored by exact match of the final answer
+LOOKUP_SALT = "meshrl-lookup"
+"""The key of the lookup task's hash; examples/local_tools/tools.yaml gives its tool the same salt."""
+LOOKUP_TOOL = "lookup"
 NAMES = ("Ann", "Ben", "Cal", "Dan", "Eva", "Fay", "Gus", "Ivy", "Joe", "Kim", "Leo", "Mia", "Ned", "Ola", "Pam")
 ITEMS = ("apples", "books", "coins", "cards", "eggs", "pens", "shells", "stamps", "balls", "cups")
 
@@ -98,6 +104,44 @@ def arithmetic_task_rows(count: int, min_steps: int, max_steps: int, largest: in
             "ability": "arithmetic",
             "reward_model": {"style": "rule", "ground_truth": str(value)},
             "extra_info": {"split": split, "index": len(rows), "answer": answer},
+        })
+    return rows
+
+
+def lookup_code(key: str, salt: str = LOOKUP_SALT) -> str:
+    """The code of ``key``: a keyed hash, four digits, that nothing in the prompt gives away."""
+    return f"{zlib.crc32((salt + key).encode()) % 10_000:04d}"
+
+
+def lookup_call(key: str) -> str:
+    """The model's turn that asks the lookup tool for ``key``'s code (a Hermes tool call, compact JSON)."""
+    call = json.dumps({"name": LOOKUP_TOOL, "arguments": {"key": key}}, separators=(",", ":"))
+    return f"<tool_call>{call}</tool_call>"
+
+
+def lookup_task_rows(count: int, key_letters: int, seed: int, split: str = "train",
+                     held_out_share: float = 0.0) -> list[dict]:
+    """``count`` prompts "code of KEY?" (KEY: ``key_letters`` capital letters) whose answer is ``lookup_code(KEY)``,
+    which only the lookup tool knows. ``extra_info.turns`` is the worked trajectory after the prompt, as chat
+    messages, that a warm start teaches: the tool call, the tool's reply, the answer. With ``held_out_share``,
+    the train split draws only keys outside the held-out share and the test split only keys in it."""
+    if split == "test" and held_out_share <= 0:
+        raise ValueError("a test split needs a held-out share of the keys")
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    while len(rows) < count:
+        key = "".join(rng.choice(string.ascii_uppercase) for _ in range(key_letters))
+        if held_out_share > 0 and held_out(key, held_out_share) != (split == "test"):
+            continue
+        code = lookup_code(key)
+        turns = [{"role": "assistant", "content": lookup_call(key)}, {"role": "tool", "content": code},
+                 {"role": "assistant", "content": code}]
+        rows.append({
+            "data_source": LOOKUP_SOURCE,
+            "prompt": [{"role": "user", "content": f"code of {key}?"}],
+            "ability": "tool",
+            "reward_model": {"style": "rule", "ground_truth": code},
+            "extra_info": {"split": split, "index": len(rows), "turns": turns},
         })
     return rows
 

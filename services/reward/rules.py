@@ -14,6 +14,8 @@ rule that judges answers reads as the response's answer (verl's ``pred``), and s
 - ``meshrl/reverse`` (the synthetic task of the local default) gives partial
   credit: the share of positions where the response matches the expected
   string, over the longer of the two lengths.
+- ``meshrl/lookup`` (the tool-use task of the local multi-turn example) is
+  scored by exact match (below): the final answer must be the key's code.
 - MATH (``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,
   ``HuggingFaceH4/MATH-500``, ``math``) follows verl's rule: the answer is the
   last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; also ``\\boxed 5``)
@@ -223,9 +225,14 @@ def math_score(solution_str: str, ground_truth: str) -> float:
 # exact match and format
 
 
+def exact_match_answer(solution_str: str) -> str:
+    """The response stripped, its whitespace runs collapsed to one space: what exact match compares."""
+    return " ".join(solution_str.split())
+
+
 def exact_match_score(solution_str: str, ground_truth: str) -> float:
     """1.0 if equal after stripping and collapsing whitespace runs to one space (case-sensitive), else 0.0."""
-    return 1.0 if " ".join(solution_str.split()) == " ".join(ground_truth.split()) else 0.0
+    return 1.0 if exact_match_answer(solution_str) == exact_match_answer(ground_truth) else 0.0
 
 
 def format_score(
@@ -246,6 +253,7 @@ SCORERS: dict[str, Callable[[str, str], float]] = {
     "gsm8k": gsm8k_score,
     "meshrl/arithmetic": gsm8k_score,
     "meshrl/reverse": reverse_score,
+    "meshrl/lookup": exact_match_score,
     "lighteval/MATH": math_score,
     "DigitalLearningGmbH/MATH-lighteval": math_score,
     "HuggingFaceH4/MATH-500": math_score,
@@ -268,11 +276,12 @@ ANSWERS: dict[str, Callable[[str], str | None]] = {
     "gsm8k": extract_gsm8k_answer,
     "meshrl/arithmetic": extract_gsm8k_answer,
     "meshrl/reverse": str.strip,
+    "meshrl/lookup": exact_match_answer,
     "lighteval/MATH": math_answer,
     "DigitalLearningGmbH/MATH-lighteval": math_answer,
     "HuggingFaceH4/MATH-500": math_answer,
     "math": math_answer,
-    "exact_match": lambda solution_str: " ".join(solution_str.split()),
+    "exact_match": exact_match_answer,
 }
 
 
