@@ -181,9 +181,9 @@ def start_run(
             config, data = checked(config)
         if local:  # the coordinator will run here, with this Python
             check_loggers_installed(config.trainer.logger)
+        services = local_services(local_config, config) if local_config is not None else None
     except (ConfigError, ValueError) as error:
         raise fail(f"bad config: {error}")
-    services = local_services(local_config, config) if local_config is not None else None
     if dry_run:
         typer.echo(plan(config, data, services, coordinator))
         return

@@ -39,9 +39,9 @@ from pathlib import Path
 
 from services.common.auth import cluster_token, write_token
 from services.run.config import RunConfig
-from services.coordctl.config import LocalConfig
+from services.coordctl.config import LocalConfig, TaskConfig
 from services.coordctl.control import CoordinatorClient
-from services.coordctl.synthetic import arithmetic_task_rows, reverse_task_rows, write_jsonl
+from services.coordctl.synthetic import arithmetic_task_rows, lookup_task_rows, reverse_task_rows, write_jsonl
 from services.coordctl.tiny_model import build_tiny_model
 
 @dataclass(frozen=True)
@@ -70,10 +70,13 @@ def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[s
     overrides = []
     tiny = local.tiny_model
     if not config.actor_rollout_ref.model.path:
-        folder = (cache / "models"
-                  / f"tiny-qwen2-char-h{tiny.hidden_size}-l{tiny.num_layers}-a{tiny.num_heads}-s{tiny.seed}")
+        if local.task == "lookup" and not tiny.chat:
+            raise ValueError("local.task lookup needs local.tiny_model.chat: true (its tool calls need the chat "
+                             "vocabulary and template)")
+        folder = (cache / "models" / (f"tiny-qwen2-char-h{tiny.hidden_size}-l{tiny.num_layers}-a{tiny.num_heads}"
+                                      f"-s{tiny.seed}{'-chat' if tiny.chat else ''}"))
         if not (folder / "config.json").exists():
-            build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed)
+            build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed, tiny.chat)
         overrides.append(f"actor_rollout_ref.model.path={folder}")
     if not config.data.train_files:
         train, test = task_files(local, cache)
@@ -85,7 +88,14 @@ def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[s
 
 def task_files(local: LocalConfig, cache: Path) -> tuple[Path, Path | None]:
     """The training and held-out files of the local task (None: no held-out rows), built if missing."""
-    if local.task == "arithmetic":
+    task: TaskConfig
+    if local.task == "lookup":
+        task = local.lookup_task
+        name = f"lookup-k{task.key_letters}-s{task.seed}-h{task.held_out_share:g}"
+
+        def rows(count: int, seed: int, split: str) -> list[dict]:
+            return lookup_task_rows(count, task.key_letters, seed, split, task.held_out_share)
+    elif local.task == "arithmetic":
         task = local.arithmetic_task
         name = f"arithmetic-s{task.min_steps}-{task.max_steps}-n{task.largest}-s{task.seed}-h{task.held_out_share:g}"
 

@@ -91,14 +91,18 @@ def checked(config: RunConfig) -> tuple[RunConfig, RunData]:
 
 
 def local_services(local: LocalConfig, config: RunConfig) -> tuple:
-    """The ServiceSpecs --local starts: local.services' settings, and the rollout's vLLM settings verl's keys
-    give (rollout.gpu_memory_utilization, tensor_model_parallel_size) when the run asks for vLLM."""
+    """The ServiceSpecs --local starts: local.services' settings, the rollout's vLLM settings verl's keys give
+    (rollout.gpu_memory_utilization, tensor_model_parallel_size) when the run asks for vLLM, and for a multi-turn
+    run an env service hosting its tools (``env_settings``); ValueError naming the key if its tool config is
+    missing."""
     from services.coordctl.local import ServiceSpec
 
     rollout, specs = config.actor_rollout_ref.rollout, []
-    for kind in ("trainer", "rollout", "reward"):
+    kinds = ("trainer", "rollout", "reward", *(("env",) if rollout.multi_turn.enable else ()))
+    for kind in kinds:
         for launch in local.launches(kind):
-            settings = list(launch.settings)
+            settings = env_settings(config) if kind == "env" else []
+            settings += list(launch.settings)
             for key, value in (("gpu_memory_utilization", rollout.gpu_memory_utilization),
                                ("tensor_parallel_size", rollout.tensor_model_parallel_size)):
                 if (kind == "rollout" and rollout.name == "vllm" and value is not None
@@ -106,6 +110,20 @@ def local_services(local: LocalConfig, config: RunConfig) -> tuple:
                     settings.append(f"{key}={value}")
             specs.append(ServiceSpec(kind, settings=tuple(settings), env=tuple(sorted(launch.env.items()))))
     return tuple(specs)
+
+
+def env_settings(config: RunConfig) -> list[str]:
+    """The settings of the env service --local starts for a multi-turn run: it hosts the environment that
+    multi_turn.environment names, with the tools of multi_turn.tool_config_path (as an absolute path; ValueError
+    naming the key and the file if there is none there)."""
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+    if multi_turn.tool_config_path is None:
+        raise ValueError(f"{key}: a multi-turn run started with --local needs a tool config for its env service")
+    path = Path(multi_turn.tool_config_path).resolve()
+    if not path.is_file():
+        raise ValueError(f"{key}: no tool config file at {path}")
+    return [f"environments.{multi_turn.environment}.tool_config_path={path}"]
 
 
 def plan(config: RunConfig, data: RunData | None, services: tuple | None, coordinator: str) -> str:

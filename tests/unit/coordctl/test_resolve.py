@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from services.common.config import ConfigError, validate
 from services.run.config import RunConfig
+from services.coordctl.cli import app
 from services.coordctl.config import LocalConfig
 from services.coordctl.local import ServiceSpec
 from services.coordctl.resolve import hydra_config_file, local_services, resolve_config
@@ -84,3 +86,35 @@ def test_a_config_name_that_is_not_there_names_the_file_it_looked_for(tmp_path):
     with pytest.raises(ConfigError, match=f"--config-path {tmp_path} names the folder of a --config-name"):
         hydra_config_file(str(tmp_path), None)
     assert hydra_config_file(None, None) is None
+
+
+def test_the_local_tools_example_starts_an_env_service_hosting_its_tool_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHRL_CACHE", str(tmp_path))
+    monkeypatch.chdir(EXAMPLES.parent)
+    config, local = resolve_config(["examples/local_tools.yaml", "local.lookup_task.rows=100"], local=True)
+    assert config.actor_rollout_ref.rollout.multi_turn.enable and local.task == "lookup" and local.tiny_model.chat
+    tool_config = EXAMPLES / "local_tools" / "tools.yaml"
+    assert local_services(local, config) == (
+        ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"),
+        ServiceSpec("env", settings=(f"environments.tools.tool_config_path={tool_config}",)))
+    # an environment of another name, and the env service's own settings from local.services.env
+    other = validate(RunConfig, {"actor_rollout_ref": {"rollout": {"multi_turn": {
+        "enable": True, "tool_config_path": str(tool_config), "environment": "lookup"}}}})
+    own = validate(LocalConfig, {"services": {"env": ["workers=2"]}}, "local")
+    assert local_services(own, other)[-1] == ServiceSpec("env", settings=(
+        f"environments.lookup.tool_config_path={tool_config}", "workers=2"))
+    assert [spec.kind for spec in local_services(own, RunConfig())] == ["trainer", "rollout", "reward"]
+
+
+def test_a_multi_turn_run_without_its_tool_config_file_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHRL_CACHE", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["start-run", "--local", "--dry-run", str(EXAMPLES / "local_tools.yaml"),
+                                      "local.lookup_task.rows=100"])
+    assert result.exit_code == 2
+    assert ("actor_rollout_ref.rollout.multi_turn.tool_config_path: no tool config file at "
+            f"{tmp_path / 'examples' / 'local_tools' / 'tools.yaml'}") in result.output
+    assert not (tmp_path / "meshrl-runs").exists()
+    none = validate(RunConfig, {"actor_rollout_ref": {"rollout": {"multi_turn": {"enable": True}}}})
+    with pytest.raises(ValueError, match=r"multi_turn\.tool_config_path: a multi-turn run started with --local"):
+        local_services(LocalConfig(), none)
