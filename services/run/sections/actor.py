@@ -16,7 +16,9 @@ from services.run.sections.optim import OptimConfig
 class WarmStartConfig(Section):
     steps: int = Field(0, ge=0)
     """Supervised steps before RL (0 = none), a stand-in for an SFT model: each response taught is the row's
-    worked solution, extra_info.answer (as verl's GSM8K preprocessing keeps it), else its ground truth."""
+    worked solution, extra_info.answer (as verl's GSM8K preprocessing keeps it), else its ground truth; a row
+    with extra_info.turns (a worked multi-turn trajectory: assistant and tool messages) is taught as the agent
+    loop would build it, the tool replies untrained."""
     batch_size: PositiveInt = 64
     """Prompts per supervised step."""
     lr: PositiveFloat = 3e-3
