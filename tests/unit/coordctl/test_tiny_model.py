@@ -20,11 +20,21 @@ TOOLS = ({"type": "function", "function": {"name": "lookup", "description": "The
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def folder(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "chat", hidden_size=16, num_layers=1, num_heads=2,
+                            seed=0, chat=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder):
     """The chat variant's tokenizer as a service loads it from the model folder."""
-    folder = build_tiny_model(tmp_path_factory.mktemp("m") / "chat", hidden_size=16, num_layers=1, num_heads=2,
-                              seed=0, chat=True)
     return load_tokenizer(folder)
+
+
+def test_the_chat_model_stops_at_im_end_and_holds_a_long_conversation(folder, tokenizer):
+    config = json.loads((folder / "config.json").read_text())
+    assert config["eos_token_id"] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert (config["max_position_embeddings"], config["initializer_range"]) == (1024, 0.1)
 
 
 def ids(tokenizer, text: str) -> list[int]:
