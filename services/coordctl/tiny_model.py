@@ -103,8 +103,9 @@ def build_tiny_model(folder: Path, hidden_size: int, num_layers: int, num_heads:
                      chat: bool = False) -> Path:
     """Write a tiny random-init Qwen2 model and its tokenizer (the chat variant's with ``chat``) into ``folder``
     (atomically); return it."""
-    shape = dict(hidden_size=hidden_size, intermediate_size=hidden_size * 4, num_hidden_layers=num_layers,
-                 num_attention_heads=num_heads, num_key_value_heads=num_heads, max_position_embeddings=256)
+    shape: dict[str, int | float] = dict(
+        hidden_size=hidden_size, intermediate_size=hidden_size * 4, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_heads, max_position_embeddings=256)
     if chat:  # a conversation with tools is longer; its answers are copied from far back (a tool reply, the key
         # asked), which weights drawn at Qwen2's 0.02 take ~1000 warm-start steps to learn and at 0.1 ~100
         shape.update(max_position_embeddings=1024, initializer_range=0.1)
