@@ -441,7 +441,8 @@ class PPOLoop:
         if self.settings.sleep_rollouts:
             await self.rollout_set.wake_up()  # one an earlier attempt left asleep
         if resume is None:
-            version = await self.warm_start.run()
+            tools = self.env_set.tools(self.agent.settings.environment) if self.agent and self.env_set else ()
+            version = await self.warm_start.run(tools)
         else:
             version, self.kl_coef = await self.checkpoints.restore(resume)
         await self.rollout_set.sync(version)

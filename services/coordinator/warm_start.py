@@ -50,41 +50,42 @@ def warm_start_rows(settings: LoopSettings, prompts: list[Prompt]) -> tuple[list
 
 class WarmStart:
     def __init__(self, *, settings: LoopSettings, actor: TrainerClient, prompts: list[Prompt], tokenizer,
-                 notices: Notices, timeout_s: float, tools: tuple[dict[str, Any], ...] = (),
-                 max_reply_tokens: int | None = None, truncate_side: str = "middle"):
-        """``prompts``: the warm start's rows; ``tokenizer``: the model's, to encode the responses it teaches;
-        ``tools``: the OpenAI schemas of a multi-turn run's tools (the chat template renders them into the
-        prompt), () for a single-turn run; ``max_reply_tokens`` and ``truncate_side``: how a tool reply of a
-        worked trajectory is cut (multi_turn.max_tool_response_length and tool_response_truncate_side; None:
-        only data.max_response_length bounds it)."""
+                 notices: Notices, timeout_s: float):
+        """``prompts``: the warm start's rows; ``tokenizer``: the model's, to encode the responses it teaches. A
+        worked trajectory's tool replies are cut as the agent loop cuts them (multi_turn.max_tool_response_length
+        and tool_response_truncate_side; a single-turn run: only data.max_response_length bounds them)."""
         self.settings, self.actor, self.prompts, self.tokenizer = settings, actor, prompts, tokenizer
         self.notices, self.timeout_s = notices, timeout_s
-        self.tools, self.max_reply_tokens, self.truncate_side = tools, max_reply_tokens, truncate_side
+        agent = settings.agent
+        self.max_reply_tokens = agent.max_reply_tokens if agent is not None else None
+        self.truncate_side = agent.truncate_side if agent is not None else "middle"
 
-    async def run(self) -> int:
-        """Supervised steps on the ground-truth responses; returns the trainer's weight version."""
+    async def run(self, tools: tuple[dict[str, Any], ...] = ()) -> int:
+        """Supervised steps on the ground-truth responses; returns the trainer's weight version. ``tools``: the
+        OpenAI schemas of a multi-turn run's tools (rendered into its trajectories' prompts as the agent loop
+        renders them), () for a single-turn run."""
         steps, version = self.settings.warm_start_steps, 0
         if not steps:
             return version
         sampler = PromptSampler(len(self.prompts), self.settings.warm_start_batch_size, True, self.settings.seed + 1)
         started = time.monotonic()
         for index in range(steps):
-            batch = make_taught_batch([self.taught(self.prompts[i]) for i in sampler.next_batch()])
+            batch = make_taught_batch([self.taught(self.prompts[i], tools) for i in sampler.next_batch()])
             metrics, version = await self.actor.train_supervised(batch, 0, self.timeout_s)
             if (index + 1) % max(1, steps // 5) == 0:
                 self.notices.log(f"warm start {index + 1}/{steps}: loss {metrics['warm_start/loss']:.3f}, "
                                  f"lr {metrics['warm_start/lr']:.2g} ({time.monotonic() - started:.0f} s)")
         return version
 
-    def taught(self, prompt: Prompt) -> Taught:
-        """What the warm start teaches of a row: its worked trajectory (extra_info.turns) where it has one, else
-        its prompt and target response, every token trained."""
+    def taught(self, prompt: Prompt, tools: tuple[dict[str, Any], ...] = ()) -> Taught:
+        """What the warm start teaches of a row: its worked trajectory (extra_info.turns, its prompt rendered with
+        ``tools``) where it has one, else its prompt and target response, every token trained."""
         if "turns" in prompt.extra_info:
-            return self.encode_trajectory(prompt)
+            return self.encode_trajectory(prompt, tools)
         target = self.encode_target(prompt)
         return Taught(prompt_ids=prompt.token_ids, response_ids=target, loss_mask=[True] * len(target))
 
-    def encode_trajectory(self, prompt: Prompt) -> Taught:
+    def encode_trajectory(self, prompt: Prompt, tools: tuple[dict[str, Any], ...]) -> Taught:
         """A row's worked trajectory as the agent loop would build it: the prompt rendered with the tools, each
         assistant message's text and EOS (trained), each run of tool messages as render_reply appends them after
         it (not trained). ValueError naming the row if its turns are malformed or do not fit
@@ -100,7 +101,7 @@ class WarmStart:
             raise ValueError(f"{where} has two assistant messages in a row (a turn without replies ends a "
                              "trajectory)")
         too_long = f"{where} do not fit data.max_response_length ({self.settings.sampling.max_new_tokens} tokens)"
-        template_kwargs = {"tools": list(self.tools)} if self.tools else {}
+        template_kwargs = {"tools": list(tools)} if tools else {}
         messages: tuple = tuple(prompt.messages)
         trajectory = Trajectory(prompt_ids=render_prompt(self.tokenizer, messages, template_kwargs),
                                 max_response_length=self.settings.sampling.max_new_tokens)

@@ -25,8 +25,7 @@ def tokenizer():
 
 def warm_start(tokenizer, max_response_length: int = 96) -> WarmStart:
     settings = loop_settings(validate(RunConfig, {"data": {"max_response_length": max_response_length}}))
-    return WarmStart(settings=settings, actor=None, prompts=[], tokenizer=tokenizer, notices=None, timeout_s=1.0,
-                     tools=TOOLS)
+    return WarmStart(settings=settings, actor=None, prompts=[], tokenizer=tokenizer, notices=None, timeout_s=1.0)
 
 
 def prompt_of(row: dict, tokenizer) -> Prompt:
@@ -42,7 +41,7 @@ def text(tokenizer, ids) -> str:
 def test_a_worked_trajectory_is_taught_as_the_agent_loop_builds_it_and_only_the_models_turns_train(tokenizer):
     [row] = lookup_task_rows(1, key_letters=2, seed=0)
     key, code = row["prompt"][0]["content"][8:10], row["reward_model"]["ground_truth"]
-    taught = warm_start(tokenizer).taught(prompt_of(row, tokenizer))
+    taught = warm_start(tokenizer).taught(prompt_of(row, tokenizer), TOOLS)
     assert text(tokenizer, taught.prompt_ids) == ("<|im_start|>system\nTools: lookup(key)<|im_end|>\n"
                                                   f"<|im_start|>user\ncode of {key}?<|im_end|>\n"
                                                   "<|im_start|>assistant\n")
@@ -70,6 +69,6 @@ def test_malformed_turns_and_a_trajectory_over_the_response_length_are_refused_n
                            ([{"role": "user", "content": "hi"}], "list of assistant and tool messages")):
         bad = prompt_of({**row, "extra_info": {**row["extra_info"], "turns": turns}}, tokenizer)
         with pytest.raises(ValueError, match=f"row 0: extra_info.turns.*{message}"):
-            warm_start(tokenizer).taught(bad)
+            warm_start(tokenizer).taught(bad, TOOLS)
     with pytest.raises(ValueError, match=r"row 0: extra_info.turns.*data.max_response_length \(60 tokens\)"):
-        warm_start(tokenizer, max_response_length=60).taught(prompt_of(row, tokenizer))
+        warm_start(tokenizer, max_response_length=60).taught(prompt_of(row, tokenizer), TOOLS)
