@@ -1,5 +1,5 @@
 """The lookup tool of the local multi-turn example (examples/local_tools.yaml): a user tool, loaded by the env
-service from examples/local_tools/tools.yaml as ``examples/local_tools/lookup.py:LookupTool``.
+service from examples/local_tools/tools.yaml as ``lookup.py:LookupTool`` (a path beside the tool config).
 
 It knows the code of every key, a keyed hash that the prompt does not give away: the crc32 of the salt and the
 key, modulo 10,000, as four digits (services/coordctl/synthetic.py's lookup task asks for the same codes).

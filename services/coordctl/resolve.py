@@ -92,9 +92,10 @@ def checked(config: RunConfig) -> tuple[RunConfig, RunData]:
 
 def local_services(local: LocalConfig, config: RunConfig) -> tuple:
     """The ServiceSpecs --local starts: local.services' settings, the rollout's vLLM settings verl's keys give
-    (rollout.gpu_memory_utilization, tensor_model_parallel_size) when the run asks for vLLM, and for a multi-turn
-    run an env service hosting its tools (``env_settings``); ValueError naming the key if its tool config is
-    missing."""
+    (rollout.gpu_memory_utilization, tensor_model_parallel_size; prefix caching for a multi-turn run, so that a
+    turn does not recompute the conversation before it) when the run asks for vLLM, and for a multi-turn run an
+    env service hosting its tools (``env_settings``) with a worker per trajectory of a step, up to
+    LOCAL_ENV_WORKERS; ValueError naming the key if its tool config is missing."""
     from services.coordctl.local import ServiceSpec
 
     rollout, specs = config.actor_rollout_ref.rollout, []
@@ -103,13 +104,21 @@ def local_services(local: LocalConfig, config: RunConfig) -> tuple:
         for launch in local.launches(kind):
             settings = env_settings(config) if kind == "env" else []
             settings += list(launch.settings)
+            if kind == "env" and not any(s.startswith("workers=") for s in settings):
+                settings.append(f"workers={min(config.data.train_batch_size * rollout.n, LOCAL_ENV_WORKERS)}")
             for key, value in (("gpu_memory_utilization", rollout.gpu_memory_utilization),
-                               ("tensor_parallel_size", rollout.tensor_model_parallel_size)):
+                               ("tensor_parallel_size", rollout.tensor_model_parallel_size),
+                               ("enable_prefix_caching", "true" if rollout.multi_turn.enable else None)):
                 if (kind == "rollout" and rollout.name == "vllm" and value is not None
                         and not any(s.startswith(f"{key}=") for s in settings)):
                     settings.append(f"{key}={value}")
             specs.append(ServiceSpec(kind, settings=tuple(settings), env=tuple(sorted(launch.env.items()))))
     return tuple(specs)
+
+
+LOCAL_ENV_WORKERS = 32
+"""Episodes the env service of --local holds open at once (each in a worker process of about 60 MB): a step's
+trajectories beyond them wait for one to end; local.services.env can say otherwise (workers=N)."""
 
 
 def env_settings(config: RunConfig) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from services.common.config import read_yaml, validate
@@ -137,12 +138,22 @@ def _short(text: str, limit: int = 200) -> str:
 
 def read_tool_config(path: str) -> list[ToolConfig]:
     """The tools of a verl tool-config file (``tools: [{class_name, config, tool_schema}, ...]``); ConfigError or
-    ValueError naming the file and the field otherwise."""
+    ValueError naming the file and the field otherwise. A class named by a relative file path
+    (``lookup.py:LookupTool``) is found beside the tool config."""
     data = read_yaml(path)
     tools = data.get("tools")
     if not isinstance(tools, list):
         raise ValueError(f"{path}: a tool config holds a list under tools:")
-    return [validate(ToolConfig, tool, section=f"{path}: tools[{index}]") for index, tool in enumerate(tools)]
+    read = [validate(ToolConfig, tool, section=f"{path}: tools[{index}]") for index, tool in enumerate(tools)]
+    return [tool.model_copy(update={"class_name": beside(Path(path).parent, tool.class_name)}) for tool in read]
+
+
+def beside(folder: Path, class_name: str) -> str:
+    """``class_name`` with a relative ``file.py:Class`` path made absolute under ``folder``; others as they are."""
+    file, _, name = class_name.rpartition(":")
+    if not file.endswith(".py") or Path(file).is_absolute():
+        return class_name
+    return f"{(folder / file).resolve()}:{name}"
 
 
 def environment_tools(environment: EnvironmentConfig) -> list[ToolConfig]:

@@ -96,7 +96,7 @@ def test_the_local_tools_example_starts_an_env_service_hosting_its_tool_config(t
     tool_config = EXAMPLES / "local_tools" / "tools.yaml"
     assert local_services(local, config) == (
         ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"),
-        ServiceSpec("env", settings=(f"environments.tools.tool_config_path={tool_config}",)))
+        ServiceSpec("env", settings=(f"environments.tools.tool_config_path={tool_config}", "workers=32")))
     # an environment of another name, and the env service's own settings from local.services.env
     other = validate(RunConfig, {"actor_rollout_ref": {"rollout": {"multi_turn": {
         "enable": True, "tool_config_path": str(tool_config), "environment": "lookup"}}}})
@@ -118,3 +118,15 @@ def test_a_multi_turn_run_without_its_tool_config_file_is_refused_before_anythin
     none = validate(RunConfig, {"actor_rollout_ref": {"rollout": {"multi_turn": {"enable": True}}}})
     with pytest.raises(ValueError, match=r"multi_turn\.tool_config_path: a multi-turn run started with --local"):
         local_services(LocalConfig(), none)
+
+
+def test_a_multi_turn_run_on_vllm_gets_prefix_caching_and_an_env_worker_per_trajectory_up_to_32(tmp_path):
+    tool_config = tmp_path / "tools.yaml"
+    tool_config.write_text("tools: []\n")
+    small = validate(RunConfig, {"data": {"train_batch_size": 2}, "actor_rollout_ref": {
+        "actor": {"ppo_mini_batch_size": 2}, "rollout": {
+        "name": "vllm", "n": 4, "multi_turn": {"enable": True, "tool_config_path": str(tool_config)}}}})
+    specs = {spec.kind: spec.settings for spec in local_services(LocalConfig(), small)}
+    assert "enable_prefix_caching=true" in specs["rollout"] and "workers=8" in specs["env"]
+    single = validate(RunConfig, {"actor_rollout_ref": {"rollout": {"name": "vllm"}}})
+    assert not any(s.startswith("enable_prefix_caching") for s in local_services(LocalConfig(), single)[1].settings)
