@@ -169,7 +169,7 @@ def run_in_sandbox(code: str, limits: SandboxLimits = DEFAULT_LIMITS, stdin: str
         raise ValueError(f"the program and its files do not fit the sandbox's {limits.tmp_mb} MiB /tmp")
     if os.geteuid() != 0 or not os.access(BWRAP, os.X_OK):
         raise SandboxUnavailable(check_sandbox() or "sandbox unavailable")
-    with _pool_uid() as uid, _memory_files(files) as fds:
+    with pool_uid() as uid, _memory_files(files) as fds:
         started = time.monotonic()
         process, sandbox_init = _start(_command(limits, fds), uid, fds)
         try:
@@ -177,7 +177,7 @@ def run_in_sandbox(code: str, limits: SandboxLimits = DEFAULT_LIMITS, stdin: str
         finally:
             if sandbox_init is not None:
                 os.close(sandbox_init)
-            _clear_uid(uid)
+            clear_uid(uid)
 
 
 def _start(command: list[str], uid: int, fds: dict[str, int]) -> tuple[subprocess.Popen, int | None]:
@@ -317,27 +317,28 @@ class _CappedStream:
 
 
 @contextlib.contextmanager
-def _pool_uid() -> Iterator[int]:
-    """A uid of the pool that no other call on this host holds (a lock file per uid), held until the call ends.
+def pool_uid(first: int = UID_BASE, slots: int = UID_SLOTS) -> Iterator[int]:
+    """A uid of the pool (``slots`` uids from ``first``) that no other call on this host holds (a lock file per
+    uid), held until the call ends.
 
     The search starts past the uid this process took last, so a uid rests between calls while the host's init reaps
     the zombies its last call left (they still count against its process quota)."""
     UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
-    start = next(_starts) % UID_SLOTS
-    for slot in ((start + step) % UID_SLOTS for step in range(UID_SLOTS)):
-        handle = open(UID_LOCKS / str(UID_BASE + slot), "a")  # noqa: SIM115 (closed below, or held by the with)
+    start = next(_starts) % slots
+    for slot in ((start + step) % slots for step in range(slots)):
+        handle = open(UID_LOCKS / str(first + slot), "a")  # noqa: SIM115 (closed below, or held by the with)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.close()
             continue
         with handle:
-            yield UID_BASE + slot
+            yield first + slot
         return
-    raise SandboxUnavailable(f"all {UID_SLOTS} sandbox uids are in use")
+    raise SandboxUnavailable(f"all {slots} sandbox uids from {first} are in use")
 
 
-def _clear_uid(uid: int, seconds: float = 5.0) -> None:
+def clear_uid(uid: int, seconds: float = 5.0) -> None:
     """Kill whatever still runs as ``uid`` (processes of a killed pid namespace still exiting) and wait until none
     does. Zombies are left to the host's init, which reaps them; the pool's rotation rests the uid meanwhile."""
     deadline = time.monotonic() + seconds

@@ -85,5 +85,18 @@ class EnvServiceConfig(ServeConfig):
     worker_memory_mb: PositiveInt | None = 4096
     """Private memory (RLIMIT_DATA, MiB) of each worker process, and of each process its code starts: past it an
     allocation fails (MemoryError in Python) and the call gets an error reply. Raise it for environments that
-    load large data or models; null: unbounded. Code in a service run as root could raise it again (root may
-    raise its own limits)."""
+    load large data or models; null: unbounded. Code in an unsandboxed worker of a service run as root could
+    raise it again (root may raise its own limits); in a sandbox it cannot."""
+    sandbox: bool = True
+    """Run each worker in a sandbox of its own (bubblewrap: no network, a read-only view of only the Python, meshrl
+    and the users' class folders, a private /tmp, a uid of its own; services/env/worker_sandbox.py), so that users'
+    tools and environments cannot read the cluster's token, write outside their /tmp, open sockets or start
+    processes without bound. Where this host cannot give the sandbox, a service hosting users' classes refuses to
+    start with the reason. false: workers run as the service's user, unsandboxed (logged as a warning at start);
+    for trusted code only."""
+    worker_processes: PositiveInt = Field(256, le=65536)
+    """Processes and threads that code in a sandboxed worker may have at once (RLIMIT_NPROC of its uid); past it
+    a fork or a new thread fails (BlockingIOError in Python) and the call gets an error reply."""
+    worker_tmp_mb: PositiveInt = 256
+    """Size of a sandboxed worker's private /tmp (its working directory and the only place it can write), in MiB;
+    it holds memory while it holds files."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Protocol
 
 from services.env.config import ToolConfig
-from services.env.tools import ToolReply, as_reply, create_kwargs, tool_class
+from services.env.tools import CodeInterpreterTool, CodeRunner, ToolReply, as_reply, create_kwargs, tool_class
 from services.run.tool_calls import ParseError, parse_tool_calls
 
 
@@ -106,10 +106,12 @@ so that a call that hangs costs only itself)."""
 class ToolEnvironment:
     """An environment whose step runs the tool calls of the model's message, one tool message per call."""
 
-    def __init__(self, tools: list[ToolConfig], limits: ToolLimits, report: Report = lambda kind, value: None):
+    def __init__(self, tools: list[ToolConfig], limits: ToolLimits, report: Report = lambda kind, value: None,
+                 code_runner: CodeRunner | None = None):
         self.tools = tools
         self.limits = limits
         self.report = report
+        self.code_runner = code_runner  # how its code interpreter runs code (None: in the code sandbox, from here)
         self.instances: dict[str, Any] = {}
         self.broken: dict[str, str] = {}  # tool name -> why it could not be built for this episode
 
@@ -117,7 +119,9 @@ class ToolEnvironment:
         """Build each tool for this episode with the row's create_kwargs; no messages of its own."""
         for tool in self.tools:
             try:
-                self.instances[tool.name] = tool_class(tool)(dict(tool.config), create_kwargs(row, tool.name))
+                cls = tool_class(tool)
+                runs_code = {"run": self.code_runner} if cls is CodeInterpreterTool and self.code_runner else {}
+                self.instances[tool.name] = cls(dict(tool.config), create_kwargs(row, tool.name), **runs_code)
             except Exception as error:  # noqa: BLE001 - told to the model at each call of the tool
                 self.broken[tool.name] = f"{type(error).__name__}: {error}"
         return []

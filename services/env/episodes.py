@@ -11,39 +11,32 @@ or when the worker dies, the worker is killed and replaced, and
   reset of its row (the tools are built again);
 - a user environment's episode, whose state is lost, is done, its error in ``info``.
 
-Workers end with the service, however it ends (``die_with_parent``).
+Workers end with the service, however it ends.
 
-Before any user code runs, a worker is contained as far as a process of the service's own user can be
-(``contain``): it leads a process group of its own, so that replacing it (a timeout, the service's stop) kills
-every process its code started; the cluster's credentials (``MESHRL_TOKEN``, ``MESHRL_TOKEN_FILE``,
-``MESHRL_TLS_*``) are not in its environment; its private memory and that of each process it starts is bounded
-(``worker_memory_mb``: past it an allocation fails, a MemoryError in Python, and the call gets an error reply).
-What it is not: a sandbox. A user's tool or environment runs as the service's user, so it can read the files
-that user can (the token file at a path it knows or guesses, included), write where that user can, open sockets,
-and start processes without a count limit; only the built-in code interpreter runs sandboxed
-(services/common/sandbox.py).
+Each worker runs in a sandbox of its own (services/env/worker_sandbox.py: its own namespaces, no network, a
+read-only view of only what it needs, a private /tmp, a uid of its own bounded in processes, memory bounded), so a
+user's tool or environment cannot read the cluster's token, write outside its /tmp, open sockets or outgrow its
+quotas, and replacing the worker ends every process its code started. With ``sandbox: false`` (or where the host
+cannot give the sandbox and only built-in tools are hosted) workers run as the service's user, contained in memory
+and credentials only. The worker's side of the socket, and the JSON it
+answers in, are services/env/worker.py's.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.process
-import os
 import queue
-import resource
-import signal
+import socket
 import threading
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from services.common.auth import TLS_VARIABLES
 from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted
-from services.common.lifetime import die_with_parent
-from services.env.config import EnvironmentConfig, EnvServiceConfig
-from services.env.environment import (Environment, Message, StepResult, ToolEnvironment, ToolLimits, as_messages,
-                                      as_step_result)
-from services.env.tools import environment_tools, load_class
+from services.env.config import EnvServiceConfig
+from services.env.environment import Message, StepResult
+from services.common.sandbox import SandboxLimits, SandboxUnavailable, run_in_sandbox
+from services.env.worker import MAX_ANSWER_BYTES, decode
+from services.env.worker_sandbox import WorkerProcess, readable_paths, start_worker, worker_config
 
 WORKER_START_TIMEOUT_S = 60.0
 """Longest a new worker may take to start (import this package) before its first call."""
@@ -57,76 +50,10 @@ class CallFailed(Exception):
         self.replies, self.tool, self.timed_out = replies, tool, timed_out
 
 
-def build(name: str, environment: EnvironmentConfig, limits: ToolLimits, report) -> Environment:
-    """The environment ``name`` of an episode, in a worker."""
-    if environment.environment is not None:
-        return load_class(environment.environment, f"environment {name}")(**environment.options)
-    return ToolEnvironment(environment_tools(environment), limits, report)
-
-
-CREDENTIAL_VARIABLES = ("MESHRL_TOKEN", "MESHRL_TOKEN_FILE", *TLS_VARIABLES)
-"""Environment variables that name the cluster's credentials: a worker drops them before running user code."""
-
-
-def contain(memory_mb: int | None) -> None:
-    """In a new worker, before user code: its own process group (the service kills the group when it replaces
-    the worker), no credentials in its environment, its private memory bounded (RLIMIT_DATA, inherited by the
-    processes it starts; None: unbounded)."""
-    os.setsid()
-    for name in CREDENTIAL_VARIABLES:
-        os.environ.pop(name, None)
-    if memory_mb is not None:
-        resource.setrlimit(resource.RLIMIT_DATA, (memory_mb << 20, memory_mb << 20))
-
-
-def kill_group(process: multiprocessing.process.BaseProcess) -> None:
-    """SIGKILL a worker and every process in its group (those its code started and left running), then reap it.
-    Safe after the worker was reaped: Linux reuses no pid while a process group of that id has members."""
-    if process.pid is None:  # never started
-        return
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # its pid is its group's id (contain)
-    except ProcessLookupError:  # no such group: the worker is not contained yet (or gone); it alone
-        process.kill()
-    process.join(5)
-
-
-def _serve(config: EnvServiceConfig, connection: Connection, parent_pid: int) -> None:
-    """A worker: die with the service; answer each command until None or the service's end of the pipe closes.
-
-    ("reset", env name, row, max parallel calls) builds a new environment (its tool calls per step bounded by the
-    smaller of that, when positive, and the service's) and resets it; ("step", message dict) steps it; ("close",)
-    drops it. Each answer is ("done", value) or ("error", text), after any ("calling", tool) and ("reply",
-    Message) that a tool environment's step reports."""
-    die_with_parent(parent_pid, signal.SIGKILL)
-    contain(config.worker_memory_mb)
-    limits = ToolLimits(config.max_parallel_calls, config.max_call_bytes, config.max_reply_chars)
-    environment: Any = None
-    try:
-        connection.send(("ready", None))
-        while (command := connection.recv()) is not None:
-            try:
-                if command[0] == "reset":
-                    bound = min(limits.max_parallel_calls, command[3]) if command[3] > 0 else limits.max_parallel_calls
-                    environment = build(command[1], config.environments[command[1]],
-                                        limits._replace(max_parallel_calls=bound),
-                                        lambda kind, value: connection.send((kind, value)))
-                    answer: Any = as_messages(environment.reset(command[2]))
-                elif command[0] == "step":
-                    answer = as_step_result(environment.step(command[1]))
-                else:
-                    environment = answer = None
-                connection.send(("done", answer))
-            except Exception as error:  # noqa: BLE001 - the service turns it into an error reply
-                connection.send(("error", f"{type(error).__name__}: {str(error)[:2000]}"))
-    except (EOFError, ConnectionError):
-        return
-
-
 @dataclass
 class Worker:
-    process: multiprocessing.process.BaseProcess
-    connection: Connection  # the service's end of the pipe
+    process: WorkerProcess
+    connection: Connection  # the service's end of its socket
     started: bool = False  # its "ready" has been read
 
 
@@ -144,9 +71,11 @@ class Episode:
 class Episodes:
     """The open episodes and the worker processes that hold them. Its methods block (call them from threads)."""
 
-    def __init__(self, config: EnvServiceConfig):
+    def __init__(self, config: EnvServiceConfig, sandboxed: bool):
+        """``sandboxed``: each worker in a sandbox of its own (the caller has checked that the host can give it)."""
         self.config = config
-        self._context = multiprocessing.get_context("spawn")
+        self._worker_config = worker_config(config)
+        self._readable = readable_paths(config) if sandboxed else None
         self._idle: queue.Queue[Worker] = queue.Queue()
         self._open: dict[str, Episode] = {}
         self._lock = threading.Lock()
@@ -155,17 +84,20 @@ class Episodes:
             self._idle.put(self._start())
 
     def _start(self) -> Worker:
-        ours, theirs = self._context.Pipe()
-        process = self._context.Process(target=_serve, args=(self.config, theirs, os.getpid()), daemon=True)
-        process.start()
-        theirs.close()
-        worker = Worker(process, ours)
+        ours, theirs = socket.socketpair()
+        try:
+            process = start_worker(self.config, theirs.fileno(), self._readable)
+        finally:
+            theirs.close()
+        connection = Connection(ours.detach())
+        connection.send(self._worker_config)
+        worker = Worker(process, connection)
         with self._lock:
             self._workers.append(worker)
         return worker
 
     def _replace(self, worker: Worker) -> Worker:
-        kill_group(worker.process)
+        worker.process.kill()
         worker.connection.close()
         with self._lock:
             self._workers.remove(worker)
@@ -265,22 +197,21 @@ class Episodes:
         worker, replies, tool = episode.worker, [], ""
         try:
             if not worker.started:
-                if not worker.connection.poll(WORKER_START_TIMEOUT_S):
-                    raise TimeoutError(f"a worker did not start within {WORKER_START_TIMEOUT_S} s")
-                worker.connection.recv()
-                worker.started = True
+                wait_ready(worker)
             worker.connection.send(command)
             while True:
                 if not worker.connection.poll(self.config.call_timeout_s):
                     what = f"tool {tool}" if tool else f"the environment's {command[0]}"
                     raise TimeoutError(f"{what} did not return within {self.config.call_timeout_s} s (its worker "
                                        f"was replaced)")
-                kind, value = worker.connection.recv()
+                kind, value = decode(worker.connection.recv_bytes(MAX_ANSWER_BYTES), command[0])
                 if kind == "calling":
                     tool = value
                 elif kind == "reply":
                     replies.append(value)
                     tool = ""
+                elif kind == "run_code":
+                    worker.connection.send(self._run_code(*value))
                 elif kind == "done":
                     return value
                 else:
@@ -288,14 +219,42 @@ class Episodes:
         except TimeoutError as error:
             episode.worker = self._replace(worker)
             raise CallFailed(str(error), replies, tool, timed_out=True) from None
-        except (EOFError, ConnectionError):
+        except (EOFError, OSError, ValueError, TypeError) as error:  # it died, or sent what no worker sends
             episode.worker = self._replace(worker)
-            raise CallFailed(f"its worker died (exit code {worker.process.exitcode}; it was replaced)", replies, tool,
-                             timed_out=False) from None
+            why = (f"its worker died (exit code {worker.process.exit_code})" if isinstance(error, (EOFError, OSError))
+                   else f"its worker sent a malformed answer ({type(error).__name__})")
+            raise CallFailed(f"{why}; it was replaced", replies, tool, timed_out=False) from None
+
+    def _run_code(self, code: str, limits: SandboxLimits) -> tuple[str, Any]:
+        """A sandboxed worker's code-interpreter call, run in the code sandbox within call_timeout_s: ("ran",
+        result) or ("ran_error", why)."""
+        try:
+            return "ran", run_in_sandbox(code, replace(limits, wall_s=min(limits.wall_s, self.config.call_timeout_s)))
+        except (SandboxUnavailable, ValueError) as error:
+            return "ran_error", f"{type(error).__name__}: {error}"
 
     def close_all(self) -> None:
         with self._lock:
             workers = list(self._workers)
         for worker in workers:
-            kill_group(worker.process)
+            worker.process.kill()
             worker.connection.close()
+
+    def check_first_worker(self) -> None:
+        """Wait for a worker to stand (at the service's start); SandboxUnavailable, with why, if it does not."""
+        worker = self._idle.get()
+        try:
+            wait_ready(worker)
+        except (TimeoutError, EOFError, OSError, ValueError) as error:
+            raise SandboxUnavailable(f"an env worker did not start ({type(error).__name__}: {error}; exit code "
+                                     f"{worker.process.exit_code}; its error is in this service's log)") from None
+        finally:
+            self._idle.put(worker)
+
+
+def wait_ready(worker: Worker) -> None:
+    """Read a new worker's "ready"; TimeoutError past WORKER_START_TIMEOUT_S, EOFError if it died first."""
+    if not worker.connection.poll(WORKER_START_TIMEOUT_S):
+        raise TimeoutError(f"a worker did not start within {WORKER_START_TIMEOUT_S} s")
+    decode(worker.connection.recv_bytes(MAX_ANSWER_BYTES), "")
+    worker.started = True

@@ -23,7 +23,9 @@ from services.env import telemetry
 from services.env.config import EnvServiceConfig
 from services.env.environment import Message
 from services.env.episodes import Episodes
+from services.common.sandbox import SandboxUnavailable, check_sandbox
 from services.env.tools import check_tools, environment_tools
+from services.env.worker_sandbox import hosts_user_code
 
 log = structlog.get_logger()
 
@@ -39,6 +41,25 @@ def message_to_pb(message: Message) -> env_pb2.ChatMessage:
     return env_pb2.ChatMessage(role=message.role, content=message.content, name=message.name)
 
 
+def workers_sandboxed(config: EnvServiceConfig, unavailable: str | None) -> bool:
+    """Whether this service's workers run sandboxed: where ``sandbox`` is on and the host can give it
+    (``unavailable``: why it cannot, or None). ValueError (the service refuses to start) where it is on, the host
+    cannot and users' classes would run unsandboxed."""
+    if not config.sandbox:
+        if hosts_user_code(config):
+            log.warning("workers_unsandboxed", reason="sandbox: false", consequence=(
+                "users' tools and environments run as this service's user: they can read its files (the cluster "
+                "token included), write where it can, open sockets and start processes without bound"))
+        return False
+    if unavailable is None:
+        return True
+    if hosts_user_code(config):
+        raise ValueError(f"users' tools and environments run in sandboxed workers, which this host cannot give: "
+                         f"{unavailable} (sandbox: false runs them unsandboxed, for trusted code only)")
+    log.info("workers_unsandboxed", reason=unavailable, hosted="built-in tools only")
+    return False
+
+
 class EnvServicer(env_pb2_grpc.EnvServicer):
     def __init__(self, config: EnvServiceConfig, identity: common_pb2.ServiceIdentity):
         self.tools = {name: environment_tools(environment) for name, environment in config.environments.items()}
@@ -46,7 +67,13 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
             check_tools(tools)
         self.config = config
         self.identity = identity
-        self.episodes = Episodes(config)
+        unavailable = check_sandbox() if config.sandbox else None
+        self.episodes = Episodes(config, sandboxed=workers_sandboxed(config, unavailable))
+        try:
+            self.episodes.check_first_worker()
+        except SandboxUnavailable:
+            self.episodes.close_all()
+            raise
         # a thread for each worker's call and as many again for the calls that wait on a busy episode (a Close
         # while its step runs), besides a few for the quick ones
         self.threads = ThreadPoolExecutor(max_workers=2 * config.workers + 4, thread_name_prefix="episodes")

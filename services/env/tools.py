@@ -18,12 +18,16 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from services.common.config import read_yaml, validate
 from services.common.plugins import load_named
 from services.env.config import EnvironmentConfig, ToolConfig
-from services.common.sandbox import SandboxLimits, check_sandbox, run_in_sandbox
+from services.common.sandbox import SandboxLimits, SandboxResult, check_sandbox, run_in_sandbox
+
+CodeRunner = Callable[[str, SandboxLimits], SandboxResult]
+"""How the code interpreter runs a call's code: ``run_in_sandbox`` itself, or a sandboxed worker's request to its
+service (services/env/worker.py), which cannot start a sandbox of its own."""
 
 
 class ToolReply(NamedTuple):
@@ -74,15 +78,16 @@ class CodeInterpreterTool:
     seconds, default 10) and ``memory_limit_mb`` (default 512); its other keys (``sandbox_fusion_url``,
     ``num_workers``, ...) name verl's remote sandbox and are ignored: the code runs here, sandboxed."""
 
-    def __init__(self, config: dict, create_kwargs: dict):
+    def __init__(self, config: dict, create_kwargs: dict, run: CodeRunner = run_in_sandbox):
         self.limits = SandboxLimits(wall_s=float(config.get("default_timeout", 10.0)),
                                     memory_mb=int(config.get("memory_limit_mb", 512)))
+        self.run = run
 
     def call(self, arguments: dict) -> ToolReply:
         code = arguments.get("code")
         if not isinstance(code, str):
             raise ValueError('the arguments need "code", a string of Python')
-        result = run_in_sandbox(code, self.limits)
+        result = self.run(code, self.limits)
         text = result.stdout + (f"\nstderr:\n{result.stderr}" if result.stderr else "")
         if result.stopped != "exited" or result.exit_code:
             text += f"\n(stopped: {result.stopped}, exit code {result.exit_code})"
@@ -107,6 +112,13 @@ def load_class(ref: str, what: str) -> type:
 def tool_class(tool: ToolConfig) -> type:
     """The class that runs ``tool``: a built-in for a name in BUILTINS, else the user's class it names."""
     return BUILTINS.get(tool.class_name) or load_class(tool.class_name, f"tool {tool.name}")
+
+
+def user_classes(environment: EnvironmentConfig) -> list[str]:
+    """The users' classes ``environment`` names (its environment class, its tools that are no built-in)."""
+    if environment.environment is not None:
+        return [environment.environment]
+    return [tool.class_name for tool in environment_tools(environment) if tool.class_name not in BUILTINS]
 
 
 def check_tools(tools: list[ToolConfig]) -> None:

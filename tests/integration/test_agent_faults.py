@@ -5,20 +5,24 @@
   trajectory whole. Each kill lands where the test needs it every time, whatever the machine's speed: the user's
   environment (tests/integration/plugins/user_env.py) holds the trajectories at the point of the fault until the
   test has killed the service, and the test waits for files the environment writes, never for a time.
-- Tools (tests/integration/plugins/hostile_tools.py) that loop forever, fork, fill memory or look for the
-  cluster's credentials; a call to an unknown tool; a 10 MB call: each answered (the model gets an error reply,
-  or the Step is refused with its limit named) and the service answers afterwards. What user tools can still do
-  (they run as the service's user, unsandboxed: services/env/episodes.py) is written down as strict xfails.
+- Tools (tests/integration/plugins/hostile_tools.py) that loop forever, fork (thousands), fill memory, look for
+  the cluster's credentials, read the token file, write outside their /tmp, open a socket, or forge a pickled
+  answer to their service; a call to an unknown tool; a 10 MB call: each answered (the model gets an error reply,
+  or the Step is refused with its limit named) and the service answers afterwards; what a tool started ends when
+  its worker is replaced, and when its env service is killed (kill -9). Each worker runs in a sandbox of its own
+  (services/env/worker_sandbox.py); these tests need a host that can give it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sqlite3
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -29,6 +33,7 @@ from bench.faults import service_address
 from meshrl.v1 import common_pb2, env_pb2
 from services.coordctl.control import CoordinatorClient, RunStatus
 from services.coordctl.local import LocalCluster, ServiceSpec
+from services.common.sandbox import check_sandbox
 from tests.integration.test_agent_run import agent_config
 from tests.integration.test_env_service import assistant, call, with_env
 from tests.integration.test_faults import LogTail
@@ -58,11 +63,12 @@ def local_cluster(tmp_path):
 
 def env_service(root: Path, environment: str, folder: Path, workers: int) -> ServiceSpec:
     """An env service hosting ``countdown``, the user's ``environment`` class sharing ``folder`` with the test;
-    its calls may wait for the test (call_timeout_s well past WAIT_S)."""
+    its calls may wait for the test (call_timeout_s well past WAIT_S). Its workers are unsandboxed (sandbox:
+    false): the environment writes to the test's folder and names its service's process id."""
     config = root / f"env-{environment}.yaml"
     config.write_text(yaml.safe_dump({
         "environments": {"countdown": {"environment": f"{USER_ENV}:{environment}", "options": {"folder": str(folder)}}},
-        "workers": workers, "call_timeout_s": 2 * WAIT_S}))
+        "workers": workers, "call_timeout_s": 2 * WAIT_S, "sandbox": False}))
     return ServiceSpec("env", settings=("--config", str(config)))
 
 
@@ -198,7 +204,9 @@ def test_a_rollout_killed_mid_trajectory_its_next_turns_are_sampled_on_the_other
     assert all(r["rollout"] == kept for r in records[2])
 
 
-FORKS = 200  # processes the forking tool starts: enough to see them all ended, few enough for a shared machine
+FORKS = 20  # processes the forking tool starts, then left running
+WORKER_PROCESSES = 64  # each worker's bound on processes (worker_processes)
+SANDBOX = check_sandbox()
 
 
 def hostile_tool(name: str, cls: str, **config) -> dict:
@@ -206,25 +214,31 @@ def hostile_tool(name: str, cls: str, **config) -> dict:
             "tool_schema": {"type": "function", "function": {"name": name}}}
 
 
-@pytest.fixture(scope="module")
-def hostile_env(tmp_path_factory):
-    """Coordinator and one env service hosting "hostile": hostile_tools.py's tools beside user_env.py's Lookup;
-    2 s per call, 512 MiB of private memory per worker. Yields (cluster, the forking tool's folder)."""
-    root = tmp_path_factory.mktemp("hostile")
-    folder = root / "forks"
-    folder.mkdir()
+def hostile_config(root: Path) -> Path:
+    """An env service's config hosting "hostile": hostile_tools.py's tools beside user_env.py's Lookup; 2 s per
+    call, 512 MiB of private memory and WORKER_PROCESSES processes per worker."""
     tools = [{"class_name": f"{USER_ENV}:Lookup", "config": {"table": {"a": 1}},
               "tool_schema": {"type": "function", "function": {"name": "lookup"}}},
-             hostile_tool("spins", "Spins"), hostile_tool("forks", "Forks", count=FORKS, folder=str(folder)),
-             hostile_tool("hogs", "Hogs"), hostile_tool("credentials", "ReadsCredentials"),
-             hostile_tool("reads_file", "ReadsFile"), hostile_tool("writes_file", "WritesFile"),
-             hostile_tool("connects", "Connects")]
+             hostile_tool("spins", "Spins"), hostile_tool("forks", "Forks"), hostile_tool("hogs", "Hogs"),
+             hostile_tool("credentials", "ReadsCredentials"), hostile_tool("reads_file", "ReadsFile"),
+             hostile_tool("writes_file", "WritesFile"), hostile_tool("connects", "Connects"),
+             hostile_tool("forges", "ForgesAnswer")]
     config = root / "env.yaml"
     config.write_text(yaml.safe_dump({"environments": {"hostile": {"tools": tools}}, "workers": 2,
-                                      "call_timeout_s": 2.0, "worker_memory_mb": 512}))
-    cluster = LocalCluster(root / "state", (ServiceSpec("env", settings=("--config", str(config))),))
+                                      "call_timeout_s": 2.0, "worker_memory_mb": 512,
+                                      "worker_processes": WORKER_PROCESSES}))
+    return config
+
+
+@pytest.fixture(scope="module")
+def hostile_env(tmp_path_factory):
+    """Coordinator and one env service hosting "hostile" (``hostile_config``)."""
+    if SANDBOX is not None:
+        pytest.skip(f"this host cannot sandbox env workers: {SANDBOX}")
+    root = tmp_path_factory.mktemp("hostile")
+    cluster = LocalCluster(root / "state", (ServiceSpec("env", settings=("--config", str(hostile_config(root)))),))
     asyncio.run(cluster.start(timeout_s=90))
-    yield cluster, folder
+    yield cluster
     cluster.stop()
 
 
@@ -240,63 +254,95 @@ def steps(coordinator: str, episode_id: str, messages: list[str]) -> list[env_pb
     return with_env(coordinator, episode)
 
 
-def running(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, ended but not yet reaped by whoever adopted it, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-def end_leftovers(pids: list[int]) -> None:
-    """Kill what the forking tool started that still runs (a failed test's mess), its processes only."""
-    for pid in pids:
+def named(name: str) -> list[int]:
+    """The host's running processes (zombies, ended but not yet reaped, excluded) whose argv[0] is ``name``."""
+    found = []
+    for entry in Path("/proc").iterdir():
         try:
-            if running(pid) and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(pid, signal.SIGKILL)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
+            running = entry.name.isdigit() and (entry / "stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+            if running and (entry / "cmdline").read_bytes().split(b"\0")[0] == name.encode():
+                found.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return found
+
+
+def wait_for(condition, what: str, seconds: float = 60) -> None:
+    """Wait until ``condition()`` holds (the kernel delivering signals, processes starting): not a timing test."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
+        time.sleep(0.1)
+
+
+def end_leftovers(name: str) -> None:
+    """Kill what the forking tool started that still runs (a failed test's mess), its processes only."""
+    for pid in named(name):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def forks(count: int, name: str) -> str:
+    return call("forks", {"count": count, "name": name})
 
 
 def test_tools_that_loop_fork_or_fill_memory_get_error_replies_and_what_they_started_ends(hostile_env):
-    cluster, folder = hostile_env
-    spin, fork, hog, after = steps(cluster.coordinator, "contained", [
-        call("spins", {}), call("forks", {}), call("hogs", {}), call("lookup", {"key": "a"})])
+    """The forking tool's processes run on after its call; the next call spins past its timeout, the worker is
+    replaced, and every process of its sandbox ends with it."""
+    name = f"forked-{uuid.uuid4().hex[:12]}"
 
-    def started() -> list[int]:  # the processes that wrote their ids (all FORKS, unless the tool's 2 s ran out)
-        listed = folder / "forked"
-        return [int(line) for line in listed.read_text().split()] if listed.exists() else []
+    async def episode(stub):
+        async def step(message: str) -> env_pb2.StepResponse:
+            return await stub.Step(env_pb2.StepRequest(episode_id="contained", message=assistant(message)), timeout=60)
+        await stub.Reset(env_pb2.ResetRequest(episode_id="contained", row_json="{}", env_name="hostile"), timeout=30)
+        try:
+            fork = await step(forks(FORKS, name))
+            await asyncio.to_thread(wait_for, lambda: len(named(name)) == FORKS, f"{FORKS} processes named {name}")
+            return fork, await step(call("spins", {})), await step(call("hogs", {})), await step(
+                call("lookup", {"key": "a"}))
+        finally:
+            await stub.Close(env_pb2.CloseRequest(episode_id="contained"), timeout=30)
 
-    pids = started()
     try:
+        fork, spin, hog, after = with_env(hostile_env.coordinator, episode)
+        assert fork.messages[0].content == f"started {FORKS}"
         assert "error: tool spins did not return within 2.0 s" in spin.messages[0].content
-        assert "error: tool forks did not return within 2.0 s" in fork.messages[0].content
-        assert pids, "the forking tool started no process"
-        # its worker was replaced, and every process it started was killed with it (seen once the kernel has
-        # delivered the signals: waited for, not timed)
-        deadline = time.monotonic() + 60
-        while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not left, f"{len(left)} of the {len(pids)} processes the tool started still run"
+        wait_for(lambda: not named(name), "the forked processes ending with their worker")
         [hogged] = hog.messages
         assert hogged.content.startswith("error: tool hogs failed: MemoryError"), hogged.content
         assert (after.messages[0].content, after.reward) == ("1", 0.5)
     finally:
-        end_leftovers(started())
-    info = with_env(cluster.coordinator, lambda stub: stub.Info(common_pb2.InfoRequest(), timeout=10))
+        end_leftovers(name)
+    info = with_env(hostile_env.coordinator, lambda stub: stub.Info(common_pb2.InfoRequest(), timeout=10))
     assert info.open_episodes == 0 and info.workers == 2
 
 
+def test_a_tool_forking_thousands_of_processes_is_stopped_at_its_workers_bound(hostile_env):
+    """5000 forks: those past the worker's bound (worker_processes) fail, the model is told; the processes started
+    end when a spinning call has the worker replaced, and the next call is answered."""
+    name = f"bomb-{uuid.uuid4().hex[:12]}"
+    try:
+        bomb, _, after = steps(hostile_env.coordinator, "bomb", [forks(5000, name), call("spins", {}),
+                                                                 call("lookup", {"key": "a"})])
+        content = bomb.messages[0].content
+        assert content.startswith("error: tool forks failed: OSError: fork "), content
+        assert "Resource temporarily unavailable" in content, content
+        started = int(content.split("fork ")[1].split()[0]) - 1
+        assert 0 < started <= WORKER_PROCESSES, content
+        wait_for(lambda: not named(name), "the forked processes ending with their worker")
+        assert after.messages[0].content == "1"
+    finally:
+        end_leftovers(name)
+
+
 def test_a_tool_finds_no_cluster_credentials_in_its_environment(hostile_env):
-    cluster, _ = hostile_env
     assert os.environ.get("MESHRL_TOKEN_FILE"), "the cluster runs with a token file, named in its environment"
-    [found] = steps(cluster.coordinator, "credentials", [call("credentials", {})])
+    [found] = steps(hostile_env.coordinator, "credentials", [call("credentials", {})])
     assert json.loads(found.messages[0].content) == {}
 
 
 def test_an_unknown_tool_and_a_10_mb_call_are_answered_and_the_service_keeps_answering(hostile_env):
-    cluster, _ = hostile_env
+    cluster = hostile_env
     huge = call("lookup", {"key": "x" * 10_000_000})
 
     async def episode(stub):
@@ -318,17 +364,52 @@ def test_an_unknown_tool_and_a_10_mb_call_are_answered_and_the_service_keeps_ans
     assert after.messages[0].content == "1"
 
 
-NOT_CONTAINED = ("not contained today: a user's tool runs in the env service's worker process as the service's "
-                 "user, unsandboxed (only the built-in code interpreter is), so it reads what that user can read "
-                 "(the token file at a path it knows), writes where it can, and opens sockets")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=NOT_CONTAINED)
 @pytest.mark.parametrize("tool", ["reads_file", "writes_file", "connects"])
 def test_a_tool_cannot_read_the_token_file_write_outside_its_folder_or_open_a_socket(hostile_env, tool, tmp_path):
-    cluster, _ = hostile_env
-    arguments = {"reads_file": {"path": os.environ["MESHRL_TOKEN_FILE"]},
-                 "writes_file": {"path": str(tmp_path / "written")},
-                 "connects": {"address": cluster.coordinator}}[tool]
-    [step] = steps(cluster.coordinator, tool, [call(tool, arguments)])
-    assert step.messages[0].content.startswith("error"), step.messages[0].content
+    token_file = Path(os.environ["MESHRL_TOKEN_FILE"])
+    assert token_file.read_text(), "the cluster has a token in its file"
+    written = tmp_path / "written"
+    arguments = {"reads_file": {"path": str(token_file)}, "writes_file": {"path": str(written)},
+                 "connects": {"address": hostile_env.coordinator}}[tool]
+    [step] = steps(hostile_env.coordinator, tool, [call(tool, arguments)])
+    refused = {"reads_file": "FileNotFoundError", "writes_file": "FileNotFoundError",
+               "connects": "ConnectionRefusedError"}[tool]
+    assert step.messages[0].content.startswith(f"error: tool {tool} failed: {refused}"), step.messages[0].content
+    assert not written.exists()
+
+
+def test_a_forged_pickle_from_a_worker_runs_nothing_in_the_service(hostile_env, tmp_path):
+    """The service reads its workers' answers as JSON: a pickle that would create a file is a malformed answer
+    (an error reply, the worker replaced), and the file is not created."""
+    created = tmp_path / "created"
+    forged, after = steps(hostile_env.coordinator, "forged", [call("forges", {"path": str(created)}),
+                                                             call("lookup", {"key": "a"})])
+    assert "its worker sent a malformed answer" in forged.messages[0].content, forged.messages[0].content
+    assert not created.exists()
+    assert after.messages[0].content == "1"
+
+
+def test_what_a_tool_started_ends_when_its_env_service_is_killed(tmp_path):
+    """kill -9 of the env service: the tool's processes, running on after its call, end with the service's
+    workers (bwrap's --die-with-parent: the sandbox's pid 1 goes, and its pid namespace with it)."""
+    if SANDBOX is not None:
+        pytest.skip(f"this host cannot sandbox env workers: {SANDBOX}")
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("env", settings=("--config",
+                                                                             str(hostile_config(tmp_path)))),))
+    name = f"orphan-{uuid.uuid4().hex[:12]}"
+    try:
+        asyncio.run(cluster.start(timeout_s=90))
+
+        async def fork_and_hold(stub):  # the episode stays open: its worker lives until the service dies
+            await stub.Reset(env_pb2.ResetRequest(episode_id="held", row_json="{}", env_name="hostile"), timeout=30)
+            return await stub.Step(env_pb2.StepRequest(episode_id="held", message=assistant(forks(3, name))),
+                                   timeout=60)
+
+        assert with_env(cluster.coordinator, fork_and_hold).messages[0].content == "started 3"
+        wait_for(lambda: len(named(name)) == 3, f"3 processes named {name}")
+        [env] = [service for service in cluster.processes if service.startswith("env")]
+        kill(cluster, env)
+        wait_for(lambda: not named(name), "the tool's processes ending with their env service")
+    finally:
+        end_leftovers(name)
+        cluster.stop()

@@ -57,7 +57,8 @@ def env_cluster(tmp_path_factory):
         "guess": {"environment": f"{USER}:GuessNumber", "options": {"tries": 3}},
     }
     config = root / "env.yaml"
-    config.write_text(yaml.safe_dump({"environments": environments, "workers": 3, "call_timeout_s": 2.0}))
+    config.write_text(yaml.safe_dump({"environments": environments, "workers": 3, "call_timeout_s": 2.0,
+                                      "sandbox": SANDBOXED}))  # users' classes run unsandboxed only where asked
     cluster = LocalCluster(root / "state", (ServiceSpec("env", settings=("--config", str(config))),))
     asyncio.run(cluster.start(timeout_s=90))
     yield cluster

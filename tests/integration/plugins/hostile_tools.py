@@ -8,7 +8,8 @@ import json
 import os
 import resource
 import socket
-import time
+import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 
@@ -26,19 +27,19 @@ class Spins(Tool):
 
 
 class Forks(Tool):
-    """Starts ``count`` processes that each write their id to ``folder/forked`` and sleep for an hour, then waits
-    forever."""
+    """Starts ``count`` processes (the arguments') that sleep for an hour, each named ``name`` (its argv[0], seen
+    in the host's /proc/PID/cmdline), and replies how many it started; raises when a fork fails, saying which."""
 
     def call(self, arguments: dict):
-        listed = Path(self.config["folder"]) / "forked"
-        for _ in range(int(self.config["count"])):
-            if os.fork() == 0:
-                with listed.open("a") as file:  # one short appended write: whole, among the others'
-                    file.write(f"{os.getpid()}\n")
-                time.sleep(3600)
-                os._exit(0)
-        while True:
-            time.sleep(1)
+        count, name = int(arguments["count"]), str(arguments["name"])
+        for started in range(count):
+            try:
+                child = os.fork()
+            except OSError as error:
+                raise OSError(f"fork {started + 1} of {count} failed: {error}") from None
+            if child == 0:
+                os.execv("/usr/bin/sleep", [name, "3600"])
+        return f"started {count}"
 
 
 class Hogs(Tool):
@@ -81,3 +82,21 @@ class Connects(Tool):
         host, _, port = arguments["address"].rpartition(":")
         with socket.create_connection((host, int(port)), timeout=5):
             return "connected"
+
+
+class ForgesAnswer(Tool):
+    """Sends its env service, on its worker's socket (the fd its command line names), a pickled answer that would
+    create the file at ``path`` when unpickled, then waits for the service's reply."""
+
+    def call(self, arguments: dict):
+        connection = Connection(int(sys.argv[1]))
+        connection.send(("done", Creates(arguments["path"])))
+        return connection.recv()
+
+
+class Creates:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")

@@ -19,7 +19,7 @@ CHECK = {"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "tool_schema": {"type"
 @pytest.fixture
 def episodes():
     pool = Episodes(EnvServiceConfig.model_validate({"workers": 1, "max_steps": 2,
-                                                     "environments": {"e": {"tools": [CHECK]}}}))
+                                                     "environments": {"e": {"tools": [CHECK]}}}), sandboxed=False)
     yield pool
     pool.close_all()
 

@@ -1,0 +1,77 @@
+"""CPU tests of what an env worker's sandbox is built from (services/env/worker_sandbox.py), of the JSON its worker
+answers in (services/env/worker.py), and of when a service runs its workers sandboxed (services/env/server.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import meshrl.v1
+import services.env
+from services.env.config import EnvServiceConfig
+from services.env.environment import Message, StepResult
+from services.env.server import workers_sandboxed
+from services.env.worker import decode, encode
+from services.env.worker_sandbox import readable_paths, worker_config
+
+PLUGINS = Path(__file__).resolve().parents[2] / "integration" / "plugins"
+CHECK = {"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "tool_schema": {"type": "function",
+                                                                        "function": {"name": "check"}}}
+
+
+def user_config(tmp_path: Path) -> EnvServiceConfig:
+    """Users' classes three ways: a tool file named relative to the working directory (in a tool config file), an
+    environment class file, a package.module class."""
+    tool_config = tmp_path / "tools.yaml"
+    tool_config.write_text(yaml.safe_dump({"tools": [{
+        "class_name": f"{os.path.relpath(PLUGINS / 'user_env.py')}:Lookup",
+        "tool_schema": {"type": "function", "function": {"name": "lookup"}}}]}))
+    return EnvServiceConfig.model_validate({"environments": {
+        "tools": {"tool_config_path": str(tool_config), "tools": [CHECK]},
+        "game": {"environment": f"{PLUGINS / 'user_env.py'}:GuessNumber"},
+        "module": {"environment": "yaml:YAMLObject"}}})
+
+
+def test_a_worker_gets_its_tools_listed_and_class_files_absolute(tmp_path: Path):
+    environments = worker_config(user_config(tmp_path)).environments
+    assert environments["tools"].tool_config_path is None
+    assert [tool.class_name for tool in environments["tools"].tools] == [
+        CHECK["class_name"], f"{PLUGINS / 'user_env.py'}:Lookup"]
+    assert environments["game"].environment == f"{PLUGINS / 'user_env.py'}:GuessNumber"
+    assert environments["module"].environment == "yaml:YAMLObject"
+
+
+def test_a_sandboxed_worker_reads_python_meshrl_and_the_users_class_folders_only(tmp_path: Path):
+    paths = readable_paths(user_config(tmp_path))
+    packages = [Path(module.__file__ or "").parent for module in (services.env, meshrl.v1)]
+    assert set(paths) == {sys.prefix, sys.base_prefix, str(packages[0].parent), str(packages[1].parent),
+                          str(PLUGINS), str(Path(yaml.__file__).parent)}  # not tmp_path: the service reads tools.yaml
+
+
+def test_a_workers_answers_are_json_and_anything_else_is_refused():
+    step = StepResult([Message("tool", "1", "lookup")], reward=0.5, info={"calls": []})
+    assert decode(encode("done", step), "step") == ("done", step)
+    assert decode(encode("done", [Message("user", "hi")]), "reset") == ("done", [Message("user", "hi")])
+    assert decode(encode("reply", Message("tool", "x", "t")), "step") == ("reply", Message("tool", "x", "t"))
+    with pytest.raises(ValueError):
+        decode(pickle.dumps(("done", None)), "close")
+    with pytest.raises(ValueError, match="sent 'exec'"):
+        decode(json.dumps(["exec", "x"]).encode(), "step")
+    with pytest.raises(ValueError, match="not a list of messages"):
+        decode(json.dumps(["done", {"x": 1}]).encode(), "reset")
+
+
+def test_users_classes_refuse_a_service_that_cannot_sandbox_them_unless_the_operator_says_sandbox_false(tmp_path):
+    with_users = user_config(tmp_path)
+    with pytest.raises(ValueError, match=r"cannot give: no bwrap here .*sandbox: false"):
+        workers_sandboxed(with_users, "no bwrap here")
+    assert workers_sandboxed(with_users, None)
+    assert not workers_sandboxed(with_users.model_copy(update={"sandbox": False}), None)
+    builtins_only = EnvServiceConfig.model_validate({"environments": {"e": {"tools": [CHECK]}}})
+    assert not workers_sandboxed(builtins_only, "no bwrap here")  # only meshrl's own code runs in its workers
