@@ -194,7 +194,9 @@ class Episodes:
         """Send ``command`` to the episode's worker and wait for its answer, each message within call_timeout_s;
         CallFailed (the worker replaced in the episode) when one does not come, the worker dies or it reports an
         error."""
-        worker, replies, tool = episode.worker, [], ""
+        worker, tool = episode.worker, ""
+        replies: list[Message] = []
+        calls = code_runs = 0
         try:
             if not worker.started:
                 wait_ready(worker)
@@ -205,6 +207,8 @@ class Episodes:
                     raise TimeoutError(f"{what} did not return within {self.config.call_timeout_s} s (its worker "
                                        f"was replaced)")
                 kind, value = decode(worker.connection.recv_bytes(MAX_ANSWER_BYTES), command[0])
+                calls, code_runs = calls + (kind == "calling"), code_runs + (kind == "run_code")
+                check_reports(calls, len(replies) + (kind == "reply"), code_runs, self.config.max_parallel_calls)
                 if kind == "calling":
                     tool = value
                 elif kind == "reply":
@@ -250,6 +254,14 @@ class Episodes:
                                      f"{worker.process.exit_code}; its error is in this service's log)") from None
         finally:
             self._idle.put(worker)
+
+
+def check_reports(calls: int, replies: int, code_runs: int, max_parallel_calls: int) -> None:
+    """ValueError (the worker is replaced) where a worker has reported more than one step can make: at most
+    max_parallel_calls tool calls, a reply for each and one for the calls past them, a code run for each call.
+    Without it, code in a worker could hold its service's thread for good, reporting calls that never end."""
+    if calls > max_parallel_calls or replies > max_parallel_calls + 1 or code_runs > calls:
+        raise ValueError(f"a worker reported {calls} calls, {replies} replies and {code_runs} code runs in one step")
 
 
 def wait_ready(worker: Worker) -> None:

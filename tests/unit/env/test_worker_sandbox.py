@@ -16,6 +16,7 @@ import meshrl.v1
 import services.env
 from services.env.config import EnvServiceConfig
 from services.env.environment import Message, StepResult
+from services.env.episodes import check_reports
 from services.env.server import workers_sandboxed
 from services.env.worker import decode, encode
 from services.env.worker_sandbox import readable_paths, worker_config
@@ -65,6 +66,13 @@ def test_a_workers_answers_are_json_and_anything_else_is_refused():
         decode(json.dumps(["exec", "x"]).encode(), "step")
     with pytest.raises(ValueError, match="not a list of messages"):
         decode(json.dumps(["done", {"x": 1}]).encode(), "reset")
+
+
+def test_a_worker_reporting_more_than_one_step_can_make_is_refused():
+    check_reports(calls=8, replies=9, code_runs=8, max_parallel_calls=8)  # 8 calls run, the rest one error reply
+    for calls, replies, code_runs in ((9, 0, 0), (8, 10, 0), (1, 1, 2)):
+        with pytest.raises(ValueError, match="in one step"):
+            check_reports(calls, replies, code_runs, max_parallel_calls=8)
 
 
 def test_users_classes_refuse_a_service_that_cannot_sandbox_them_unless_the_operator_says_sandbox_false(tmp_path):
