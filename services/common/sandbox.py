@@ -66,6 +66,7 @@ from typing import Literal
 
 BWRAP = "/usr/bin/bwrap"
 PRLIMIT = "/usr/bin/prlimit"
+SETPRIV = "/usr/bin/setpriv"
 PYTHON = "/usr/bin/python3"
 UID_BASE = 620_000
 """The first uid of the pool; ``UID_SLOTS`` uids from here must belong to no one else on the host."""
@@ -141,7 +142,7 @@ class SandboxResult:
 
 def check_sandbox() -> str | None:
     """Why code cannot be sandboxed on this host, or None when it can (a trial run prints and exits)."""
-    for path in (BWRAP, PRLIMIT, PYTHON):
+    for path in (BWRAP, PRLIMIT, SETPRIV, PYTHON):
         if not os.access(path, os.X_OK):
             return f"{path} is missing (Debian packages: bubblewrap, util-linux, python3)"
     if os.geteuid() != 0:
@@ -183,11 +184,13 @@ def run_in_sandbox(code: str, limits: SandboxLimits = DEFAULT_LIMITS, stdin: str
 def _start(command: list[str], uid: int, fds: dict[str, int]) -> tuple[subprocess.Popen, int | None]:
     """bwrap started as ``uid``, and a pidfd of the sandbox's pid 1 (None when the program has ended already).
 
-    A pidfd rather than the pid: signalling it after that process has gone cannot hit another that took its pid."""
+    A pidfd rather than the pid: signalling it after that process has gone cannot hit another that took its pid.
+    ``setpriv`` switches to ``uid`` rather than Popen's ``user=``: with it Popen must fork() rather than vfork(),
+    and a fork() of a gRPC server's process runs gRPC's fork handlers in the child, which crashed it (SIGSEGV)."""
     info_read, info_write = os.pipe()
     try:
-        process = subprocess.Popen([*command, "--info-fd", str(info_write), "--", *SANDBOXED],
-                                   user=uid, group=uid, extra_groups=[], stdin=subprocess.PIPE,
+        process = subprocess.Popen([SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *command,
+                                    "--info-fd", str(info_write), "--", *SANDBOXED], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(info_write, *fds.values()))
     except OSError as error:
         os.close(info_read)
