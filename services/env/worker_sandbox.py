@@ -36,8 +36,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from services.common.auth import TLS_VARIABLES
-from services.env.config import EnvServiceConfig
 from services.common.sandbox import BWRAP, SandboxUnavailable, clear_uid, pool_uid
+from services.env.config import EnvServiceConfig
 from services.env.tools import environment_tools, user_classes
 
 WORKDIR = "/tmp"
@@ -61,6 +61,8 @@ exec "$@"
 """
 CREDENTIAL_VARIABLES = ("MESHRL_TOKEN", "MESHRL_TOKEN_FILE", *TLS_VARIABLES)
 """Environment variables that name the cluster's credentials: a plain worker is started without them."""
+SECRET_FILES = ("MESHRL_TOKEN_FILE", "MESHRL_TLS_KEY")
+"""Environment variables naming files that no worker's sandbox may show."""
 
 
 def worker_config(config: EnvServiceConfig) -> EnvServiceConfig:
@@ -89,14 +91,30 @@ def hosts_user_code(config: EnvServiceConfig) -> bool:
 
 def readable_paths(config: EnvServiceConfig) -> list[str]:
     """What a sandboxed worker may read (besides /usr): the Python it runs on, meshrl's packages, and the users'
-    classes that ``config`` names; parents before children, none twice."""
+    classes that ``config`` names; parents before children, none twice. ValueError where one of them is a folder
+    the sandbox must not show (/, /tmp) or holds the cluster's token file or TLS key."""
     paths = {sys.prefix, sys.base_prefix, *(package_folder(name) for name in ("services", "meshrl"))}
     for environment in config.environments.values():
         for ref in user_classes(environment):
             target = ref.rpartition(":")[0]
             paths.add(str(Path(target).resolve().parent) if target.endswith(".py") else package_folder(target))
     resolved = sorted({os.path.realpath(path) for path in paths} | paths, key=lambda path: (len(path), path))
-    return [path for path in resolved if os.path.exists(path) and path != "/"]
+    readable = [path for path in resolved if os.path.exists(path)]
+    check_hidden(readable)
+    return readable
+
+
+def check_hidden(paths: list[str]) -> None:
+    """ValueError where ``paths`` would show a worker the host's root or /tmp, or a file of SECRET_FILES."""
+    for path in paths:
+        if path in ("/", WORKDIR):
+            raise ValueError(f"{path} would be readable in the env workers' sandbox (a class file sits there?): "
+                             f"put users' classes in a folder of their own")
+        for name in SECRET_FILES:
+            secret = os.environ.get(name)
+            if secret and os.path.realpath(secret).startswith(path + "/"):
+                raise ValueError(f"{name} {secret} lies in {path}, which the env workers' sandbox shows to users' "
+                                 f"code: keep users' classes and the cluster's secrets in different folders")
 
 
 def package_folder(module: str) -> str:

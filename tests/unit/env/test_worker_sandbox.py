@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from structlog.testing import capture_logs
 
 import meshrl.v1
 import services.env
@@ -55,6 +56,15 @@ def test_a_sandboxed_worker_reads_python_meshrl_and_the_users_class_folders_only
                           str(PLUGINS), str(Path(yaml.__file__).parent)}  # not tmp_path: the service reads tools.yaml
 
 
+def test_a_class_folder_that_holds_the_token_file_refuses_the_service(tmp_path: Path, monkeypatch):
+    (tmp_path / "tool.py").write_text("class Tool:\n    pass\n")
+    (tmp_path / "token").write_text("secret")
+    monkeypatch.setenv("MESHRL_TOKEN_FILE", str(tmp_path / "token"))
+    config = EnvServiceConfig.model_validate({"environments": {"e": {"environment": f"{tmp_path / 'tool.py'}:Tool"}}})
+    with pytest.raises(ValueError, match=f"MESHRL_TOKEN_FILE {tmp_path / 'token'} lies in {tmp_path}"):
+        readable_paths(config)
+
+
 def test_a_workers_answers_are_json_and_anything_else_is_refused():
     step = StepResult([Message("tool", "1", "lookup")], reward=0.5, info={"calls": []})
     assert decode(encode("done", step), "step") == ("done", step)
@@ -80,6 +90,9 @@ def test_users_classes_refuse_a_service_that_cannot_sandbox_them_unless_the_oper
     with pytest.raises(ValueError, match=r"cannot give: no bwrap here .*sandbox: false"):
         workers_sandboxed(with_users, "no bwrap here")
     assert workers_sandboxed(with_users, None)
-    assert not workers_sandboxed(with_users.model_copy(update={"sandbox": False}), None)
+    with capture_logs() as logs:
+        assert not workers_sandboxed(with_users.model_copy(update={"sandbox": False}), None)
+    assert [(log["event"], log["log_level"]) for log in logs] == [("workers_unsandboxed", "warning")]
+    assert "the cluster token included" in logs[0]["consequence"]
     builtins_only = EnvServiceConfig.model_validate({"environments": {"e": {"tools": [CHECK]}}})
     assert not workers_sandboxed(builtins_only, "no bwrap here")  # only meshrl's own code runs in its workers
