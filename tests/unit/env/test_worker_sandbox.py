@@ -28,14 +28,14 @@ CHECK = {"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "tool_schema": {"type"
 
 
 def user_config(tmp_path: Path) -> EnvServiceConfig:
-    """Users' classes three ways: a tool file named relative to the working directory (in a tool config file), an
-    environment class file, a package.module class."""
+    """Users' classes three ways: a tool file named relative to the working directory, an environment class file, a
+    package.module class; and a tool config file."""
     tool_config = tmp_path / "tools.yaml"
-    tool_config.write_text(yaml.safe_dump({"tools": [{
-        "class_name": f"{os.path.relpath(PLUGINS / 'user_env.py')}:Lookup",
-        "tool_schema": {"type": "function", "function": {"name": "lookup"}}}]}))
+    tool_config.write_text(yaml.safe_dump({"tools": [CHECK]}))
+    lookup = {"class_name": f"{os.path.relpath(PLUGINS / 'user_env.py')}:Lookup",
+              "tool_schema": {"type": "function", "function": {"name": "lookup"}}}
     return EnvServiceConfig.model_validate({"environments": {
-        "tools": {"tool_config_path": str(tool_config), "tools": [CHECK]},
+        "tools": {"tool_config_path": str(tool_config), "tools": [lookup]},
         "game": {"environment": f"{PLUGINS / 'user_env.py'}:GuessNumber"},
         "module": {"environment": "yaml:YAMLObject"}}})
 
@@ -44,7 +44,7 @@ def test_a_worker_gets_its_tools_listed_and_class_files_absolute(tmp_path: Path)
     environments = worker_config(user_config(tmp_path)).environments
     assert environments["tools"].tool_config_path is None
     assert [tool.class_name for tool in environments["tools"].tools] == [
-        CHECK["class_name"], f"{PLUGINS / 'user_env.py'}:Lookup"]
+        f"{PLUGINS / 'user_env.py'}:Lookup", CHECK["class_name"]]
     assert environments["game"].environment == f"{PLUGINS / 'user_env.py'}:GuessNumber"
     assert environments["module"].environment == "yaml:YAMLObject"
 
