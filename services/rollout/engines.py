@@ -7,7 +7,9 @@ each sync (generation is held back while weights are swapped), ``sleep`` and
 ``wake_up`` when a trainer shares the GPU, ``close`` at the end.
 
 Both engines receive the weights while generation goes on and swap them in
-behind a ``SwapGate`` (``services.rollout.swap``).
+behind a ``SwapGate`` (``services.rollout.swap``). A LoRA run's syncs carry
+adapters (``services.common.adapters``), which the hf engine serves merged into
+its base weights (``HFEngine.load_adapter``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from services.common.adapters import is_adapter
 from services.common.channel import ChannelTable, gpu_uuid
 from services.common.memory import memory_metrics
 from services.run.models import load_causal_lm, load_tokenizer
@@ -165,9 +168,13 @@ class HFRolloutEngine:
         def apply() -> None:  # version and weights change together on the engine thread, even if this is cancelled
             loaded = 0  # buckets copied in
             try:
-                for bucket in staged.buckets:
-                    self.engine.load_weights(bucket)
-                    loaded += 1
+                named = [pair for bucket in staged.buckets for pair in bucket]
+                if is_adapter([name for name, _ in named]):
+                    self.engine.load_adapter(named)  # checked whole first: one refused leaves the previous adapter
+                else:
+                    for bucket in staged.buckets:
+                        self.engine.load_weights(bucket)
+                        loaded += 1
             except BaseException as error:
                 if loaded or not isinstance(error, WeightsNotLoaded):  # part of the new weights went in
                     self.damaged = failed_swap(self.weight_version, error)

@@ -16,6 +16,13 @@ forward's ``past_key_values`` argument to ``cache``: 5.24 warns that the old
 name is deprecated, 5.17 knows only the old one and would silently drop a
 ``cache`` into its ``**kwargs``. So the cache goes under the name the model's
 forward declares.
+
+A LoRA run's syncs bring adapters, not weights (``load_adapter``): the engine
+keeps the base of each adapted layer and serves base + B @ A, merged into the
+layer's weight. Merged rather than a PEFT-wrapped model: each token step costs
+what it costs without LoRA (no extra matmuls per layer), for a copy of the
+adapted layers' base weights kept beside them, and nothing in the sampling
+code knows about adapters.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from services import algos
+from services.common.adapters import adapter_pairs, merged_weight
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
 
 
@@ -77,6 +85,7 @@ class HFEngine:
         self.eos_ids = eos_ids
         self.batch_size = batch_size
         self.cache_argument = cache_argument(model)
+        self.base_weights: dict[str, torch.Tensor] = {}  # the base of each layer a LoRA adapter adapts (load_adapter)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seed_indices: Sequence[int] | None = None,
                  before_step: Callable[[], int] = version_0) -> list[list[Completion]]:
@@ -141,6 +150,33 @@ class HFEngine:
                        first_version=first_version, last_version=last)
             for t, lp, last in zip(tokens, logprobs, last_versions)
         ]
+
+    def load_adapter(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Serve a new LoRA adapter (``common.adapters``): each adapted layer's weight becomes its base weight +
+        B @ A, the base kept (a copy of each adapted weight, made when it is first adapted); a layer the previous
+        adapter adapted and this one does not goes back to its base. Every factor is checked against the model
+        before any weight changes, so an adapter refused (WeightsNotLoaded naming why) leaves the previous one
+        serving."""
+        try:
+            pairs = adapter_pairs(named)
+        except ValueError as error:
+            raise WeightsNotLoaded(str(error)) from None
+        weights = {name[: -len(".weight")]: tensor for name, tensor in self.model.named_parameters()
+                   if name.endswith(".weight")}
+        for module, (a, b) in pairs.items():
+            weight = weights.get(module)
+            if weight is None or weight.dim() != 2:
+                raise WeightsNotLoaded(f"received an adapter of {module!r}, which is not a linear layer of the "
+                                       "rollout model")
+            if (b.shape[0], a.shape[1]) != tuple(weight.shape):
+                raise WeightsNotLoaded(f"received an adapter of {module} of shape {b.shape[0]} x {a.shape[1]}, "
+                                       f"which does not fit its {weight.shape[0]} x {weight.shape[1]} weight")
+        with torch.no_grad():
+            for module in self.base_weights.keys() - pairs.keys():
+                weights[module].copy_(self.base_weights[module])
+            for module, (a, b) in pairs.items():
+                base = self.base_weights.setdefault(module, weights[module].detach().clone())
+                weights[module].copy_(merged_weight(base, a.to(base.device), b.to(base.device)))
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy received tensors into the model's parameters and buffers, by name: all of them, or none when one

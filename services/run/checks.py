@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from services.run.data import Prompt, count_rows, load_prompts
+from services.run.lora import check_lora
 from services.run.models import load_tokenizer, refuse_pickled_weights
 from services.run.config import RunConfig
 
@@ -87,6 +88,7 @@ def load_run_data(config: RunConfig) -> RunData:
     if config.use_critic and config.critic.model.path:
         check_model_folder(config.critic.model.path, "critic.model.path")
         refuse_pickled_weights(config.critic.model.path, model.allow_pickle, "critic.model.path")
+    check_run_lora(config)
     data = config.data
     if not config.trainer.val_only:  # the files and their schema first: they need no tokenizer (which takes seconds)
         check_batch_sizes(config, count_rows(data.train_files, data.prompt_key, data.reward_fn_key))
@@ -115,6 +117,14 @@ def load_run_data(config: RunConfig) -> RunData:
     if not config.trainer.val_only:
         check_batch_sizes(config, len(prompts))
     return RunData(tokenizer, prompts, val_prompts, dropped)
+
+
+def check_run_lora(config: RunConfig) -> None:
+    """The actor's and the critic's LoRA keys against their models (``lora.check_lora``)."""
+    model_path = config.actor_rollout_ref.model.path
+    check_lora(config.actor_rollout_ref.model, model_path, "actor_rollout_ref.model")
+    if config.use_critic:
+        check_lora(config.critic.model, config.critic.model.path or model_path, "critic.model", value_model=True)
 
 
 def check_batch_sizes(config: RunConfig, rows: int) -> None:

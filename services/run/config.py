@@ -181,6 +181,14 @@ class RunConfig(Section):
             notices.append(f"actor_rollout_ref.hybrid_engine={self.actor_rollout_ref.hybrid_engine}: verl's actor "
                            "and rollout in one process; meshrl's rollouts are services of their own (on the "
                            "trainer's GPUs with rollout.free_cache_engine)")
+        if self.actor_rollout_ref.model.use_shm:
+            notices.append("actor_rollout_ref.model.use_shm=True: meshrl loads the model folder where it is and "
+                           "syncs adapters in memory, never through files")
+        for key, verl_setting in (("load_format", rollout.load_format), ("layered_summon", rollout.layered_summon)):
+            if verl_setting is not None:
+                notices.append(f"actor_rollout_ref.rollout.{key}={verl_setting}: not used (meshrl's rollouts load the "
+                               "model folder, then take the trainer's weights, or adapters, over the weight "
+                               "channel, one tensor gathered at a time)")
         if trainer.use_legacy_worker_impl is not None:
             notices.append(f"trainer.use_legacy_worker_impl={trainer.use_legacy_worker_impl}: meshrl has one "
                            "worker implementation")

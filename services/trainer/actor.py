@@ -18,14 +18,17 @@ ratio is 1), and it reports their mismatch with the rollout's.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
 
 from services import algos
 from services.algo_registry import POLICY_LOSSES, PolicyLossInputs, PolicyLossParams
+from services.common.adapters import FACTOR_A, FACTOR_B
 from services.common.sequences import SequenceBatch
+from services.run.lora import ADAPTER, PEFT_PREFIX
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.forward import batched_logprobs, gather_tokens, response_logprobs
 from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
@@ -237,6 +240,36 @@ class Actor:
         self.warm_start.advance_schedule()
         return metrics
 
+    @property
+    def lora(self) -> bool:
+        """Whether the actor trains LoRA adapters on a frozen base (a PEFT model)."""
+        return hasattr(self.model, "disable_adapter")
+
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The model's parameters under their Hugging Face names, in a fixed order (a tied lm_head once)."""
+        """What a weight sync sends, in a fixed order: the model's parameters under their Hugging Face names (a tied
+        lm_head once); with LoRA, only the adapters' factors (``common.adapters``)."""
+        if self.lora:
+            return adapter_factors(self.model)
         return [(name, tensor.detach()) for name, tensor in self.model.named_parameters()]
+
+    @contextmanager
+    def base_policy(self) -> Iterator[torch.nn.Module]:
+        """The actor's base model, its adapters switched off for the passes inside the ``with`` (LoRA only): the
+        reference policy, without a second copy of the model."""
+        with self.model.disable_adapter():
+            yield self.model
+
+
+def adapter_factors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A PEFT model's LoRA factors as the weight channel carries them: per adapted layer, ``M.lora_A`` and
+    ``M.lora_B`` scaled by the adapter's scale, M the layer's name in the base model (a sharded factor stays a
+    DTensor, gathered as it is sent)."""
+    from peft.tuners.lora import LoraLayer
+
+    factors = []
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            layer = name.removeprefix(PEFT_PREFIX)
+            factors += [(layer + FACTOR_A, module.lora_A[ADAPTER].weight.detach()),
+                        (layer + FACTOR_B, module.lora_B[ADAPTER].weight.detach() * module.scaling[ADAPTER])]
+    return factors

@@ -7,6 +7,11 @@ number of ranks). The folder must be one that every rank sees (one node, or a
 shared file system). The LR schedules, shuffle generators and RNG state are
 the same on every rank; rank 0 writes them.
 
+A LoRA role (a PEFT model) saves only what it trains, its adapters (and a LoRA
+critic's value head) with their optimizer state: the frozen base is the run's
+model folder, loaded again on resume. Each role's record says whether it is
+LoRA, and a checkpoint is refused for a role trained the other way.
+
 A checkpoint is written into ``<path>.tmp`` and renamed to ``<path>`` once
 complete (by rank 0, after every rank's shards are written, with the signed
 manifest of its files last: ``services.common.manifest``), so a crash
@@ -32,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from services.common.errors import FailedPrecondition
 from services.common.manifest import EXTRA, STAGING, read_manifest, verify, write_manifest
@@ -55,6 +60,28 @@ class CheckpointNotWritten(FailedPrecondition):
 
 def trainable(roles) -> dict[str, Actor | Critic]:
     return {name: role for name, role in (("actor", roles.actor), ("critic", roles.critic)) if role is not None}
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """Whether ``model`` trains LoRA adapters on a frozen base (a PEFT model)."""
+    return hasattr(model, "disable_adapter")
+
+
+def state_options(model: torch.nn.Module) -> StateDictOptions:
+    """What of a role's state a checkpoint holds: everything, or for LoRA what it trains (no frozen base)."""
+    lora = is_lora(model)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def role_state(role: Actor | Critic) -> dict[str, Any]:
+    """The role's model and optimizer state as its checkpoint holds them. For LoRA, the parameters it trains: a
+    weight tied to a frozen one (the output layer of a model whose embeddings are tied) is left out too, which
+    ``ignore_frozen_params`` alone keeps, the tie hiding it from the parameters it asks about."""
+    model_state, optim_state = get_state_dict(role.model, role.optimizer.adamw, options=state_options(role.model))
+    if is_lora(role.model):
+        trained = {name for name, parameter in role.model.named_parameters() if parameter.requires_grad}
+        model_state = {name: tensor for name, tensor in model_state.items() if name in trained}
+    return {"model": model_state, "optim": optim_state}
 
 
 def staging_of(path: Path) -> Path:
@@ -100,9 +127,9 @@ def save(roles, path: Path, weight_version: int, ranks: Ranks, key: bytes) -> in
         ranks.barrier()
         state, extra = {}, {"weight_version": weight_version, "torch_rng": torch.get_rng_state()}
         for name, role in trainable(roles).items():
-            model_state, optim_state = get_state_dict(role.model, role.optimizer.adamw)
-            state[name] = {"model": model_state, "optim": optim_state}
-            extra[name] = {"schedule": role.optimizer.schedule.state_dict(), "shuffle": role.shuffle.get_state()}
+            state[name] = role_state(role)
+            extra[name] = {"schedule": role.optimizer.schedule.state_dict(), "shuffle": role.shuffle.get_state(),
+                           "lora": is_lora(role.model)}
         dcp.save(state, checkpoint_id=staging)  # returns once every rank's shards and the metadata are written
         if ranks.rank != 0:
             return 0
@@ -158,9 +185,16 @@ def check_complete(roles, path: Path, key: bytes) -> dict:
 
 def read_extra(roles, path: Path) -> dict:
     extra = torch.load(path / EXTRA, weights_only=True)
-    for name in trainable(roles):
+    for name, role in trainable(roles).items():
         if name not in extra:
             raise ValueError(f"checkpoint {path} holds no {name}")
+        saved, now = extra[name].get("lora", False), is_lora(role.model)
+        if saved != now:
+            keys = "actor_rollout_ref.model" if name == "actor" else "critic.model"
+            trained = {True: "LoRA adapters", False: "full weights"}
+            raise ValueError(f"checkpoint {path} holds the {name}'s {trained[saved]}, and this run trains its "
+                             f"{trained[now]} ({keys}.lora_rank): resume with the lora_rank the checkpoint was "
+                             "saved with, or start a new run")
     return extra
 
 
@@ -170,15 +204,14 @@ def load(roles, path: Path) -> int:
     extra = read_extra(roles, path)
     state: dict[str, dict[str, Any]] = {}
     for name, role in trainable(roles).items():
-        model_state, optim_state = get_state_dict(role.model, role.optimizer.adamw)
-        state[name] = {"model": model_state, "optim": optim_state}
+        state[name] = role_state(role)
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as error:
         raise ValueError(f"checkpoint {path} cannot be loaded: {cause_of(error)}") from None
     for name, role in trainable(roles).items():
         set_state_dict(role.model, role.optimizer.adamw, model_state_dict=state[name]["model"],
-                       optim_state_dict=state[name]["optim"])
+                       optim_state_dict=state[name]["optim"], options=state_options(role.model))
         role.optimizer.schedule.load_state_dict(extra[name]["schedule"])
         role.shuffle.set_state(extra[name]["shuffle"])
     torch.set_rng_state(extra["torch_rng"])

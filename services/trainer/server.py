@@ -30,6 +30,7 @@ from services.algo_registry import POLICY_LOSSES
 from services.common.plugins import import_modules
 from services.common.limits import StreamLimits, check_wait
 from services.common.manifest import checkpoint_key
+from services.run.lora import check_lora
 from services.run.models import check_weights, refuse_pickled_weights
 from services.common.paths import inside
 from services.run.config import RunConfig
@@ -129,6 +130,10 @@ def check_init(config: RunConfig, roles: list[str], world_size: int) -> None:
         raise ValueError(f"actor_rollout_ref.model.path: no tokenizer loads from {actor_path} ({error})") from None
     if {"actor", "ref"} & set(roles):
         check_weights(actor_path)
+    if "actor" in roles:
+        check_lora(config.actor_rollout_ref.model, actor_path, "actor_rollout_ref.model")
+    if "critic" in roles:
+        check_lora(config.critic.model, config.critic.model.path or actor_path, "critic.model", value_model=True)
     if "critic" in roles:
         check_weights(config.critic.model.path or actor_path, body_only=True)
 
@@ -174,7 +179,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         role = role or "actor"
         if role not in ("actor", "ref"):
             raise ValueError(f"ComputeLogProbs role must be actor or ref, got {role!r}")
-        model = roles.need(role).model if role == "actor" else roles.need("ref")
+        model = roles.need(role).model if role == "actor" else roles.need("ref")  # (for its vocabulary)
         logprobs = await self._run("compute_log_probs", {"role": role}, check_vocab(batch, model))
         for chunks in batch_to_chunks({"logprobs": logprobs}):
             yield trainer_pb2.BatchResponse(chunks=chunks)
@@ -287,7 +292,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             identity=self.identity, weight_version=self.worker.weight_version, run_id=roles.run_id if roles else "",
             details={"model_path": roles.settings.model_path if roles else "",
                      "device": self.config.device, "roles": ",".join(roles.hosted()) if roles else "",
-                     "ranks": str(self.worker.ranks.world_size), "gpu": self._gpu},
+                     "ranks": str(self.worker.ranks.world_size), "gpu": self._gpu,
+                     "parameters": ",".join(f"{role}={count}" for role, count in
+                                            (roles.parameter_counts() if roles else {}).items())},
         )
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from services.run.lora import output_layer_name, with_lora
 from services.run.models import load_causal_lm, load_tokenizer, load_value_model
 from services.run.config import RunConfig
 from services.run.sections.actor import ActorConfig
@@ -84,6 +85,8 @@ def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
     torch.manual_seed(seed)
     model = load_causal_lm(model_config.path, weights_dtype(model_config.dtype, actor.fsdp_config),
                            model_config.allow_pickle, attention(packs(model_config.use_remove_padding, ranks.device)))
+    if model_config.lora_rank:
+        model = with_lora(model, model_config)
     model = place(model, ranks, actor_sharding(config, ranks.world_size), model_config.enable_gradient_checkpointing)
     optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.steps,
                            actor.fsdp_config.optimizer_offload)
@@ -98,10 +101,18 @@ def build_critic(config: RunConfig, seed: int, ranks: Ranks) -> Critic:
     model = load_value_model(path, weights_dtype(config.actor_rollout_ref.model.dtype, critic.model.fsdp_config),
                              config.actor_rollout_ref.model.allow_pickle,
                              attention(packs(critic.model.use_remove_padding, ranks.device)))
+    if critic.model.lora_rank:
+        model = with_lora(model, critic.model, modules_to_save=[output_layer_name(model)])
     model = place(model, ranks, critic_sharding(config, ranks.world_size), critic.model.enable_gradient_checkpointing)
     optim = optim_settings(critic.optim, critic.grad_clip, config.trainer.steps,
                            critic.model.fsdp_config.optimizer_offload)
     return Critic(model, optim, pad_id_of(path), seed, ranks)
+
+
+def reference_is_actor_base(config: RunConfig, roles: list[str]) -> bool:
+    """Whether the reference is the actor's own base model with its adapters switched off (a LoRA actor on this
+    trainer), so that no second copy of the model is loaded."""
+    return bool(config.actor_rollout_ref.model.lora_rank) and "actor" in roles and "ref" in roles
 
 
 def build_reference(config: RunConfig, ranks: Ranks) -> torch.nn.Module:

@@ -27,6 +27,7 @@ actor's as verl names them (``perf/max_memory_allocated_gb``, ``perf/max_memory_
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -46,7 +47,8 @@ from services.trainer.critic import Critic
 from services.trainer.forward import batched_logprobs
 from services.trainer.ranks import Ranks, fatal
 from services.trainer.settings import RunSettings, run_settings
-from services.trainer.setup import ROLES, build_actor, build_critic, build_reference, pad_id_of
+from services.trainer.setup import (ROLES, build_actor, build_critic, build_reference, pad_id_of,
+                                    reference_is_actor_base)
 from services.trainer.telemetry import release_cached_memory, step_memory_metrics
 
 log = structlog.get_logger()
@@ -65,12 +67,29 @@ class Roles:
     settings: RunSettings
     actor: Actor | None
     critic: Critic | None
-    reference: torch.nn.Module | None
+    reference: torch.nn.Module | None  # None also where the reference is the actor's base (reference_is_base)
     pad_id: int
+    reference_is_base: bool = False  # the reference is the LoRA actor's base, its adapters switched off
 
     def hosted(self) -> dict[str, object]:
+        reference = self.actor.model if self.reference_is_base and self.actor is not None else self.reference
         return {name: model for name, model in
-                (("actor", self.actor), ("critic", self.critic), ("ref", self.reference)) if model is not None}
+                (("actor", self.actor), ("critic", self.critic), ("ref", reference)) if model is not None}
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters (elements) each hosted role holds, and those it trains (``<role>_trainable``); a reference
+        that is the actor's base holds none of its own."""
+        counts = {}
+        models: tuple[tuple[str, torch.nn.Module | None], ...] = (
+            ("actor", self.actor.model if self.actor else None), ("critic", self.critic.model if self.critic else None),
+            ("ref", self.reference))
+        for name, model in models:
+            if model is not None:
+                counts[name] = sum(p.numel() for p in model.parameters())
+                counts[f"{name}_trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if self.reference_is_base:
+            counts["ref"] = 0
+        return counts
 
     def need(self, role: str):
         hosted = self.hosted().get(role)
@@ -114,14 +133,17 @@ def parse_run_config(run_config_yaml: str) -> RunConfig:
 
 
 def build_roles(run_id: str, config: RunConfig, roles: list[str], seed: int, ranks: Ranks) -> Roles:
+    """The roles asked for; with a LoRA actor here, the reference is its base (no second copy is loaded)."""
     check_roles(roles)
+    base = reference_is_actor_base(config, roles)
     return Roles(
         run_id=run_id,
         settings=run_settings(config, ranks.device),
         actor=build_actor(config, seed, ranks) if "actor" in roles else None,
         critic=build_critic(config, seed, ranks) if "critic" in roles else None,
-        reference=build_reference(config, ranks) if "ref" in roles else None,
+        reference=build_reference(config, ranks) if "ref" in roles and not base else None,
         pad_id=pad_id_of(config.actor_rollout_ref.model.path),
+        reference_is_base=base,
     )
 
 
@@ -207,12 +229,22 @@ class Worker:
         return self.roles
 
     def compute_log_probs(self, tensors, role: str) -> torch.Tensor | None:
+        """The actor's or the reference's logprobs (the reference's from the LoRA actor's base, its adapters
+        switched off, where it is that)."""
         roles = self._roles()
-        model = roles.need("actor").model if role == "actor" else roles.need("ref")
         settings = roles.settings
         micro = settings.actor_log_probs if role == "actor" else settings.ref_log_probs
-        return batched_logprobs(model, sequences(tensors), pad_id=roles.pad_id, temperature=settings.temperature,
-                                micro=micro, ranks=self.ranks)
+        with self._policy(roles, role) as model:
+            return batched_logprobs(model, sequences(tensors), pad_id=roles.pad_id,
+                                    temperature=settings.temperature, micro=micro, ranks=self.ranks)
+
+    @staticmethod
+    def _policy(roles: Roles, role: str) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        if role == "actor":
+            return contextlib.nullcontext(roles.need("actor").model)
+        if roles.reference_is_base:
+            return roles.need("actor").base_policy()
+        return contextlib.nullcontext(roles.need("ref"))
 
     def compute_values(self, tensors) -> torch.Tensor | None:
         roles = self._roles()

@@ -10,10 +10,14 @@ from pydantic import NonNegativeInt, PositiveInt
 from services.common.config import Section
 from services.run.sections.actor import ActorConfig
 from services.run.sections.fsdp import FSDPConfig
+from services.run.sections.lora import ActorLoraKeys
 from services.run.sections.rollout import RolloutConfig
 
 
-class ModelConfig(Section):
+class ModelConfig(ActorLoraKeys):
+    """The model every role starts from; with lora_rank > 0 the actor trains LoRA adapters on it (the keys of
+    services/run/sections/lora.py) and the reference is this model with the adapters switched off."""
+
     path: str = ""
     """Local Hugging Face model folder (config.json, weights, tokenizer). Filled in by --local."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

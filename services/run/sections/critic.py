@@ -8,10 +8,13 @@ from pydantic import Field, PositiveFloat, PositiveInt
 
 from services.common.config import Section
 from services.run.sections.fsdp import FSDPConfig
+from services.run.sections.lora import LoraKeys
 from services.run.sections.optim import OptimConfig
 
 
-class CriticModelConfig(Section):
+class CriticModelConfig(LoraKeys):
+    """The critic's body; with lora_rank > 0 it trains LoRA adapters on it and its value head whole."""
+
     path: str = ""
     """Local model folder of the critic's body; empty = the actor's model (a value head is added)."""
     enable_gradient_checkpointing: bool = False

@@ -12,6 +12,7 @@ from pydantic import AfterValidator, Field, PositiveInt
 
 from services.common.config import Section
 from services.common.limits import MIN_TEMPERATURE, check_temperature
+from services.run.sections.lora import LoadFormat
 from services.run.tool_calls import check_format
 
 
@@ -128,3 +129,11 @@ class RolloutConfig(Section):
     tensor_model_parallel_size: PositiveInt | None = None
     """verl's tensor parallelism of vLLM. As gpu_memory_utilization: the rollout service's own
     tensor_parallel_size; --local passes this one on, a cluster run reports it as not used."""
+    load_format: LoadFormat | None = None
+    """verl's way for vLLM to load the model before the first sync (dummy: random weights). Accepted; a meshrl
+    rollout loads the model folder it is given (real weights, so validation before the first sync is meaningful)
+    and then takes the trainer's weights over the weight channel: reported as not used."""
+    layered_summon: bool | None = None
+    """verl's LoRA sync gathers the FSDP shards one layer at a time to cut peak memory. Accepted; meshrl's sender
+    gathers every sharded tensor one at a time into its buckets anyway (and with LoRA sends only the adapters),
+    so this is what it always does: reported as not used."""

@@ -1,0 +1,181 @@
+"""A LoRA actor on the trainer (actor_rollout_ref.model.lora_rank > 0): what trains, the reference without a
+second copy, the adapter-only sync's tensors, checkpoints of the adapters, and the keys refused before a run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from safetensors.torch import save_file
+
+from services.coordctl.tiny_model import build_tiny_model
+from services.run.config import RunConfig
+from services.run.lora import check_lora
+from services.run.models import load_causal_lm
+from services.trainer import checkpoint
+from services.trainer.forward import batched_logprobs
+from services.trainer.ranks import Ranks
+from services.trainer.worker import Worker
+
+SEQUENCES = {"prompt_ids": torch.tensor([5, 6, 7, 8, 9, 10, 11]), "prompt_lens": torch.tensor([3, 4]),
+             "response_ids": torch.tensor([12, 13, 14, 15, 16]), "response_lens": torch.tensor([2, 3])}
+ADVANTAGES = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=2, num_heads=2, seed=0)
+
+
+def run_yaml(folder, **model_keys) -> str:
+    return yaml.safe_dump({"actor_rollout_ref": {
+        "model": {"path": str(folder), **model_keys},
+        "actor": {"use_kl_loss": True, "optim": {"lr": 1e-2}}}})
+
+
+def loaded(tiny, roles=("actor", "ref"), **model_keys) -> Worker:
+    worker = Worker(Ranks.single("cpu"))
+    worker.init_run({}, run_id="r", run_config_yaml=run_yaml(tiny, **model_keys), roles=list(roles), seed=0)
+    return worker
+
+
+def update(worker: Worker) -> None:
+    ref = worker.compute_log_probs(SEQUENCES, role="ref" if "ref" in worker.roles.hosted() else "actor")
+    worker.update_actor({**SEQUENCES, "advantages": ADVANTAGES, "ref_logprobs": ref})
+
+
+def test_only_the_adapters_train_and_only_they_are_in_the_optimizer(tiny):
+    worker = loaded(tiny, lora_rank=4, lora_alpha=8)
+    actor = worker.roles.actor
+    trained = [name for name, p in actor.model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in name or ".lora_B." in name for name in trained)
+    # all-linear: the 7 linear layers of each of the 2 decoder layers, not the output layer
+    assert len(trained) == 2 * 7 * 2
+    assert {id(p) for p in actor.optimizer.params} == {id(p) for p in actor.model.parameters() if p.requires_grad}
+    frozen = {name: p.clone() for name, p in actor.model.named_parameters() if not p.requires_grad}
+    update(worker)
+    assert all(torch.equal(p, frozen[name]) for name, p in actor.model.named_parameters() if not p.requires_grad)
+    assert any(p.abs().max() > 0 for name, p in actor.model.named_parameters() if ".lora_B." in name)
+
+
+def test_the_reference_is_the_base_model_with_no_second_copy(tiny):
+    worker = loaded(tiny, lora_rank=4, lora_alpha=8)
+    update(worker)  # the adapters have moved the actor away from its base
+    base = load_causal_lm(tiny)  # loaded independently, from the model folder
+    from services.trainer.worker import sequences
+
+    want = batched_logprobs(base, sequences(SEQUENCES), worker.roles.pad_id, 1.0, worker.roles.settings.ref_log_probs,
+                            worker.ranks)
+    assert torch.allclose(worker.compute_log_probs(SEQUENCES, role="ref"), want, atol=1e-6)
+    assert not torch.allclose(worker.compute_log_probs(SEQUENCES, role="actor"), want, atol=1e-4)
+    counts = worker.roles.parameter_counts()
+    base_count = sum(p.numel() for p in base.parameters())
+    assert worker.roles.reference is None and counts["ref"] == 0
+    assert counts["actor"] - counts["actor_trainable"] == base_count  # the base, once
+    full = loaded(tiny).roles.parameter_counts()
+    assert full["ref"] == base_count  # full fine-tuning holds a second copy
+
+
+def test_a_sync_sends_each_adapted_layer_s_factors_b_scaled(tiny):
+    worker = loaded(tiny, roles=("actor",), lora_rank=4, lora_alpha=8)
+    update(worker)
+    named = dict(worker.roles.actor.named_weights())
+    assert len(named) == 2 * 7 * 2
+    layer = "model.layers.1.mlp.down_proj"
+    module = worker.roles.actor.model.base_model.model.model.layers[1].mlp.down_proj
+    assert torch.equal(named[f"{layer}.lora_A"], module.lora_A["default"].weight)
+    assert torch.allclose(named[f"{layer}.lora_B"], module.lora_B["default"].weight * 2.0)  # alpha / rank = 2
+
+
+def test_target_modules_and_exclude_modules_choose_the_layers(tiny):
+    worker = loaded(tiny, roles=("actor",), lora_rank=4, target_modules=["q_proj", "v_proj"],
+                    exclude_modules=["model.layers.0.self_attn.v_proj"])
+    names = sorted(name.rsplit(".", 1)[0] for name, _ in worker.roles.actor.named_weights())
+    assert names == sorted(["model.layers.0.self_attn.q_proj"] * 2 + ["model.layers.1.self_attn.q_proj"] * 2
+                           + ["model.layers.1.self_attn.v_proj"] * 2)
+
+
+def test_a_checkpoint_holds_the_adapters_alone_and_restores_them(tiny, tmp_path):
+    worker = loaded(tiny, roles=("actor",), lora_rank=4)
+    update(worker)
+    saved = {name: t.clone() for name, t in worker.roles.actor.named_weights()}
+    worker.save_checkpoint({}, path=str(tmp_path / "lora"))
+    full_worker = loaded(tiny, roles=("actor",))
+    full_worker.save_checkpoint({}, path=str(tmp_path / "full"))
+    stored = dcp.FileSystemReader(str(tmp_path / "lora")).read_metadata().state_dict_metadata
+    weights = {key: meta.size.numel() for key, meta in stored.items() if key.startswith("actor.model.")}
+    assert all(".lora_A." in key or ".lora_B." in key for key in weights)  # no base weight
+    assert sum(weights.values()) == worker.roles.parameter_counts()["actor_trainable"]
+    moments = [key for key in stored if key.startswith("actor.optim.state.") and key.endswith(".exp_avg")]
+    assert len(moments) == len(weights)  # and the optimizer state of each adapter tensor
+    update(worker)
+    worker.load_checkpoint({}, path=str(tmp_path / "lora"))
+    assert all(torch.equal(t, saved[name]) for name, t in worker.roles.actor.named_weights())
+    with pytest.raises(ValueError, match=r"holds the actor's full weights, and this run trains its LoRA adapters "
+                                         r"\(actor_rollout_ref.model.lora_rank\)"):
+        checkpoint.read_extra(worker.roles, tmp_path / "full")
+    with pytest.raises(ValueError, match=r"holds the actor.s LoRA adapters, and this run trains its full weights"):
+        checkpoint.read_extra(full_worker.roles, tmp_path / "lora")
+
+
+def lora_keys(tiny, **keys):
+    config = RunConfig.model_validate({"actor_rollout_ref": {"model": {"path": str(tiny), **keys}}})
+    return config.actor_rollout_ref.model
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"lora_rank": 4, "target_modules": ["q_proj", "qkv"]},
+     r"actor_rollout_ref.model.target_modules: \['qkv'\] match no linear layer of the model; its linear layers are "
+     r"named \['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]"),
+    ({"lora_rank": 33}, r"actor_rollout_ref.model.lora_rank: 33 is larger than layer model.layers.0.self_attn.q_proj "
+                        r"\(32 x 32\) can hold; choose at most 32"),
+    ({"lora_rank": 4, "target_modules": ["q_proj"], "exclude_modules": ["q_proj"]},
+     r"actor_rollout_ref.model.exclude_modules: \['q_proj'\] leaves no layer to adapt"),
+])
+def test_bad_lora_keys_are_refused_naming_the_key(tiny, keys, message):
+    with pytest.raises(ValueError, match=message):
+        check_lora(lora_keys(tiny, **keys), str(tiny), "actor_rollout_ref.model")
+
+
+def test_an_adapter_folder_of_another_model_is_refused(tiny, tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{name}.lora_A.weight": torch.zeros(4, 64), f"{name}.lora_B.weight": torch.zeros(32, 4)},
+              folder / "adapter_model.safetensors")
+    keys = lora_keys(tiny, lora_rank=4, lora_adapter_path=str(folder))
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.lora_adapter_path: .* adapts "
+                                         r"model.layers.0.self_attn.q_proj with a factor of shape \[4, 64\], which "
+                                         r"does not fit its 32 x 32 weight: the adapter was made for another base"):
+        check_lora(keys, str(tiny), "actor_rollout_ref.model")
+    with pytest.raises(ValueError, match=r"lora_adapter_path: .* is not a PEFT adapter folder"):
+        check_lora(lora_keys(tiny, lora_rank=4, lora_adapter_path=str(tmp_path)), str(tiny), "actor_rollout_ref.model")
+    with pytest.raises(ValueError, match=r"lora_adapter_path: .* needs lora_rank > 0"):
+        lora_keys(tiny, lora_adapter_path=str(folder))
+
+
+def test_verl_s_lora_and_rollout_keys_are_accepted_and_the_unused_ones_said(tiny):
+    config = RunConfig.model_validate({"actor_rollout_ref": {
+        "model": {"path": str(tiny), "lora_rank": 32, "lora_alpha": 32, "target_modules": "all-linear",
+                  "use_shm": True},
+        "rollout": {"load_format": "safetensors", "layered_summon": True}}, "critic": {"model": {"lora_rank": 8}}})
+    assert config.critic.model.lora_rank == 8
+    notices = "\n".join(config.notices())
+    assert "actor_rollout_ref.model.use_shm=True" in notices
+    assert "actor_rollout_ref.rollout.load_format=safetensors: not used" in notices
+    assert "actor_rollout_ref.rollout.layered_summon=True: not used" in notices
+
+
+def test_a_lora_critic_trains_its_adapters_and_its_value_head(tiny):
+    worker = Worker(Ranks.single("cpu"))
+    config = yaml.safe_dump({"actor_rollout_ref": {"model": {"path": str(tiny)}},
+                             "critic": {"model": {"lora_rank": 4}}, "algorithm": {"adv_estimator": "gae"}})
+    worker.init_run({}, run_id="r", run_config_yaml=config, roles=["critic"], seed=0)
+    trained = [name for name, p in worker.roles.critic.model.named_parameters() if p.requires_grad]
+    assert any(".lora_A." in name for name in trained)
+    assert any("score" in name and "lora" not in name for name in trained)
+    assert all(".lora_" in name or "score" in name for name in trained)
