@@ -130,7 +130,7 @@ def test_a_damaged_or_unfitting_adapter_leaves_the_previous_one_serving(tiny):
                                                               bucket_bytes=4096))
         assert engine.weight_version == 1 and torch.equal(served_logits(engine), serving)
         wrong = [(name, tensor[:, :-1] if name.endswith("lora_A") else tensor) for name, tensor in actor.named_weights()]
-        with pytest.raises(ValueError, match="which does not fit its 32 x 32 weight"):
+        with pytest.raises(ValueError, match=r"which does not fit its 32 x 32 weight"):
             await sync(engine, "damaged", lambda: sender.send(channel, wrong, version=3, bucket_bytes=4096))
         assert engine.weight_version == 1 and torch.equal(served_logits(engine), serving)
         channel.close()
