@@ -320,17 +320,19 @@ def export_model(
     out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="the Hugging Face folder to write (new or empty)"),
     step: Optional[int] = typer.Option(None, "--step", help="the checkpoint's step (default: the last)"),
     role: str = typer.Option("actor", "--role", help="actor (a causal LM) or critic (a value model)"),
+    adapter: bool = typer.Option(False, "--adapter", help="a LoRA run: write its adapter alone as a PEFT adapter "
+                                                          "folder (default: merged into the base model)"),
     state_dir: Optional[Path] = typer.Option(None, help="the coordinator's state_dir, to find RUN by id here"),
     coordinator: str = COORDINATOR,
 ) -> None:
     """Write a checkpoint of a run as a Hugging Face model folder (config, safetensors, tokenizer, generation
     config) that transformers and vLLM load and a new run can start from; FSDP shards of any number of ranks
-    are merged."""
+    are merged, and a LoRA run's adapters merged into its base unless --adapter asks for the adapter folder."""
     from services.coordctl.export import export
 
     run_dir = find_run_dir(run, state_dir, coordinator)
     try:
-        exported_step, folder = export(run_dir, out_dir, step, role)
+        exported_step, folder = export(run_dir, out_dir, step, role, adapter)
     except (ValueError, FileNotFoundError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2)
@@ -425,7 +427,8 @@ def plot(
 
 @app.command("eval")
 def evaluate(
-    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="a Hugging Face model folder"),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="a Hugging Face model folder, or a PEFT LoRA "
+                                                                     "adapter folder (merged onto its base first)"),
     data: list[Path] = typer.Option(..., "--data", help="parquet or JSONL in verl's schema; repeat for several"),
     n: int = typer.Option(1, "--n", min=1, help="responses per prompt: mean@n, best@k, maj@k and pass@k"),
     temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0,
@@ -443,9 +446,20 @@ def evaluate(
 ) -> None:
     """Score a model folder on a dataset through the rollout and reward services (a run that only validates):
     print mean@n and pass@k per data source, write every response with its score. A folder that coordctl export
-    wrote is scored with its run's prompt and response lengths unless told otherwise."""
-    from services.coordctl.export import exported_data
+    wrote is scored with its run's prompt and response lengths unless told otherwise. An adapter folder is
+    merged onto its base model into <MODEL_DIR name>-merged here, which the rollouts then serve."""
+    from services.coordctl.export import exported_data, merge_adapter
     from services.coordctl.local import ServiceSpec
+    from services.run.lora import ADAPTER_CONFIG
+
+    if (model_dir / ADAPTER_CONFIG).exists():
+        merged = Path(f"{model_dir.resolve().name}-merged")
+        try:
+            model_dir = merge_adapter(model_dir, merged)
+        except ValueError as error:
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(2)
+        typer.echo(f"merged the adapter {model_dir} onto its base into {merged}")
 
     sampled = temperature if temperature is not None else (1.0 if n > 1 else 0.0)
     data_settings = {"max_response_length": 512, **exported_data(model_dir)}

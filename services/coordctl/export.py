@@ -10,7 +10,11 @@ run's model folder. The checkpoint's signed manifest is checked first (see
 ``services.common.manifest``; the key is the state_dir's checkpoint.key).
 The actor becomes a causal LM (what transformers, vLLM and a new run load),
 the critic a token-classification model with one output (a value model, as
-the trainer builds its critic). Beside the model, ``meshrl_export.json`` records where it came from and the
+the trainer builds its critic). A LoRA run's checkpoint holds its adapters: the
+export loads the run's base model folder, puts the adapters on it as the
+trainer did, and writes them merged into the base (default) or, with
+``--adapter``, as PEFT's adapter folder, which PEFT and vLLM load onto the base.
+Beside the model, ``meshrl_export.json`` records where it came from and the
 run's prompt and response lengths, which ``coordctl eval`` of the folder defaults to.
 """
 
@@ -25,6 +29,7 @@ import yaml
 from services.common.config import validate
 from services.common.manifest import MANIFEST, checkpoint_key, verify
 from services.run.config import RunConfig
+from services.run.sections.lora import LoraKeys
 
 EXPORT_RECORD = "meshrl_export.json"
 EVAL_DATA_KEYS = ("max_prompt_length", "max_response_length", "truncation")
@@ -71,6 +76,44 @@ def role_model(config: RunConfig, role: str):
 def load_role_weights(model, folder: Path, role: str) -> None:
     """Read ``role``'s weights from a DCP checkpoint folder into ``model``; every parameter must be there (a
     weight tied to another counts as there)."""
+    missing, unexpected = model.load_state_dict(read_role_state(folder, role), strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    untied = [name for name in missing if name not in tied]
+    if untied or unexpected:
+        raise ValueError(f"checkpoint {folder} does not fit the run's model: missing {untied[:5]}, "
+                         f"unexpected {list(unexpected)[:5]}")
+    if tied:
+        model.tie_weights()
+
+
+def lora_keys_of(config: RunConfig, role: str) -> LoraKeys:
+    return config.actor_rollout_ref.model if role == "actor" else config.critic.model
+
+
+def lora_role_model(config: RunConfig, role: str, folder: Path):
+    """A LoRA role as the trainer built it (its base from the run's model folder, PEFT's wrapping), its
+    adapters (and a critic's value head) read from the checkpoint ``folder``."""
+    from services.run.lora import output_layer_name, with_lora
+    from services.run.models import load_causal_lm, load_value_model
+
+    path = config.actor_rollout_ref.model.path if role == "actor" else (
+        config.critic.model.path or config.actor_rollout_ref.model.path)
+    load = load_causal_lm if role == "actor" else load_value_model
+    base = load(path, "float32", config.actor_rollout_ref.model.allow_pickle)
+    model = with_lora(base, lora_keys_of(config, role),
+                      modules_to_save=None if role == "actor" else [output_layer_name(base)])
+    trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    stored = read_role_state(folder, role)
+    missing = sorted(trained - set(stored))
+    if missing or set(stored) - trained:
+        raise ValueError(f"checkpoint {folder} does not hold the adapters of the run's model: missing "
+                         f"{missing[:5]}, unexpected {sorted(set(stored) - trained)[:5]}")
+    model.load_state_dict(stored, strict=False)
+    return model
+
+
+def read_role_state(folder: Path, role: str) -> dict:
+    """Every tensor of ``role``'s model state in a DCP checkpoint folder, read whole in this one process."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -83,19 +126,15 @@ def load_role_weights(model, folder: Path, role: str) -> None:
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process reads every shard
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(request, checkpoint_id=str(folder), no_dist=True)
-    missing, unexpected = model.load_state_dict(request[role]["model"], strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    untied = [name for name in missing if name not in tied]
-    if untied or unexpected:
-        raise ValueError(f"checkpoint {folder} does not fit the run's model: missing {untied[:5]}, "
-                         f"unexpected {list(unexpected)[:5]}")
-    if tied:
-        model.tie_weights()
+    return request[role]["model"]
 
 
-def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "actor") -> tuple[int, Path]:
+def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "actor",
+           adapter: bool = False) -> tuple[int, Path]:
     """Write the ``role``'s weights of ``step`` (None: the last checkpoint) as a Hugging Face folder into
-    ``out_dir``, in the run's actor_rollout_ref.model.dtype; returns the step and the folder."""
+    ``out_dir``, in the run's actor_rollout_ref.model.dtype (a LoRA run's adapters merged into its base); or,
+    with ``adapter``, a LoRA run's adapter alone as a PEFT adapter folder (adapter_config.json,
+    adapter_model.safetensors, naming the run's model folder as its base). Returns the step and the folder."""
     import torch
 
     from services.run.models import load_tokenizer
@@ -105,23 +144,62 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "a
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty: export into a new folder")
     config = validate(RunConfig, yaml.safe_load((run_dir / "config.yaml").read_text()))
+    lora = bool(lora_keys_of(config, role).lora_rank)
+    if adapter and not lora:
+        keys = "actor_rollout_ref.model" if role == "actor" else "critic.model"
+        raise ValueError(f"--adapter: run {run_dir.name} trained the {role}'s full weights ({keys}.lora_rank is 0), "
+                         "so it has no adapter; export it without --adapter")
     step, folder = checkpoint_of(config.checkpoint_dir(run_dir), step, role)
     verify(folder, checkpoint_key(run_dir.parent.parent))  # the key of the state_dir, which holds runs/<run_id>
-    model = role_model(config, role)
-    load_role_weights(model, folder, role)
+    if lora:
+        model = lora_role_model(config, role, folder)
+        model = model if adapter else model.merge_and_unload()
+    else:
+        model = role_model(config, role)
+        load_role_weights(model, folder, role)
     model = model.to(getattr(torch, config.actor_rollout_ref.model.dtype))
     tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
     if getattr(model, "generation_config", None) is not None:  # a causal LM (the value model has none)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="4GB")
+    if adapter:
+        model.save_pretrained(out_dir)  # PEFT's adapter folder
+    else:
+        model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="4GB")
     tokenizer.save_pretrained(out_dir)
     data = {key: getattr(config.data, key) for key in EVAL_DATA_KEYS}
     (out_dir / EXPORT_RECORD).write_text(json.dumps(
-        {"run_dir": str(run_dir), "step": step, "role": role, "checkpoint": str(folder), "data": data},
-        indent=1) + "\n")
+        {"run_dir": str(run_dir), "step": step, "role": role, "checkpoint": str(folder), "data": data,
+         "adapter": adapter}, indent=1) + "\n")
     return step, out_dir
+
+
+def merge_adapter(adapter_dir: Path, out_dir: Path) -> Path:
+    """A PEFT LoRA adapter folder merged onto its base (adapter_config.json's base_model_name_or_path, a local
+    model folder) as a Hugging Face folder in ``out_dir``, with the adapter folder's tokenizer and export record
+    (for ``coordctl eval``, whose rollouts serve a model folder)."""
+    import shutil
+
+    from peft import PeftModel
+
+    from services.run.lora import ADAPTER_CONFIG
+    from services.run.models import load_causal_lm, load_tokenizer
+
+    base = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+    if not (Path(base) / "config.json").exists():
+        raise ValueError(f"{adapter_dir}: its base model {base!r} (adapter_config.json's base_model_name_or_path) "
+                         "is not a model folder here")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} is not empty: the adapter is merged into a new folder")
+    merged = PeftModel.from_pretrained(load_causal_lm(base), str(adapter_dir)).merge_and_unload()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(out_dir, safe_serialization=True, max_shard_size="4GB")
+    tokenizer_source = adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else Path(base)
+    load_tokenizer(tokenizer_source).save_pretrained(out_dir)
+    if (adapter_dir / EXPORT_RECORD).exists():
+        shutil.copy(adapter_dir / EXPORT_RECORD, out_dir / EXPORT_RECORD)
+    return out_dir
 
 
 def exported_data(model_dir: Path) -> dict:
