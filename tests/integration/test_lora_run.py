@@ -71,6 +71,7 @@ def test_a_lora_run_syncs_adapters_resumes_exactly_and_exports(cluster, tiny_mod
     stopped = asyncio.run(run(cluster.coordinator, config, stop_after=2))
     assert stopped.state == "stopped" and 2 <= stopped.step < STEPS
     resumed, again = asyncio.run(resume(cluster.coordinator, stopped.run_id))
+    assert resumed.step == stopped.step  # from the checkpoint of the step it stopped after
     assert again.state == "finished" and again.step == STEPS
     got_metrics = comparable(again.run_dir)
     assert sorted(got_metrics) == list(range(1, STEPS + 1))
