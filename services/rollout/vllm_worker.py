@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from services.common.adapters import is_adapter
 from services.common.channel import gpu_uuid, open_weight_channel
 from services.common.lifetime import end_with
 from services.common.memory import memory_metrics
@@ -100,6 +101,9 @@ class MeshrlWorkerExtension:
     def _meshrl_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket: copied straight into the model when every tensor has a learned view
         (``DirectLoader``), else through ``load_weights``, after which the loader learns where they landed."""
+        if is_adapter([name for name, _ in named]):
+            raise ValueError("a LoRA run's adapter came to a vLLM rollout, which takes full weights only for now: "
+                             "serve LoRA runs with engine=hf rollouts (docs/guides/lora.md)")
         direct = self.__dict__.setdefault("_meshrl_direct", DirectLoader(self.model_runner.model))
         if direct.knows(named):
             direct.load(named)
