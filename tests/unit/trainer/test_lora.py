@@ -179,3 +179,18 @@ def test_a_lora_critic_trains_its_adapters_and_its_value_head(tiny):
     assert any(".lora_A." in name for name in trained)
     assert any("score" in name and "lora" not in name for name in trained)
     assert all(".lora_" in name or "score" in name for name in trained)
+
+
+def test_lora_adapter_path_starts_from_a_saved_adapter_with_its_own_rank(tiny, tmp_path):
+    first = loaded(tiny, roles=("actor",), lora_rank=4, lora_alpha=8)
+    update(first)
+    first.roles.actor.model.save_pretrained(tmp_path / "adapter")  # PEFT's adapter folder
+    check_lora(lora_keys(tiny, lora_rank=16, lora_adapter_path=str(tmp_path / "adapter")), str(tiny),
+               "actor_rollout_ref.model")
+    again = loaded(tiny, roles=("actor",), lora_rank=16, lora_adapter_path=str(tmp_path / "adapter"))
+    started = dict(again.roles.actor.named_weights())
+    assert started.keys() == dict(first.roles.actor.named_weights()).keys()
+    for name, tensor in first.roles.actor.named_weights():
+        assert torch.allclose(started[name], tensor)  # rank 4 and alpha 8, the adapter's own
+    update(again)  # and it trains on
+    assert any(not torch.equal(t, started[name]) for name, t in again.roles.actor.named_weights())
