@@ -27,6 +27,11 @@ ADAPTER = "default"  # PEFT's name of a model's one adapter
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before the wrapped model's module names
 
 
+def is_lora(model: Any) -> bool:
+    """Whether ``model`` trains LoRA adapters on a frozen base (a PEFT model, which can switch them off)."""
+    return hasattr(model, "disable_adapter")
+
+
 def matches(name: str, entry: str) -> bool:
     """PEFT's rule for a list entry of target_modules or exclude_modules."""
     return name == entry or name.endswith("." + entry)

@@ -28,7 +28,7 @@ from services import algos
 from services.algo_registry import POLICY_LOSSES, PolicyLossInputs, PolicyLossParams
 from services.common.adapters import FACTOR_A, FACTOR_B
 from services.common.sequences import SequenceBatch
-from services.run.lora import ADAPTER, PEFT_PREFIX
+from services.run.lora import ADAPTER, PEFT_PREFIX, is_lora
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.forward import batched_logprobs, gather_tokens, response_logprobs
 from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
@@ -240,15 +240,10 @@ class Actor:
         self.warm_start.advance_schedule()
         return metrics
 
-    @property
-    def lora(self) -> bool:
-        """Whether the actor trains LoRA adapters on a frozen base (a PEFT model)."""
-        return hasattr(self.model, "disable_adapter")
-
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """What a weight sync sends, in a fixed order: the model's parameters under their Hugging Face names (a tied
         lm_head once); with LoRA, only the adapters' factors (``common.adapters``)."""
-        if self.lora:
+        if is_lora(self.model):
             return adapter_factors(self.model)
         return [(name, tensor.detach()) for name, tensor in self.model.named_parameters()]
 

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from services.common.errors import FailedPrecondition
 from services.common.manifest import EXTRA, STAGING, read_manifest, verify, write_manifest
+from services.run.lora import is_lora
 from services.trainer.ranks import Ranks
 
 if TYPE_CHECKING:
@@ -60,11 +61,6 @@ class CheckpointNotWritten(FailedPrecondition):
 
 def trainable(roles) -> dict[str, Actor | Critic]:
     return {name: role for name, role in (("actor", roles.actor), ("critic", roles.critic)) if role is not None}
-
-
-def is_lora(model: torch.nn.Module) -> bool:
-    """Whether ``model`` trains LoRA adapters on a frozen base (a PEFT model)."""
-    return hasattr(model, "disable_adapter")
 
 
 def state_options(model: torch.nn.Module) -> StateDictOptions:
