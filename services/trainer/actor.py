@@ -250,8 +250,16 @@ class Actor:
     @contextmanager
     def base_policy(self) -> Iterator[torch.nn.Module]:
         """The actor's base model, its adapters switched off for the passes inside the ``with`` (LoRA only): the
-        reference policy, without a second copy of the model."""
+        reference policy, without a second copy of the model.
+
+        PEFT's ``disable_adapter`` also freezes the adapters; they are kept trainable through the pass (they take
+        no part in it), because FSDP2 settles its mixed-precision dtypes at a model's first forward from the
+        parameters that train then, and a first forward with none leaves the gradients in the compute dtype for
+        good (pytorch/pytorch#186998): the reference pass may be the first."""
+        trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         with self.model.disable_adapter():
+            for parameter in trained:
+                parameter.requires_grad_(True)
             yield self.model
 
 

@@ -194,3 +194,19 @@ def test_lora_adapter_path_starts_from_a_saved_adapter_with_its_own_rank(tiny, t
         assert torch.allclose(started[name], tensor)  # rank 4 and alpha 8, the adapter's own
     update(again)  # and it trains on
     assert any(not torch.equal(t, started[name]) for name, t in again.roles.actor.named_weights())
+
+
+def test_under_fsdp2_mixed_precision_the_reference_pass_may_come_first(tiny):
+    """PEFT's disable_adapter freezes the adapters; were the reference pass FSDP2's first forward with them
+    frozen, FSDP2 would keep the gradients in bf16 for good and the update would fail (pytorch#186998)."""
+    worker = Worker(Ranks.single("cpu"))
+    config = yaml.safe_dump({"actor_rollout_ref": {
+        "model": {"path": str(tiny), "lora_rank": 4},
+        "actor": {"use_kl_loss": True, "optim": {"lr": 1e-2},
+                  "fsdp_config": {"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}}}})
+    worker.init_run({}, run_id="r", run_config_yaml=config, roles=["actor", "ref"], seed=0)
+    before = {name: t.full_tensor().clone() for name, t in worker.roles.actor.named_weights()}
+    update(worker)  # the reference's logprobs first, then the update
+    after = {name: t.full_tensor() for name, t in worker.roles.actor.named_weights()}
+    assert any(not torch.equal(after[name], before[name]) for name in before)
+    assert all(p.requires_grad == (".lora_" in name) for name, p in worker.roles.actor.model.named_parameters())
