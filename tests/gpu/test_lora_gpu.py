@@ -9,6 +9,8 @@ Not yet run: written in a session without a GPU.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import yaml
@@ -58,6 +60,7 @@ def peak_update_memory(folder, **lora) -> tuple[float, Worker]:
 def test_lora_holds_less_than_full_fine_tuning_and_serves_what_it_trains(model_0_5b):
     full_gib, full_worker = peak_update_memory(model_0_5b)
     del full_worker
+    gc.collect()
     torch.cuda.empty_cache()
     lora_gib, worker = peak_update_memory(model_0_5b, lora_rank=64, lora_alpha=128)
     print(f"peak GPU memory of one update: full {full_gib:.2f} GiB, LoRA rank 64 {lora_gib:.2f} GiB "
