@@ -129,11 +129,13 @@ def test_a_damaged_or_unfitting_adapter_leaves_the_previous_one_serving(tiny):
             await sync(engine, "damaged", lambda: sender.send(WrongChecksum(channel), actor.named_weights(), version=2,
                                                               bucket_bytes=4096))
         assert engine.weight_version == 1 and torch.equal(served_logits(engine), serving)
+        assert engine.damaged is None  # nothing of it went in: the previous adapter serves, whole
         wrong = [(name, tensor[:, :-1] if name.endswith("lora_A") else tensor)
                  for name, tensor in actor.named_weights()]
         with pytest.raises(ValueError, match=r"which does not fit its 32 x 32 weight"):
             await sync(engine, "damaged", lambda: sender.send(channel, wrong, version=3, bucket_bytes=4096))
         assert engine.weight_version == 1 and torch.equal(served_logits(engine), serving)
+        assert engine.damaged is None
         channel.close()
         await engine.close()
 
