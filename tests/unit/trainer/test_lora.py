@@ -170,7 +170,7 @@ def test_verl_s_lora_and_rollout_keys_are_accepted_and_the_unused_ones_said(tiny
     assert "actor_rollout_ref.rollout.layered_summon=True: not used" in notices
 
 
-def test_a_lora_critic_trains_its_adapters_and_its_value_head(tiny):
+def test_a_lora_critic_trains_its_adapters_and_its_value_head(tiny, tmp_path):
     worker = Worker(Ranks.single("cpu"))
     config = yaml.safe_dump({"actor_rollout_ref": {"model": {"path": str(tiny)}},
                              "critic": {"model": {"lora_rank": 4}}, "algorithm": {"adv_estimator": "gae"}})
@@ -179,6 +179,18 @@ def test_a_lora_critic_trains_its_adapters_and_its_value_head(tiny):
     assert any(".lora_A." in name for name in trained)
     assert any("score" in name and "lora" not in name for name in trained)
     assert all(".lora_" in name or "score" in name for name in trained)
+    saved = {name: p.clone() for name, p in worker.roles.critic.model.named_parameters() if p.requires_grad}
+    worker.save_checkpoint({}, path=str(tmp_path / "critic"))
+    stored = dcp.FileSystemReader(str(tmp_path / "critic")).read_metadata().state_dict_metadata
+    weights = [key for key in stored if key.startswith("critic.model.")]
+    assert len(weights) == len(trained)  # its adapters and its head, no frozen base
+    with torch.no_grad():
+        for p in worker.roles.critic.model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    worker.load_checkpoint({}, path=str(tmp_path / "critic"))
+    assert all(torch.equal(p, saved[name]) for name, p in worker.roles.critic.model.named_parameters()
+               if p.requires_grad)
 
 
 def test_lora_adapter_path_starts_from_a_saved_adapter_with_its_own_rank(tiny, tmp_path):
