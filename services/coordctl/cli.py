@@ -35,7 +35,7 @@ from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient, RunStatus
 from services.coordctl.follow import begin_and_follow, print_eval, print_summary, read_metrics, run_local
 from services.coordctl.resolve import (checked, hydra_config_file, local_services, plan, readable_here,
-                                      resolve_config)
+                                      resolve_config, unsandboxed_here)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Control a meshrl coordinator.")
 DEFAULT_COORDINATOR = "127.0.0.1:7070"
@@ -189,6 +189,9 @@ def start_run(
         return
     for notice in config.notices():
         typer.echo(f"note: {notice}")
+    if any("sandbox=false" in spec.settings for spec in services or ()):
+        typer.echo(f"note: the env service runs your tools unsandboxed, as you: this machine cannot sandbox them "
+                   f"({unsandboxed_here()})")
     if local:
         state_dir = state_dir or Path("meshrl-runs") / time.strftime("local-%Y%m%d-%H%M%S")
     drive(lambda client: client.start_run(to_yaml(config)), coordinator, services, state_dir, detach, started)

@@ -106,6 +106,8 @@ def local_services(local: LocalConfig, config: RunConfig) -> tuple:
             settings += list(launch.settings)
             if kind == "env" and not any(s.startswith("workers=") for s in settings):
                 settings.append(f"workers={min(config.data.train_batch_size * rollout.n, LOCAL_ENV_WORKERS)}")
+            if kind == "env" and unsandboxed_here() and not any(s.startswith("sandbox=") for s in settings):
+                settings.append("sandbox=false")  # your own tools, on your own machine: said at start
             for key, value in (("gpu_memory_utilization", rollout.gpu_memory_utilization),
                                ("tensor_parallel_size", rollout.tensor_model_parallel_size),
                                ("enable_prefix_caching", "true" if rollout.multi_turn.enable else None)):
@@ -114,6 +116,15 @@ def local_services(local: LocalConfig, config: RunConfig) -> tuple:
                     settings.append(f"{key}={value}")
             specs.append(ServiceSpec(kind, settings=tuple(settings), env=tuple(sorted(launch.env.items()))))
     return tuple(specs)
+
+
+def unsandboxed_here() -> str | None:
+    """Why this host cannot run env workers in the sandbox (not root, no bubblewrap), or None where it can. The
+    env service of --local then runs the user's own tools unsandboxed, and start-run says so; a cluster's env
+    service refuses to, unless its operator sets sandbox: false."""
+    from services.common.sandbox import check_sandbox
+
+    return check_sandbox()
 
 
 LOCAL_ENV_WORKERS = 32

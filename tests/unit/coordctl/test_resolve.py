@@ -130,3 +130,18 @@ def test_a_multi_turn_run_on_vllm_gets_prefix_caching_and_an_env_worker_per_traj
     assert "enable_prefix_caching=true" in specs["rollout"] and "workers=8" in specs["env"]
     single = validate(RunConfig, {"actor_rollout_ref": {"rollout": {"name": "vllm"}}})
     assert not any(s.startswith("enable_prefix_caching") for s in local_services(LocalConfig(), single)[1].settings)
+
+
+def test_the_env_service_of_local_runs_unsandboxed_only_where_this_host_cannot_sandbox(tmp_path, monkeypatch):
+    import services.coordctl.resolve as resolve
+
+    tool_config = tmp_path / "tools.yaml"
+    tool_config.write_text("tools: []\n")
+    run = validate(RunConfig, {"actor_rollout_ref": {"rollout": {
+        "multi_turn": {"enable": True, "tool_config_path": str(tool_config)}}}})
+    monkeypatch.setattr(resolve, "unsandboxed_here", lambda: "you are not root")
+    assert "sandbox=false" in local_services(LocalConfig(), run)[-1].settings
+    told = validate(LocalConfig, {"services": {"env": ["sandbox=true"]}}, "local")
+    assert "sandbox=false" not in local_services(told, run)[-1].settings
+    monkeypatch.setattr(resolve, "unsandboxed_here", lambda: None)
+    assert not any(s.startswith("sandbox=") for s in local_services(LocalConfig(), run)[-1].settings)
