@@ -17,7 +17,7 @@ from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
 from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 from tests.gpu.conftest import cuda_trainer, needs, vllm_rollout
-from tests.integration.test_agent_run import TEMPLATE
+from tests.integration.conftest import CHAT_TEMPLATE
 from tests.integration.test_grpo_run import run_to_end
 
 PLUGINS = Path(__file__).resolve().parents[1] / "integration" / "plugins"
@@ -29,7 +29,7 @@ def chat_model(folder: Path) -> Path:
     shape = {key: value for key, value in QWEN25_SHAPES["0.5b"].items() if key != "vocab_size"}
     build_random_model(folder, shape, "bfloat16", seed=0)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     return folder
 
