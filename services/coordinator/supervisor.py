@@ -34,7 +34,7 @@ from services.coordinator.store import Checkpoint
 from services.coordinator.waiting import RunStopped, describe
 from services.run.checks import RunData
 from services.run.config import RunConfig
-from services.run.plot import plot_reward
+from services.run.plot import plot_run
 
 log = structlog.get_logger()
 STOPPED = object()  # wait_to_recover's answer when the run was stopped while it waited
@@ -146,16 +146,17 @@ class RunSupervisor:
                     await self.records.close(run_id, settle=not shut_down)  # a shutdown does not wait for the disk
 
     async def plot(self) -> None:
-        """reward.png in the run's folder; drawn again, with the run's other records, once the disk takes it."""
+        """reward.png (and a multi-turn run's agent.png) in the run's folder; drawn again, with the run's other
+        records, once the disk takes it."""
         run_id, plot, store = self.run_id, self.run_dir / "reward.png", self.records.store
         try:
-            await asyncio.to_thread(plot_reward, store.step_metrics(run_id), plot, run_id)
+            await asyncio.to_thread(plot_run, store.step_metrics(run_id), self.run_dir, run_id)
         except ImportError as missing:  # a node without matplotlib still keeps the metrics
             log.warning("plot_skipped", run_id=run_id, error=str(missing))
         except OSError as refused:
             if disk_fault(refused, plot) is None:
                 raise
-            self.records.write(run_id, lambda: plot_reward(store.step_metrics(run_id), plot, run_id), plot)
+            self.records.write(run_id, lambda: plot_run(store.step_metrics(run_id), self.run_dir, run_id), plot)
 
     async def attempt(self, resume: Checkpoint | None) -> bool:
         """One go at the run with the services up now, from ``resume`` (or the start); True if it completed.

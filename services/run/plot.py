@@ -74,6 +74,18 @@ def plot_reward(steps: Steps, path: Path, title: str) -> Path | None:
     return save(figure, axes, path)
 
 
+AGENT_CURVES = ["num_turns/mean", "agent/tool_call_rate", "agent/tool_calls/mean"]
+"""What agent.png shows of a multi-turn run: turns per trajectory, the share that called a tool, calls per
+trajectory."""
+
+
+def plot_run(steps: Steps, folder: Path, title: str) -> list[Path]:
+    """A run's plots in its folder: reward.png, and agent.png for a multi-turn run; those drawn."""
+    drawn = [plot_reward(steps, folder / "reward.png", title),
+             plot_metrics(steps, AGENT_CURVES, folder / "agent.png", f"{title}: turns and tool calls")]
+    return [path for path in drawn if path is not None]
+
+
 def plot_metrics(steps: Steps, keys: list[str], path: Path, title: str) -> Path | None:
     """Each of ``keys`` over the steps that have it, one line each (with markers where a metric has few points,
     as validations do); None when none of them has a value."""

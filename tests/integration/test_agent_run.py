@@ -72,6 +72,7 @@ def test_a_multi_turn_run_trains_on_trajectories_whose_replies_are_masked(agent_
                  "agent/model_tokens/mean", "agent/tool_tokens/mean", "agent/env_seconds/mean"):
         assert name in metrics, name
 
+    assert (Path(final.run_dir) / "agent.png").stat().st_size > 0  # turns and tool calls per step, plotted
     records = [json.loads(line) for line in (samples_dir / "2.jsonl").read_text().splitlines()]
     assert len(records) == 8 * 4
     three_turns = [r for r in records if r["ended"] == "done"]
