@@ -42,6 +42,25 @@ def hydra_config_file(config_path: str | None, config_name: str | None) -> str |
     return str(path)
 
 
+VERL_BASE_CONFIGS = ("ppo_trainer", "_self_")
+"""What a verl config file's Hydra ``defaults:`` may list: verl's base config, whose meaning meshrl's defaults
+carry, and the file itself."""
+
+
+def without_hydra(data: dict, file: str) -> dict:
+    """A config file's run config without Hydra's composition keys, as verl's named configs have them: ``hydra:``
+    (where Hydra looks for configs) is dropped, and ``defaults:`` may list only VERL_BASE_CONFIGS; ConfigError
+    naming the file and the entry for any other (meshrl does not compose Hydra config groups)."""
+    data = dict(data)
+    data.pop("hydra", None)
+    defaults = data.pop("defaults", [])
+    for entry in defaults if isinstance(defaults, list) else [defaults]:
+        if entry not in VERL_BASE_CONFIGS:
+            raise ConfigError(f"{file}: defaults: {entry!r} is a Hydra config meshrl cannot compose; only verl's "
+                              f"base config (ppo_trainer, which meshrl's defaults stand for) and _self_ are taken")
+    return data
+
+
 def resolve_config(args: list[str], local: bool,
                    config_file: str | None = None) -> tuple[RunConfig, LocalConfig | None]:
     """The run config from an optional YAML file and overrides, and (with ``local``) the ``local`` section;
@@ -57,7 +76,7 @@ def resolve_config(args: list[str], local: bool,
     overrides = [a for a in args if "=" in a or a.startswith("~")]
     if len(files) > 1:
         raise ConfigError(f"one config file at most, got {files}")
-    data = read_yaml(files[0]) if files else {}
+    data = without_hydra(read_yaml(files[0]), files[0]) if files else {}
     if local:  # a file given with --local is laid over the embedded default
         data = merge(default_config(), data)
     data = apply_overrides(data, overrides)

@@ -189,6 +189,12 @@ class RunConfig(Section):
                 notices.append(f"actor_rollout_ref.rollout.{key}={verl_setting}: not used (meshrl's rollouts load the "
                                "model folder, then take the trainer's weights, or adapters, over the weight "
                                "channel, one tensor gathered at a time)")
+        multi_turn = rollout.multi_turn
+        if multi_turn.enable and multi_turn.tool_config_path is not None:
+            notices.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path={multi_turn.tool_config_path}: "
+                           "the env services host the tools (their own config names them: environments."
+                           f"{multi_turn.environment}.tool_config_path); coordctl start-run --local starts one with "
+                           "this file")
         if trainer.use_legacy_worker_impl is not None:
             notices.append(f"trainer.use_legacy_worker_impl={trainer.use_legacy_worker_impl}: meshrl has one "
                            "worker implementation")

@@ -191,3 +191,30 @@ def test_verls_checkpoint_bounds_set_how_many_step_folders_a_run_keeps():
     assert loop_settings(load_config(RunConfig, None, [])).checkpoints_kept is None  # verl's default: all
     with pytest.raises(ConfigError, match="trainer.max_actor_ckpt_to_keep"):
         load_config(RunConfig, None, ["trainer.max_actor_ckpt_to_keep=0"])
+
+
+def test_verls_multi_turn_gsm8k_recipe_is_taken_with_its_meaning(tmp_path):
+    """verl's examples/sglang_multiturn recipe: its named config (Hydra defaults on verl's base config) and the
+    overrides of its script that choose the multi-turn rollout and its tools."""
+    from services.coordctl.resolve import hydra_config_file, resolve_config
+
+    (tmp_path / "gsm8k_multiturn_grpo.yaml").write_text(
+        "hydra:\n  searchpath:\n    - file://verl/trainer/config\ndefaults:\n  - ppo_trainer\n  - _self_\n"
+        "data:\n  return_raw_chat: True\nactor_rollout_ref:\n  hybrid_engine: True\n  rollout:\n    name: sglang\n"
+        "    multi_turn:\n      enable: True\n      max_assistant_turns: 5\n")
+    config, _ = resolve_config([
+        "actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.name=sglang",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path=config/tool_config/gsm8k_tool_config.yaml",
+        "data.return_raw_chat=True", "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct",
+        "data.train_files=gsm8k/train.parquet"], local=False,
+        config_file=hydra_config_file(str(tmp_path), "gsm8k_multiturn_grpo"))
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    assert multi_turn.enable and multi_turn.max_assistant_turns == 5 and multi_turn.format == "hermes"
+    assert multi_turn.tool_config_path == "config/tool_config/gsm8k_tool_config.yaml"
+    assert multi_turn.tool_response_truncate_side == "middle" and multi_turn.max_tool_response_length == 256
+    notices = " ".join(config.notices())
+    assert "rollout.name=sglang" in notices and "the env services host the tools" in notices
+
+    (tmp_path / "other.yaml").write_text("defaults:\n  - ppo_trainer\n  - override actor: megatron_actor\n")
+    with pytest.raises(ConfigError, match="defaults: {'override actor': 'megatron_actor'} is a Hydra config meshrl"):
+        resolve_config(["actor_rollout_ref.model.path=m"], local=False, config_file=str(tmp_path / "other.yaml"))
