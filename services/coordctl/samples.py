@@ -81,6 +81,26 @@ def describe(index: int, record: dict, width: int) -> list[str]:
         lines.append("    parts     " + ", ".join(f"{c['name']} {c['value']:.3f} x{c['weight']:g}" for c in parts))
     if not record.get("valid", True):
         lines.append(f"    unscored  {shown(record, 'error')}")
+    if "turns" in record:  # a multi-turn trajectory: each turn, then its final answer
+        lines.append(f"    episode   {shown(record, 'env_service')}: {shown(record, 'num_turns')} turns, ended "
+                     f"{shown(record, 'ended')}, env reward {shown(record, 'env_reward', '.3f')}, restarts "
+                     f"{shown(record, 'restarts')}")
+        lines += wrapped(f"    {'prompt':<10}", shown(record, "input"), width)
+        for turn in record["turns"]:
+            lines.append(f"    {turn_header(turn)}")
+            lines += wrapped(" " * 14, str(turn.get("text", "")), width)
+        lines += wrapped(f"    {'expected':<10}", shown(record, "gts"), width)
+        return lines
     for label, key in (("prompt", "input"), ("response", "output"), ("expected", "gts")):
         lines += wrapped(f"    {label:<10}", shown(record, key), width)
     return lines
+
+
+def turn_header(turn: dict) -> str:
+    """A turn's line above its text: the model's (trained, with the weight version that sampled it) or a reply
+    (not trained, with the tool that answered), its token count and seconds."""
+    tokens, seconds = shown(turn, "tokens"), shown(turn, "seconds", ".2f")
+    if turn.get("role") == "model":
+        return f"model     trained, weight version {shown(turn, 'weight_version')}, {tokens} tokens, {seconds} s"
+    tool = f" from {turn['tool']}" if turn.get("tool") else ""
+    return f"reply{tool}  not trained, {tokens} tokens, {seconds} s"

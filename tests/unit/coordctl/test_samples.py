@@ -55,3 +55,22 @@ def test_the_folder_and_steps_come_from_the_runs_config_and_a_bad_line_is_named(
         read_samples(folder / "3.jsonl")
     (tmp_path / "config.yaml").write_text("trainer:\n  experiment_name: x\n")
     assert samples_dir(tmp_path) is None and samples_dir(tmp_path / "elsewhere") is None
+
+
+def test_a_trajectory_is_shown_turn_by_turn_with_what_trained_and_which_weights_sampled_it():
+    record = {"step": 3, "group": 0, "score": 1.0, "advantage": 0.5, "response_length": 12, "weight_version": 7,
+              "input": "code of QX?", "output": "1234", "gts": "1234", "num_turns": 3, "ended": "answer",
+              "env_service": "env-a (0.1.0)", "env_reward": 0.0, "restarts": 1,
+              "turns": [{"role": "model", "text": "<tool_call>{}</tool_call>", "tokens": 6, "trained": True,
+                         "weight_version": 7, "tool": "", "seconds": 0.25},
+                        {"role": "reply", "text": "1234", "tokens": 4, "trained": False, "weight_version": None,
+                         "tool": "lookup", "seconds": 0.01},
+                        {"role": "model", "text": "1234", "tokens": 2, "trained": True, "weight_version": 8,
+                         "tool": "", "seconds": 0.1}]}
+    lines = describe(0, record, width=100)
+    assert "    episode   env-a (0.1.0): 3 turns, ended answer, env reward 0.000, restarts 1" in lines
+    at = lines.index("    model     trained, weight version 7, 6 tokens, 0.25 s")
+    assert lines[at + 1].strip() == "<tool_call>{}</tool_call>"
+    assert lines[at + 2] == "    reply from lookup  not trained, 4 tokens, 0.01 s" and lines[at + 3].strip() == "1234"
+    assert lines[at + 4] == "    model     trained, weight version 8, 2 tokens, 0.10 s"
+    assert lines[-1].strip() == "expected  1234"
