@@ -137,21 +137,17 @@ class Scorer:
         """(sample index, component position) -> what the workers said, for each component that is a rule or a
         user's function."""
         tasks: dict[FunctionWorkers, list[tuple[tuple[int, int], tuple]]] = {}
-        for index, sample in enumerate(samples):
-            try:
-                components = self.components_for(sample.data_source)
-            except ValueError:
-                continue  # reported when the sample itself is scored
-            for position, component in enumerate(components):
-                arguments: tuple[Any, ...]
-                if component.rule in code_contests.CODE_RULES:
-                    continue  # run by _code_results
-                if component.rule:
-                    arguments = (component.rule, component.options, sample.response, sample.ground_truth)
-                    tasks.setdefault(self.rules, []).append(((index, position), arguments))
-                elif component.function:
-                    arguments = (sample.data_source, sample.response, sample.ground_truth, sample.extra_info)
-                    tasks.setdefault(self.functions[component.function], []).append(((index, position), arguments))
+        for index, position, component in self._components(samples):
+            sample = samples[index]
+            arguments: tuple[Any, ...]
+            if component.rule in code_contests.CODE_RULES:
+                continue  # run by _code_results
+            if component.rule:
+                arguments = (component.rule, component.options, sample.response, sample.ground_truth)
+                tasks.setdefault(self.rules, []).append(((index, position), arguments))
+            elif component.function:
+                arguments = (sample.data_source, sample.response, sample.ground_truth, sample.extra_info)
+                tasks.setdefault(self.functions[component.function], []).append(((index, position), arguments))
         results: dict[tuple[int, int], FunctionScore | Exception] = {}
         for workers, keyed in tasks.items():
             calls = [arguments for _, arguments in keyed]
@@ -197,14 +193,19 @@ class Scorer:
 
     def _code_components(self, samples: list[Sample]) -> Iterator[tuple[int, int, ComponentConfig]]:
         """(sample index, component position, component) of each component that is a code-contest rule."""
+        return ((index, position, component) for index, position, component in self._components(samples)
+                if component.rule in code_contests.CODE_RULES)
+
+    def _components(self, samples: list[Sample]) -> Iterator[tuple[int, int, ComponentConfig]]:
+        """(sample index, component position, component) of each component of each sample whose data source has
+        a scorer (one without is reported when the sample itself is scored)."""
         for index, sample in enumerate(samples):
             try:
                 components = self.components_for(sample.data_source)
             except ValueError:
-                continue  # reported when the sample itself is scored
+                continue
             for position, component in enumerate(components):
-                if component.rule in code_contests.CODE_RULES:
-                    yield index, position, component
+                yield index, position, component
 
     def _reward_model_scores(self, samples: list[Sample]) -> dict[tuple[str, int], float | Exception]:
         wanted: dict[str, list[int]] = {}
