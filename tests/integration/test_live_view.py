@@ -104,7 +104,8 @@ def test_each_kept_sample_names_the_weights_rollout_and_reward_service_that_made
     env = terminal_env(MESHRL_TOKEN_FILE=str(state_dir / "token"))
     listed = subprocess.run([*COORDCTL, "services", "--coordinator", coordinator], capture_output=True, text=True,
                             env=env, timeout=60).stdout
-    services = {row.split()[1]: row.split() for row in listed.splitlines()[1:]}  # HOST KIND GROUP ADDRESS ... ID
+    table = listed.split("\n\n")[0]  # the services' table; the algorithms each registered follow it
+    services = {row.split()[1]: row.split() for row in table.splitlines()[1:]}  # HOST KIND GROUP ADDRESS ... ID
     step = next(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                 if json.loads(line).get("step") == 2 and "critic/score/mean" in line)
     records = [json.loads(line) for line in (run_dir / "rollout_data" / "2.jsonl").read_text().splitlines()]
