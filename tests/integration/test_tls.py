@@ -102,7 +102,7 @@ def test_the_services_own_channels_and_coordctl_speak_mtls(tls_cluster):
     assert asyncio.run(reward_info()) == "reward"
     listed = CliRunner().invoke(app, ["services", "--coordinator", tls_cluster.coordinator])
     assert listed.exit_code == 0, listed.output
-    header, row = listed.output.splitlines()
+    header, row = listed.output.split("\n\n")[0].splitlines()  # the table; the registered algorithms follow it
     assert header.split()[:2] == ["HOST", "KIND"] and row.split()[1] == "reward" and " up " in row
 
 
