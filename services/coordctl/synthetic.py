@@ -34,6 +34,12 @@ def held_out(digits: str, share: float) -> bool:
     return zlib.crc32(digits.encode()) % 10_000 < share * 10_000
 
 
+def in_split(key: str, split: str, share: float) -> bool:
+    """Whether a task's item (named by ``key``) belongs to ``split``: with no held-out share every item is a train
+    item; with one, the held-out items are the test split's and only they."""
+    return share <= 0 or held_out(key, share) == (split == "test")
+
+
 def reverse_task_rows(count: int, min_digits: int, max_digits: int, seed: int, split: str = "train",
                       held_out_share: float = 0.0) -> list[dict]:
     """``count`` prompts "<digits>=" whose expected response is the digits reversed. With ``held_out_share``,
@@ -44,7 +50,7 @@ def reverse_task_rows(count: int, min_digits: int, max_digits: int, seed: int, s
     rows: list[dict[str, Any]] = []
     while len(rows) < count:
         digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(min_digits, max_digits)))
-        if held_out_share > 0 and held_out(digits, held_out_share) != (split == "test"):
+        if not in_split(digits, split, held_out_share):
             continue
         rows.append({
             "data_source": DATA_SOURCE,
@@ -96,7 +102,7 @@ def arithmetic_task_rows(count: int, min_steps: int, max_steps: int, largest: in
     rows: list[dict[str, Any]] = []
     while len(rows) < count:
         question, answer, value, key = arithmetic_problem(rng, rng.randint(min_steps, max_steps), largest)
-        if held_out_share > 0 and held_out(repr(key), held_out_share) != (split == "test"):
+        if not in_split(repr(key), split, held_out_share):
             continue
         rows.append({
             "data_source": ARITHMETIC_SOURCE,
@@ -131,7 +137,7 @@ def lookup_task_rows(count: int, key_letters: int, seed: int, split: str = "trai
     rows: list[dict[str, Any]] = []
     while len(rows) < count:
         key = "".join(rng.choice(string.ascii_uppercase) for _ in range(key_letters))
-        if held_out_share > 0 and held_out(key, held_out_share) != (split == "test"):
+        if not in_split(key, split, held_out_share):
             continue
         code = lookup_code(key)
         turns = [{"role": "assistant", "content": lookup_call(key)}, {"role": "tool", "content": code},
