@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.coordctl.local import LocalCluster
+from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
 from services.coordctl.tiny_model import build_tiny_model
 
@@ -51,3 +51,19 @@ def cluster(tmp_path_factory):
     asyncio.run(local.start(timeout_s=120))
     yield local
     local.stop()
+
+
+@pytest.fixture
+def make_cluster(tmp_path):
+    """A LocalCluster of the given services, started (one test may make several); stopped afterwards."""
+    clusters = []
+
+    def make(*services: ServiceSpec) -> LocalCluster:
+        cluster = LocalCluster(tmp_path / "state", services)
+        clusters.append(cluster)
+        asyncio.run(cluster.start(timeout_s=120))
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()

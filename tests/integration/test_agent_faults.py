@@ -45,22 +45,6 @@ PROMPTS, N, STEPS = 4, 2, 2
 WAIT_S = 180  # longest the test waits for the run to reach the fault's point (pytest-timeout ends a test at 300 s)
 
 
-@pytest.fixture
-def local_cluster(tmp_path):
-    """A LocalCluster of the given services, started; stopped afterwards."""
-    clusters = []
-
-    def make(*services: ServiceSpec) -> LocalCluster:
-        cluster = LocalCluster(tmp_path / "state", services)
-        clusters.append(cluster)
-        asyncio.run(cluster.start(timeout_s=120))
-        return cluster
-
-    yield make
-    for cluster in clusters:
-        cluster.stop()
-
-
 def env_service(root: Path, environment: str, folder: Path, workers: int) -> ServiceSpec:
     """An env service hosting ``countdown``, the user's ``environment`` class sharing ``folder`` with the test;
     its calls may wait for the test (call_timeout_s well past WAIT_S). Its workers are unsandboxed (sandbox:
@@ -135,7 +119,7 @@ def check_every_sample_kept(cluster: LocalCluster, final: RunStatus) -> tuple[di
     return metrics, records
 
 
-def test_an_env_service_killed_mid_episode_its_episodes_start_again_on_the_other(local_cluster, chat_model,
+def test_an_env_service_killed_mid_episode_its_episodes_start_again_on_the_other(make_cluster, chat_model,
                                                                                  reverse_data, tmp_path):
     """Two env services host StallsOnce: the first step of all, on whichever service gets it, writes that
     service's pid to a file and never returns, so when the test kills that service one of its episodes is
@@ -144,7 +128,7 @@ def test_an_env_service_killed_mid_episode_its_episodes_start_again_on_the_other
     folder = tmp_path / "stall"
     folder.mkdir()
     env = env_service(tmp_path, "StallsOnce", folder, workers=PROMPTS * N // 2)
-    cluster = local_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"), env, env)
+    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"), env, env)
     killed: dict[str, str] = {}
 
     async def kill_the_stalled_env() -> None:
@@ -168,7 +152,7 @@ def test_an_env_service_killed_mid_episode_its_episodes_start_again_on_the_other
     assert any(f"env {killed['address']} left the run" in message for message in messages), messages
 
 
-def test_a_rollout_killed_mid_trajectory_its_next_turns_are_sampled_on_the_other(local_cluster, chat_model,
+def test_a_rollout_killed_mid_trajectory_its_next_turns_are_sampled_on_the_other(make_cluster, chat_model,
                                                                                  reverse_data, tmp_path):
     """Every trajectory of step 1 holds in its environment's first step (HeldAfterFirstTurn) until the test has
     killed a rollout that sampled first turns; their second turns, from the same prefix, are sampled on the other
@@ -176,7 +160,7 @@ def test_a_rollout_killed_mid_trajectory_its_next_turns_are_sampled_on_the_other
     folder = tmp_path / "hold"
     (folder / "held").mkdir(parents=True)
     env = env_service(tmp_path, "HeldAfterFirstTurn", folder, workers=PROMPTS * N)
-    cluster = local_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout"),
+    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout"),
                             ServiceSpec("reward"), env)
     rollouts = [name for name in cluster.processes if name.startswith("rollout")]
     killed: dict[str, str] = {}

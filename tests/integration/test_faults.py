@@ -26,22 +26,6 @@ from tests.integration.test_resume import comparable, run
 BATCH = 8 * 4  # train_batch_size x rollout.n of run_config
 
 
-@pytest.fixture
-def make_cluster(tmp_path):
-    """A LocalCluster of the given services, started; stopped afterwards."""
-    clusters = []
-
-    def make(*services: ServiceSpec) -> LocalCluster:
-        cluster = LocalCluster(tmp_path / "state", services)
-        clusters.append(cluster)
-        asyncio.run(cluster.start(timeout_s=120))
-        return cluster
-
-    yield make
-    for cluster in clusters:
-        cluster.stop()
-
-
 @pytest.fixture(scope="module")
 def replaced_services(tmp_path_factory):
     """bench/faults.py's services (a trainer, two rollouts generating one sequence at a time, two rewards) for
