@@ -156,7 +156,6 @@ class EnvSet:
         self.find, self.connect = find, connect
         self.notices, self.should_stop, self.timeout_s = notices, should_stop, timeout_s
         self.fleet = EnvFleet(target, [])  # the run's: batches begun now open their episodes there
-        self.left: dict[str, str] = {}  # address -> why it was dropped
         self._next: EnvFleet | None = None  # a swap waiting for the boundary
         self._switched = False  # a swap was applied: the next batch says that it is the first the new services run
         self._swapped_out: list[EnvFleet] = []  # fleets swapped out while batches still ran on them
@@ -227,8 +226,6 @@ class EnvSet:
             self.notices.log(f"env replicas of {fleet.target}: {sorted(r.address for r in replicas)}", kind="env")
         gone = [r for r in fleet.replicas if r not in replicas and r.open == 0]
         fleet.replicas = replicas
-        for replica in replicas:
-            self.left.pop(replica.address, None)
         await asyncio.gather(*(r.client.close() for r in gone))
         async with self._changed:
             self._changed.notify_all()
@@ -242,7 +239,6 @@ class EnvSet:
         fleet, replica = found
         fleet.replicas.remove(replica)
         replica.gone.set()
-        self.left[address] = reason
         rest = f"its episodes go to {', '.join(self.addresses())}" if self.addresses() else "no env service is left"
         self.notices.log(f"env {address} left the run ({reason}); {rest}", kind="env")
         async with self._changed:
