@@ -216,7 +216,8 @@ def init(
     defaults = default_config()
     local = validate(LocalConfig, defaults.pop("local"), "local")
     tiny = local.tiny_model
-    model = build_tiny_model(folder / "model", tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed)
+    model = build_tiny_model(folder / "model", tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed,
+                             num_experts=tiny.num_experts, experts_per_token=tiny.experts_per_token)
     train, test = task_files(local, folder)
     config = validate(RunConfig, apply_overrides(defaults, [
         f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]"]))

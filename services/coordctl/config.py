@@ -15,9 +15,9 @@ from services.common.config import Section
 
 
 class TinyModelConfig(Section):
-    """The random-init Qwen2-architecture model with a character tokenizer, built when no model path is given
-    (as small as the local default's or a few hundred million parameters: 1024 wide and 16 layers deep is
-    about 200M)."""
+    """The random-init Qwen2-architecture model (Qwen3-MoE with num_experts) with a character tokenizer, built
+    when no model path is given (as small as the local default's or a few hundred million parameters: 1024 wide
+    and 16 layers deep is about 200M)."""
 
     hidden_size: PositiveInt = 128
     """Width of the model (the MLP is four times as wide)."""
@@ -31,11 +31,24 @@ class TinyModelConfig(Section):
     """The chat variant, for multi-turn runs with tools: its characters also cover tool calls' JSON, ChatML's
     <|im_start|> and <|im_end|> (the EOS) and Qwen2.5's <tool_call> and <tool_response> tags are one token each,
     and its chat template is Qwen2.5's ChatML with the tools named in one short line."""
+    num_experts: int = Field(0, ge=0)
+    """0: a dense Qwen2 model. More: a Qwen3-MoE mixture of experts, this many experts in each layer's MLP, each
+    4 * hidden_size / experts_per_token wide (a token's MLP is as wide as the dense model's)."""
+    experts_per_token: PositiveInt = 2
+    """Experts each token is routed to (Qwen3-MoE's num_experts_per_tok; its router weights normalised to sum to
+    1); at most num_experts. Unused by a dense model."""
 
     @pydantic.model_validator(mode="after")
     def _heads_divide_width(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _experts_cover_a_token(self) -> TinyModelConfig:
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) must be at most num_experts "
+                             f"({self.num_experts})")
         return self
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from services.common.auth import cluster_token, write_token
 from services.run.config import RunConfig
-from services.coordctl.config import LocalConfig, TaskConfig
+from services.coordctl.config import LocalConfig, TaskConfig, TinyModelConfig
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.synthetic import arithmetic_task_rows, lookup_task_rows, reverse_task_rows, write_jsonl
 from services.coordctl.tiny_model import build_tiny_model
@@ -64,6 +64,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MESHRL_CACHE", Path.home() / ".cache" / "meshrl"))
 
 
+def tiny_model_name(tiny: TinyModelConfig) -> str:
+    """The cache folder's name of the tiny model ``tiny`` describes (one per shape, seed and variant)."""
+    family = f"qwen3moe-e{tiny.num_experts}k{tiny.experts_per_token}" if tiny.num_experts else "qwen2"
+    return (f"tiny-{family}-char-h{tiny.hidden_size}-l{tiny.num_layers}-a{tiny.num_heads}-s{tiny.seed}"
+            f"{'-chat' if tiny.chat else ''}")
+
+
 def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[str]:
     """Build the tiny model and synthetic data that ``local`` describes if the run names no model or data and
     they are not in ``cache`` yet; overrides that point the run at them."""
@@ -73,10 +80,10 @@ def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[s
         if local.task == "lookup" and not tiny.chat:
             raise ValueError("local.task lookup needs local.tiny_model.chat: true (its tool calls need the chat "
                              "vocabulary and template)")
-        folder = (cache / "models" / (f"tiny-qwen2-char-h{tiny.hidden_size}-l{tiny.num_layers}-a{tiny.num_heads}"
-                                      f"-s{tiny.seed}{'-chat' if tiny.chat else ''}"))
+        folder = cache / "models" / tiny_model_name(tiny)
         if not (folder / "config.json").exists():
-            build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed, tiny.chat)
+            build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed, chat=tiny.chat,
+                             num_experts=tiny.num_experts, experts_per_token=tiny.experts_per_token)
         overrides.append(f"actor_rollout_ref.model.path={folder}")
     if not config.data.train_files:
         train, test = task_files(local, cache)

@@ -1,4 +1,4 @@
-"""A tiny random-init Qwen2-architecture model with a character tokenizer.
+"""A tiny random-init Qwen2-architecture model (or Qwen3-MoE, a mixture of experts) with a character tokenizer.
 
 Built once into a folder that every service then loads like any local Hugging
 Face model directory (``config.json``, ``model.safetensors``,
@@ -99,39 +99,61 @@ QWEN25_SHAPES = {
 }
 
 
+def moe_shape(hidden_size: int, num_heads: int, num_experts: int, experts_per_token: int) -> dict[str, int | bool]:
+    """What a Qwen3-MoE config adds to a shape: ``num_experts`` experts in every layer's MLP, ``experts_per_token``
+    of them for each token, each ``4 * hidden_size / experts_per_token`` wide (so a token's MLP is as wide as the
+    dense model's), the chosen experts' weights normalised to sum to 1 (as in Qwen3-30B-A3B)."""
+    return dict(num_experts=num_experts, num_experts_per_tok=experts_per_token,
+                moe_intermediate_size=max(1, hidden_size * 4 // experts_per_token),
+                head_dim=hidden_size // num_heads, norm_topk_prob=True)
+
+
 def build_tiny_model(folder: Path, hidden_size: int, num_layers: int, num_heads: int, seed: int,
-                     chat: bool = False) -> Path:
-    """Write a tiny random-init Qwen2 model and its tokenizer (the chat variant's with ``chat``) into ``folder``
-    (atomically); return it."""
+                     chat: bool = False, num_experts: int = 0, experts_per_token: int = 2) -> Path:
+    """Write a tiny random-init model and its tokenizer (the chat variant's with ``chat``) into ``folder``
+    (atomically); return it. Qwen2 (dense), or Qwen3-MoE with ``num_experts`` > 0 (``moe_shape``)."""
     shape: dict[str, int | float] = dict(
         hidden_size=hidden_size, intermediate_size=hidden_size * 4, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_heads, max_position_embeddings=256)
+    if num_experts:
+        shape.update(moe_shape(hidden_size, num_heads, num_experts, experts_per_token))
     if chat:  # a conversation with tools is longer; its answers are copied from far back (a tool reply, the key
         # asked), which weights drawn at Qwen2's 0.02 take ~1000 warm-start steps to learn and at 0.1 ~100
         shape.update(max_position_embeddings=1024, initializer_range=0.1)
     return build_random_model(folder, shape, "float32", seed, chat)
 
 
+def architecture(shape: dict):
+    """The (config, model) classes a shape builds: Qwen3-MoE when it names experts, else Qwen2."""
+    if shape.get("num_experts"):
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        return Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2Config, Qwen2ForCausalLM
+
+
 def build_random_model(folder: Path, shape: dict, dtype: str, seed: int, chat: bool = False) -> Path:
-    """Write a random-init Qwen2 model of the given shape, with the character tokenizer (the chat variant's with
-    ``chat``), into ``folder``.
+    """Write a random-init model of the given shape (``architecture``: Qwen2, or Qwen3-MoE when it names experts),
+    with the character tokenizer (the chat variant's with ``chat``), into ``folder``.
 
     A vocabulary larger than the tokenizer's is allowed (its extra ids are never produced by the tokenizer).
     """
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from services.run.models import load_tokenizer
 
     tokenizer = build_chat_tokenizer() if chat else build_char_tokenizer()
-    config = Qwen2Config(**{
+    config_class, model_class = architecture(shape)
+    config = config_class(**{
         "vocab_size": len(tokenizer), "tie_word_embeddings": True, "max_position_embeddings": 4096,
         **shape,
         "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
         "bos_token_id": tokenizer.eos_token_id,
     })
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    model = model_class(config).to(getattr(torch, dtype))
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     model.save_pretrained(staging)

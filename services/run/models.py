@@ -180,6 +180,12 @@ def expected_weights(folder: Path, body_only: bool = False) -> tuple[dict[str, t
              if not (body_only and head and name.startswith(f"{head}."))}, model.base_model_prefix)
 
 
+def stored_tensor(tensors: dict[str, tuple[Path, dict[str, Any]]], name: str,
+                  prefix: str) -> tuple[Path, dict[str, Any]] | None:
+    """Where a folder's weights hold parameter ``name`` (with or without the model's base prefix), if they do."""
+    return tensors.get(name) or tensors.get(name.removeprefix(f"{prefix}."))
+
+
 def check_weights(path: str | Path, body_only: bool = False) -> None:
     """Refuse (ValueError naming the file and tensor) a model folder whose safetensors weights would fail to load:
     a tensor the config needs missing, of another shape or not a float, a header past the file's end. Reads the
@@ -192,12 +198,20 @@ def check_weights(path: str | Path, body_only: bool = False) -> None:
     tensors = folder_tensors(folder)
     if tensors is None:
         return
-    for name, shape in expected.items():
-        found = tensors.get(name) or tensors.get(name.removeprefix(f"{prefix}."))
-        if found is None:
-            raise ValueError(f"{folder}: no tensor {name!r} in its safetensors weights, which its config.json needs")
-        file, entry = found
-        if tuple(entry["shape"]) != shape:
-            raise ValueError(f"{file}: tensor {name!r} has shape {entry['shape']}, its config.json needs {list(shape)}")
-        if entry["dtype"] not in SAFETENSORS_FLOATS:
-            raise ValueError(f"{file}: tensor {name!r} has dtype {entry['dtype']}, not a float")
+    from services.run.experts import checkpoint_shapes
+
+    for parameter, parameter_shape in expected.items():
+        # a fused experts parameter may be stored whole or, as save_pretrained writes it, one tensor per expert
+        pieces = ({parameter: parameter_shape} if stored_tensor(tensors, parameter, prefix) is not None
+                  else checkpoint_shapes(parameter, parameter_shape))
+        for name, shape in pieces.items():
+            found = stored_tensor(tensors, name, prefix)
+            if found is None:
+                raise ValueError(f"{folder}: no tensor {name!r} in its safetensors weights, which its config.json "
+                                 "needs")
+            file, entry = found
+            if tuple(entry["shape"]) != shape:
+                raise ValueError(f"{file}: tensor {name!r} has shape {entry['shape']}, its config.json needs "
+                                 f"{list(shape)}")
+            if entry["dtype"] not in SAFETENSORS_FLOATS:
+                raise ValueError(f"{file}: tensor {name!r} has dtype {entry['dtype']}, not a float")

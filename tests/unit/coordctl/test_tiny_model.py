@@ -5,6 +5,7 @@ token-exactly (services/coordinator/turns.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,25 @@ def test_the_default_tokenizer_is_unchanged():
     tokenizer = build_char_tokenizer()
     assert (len(tokenizer), tokenizer.eos_token, tokenizer.chat_template) == (3 + len(ALPHABET), "<eos>", None)
     assert len(build_chat_tokenizer()) > len(tokenizer)
+
+
+def test_local_num_experts_builds_a_qwen3_moe_model_beside_the_dense_one(tmp_path):
+    from services.common.config import ConfigError, validate
+    from services.coordctl.config import LocalConfig
+    from services.coordctl.local import prepare_assets
+    from services.run.config import RunConfig
+
+    def model_folder(tiny: dict) -> str:
+        local = validate(LocalConfig, {"tiny_model": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, **tiny},
+                                       "synthetic_task": {"rows": 10, "val_rows": 0}}, "local")
+        overrides = dict(o.split("=", 1) for o in prepare_assets(validate(RunConfig, {}), local, tmp_path))
+        return overrides["actor_rollout_ref.model.path"]
+
+    moe, dense = model_folder({"num_experts": 4, "experts_per_token": 2}), model_folder({})
+    assert moe.endswith("tiny-qwen3moe-e4k2-char-h16-l1-a2-s0") and dense.endswith("tiny-qwen2-char-h16-l1-a2-s0")
+    config = json.loads(Path(moe, "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"],
+            config["moe_intermediate_size"], config["norm_topk_prob"]) == ("qwen3_moe", 4, 2, 32, True)
+    assert json.loads(Path(dense, "config.json").read_text())["model_type"] == "qwen2"
+    with pytest.raises(ConfigError, match=r"local\.tiny_model.*experts_per_token \(5\) must be at most num_experts"):
+        model_folder({"num_experts": 4, "experts_per_token": 5})
