@@ -4,12 +4,27 @@ vLLM adds this class to its GPU worker's bases (``worker_extension_cls``);
 its methods are called through ``collective_rpc`` and see the worker as
 ``self``. Names start with ``meshrl_`` so they never clash with the worker's
 own (vLLM refuses an extension that would).
+
+A mixture of experts needs more than ``load_weights``. Its experts arrive
+fused, as transformers 5 holds them (``experts.gate_up_proj``), a name
+vLLM's MoE models skip without a word, so they are sent on one tensor per
+expert as a checkpoint names them (``services.run.experts``). And vLLM's
+fused-MoE layers keep their weights in a kernel's layout, made after
+loading (``process_weights_after_loading``: FlashInfer's CUTLASS kernel,
+vLLM 0.20's pick for bf16 on an H100, swaps each expert's gate and up
+rows); ``load_weights`` writes the checkpoint's layout over it, the
+corruption of vllm-project/vllm#42821. So a model with such layers takes
+each sync through vLLM's layerwise reload (``initialize_layerwise_reload``
+before the first bucket, ``finalize_layerwise_reload`` after the last),
+which loads every layer in the checkpoint's layout, redoes its processing
+and copies the result into the tensors the engine computes with.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -20,6 +35,12 @@ from services.common.memory import memory_metrics
 from services.common.timing import StageTimer
 from services.common.weight_sync import StagedWeights, WeightReceiver, tensor_checksum
 from services.rollout.direct_load import DirectLoader
+from services.run.experts import per_expert_tensors
+
+
+def has_fused_moe(model: torch.nn.Module) -> bool:
+    """Whether the model has vLLM fused-MoE layers (their experts' weights are ``w13_weight`` and ``w2_weight``)."""
+    return any(hasattr(module, "w13_weight") for module in model.modules())
 
 
 class MeshrlWorkerExtension:
@@ -78,8 +99,9 @@ class MeshrlWorkerExtension:
         if not staged.wait(0):
             raise RuntimeError("the staged weights have not fully arrived")
         started = time.perf_counter()
-        for named in staged.buckets:
-            self._meshrl_load(named)
+        with self._meshrl_sync():
+            for named in staged.buckets:
+                self._meshrl_load(named)
         torch.cuda.synchronize(self.device)
         return staged.version, {**staged.timer.seconds, "apply": time.perf_counter() - started}
 
@@ -90,7 +112,8 @@ class MeshrlWorkerExtension:
         timer = StageTimer()
         with timer("receive"):
             channel = self._meshrl_channel(channel_id, timeout_s)
-            version = self._meshrl_receiver().receive(channel, self._meshrl_load, timer, keep_buffers=True)
+            with self._meshrl_sync():
+                version = self._meshrl_receiver().receive(channel, self._meshrl_load, timer, keep_buffers=True)
             torch.cuda.synchronize(self.device)
         return version, timer.seconds
 
@@ -98,12 +121,40 @@ class MeshrlWorkerExtension:
         """This worker's receiving side, which keeps what its channels carried from sync to sync."""
         return self.__dict__.setdefault("_meshrl_weight_receiver", WeightReceiver())
 
+    def _meshrl_has_fused_moe(self) -> bool:
+        return self.__dict__.setdefault("_meshrl_fused_moe", has_fused_moe(self.model_runner.model))
+
+    @contextmanager
+    def _meshrl_sync(self) -> Iterator[None]:
+        """One sync's loads; for a model with fused-MoE layers, inside vLLM's layerwise reload (module docstring).
+        A sync broken off halfway still finalizes: layers that got no weights keep theirs, and the caller counts
+        the model damaged."""
+        if not self._meshrl_has_fused_moe():
+            yield
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model_runner.model
+        initialize_layerwise_reload(model)
+        try:
+            yield
+        finally:
+            finalize_layerwise_reload(model, self.model_runner.model_config)
+
     def _meshrl_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket: copied straight into the model when every tensor has a learned view
-        (``DirectLoader``), else through ``load_weights``, after which the loader learns where they landed."""
+        (``DirectLoader``), else through ``load_weights``, after which the loader learns where they landed. A
+        model with fused-MoE layers always takes ``load_weights`` (inside ``_meshrl_sync``), its experts one
+        tensor each, copied: the layerwise reload keeps what it is given until its layer is complete, and the
+        bucket's buffer takes the next bucket before that."""
         if is_adapter([name for name, _ in named]):
             raise ValueError("a LoRA run's adapter came to a vLLM rollout, which takes full weights only for now: "
                              "serve LoRA runs with engine=hf rollouts (docs/guides/lora.md)")
+        if self._meshrl_has_fused_moe():
+            self.model_runner.model.load_weights(weights=[
+                (piece_name, piece.clone()) for name, tensor in named
+                for piece_name, piece in per_expert_tensors(name, tensor)])
+            return
         direct = self.__dict__.setdefault("_meshrl_direct", DirectLoader(self.model_runner.model))
         if direct.knows(named):
             direct.load(named)
