@@ -32,8 +32,9 @@ Their one mini-batch a step skips the old-logprob pass (actor.recompute_old_log_
 A run needing more GPUs than nvidia-smi shows is skipped with a message. Each run's result goes to
 <out>/<run>.json (date, machine, every step), replacing an earlier one of the same run, so one folder
 gathers the runs of several invocations on one lease; --report prints the table of a folder without running
-anything. Medians are over steps 3 and later (for max_staleness >= 1 not the last, which trains a batch
-generated ahead); peak memory is the largest over all steps: the trainer's allocated (meshrl:
+anything. tok/s/GPU is the step's tokens (32 x 8 x (64 + 256), both sides) over the median s/step over the
+GPUs the run holds (verl's and NeMo-RL's perf/throughput). Medians are over steps 3 and later (for
+max_staleness >= 1 not the last, which trains a batch generated ahead); peak memory is the largest over all steps: the trainer's allocated (meshrl:
 perf/max_memory_allocated_gb; TRL: the process's torch peak less what its vLLM holds), vLLM's (meshrl:
 perf/rollout/; TRL: what building vLLM added), and each GPU's used memory (nvidia-smi, every 0.5 s). The
 ratios of each run's s/step to TRL's in the same folder are printed last.
@@ -74,6 +75,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS = 32, 8, 64, 256
+STEP_TOKENS = PROMPTS * SAMPLES * (PROMPT_TOKENS + RESPONSE_TOKENS)  # a step's tokens, both sides (no early EOS)
 MICRO_BATCH = 64  # samples per forward/backward, both sides
 LR = 1e-6
 VLLM_SHARE = 0.3  # vLLM's gpu_memory_utilization, every run
@@ -198,13 +200,20 @@ STAGE_ORDER = ("gen", "reward", "old_log_prob", "adv", "update_actor", "batch_pr
 MEMORY_COLUMNS = (("trainer_allocated", "trainer GB"), ("rollout_allocated", "vLLM GB"))
 
 
+def tokens_per_gpu_s(seconds: float, gpus: int) -> float:
+    """A step's tokens over its seconds over the GPUs the run holds (verl's and NeMo-RL's perf/throughput)."""
+    return STEP_TOKENS / seconds / gpus
+
+
 def report(results: dict[str, dict]) -> str:
-    """The table of every result: s/step, stage medians, peak memory; the ratios to TRL's s/step last."""
+    """The table of every result: s/step, tokens/s per GPU, stage medians, peak memory; the ratios to TRL's s/step
+    last."""
     lines = [f"medians over steps {FIRST_TIMED_STEP}+ (max_staleness >= 1: not the last); memory: peaks over all "
              "steps, GiB"]
     summaries = {name: summary(r) for name, r in results.items() if r["status"] == "ok"}
     gpus = sorted({key for s in summaries.values() for key in s["memory"] if key.startswith("gpu")})
-    lines.append(f"{'run':<16}{'steps':>6}{'s/step':>8}" + "".join(f"{title:>12}" for _, title in MEMORY_COLUMNS)
+    lines.append(f"{'run':<16}{'steps':>6}{'s/step':>8}{'tok/s/GPU':>11}"
+                 + "".join(f"{title:>12}" for _, title in MEMORY_COLUMNS)
                  + "".join(f"{key + ' used':>11}" for key in gpus) + "  machine, date")
     for name, result in results.items():
         where = "  " + ", ".join([result["machine"], result["date"], *result.get("overrides", [])])
@@ -215,6 +224,7 @@ def report(results: dict[str, dict]) -> str:
         s = summaries[name]
         cells = [s["memory"].get(key) for key, _ in MEMORY_COLUMNS] + [s["memory"].get(key) for key in gpus]
         lines.append(f"{name:<16}{len(result['steps']):>6}{s['seconds']:>8.2f}"
+                     f"{tokens_per_gpu_s(s['seconds'], RUNS[name].gpus):>11.0f}"
                      + "".join(f"{cell:>12.1f}" if cell is not None else f"{'-':>12}" for cell in cells[:2])
                      + "".join(f"{cell:>11.1f}" if cell is not None else f"{'-':>11}" for cell in cells[2:]) + where)
     stages = sorted({stage for s in summaries.values() for stage in s["stages"]},

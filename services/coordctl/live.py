@@ -28,7 +28,7 @@ from services.coordctl.tables import aligned
 REDRAW_S = 0.25
 SERVICES_EVERY_S = 2.0
 EVENTS_SHOWN = 4
-COLUMNS = ("STEP", "REWARD", "VAL", "STEP_S", "GEN_S", "SCORE_S", "LOGP_S", "UPDATE_S", "SYNC_S", "TOK/S", "STALE")
+COLUMNS = ("STEP", "REWARD", "VAL", "STEP_S", "GEN_S", "SCORE_S", "LOGP_S", "UPDATE_S", "SYNC_S", "TOK/S/DEV", "STALE")
 BOLD, DIM, GREEN, YELLOW, RED, RESET = "\x1b[1m", "\x1b[2m", "\x1b[32m", "\x1b[33m", "\x1b[31m", "\x1b[0m"
 STATE_COLOURS = {"running": GREEN, "finished": GREEN, "waiting": YELLOW, "pending": YELLOW, "failed": RED,
                  "stopped": YELLOW, "interrupted": RED}

@@ -72,6 +72,14 @@ class RolloutInfo:
 
 
 @dataclass(frozen=True)
+class TrainerPlacement:
+    """Where a trainer computes."""
+
+    gpu: str  # UUID of the GPU its rank 0 sends weights from ("" on CPU)
+    ranks: int  # its processes, one device each
+
+
+@dataclass(frozen=True)
 class RewardSample:
     """One response to score: the reward service picks its scorer by ``data_source``."""
 
@@ -252,6 +260,12 @@ class TrainerClient:
         async with self._conn.slot():
             info = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
         return info.details.get("gpu", "")
+
+    async def placement(self, timeout: float = CONTROL_TIMEOUT_S) -> TrainerPlacement:
+        """Where the trainer computes: the GPU it sends weights from, and its ranks."""
+        async with self._conn.slot():
+            info = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
+        return TrainerPlacement(gpu=info.details.get("gpu", ""), ranks=int(info.details.get("ranks", "1")))
 
     async def prepare_channel(self, channel_id: str, backend: str, world_size: int, timeout: float,
                               keep_joined: bool = False) -> bytes:

@@ -65,7 +65,7 @@ from services.run.data import Prompt
 from services.coordinator.sampler import PromptSampler
 from services.coordinator.samples import step_records
 from services.coordinator.generation import Rollouts
-from services.coordinator.metrics import data_metrics, rollout_balance
+from services.coordinator.metrics import data_metrics, rollout_balance, throughput
 from services.coordinator.pipeline import Pipeline
 from services.coordinator.reward_set import RewardSet, probe_samples
 from services.coordinator.rollout_set import RolloutSet
@@ -227,7 +227,8 @@ class PPOLoop:
         await self.sync_weights(updates, timer)                                     # 5. rollouts serve the new weights
         metrics = {**updates.metrics, **estimate.metrics, **produced.metrics, **staleness, **timer.metrics(),
                    **{f"perf/rollout/{key}": value for key, value in self.rollout_set.memory.items()}}
-        return {**metrics, **self.batch_metrics(rollouts, evaluated, estimate, updates, metrics["timing_s/step"])}
+        return {**metrics, **self.batch_metrics(rollouts, evaluated, estimate, updates, step_s=metrics["timing_s/step"],
+                                                 devices=self.rollout_set.devices)}
 
     # ------------------------------------------------------------------ the stages of a step
 
@@ -331,14 +332,16 @@ class PPOLoop:
 
     @staticmethod
     def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updates: Updates,
-                      step_s: float) -> dict[str, float]:
-        """verl's data metrics of the step's batch, its tokens and throughput, and the weight version trained."""
+                      step_s: float, devices: int) -> dict[str, float]:
+        """verl's data metrics of the step's batch, its tokens and their throughput per device (``devices``: those
+        the run computes on), and the weight version trained."""
         batch = rollouts.batch
         tokens = batch.num_response_tokens + int(batch.prompt_lens.sum())
         return {**data_metrics(rollouts.scores, estimate.rewards, estimate.advantages, estimate.returns,
                                evaluated.values, batch.response_lens, batch.prompt_lens, rollouts.truncated,
                                rollouts.logprobs, evaluated.old_logprobs, batch.loss_mask),
-                "perf/total_num_tokens": float(tokens), "perf/throughput": tokens / step_s,
+                "perf/total_num_tokens": float(tokens), "perf/throughput": throughput(tokens, step_s, devices),
+                "perf/devices": float(devices),
                 "training/weight_version": float(-1 if updates.version is None else updates.version)}
 
     def within_staleness(self, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:

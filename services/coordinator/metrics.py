@@ -50,6 +50,12 @@ def data_metrics(
 # ---------------------------------------------------------------------------- validation (verl's val-core/val-aux)
 
 
+def throughput(tokens: int, step_s: float, devices: int) -> float:
+    """Tokens per second per device (verl's and NeMo-RL's perf/throughput): the step's tokens, prompts and
+    responses, over its seconds, over the devices the run computes on."""
+    return tokens / step_s / devices
+
+
 def rollout_balance(counts: dict[str, float], tokens_per_s: dict[str, float]) -> dict[str, float]:
     """How a step's generation was spread, from its ``rollout/samples_by/<address>`` counts: each rollout's share
     of the samples as ``rollout/share/<address>``, and its measured speed (``tokens_per_s``: address -> speed), on

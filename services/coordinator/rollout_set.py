@@ -74,6 +74,11 @@ class RolloutSet:
     def addresses(self) -> list[str]:
         return [member.address for member in self.members]
 
+    @property
+    def devices(self) -> int:
+        """The devices the trainer and the members compute on, as last formed (``weight_channels.devices_held``)."""
+        return self.channels.devices
+
     async def drop(self, address: str, reason: str) -> None:
         """Take a member out now: no further work goes to it, its calls in flight fail and are redone."""
         member = next((m for m in self.members if m.address == address), None)

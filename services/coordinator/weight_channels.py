@@ -30,7 +30,7 @@ import structlog
 
 from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
-from services.coordinator.clients import Received, RolloutClient, RolloutInfo, TrainerClient
+from services.coordinator.clients import Received, RolloutClient, RolloutInfo, TrainerClient, TrainerPlacement
 from services.coordinator.settings import RolloutSetSettings
 from services.coordinator.waiting import describe
 
@@ -83,6 +83,17 @@ def shares_trainer_device(trainer_gpu: str, info: RolloutInfo) -> bool:
     return not trainer_gpu or trainer_gpu in info.gpus
 
 
+def devices_held(trainer: TrainerPlacement, infos: list[RolloutInfo]) -> int:
+    """The devices a run computes on, the denominator of perf/throughput (verl's and NeMo-RL's tokens/s per GPU):
+    one per trainer rank, and each GPU of a rollout that does not share the trainer's device, a GPU counted once
+    however many rollouts work on it. On CPU, where every process shares the machine, each process is one:
+    the trainer's ranks and every rollout."""
+    if not trainer.gpu and not any(info.gpus for info in infos):
+        return trainer.ranks + len(infos)
+    own = set().union(*(info.gpus for info in infos if not shares_trainer_device(trainer.gpu, info)))
+    return trainer.ranks + len(own - {trainer.gpu})
+
+
 @dataclass(frozen=True)
 class ChannelPlan:
     """One weight channel of a formation: its transport, and its rollouts, which all share the trainer's device
@@ -118,6 +129,7 @@ class Formation:
     failed: dict[str, BaseException]
     actor_failed: BaseException | None
     left: list[RolloutClient]
+    devices: int  # the devices the trainer and the rollouts that answered compute on (devices_held)
 
     def described(self) -> str:
         """The channels formed, for an event: each one's id, transport and rollouts."""
@@ -137,6 +149,7 @@ class WeightChannels:
         self.settings, self.actor, self.members = settings, actor, members
         self.formed: dict[str, tuple[str, ...]] = {}  # the channels last formed: id -> its members' addresses
         self.colocated: set[str] = set()  # members sharing the trainer's device, which sleep while it works
+        self.devices = 1  # the devices the trainer and the members of the adopted formation compute on
         self._prefix, self._generation = f"{run_id}-weights-{secrets.token_hex(3)}", 0
 
     async def form(self, clients: list[RolloutClient], ranks: dict[str, int]) -> Formation:
@@ -145,8 +158,9 @@ class WeightChannels:
         only once ``adopt``-ed."""
         infos = await asyncio.gather(*(c.info(self.settings.rpc_timeout_s) for c in clients), return_exceptions=True)
         failed = {c.address: i for c, i in zip(clients, infos) if not isinstance(i, RolloutInfo)}  # will not join
-        plans = plan_channels(self.settings.backend, await self.actor.gpu(),
-                              {c.address: i for c, i in zip(clients, infos) if isinstance(i, RolloutInfo)})
+        answered = {c.address: i for c, i in zip(clients, infos) if isinstance(i, RolloutInfo)}
+        trainer = await self.actor.placement()
+        plans = plan_channels(self.settings.backend, trainer.gpu, answered)
         self._generation += 1
         base = f"{self._prefix}-{self._generation}"
         channel_ids = [base] if len(plans) == 1 else [f"{base}-{index}" for index in range(len(plans))]
@@ -157,12 +171,14 @@ class WeightChannels:
         failed |= {m.address: Unavailable("it left the run meanwhile") for m in left}
         actor_failed = [r for c, r in zip(joiners, joined) if c is None and isinstance(r, Exception)]
         return Formation(base=base, plans=dict(zip(channel_ids, plans)), failed=failed,
-                         actor_failed=actor_failed[0] if actor_failed else None, left=left)
+                         actor_failed=actor_failed[0] if actor_failed else None, left=left,
+                         devices=devices_held(trainer, list(answered.values())))
 
     def adopt(self, formation: Formation) -> None:
         """Send over ``formation``'s channels from now on (every rollout joined them)."""
         self.formed = {channel_id: plan.addresses for channel_id, plan in formation.plans.items()}
         self.colocated = {address for plan in formation.plans.values() if plan.colocated for address in plan.addresses}
+        self.devices = formation.devices
         log.info("weight_channels_formed", channels=self.formed, colocated=sorted(self.colocated))
 
     async def broadcast(self, version: int) -> tuple[str | None, list[Received]]:

@@ -45,6 +45,10 @@ def test_grpo_on_a_mixture_of_experts_syncs_every_expert(make_cluster, moe_model
     # rollout's probabilities of its tokens are the trainer's (the update recomputes them: one mini-batch)
     steps = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [int(step["rollout/weight_version"]) for step in steps] == list(range(STEPS))
+    # throughput per device: the trainer and the rollout, one process each on the CPU
+    assert all(step["perf/devices"] == 2 for step in steps)
+    assert steps[-1]["perf/throughput"] == pytest.approx(
+        steps[-1]["perf/total_num_tokens"] / steps[-1]["timing_s/step"] / 2)
     for step in steps[2:]:
         assert step["training/rollout_probs_diff_max"] < PROBS_DIFF_MAX, (step["step"], step)
 

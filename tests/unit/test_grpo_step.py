@@ -93,7 +93,10 @@ def test_the_report_gathers_several_invocations_and_ends_with_the_ratios_to_trl(
     failed = next(line for line in lines if line.startswith("colocated-sleep"))
     assert "failed: run ended failed: | CUDA out of memory" in failed
     trl_row = next(line for line in lines if line.startswith("trl "))
-    assert trl_row.split()[1:6] == ["5", "5.00", "10.0", "-", "75.0"]  # steps, s/step, trainer, vLLM (none), GPU 0
+    # steps, s/step, tokens/s per GPU (32 x 8 x 320 = 81,920 tokens in 5 s on one GPU), trainer, vLLM (none), GPU 0
+    assert trl_row.split()[1:7] == ["5", "5.00", "16384", "10.0", "-", "75.0"]
+    split_row = next(line for line in lines if line.startswith("split-k1"))
+    assert split_row.split()[1:4] == ["6", "3.00", "13653"]  # 81,920 tokens in 3 s on two GPUs
     assert report({"colocated": results["colocated"]}).splitlines()[-1].startswith("no TRL result here")
 
 

@@ -32,7 +32,7 @@ def test_piped_each_event_is_a_line_and_a_step_says_its_reward_time_split_throug
     assert view.apply(update("state", state="running")) == "run running"
     assert view.apply(update("step", 3, metrics=STEP)) == (
         "step 3/200  reward 0.613  step_s 1.50  gen_s 0.70  score_s 0.02  logp_s 0.40  update_s 0.90  sync_s 0.05  "
-        "tok/s 1234  stale 1")  # logprobs and values run together: the longest counts
+        "tok/s/dev 1234  stale 1")  # logprobs and values run together: the longest counts
     assert view.apply(update("log", 3, message="checkpoint of step 3 saved")) == "checkpoint of step 3 saved"
     assert (view.state, view.step) == ("running", 3)
     view.services = services_up([ServiceEntry("rollout", "a:1", "default", "up", 0.2, "r1"),

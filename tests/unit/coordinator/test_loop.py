@@ -22,7 +22,8 @@ from services.common.config import validate
 from services.run.config import RunConfig
 from services.common.sequences import SequenceBatch, split_ragged
 from services.coordctl.tiny_model import build_char_tokenizer
-from services.coordinator.clients import Generated, Received, RewardSample, RolloutInfo, ScoredSample, SyncResult
+from services.coordinator.clients import (Generated, Received, RewardSample, RolloutInfo, ScoredSample, SyncResult,
+                                         TrainerPlacement)
 from services.run.data import Prompt
 from services.coordinator import checkpointer
 from services.coordinator.loop import PPOLoop, Trainers
@@ -74,8 +75,8 @@ class FakeTrainer:
         self.taught.append(batch)
         return {"warm_start/loss": 1.0, "warm_start/lr": 1e-3}, self.version
 
-    async def gpu(self, timeout=30.0):
-        return ""
+    async def placement(self, timeout=30.0):
+        return TrainerPlacement(gpu="", ranks=1)
 
     async def prepare_channel(self, channel_id, backend, world_size, timeout, keep_joined=False):
         assert backend == "gloo"
@@ -252,6 +253,10 @@ def test_a_grpo_step_trains_on_hand_worked_advantages_and_every_rollout_serves_t
     assert all(metrics[s]["training/off_policy/staleness/max"] == 0.0 for s in (1, 2, 3))
     assert metrics[1]["critic/score/mean"] == pytest.approx(sum(RIGHT_PER_PROMPT.values()) / (4 * N))
     assert mesh.rollouts["rollout:1"].version == 3
+    # tokens per second per device: a one-rank trainer and one rollout on the CPU, two processes
+    assert all(metrics[s]["perf/devices"] == 2.0 for s in (1, 2, 3))
+    assert metrics[1]["perf/throughput"] == pytest.approx(
+        metrics[1]["perf/total_num_tokens"] / metrics[1]["timing_s/step"] / 2)
     # every sample generated once and scored once, all by the default group's service
     assert mesh.rollouts["rollout:1"].generated == 3 * 4 * N
     assert len(mesh.rewards["reward-a:1"].scored) == 3 * 4 * N and not mesh.rewards["reward-b:1"].scored

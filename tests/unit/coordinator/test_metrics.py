@@ -12,7 +12,16 @@ import torch
 
 from services.algos import mismatch_metrics, summary
 from services.coordinator.metrics import (PromptResults, best_of_k, data_metrics, majority_of_k, pass_at_k,
-                                          rollout_balance, sample_counts, validation_metrics, worst_of_k)
+                                          rollout_balance, sample_counts, throughput, validation_metrics, worst_of_k)
+
+
+def test_throughput_is_per_device_by_hand():
+    # 32 prompts x 8 samples x (64 prompt + 256 response tokens) = 81,920 tokens in 5.12 s: 16,000 tokens/s,
+    # 8,000 per GPU on two (trainer and rollout on one each), 16,000 colocated on one
+    assert throughput(81920, 5.12, 2) == pytest.approx(8000.0)
+    assert throughput(81920, 5.12, 1) == pytest.approx(16000.0)
+    # a CPU run of one trainer and two rollouts: 3 processes; 900 tokens in 2 s -> 150 per process
+    assert throughput(900, 2.0, 3) == pytest.approx(150.0)
 
 
 def test_rollout_balance_by_hand():

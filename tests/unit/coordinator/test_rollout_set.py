@@ -11,7 +11,7 @@ import pytest
 from services.common.config import validate
 from services.common.errors import Unavailable
 from services.run.config import RunConfig
-from services.coordinator.clients import RolloutInfo, SyncResult
+from services.coordinator.clients import RolloutInfo, SyncResult, TrainerPlacement
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import rollout_set_settings
 from services.coordinator.weight_channels import ChannelNotFormed
@@ -21,8 +21,8 @@ from tests.unit.coordinator.test_weight_channels import Notices, SyncingMember, 
 class JoiningTrainer:
     """The actor's side of a formation: it waits for the members until the channel's deadline."""
 
-    async def gpu(self, timeout=None):
-        return ""
+    async def placement(self, timeout=None):
+        return TrainerPlacement(gpu="", ranks=1)
 
     async def prepare_channel(self, channel_id, backend, world_size, timeout, keep_joined=False):
         return b"127.0.0.1:1"

@@ -11,11 +11,11 @@ import pytest
 from services.common.config import validate
 from services.common.errors import FROM_HANDLER, ORIGIN_KEY, Unavailable
 from services.run.config import RunConfig
-from services.coordinator.clients import Received, RolloutInfo
+from services.coordinator.clients import Received, RolloutInfo, TrainerPlacement
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.supervisor import recoverable
 from services.coordinator.settings import rollout_set_settings
-from services.coordinator.weight_channels import ChannelNotFormed, ChannelPlan, not_formed, plan_channels
+from services.coordinator.weight_channels import ChannelNotFormed, ChannelPlan, devices_held, not_formed, plan_channels
 
 
 def on(*gpus: str, colocated: bool | None = None) -> RolloutInfo:
@@ -167,3 +167,18 @@ async def test_a_sync_failing_on_one_channel_abandons_the_others():
     assert trainer.cancelled.is_set()
     assert failure == ("weight sync of version 3 on channel w-1 failed (a rollout's side: Unavailable: engine "
                        "gone); not serving it: bad:1")
+
+
+def test_the_devices_a_run_holds_count_each_gpu_once_and_each_process_on_a_cpu():
+    one_rank, two_ranks = TrainerPlacement(gpu="GPU-a", ranks=1), TrainerPlacement(gpu="GPU-a", ranks=2)
+    # colocated on one GPU; trainer on GPU 0 and a rollout on GPU 1; a rollout on each GPU, one beside the trainer
+    assert devices_held(one_rank, [on("GPU-a")]) == 1
+    assert devices_held(one_rank, [on("GPU-b")]) == 2
+    assert devices_held(one_rank, [on("GPU-a"), on("GPU-b")]) == 2
+    # two rollouts of tensor parallel 2 on GPUs b..e, and one more on c (counted once), beside 2 trainer ranks
+    assert devices_held(two_ranks, [on("GPU-b", "GPU-c"), on("GPU-d", "GPU-e"), on("GPU-c")]) == 6
+    # a rollout that says it shares the trainer's devices adds none (every GPU generating on a sharded trainer)
+    assert devices_held(two_ranks, [on("GPU-z", colocated=True)]) == 2
+    # on a CPU: the trainer's ranks and each rollout, one process each
+    assert devices_held(TrainerPlacement(gpu="", ranks=1), [on(), on()]) == 3
+    assert devices_held(TrainerPlacement(gpu="", ranks=2), [on()]) == 3
