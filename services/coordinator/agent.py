@@ -17,10 +17,16 @@ Choices:
   prefix; one sampled from weights older than the batch allows is sampled again.
 - A trajectory whose env replica fails (killed, unreachable) starts again from its prompt on another, counted
   (``agent/episodes_restarted``): the episode's state is lost with the replica, so its turns would not follow.
-- A template that cannot extend the conversation exactly (``CannotExtend``) ends the trajectory there, counted
-  (``agent/cannot_extend``), rather than guess; so does a reply that does not fit the response (``OverBudget``).
+- Where the template cannot extend the conversation exactly (``CannotExtend``: it strips earlier thinking, for
+  example), the trajectory's sample is closed as it stands (its model tokens train) and the trajectory goes on,
+  in the same episode, in a new sample whose prompt is the whole conversation so far rendered fresh
+  (``turns.next_sample``), counted (``agent/new_samples``), as prime-rl's interleaved rollouts start a new
+  training sample where the extension property breaks. The limits are the trajectory's, over its samples:
+  ``max_assistant_turns`` and ``max_user_turns`` count every turn, and its response tokens together fit
+  ``data.max_response_length``. A reply that does not fit what is left ends the trajectory (``OverBudget``).
 - The trajectory's score is the reward service's score of the model's final turn plus ``env_reward_weight``
-  times the environment's step rewards (``Rollouts.env_scores``).
+  times the environment's step rewards (``Rollouts.env_scores``); each of its samples is trained with it
+  (``Rollouts``: the advantages are the trajectory's).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,8 +46,8 @@ from services.coordinator.clients import RolloutClient
 from services.coordinator.env_set import EnvFleet, EnvLost, EnvSet, Episode
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import AgentSettings, Sampling
-from services.coordinator.turns import (CannotExtend, OverBudget, SampledTokens, Trajectory, extend, render_prompt,
-                                        render_reply)
+from services.coordinator.turns import (CannotExtend, Message, OverBudget, SampledTokens, Trajectory, extend,
+                                        next_sample, render_prompt, render_reply)
 from services.coordinator.waiting import Notices
 from services.run.data import Prompt
 
@@ -62,6 +68,8 @@ class TurnRecord(NamedTuple):
     weight_version: int | None  # model turns: the weights that sampled it
     tool: str  # replies: the tool that answered ("" for an environment's message)
     seconds: float  # model turns: sampling it; replies: the environment's step
+    sample: int = 0  # the trajectory's sample it is in (0: the first; a reply that opens a later one has 0 tokens:
+    # it is in that sample's prompt, rendered fresh)
 
 
 @dataclass(frozen=True)
@@ -73,8 +81,8 @@ class AgentTrace:
     env_reward: float  # the environment's step rewards, summed
     episode_service: str  # the env replica that ran the episode (id and version)
     rollouts: tuple[str, ...]  # the rollout replicas that sampled its turns, in order
-    last_version: int  # the weights that sampled its last model token
-    ended: str  # done, answer, max_assistant_turns, max_user_turns, length, cannot_extend, over_budget
+    last_versions: tuple[int, ...]  # each of its samples': the weights that sampled its last model token
+    ended: str  # done, answer, max_assistant_turns, max_user_turns, length, over_budget
     tool_calls: Counter  # tool name -> calls
     tool_errors: Counter  # tool name -> calls that answered an error
     tool_timeouts: Counter  # tool name -> calls that timed out
@@ -204,10 +212,11 @@ class AgentLoop:
         self.tokenizer, self.notices = tokenizer, notices
 
     async def run(self, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int, timeout_s: float,
-                  what: str) -> tuple[list[Trajectory], list[AgentTrace], TurnDispatcher]:
-        """``sampling.n`` trajectories per prompt (trajectory i*n+j is sample j of prompt i), each of its model
-        turns sampled from weight versions >= ``oldest``, their episodes on the env replicas the run has as the
-        batch (``what``: "step 5") begins."""
+                  what: str) -> tuple[list[tuple[Trajectory, ...]], list[AgentTrace], TurnDispatcher]:
+        """``sampling.n`` trajectories per prompt (trajectory i*n+j is sample j of prompt i), each as its samples
+        (one, or more where its template could not extend it), each of its model turns sampled from weight
+        versions >= ``oldest``, their episodes on the env replicas the run has as the batch (``what``: "step 5")
+        begins."""
         dispatcher = TurnDispatcher(self.rollout_set, sampling, seed, oldest, timeout_s, self.settings.calls_in_flight)
         try:
             async with self.env_set.batch(what) as fleet:
@@ -224,31 +233,34 @@ class AgentLoop:
         return [t for t, _ in results], [trace for _, trace in results], dispatcher
 
     async def trajectory(self, prompt: Prompt, index: int, tools: tuple[dict, ...], dispatcher: TurnDispatcher,
-                         fleet: EnvFleet) -> tuple[Trajectory, AgentTrace]:
+                         fleet: EnvFleet) -> tuple[tuple[Trajectory, ...], AgentTrace]:
         """One trajectory on a replica of its batch's ``fleet``, started again from its prompt where its env replica
         fails."""
         for restarts in range(EPISODE_ATTEMPTS):
             try:
                 async with self.env_set.episode(episode_row(prompt), self.settings.environment,
                                                 self.settings.max_parallel_calls, fleet) as episode:
-                    trajectory, trace = await self.turns(prompt, index, tools, episode, dispatcher)
-                    return trajectory, replace(trace, restarts=restarts)
+                    samples, trace = await self.turns(prompt, index, tools, episode, dispatcher)
+                    return samples, replace(trace, restarts=restarts)
             except EnvLost as error:
                 self.notices.log(f"trajectory {index}: its env replica failed ({error}); starting it again")
                 last = error
         raise Unavailable(f"trajectory {index}: its episode failed on {EPISODE_ATTEMPTS} env replicas: {last}")
 
     async def turns(self, prompt: Prompt, index: int, tools: tuple[dict, ...], episode: Episode,
-                    dispatcher: TurnDispatcher) -> tuple[Trajectory, AgentTrace]:
+                    dispatcher: TurnDispatcher) -> tuple[tuple[Trajectory, ...], AgentTrace]:
+        """The turns of one trajectory in ``episode``: its samples, in order, and what it did."""
         settings, tokenizer = self.settings, self.tokenizer
         template_kwargs = {"tools": list(tools)} if tools else {}
-        messages: tuple[Mapping[str, Any], ...] = (*prompt.messages, *episode.opening)
+        messages: tuple[Message, ...] = (*prompt.messages, *episode.opening)
         prompt_ids = await asyncio.to_thread(render_prompt, tokenizer, messages, template_kwargs)
         if len(prompt_ids) > settings.max_prompt_length:
             raise ValueError(f"a prompt rendered with the environment's tools and opening messages has "
                              f"{len(prompt_ids)} tokens, over data.max_prompt_length={settings.max_prompt_length} "
                              f"(row {prompt.extra_info.get('index', '?')} of {prompt.data_source})")
         trajectory = Trajectory(prompt_ids, settings.max_response_length)
+        closed: list[Trajectory] = []  # the samples before ``trajectory``, closed where they could not be extended
+        last_versions: list[int] = []
         records: list[TurnRecord] = []
         calls: Counter = Counter()
         errors: Counter = Counter()
@@ -269,7 +281,7 @@ class AgentLoop:
             trajectory = extend(trajectory, sampled.tokens)
             final_text = tokenizer.decode(list(sampled.tokens.ids), skip_special_tokens=True)
             records.append(TurnRecord("model", final_text, len(sampled.tokens.ids), True,
-                                      sampled.tokens.weight_version, "", time.monotonic() - started))
+                                      sampled.tokens.weight_version, "", time.monotonic() - started, len(closed)))
             if sampled.truncated or trajectory.room == 0:
                 break
             step = await episode.step(tokenizer.decode(list(sampled.tokens.ids), skip_special_tokens=False))
@@ -285,19 +297,36 @@ class AgentLoop:
                 render_reply, tokenizer, messages=messages, sampled_ids=sampled.tokens.ids, replies=step.messages,
                 room=trajectory.room, max_reply_tokens=settings.max_reply_tokens,
                 truncate_side=settings.truncate_side, template_kwargs=template_kwargs)
-            if isinstance(reply, (CannotExtend, OverBudget)):
-                ended = "cannot_extend" if isinstance(reply, CannotExtend) else "over_budget"
+            if isinstance(reply, CannotExtend):
+                following = await asyncio.to_thread(next_sample, tokenizer, trajectory, reply.messages, template_kwargs)
+                if isinstance(following, OverBudget):
+                    ended = "over_budget"
+                    break
+                closed.append(trajectory)
+                last_versions.append(sampled.last_version)
+                trajectory, appended = following, 0  # the replies are in the new sample's prompt
+            elif isinstance(reply, OverBudget):
+                ended = "over_budget"
                 break
-            trajectory, messages, replies = extend(trajectory, reply), reply.messages, replies + 1
-            seconds = episode.seconds / max(1, episode.steps)
-            records.extend(TurnRecord("reply", str(m.get("content", "")), 0, False, None, str(m.get("name", "")),
-                                      seconds) for m in reply.messages[len(reply.messages) - len(step.messages):])
-            records[-1] = records[-1]._replace(tokens=len(reply.ids))  # the reply's ids, template tokens included
+            else:
+                trajectory, appended = extend(trajectory, reply), len(reply.ids)
+            messages, replies = reply.messages, replies + 1
+            records.extend(reply_records(messages[len(messages) - len(step.messages):], appended,
+                                         episode.seconds / max(1, episode.steps), len(closed)))
         trace = AgentTrace(turns=tuple(records), final_text=final_text, env_reward=env_reward,
                            episode_service=episode.service, rollouts=tuple(used),
-                           last_version=sampled.last_version, ended=ended, tool_calls=calls,
+                           last_versions=(*last_versions, sampled.last_version), ended=ended, tool_calls=calls,
                            tool_errors=errors, tool_timeouts=timeouts, env_seconds=episode.seconds, restarts=0)
-        return trajectory, trace
+        return (*closed, trajectory), trace
+
+
+def reply_records(replies: tuple[Message, ...], tokens: int, seconds: float, sample: int) -> list[TurnRecord]:
+    """The records of one step's ``replies`` (as cut), the last one holding the ``tokens`` they were appended as
+    (the template's tokens included; 0 where they open a new sample)."""
+    records = [TurnRecord("reply", str(m.get("content", "")), 0, False, None, str(m.get("name", "")), seconds, sample)
+               for m in replies]
+    records[-1] = records[-1]._replace(tokens=tokens)
+    return records
 
 
 def episode_row(prompt: Prompt) -> dict:
@@ -322,22 +351,24 @@ def count_calls(info: dict, calls: Counter, errors: Counter, timeouts: Counter) 
         (timeouts if info.get("timed_out") else errors)[tool] += 1
 
 
-def trajectory_batch(trajectories: list[Trajectory]) -> SequenceBatch:
-    """The trajectories as a batch: each one's prompt as rendered for it (with the tools and the episode's
-    opening), its response with the loss mask (1 on the model's tokens)."""
-    prompt_ids, prompt_lens = join_ragged([torch.tensor(t.prompt_ids) for t in trajectories], torch.int64)
+def trajectory_batch(samples: list[Trajectory]) -> SequenceBatch:
+    """The trajectories' samples as a batch: each one's prompt as rendered for it (the first: with the tools and the
+    episode's opening; a later one: the conversation so far), its response with the loss mask (1 on the model's
+    tokens)."""
+    prompt_ids, prompt_lens = join_ragged([torch.tensor(t.prompt_ids) for t in samples], torch.int64)
     response_ids, response_lens = join_ragged([torch.tensor(t.response_ids, dtype=torch.int64)
-                                               for t in trajectories], torch.int64)
-    mask, _ = join_ragged([torch.tensor(t.loss_mask, dtype=torch.bool) for t in trajectories], torch.bool)
+                                               for t in samples], torch.int64)
+    mask, _ = join_ragged([torch.tensor(t.loss_mask, dtype=torch.bool) for t in samples], torch.bool)
     return SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens, response_ids=response_ids,
                          response_lens=response_lens, loss_mask=mask)
 
 
-def agent_metrics(traces: list[AgentTrace], trajectories: list[Trajectory]) -> dict[str, float]:
-    """verl's num_turns metrics and meshrl's of the tools, the environment and the trajectories' tokens."""
+def agent_metrics(traces: list[AgentTrace], trajectories: list[tuple[Trajectory, ...]]) -> dict[str, float]:
+    """verl's num_turns metrics and meshrl's of the tools, the environment and the trajectories' tokens (over all
+    of each one's samples)."""
     turns = torch.tensor([float(len(t.turns)) for t in traces])
-    model = torch.tensor([float(sum(t.loss_mask)) for t in trajectories])
-    tool = torch.tensor([float(len(t.loss_mask) - sum(t.loss_mask)) for t in trajectories])
+    model = torch.tensor([float(sum(sum(s.loss_mask) for s in t)) for t in trajectories])
+    tool = torch.tensor([float(sum(len(s.loss_mask) - sum(s.loss_mask) for s in t)) for t in trajectories])
     calls = torch.tensor([float(sum(t.tool_calls.values())) for t in traces])
     metrics = {"num_turns/min": float(turns.min()), "num_turns/max": float(turns.max()),
                "num_turns/mean": float(turns.mean()),
@@ -345,8 +376,9 @@ def agent_metrics(traces: list[AgentTrace], trajectories: list[Trajectory]) -> d
                "agent/model_tokens/mean": float(model.mean()), "agent/tool_tokens/mean": float(tool.mean()),
                "agent/env_seconds/mean": sum(t.env_seconds for t in traces) / len(traces),
                "agent/env_reward/mean": sum(t.env_reward for t in traces) / len(traces),
-               "agent/episodes_restarted": float(sum(t.restarts for t in traces))}
-    for ending in ("cannot_extend", "over_budget", "length"):
+               "agent/episodes_restarted": float(sum(t.restarts for t in traces)),
+               "agent/new_samples": float(sum(len(t) - 1 for t in trajectories))}
+    for ending in ("over_budget", "length"):
         metrics[f"agent/ended/{ending}"] = float(sum(t.ended == ending for t in traces))
     for name, counts in (("tool_errors", "tool_errors"), ("tool_timeouts", "tool_timeouts")):
         total: Counter = sum((getattr(t, counts) for t in traces), Counter())

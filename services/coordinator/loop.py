@@ -219,7 +219,7 @@ class PPOLoop:
         served = self.rollout_set.served                                            #    the weights updated from
         rollouts, staleness = self.within_staleness(produced.rollouts)              # 1. responses and scores
         async with self.rollouts_asleep(timer):                                     #    (the GPU is the trainer's)
-            evaluated = await self.evaluate(rollouts.batch, step, timer)            # 2. what the update needs
+            evaluated = await self.evaluate(rollouts, step, timer)                  # 2. what the update needs
             estimate = await self.estimate(rollouts, evaluated, timer)              # 3. rewards and advantages
             updates, _ = await asyncio.gather(
                 self.update(rollouts, evaluated, estimate, step, timer),            # 4. critic and actor updates
@@ -246,17 +246,22 @@ class PPOLoop:
         with timer("rollout_wake_up"):
             await self.rollout_set.wake_up()
 
-    async def evaluate(self, batch: SequenceBatch, step: int, timer: StageTimer) -> Evaluated:
+    async def evaluate(self, rollouts: Rollouts, step: int, timer: StageTimer) -> Evaluated:
         """Old logprobs (actor), reference logprobs and values (critic), concurrently."""
-        return Evaluated(*await asyncio.gather(self.old_logprobs(batch, step, timer),
+        batch = rollouts.batch
+        one_sample_each = len(batch) == len(rollouts.last_rows)
+        return Evaluated(*await asyncio.gather(self.old_logprobs(batch, one_sample_each, step, timer),
                                                self.ref_logprobs(batch, step, timer),
                                                self.values(batch, step, timer)))
 
-    async def old_logprobs(self, batch: SequenceBatch, step: int, timer: StageTimer) -> torch.Tensor | None:
+    async def old_logprobs(self, batch: SequenceBatch, one_sample_each: bool, step: int,
+                           timer: StageTimer) -> torch.Tensor | None:
         """None where the step's actor update is one optimizer step over the batch (recompute_old_logprobs off):
         it takes its own logprobs, detached, as pi_old. A step that does not update the actor (critic warmup)
-        computes them, for the mismatch metrics."""
-        if not self.settings.recompute_old_logprobs and step > self.settings.critic_warmup:
+        computes them, for the mismatch metrics; so does one whose trajectories went on in new samples
+        (``one_sample_each`` False): its rows outnumber the trajectories that the mini-batch was sized for, so
+        its update may be more than one optimizer step."""
+        if not self.settings.recompute_old_logprobs and step > self.settings.critic_warmup and one_sample_each:
             return None
         with timer("old_log_prob"):
             return await self.trainers.actor.compute_log_probs(batch, step, self.timeout)
@@ -280,7 +285,7 @@ class PPOLoop:
         control = self.settings.kl_in_reward
         if control is not None and control.adaptive:
             self.kl_coef = algos.adaptive_kl_coef(self.kl_coef, estimate.metrics["actor/reward_kl_penalty"],
-                                                  len(rollouts.batch), control.target_kl, control.horizon)
+                                                  len(rollouts.last_rows), control.target_kl, control.horizon)
         return estimate
 
     async def keep_samples(self, step: int, rollouts: Rollouts, served: int, estimate: Estimate) -> None:
@@ -333,13 +338,14 @@ class PPOLoop:
     @staticmethod
     def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updates: Updates,
                       step_s: float, devices: int) -> dict[str, float]:
-        """verl's data metrics of the step's batch, its tokens and their throughput per device (``devices``: those
-        the run computes on), and the weight version trained."""
-        batch = rollouts.batch
+        """verl's data metrics of the step's batch (by trajectory: a multi-turn one's samples together), its tokens
+        (every sample's) and their throughput per device (``devices``: those the run computes on), and the weight
+        version trained."""
+        batch, trajectories = rollouts.batch, rollouts.by_trajectory()
         tokens = batch.num_response_tokens + int(batch.prompt_lens.sum())
-        return {**data_metrics(rollouts.scores, estimate.rewards, estimate.advantages, estimate.returns,
-                               evaluated.values, batch.response_lens, batch.prompt_lens, rollouts.truncated,
-                               rollouts.logprobs, evaluated.old_logprobs, batch.loss_mask),
+        return {**data_metrics(trajectories.scores, estimate.rewards, estimate.advantages, estimate.returns,
+                               evaluated.values, trajectories.response_lens, trajectories.prompt_lens,
+                               trajectories.truncated, rollouts.logprobs, evaluated.old_logprobs, batch.loss_mask),
                 "perf/total_num_tokens": float(tokens), "perf/throughput": throughput(tokens, step_s, devices),
                 "perf/devices": float(devices),
                 "training/weight_version": float(-1 if updates.version is None else updates.version)}
@@ -349,15 +355,15 @@ class PPOLoop:
         weights the update starts from (prompts with an older sample are dropped, and counted), and the
         staleness metrics. A sample's staleness counts from its first token's version; those whose later tokens
         came from newer weights (partial_rollout keep) are counted as spanning a swap."""
-        limit = self.settings.max_staleness
+        limit, groups = self.settings.max_staleness, rollouts.group_ids
         staleness = (self.rollout_set.served - rollouts.versions).float()
         spanning = (rollouts.last_versions > rollouts.versions).sum()
-        keep = [i for i in range(len(rollouts.prompts))
-                if staleness[i * rollouts.n:(i + 1) * rollouts.n].max() <= limit]
+        keep = rollouts.prompts_where_every_sample(staleness <= limit)
+        dropped = ~torch.isin(groups, torch.tensor(keep, dtype=torch.int64))
         metrics = {"rollout/weight_version": float(rollouts.versions.min()),
                    "training/off_policy/staleness/mean": float(staleness.mean()),
                    "training/off_policy/staleness/max": float(staleness.max()),
-                   "training/off_policy/dropped_samples": float((len(rollouts.prompts) - len(keep)) * rollouts.n),
+                   "training/off_policy/dropped_samples": float(dropped.sum()),
                    "training/off_policy/samples_spanning_swap": float(spanning)}
         if len(keep) == len(rollouts.prompts):
             return rollouts, metrics
@@ -381,8 +387,7 @@ class PPOLoop:
         for round_index in range(self.settings.max_gen_rounds):
             rollouts = await self.generate_and_score(step, round_index, timer, counts, oldest)
             signal = algos.groups_with_signal(rollouts.scores, rollouts.group_ids)
-            kept.append(rollouts.keep_prompts([i for i in range(len(rollouts.prompts))
-                                               if bool(signal[i * rollouts.n])]))
+            kept.append(rollouts.keep_prompts(rollouts.prompts_where_every_sample(signal)))
             if sum(len(part.prompts) for part in kept) >= wanted:
                 break
         merged = Rollouts.concat(kept) if any(part.prompts for part in kept) else rollouts
@@ -429,7 +434,7 @@ class PPOLoop:
                                                   self.timeout, self.reporter, f"step {step} greedy baselines")
             scored = await generation.score(self.reward_set, greedy, self.tokenizer, self.reporter,
                                             f"step {step} greedy baselines")
-        return dataclasses.replace(rollouts, baselines=scored.rollouts.scores.repeat_interleave(rollouts.n))
+        return dataclasses.replace(rollouts, baselines=scored.rollouts.scores[rollouts.group_ids])
 
     # ------------------------------------------------------------------ set-up and boundaries
 
@@ -480,18 +485,23 @@ class PPOLoop:
 
 def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollouts, evaluated: Evaluated) -> Estimate:
     """Scores on the last (model) tokens (minus ``kl_coef`` times the KL penalty when it goes into the reward), and
-    the estimator's advantages and returns, on the model tokens of the batch's loss mask where it has one."""
-    lengths, kl_in_reward, estimator = rollouts.batch.response_lens, settings.kl_in_reward, settings.estimator
-    mask = rollouts.batch.loss_mask
+    the estimator's advantages and returns, on the model tokens of the batch's loss mask where it has one.
+
+    The estimator sees trajectories (``Rollouts.by_trajectory``): a multi-turn trajectory that went on in new
+    samples is one sequence of its samples' tokens with one score on its last model token, one member of its
+    prompt's group, so each of its samples' model tokens gets the trajectory's advantage (GAE: the advantages
+    of one episode, whose values the critic gave each sample's tokens)."""
+    trajectories, kl_in_reward, estimator = rollouts.by_trajectory(), settings.kl_in_reward, settings.estimator
+    lengths, mask = trajectories.response_lens, rollouts.batch.loss_mask
     if kl_in_reward is None:
-        rewards, metrics = algos.token_rewards(rollouts.scores, lengths, mask=mask), {}
+        rewards, metrics = algos.token_rewards(trajectories.scores, lengths, mask=mask), {}
     else:
         kl = algos.kl_penalty(evaluated.old_logprobs, evaluated.ref_logprobs, kl_in_reward.estimator)
-        rewards = algos.token_rewards(rollouts.scores, lengths, kl, kl_coef, mask)
+        rewards = algos.token_rewards(trajectories.scores, lengths, kl, kl_coef, mask)
         metrics = {"actor/reward_kl_penalty": algos.mean_sequence_kl(kl, lengths, mask),
                    "actor/reward_kl_penalty_coeff": kl_coef}
-    inputs = EstimatorInputs(rewards=rewards, lengths=lengths, group_ids=rollouts.group_ids, mask=mask,
-                             values=evaluated.values, baselines=rollouts.baselines)
+    inputs = EstimatorInputs(rewards=rewards, lengths=lengths, group_ids=trajectories.group_ids, mask=mask,
+                             values=evaluated.values, baselines=trajectories.baselines)
     advantages = compute_advantages(estimator.name, inputs,
                                     EstimatorParams(estimator.gamma, estimator.lam, estimator.norm_by_std))
     return Estimate(rewards, advantages.advantages, advantages.returns, {**metrics, **advantages.metrics})

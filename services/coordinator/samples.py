@@ -14,7 +14,11 @@ Choices:
 - A multi-turn trajectory's ``output`` is its final model turn (what the reward service scored), its
   ``score`` that score plus its weighted environment rewards (``env_reward`` unweighted); ``turns``
   lists every turn: the model's (trained, with the weight version that sampled it) and the tools' or
-  environment's replies (not trained, with the tool that answered and the seconds the step took).
+  environment's replies (not trained, with the tool that answered and the seconds the step took), each with
+  the ``sample`` it is in.
+- A trajectory that went on in new samples (its template could not extend it) has one record per sample,
+  each with ``trajectory_sample`` (0, 1, ...) of ``trajectory_samples``, its own tokens' length, versions and
+  advantage, and the trajectory's output, score and turns.
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ from services.coordinator.generation import Rollouts
 def step_records(step: int, rollouts: Rollouts, served: int, advantages: torch.Tensor) -> list[dict]:
     """One record per response of a step's scored ``rollouts``, trained from weight version ``served``;
     ``advantages`` [T] over their response tokens."""
-    lens = rollouts.batch.response_lens
+    lens, groups, trajectory_ids = rollouts.batch.response_lens, rollouts.group_ids, rollouts.trajectory_ids
+    first_rows, last_rows = rollouts.first_rows, rollouts.last_rows
     per_token = torch.split(advantages.float(), lens.tolist())
     records = []
     for row, origin in enumerate(rollouts.lineage):
+        trajectory = int(trajectory_ids[row])
+        first, last = int(first_rows[trajectory]), int(last_rows[trajectory])
         sample, scored, by = origin.sample, origin.scored, origin.scored_by
         version = int(rollouts.versions[row])
         records.append({
@@ -45,18 +52,21 @@ def step_records(step: int, rollouts: Rollouts, served: int, advantages: torch.T
             "rollout": origin.rollout, "reward_service": by.service_id, "reward_address": by.address,
             "advantage": float(per_token[row].mean()) if len(per_token[row]) else 0.0,
             "response_length": int(lens[row]), "truncated": bool(rollouts.truncated[row]),
-            "group": row // rollouts.n,
-        } | trajectory_fields(origin.trace))
+            "group": int(groups[row]),
+        } | trajectory_fields(origin.trace, row - first, last - first + 1))
     return records
 
 
-def trajectory_fields(trace: AgentTrace | None) -> dict:
-    """A trajectory's turns (role, text, token count, trained or not, weight version, tool, seconds), how it
-    ended, its episode's env replica and rewards; nothing for a single-turn response."""
+def trajectory_fields(trace: AgentTrace | None, sample: int, samples: int) -> dict:
+    """A trajectory's turns (role, text, token count, trained or not, weight version, tool, seconds, the sample
+    they are in), how it ended, its episode's env replica and rewards, and which of its ``samples`` this
+    record's is; nothing for a single-turn response."""
     if trace is None:
         return {}
     return {"num_turns": len(trace.turns), "ended": trace.ended, "env_service": trace.episode_service,
             "env_reward": trace.env_reward, "restarts": trace.restarts,
+            "trajectory_sample": sample, "trajectory_samples": samples,
             "turns": [{"role": turn.role, "text": turn.text, "tokens": turn.tokens, "trained": turn.trained,
-                       "weight_version": turn.weight_version, "tool": turn.tool, "seconds": round(turn.seconds, 4)}
+                       "weight_version": turn.weight_version, "tool": turn.tool, "seconds": round(turn.seconds, 4),
+                       "sample": turn.sample}
                       for turn in trace.turns]}

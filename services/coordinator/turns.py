@@ -9,8 +9,9 @@ The ids of a reply come from the template itself, generically, for any template:
 ending with the model's turn (as the model wrote it), render it again with the replies after it and the
 generation prompt, and tokenize only the text that the second adds. When the first is not a prefix of the
 second (the template rewrites earlier turns once more follow, as templates that strip earlier thinking do),
-there is no exact way to extend, and ``render_reply`` says so with ``CannotExtend``: the agent loop then
-starts a new sample and counts it, instead of guessing.
+there is no exact way to extend, and ``render_reply`` says so with ``CannotExtend``: the agent loop then closes
+the trajectory's sample as it stands and goes on in a new one (``next_sample``) whose prompt is the whole
+conversation rendered fresh, and counts it, instead of guessing.
 
 The PyPI ``renderers`` package (Prime Intellect's, used by prime-rl) was read (0.1.12) and not used: its
 exact bridging is hand-written per model family (Qwen3, Llama 3, ...), and for any other Jinja template,
@@ -23,7 +24,9 @@ Replies are cut to ``max_reply_tokens`` each, keeping the side verl's ``tool_res
 (it names the side KEPT: ``left`` keeps the start, ``right`` the end, ``middle`` both ends), with verl's
 ``(truncated)`` marker, counted in tokens here (verl counts characters) and inside the bound. The whole
 response (every token after the prompt) fits ``max_response_length``: a reply that would overflow it is cut
-further, and where even the template's own tokens do not fit, the result is ``OverBudget``.
+further, and where even the template's own tokens do not fit, the result is ``OverBudget``. Over a trajectory's
+samples the same bound holds: a new sample's response may take what the closed one left, less what the
+conversation grew by in its fresh rendering (``next_sample``).
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class CannotExtend(NamedTuple):
     """The template rewrites what came before when replies follow: the trajectory cannot be extended exactly."""
 
     reason: str
+    messages: tuple[Message, ...] = ()  # the conversation with the replies (cut as configured), which a new
+    # sample's prompt renders fresh (``next_sample``)
 
 
 class OverBudget(NamedTuple):
@@ -86,7 +91,8 @@ class Trajectory:
     per token after the prompt; only the model's tokens have loss mask 1 and a logprob (0.0 elsewhere)."""
 
     prompt_ids: tuple[int, ...]
-    max_response_length: int  # data.max_response_length: every token after the prompt, model's and replies'
+    max_response_length: int  # every token after the prompt, model's and replies': data.max_response_length for a
+    # trajectory's first sample, what the samples before it left for a later one (``next_sample``)
     response_ids: tuple[int, ...] = ()
     loss_mask: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
@@ -148,15 +154,34 @@ def render_reply(tokenizer: Any, *, messages: Sequence[Message], sampled_ids: Se
     cut = [truncate_text(tokenizer, str(reply.get("content", "")), max_reply_tokens, truncate_side)
            for reply in replies]
     rendered = _bridge(tokenizer, conversation, sampled, _with_contents(replies, cut), template_kwargs)
-    if isinstance(rendered, CannotExtend) or len(rendered) <= room:
+    if isinstance(rendered, CannotExtend):
+        return rendered._replace(messages=(*conversation, *_with_contents(replies, cut)))
+    if len(rendered) <= room:
         truncated = any(text is not None for text in cut)
         return _reply(rendered, conversation, _with_contents(replies, cut), truncated=truncated)
     fitted = _fit_to_room(tokenizer, conversation, sampled, replies, rendered=rendered, cut=cut, room=room,
                           truncate_side=truncate_side, template_kwargs=template_kwargs)
-    if isinstance(fitted, (OverBudget, CannotExtend)):
+    if isinstance(fitted, CannotExtend):
+        return fitted._replace(messages=(*conversation, *_with_contents(replies, cut)))
+    if isinstance(fitted, OverBudget):
         return fitted
     ids, contents = fitted
     return _reply(ids, conversation, _with_contents(replies, contents), truncated=True)
+
+
+def next_sample(tokenizer: Any, closed: Trajectory, messages: Sequence[Message],
+                template_kwargs: Mapping[str, Any]) -> Trajectory | OverBudget:
+    """The sample a trajectory goes on in where ``closed`` could not be extended: its prompt is the whole
+    conversation ``messages`` (``CannotExtend.messages``: the replies included) rendered fresh with the generation
+    prompt, as the template renders it now. Its response may take ``closed``'s room less what the conversation
+    grew by beyond ``closed``'s ids (nothing where the template's rewriting shortened it), so that the
+    trajectory's response tokens over all its samples fit the first one's ``max_response_length``, and every
+    sample's whole sequence fits the first one's prompt plus that. ``OverBudget`` where nothing is left."""
+    prompt_ids = render_prompt(tokenizer, messages, template_kwargs)
+    growth = max(0, len(prompt_ids) - len(closed.ids))
+    if growth >= closed.room:
+        return OverBudget(needed=growth, room=closed.room)
+    return Trajectory(prompt_ids=prompt_ids, max_response_length=closed.room - growth)
 
 
 def truncate_text(tokenizer: Any, text: str, max_tokens: int, side: str) -> str | None:
@@ -220,10 +245,8 @@ def _bridge(tokenizer: Any, conversation: list[Message], sampled: str, replies: 
     return _encode(tokenizer, closing + extended[len(closed):])
 
 
-def _reply(ids: tuple[int, ...] | CannotExtend, conversation: list[Message], replies: list[Message],
-           truncated: bool) -> ReplyTokens | CannotExtend:
-    if isinstance(ids, CannotExtend):
-        return ids
+def _reply(ids: tuple[int, ...], conversation: list[Message], replies: list[Message],
+           truncated: bool) -> ReplyTokens:
     return ReplyTokens(ids=ids, truncated=truncated, messages=(*conversation, *replies))
 
 

@@ -131,7 +131,7 @@ def prompt_results(scoring: Scoring) -> list[PromptResults]:
 
 
 def sample_records(scoring: Scoring) -> list[dict]:
-    versions = scoring.rollouts.versions.tolist()
+    versions = scoring.rollouts.versions[scoring.rollouts.first_rows].tolist()  # each trajectory's first token
     return [{"data_source": sample.data_source, "prompt": sample.prompt, "response": sample.response,
              "ground_truth": sample.ground_truth, "score": scored.score, "acc": scored.acc, "pred": scored.pred,
              "valid": scored.valid, "weight_version": version}

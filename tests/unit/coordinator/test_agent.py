@@ -127,13 +127,13 @@ def test_trajectory_metrics_count_turns_tools_and_tokens_by_hand():
     def trace(turns: int, calls: dict, errors: dict, ended: str, env_reward: float, seconds: float) -> AgentTrace:
         records = tuple(TurnRecord("model" if i % 2 == 0 else "reply", "", 1, i % 2 == 0, 0, "", 0.0)
                         for i in range(turns))
-        return AgentTrace(records, "", env_reward, "env-1", ("r",), 0, ended, Counter(calls), Counter(errors),
+        return AgentTrace(records, "", env_reward, "env-1", ("r",), (0,), ended, Counter(calls), Counter(errors),
                           Counter(), seconds, restarts=1 if ended == "length" else 0)
 
     traces = [trace(1, {}, {}, "answer", 0.0, 0.0), trace(3, {"lookup": 1}, {}, "answer", 1.0, 0.5),
               trace(5, {"lookup": 2}, {"lookup": 1}, "length", 0.5, 1.5)]
-    trajectories = [Trajectory((1,), 10, (5, 5), (1, 1)), Trajectory((1,), 10, (5, 6, 6, 5), (1, 0, 0, 1)),
-                    Trajectory((1,), 10, (5, 6, 5, 6, 5, 5), (1, 0, 1, 0, 1, 1))]
+    trajectories = [(Trajectory((1,), 10, (5, 5), (1, 1)),), (Trajectory((1,), 10, (5, 6, 6, 5), (1, 0, 0, 1)),),
+                    (Trajectory((1,), 10, (5, 6, 5), (1, 0, 1)), Trajectory((1,), 10, (6, 5, 5), (0, 1, 1)))]
     metrics = agent_metrics(traces, trajectories)
     assert metrics["num_turns/min"] == 1 and metrics["num_turns/max"] == 5 and metrics["num_turns/mean"] == 3
     assert metrics["agent/tool_calls/mean"] == 1.0 and metrics["agent/tool_call_rate"] == pytest.approx(2 / 3)
@@ -144,3 +144,4 @@ def test_trajectory_metrics_count_turns_tools_and_tokens_by_hand():
     assert metrics["agent/tool_errors"] == 1 and metrics["agent/tool_errors/lookup"] == 1
     assert metrics["agent/tool_timeouts"] == 0 and metrics["agent/ended/length"] == 1
     assert metrics["agent/episodes_restarted"] == 1
+    assert metrics["agent/new_samples"] == 1  # the third went on in a second sample; its tokens count together
