@@ -58,6 +58,12 @@ def shown(record: dict, key: str, form: str = "") -> str:
     return format(value, form)
 
 
+def counted(record: dict, key: str) -> str:
+    """An index of a record counted from 1 for a person: "?" when the record lacks it."""
+    value = record.get(key)
+    return str(value + 1) if isinstance(value, int) else "?"
+
+
 def versions_shown(record: dict) -> str:
     """The weight version that sampled a record's response, or "first-last" where new weights were swapped in
     while it was sampled."""
@@ -82,12 +88,16 @@ def describe(index: int, record: dict, width: int) -> list[str]:
     if not record.get("valid", True):
         lines.append(f"    unscored  {shown(record, 'error')}")
     if "turns" in record:  # a multi-turn trajectory: each turn, then its final answer
+        # a trajectory that went on in new samples (its template could not extend it): which this record is,
+        # and which each turn is in, counted from 1
+        split = isinstance(record.get("trajectory_samples"), int) and record["trajectory_samples"] > 1
+        part = f", sample {counted(record, 'trajectory_sample')} of {record['trajectory_samples']}" if split else ""
         lines.append(f"    episode   {shown(record, 'env_service')}: {shown(record, 'num_turns')} turns, ended "
                      f"{shown(record, 'ended')}, env reward {shown(record, 'env_reward', '.3f')}, restarts "
-                     f"{shown(record, 'restarts')}")
+                     f"{shown(record, 'restarts')}{part}")
         lines += wrapped(f"    {'prompt':<10}", shown(record, "input"), width)
         for turn in record["turns"]:
-            lines.append(f"    {turn_header(turn)}")
+            lines.append(f"    {turn_header(turn)}" + (f", sample {counted(turn, 'sample')}" if split else ""))
             lines += wrapped(" " * 14, str(turn.get("text", "")), width)
         lines += wrapped(f"    {'expected':<10}", shown(record, "gts"), width)
         return lines

@@ -74,3 +74,20 @@ def test_a_trajectory_is_shown_turn_by_turn_with_what_trained_and_which_weights_
     assert lines[at + 2] == "    reply from lookup  not trained, 4 tokens, 0.01 s" and lines[at + 3].strip() == "1234"
     assert lines[at + 4] == "    model     trained, weight version 8, 2 tokens, 0.10 s"
     assert lines[-1].strip() == "expected  1234"
+
+
+def test_a_trajectory_that_went_on_in_new_samples_shows_which_sample_each_turn_is_in():
+    record = {"step": 1, "num_turns": 3, "ended": "done", "env_service": "env-a (0.1.0)", "env_reward": 0.0,
+              "restarts": 0, "trajectory_sample": 1, "trajectory_samples": 2,
+              "turns": [{"role": "model", "text": "<think>hm</think>go", "tokens": 20, "trained": True,
+                         "weight_version": 7, "tool": "", "seconds": 0.25, "sample": 0},
+                        {"role": "reply", "text": "42", "tokens": 0, "trained": False, "weight_version": None,
+                         "tool": "lookup", "seconds": 0.01, "sample": 1},
+                        {"role": "model", "text": "42", "tokens": 3, "trained": True, "weight_version": 7,
+                         "tool": "", "seconds": 0.1, "sample": 1}]}
+    lines = describe(0, record, width=100)
+    assert "    episode   env-a (0.1.0): 3 turns, ended done, env reward 0.000, restarts 0, sample 2 of 2" in lines
+    assert [line for line in lines if line.startswith("    model") or line.startswith("    reply")] == [
+        "    model     trained, weight version 7, 20 tokens, 0.25 s, sample 1",
+        "    reply from lookup  not trained, 0 tokens, 0.01 s, sample 2",
+        "    model     trained, weight version 7, 3 tokens, 0.10 s, sample 2"]
