@@ -93,6 +93,59 @@ def test_a_multi_turn_run_trains_on_trajectories_whose_replies_are_masked(agent_
         assert record["output"] == record["turns"][-1]["text"]
 
 
+# As chat_model's template, but an assistant turn that others follow loses its text (as Qwen3's loses its
+# thinking): no reply can be appended to the tokens sampled, so every reply starts a new sample.
+STRIPPING_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] | upper }}:"
+                      "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}"
+                      "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %} {% endfor %}"
+                      "{% if add_generation_prompt %}A:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def stripping_model(chat_model, tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("stripping") / "tiny-chat-stripping"
+    folder.mkdir()
+    for item in chat_model.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = STRIPPING_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_template_that_rewrites_earlier_turns_trains_each_trajectory_as_samples_of_fresh_prompts(
+        agent_cluster, stripping_model, reverse_data):
+    samples_dir = agent_cluster.state_dir / "stripping-samples"
+    # one mini-batch of the batch's 32 trajectories: the update would take its own old logprobs, but the samples
+    # outnumber the trajectories, so a logprob pass comes first
+    config = agent_config(stripping_model, reverse_data, samples_dir, trainer__total_training_steps=1,
+                          actor_rollout_ref__actor__ppo_mini_batch_size=8)
+    final, _, _ = asyncio.run(run_to_end(agent_cluster.coordinator, config))
+    assert final.state == "finished", final.error
+
+    db = sqlite3.connect(Path(agent_cluster.state_dir) / "meshrl.db")
+    [(metrics_json,)] = db.execute("SELECT metrics_json FROM steps WHERE run_id = ? AND step = 1",
+                                   (final.run_id,)).fetchall()
+    records = [json.loads(line) for line in (samples_dir / "1.jsonl").read_text().splitlines()]
+    firsts = [r for r in records if r["trajectory_sample"] == 0]
+    assert len(firsts) == 8 * 4  # one record per sample, every trajectory's first among them
+    assert json.loads(metrics_json)["agent/new_samples"] == len(records) - len(firsts) > 0
+    # a turn with text (an empty one, its stop token alone, loses nothing) is rewritten once a reply follows
+    three_turns = [r for r in firsts if r["ended"] == "done" and all(t["text"] for t in r["turns"])]
+    assert three_turns, "no trajectory went its three turns, each with text"
+    for record in three_turns:  # each reply started a new sample: three, each one model turn, trained
+        assert record["trajectory_samples"] == 3
+        assert [(t["role"], t["sample"]) for t in record["turns"]] == [
+            ("model", 0), ("reply", 1), ("model", 1), ("reply", 2), ("model", 2)]
+    for record in records:
+        own = [t for t in record["turns"] if t["sample"] == record["trajectory_sample"]]
+        # a sample's response: its model turns and the replies appended to it (one that opened it: 0 tokens)
+        assert record["response_length"] == sum(t["tokens"] for t in own)
+        assert [t["trained"] for t in own] == [t["role"] == "model" for t in own]
+
+
 def test_a_multi_turn_run_without_a_chat_template_is_refused_before_anything_starts(agent_cluster, tiny_model,
                                                                                      reverse_data, tmp_path):
     async def start():
