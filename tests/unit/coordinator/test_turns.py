@@ -139,6 +139,9 @@ def test_a_template_that_strips_earlier_thinking_cannot_be_extended():
     turn = sampled(tokenizer, "<think>6*7 is easy</think>" + CALL, version=1)
     result = reply(tokenizer, CONVERSATION, turn, [{"role": "tool", "content": "42"}])
     assert isinstance(result, CannotExtend) and "strips earlier thinking" in result.reason
+    # what a new sample renders fresh: the conversation, the model's turn as sampled, the reply
+    assert result.messages == (*CONVERSATION, {"role": "assistant", "content": "<think>6*7 is easy</think>" + CALL},
+                               {"role": "tool", "content": "42"})
     plain = reply(tokenizer, CONVERSATION, sampled(tokenizer, CALL, version=1), [{"role": "tool", "content": "42"}])
     assert isinstance(plain, ReplyTokens)  # without thinking in the turn, nothing is rewritten
 
