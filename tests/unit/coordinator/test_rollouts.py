@@ -85,7 +85,8 @@ def test_grpo_counts_a_split_trajectory_once_and_gives_its_advantage_to_every_mo
 def test_the_steps_data_metrics_are_per_trajectory():
     rollouts = scored(split_rollouts())
     estimate = estimate_advantages(grpo_settings(), 0.0, rollouts, Evaluated(None, None, None))
-    metrics = PPOLoop.batch_metrics(rollouts, Evaluated(None, None, None), estimate, Updates({}, 4), step_s=1.0)
+    metrics = PPOLoop.batch_metrics(rollouts, Evaluated(None, None, None), estimate, Updates({}, 4), step_s=1.0,
+                                    devices=1)
     assert metrics["critic/score/mean"] == pytest.approx(0.5)  # (1 + 0 + 0.5 + 0.5) / 4, not over 5 samples
     assert metrics["response_length/mean"] == pytest.approx((7 + 2 + 2 + 1) / 4)
     assert metrics["prompt_length/mean"] == pytest.approx((2 + 2 + 1 + 1) / 4)  # each trajectory's first prompt
