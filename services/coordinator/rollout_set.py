@@ -223,7 +223,9 @@ class RolloutSet:
         loading = [client for client, info in found.values() if info.run_id != self.run_id]
         settings = self.settings
         loaded = await asyncio.gather(*(c.init_run(self.run_id, settings.model_path, dtype=settings.dtype,
-                                                   timeout=settings.rpc_timeout_s, allow_pickle=settings.allow_pickle)
+                                                   timeout=settings.rpc_timeout_s, allow_pickle=settings.allow_pickle,
+                                                   lora_rank=settings.lora_rank,
+                                                   adapter_versions=settings.adapter_versions)
                                         for c in loading), return_exceptions=True)
         admitted = []
         for client, info in found.values():

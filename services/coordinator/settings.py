@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from services.algo_registry import ADV_ESTIMATORS
 from services.run.config import RunConfig
+from services.run.lora import served_lora_rank
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class RolloutSetSettings:
     rpc_timeout_s: float
     bucket_bytes: int
     partial_rollout: str  # what a swap does with the Generate calls in flight: finish, restart or keep
+    lora_rank: int  # a LoRA run's largest adapter rank (its syncs bring adapters); 0: full weights
+    adapter_versions: int  # adapter versions a LoRA rollout keeps loaded (max_staleness + 1); 0 without LoRA
 
 
 def loop_settings(config: RunConfig) -> LoopSettings:
@@ -187,6 +190,7 @@ def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
         channel_timeout_s=trainer.channel_timeout_s, rpc_timeout_s=trainer.rpc_timeout_s,
         bucket_bytes=trainer.weight_sync_bucket_mb << 20,
         partial_rollout=config.actor_rollout_ref.rollout.partial_rollout,
+        lora_rank=served_lora_rank(model), adapter_versions=trainer.async_.max_staleness + 1 if model.lora_rank else 0,
     )
 
 

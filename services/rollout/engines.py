@@ -9,7 +9,8 @@ each sync (generation is held back while weights are swapped), ``sleep`` and
 Both engines receive the weights while generation goes on and swap them in
 behind a ``SwapGate`` (``services.rollout.swap``). A LoRA run's syncs carry
 adapters (``services.common.adapters``), which the hf engine serves merged into
-its base weights (``HFEngine.load_adapter``).
+its base weights (``HFEngine.load_adapter``) and the vLLM engine loads as LoRA
+adapters from the received tensors (``services.rollout.vllm_lora``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from services.common.weight_sync import StagedWeights, WeightReceiver
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.hf_engine import HFEngine, WeightsNotLoaded
 from services.rollout.sampling import Completion, SamplingSettings
+from services.rollout.vllm_lora import AdapterServing
 from services.rollout.swap import (GenerationCall, GenerationInterrupted, PartialRollout, SwapGate, WeightSwap,
                                    failed_swap, not_whole)
 
@@ -201,11 +203,13 @@ class HFRolloutEngine:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-async def load_engine(config: RolloutServiceConfig, model_path: str, dtype: str, allow_pickle: bool = False) -> Engine:
+async def load_engine(config: RolloutServiceConfig, model_path: str, dtype: str, allow_pickle: bool = False,
+                      lora: AdapterServing | None = None) -> Engine:
     """The engine the service is configured for, with the run's model loaded (from safetensors unless
-    ``allow_pickle``)."""
+    ``allow_pickle``); for a LoRA run (``lora``) a vLLM engine starts with LoRA enabled (the hf engine needs
+    nothing: it merges each adapter into its weights)."""
     if config.engine == "vllm":
         from services.rollout.vllm_engine import VLLMEngine
 
-        return await VLLMEngine.create(model_path, dtype, config=config, allow_pickle=allow_pickle)
+        return await VLLMEngine.create(model_path, dtype, config=config, allow_pickle=allow_pickle, lora=lora)
     return await asyncio.to_thread(HFRolloutEngine, model_path, dtype, config=config, allow_pickle=allow_pickle)

@@ -18,6 +18,7 @@ from services.rollout.config import RolloutServiceConfig
 from services.rollout.engines import Engine, load_engine
 from services.rollout.sampling import SamplingSettings
 from services.rollout.swap import PartialRollout
+from services.rollout.vllm_lora import AdapterServing, vllm_max_lora_rank
 
 log = structlog.get_logger()
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -41,6 +42,16 @@ def sampling_from_pb(params: rollout_pb2.SamplingParams, config: RolloutServiceC
                                      setting="max_new_tokens"),
         seed=params.seed, stop_token_ids=tuple(params.stop_token_ids),
     )
+
+
+def adapter_serving_from_pb(request: rollout_pb2.RolloutInitRequest) -> AdapterServing | None:
+    """A LoRA run's adapters as InitRun describes them (None for full weights); ValueError for adapter_versions
+    without lora_rank."""
+    if not request.lora_rank:
+        if request.adapter_versions:
+            raise ValueError(f"adapter_versions {request.adapter_versions} is for a LoRA run: set lora_rank too")
+        return None
+    return AdapterServing(rank=request.lora_rank, versions=max(request.adapter_versions, 1))
 
 
 def partial_rollout_from_pb(request: rollout_pb2.ReceiveWeightsRequest) -> PartialRollout:
@@ -92,11 +103,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             raise ValueError(f"dtype must be one of {list(MODEL_DTYPES)}, got {dtype!r}")
         check_model_folder(request.model_path)
         refuse_pickled_weights(request.model_path, request.allow_pickle, "model_path")
+        lora = adapter_serving_from_pb(request)
+        if lora and self.config.engine == "vllm":
+            vllm_max_lora_rank(lora.rank)  # a rank vLLM cannot serve is refused before the old engine goes
         if self.config.engine == "vllm" and self.engine is not None:
             await self.engine.close()
             self.engine = None
         try:
-            engine = await load_engine(self.config, request.model_path, dtype=dtype, allow_pickle=request.allow_pickle)
+            engine = await load_engine(self.config, request.model_path, dtype=dtype, allow_pickle=request.allow_pickle,
+                                       lora=lora)
         except (OSError, ValueError, KeyError) as error:  # what transformers and vLLM raise for a folder they refuse
             raise ValueError(f"model_path {request.model_path}: the model cannot be loaded "
                              f"({type(error).__name__}: {error})") from None
@@ -104,7 +119,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.run_id, self.model_path, self.asleep = request.run_id, request.model_path, False
         if held is not None:
             await held.close()
-        log.info("model_loaded", run_id=request.run_id, model_path=request.model_path, engine=self.config.engine)
+        log.info("model_loaded", run_id=request.run_id, model_path=request.model_path, engine=self.config.engine,
+                 lora_rank=request.lora_rank, adapter_versions=request.adapter_versions)
         return self._info()
 
     async def Generate(self, request_iterator, context):

@@ -30,12 +30,20 @@
   A swap that fails partway (the trainer gone, a bucket failing its
   checksum) leaves the model between two versions: Generate is refused as
   unavailable until a sync swaps a whole version in.
+- A LoRA run's syncs bring adapters (``vllm_lora``): the engine runs with LoRA enabled and each version is
+  loaded from the received tensors, in memory, under a new adapter id; a call is served with the adapter
+  current when it began (its LoRARequest) and finishes under it, so the swap neither waits for nor stops
+  the calls in flight (except under ``restart``, which samples them again under the new adapter). The last
+  max_staleness + 1 versions (and any older one a call in flight still uses) stay loaded, older ones are
+  removed. A sync whose adapter fails to load leaves the previous one serving, whole: the engine is not
+  damaged, and the weight version it reports stays the previous one.
 - Worker processes are spawned, not forked: this process already runs gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import time
@@ -48,6 +56,8 @@ from services.rollout.config import RolloutServiceConfig
 from services.rollout.direct_load import STACKED
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
 from services.rollout.swap import GenerationCall, PartialRollout, SwapGate, WeightSwap, failed_swap, not_whole
+from services.rollout.vllm_lora import (IN_MEMORY, SPARE_ADAPTERS, AdapterServing, AdapterWindow, LoadedAdapter,
+                                        lora_engine_args)
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +67,8 @@ POLL_S = 0.002  # how often a sync asks the workers whether the weights have arr
 
 
 class VLLMEngine:
-    def __init__(self, llm, vocab_size: int, eos_id: int | None, config: RolloutServiceConfig, gpus: tuple[str, ...]):
+    def __init__(self, llm, vocab_size: int, eos_id: int | None, config: RolloutServiceConfig, gpus: tuple[str, ...],
+                 lora: AdapterServing | None = None):
         self.llm = llm
         self.gate = SwapGate()
         self.weight_version = 0
@@ -68,10 +79,13 @@ class VLLMEngine:
         self.channel_ranks = config.tensor_parallel_size
         self.prefix_caching = config.enable_prefix_caching
         self.gpus = gpus
+        # a LoRA run's adapter versions loaded, and how many calls in flight use each (by adapter id)
+        self.adapters = AdapterWindow(lora.versions, lora.versions + SPARE_ADAPTERS) if lora else None
+        self.adapter_calls: collections.Counter[int] = collections.Counter()
 
     @classmethod
     async def create(cls, model_path: str, dtype: str, config: RolloutServiceConfig,
-                     allow_pickle: bool = False) -> VLLMEngine:
+                     allow_pickle: bool = False, lora: AdapterServing | None = None) -> VLLMEngine:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         settings = dict(
             model=model_path, dtype=dtype, skip_tokenizer_init=True, seed=0,
@@ -81,13 +95,14 @@ class VLLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching, logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION, load_format="auto" if allow_pickle else "safetensors",
+            **(lora_engine_args(lora) if lora else {}),
         )
         llm = await asyncio.to_thread(start_engine, settings)
         tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
         vocab_size = llm.vllm_config.model_config.get_vocab_size()
         await llm.collective_rpc("meshrl_end_with", args=(os.getpid(),))
         gpus = tuple(await llm.collective_rpc("meshrl_gpu"))
-        return cls(llm, vocab_size=vocab_size, eos_id=tokenizer.eos_token_id, config=config, gpus=gpus)
+        return cls(llm, vocab_size=vocab_size, eos_id=tokenizer.eos_token_id, config=config, gpus=gpus, lora=lora)
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
                        seed_indices: Sequence[int]) -> list[list[Completion]]:
@@ -96,32 +111,51 @@ class VLLMEngine:
 
         stops = sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set()))
 
-        async def one(index: int, prompt: list[int], first_version: int, request_id: str) -> list[Completion]:
+        async def one(index: int, prompt: list[int], first_version: int, request_id: str,
+                      adapter: LoadedAdapter | None) -> list[Completion]:
             params = SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens, seed=hash_seed(sampling.seed, seed_indices[index], 0) % (1 << 31),
                 stop_token_ids=stops, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
             )
             final: Any = None
-            async for output in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
+            async for output in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id,
+                                                  lora_request=lora_request_of(adapter)):
                 final = output
-            versions = (first_version, self.weight_version)  # a keep swap may have come between its tokens
+            # a keep swap of full weights may have come between its tokens; an adapter serves it to the end
+            versions = (first_version, first_version if adapter else self.weight_version)
             return [completion_of(c, stops, *versions) for c in sorted(final.outputs, key=lambda c: c.index)]
 
         async def attempt(call: GenerationCall) -> list[list[Completion]]:
             if self.damaged:
                 raise not_whole(self.damaged)
             version = self.weight_version  # of its first tokens; only a keep swap lets it go on under another
+            adapter = self.adapters.current if self.adapters else None  # which stays loaded while this runs
             request_ids = [uuid.uuid4().hex for _ in prompts]
-            try:  # an interrupt cancels the requests (cancelling AsyncLLM.generate aborts its request in vLLM)
-                return list(await call.unless_interrupted(
-                    asyncio.gather(*(one(i, p, first_version=version, request_id=r)
-                                     for i, (p, r) in enumerate(zip(prompts, request_ids))))))
-            except BaseException:  # nothing goes on generating for no one: neither the requests beside one that
-                await self.llm.abort(request_ids)  # failed, nor those of a call cancelled (its client gone, its
-                raise  # deadline passed); vLLM ignores the ids it has finished
+            with self._using(adapter):
+                try:  # an interrupt cancels the requests (cancelling AsyncLLM.generate aborts its request in vLLM)
+                    return list(await call.unless_interrupted(
+                        asyncio.gather(*(one(i, p, first_version=version, request_id=r, adapter=adapter)
+                                         for i, (p, r) in enumerate(zip(prompts, request_ids))))))
+                except BaseException:  # nothing goes on generating for no one: neither the requests beside one
+                    await self.llm.abort(request_ids)  # that failed, nor those of a call cancelled (its client
+                    raise  # gone, its deadline passed); vLLM ignores the ids it has finished
 
         return await self.gate.run(attempt)
+
+    @contextlib.contextmanager
+    def _using(self, adapter: LoadedAdapter | None):
+        """Count a call in flight under ``adapter`` for the body of the ``with`` (a sync keeps it loaded)."""
+        if adapter is None:
+            yield
+            return
+        self.adapter_calls[adapter.adapter_id] += 1
+        try:
+            yield
+        finally:
+            self.adapter_calls[adapter.adapter_id] -= 1
+            if not self.adapter_calls[adapter.adapter_id]:
+                del self.adapter_calls[adapter.adapter_id]
 
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s) -> None:
         if backend not in ("nccl", "cuda_ipc"):
@@ -138,12 +172,32 @@ class VLLMEngine:
         dropped and generated again under the new ones: ``restart``; or are frozen: ``keep``), the staged
         buckets are copied in and the prefix cache is cleared (then the frozen requests go on). With nothing
         generating, the workers load each bucket straight into the model as it arrives, in one call,
-        generation held back throughout."""
+        generation held back throughout. A LoRA run's adapters: ``_receive_adapter``."""
+        if self.adapters is not None:
+            return await self._receive_adapter(channel_id, timeout_s, partial_rollout)
         if self.gate.generating == 0:
             return await self._receive_now(channel_id, timeout_s, partial_rollout)
         started = time.perf_counter()
+        stages = await self._staged(channel_id, timeout_s)
+        received = time.perf_counter()
+        async with self.gate.swap(partial_rollout):
+            drained = time.perf_counter()
+            freeze = partial_rollout == "keep" and self.gate.generating > 0
+            async with self._frozen(freeze, stages):
+                applied = await self._swapped_in("meshrl_apply_received", (), timeout_s,
+                                                 clear_prefix_cache=self.prefix_caching and not freeze)
+        done = time.perf_counter()
+        stages.update(worker_stages(applied), drain=drained - received, apply=done - drained)
+        return WeightSwap(version=self.weight_version, transfer_s=received - started, pause_s=done - received,
+                          stages=stages)
+
+    async def _staged(self, channel_id: str, timeout_s: float) -> dict[str, float]:
+        """Have every worker receive one broadcast into staging buffers while generation goes on, and wait until
+        it has arrived (polling the workers, so that the engine core schedules generation in between); returns
+        the seconds of starting the receive (``start_rpc``) and of waiting (``wait_rpcs``)."""
+        started = time.perf_counter()
         await self.llm.collective_rpc("meshrl_start_receive", timeout=30, args=(channel_id, timeout_s))
-        stages = {"start_rpc": time.perf_counter() - started}
+        asked = time.perf_counter()
         deadline = started + timeout_s
         while True:
             busy = self.gate.generating > 0
@@ -153,16 +207,40 @@ class VLLMEngine:
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"weights on channel {channel_id} did not arrive within {timeout_s} s")
             await asyncio.sleep(POLL_S)  # the engine core schedules generation between polls
+        return {"start_rpc": asked - started, "wait_rpcs": time.perf_counter() - asked}
+
+    async def _receive_adapter(self, channel_id: str, timeout_s: float, partial_rollout: PartialRollout) -> WeightSwap:
+        """Receive a LoRA adapter into staging buffers while generation goes on, then have every worker load it
+        under a new id (``meshrl_apply_adapter``) and serve it to the calls that begin from then on. The calls in
+        flight go on under the adapters they began with, the swap waiting for none of them (``finish`` and
+        ``keep`` alike: vLLM serves a request one adapter to its end); ``restart`` stops them and samples them
+        again under the new one. Should a worker fail to load it, the workers that did drop it and the previous
+        adapter goes on serving."""
+        assert self.adapters is not None
+        started = time.perf_counter()
+        stages = await self._staged(channel_id, timeout_s)
         received = time.perf_counter()
-        async with self.gate.swap(partial_rollout):
+        async with (self.gate.swap("restart") if partial_rollout == "restart" else contextlib.nullcontext()):
             drained = time.perf_counter()
-            freeze = partial_rollout == "keep" and self.gate.generating > 0
-            async with self._frozen(freeze, stages):
-                applied = await self._swapped_in("meshrl_apply_received", (), timeout_s,
-                                                 clear_prefix_cache=self.prefix_caching and not freeze)
+            kept = self.adapters.kept_beside_new(in_use=set(self.adapter_calls))
+            adapter_id = self.adapters.new_id()
+            keep_ids = [adapter.adapter_id for adapter in kept] + [adapter_id]
+            try:
+                applied = await self.llm.collective_rpc("meshrl_apply_adapter", timeout=timeout_s + 30,
+                                                        args=(adapter_id, keep_ids))
+                versions = {version for version, _ in applied}
+                if len(versions) != 1:
+                    raise RuntimeError(f"vLLM workers received different adapter versions: {sorted(versions)}")
+            except BaseException:
+                with contextlib.suppress(Exception):  # (the next sync's removal clears it all the same)
+                    await asyncio.shield(self.llm.collective_rpc("meshrl_remove_adapter", timeout=30,
+                                                                 args=(adapter_id,)))
+                raise
+            new = LoadedAdapter(version=versions.pop(), adapter_id=adapter_id)
+            self.adapters.serve(kept, new)
+            self.weight_version = new.version
         done = time.perf_counter()
-        stages.update(worker_stages(applied), wait_rpcs=received - started - stages["start_rpc"],
-                      drain=drained - received, apply=done - drained)
+        stages.update(worker_stages(applied), drain=drained - received, apply=done - drained)
         return WeightSwap(version=self.weight_version, transfer_s=received - started, pause_s=done - received,
                           stages=stages)
 
@@ -246,6 +324,16 @@ def start_engine(settings: dict):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**settings))
+
+
+def lora_request_of(adapter: LoadedAdapter | None):
+    """vLLM's LoRARequest for ``adapter`` (None: the base model). Its path is never read: the workers loaded the
+    adapter under its id before any request named it."""
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=adapter.name, lora_int_id=adapter.adapter_id, lora_path=IN_MEMORY)
 
 
 def worker_stages(applied: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

@@ -28,13 +28,14 @@ from typing import Any, Iterator
 
 import torch
 
-from services.common.adapters import is_adapter
+from services.common.adapters import adapter_pairs, is_adapter
 from services.common.channel import gpu_uuid, open_weight_channel
 from services.common.lifetime import end_with
 from services.common.memory import memory_metrics
 from services.common.timing import StageTimer
 from services.common.weight_sync import StagedWeights, WeightReceiver, tensor_checksum
 from services.rollout.direct_load import DirectLoader
+from services.rollout.vllm_lora import peft_config, peft_tensors, unserved_modules
 from services.run.experts import per_expert_tensors
 
 
@@ -105,6 +106,33 @@ class MeshrlWorkerExtension:
         torch.cuda.synchronize(self.device)
         return staged.version, {**staged.timer.seconds, "apply": time.perf_counter() - started}
 
+    def meshrl_apply_adapter(self, adapter_id: int, keep_ids: list[int]) -> tuple[int, dict[str, float]]:
+        """Serve the staged broadcast, a LoRA adapter, as vLLM adapter ``adapter_id``, loaded from the received
+        tensors (``vllm_lora``): the adapters loaded before and not in ``keep_ids`` are removed, the new one is
+        built, added to vLLM's LoRA manager and moved into a GPU slot. Returns its version and the seconds of
+        each stage of its receipt and of the load (``apply``). Raises, the adapters before it untouched, for a
+        broadcast that is not an adapter or adapts a module vLLM does not serve LoRA on."""
+        staged = self.__dict__.pop("_meshrl_staged")
+        if not staged.wait(0):
+            raise RuntimeError("the staged adapter has not fully arrived")
+        started = time.perf_counter()
+        named = [pair for bucket in staged.buckets for pair in bucket]
+        if not is_adapter([name for name, _ in named]):
+            raise ValueError("a vLLM rollout serving a LoRA run received full weights, not an adapter")
+        manager = self.model_runner.lora_manager  # vLLM's LRUCacheWorkerLoRAManager
+        adapters = manager._adapter_manager  # its LoRAModelManager, which holds the loaded adapters
+        adapter = in_memory_adapter(adapter_id, named, manager, adapters, self.device)
+        for old in set(adapters.list_adapters()) - set(keep_ids):
+            adapters.remove_adapter(old)
+        adapters.add_adapter(adapter)
+        adapters.activate_adapter(adapter_id)
+        torch.cuda.synchronize(self.device)
+        return staged.version, {**staged.timer.seconds, "apply": time.perf_counter() - started}
+
+    def meshrl_remove_adapter(self, adapter_id: int) -> bool:
+        """Remove adapter ``adapter_id`` if this worker loaded it (a sync that failed on another worker)."""
+        return bool(self.model_runner.lora_manager._adapter_manager.remove_adapter(adapter_id))
+
     def meshrl_receive_now(self, channel_id: str, timeout_s: float) -> tuple[int, dict[str, float]]:
         """Receive one broadcast straight into the model (nothing is generating): each bucket is loaded while
         the next arrives, through three bucket buffers its receiver keeps. Returns the version and the seconds of
@@ -148,8 +176,8 @@ class MeshrlWorkerExtension:
         tensor each, copied: the layerwise reload keeps what it is given until its layer is complete, and the
         bucket's buffer takes the next bucket before that."""
         if is_adapter([name for name, _ in named]):
-            raise ValueError("a LoRA run's adapter came to a vLLM rollout, which takes full weights only for now: "
-                             "serve LoRA runs with engine=hf rollouts (docs/guides/lora.md)")
+            raise ValueError("a LoRA adapter came to a vLLM rollout started for full weights (its InitRun had "
+                             "lora_rank 0)")
         if self._meshrl_has_fused_moe():
             self.model_runner.model.load_weights(weights=[
                 (piece_name, piece.clone()) for name, tensor in named
@@ -173,3 +201,30 @@ class MeshrlWorkerExtension:
         channel.broadcast(buffer)
         torch.cuda.synchronize(self.device)
         return nbytes
+
+
+def in_memory_adapter(adapter_id: int, named: list[tuple[str, torch.Tensor]], manager: Any, adapters: Any,
+                      device: torch.device) -> Any:
+    """vLLM's LoRAModel of a received adapter, built as its folder loader builds one (``_load_adapter``), from
+    the tensors (copied: the receiver reuses its buffers) and a PEFT config made for them, on this worker's GPU;
+    ValueError for a module vLLM does not serve LoRA on, or a rank over the engine's max_lora_rank."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    served = set(adapters.supported_lora_modules)
+    for packed, parts in adapters.packed_modules_mapping.items():
+        if packed in served:
+            served |= set(parts)
+    unserved = unserved_modules(list(adapter_pairs(named)), served)
+    if unserved:
+        raise ValueError(f"the adapter adapts {unserved[:3]}, which vLLM serves no LoRA on (it does on "
+                         f"{sorted(served)})")
+    peft = PEFTHelper.from_dict({**peft_config(named), "vllm_max_position_embeddings": manager.max_position_embeddings})
+    peft.validate_legal(manager.lora_config)
+    model, dtype = adapters.model, manager.lora_config.lora_dtype
+    tensors = {name: tensor.to(device=device, dtype=dtype, copy=True) for name, tensor in peft_tensors(named).items()}
+    return LoRAModel.from_lora_tensors(
+        lora_model_id=adapter_id, tensors=tensors, peft_helper=peft, device=str(device), dtype=dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=getattr(model, "hf_to_vllm_mapper", None),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None))

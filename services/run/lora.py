@@ -116,6 +116,17 @@ def check_adapter_folder(path: str, linears: dict[str, tuple[int, int]], key: st
                              "model")
 
 
+def served_lora_rank(keys: ActorLoraKeys) -> int:
+    """The largest rank of the adapters a LoRA actor trains (0 for full fine-tuning): lora_rank, or with
+    lora_adapter_path that adapter's own (its r, or the largest of its per-module rank_pattern)."""
+    if not keys.lora_rank:
+        return 0
+    if not keys.lora_adapter_path:
+        return keys.lora_rank
+    adapter = json.loads((Path(keys.lora_adapter_path) / ADAPTER_CONFIG).read_text())
+    return max([int(adapter["r"]), *(int(rank) for rank in (adapter.get("rank_pattern") or {}).values())])
+
+
 def meta_model(model_path: str, value_model: bool = False) -> Any:
     """The model of a folder's config.json on the meta device (its module tree, no weights)."""
     import torch
