@@ -114,7 +114,7 @@ class FakeRollout:
     async def info(self, timeout=30.0):
         return RolloutInfo(self.run_id, self.version, 1)
 
-    async def init_run(self, run_id, model_path, dtype, timeout, allow_pickle=False):
+    async def init_run(self, run_id, model_path, dtype, timeout, allow_pickle=False, lora_rank=0, adapter_versions=0):
         self.run_id = run_id
         return 1
 

@@ -201,3 +201,14 @@ async def test_restart_samples_the_calls_in_flight_again_under_the_new_adapter()
     await asyncio.wait_for(engine.receive_weights("weights", 5, "restart"), 5)
     release.set()
     assert await call == 1 and len(attempts) == 2
+
+
+def test_initrun_tells_a_lora_run_from_a_full_weights_one():
+    from meshrl.v1 import rollout_pb2
+    from services.rollout.server import adapter_serving_from_pb
+
+    assert adapter_serving_from_pb(rollout_pb2.RolloutInitRequest(model_path="m")) is None
+    assert adapter_serving_from_pb(rollout_pb2.RolloutInitRequest(lora_rank=64, adapter_versions=2)) == \
+        AdapterServing(rank=64, versions=2)
+    with pytest.raises(ValueError, match="adapter_versions 2 is for a LoRA run: set lora_rank too"):
+        adapter_serving_from_pb(rollout_pb2.RolloutInitRequest(adapter_versions=2))
