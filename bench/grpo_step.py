@@ -24,6 +24,10 @@ The runs (--runs, any of them, in this order):
   for both).
 - every-gpu: a rollout on each GPU, the one on the trainer's GPU asleep while the trainer works
   (free_cache_engine), max_staleness 0.
+- colocated-lora: colocated with LoRA (issue 29): actor_rollout_ref.model.lora_rank 64, lora_alpha 128,
+  target_modules all-linear; each sync sends the adapters alone, which the vLLM rollout loads from memory.
+- trl-lora: trl with a PEFT LoraConfig of the same rank, alpha and targets (TRL merges the adapters into the
+  weights it pushes to vLLM at each sync).
 meshrl's runs start the services as a user does (LocalCluster: coordinator, trainer, rollout, reward on
 loopback) and take each step's stages from the run's metrics.jsonl (timing_s/*) and memory from its
 perf/ metrics; a step's time is from the end of the one before (the first: timing_s/step).
@@ -37,9 +41,12 @@ GPUs the run holds (verl's and NeMo-RL's perf/throughput). Medians are over step
 max_staleness >= 1 not the last, which trains a batch generated ahead); peak memory is the largest over all steps: the trainer's allocated (meshrl:
 perf/max_memory_allocated_gb; TRL: the process's torch peak less what its vLLM holds), vLLM's (meshrl:
 perf/rollout/; TRL: what building vLLM added), and each GPU's used memory (nvidia-smi, every 0.5 s). The
-ratios of each run's s/step to TRL's in the same folder are printed last.
+ratios of each run's s/step to TRL's in the same folder are printed last, then the LoRA runs against the full
+fine-tunes (colocated-lora against colocated, trl-lora against trl): trainer peak memory, s/step and sync
+seconds, beside issue 29's goals (peak at most 0.6x, the step no slower, the adapter sync under 5 ms).
 
     python bench/grpo_step.py --runs trl,colocated,colocated-k1 --out OUT [--trl-site DIR] [--steps 8] [key=value ...]
+    python bench/grpo_step.py --runs trl,trl-lora,colocated,colocated-lora --out OUT --trl-site DIR
     python bench/grpo_step.py --report --out OUT
 
 key=value overrides apply to every meshrl run's config. --trl-site is a folder put on the TRL child's
@@ -82,7 +89,8 @@ VLLM_SHARE = 0.3  # vLLM's gpu_memory_utilization, every run
 PROMPT_ROWS = 1024
 FIRST_TIMED_STEP = 3
 TRL_NEEDS = ("trl", "accelerate", "datasets", "dill", "multiprocess", "xxhash", "pyarrow", "pandas", "fsspec",
-             "httpx", "jinja2", "huggingface_hub", "psutil")
+             "httpx", "jinja2", "huggingface_hub", "psutil", "peft")
+LORA_RANK, LORA_ALPHA = 64, 128  # the LoRA runs' adapters, on every linear layer of the decoder
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ class Run:
     layout: str  # the meshrl services it runs on (runs of one layout share a cluster); "" for TRL
     max_staleness: int = 0
     sleep: bool = False  # actor_rollout_ref.rollout.free_cache_engine
+    lora: bool = False  # trains LoRA adapters (LORA_RANK, LORA_ALPHA, all-linear) instead of every weight
 
 
 RUNS = {
@@ -101,7 +110,10 @@ RUNS = {
     "split-k0": Run(2, "split"),
     "split-k1": Run(2, "split", max_staleness=1),
     "every-gpu": Run(2, "every-gpu", sleep=True),
+    "colocated-lora": Run(1, "colocated", lora=True),
+    "trl-lora": Run(1, "", lora=True),
 }
+LORA_AGAINST = {"colocated-lora": "colocated", "trl-lora": "trl"}  # each LoRA run's full fine-tune
 
 
 # ---------------------------------------------------------------- what a run's steps come to
@@ -212,7 +224,7 @@ def report(results: dict[str, dict]) -> str:
              "steps, GiB"]
     summaries = {name: summary(r) for name, r in results.items() if r["status"] == "ok"}
     gpus = sorted({key for s in summaries.values() for key in s["memory"] if key.startswith("gpu")})
-    lines.append(f"{'run':<16}{'steps':>6}{'s/step':>8}{'tok/s/GPU':>11}"
+    lines.append(f"{'run':<16}{'steps':>6}{'s/step':>8}{'tok/s/GPU':>11}{'sync ms':>9}"
                  + "".join(f"{title:>12}" for _, title in MEMORY_COLUMNS)
                  + "".join(f"{key + ' used':>11}" for key in gpus) + "  machine, date")
     for name, result in results.items():
@@ -224,7 +236,7 @@ def report(results: dict[str, dict]) -> str:
         s = summaries[name]
         cells = [s["memory"].get(key) for key, _ in MEMORY_COLUMNS] + [s["memory"].get(key) for key in gpus]
         lines.append(f"{name:<16}{len(result['steps']):>6}{s['seconds']:>8.2f}"
-                     f"{tokens_per_gpu_s(s['seconds'], RUNS[name].gpus):>11.0f}"
+                     f"{tokens_per_gpu_s(s['seconds'], RUNS[name].gpus):>11.0f}{sync_ms(s):>9}"
                      + "".join(f"{cell:>12.1f}" if cell is not None else f"{'-':>12}" for cell in cells[:2])
                      + "".join(f"{cell:>11.1f}" if cell is not None else f"{'-':>11}" for cell in cells[2:]) + where)
     stages = sorted({stage for s in summaries.values() for stage in s["stages"]},
@@ -233,8 +245,32 @@ def report(results: dict[str, dict]) -> str:
         lines += ["", "stage medians, s", f"{'run':<16}" + "".join(f"{stage:>16}" for stage in stages)]
         lines += [f"{name:<16}" + "".join(f"{s['stages'][stage]:>16.3f}" if stage in s["stages"] else f"{'-':>16}"
                                           for stage in stages) for name, s in summaries.items()]
-    lines += ["", *ratios(results, summaries)]
+    lora = lora_ratios(summaries)
+    lines += ["", *ratios(results, summaries), *(["", *lora] if lora else [])]
     return "\n".join(lines)
+
+
+def sync_ms(summary_of_run: dict) -> str:
+    """A run's median weight sync (its update_weights stage) in ms, as a cell."""
+    seconds = summary_of_run["stages"].get("update_weights")
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def lora_ratios(summaries: dict[str, dict]) -> list[str]:
+    """Each LoRA run against its full fine-tune in the same results: trainer peak memory, s/step and sync, and
+    issue 29's goals (none without a LoRA run)."""
+    if not LORA_AGAINST.keys() & summaries.keys():
+        return []
+    lines = ["LoRA against full fine-tuning (goals: trainer peak <= 0.6x, s/step <= 1.0x, sync < 5 ms):"]
+    for lora, full in LORA_AGAINST.items():
+        if lora not in summaries or full not in summaries:
+            continue
+        mine, theirs = summaries[lora], summaries[full]
+        peaks = [s["memory"].get("trainer_allocated") for s in (mine, theirs)]
+        peak = f"{peaks[0] / peaks[1]:.2f}x" if None not in peaks and peaks[1] else "-"
+        lines.append(f"  {lora:<16}trainer peak {peak}, s/step {mine['seconds'] / theirs['seconds']:.2f}x, sync "
+                     f"{sync_ms(mine)} ms against {sync_ms(theirs)} ms ({full})")
+    return lines if len(lines) > 1 else ["no LoRA run beside its full fine-tune here: no LoRA ratios"]
 
 
 def ratios(results: dict[str, dict], summaries: dict[str, dict]) -> list[str]:
@@ -349,7 +385,9 @@ def meshrl_config(name: str, model: Path, data: Path, steps: int, overrides: lis
         "data": {"train_files": [str(data)], "train_batch_size": PROMPTS, "max_prompt_length": PROMPT_TOKENS,
                  "max_response_length": RESPONSE_TOKENS},
         "actor_rollout_ref": {
-            "model": {"path": str(model), "dtype": "bfloat16"},
+            "model": {"path": str(model), "dtype": "bfloat16",
+                      **({"lora_rank": LORA_RANK, "lora_alpha": LORA_ALPHA, "target_modules": "all-linear"}
+                         if run.lora else {})},
             "actor": {"optim": {"lr": LR}, "ppo_mini_batch_size": PROMPTS, "ppo_micro_batch_size_per_gpu": MICRO_BATCH,
                       "use_kl_loss": False},
             "rollout": {"name": "vllm", "n": SAMPLES, "free_cache_engine": run.sleep},
@@ -485,9 +523,11 @@ def trl_callback(recorder: StepRecorder, memory):
     return Clock()
 
 
-def run_trl_here(model: Path, data: Path, steps: int, output_dir: Path, result_file: Path) -> None:
-    """TRL's GRPOTrainer at the shape in this process, on its first GPU; each step it finished goes to
-    ``result_file``, however it ends."""
+def run_trl_here(model: Path, data: Path, steps: int, output_dir: Path, result_file: Path,
+                 lora: bool = False) -> None:
+    """TRL's GRPOTrainer at the shape in this process, on its first GPU (with ``lora``, training a PEFT LoraConfig
+    of LORA_RANK, LORA_ALPHA on every linear layer); each step it finished goes to ``result_file``, however it
+    ends."""
     missing = [module for module in TRL_NEEDS if importlib.util.find_spec(module) is None]
     if missing:
         raise SystemExit(f"TRL's run cannot import {', '.join(missing)}: install the wheels the module docstring "
@@ -512,7 +552,8 @@ def run_trl_here(model: Path, data: Path, steps: int, output_dir: Path, result_f
     trainer = GRPOTrainer(model=policy, reward_funcs=constant_reward,
                           args=GRPOConfig(**trl_arguments(output_dir, steps)),
                           train_dataset=Dataset.from_dict({"prompt": trl_prompts(data, tokenizer)}),
-                          processing_class=tokenizer, callbacks=[trl_callback(recorder, memory)])
+                          processing_class=tokenizer, callbacks=[trl_callback(recorder, memory)],
+                          peft_config=trl_lora_config() if lora else None)
     vllm_held = (torch.cuda.memory_allocated() - before) / 2**30  # its weights and KV cache
     torch.cuda.reset_peak_memory_stats()
     try:
@@ -521,16 +562,24 @@ def run_trl_here(model: Path, data: Path, steps: int, output_dir: Path, result_f
         result_file.write_text(json.dumps({"steps": recorder.steps}))
 
 
-def run_trl(work: Path, out: Path, steps: int, timeout_s: float, site: Path | None) -> dict[str, dict]:
-    """The trl run in a child process (this script with --trl-worker, its output in ``out``/trl.log): its result,
-    by run name."""
-    result_file, log = work / "trl-result.json", out / "trl.log"
+def trl_lora_config():
+    """PEFT's LoraConfig of the LoRA runs: LORA_RANK, LORA_ALPHA, every linear layer but the output layer."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear", lora_dropout=0.0,
+                      task_type="CAUSAL_LM")
+
+
+def run_trl(name: str, work: Path, out: Path, steps: int, timeout_s: float, site: Path | None) -> dict[str, dict]:
+    """TRL's run ``name`` (trl or trl-lora) in a child process (this script with --trl-worker, its output in
+    ``out``/<name>.log): its result, by run name."""
+    result_file, log = work / f"{name}-result.json", out / f"{name}.log"
     result_file.unlink(missing_ok=True)
     path = [str(site)] if site else []
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "0",
            "PYTHONPATH": os.pathsep.join([*path, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     command = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(result_file), "--work", str(work),
-               "--steps", str(steps), "--out", str(work)]
+               "--steps", str(steps), "--out", str(work), *(["--trl-lora"] if RUNS[name].lora else [])]
     with GpuMemoryPeaks() as gpus, log.open("w") as output:
         child = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -542,8 +591,8 @@ def run_trl(work: Path, out: Path, steps: int, timeout_s: float, site: Path | No
             error = f"did not finish within {timeout_s:.0f} s (--run-timeout)"
     steps_done = json.loads(result_file.read_text())["steps"] if result_file.exists() else []
     wait_gpus_free()
-    return {"trl": {**stamp("trl", 0), "status": "failed" if error else "ok", "error": error, "steps": steps_done,
-                    "memory": gpus.peaks}}
+    return {name: {**stamp(name, 0), "status": "failed" if error else "ok", "error": error, "steps": steps_done,
+                   "memory": gpus.peaks}}
 
 
 # ---------------------------------------------------------------- the command
@@ -571,7 +620,8 @@ def run_all(names: list[str], args) -> None:
         together = [other for other in runnable if RUNS[other].layout == RUNS[name].layout] if RUNS[name].layout \
             else [name]
         try:
-            batch = run_trl(args.work, args.out, args.steps, args.run_timeout, args.trl_site) if name == "trl" else \
+            batch = run_trl(name, args.work, args.out, args.steps, args.run_timeout, args.trl_site) \
+                if not RUNS[name].layout else \
                 run_meshrl(together, args.work, model, data, args.steps, args.run_timeout, args.overrides)
         except Exception as error:  # noqa: BLE001 - recorded as the runs' result; the other runs go on
             batch = {ran: {**stamp(ran, RUNS[ran].max_staleness), "status": "failed", "steps": [], "memory": {},
@@ -594,10 +644,12 @@ def main() -> None:
     parser.add_argument("--trl-site", type=Path, help="folder with TRL and the wheels it needs (on the TRL child's "
                                                       "PYTHONPATH only)")
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)  # the trl run's child: its result file
+    parser.add_argument("--trl-lora", action="store_true", help=argparse.SUPPRESS)  # that child trains LoRA
     parser.add_argument("overrides", nargs="*", help="key=value for every meshrl run's config")
     args = parser.parse_args()
     if args.trl_worker:
-        run_trl_here(args.work / "model", args.work / "prompts.jsonl", args.steps, args.work / "trl", args.trl_worker)
+        run_trl_here(args.work / "model", args.work / "prompts.jsonl", args.steps, args.work / "trl", args.trl_worker,
+                     lora=args.trl_lora)
         return
     if not args.report:
         names = args.runs.split(",")

@@ -14,7 +14,7 @@ from bench.grpo_step import (PROMPT_TOKENS, RUNS, StepRecorder, load_results, me
 from services.common.config import load_config
 from services.run.checks import load_run_data
 from services.coordinator.runs import parse_run_config
-from services.coordinator.settings import check_within_rollout_limits, loop_settings
+from services.coordinator.settings import check_within_rollout_limits, loop_settings, rollout_set_settings
 from services.rollout.config import RolloutServiceConfig
 from services.trainer.config import TrainerServiceConfig
 
@@ -93,17 +93,39 @@ def test_the_report_gathers_several_invocations_and_ends_with_the_ratios_to_trl(
     failed = next(line for line in lines if line.startswith("colocated-sleep"))
     assert "failed: run ended failed: | CUDA out of memory" in failed
     trl_row = next(line for line in lines if line.startswith("trl "))
-    # steps, s/step, tokens/s per GPU (32 x 8 x 320 = 81,920 tokens in 5 s on one GPU), trainer, vLLM (none), GPU 0
-    assert trl_row.split()[1:7] == ["5", "5.00", "16384", "10.0", "-", "75.0"]
+    # steps, s/step, tokens/s per GPU (32 x 8 x 320 = 81,920 tokens in 5 s on one GPU), sync (no update_weights
+    # stage here), trainer, vLLM (none), GPU 0
+    assert trl_row.split()[1:8] == ["5", "5.00", "16384", "-", "10.0", "-", "75.0"]
     split_row = next(line for line in lines if line.startswith("split-k1"))
     assert split_row.split()[1:4] == ["6", "3.00", "13653"]  # 81,920 tokens in 3 s on two GPUs
     assert report({"colocated": results["colocated"]}).splitlines()[-1].startswith("no TRL result here")
 
 
+def lora_result(name: str, seconds: float, trainer_gib: float, sync_s: float) -> dict:
+    steps_done = [{"step": step, "seconds": seconds, "stages": {"update_weights": sync_s},
+                   "memory": {"trainer_allocated": trainer_gib}} for step in range(1, 5)]
+    return {**result(name, []), "steps": steps_done}
+
+
+def test_the_report_sets_each_lora_run_against_its_full_fine_tune(tmp_path):
+    for run in (lora_result("colocated", 6.0, 20.0, 0.4), lora_result("colocated-lora", 4.5, 9.0, 0.003),
+                lora_result("trl-lora", 8.0, 12.0, 0.5)):  # no trl beside trl-lora: no line for it
+        (tmp_path / f"{run['run']}.json").write_text(json.dumps(run))
+    lines = report(load_results(tmp_path)).splitlines()
+    assert lines[-2:] == [
+        "LoRA against full fine-tuning (goals: trainer peak <= 0.6x, s/step <= 1.0x, sync < 5 ms):",
+        "  colocated-lora  trainer peak 0.45x, s/step 0.75x, sync 3.0 ms against 400.0 ms (colocated)"]
+    assert next(line for line in lines if line.startswith("colocated-lora")).split()[1:5] == ["4", "4.50", "18204", "3.0"]
+    alone = {"colocated-lora": load_results(tmp_path)["colocated-lora"]}
+    assert report(alone).splitlines()[-1].startswith("no LoRA run beside its full fine-tune")
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """A tiny model of the bench's kind (the character tokenizer, 4096 positions) and the bench's prompts."""
-    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    """A tiny model of the bench's kind (the character tokenizer, 4096 positions; wide enough for the LoRA runs'
+    rank 64) and the bench's prompts."""
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2)
     return prepare_assets(tmp_path_factory.mktemp("grpo-step"), tiny)
 
 
@@ -126,6 +148,8 @@ def test_each_meshrl_run_passes_the_checks_start_run_makes(assets, name):
     assert not config.use_reference and loop.max_staleness == RUNS[name].max_staleness
     assert loop.sleep_rollouts == any(rollout.enable_sleep_mode for rollout in settings["rollout"])
     assert [trainer.device for trainer in settings["trainer"]] == ["cuda"]
+    rollouts = rollout_set_settings(config)  # a LoRA run's rollouts start vLLM for its adapters
+    assert (rollouts.lora_rank, rollouts.adapter_versions) == ((64, 1) if RUNS[name].lora else (0, 0))
 
 
 def test_a_run_needing_more_gpus_than_there_are_is_skipped_saying_so():

@@ -53,7 +53,7 @@ def test_received_factors_get_the_names_peft_writes_in_an_adapter_file(lora_acto
 
 
 def test_factors_that_do_not_pair_up_are_refused_naming_the_module():
-    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj came without its lora_B"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj came without its lora_B"):
         peft_tensors([("model.layers.0.self_attn.q_proj.lora_A", torch.zeros(4, 32))])
 
 
