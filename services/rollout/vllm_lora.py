@@ -3,8 +3,9 @@
 vLLM 0.20's way in is a LoRARequest carrying a folder, read by the worker the first time a request names the
 adapter's integer id. meshrl goes around the folder: inside each worker (``vllm_worker``) the received factors
 become vLLM's ``LoRAModel`` (``LoRAModel.from_lora_tensors``, the constructor its folder loader ends in), which
-is added to the worker's LoRA manager under a new id and moved into a GPU slot. A request that carries a
-LoRARequest of that id finds it loaded, so its path is never read. What this module holds runs without vLLM:
+is added to the worker's LoRA manager under a new id. A request that carries a LoRARequest of that id finds it
+loaded (vLLM moves it into a GPU slot at the first step that serves it), so its path is never read. What this
+module holds runs without vLLM:
 
 - the engine arguments of a LoRA engine (``lora_engine_args``);
 - the names vLLM's loader expects of the factors (``peft_tensors``: PEFT's, as in ``adapter_model.safetensors``)

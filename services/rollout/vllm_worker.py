@@ -108,9 +108,11 @@ class MeshrlWorkerExtension:
 
     def meshrl_apply_adapter(self, adapter_id: int, keep_ids: list[int]) -> tuple[int, dict[str, float]]:
         """Serve the staged broadcast, a LoRA adapter, as vLLM adapter ``adapter_id``, loaded from the received
-        tensors (``vllm_lora``): the adapters loaded before and not in ``keep_ids`` are removed, the new one is
-        built, added to vLLM's LoRA manager and moved into a GPU slot. Returns its version and the seconds of
-        each stage of its receipt and of the load (``apply``). Raises, the adapters before it untouched, for a
+        tensors (``vllm_lora``): the new one is built on this worker's GPU, the adapters loaded before and not in
+        ``keep_ids`` are removed, and it is added to vLLM's LoRA manager, which moves it into a GPU slot at the
+        first step that serves it, as it does any adapter it holds (moving it here would shift the slots under
+        a batch whose adapter mapping vLLM keeps from step to step). Returns its version and the seconds of each
+        stage of its receipt and of the load (``apply``). Raises, the adapters before it untouched, for a
         broadcast that is not an adapter or adapts a module vLLM does not serve LoRA on."""
         staged = self.__dict__.pop("_meshrl_staged")
         if not staged.wait(0):
@@ -125,7 +127,6 @@ class MeshrlWorkerExtension:
         for old in set(adapters.list_adapters()) - set(keep_ids):
             adapters.remove_adapter(old)
         adapters.add_adapter(adapter)
-        adapters.activate_adapter(adapter_id)
         torch.cuda.synchronize(self.device)
         return staged.version, {**staged.timer.seconds, "apply": time.perf_counter() - started}
 
