@@ -47,11 +47,11 @@ B_STD = 0.03  # random lora_B values: each adapted weight moves by about a third
 
 
 def lora_worker(model: Path) -> Worker:
-    """The trainer's Worker on GPU 0 with a LoRA actor and its reference (the base, adapters off)."""
+    """The trainer's Worker on GPU 0 with a LoRA actor and its reference (the base, adapters off), in bf16 and
+    unsharded (plain tensors, which the test sets by hand)."""
     config = yaml.safe_dump({"actor_rollout_ref": {
         "model": {"path": str(model), "dtype": "bfloat16", "lora_rank": RANK, "lora_alpha": ALPHA},
-        "actor": {"use_kl_loss": True, "optim": {"lr": 1e-4},
-                  "fsdp_config": {"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}}}})
+        "actor": {"use_kl_loss": True, "optim": {"lr": 1e-4}}}})
     worker = Worker(Ranks.single("cuda"))
     worker.init_run({}, run_id="lora-vllm", run_config_yaml=config, roles=["actor", "ref"], seed=0)
     return worker
