@@ -115,7 +115,8 @@ def test_the_report_sets_each_lora_run_against_its_full_fine_tune(tmp_path):
     assert lines[-2:] == [
         "LoRA against full fine-tuning (goals: trainer peak <= 0.6x, s/step <= 1.0x, sync < 5 ms):",
         "  colocated-lora  trainer peak 0.45x, s/step 0.75x, sync 3.0 ms against 400.0 ms (colocated)"]
-    assert next(line for line in lines if line.startswith("colocated-lora")).split()[1:5] == ["4", "4.50", "18204", "3.0"]
+    lora_row = next(line for line in lines if line.startswith("colocated-lora"))
+    assert lora_row.split()[1:5] == ["4", "4.50", "18204", "3.0"]  # steps, s/step, tokens/s per GPU, sync ms
     alone = {"colocated-lora": load_results(tmp_path)["colocated-lora"]}
     assert report(alone).splitlines()[-1].startswith("no LoRA run beside its full fine-tune")
 
