@@ -11,8 +11,9 @@ module holds runs without vLLM:
 - the names vLLM's loader expects of the factors (``peft_tensors``: PEFT's, as in ``adapter_model.safetensors``)
   and the PEFT config it builds an adapter's settings from (``peft_config``);
 - which adapter versions stay loaded (``AdapterWindow``): each sync's adapter gets a new id; the last
-  ``versions`` (the run's max_staleness + 1) stay loaded, and any a call in flight still uses, so that every
-  call finishes under the adapter it began with; older ones are removed.
+  ``versions`` (the run's max_staleness + 1; at least the new one and the one served until it), and any a
+  call in flight still uses, so that every call finishes under the adapter it began with; older ones are
+  removed.
 
 The factors come scaled (``common.adapters``: B already multiplied by lora_alpha / rank), so the config given
 to vLLM has lora_alpha = r: a scale of 1.
@@ -125,9 +126,10 @@ class AdapterWindow:
 
     def kept_beside_new(self, in_use: set[int]) -> list[LoadedAdapter]:
         """The loaded adapters that stay once a new one is loaded: the last ``versions`` - 1 (with the new one,
-        the last ``versions``), and older ones whose id is in ``in_use`` (calls in flight under them).
-        RuntimeError when these and the new one are more than ``capacity``."""
-        recent = self.loaded[len(self.loaded) - self.versions + 1:] if self.versions > 1 else []
+        the last ``versions``) and at least the one served until now (calls may begin under it until the new
+        one is served), and older ones whose id is in ``in_use`` (calls in flight under them). RuntimeError when
+        these and the new one are more than ``capacity``."""
+        recent = self.loaded[-max(self.versions - 1, 1):] if self.loaded else []
         older = [adapter for adapter in self.loaded[:len(self.loaded) - len(recent)] if adapter.adapter_id in in_use]
         if len(older) + len(recent) + 1 > self.capacity:
             raise RuntimeError(f"calls in flight still use {len(older)} adapter versions older than the last "

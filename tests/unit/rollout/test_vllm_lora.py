@@ -99,10 +99,11 @@ def test_the_last_versions_stay_loaded_and_those_calls_in_flight_use():
     assert window.current is not None and window.current.name == "meshrl-v5-5"
 
 
-def test_with_one_version_only_the_new_one_stays():
-    window = AdapterWindow(versions=1, capacity=3)
+def test_with_one_version_the_one_served_until_the_sync_stays_beside_the_new_one():
+    window = AdapterWindow(versions=1, capacity=3)  # (a call may begin under it while the new one loads)
     assert loaded(window, 1) == [1]
-    assert loaded(window, 2) == [2]
+    assert loaded(window, 2) == [1, 2]
+    assert loaded(window, 3) == [2, 3]
 
 
 class StandIn:
