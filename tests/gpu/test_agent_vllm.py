@@ -42,7 +42,8 @@ def test_a_multi_turn_run_on_vllm_with_prefix_caching(tmp_path):
     data = write_jsonl(reverse_task_rows(256, 2, 6, seed=3), tmp_path / "reverse.jsonl")
     env_config = tmp_path / "env.yaml"
     env_config.write_text(yaml.safe_dump({
-        "environments": {"countdown": {"environment": f"{PLUGINS / 'user_env.py'}:Countdown"}}, "workers": 256}))
+        "environments": {"countdown": {"environment": f"{PLUGINS / 'user_env.py'}:Countdown"}}, "workers": 256,
+        "sandbox": False}))  # a trusted test environment; the GPU machine has no bubblewrap
     digits = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(list("0123456789"))
     config = yaml.safe_dump({
         "data": {"train_files": [str(data)], "train_batch_size": 32, "max_prompt_length": 24,
