@@ -165,12 +165,42 @@ def env_settings(config: RunConfig) -> list[str]:
     return [f"environments.{multi_turn.environment}.tool_config_path={path}"]
 
 
+def unregistered_algorithms(config: RunConfig, services: tuple | None) -> list[str]:
+    """The estimator and policy loss the run names that meshrl does not build in, each with where it must come from.
+    With --local (``services``: what it starts) one that no local service can register is a ValueError, as the run
+    would be refused at its start: the local coordinator registers meshrl's estimators only, a local trainer the
+    losses of the policy_loss_modules its local.services settings name. With remote services (``services`` None)
+    they are said, not refused: the services' own configs are theirs to know."""
+    from services.algo_registry import ADV_ESTIMATORS, POLICY_LOSSES
+
+    said = []
+    estimator = config.algorithm.adv_estimator
+    if estimator not in ADV_ESTIMATORS.names():
+        where = f"{ADV_ESTIMATORS.key}={estimator}: not one of meshrl's ({', '.join(ADV_ESTIMATORS.names())})"
+        if services is not None:
+            raise ValueError(f"{where}; the local coordinator registers meshrl's only: start a coordinator with "
+                             "adv_estimator_modules naming its module (docs/guides/custom-algorithms.md)")
+        said.append(f"{where}: the coordinator's adv_estimator_modules must register it, or the run is refused at "
+                    "its start")
+    loss = config.actor_rollout_ref.actor.policy_loss.loss_mode
+    if loss not in POLICY_LOSSES.names():
+        where = f"{POLICY_LOSSES.key}={loss}: not one of meshrl's ({', '.join(POLICY_LOSSES.names())})"
+        trainer_settings = [setting for spec in services or () if spec.kind == "trainer" for setting in spec.settings]
+        if services is not None and not any(setting.startswith("policy_loss_modules=") for setting in
+                                            trainer_settings):
+            raise ValueError(f"{where}, and the local trainer registers no losses of its own: name its module with "
+                             "'local.services.trainer=[\"policy_loss_modules=[path/to/losses.py]\"]'")
+        said.append(f"{where}: the trainer's policy_loss_modules must register it, or the run is refused at its "
+                    "start")
+    return said
+
+
 def plan(config: RunConfig, data: RunData | None, services: tuple | None, coordinator: str) -> str:
     """What start-run would do, for --dry-run: the resolved config, what was read, and where it would run."""
     lines = ["# the resolved run config", to_yaml(config).rstrip(), ""]
     lines.append(f"# read: {data.describe()}, {config.trainer.steps} steps" if data is not None else
                  "# not read here: the model or data are not on this machine (the coordinator reads them)")
-    lines += [f"# note: {notice}" for notice in config.notices()]
+    lines += [f"# note: {notice}" for notice in [*config.notices(), *unregistered_algorithms(config, services)]]
     if services is not None:
         lines.append("# would start on this machine: a coordinator, then " + ", ".join(
             f"a {spec.kind}" + (f" ({' '.join([*(f'{k}={v}' for k, v in spec.env), *spec.settings])})"

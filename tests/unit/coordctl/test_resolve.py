@@ -14,7 +14,7 @@ from services.run.config import RunConfig
 from services.coordctl.cli import app
 from services.coordctl.config import LocalConfig
 from services.coordctl.local import ServiceSpec
-from services.coordctl.resolve import hydra_config_file, local_services, resolve_config
+from services.coordctl.resolve import hydra_config_file, local_services, resolve_config, unregistered_algorithms
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -145,3 +145,22 @@ def test_the_env_service_of_local_runs_unsandboxed_only_where_this_host_cannot_s
     assert "sandbox=false" not in local_services(told, run)[-1].settings
     monkeypatch.setattr(resolve, "unsandboxed_here", lambda: None)
     assert not any(s.startswith("sandbox=") for s in local_services(LocalConfig(), run)[-1].settings)
+
+
+def test_an_algorithm_no_local_service_can_register_is_refused_and_a_remote_ones_is_said():
+    local = local_services(LocalConfig(), RunConfig())
+    estimator = validate(RunConfig, {"algorithm": {"adv_estimator": "range_norm"}})
+    with pytest.raises(ValueError, match=r"algorithm\.adv_estimator=range_norm: not one of meshrl's \(gae, grpo, "
+                                         r".*the local coordinator registers meshrl's only"):
+        unregistered_algorithms(estimator, local)
+    loss = validate(RunConfig, {"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "trust_region_pg"}}}})
+    with pytest.raises(ValueError, match=r"loss_mode=trust_region_pg: not one of meshrl's \(vanilla, .*the local "
+                                         r"trainer registers no losses of its own"):
+        unregistered_algorithms(loss, local)
+    own_losses = local_services(validate(LocalConfig, {"services": {"trainer": ["policy_loss_modules=[l.py]"]}},
+                                         "local"), loss)
+    [said] = unregistered_algorithms(loss, own_losses)
+    assert said.startswith("actor_rollout_ref.actor.policy_loss.loss_mode=trust_region_pg: not one of meshrl's")
+    assert [line.split(":")[0] for line in unregistered_algorithms(estimator, None)] == [
+        "algorithm.adv_estimator=range_norm"]
+    assert unregistered_algorithms(RunConfig(), local) == []
