@@ -4,8 +4,8 @@ Every ``import services...`` / ``from services... import`` in services/, at any 
 function-level import counts), is an edge. A room (coordinator, rollout, trainer, reward, env) imports only
 itself, ``services.run`` (what describes a run: its config, data, checks, model), ``services.common`` (plumbing)
 and the RL math (``services.algos``, pure functions, with the built-in estimators and losses and the registries
-that name them: ``services.estimators``, ``services.policy_losses``, ``services.algo_registry``); coordctl, the CLI, imports only itself, run and common (it starts the services as
-processes, by module name); run imports only itself and common; common and algos import no room.
+that name them: ``services.estimators``, ``services.policy_losses``, ``services.algo_registry``); coordctl, the CLI, imports only itself, run, common and the registries' names (it
+starts the services as processes, by module name, and checks a run's algorithm names against the built-ins); run imports only itself and common; common and algos import no room.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import services
 ROOT = Path(services.__file__).parent
 ROOMS = ("coordinator", "rollout", "trainer", "reward", "env")
 ALGOS = ("algos", "algo_registry", "estimators", "policy_losses")  # the modules of the RL math
-ALLOWED = {**{room: {room, "run", "common", "algos"} for room in ROOMS}, "coordctl": {"coordctl", "run", "common"},
+ALLOWED = {**{room: {room, "run", "common", "algos"} for room in ROOMS}, "coordctl": {"coordctl", "run", "common", "algos"},
            "run": {"run", "common"}, "common": {"common"}, "algos": {"algos"}}
 
 
