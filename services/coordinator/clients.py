@@ -69,6 +69,8 @@ class RolloutInfo:
     channel_ranks: int  # ranks its engine takes in a weight channel
     gpus: frozenset[str] = frozenset()  # UUIDs of the GPUs its engine works on (none on CPU)
     colocated: bool | None = None  # it says it shares the trainer's device (None: it does not say; see GPUs)
+    engine: str = ""  # its inference engine: hf or vllm
+    service_id: str = ""  # unique for the life of its process: one restarted has another
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,27 @@ class RolloutClient:
         return Received(version=reply.version, transfer_s=reply.transfer_s, pause_s=reply.pause_s,
                         memory=dict(reply.memory))
 
+    async def compute_log_probs(self, batch: SequenceBatch, timeout: float) -> tuple[int, torch.Tensor]:
+        """The weight version it serves and the logprobs [T] (temperature 1) of the batch's response tokens under
+        it."""
+        tensors = sequence_tensors(batch)
+        tensors.pop("loss_mask", None)
+
+        def requests():
+            for chunks in batch_to_chunks(tensors):
+                yield rollout_pb2.ComputeLogProbsRequest(chunks=chunks)
+
+        assembler, version = BatchAssembler(), -1
+        async with self._conn.slot():
+            async for reply in self._stub.ComputeLogProbs(requests(), timeout=timeout):
+                assembler.add(reply.chunks)
+                version = reply.weight_version
+        logprobs = assembler.result(required=("logprobs",))["logprobs"]
+        if logprobs.shape != batch.response_ids.shape:
+            raise ValueError(f"rollout {self.address} returned {logprobs.numel()} logprobs for "
+                             f"{batch.response_ids.numel()} response tokens")
+        return version, logprobs
+
     async def sleep(self, timeout: float) -> None:
         """Free the engine's GPU memory for a trainer on the same GPU; Generate is refused until wake_up."""
         async with self._conn.slot():
@@ -191,7 +214,8 @@ class RolloutClient:
         return RolloutInfo(run_id=reply.run_id, weight_version=reply.weight_version,
                            channel_ranks=int(reply.details.get("channel_ranks", "1")),
                            gpus=frozenset(filter(None, reply.details.get("gpus", "").split(","))),
-                           colocated=None if not colocated else colocated == "true")
+                           colocated=None if not colocated else colocated == "true",
+                           engine=reply.details.get("engine", ""), service_id=reply.identity.service_id)
 
     async def weight_version(self) -> int:
         return (await self.info()).weight_version
@@ -212,18 +236,19 @@ class TrainerClient:
                 run_id=run_id, run_config_yaml=run_config_yaml, roles=roles, seed=seed), timeout=timeout)
 
     async def _stream_out(self, method, tensors: dict[str, torch.Tensor], step: int, role: str, name: str,
-                          timeout: float) -> torch.Tensor:
+                          timeout: float, temperature: float = 0.0) -> torch.Tensor:
         assembler = BatchAssembler()
         async with self._conn.slot():
-            async for reply in method(batch_requests(tensors, step, role), timeout=timeout):
+            async for reply in method(batch_requests(tensors, step, role, temperature), timeout=timeout):
                 assembler.add(reply.chunks)
         return assembler.result(required=(name,))[name]
 
-    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float,
-                                role: str = "actor") -> torch.Tensor:
-        """Logprobs [T] of the response tokens under the actor (role actor) or the reference (role ref)."""
+    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float, role: str = "actor",
+                                temperature: float = 0.0) -> torch.Tensor:
+        """Logprobs [T] of the response tokens under the actor (role actor) or the reference (role ref), at
+        ``temperature`` (0: the run's)."""
         return await self._stream_out(self._stub.ComputeLogProbs, sequence_tensors(batch), step=step, role=role,
-                                      name="logprobs", timeout=timeout)
+                                      name="logprobs", timeout=timeout, temperature=temperature)
 
     async def compute_values(self, batch: SequenceBatch, step: int, timeout: float) -> torch.Tensor:
         return await self._stream_out(self._stub.ComputeValues, sequence_tensors(batch), step=step, role="",
@@ -421,6 +446,6 @@ def join_request(channel_id: str, backend: str, rendezvous: bytes, rank: int, wo
                                          rendezvous=rendezvous, timeout_s=timeout)
 
 
-def batch_requests(tensors: dict[str, torch.Tensor], step: int, role: str = ""):
+def batch_requests(tensors: dict[str, torch.Tensor], step: int, role: str = "", temperature: float = 0.0):
     for chunks in batch_to_chunks(tensors):
-        yield trainer_pb2.BatchRequest(step=step, chunks=chunks, role=role)
+        yield trainer_pb2.BatchRequest(step=step, chunks=chunks, role=role, temperature=temperature)

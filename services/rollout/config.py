@@ -9,6 +9,9 @@ from pydantic import Field, PositiveInt
 from services.common.config import StreamingServeConfig
 
 
+CORRUPTION = 0.5  # what corrupt_weight_after_sync adds to its parameter after each sync
+
+
 class RolloutServiceConfig(StreamingServeConfig):
     engine: Literal["hf", "vllm"] = "hf"
     """Inference engine: hf (transformers, CPU or GPU) or vllm (GPU)."""
@@ -40,6 +43,10 @@ class RolloutServiceConfig(StreamingServeConfig):
     by many samples."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + response vLLM plans for (null = the model's)."""
+    corrupt_weight_after_sync: str = ""
+    """For tests of the weight check only: the parameter (as the model names it, e.g. model.norm.weight) to which
+    every sync adds CORRUPTION (0.5) once the weights arrived whole and passed their checksums, so that the engine
+    computes with weights that are not the trainer's; empty (the default): none. Never set it in a real run."""
     max_request_bytes: PositiveInt = 64 << 20
     """Bytes one Generate request stream may send in all (its prompts: 64 MiB holds 8 million prompt tokens);
     what comes past it is dropped as it arrives, and the call refused with RESOURCE_EXHAUSTED."""

@@ -28,7 +28,7 @@ from services.common.channel import ChannelTable, gpu_uuid
 from services.common.memory import memory_metrics
 from services.run.models import load_causal_lm, load_tokenizer
 from services.common.weight_sync import StagedWeights, WeightReceiver
-from services.rollout.config import RolloutServiceConfig
+from services.rollout.config import CORRUPTION, RolloutServiceConfig
 from services.rollout.hf_engine import HFEngine, WeightsNotLoaded
 from services.rollout.sampling import Completion, SamplingSettings
 from services.rollout.vllm_lora import AdapterServing
@@ -47,6 +47,10 @@ class Engine(Protocol):
                        seed_indices: Sequence[int]) -> list[list[Completion]]:
         """``sampling.n`` completions per prompt, prompt i seeded from ``seed_indices[i]``, each stamped with
         the weight versions that sampled its first and its last token."""
+
+    async def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        """The logprob (temperature 1) of each token of each response given its prompt and the response tokens
+        before it, under the weights served now (the weight check's probe; never during a swap)."""
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
                            timeout_s: float) -> None:
@@ -89,6 +93,7 @@ class HFRolloutEngine:
         self.vocab_size = model.config.vocab_size
         self.max_model_len = model.config.max_position_embeddings
         self.device = config.device
+        self.corrupt_weight = config.corrupt_weight_after_sync
         self.gpus: tuple[str, ...] = (gpu_uuid(config.device),) if torch.device(config.device).type == "cuda" else ()
         self.weight_version = 0  # changed only inside a swap, on the engine thread
         self.damaged: str | None = None  # why the model is not one whole version (a swap failed part way)
@@ -118,6 +123,14 @@ class HFRolloutEngine:
             if self.damaged:
                 raise not_whole(self.damaged)
             return self.engine.generate(prompts, sampling, seed_indices=seed_indices, before_step=before_step)
+
+        return await self.gate.run(lambda call: self._on_engine(attempt, call))
+
+    async def compute_log_probs(self, prompts, responses):
+        def attempt(call: GenerationCall) -> list[list[float]]:
+            if self.damaged:
+                raise not_whole(self.damaged)
+            return self.engine.compute_log_probs(prompts, responses)
 
         return await self.gate.run(lambda call: self._on_engine(attempt, call))
 
@@ -181,6 +194,8 @@ class HFRolloutEngine:
                 if loaded or not isinstance(error, WeightsNotLoaded):  # part of the new weights went in
                     self.damaged = failed_swap(self.weight_version, error)
                 raise
+            if self.corrupt_weight:  # a test's deliberately wrong weights (config.corrupt_weight_after_sync)
+                self.engine.shift_weight(self.corrupt_weight, CORRUPTION)
             self.weight_version, self.damaged = staged.version, None
 
         received = time.perf_counter()

@@ -151,6 +151,37 @@ class HFEngine:
             for t, lp, last in zip(tokens, logprobs, last_versions)
         ]
 
+    @torch.no_grad()
+    def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        """The logprob (temperature 1) of each response token given the prompt and the response tokens before
+        it, one forward pass over the whole sequences, right-padded, ``batch_size`` sequences at a time."""
+        scored: list[list[float]] = []
+        for start in range(0, len(prompts), self.batch_size):
+            rows = [p + r for p, r in zip(prompts[start : start + self.batch_size],
+                                          responses[start : start + self.batch_size])]
+            input_ids = torch.full((len(rows), max(len(row) for row in rows)), self.pad_id, dtype=torch.int64)
+            attention_mask = torch.zeros_like(input_ids)
+            for index, row in enumerate(rows):
+                input_ids[index, : len(row)] = torch.tensor(row)
+                attention_mask[index, : len(row)] = 1
+            device = self.model.device
+            logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+            for index, prompt in enumerate(prompts[start : start + self.batch_size]):
+                length = len(rows[index]) - len(prompt)  # the response's tokens, each predicted one position back
+                before = logits[index, len(prompt) - 1 : len(prompt) - 1 + length].float()
+                targets = input_ids[index, len(prompt) : len(prompt) + length].to(before.device)
+                scored.append(algos.token_logprobs(before, targets, 1.0).tolist())
+        return scored
+
+    def shift_weight(self, name: str, delta: float) -> None:
+        """Add ``delta`` to every value of parameter ``name`` (a test's deliberately wrong weights; KeyError
+        naming it if the model has none)."""
+        parameters = dict(self.model.named_parameters())
+        if name not in parameters:
+            raise KeyError(f"corrupt_weight_after_sync names {name!r}, which is not a parameter of the rollout model")
+        with torch.no_grad():
+            parameters[name].add_(delta)
+
     def load_adapter(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Serve a new LoRA adapter (``common.adapters``): each adapted layer's weight becomes its base weight +
         B @ A, the base kept (a copy of each adapted weight, made when it is first adapted); a layer the previous

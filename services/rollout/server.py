@@ -152,6 +152,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         for chunks in batch_to_chunks(out):
             yield rollout_pb2.GenerateResponse(chunks=chunks, weight_version=oldest)
 
+    async def ComputeLogProbs(self, request_iterator, context):
+        assembler = BatchAssembler()
+        await read_stream(request_iterator, assembler, self.config.stream_limits())
+        engine = self._require_engine()
+        batch = assembler.result(required=("prompt_ids", "prompt_lens", "response_ids", "response_lens"))
+        prompts = prompt_lists(batch["prompt_ids"], batch["prompt_lens"], engine.vocab_size)
+        responses = token_lists(batch["response_ids"], batch["response_lens"], engine.vocab_size,
+                                names=("response_ids", "response_lens"))
+        if len(prompts) != len(responses):
+            raise ValueError(f"prompt_lens has {len(prompts)} entries, response_lens {len(responses)}: one each per "
+                             "sequence")
+        check_prompt_lengths([p + r for p, r in zip(prompts, responses)], 1, engine.max_model_len)
+        version = engine.weight_version
+        logprobs = await engine.compute_log_probs(prompts, responses)
+        flat = torch.tensor([value for row in logprobs for value in row], dtype=torch.float32)
+        for chunks in batch_to_chunks({"logprobs": flat}):
+            yield rollout_pb2.ComputeLogProbsResponse(chunks=chunks, weight_version=version)
+
     async def JoinChannel(self, request, context):
         timeout_s = check_wait("timeout_s", request.timeout_s)
         await self._require_engine().join_channel(
@@ -225,13 +243,20 @@ def check_model_folder(model_path: str) -> None:
 
 
 def prompt_lists(prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, vocab_size: int) -> list[list[int]]:
-    if prompt_ids.dtype != torch.int64 or prompt_lens.dtype != torch.int64:
-        raise ValueError("prompt_ids and prompt_lens must be int64")
-    if prompt_lens.dim() != 1 or (prompt_lens < 1).any() or int(prompt_lens.sum()) != prompt_ids.numel():
-        raise ValueError("prompt_lens must be positive and sum to len(prompt_ids)")
-    if prompt_ids.numel() and (prompt_ids.min() < 0 or prompt_ids.max() >= vocab_size):
-        raise ValueError(f"prompt_ids must lie in [0, {vocab_size})")
-    return [p.tolist() for p in torch.split(prompt_ids, prompt_lens.tolist())]
+    return token_lists(prompt_ids, prompt_lens, vocab_size, names=("prompt_ids", "prompt_lens"))
+
+
+def token_lists(ids: torch.Tensor, lens: torch.Tensor, vocab_size: int, names: tuple[str, str]) -> list[list[int]]:
+    """Ragged token ids (``names``: of the ids and the lengths tensors, for the errors) as lists, once they are
+    int64, each length is positive and they sum to the ids, and every id is in the vocabulary (ValueError)."""
+    ids_name, lens_name = names
+    if ids.dtype != torch.int64 or lens.dtype != torch.int64:
+        raise ValueError(f"{ids_name} and {lens_name} must be int64")
+    if lens.dim() != 1 or (lens < 1).any() or int(lens.sum()) != ids.numel():
+        raise ValueError(f"{lens_name} must be positive and sum to len({ids_name})")
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{ids_name} must lie in [0, {vocab_size})")
+    return [row.tolist() for row in torch.split(ids, lens.tolist())]
 
 
 def attach(server, config: RolloutServiceConfig, identity: common_pb2.ServiceIdentity) -> RolloutServicer:

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from services.run.models import load_tokenizer
-from services.rollout.config import RolloutServiceConfig
+from services.rollout.config import CORRUPTION, RolloutServiceConfig
 from services.rollout.direct_load import STACKED
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
 from services.rollout.swap import GenerationCall, PartialRollout, SwapGate, WeightSwap, failed_swap, not_whole
@@ -78,6 +78,7 @@ class VLLMEngine:
         self.eos_id = eos_id
         self.channel_ranks = config.tensor_parallel_size
         self.prefix_caching = config.enable_prefix_caching
+        self.corrupt_weight = config.corrupt_weight_after_sync
         self.gpus = gpus
         # a LoRA run's adapter versions loaded, and how many calls in flight use each (by adapter id)
         self.adapters = AdapterWindow(lora.versions, lora.versions + SPARE_ADAPTERS) if lora else None
@@ -156,6 +157,39 @@ class VLLMEngine:
             self.adapter_calls[adapter.adapter_id] -= 1
             if not self.adapter_calls[adapter.adapter_id]:
                 del self.adapter_calls[adapter.adapter_id]
+
+    async def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        """Each whole sequence goes in as a prompt with prompt_logprobs=0 (the logprob of each prompt token given
+        those before it, from the raw logits: temperature 1) and one token generated; the response's part is
+        returned. vLLM reads no prefix cache for such a request, so it runs on the weights served now."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+
+        async def one(prompt: list[int], response: list[int], request_id: str,
+                      adapter: LoadedAdapter | None) -> list[float]:
+            final: Any = None
+            async for output in self.llm.generate({"prompt_token_ids": prompt + response}, params,
+                                                  request_id=request_id, lora_request=lora_request_of(adapter)):
+                final = output
+            return prompt_logprobs_of(final.prompt_logprobs, prompt + response, first=len(prompt))
+
+        async def attempt(call: GenerationCall) -> list[list[float]]:
+            if self.damaged:
+                raise not_whole(self.damaged)
+            adapter = self.adapters.current if self.adapters else None  # a LoRA run's: the adapted model is scored
+            request_ids = [uuid.uuid4().hex for _ in prompts]
+            with self._using(adapter):
+                try:
+                    return list(await call.unless_interrupted(asyncio.gather(
+                        *(one(p, r, request_id, adapter) for p, r, request_id in zip(prompts, responses, request_ids)))))
+                except BaseException:
+                    await self.llm.abort(request_ids)
+                    raise
+
+        return await self.gate.run(attempt)
 
     async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s) -> None:
         if backend not in ("nccl", "cuda_ipc"):
@@ -293,6 +327,8 @@ class VLLMEngine:
             versions = [version for version, _ in applied]
             if len(set(versions)) != 1:
                 raise RuntimeError(f"vLLM workers loaded different weight versions: {versions}")
+            if self.corrupt_weight:  # a test's deliberately wrong weights (config.corrupt_weight_after_sync)
+                await self.llm.collective_rpc("meshrl_shift_weight", timeout=30, args=(self.corrupt_weight, CORRUPTION))
         except BaseException as error:
             self.damaged = failed_swap(self.weight_version, error)
             raise
@@ -349,6 +385,12 @@ def completion_of(output, stops: list[int], first_version: int, last_version: in
     finished_by_stop = output.finish_reason == "stop" or (tokens and tokens[-1] in stops)
     return Completion(token_ids=tokens, logprobs=logprobs, finish_reason="stop" if finished_by_stop else "length",
                       first_version=first_version, last_version=last_version)
+
+
+def prompt_logprobs_of(prompt_logprobs: list, token_ids: list[int], first: int) -> list[float]:
+    """The logprobs of ``token_ids[first:]`` from a vLLM request's ``prompt_logprobs`` (one entry per prompt
+    token: None for the first, else a dict of token id -> Logprob holding the token itself)."""
+    return [prompt_logprobs[i][token_ids[i]].logprob for i in range(first, len(token_ids))]
 
 
 async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, timeout_s: float) -> None:

@@ -191,6 +191,16 @@ class MeshrlWorkerExtension:
             self.model_runner.model.load_weights(weights=named)
             direct.learn(named)
 
+    def meshrl_shift_weight(self, name: str, delta: float) -> None:
+        """Add ``delta`` to every value of parameter ``name`` as this worker holds it (a test's deliberately wrong
+        weights: the rollout service's corrupt_weight_after_sync)."""
+        parameters = dict(self.model_runner.model.named_parameters())
+        if name not in parameters:
+            raise KeyError(f"corrupt_weight_after_sync names {name!r}, which is not a parameter of the vLLM model")
+        with torch.no_grad():
+            parameters[name].add_(delta)
+        torch.cuda.synchronize(self.device)
+
     def meshrl_weight_checksums(self) -> dict[str, int]:
         """Checksum of each of the model's parameters as this worker holds them (its TP shard)."""
         return {name: tensor_checksum(p.detach()) for name, p in self.model_runner.model.named_parameters()}

@@ -13,6 +13,7 @@ its own.
 from __future__ import annotations
 
 import asyncio
+import math
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,7 @@ from services.common.nccl_channel import new_unique_id
 from services.common.errors import FailedPrecondition
 from services.algo_registry import POLICY_LOSSES
 from services.common.plugins import import_modules
-from services.common.limits import StreamLimits, check_wait
+from services.common.limits import MIN_TEMPERATURE, StreamLimits, check_wait
 from services.common.manifest import checkpoint_key
 from services.run.lora import check_lora
 from services.run.models import check_weights, refuse_pickled_weights
@@ -46,8 +47,9 @@ log = structlog.get_logger()
 
 
 async def read_batch(request_iterator, limits: StreamLimits,
-                     extra: tuple[str, ...] = ()) -> tuple[int, str, dict[str, torch.Tensor]]:
-    """Assemble a streamed BatchRequest (within ``limits``) into (step, role, tensors), checking they agree."""
+                     extra: tuple[str, ...] = ()) -> tuple[trainer_pb2.BatchRequest, dict[str, torch.Tensor]]:
+    """Assemble a streamed BatchRequest (within ``limits``) into (its first message, for the settings it carries;
+    tensors), checking the tensors agree."""
     assembler = BatchAssembler()
     first = await read_stream(request_iterator, assembler, limits)
     batch = assembler.result(required=SEQUENCE_KEYS + extra)
@@ -61,7 +63,7 @@ async def read_batch(request_iterator, limits: StreamLimits,
         raise ValueError("prompt_lens and response_lens must have one entry per sequence")
     check_token_tensors(batch, extra)
     check_loss_mask(batch)
-    return (first.step, first.role, batch) if first else (0, "", batch)
+    return first or trainer_pb2.BatchRequest(), batch
 
 
 def check_loss_mask(batch: dict[str, torch.Tensor]) -> None:
@@ -174,25 +176,30 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self._info()
 
     async def ComputeLogProbs(self, request_iterator, context):
-        _step, role, batch = await read_batch(request_iterator, self.config.stream_limits())
+        first, batch = await read_batch(request_iterator, self.config.stream_limits())
         roles = self._roles()
-        role = role or "actor"
+        role = first.role or "actor"
         if role not in ("actor", "ref"):
             raise ValueError(f"ComputeLogProbs role must be actor or ref, got {role!r}")
         model = roles.need(role).model if role == "actor" else roles.need("ref")  # (for its vocabulary)
-        logprobs = await self._run("compute_log_probs", {"role": role}, check_vocab(batch, model))
+        temperature = first.temperature or roles.settings.temperature
+        if not math.isfinite(temperature) or temperature < MIN_TEMPERATURE:
+            raise ValueError(f"ComputeLogProbs temperature must be at least {MIN_TEMPERATURE}, got {temperature}")
+        logprobs = await self._run("compute_log_probs", {"role": role, "temperature": temperature},
+                                   check_vocab(batch, model))
         for chunks in batch_to_chunks({"logprobs": logprobs}):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
     async def ComputeValues(self, request_iterator, context):
-        _, _, batch = await read_batch(request_iterator, self.config.stream_limits())
+        _, batch = await read_batch(request_iterator, self.config.stream_limits())
         critic = self._roles().need("critic")
         values = await self._run("compute_values", {}, check_vocab(batch, critic.model))
         for chunks in batch_to_chunks({"values": values}):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
     async def UpdateActor(self, request_iterator, context):
-        step, _, batch = await read_batch(request_iterator, self.config.stream_limits(), extra=("advantages",))
+        first, batch = await read_batch(request_iterator, self.config.stream_limits(), extra=("advantages",))
+        step = first.step
         roles = self._roles()
         tensors = actor_update_tensors(batch, roles.settings.actor, roles.need("actor").model)
         updated = await self._run("update_actor", {}, tensors)
@@ -200,7 +207,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.UpdateResponse(metrics=updated.metrics, weight_version=updated.weight_version)
 
     async def UpdateCritic(self, request_iterator, context):
-        step, _, batch = await read_batch(request_iterator, self.config.stream_limits(), extra=("values", "returns"))
+        first, batch = await read_batch(request_iterator, self.config.stream_limits(), extra=("values", "returns"))
+        step = first.step
         roles = self._roles()
         critic = roles.need("critic")
         tensors = {**check_vocab(batch, critic.model), "values": batch["values"].float(),
@@ -210,7 +218,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.UpdateResponse(metrics=metrics, weight_version=self.worker.weight_version)
 
     async def TrainSupervised(self, request_iterator, context):
-        _, _, batch = await read_batch(request_iterator, self.config.stream_limits())
+        _, batch = await read_batch(request_iterator, self.config.stream_limits())
         actor = self._roles().need("actor")
         updated = await self._run("train_supervised", {}, check_vocab(batch, actor.model))
         return trainer_pb2.UpdateResponse(metrics=updated.metrics, weight_version=updated.weight_version)

@@ -59,6 +59,20 @@ class GenerateResponse(_message.Message):
     weight_version: int
     def __init__(self, chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
+class ComputeLogProbsRequest(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class ComputeLogProbsResponse(_message.Message):
+    __slots__ = ("chunks", "weight_version")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorChunk]
+    weight_version: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
 class ReceiveWeightsRequest(_message.Message):
     __slots__ = ("channel_id", "timeout_s", "restart_in_flight", "keep_in_flight")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]

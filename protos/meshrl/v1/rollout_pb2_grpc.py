@@ -45,6 +45,11 @@ class RolloutStub:
                 request_serializer=meshrl_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.ComputeLogProbs = channel.stream_stream(
+                '/meshrl.v1.Rollout/ComputeLogProbs',
+                request_serializer=meshrl_dot_v1_dot_rollout__pb2.ComputeLogProbsRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_rollout__pb2.ComputeLogProbsResponse.FromString,
+                _registered_method=True)
         self.JoinChannel = channel.unary_unary(
                 '/meshrl.v1.Rollout/JoinChannel',
                 request_serializer=meshrl_dot_v1_dot_common__pb2.JoinChannelRequest.SerializeToString,
@@ -86,6 +91,16 @@ class RolloutServicer:
         """Samples n responses per prompt. The request streams the prompts (first
         message carries the sampling settings); the response streams the
         responses, their token logprobs and the weight version that made them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ComputeLogProbs(self, request_iterator, context):
+        """Logprobs of given response tokens under the weights the engine serves,
+        at temperature 1 (the weight check after each sync compares them with
+        the trainer's). The request streams the sequences; the response streams
+        logprobs [T] float32, one per response token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,6 +153,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=meshrl_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
+            ),
+            'ComputeLogProbs': grpc.stream_stream_rpc_method_handler(
+                    servicer.ComputeLogProbs,
+                    request_deserializer=meshrl_dot_v1_dot_rollout__pb2.ComputeLogProbsRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_rollout__pb2.ComputeLogProbsResponse.SerializeToString,
             ),
             'JoinChannel': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinChannel,
@@ -219,6 +239,33 @@ class Rollout:
             '/meshrl.v1.Rollout/Generate',
             meshrl_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             meshrl_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeLogProbs(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/meshrl.v1.Rollout/ComputeLogProbs',
+            meshrl_dot_v1_dot_rollout__pb2.ComputeLogProbsRequest.SerializeToString,
+            meshrl_dot_v1_dot_rollout__pb2.ComputeLogProbsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -283,3 +283,32 @@ def test_a_generate_call_gives_one_seed_index_per_prompt_or_none():
     assert seed_indices_of(rollout_pb2.SamplingParams(first_index=5, seed_indices=[9, 2, 4]), 3) == [9, 2, 4]
     with pytest.raises(ValueError, match="seed_indices has 2 entries for 3 prompts"):
         seed_indices_of(rollout_pb2.SamplingParams(seed_indices=[1, 2]), 3)
+
+
+def test_compute_log_probs_are_the_sampled_tokens_logprobs_at_temperature_one_whatever_the_batching(tiny, prompts):
+    """The weight check's scoring: a forward pass over prompt + response gives each response token the logprob a
+    plain unpadded forward gives it, and the logprob the engine reported when it sampled it at temperature 1;
+    responses of different lengths in one right-padded batch, or one at a time, score alike."""
+    model, _ = tiny
+    sampling = SamplingSettings(n=1, temperature=1.0, top_p=1.0, max_new_tokens=7, seed=5, stop_token_ids=())
+    responses = [group[0] for group in _engine(tiny, batch_size=4).generate(prompts, sampling)]
+    together = _engine(tiny, batch_size=4).compute_log_probs(prompts, [c.token_ids for c in responses])
+    one_by_one = _engine(tiny, batch_size=1).compute_log_probs(prompts, [c.token_ids for c in responses])
+    for prompt, completion, scored, alone in zip(prompts, responses, together, one_by_one):
+        want = _reference_logprobs(model, prompt, completion.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(scored), torch.tensor(want), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(scored), torch.tensor(completion.logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(alone), torch.tensor(scored), atol=1e-5, rtol=0)
+
+
+def test_shift_weight_changes_the_logprobs_and_refuses_a_name_the_model_lacks(tmp_path, prompts):
+    folder = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    model, tokenizer = load_causal_lm(folder), load_tokenizer(folder)
+    engine = HFEngine(model, tokenizer.pad_token_id, (tokenizer.eos_token_id,), batch_size=4)
+    response = [[3, 4, 5]] * len(prompts)
+    before = engine.compute_log_probs(prompts, response)
+    engine.shift_weight("model.norm.weight", 0.5)
+    after = engine.compute_log_probs(prompts, response)
+    assert max(abs(a - b) for row_a, row_b in zip(before, after) for a, b in zip(row_a, row_b)) > 1e-3
+    with pytest.raises(KeyError, match="model.no_such.weight"):
+        engine.shift_weight("model.no_such.weight", 0.5)

@@ -23,7 +23,8 @@ def round_trip(tensors: dict[str, torch.Tensor], extra: tuple[str, ...] = ()) ->
         for request in batch_requests(tensors, step=3):
             yield request
 
-    step, _, batch = asyncio.run(read_batch(stream(), LIMITS, extra))
+    first, batch = asyncio.run(read_batch(stream(), LIMITS, extra))
+    step = first.step
     assert step == 3
     return batch
 
