@@ -446,6 +446,25 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+class LogprobDiff(NamedTuple):
+    """How far two sets of logprobs of the same tokens are apart."""
+
+    mean: float  # mean |a - b| over the tokens
+    max: float  # largest |a - b|
+
+
+def logprob_diff(a: torch.Tensor, b: torch.Tensor) -> LogprobDiff:
+    """Mean and max |a - b| over the tokens (the weight check: a rollout's probe logprobs against the trainer's).
+    A non-finite logprob on either side counts as infinitely far; no tokens are 0 apart. [T], [T] -> scalars."""
+    if a.shape != b.shape:
+        raise ValueError(f"logprobs of {tuple(a.shape)} and {tuple(b.shape)} tokens: they must be of the same tokens")
+    if not a.numel():
+        return LogprobDiff(0.0, 0.0)
+    apart = (a.double() - b.double()).abs()
+    apart = torch.where(torch.isfinite(a) & torch.isfinite(b), apart, torch.full_like(apart, math.inf))
+    return LogprobDiff(mean=float(apart.mean()), max=float(apart.max()))
+
+
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the temperature-scaled distribution at each position. [..., V] -> [...]."""
     log_probs = torch.log_softmax(upcast(logits) / temperature, dim=-1)

@@ -33,6 +33,7 @@ from services.coordinator.sampler import PromptSampler
 from services.coordinator.store import Checkpoint
 from services.coordinator.targets import ServiceTarget
 from services.coordinator.waiting import retry_while
+from services.coordinator.weight_probe import WeightProbe
 
 SAVE_RETRY_FIRST_S = 2.0  # a checkpoint save its disk refused is first tried again after this long
 SAVE_RETRY_MOST_S = 30.0  # and, backing off, never waits longer than this (each try writes until refused)
@@ -65,11 +66,14 @@ class Restored(NamedTuple):
 class Checkpointer:
     def __init__(self, *, run_id: str, roles: dict[TrainerClient, list[str]], actor: TrainerClient,
                  sampler: PromptSampler, reward_set: RewardSet, env_set: EnvSet | None, notices: CheckpointNotices,
-                 should_stop: Callable[[], bool], folder: Path, keep: int | None, timeout_s: float):
+                 should_stop: Callable[[], bool], folder: Path, keep: int | None, timeout_s: float,
+                 probe: WeightProbe | None = None):
         """``roles``: each trainer's roles (none for a run that only validates, which saves nothing); ``env_set``:
         a multi-turn run's (None: a single-turn run); ``folder``: where the run's checkpoints go; ``keep``: how
-        many of them the run keeps (None: all)."""
+        many of them the run keeps (None: all); ``probe``: the weight check's, kept in each checkpoint (None: the
+        run has no weight check)."""
         self.run_id, self.roles, self.actor, self.sampler, self.reward_set = run_id, roles, actor, sampler, reward_set
+        self.probe = probe
         self.env_set = env_set
         self.notices, self.should_stop, self.folder, self.timeout_s = notices, should_stop, folder, timeout_s
         self.keep = keep
@@ -91,6 +95,8 @@ class Checkpointer:
         state = {**self.data_after[step], "kl_coef": kl_coef, "reward_target": [target.kind, target.name]}
         if self.env_set is not None:
             state["env_target"] = [self.env_set.target.kind, self.env_set.target.name]
+        if self.probe is not None:
+            state["weight_probe"] = self.probe.state()
         return state
 
     async def save(self, step: int, kl_coef: float) -> None:
@@ -144,6 +150,8 @@ class Checkpointer:
         self.reward_set.restore(ServiceTarget(*state["reward_target"]))
         if self.env_set is not None and "env_target" in state:  # a checkpoint from before env swaps has none
             self.env_set.restore(ServiceTarget(*state["env_target"]))
+        if self.probe is not None:  # (a checkpoint from before the weight check has none: it is drawn anew)
+            self.probe.restore(state.get("weight_probe"))
         self.saved_step = resume.step
         self.notices.log(f"resumed from the checkpoint of step {resume.step}")
         return Restored(versions[list(roles).index(self.actor)], state["kl_coef"])

@@ -161,7 +161,8 @@ class PPOLoop:
         self.checkpoints = Checkpointer(run_id=run_id, roles=trainers.roles() if trainers else {}, actor=actor,
                                         sampler=self.sampler, reward_set=reward_set, env_set=env_set, notices=reporter,
                                         should_stop=should_stop, folder=checkpoint_dir,
-                                        keep=settings.checkpoints_kept, timeout_s=self.timeout)
+                                        keep=settings.checkpoints_kept, timeout_s=self.timeout,
+                                        probe=rollout_set.probe)
         self.validations = Validations(settings=settings.validation, total_steps=settings.total_steps,
                                        prompts=val_prompts, rollout_set=rollout_set, reward_set=reward_set,
                                        agent=self.agent, tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout)
@@ -218,6 +219,7 @@ class PPOLoop:
         timer.seconds.update(produced.seconds)
         served = self.rollout_set.served                                            #    the weights updated from
         rollouts, staleness = self.within_staleness(produced.rollouts)              # 1. responses and scores
+        self.rollout_set.draw_probe(rollouts.batch, rollouts.n)                     #    (the weight check's probe)
         async with self.rollouts_asleep(timer):                                     #    (the GPU is the trainer's)
             evaluated = await self.evaluate(rollouts, step, timer)                  # 2. what the update needs
             estimate = await self.estimate(rollouts, evaluated, timer)              # 3. rewards and advantages
@@ -225,7 +227,8 @@ class PPOLoop:
                 self.update(rollouts, evaluated, estimate, step, timer),            # 4. critic and actor updates
                 self.keep_samples(step, rollouts, served, estimate))                #    (and the samples' lineage)
         await self.sync_weights(updates, timer)                                     # 5. rollouts serve the new weights
-        metrics = {**updates.metrics, **estimate.metrics, **produced.metrics, **staleness, **timer.metrics(),
+        metrics = {**updates.metrics, **estimate.metrics, **produced.metrics, **staleness,
+                   **self.rollout_set.probe_metrics, **timer.metrics(),
                    **{f"perf/rollout/{key}": value for key, value in self.rollout_set.memory.items()}}
         return {**metrics, **self.batch_metrics(rollouts, evaluated, estimate, updates, step_s=metrics["timing_s/step"],
                                                  devices=self.rollout_set.devices)}
@@ -334,6 +337,8 @@ class PPOLoop:
         with timer("update_weights"):
             await self.rollout_set.sync(updates.version)
         timer.seconds["rollout_pause"] = self.rollout_set.pause_s
+        if self.rollout_set.probe is not None:
+            timer.seconds["weight_probe"] = self.rollout_set.probe_s  # (within update_weights)
 
     @staticmethod
     def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updates: Updates,

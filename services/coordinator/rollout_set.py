@@ -22,6 +22,10 @@ weights, and no trainer state is lost when a rollout goes:
   the same version is sent again. A member that leaves mid-sync fails it at
   once: the trainer's side is not waited for, it would wait for that member
   until the channel's deadline.
+- After each sync every member scores the run's weight probe (``WeightProbe``; from the first batch trained on,
+  where actor_rollout_ref.rollout.weight_check is on). A member over its tolerance is sent the weights once
+  more; over it again, it leaves the run with an event naming the version, its probe's mean and max
+  |delta logprob| and the tolerance, and is not taken in again until its process is another (restarted).
 - With no rollout left the run waits (state ``waiting``) until one answers, then
   goes on where it was: the trainer's state is intact, nothing is rewound.
 - A channel that fails to form FORM_ATTEMPTS times in a row ends the attempt,
@@ -32,17 +36,20 @@ weights, and no trainer state is lost when a rollout goes:
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Callable
 
 import structlog
 
 from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
+from services.common.sequences import SequenceBatch
 from services.coordinator.clients import RolloutClient, RolloutInfo, TrainerClient
 from services.coordinator.dispatch import ReplicaPool, ReplicaSpeeds
 from services.coordinator.settings import RolloutSetSettings
 from services.coordinator.waiting import Notices, describe, wait_for
 from services.coordinator.weight_channels import WeightChannels, not_formed
+from services.coordinator.weight_probe import ProbeResult, WeightProbe
 
 log = structlog.get_logger()
 PROBE_TIMEOUT_S = 2.0  # a rollout that does not answer Info this fast is out (stopped, cut off, dead)
@@ -70,6 +77,13 @@ class RolloutSet:
         self.stale = True  # the channel lacks a member or has one too many: form a new one before a sync
         self.channels = WeightChannels(run_id, settings, actor, members=lambda: self.members)
         self._joined: set[str] = set()  # the rollouts of the last channel formed
+        self.probe = WeightProbe(settings.weight_check, settings.dtype, actor, settings.rpc_timeout_s) if (
+            settings.weight_check is not None and actor is not None) else None
+        self.probe_s = 0.0  # of the last sync: the weight check's seconds
+        self.probe_metrics: dict[str, float] = {}  # of the last sync's weight check: the worst member's
+        self.engines: dict[str, str] = {}  # each rollout's engine (hf, vllm), by address
+        self.service_ids: dict[str, str] = {}  # each rollout's process, by address
+        self.refused: set[str] = set()  # processes (service ids) that failed the weight check twice: never taken in
 
     def addresses(self) -> list[str]:
         return [member.address for member in self.members]
@@ -127,7 +141,47 @@ class RolloutSet:
             await self._regroup(take_new=True, found=found)
             await self.sync(self.version)
 
+    def draw_probe(self, batch: SequenceBatch, n: int) -> None:
+        """The weight check's probe, from the first batch trained (``n`` samples per prompt); later calls keep it."""
+        if self.probe is not None:
+            self.probe.draw(batch, n)
+
     async def sync(self, version: int) -> None:
+        """Send the actor's weights, of ``version``, to every member, then check that each computes with them
+        (the weight probe, once drawn). A member that fails the check is sent them again; failing again, it leaves
+        the run."""
+        await self._send(version)
+        self.probe_s, self.probe_metrics = 0.0, {}
+        failed = await self._check_weights(version)
+        if failed:
+            self.notices.log(f"rollout {', '.join(r.address for r in failed)} failed the weight check after the "
+                             f"sync of version {version} ({failed[0].described()}); sending version {version} again")
+            await self._send(version)
+            again = await self._check_weights(version, only={r.address for r in failed})
+            for result in again:
+                if self.service_ids.get(result.address):
+                    self.refused.add(self.service_ids[result.address])
+                await self.drop(result.address, f"it failed the weight check twice; {result.described()}")
+
+    async def _check_weights(self, version: int, only: set[str] | None = None) -> list[ProbeResult]:
+        """The members (or those of ``only``) score the probe; the metrics of those that pass; those that fail."""
+        if self.probe is None:
+            return []
+        members = [m for m in self.members if only is None or m.address in only]
+        started = time.perf_counter()
+        results = await self.probe.check(members, self.engines, version)
+        self.probe_s += time.perf_counter() - started
+        for result in results:
+            log.info("weight_probe", address=result.address, version=version, diff_mean=result.diff.mean,
+                     diff_max=result.diff.max, tolerance_mean=result.tolerance.mean,
+                     tolerance_max=result.tolerance.max, passed=result.passed, error=result.error)
+        passed = [r for r in results if r.passed]
+        if passed:
+            self.probe_metrics = {"weights/probe_logprob_diff_mean": max(r.diff.mean for r in passed),
+                                  "weights/probe_logprob_diff_max": max(r.diff.max for r in passed)}
+        return [r for r in results if not r.passed]
+
+    async def _send(self, version: int) -> None:
         """Send the actor's weights, of ``version``, to every member. Members that do not take them are named
         in an event; the channel is re-formed with the members that answer and the version sent again."""
         self.version = version
@@ -213,7 +267,8 @@ class RolloutSet:
         members = {m.address: m for m in self.members}
         clients = [members.get(address) or self.connect(address) for address in sorted(addresses)]
         answers = await asyncio.gather(*(c.info(PROBE_TIMEOUT_S) for c in clients), return_exceptions=True)
-        found = {c.address: (c, a) for c, a in zip(clients, answers) if isinstance(a, RolloutInfo)}
+        found = {c.address: (c, a) for c, a in zip(clients, answers)
+                 if isinstance(a, RolloutInfo) and a.service_id not in self.refused}
         await asyncio.gather(*(c.close() for c in clients if c.address not in found and c.address not in members))
         return found
 
@@ -237,6 +292,7 @@ class RolloutSet:
                 await client.close()
                 continue
             self.ranks[client.address] = result
+            self.engines[client.address], self.service_ids[client.address] = info.engine, info.service_id
             admitted.append(client)
         return admitted
 

@@ -104,6 +104,15 @@ class LoopSettings:
 
 
 @dataclass(frozen=True)
+class WeightCheckSettings:
+    """The weight check after every sync (actor_rollout_ref.rollout.weight_check)."""
+
+    sequences: int  # in the probe
+    tolerance_mean: float | None  # None: the figure measured for the rollout's engine and dtype
+    tolerance_max: float | None
+
+
+@dataclass(frozen=True)
 class RolloutSetSettings:
     """How a run's rollouts load its model and receive its weights."""
 
@@ -118,6 +127,7 @@ class RolloutSetSettings:
     partial_rollout: str  # what a swap does with the Generate calls in flight: finish, restart or keep
     lora_rank: int  # a LoRA run's largest adapter rank (its syncs bring adapters); 0: full weights
     adapter_versions: int  # adapter versions a LoRA rollout keeps loaded (max_staleness + 1); 0 without LoRA
+    weight_check: WeightCheckSettings | None = None  # None: no check of the weights after a sync
 
 
 def loop_settings(config: RunConfig) -> LoopSettings:
@@ -191,7 +201,16 @@ def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
         bucket_bytes=trainer.weight_sync_bucket_mb << 20,
         partial_rollout=config.actor_rollout_ref.rollout.partial_rollout,
         lora_rank=served_lora_rank(model), adapter_versions=trainer.async_.max_staleness + 1 if model.lora_rank else 0,
+        weight_check=weight_check_settings(config),
     )
+
+
+def weight_check_settings(config: RunConfig) -> WeightCheckSettings | None:
+    check = config.actor_rollout_ref.rollout.weight_check
+    if not check.enable:
+        return None
+    return WeightCheckSettings(sequences=check.probe_sequences, tolerance_mean=check.tolerance_mean,
+                               tolerance_max=check.tolerance_max)
 
 
 def check_algorithms_registered(config: RunConfig, trainer_losses: Mapping[str, Sequence[str]]) -> None:

@@ -1235,3 +1235,26 @@ def test_sequence_nll_with_a_loss_mask_counts_only_the_kept_tokens():
     loss.backward()
     assert lp.grad.tolist() == [-0.5, 0.0, -0.5, 0.0]  # a masked token's gradient is exactly zero
     assert algos.sequence_nll(lp, num_tokens=4, mask=mask).item() == pytest.approx(1.0)  # 4 / the batch's 4
+
+
+# ---------------------------------------------------------------------------
+# logprob_diff (the weight check's comparison)
+
+
+def test_logprob_diff_by_hand():
+    # |delta| = 0.5, 0.25, 0, 1.25: mean 2 / 4 = 0.5, max 1.25 (dyadic numbers: exact)
+    rollout = torch.tensor([-1.0, -2.25, -0.5, -4.0])
+    trainer = torch.tensor([-1.5, -2.0, -0.5, -2.75])
+    assert algos.logprob_diff(rollout, trainer) == algos.LogprobDiff(mean=0.5, max=1.25)
+    assert algos.logprob_diff(trainer, rollout) == algos.LogprobDiff(mean=0.5, max=1.25)  # symmetric
+    assert algos.logprob_diff(trainer, trainer) == algos.LogprobDiff(mean=0.0, max=0.0)
+
+
+def test_logprob_diff_counts_a_non_finite_logprob_as_infinitely_far_and_no_tokens_as_equal():
+    trainer = torch.tensor([-1.0, -2.0])
+    for bad in (math.nan, -math.inf, math.inf):
+        diff = algos.logprob_diff(torch.tensor([-1.0, bad]), trainer)
+        assert diff.mean == math.inf and diff.max == math.inf
+    assert algos.logprob_diff(torch.tensor([]), torch.tensor([])) == algos.LogprobDiff(0.0, 0.0)
+    with pytest.raises(ValueError, match="same tokens"):
+        algos.logprob_diff(torch.tensor([-1.0]), trainer)

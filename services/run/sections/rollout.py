@@ -81,6 +81,24 @@ class MultiTurnConfig(Section):
         return name
 
 
+class WeightCheckConfig(Section):
+    """The weight check after every sync (meshrl's; docs/architecture/weight-sync.md): each rollout scores a small
+    fixed probe (sequences of the first batch trained, prompt and the model's own response) and its logprobs are
+    compared with the actor's for the same weights. A rollout over the tolerance is sent the weights again; over
+    it again, it leaves the run."""
+
+    enable: bool = True
+    """Check every rollout's weights after every sync (false: the checksums of the buckets are the only check)."""
+    probe_sequences: PositiveInt = 4
+    """Sequences in the probe: one sample each of the first batch's first prompts."""
+    tolerance_mean: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Largest mean |rollout - trainer logprob| over the probe's response tokens a rollout may show; null = the
+    figure measured for its engine and dtype (docs/architecture/weight-sync.md)."""
+    tolerance_max: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Largest |rollout - trainer logprob| of any one probe token; null = the figure measured for its engine and
+    dtype."""
+
+
 class RolloutConfig(Section):
     name: Literal["hf", "vllm", "sglang", "sglang_async"] = "hf"
     """verl's choice of rollout engine. A meshrl run samples with the engine each rollout service was started with
@@ -120,6 +138,8 @@ class RolloutConfig(Section):
     version, with the same seeds: fresher samples for the compute thrown away."""
     val_kwargs: ValKwargsConfig = ValKwargsConfig()
     """Sampling of validation (verl's key)."""
+    weight_check: WeightCheckConfig = WeightCheckConfig()
+    """The check of every rollout's weights after every sync (meshrl's key)."""
     multi_turn: MultiTurnConfig = MultiTurnConfig()
     """Multi-turn trajectories with tools or environments (verl's key)."""
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
