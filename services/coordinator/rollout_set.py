@@ -25,7 +25,9 @@ weights, and no trainer state is lost when a rollout goes:
 - After each sync every member scores the run's weight probe (``WeightProbe``; from the first batch trained on,
   where actor_rollout_ref.rollout.weight_check is on). A member over its tolerance is sent the weights once
   more; over it again, it leaves the run with an event naming the version, its probe's mean and max
-  |delta logprob| and the tolerance, and is not taken in again until its process is another (restarted).
+  |delta logprob| and the tolerance, and is not taken in again until its process is another (restarted). When
+  that leaves no rollout, the run fails (``WeightCheckFailed``) rather than waiting: the trainer or the tolerance
+  is then as likely at fault as every rollout.
 - With no rollout left the run waits (state ``waiting``) until one answers, then
   goes on where it was: the trainer's state is intact, nothing is rewound.
 - A channel that fails to form FORM_ATTEMPTS times in a row ends the attempt,
@@ -49,7 +51,7 @@ from services.coordinator.dispatch import ReplicaPool, ReplicaSpeeds
 from services.coordinator.settings import RolloutSetSettings
 from services.coordinator.waiting import Notices, describe, wait_for
 from services.coordinator.weight_channels import WeightChannels, not_formed
-from services.coordinator.weight_probe import ProbeResult, WeightProbe
+from services.coordinator.weight_probe import ProbeResult, WeightCheckFailed, WeightProbe
 
 log = structlog.get_logger()
 PROBE_TIMEOUT_S = 2.0  # a rollout that does not answer Info this fast is out (stopped, cut off, dead)
@@ -162,6 +164,11 @@ class RolloutSet:
                 if self.service_ids.get(result.address):
                     self.refused.add(self.service_ids[result.address])
                 await self.drop(result.address, f"it failed the weight check twice; {result.described()}")
+            if again and not self.members:  # the trainer's side or the tolerance, as likely as every rollout
+                raise WeightCheckFailed(
+                    f"no rollout passed the weight check after the sync of version {version}: rollout "
+                    f"{again[0].address}: {again[0].described()}; if the rollouts are sound, widen "
+                    "actor_rollout_ref.rollout.weight_check.tolerance_mean / tolerance_max (or set enable=false)")
 
     async def _check_weights(self, version: int, only: set[str] | None = None) -> list[ProbeResult]:
         """The members (or those of ``only``) score the probe; the metrics of those that pass; those that fail."""

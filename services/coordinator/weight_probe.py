@@ -28,6 +28,10 @@ from services.coordinator.settings import WeightCheckSettings
 from services.coordinator.waiting import describe
 
 
+class WeightCheckFailed(RuntimeError):
+    """No rollout of the run passed the weight check, twice: the run fails, naming the figures."""
+
+
 class Tolerance(NamedTuple):
     """The most a rollout's probe logprobs may differ from the trainer's: their mean |delta| and any one token's."""
 
@@ -35,17 +39,20 @@ class Tolerance(NamedTuple):
     max: float
 
 
-# Tolerances by (rollout engine, model dtype), against an fp32 trainer on CPU or a trainer computing in the same
-# dtype on GPU. Measured (docs/architecture/weight-sync.md says how), with room of about 100 times on CPU: hf
-# float32 on CPU showed mean 2e-8, max 1.2e-7 (the tiny model of the local default and of the tests).
+# Tolerances by (rollout engine, model dtype). Measured on CPU (hf against the CPU trainer, the local default's
+# 128-wide 2-layer model, 6 steps): float32 mean 1.1e-7 to 1.6e-7, max 2.7e-7 to 4.8e-7; bfloat16 (both sides the
+# same CPU kernels) mean 1.2e-7 to 1.6e-7, max 2.9e-7 to 4.4e-7. The float32 tolerance leaves about 60 times room
+# on the mean and 200 on the max; a shift of 0.5 on the final norm shows mean 0.05, max 0.14 (tests/integration/
+# test_weight_probe.py).
 MEASURED: dict[tuple[str, str], Tolerance] = {
     ("hf", "float32"): Tolerance(mean=1e-5, max=1e-4),
-    ("hf", "bfloat16"): Tolerance(mean=0.05, max=0.5),
-    ("hf", "float16"): Tolerance(mean=0.02, max=0.2),
-    # NOT YET MEASURED ON THE GPU (tests/gpu/test_weight_probe_vllm.py prints the figure): set from the
-    # rollout/trainer probability differences measured so far (bench/results/gpu-tests-2026-12-05.md: mean 8.4e-08,
-    # max 1.7e-06 over whole batches) and the usual bf16 logprob mismatch of vLLM against an FSDP trainer,
-    # with wide room. Replace with the measured figure.
+    # NOT YET MEASURED ON A GPU (tests/gpu/test_weight_probe_vllm.py prints the figures): bf16 on a GPU against an
+    # FSDP trainer, set from the rollout/trainer probability differences measured so far on a random-init
+    # Qwen2.5-0.5B-shaped model (bench/results/gpu-tests-2026-12-05.md: |p_rollout - p_trainer| mean 8.4e-08, max
+    # 1.7e-06, at p about 1/151936 = 6.6e-06, so |delta logprob| = |delta p| / p about 0.013 mean and 0.1 to 0.3
+    # max), with about 4 times room. Replace with the measured figures.
+    ("hf", "bfloat16"): Tolerance(mean=0.05, max=1.0),
+    ("hf", "float16"): Tolerance(mean=0.05, max=1.0),
     ("vllm", "bfloat16"): Tolerance(mean=0.05, max=1.0),
     ("vllm", "float16"): Tolerance(mean=0.02, max=0.5),
     ("vllm", "float32"): Tolerance(mean=1e-3, max=1e-2),

@@ -122,3 +122,17 @@ def test_the_check_can_be_turned_off(cluster, tiny_model, reverse_data):
     assert final.state == "finished", final.error
     for metrics in step_metrics(cluster.state_dir, final.run_id).values():
         assert not any(key.startswith("weights/") or key == "timing_s/weight_probe" for key in metrics)
+
+
+def test_a_run_whose_only_rollout_fails_the_check_fails_naming_the_figures_and_the_keys(
+        make_cluster, tiny_model, reverse_data):
+    """Not a run waiting for ever for a rollout to pass (the trainer, or the tolerance, is as likely at fault)."""
+    cluster = make_cluster(ServiceSpec("trainer"),
+                           ServiceSpec("rollout", settings=("corrupt_weight_after_sync=model.norm.weight",)),
+                           ServiceSpec("reward"))
+    final, messages = asyncio.run(run_with_messages(cluster.coordinator, run_config(
+        tiny_model, reverse_data, trainer__total_training_steps=3)))
+    assert final.state == "failed"
+    assert "no rollout passed the weight check after the sync of version 1" in final.error
+    assert "mean |delta logprob|" in final.error and "weight_check.tolerance_mean" in final.error
+    assert any("left the run (it failed the weight check twice" in m for m in messages)
