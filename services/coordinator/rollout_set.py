@@ -171,7 +171,8 @@ class RolloutSet:
                     "actor_rollout_ref.rollout.weight_check.tolerance_mean / tolerance_max (or set enable=false)")
 
     async def _check_weights(self, version: int, only: set[str] | None = None) -> list[ProbeResult]:
-        """The members (or those of ``only``) score the probe; the metrics of those that pass; those that fail."""
+        """The members (or those of ``only``) score the probe; the sync's metrics take the figures of those that
+        pass (the largest of each); returns those that fail."""
         if self.probe is None:
             return []
         members = [m for m in self.members if only is None or m.address in only]
@@ -182,10 +183,11 @@ class RolloutSet:
             log.info("weight_probe", address=result.address, version=version, diff_mean=result.diff.mean,
                      diff_max=result.diff.max, tolerance_mean=result.tolerance.mean,
                      tolerance_max=result.tolerance.max, passed=result.passed, error=result.error)
-        passed = [r for r in results if r.passed]
-        if passed:
-            self.probe_metrics = {"weights/probe_logprob_diff_mean": max(r.diff.mean for r in passed),
-                                  "weights/probe_logprob_diff_max": max(r.diff.max for r in passed)}
+        for result in results:
+            if result.passed:
+                for name, value in (("mean", result.diff.mean), ("max", result.diff.max)):
+                    key = f"weights/probe_logprob_diff_{name}"
+                    self.probe_metrics[key] = max(self.probe_metrics.get(key, 0.0), value)
         return [r for r in results if not r.passed]
 
     async def _send(self, version: int) -> None:

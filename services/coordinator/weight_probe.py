@@ -6,7 +6,8 @@ with them.
   and in each checkpoint (``state``, ``restore``), so a resumed run checks with the same probe.
 - After each sync every rollout scores the probe (``RolloutClient.compute_log_probs``: each response token's logprob
   given what comes before it, at temperature 1, under the weights it now serves) and the actor's logprobs of the
-  same tokens and version, computed once per version at temperature 1, are the reference (``WeightProbe.check``).
+  same tokens and version, computed once per version at temperature 1 and beside the rollouts' scoring, are the
+  reference (``WeightProbe.check``).
 - A rollout passes where the mean and the largest |rollout - trainer logprob| over the probe's response tokens
   (``algos.logprob_diff``) are within the tolerance of its engine and dtype (``tolerance_for``: the run's
   actor_rollout_ref.rollout.weight_check keys, else ``MEASURED``). What a rollout that fails meets is the rollout
@@ -140,9 +141,8 @@ class WeightProbe:
         engine, by address, for its tolerance); none before the probe is drawn."""
         if self.sequences is None or not members:
             return []
-        expected = await self._actor_logprobs(self.sequences, version)
-        answers = await asyncio.gather(*(m.compute_log_probs(self.sequences, self.timeout_s) for m in members),
-                                       return_exceptions=True)
+        scoring = asyncio.gather(*(self._scored(member, self.sequences) for member in members))
+        expected, answers = await asyncio.gather(self._actor_logprobs(self.sequences, version), scoring)
         return [self._result(member.address, version, answer, expected,
                              tolerance_for(engines.get(member.address, ""), self.dtype, self.settings))
                 for member, answer in zip(members, answers)]
@@ -153,6 +153,14 @@ class WeightProbe:
             logprobs = await self.actor.compute_log_probs(sequences, step=0, timeout=self.timeout_s, temperature=1.0)
             self._expected = version, logprobs
         return self._expected[1]
+
+    async def _scored(self, member: RolloutClient,
+                      sequences: SequenceBatch) -> tuple[int, torch.Tensor] | BaseException:
+        """A member's version and logprobs of the probe, or what it failed with (the actor's are computed beside)."""
+        try:
+            return await member.compute_log_probs(sequences, self.timeout_s)
+        except Exception as error:  # noqa: BLE001 - it fails the member's check, naming the error
+            return error
 
     @staticmethod
     def _result(address: str, version: int, answer: tuple[int, torch.Tensor] | BaseException, expected: torch.Tensor,
