@@ -182,9 +182,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if role not in ("actor", "ref"):
             raise ValueError(f"ComputeLogProbs role must be actor or ref, got {role!r}")
         model = roles.need(role).model if role == "actor" else roles.need("ref")  # (for its vocabulary)
-        temperature = first.temperature or roles.settings.temperature
-        if not math.isfinite(temperature) or temperature < MIN_TEMPERATURE:
-            raise ValueError(f"ComputeLogProbs temperature must be at least {MIN_TEMPERATURE}, got {temperature}")
+        temperature = first.temperature  # 0: the run's
+        if temperature and not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"ComputeLogProbs temperature must be 0 (the run's) or at least {MIN_TEMPERATURE}, got "
+                             f"{temperature}")
         logprobs = await self._run("compute_log_probs", {"role": role, "temperature": temperature},
                                    check_vocab(batch, model))
         for chunks in batch_to_chunks({"logprobs": logprobs}):

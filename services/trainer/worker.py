@@ -228,15 +228,15 @@ class Worker:
         self.roles, self.weight_version = built, 0
         return self.roles
 
-    def compute_log_probs(self, tensors, role: str, temperature: float) -> torch.Tensor | None:
-        """The actor's or the reference's logprobs at ``temperature`` (the reference's from the LoRA actor's base,
-        its adapters switched off, where it is that)."""
+    def compute_log_probs(self, tensors, role: str, temperature: float = 0.0) -> torch.Tensor | None:
+        """The actor's or the reference's logprobs at ``temperature`` (0: the run's) (the reference's from the LoRA
+        actor's base, its adapters switched off, where it is that)."""
         roles = self._roles()
         settings = roles.settings
         micro = settings.actor_log_probs if role == "actor" else settings.ref_log_probs
         with self._policy(roles, role) as model:
             return batched_logprobs(model, sequences(tensors), pad_id=roles.pad_id,
-                                    temperature=temperature, micro=micro, ranks=self.ranks)
+                                    temperature=temperature or settings.temperature, micro=micro, ranks=self.ranks)
 
     @staticmethod
     def _policy(roles: Roles, role: str) -> contextlib.AbstractContextManager[torch.nn.Module]:

@@ -106,9 +106,11 @@ def test_a_rollout_computing_with_wrong_weights_is_caught_sent_them_again_then_d
 
 def test_a_lora_run_generating_a_step_ahead_passes_the_check_after_every_sync(cluster, tiny_model, reverse_data):
     """Adapter-only syncs: the probe compares the adapted model, on the rollout (base + B @ A merged in) and on the
-    trainer (PEFT); with generation a step ahead the probe is scored between the syncs of a running pipeline."""
+    trainer (PEFT); with generation a step ahead the probe is scored between the syncs of a running pipeline. The
+    run samples at temperature 0.7 and both sides score the probe at 1 (at 0.7 on one side it would fail)."""
     final, messages = asyncio.run(run_with_messages(cluster.coordinator, run_config(
         tiny_model, reverse_data, trainer__total_training_steps=3, trainer__async_={"max_staleness": 1},
+        actor_rollout_ref__rollout__temperature=0.7,
         actor_rollout_ref__model__lora_rank=8, actor_rollout_ref__model__lora_alpha=16)))
     assert final.state == "finished", final.error
     assert not any("weight check" in m for m in messages)

@@ -61,7 +61,7 @@ class FakeTrainer:
     async def init_run(self, run_id, config_yaml, roles, seed, timeout):
         self.roles = roles
 
-    async def compute_log_probs(self, batch: SequenceBatch, step, timeout, role="actor"):
+    async def compute_log_probs(self, batch: SequenceBatch, step, timeout, role="actor", temperature=0.0):
         return torch.full((batch.num_response_tokens,), -0.5)
 
     async def update_actor(self, batch, old_logprobs, advantages, ref_logprobs, step, timeout, rollout_logprobs=None):
@@ -141,6 +141,10 @@ class FakeRollout:
         return Generated(torch.tensor([t for r in responses for t in r]), lens, torch.full((int(lens.sum()),), -0.5),
                          torch.zeros(len(responses), dtype=torch.bool), torch.full((len(responses),), version),
                          torch.full((len(responses),), self.version))
+
+    async def compute_log_probs(self, batch: SequenceBatch, timeout):
+        """The weight check's probe: the trainer's logprobs, -0.5 a token (it serves the trainer's weights)."""
+        return self.version, torch.full((batch.num_response_tokens,), -0.5)
 
     async def close(self):
         pass
@@ -251,6 +255,9 @@ def test_a_grpo_step_trains_on_hand_worked_advantages_and_every_rollout_serves_t
     assert [metrics[s]["training/weight_version"] for s in (1, 2, 3)] == [1.0, 2.0, 3.0]
     assert [metrics[s]["rollout/weight_version"] for s in (1, 2, 3)] == [0.0, 1.0, 2.0]
     assert all(metrics[s]["training/off_policy/staleness/max"] == 0.0 for s in (1, 2, 3))
+    # every sync's weight check passed: the rollout's probe logprobs are the trainer's
+    assert all(metrics[s]["weights/probe_logprob_diff_max"] == 0.0 for s in (1, 2, 3))
+    assert all(0 < metrics[s]["timing_s/weight_probe"] <= metrics[s]["timing_s/update_weights"] for s in (1, 2, 3))
     assert metrics[1]["critic/score/mean"] == pytest.approx(sum(RIGHT_PER_PROMPT.values()) / (4 * N))
     assert mesh.rollouts["rollout:1"].version == 3
     # tokens per second per device: a one-rank trainer and one rollout on the CPU, two processes
