@@ -184,7 +184,7 @@ class VLLMEngine:
             with self._using(adapter):
                 try:
                     return list(await call.unless_interrupted(asyncio.gather(
-                        *(one(p, r, request_id, adapter) for p, r, request_id in zip(prompts, responses, request_ids)))))
+                        *(one(p, r, rid, adapter) for p, r, rid in zip(prompts, responses, request_ids)))))
                 except BaseException:
                     await self.llm.abort(request_ids)
                     raise
