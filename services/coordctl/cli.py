@@ -35,7 +35,7 @@ from services.coordctl.config import LocalConfig
 from services.coordctl.control import CoordinatorClient, RunStatus
 from services.coordctl.follow import begin_and_follow, print_eval, print_summary, read_metrics, run_local
 from services.coordctl.resolve import (checked, hydra_config_file, local_services, plan, readable_here,
-                                      resolve_config, unregistered_algorithms, unsandboxed_here)
+                                      resolve_config, start_notices, unsandboxed_here)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Control a meshrl coordinator.")
 DEFAULT_COORDINATOR = "127.0.0.1:7070"
@@ -182,13 +182,13 @@ def start_run(
         if local:  # the coordinator will run here, with this Python
             check_loggers_installed(config.trainer.logger)
         services = local_services(local_config, config) if local_config is not None else None
-        algorithm_notices = unregistered_algorithms(config, services)
+        notices = start_notices(config, services)
     except (ConfigError, ValueError) as error:
         raise fail(f"bad config: {error}")
     if dry_run:
-        typer.echo(plan(config, data, services, coordinator))
+        typer.echo(plan(config, data, services, coordinator, notices))
         return
-    for notice in [*config.notices(), *algorithm_notices]:
+    for notice in notices:
         typer.echo(f"note: {notice}")
     if any("sandbox=false" in spec.settings for spec in services or ()):
         typer.echo(f"note: the env service runs your tools unsandboxed, as you: this machine cannot sandbox them "

@@ -114,7 +114,7 @@ def local_services(local: LocalConfig, config: RunConfig) -> tuple:
     (rollout.gpu_memory_utilization, tensor_model_parallel_size; prefix caching for a multi-turn run, so that a
     turn does not recompute the conversation before it) when the run asks for vLLM, and for a multi-turn run an
     env service hosting its tools (``env_settings``) with a worker per trajectory of a step, up to
-    LOCAL_ENV_WORKERS; ValueError naming the key if its tool config is missing."""
+    LOCAL_ENV_WORKERS of its engine; ValueError naming the key if its tool config is missing."""
     from services.coordctl.local import ServiceSpec
 
     rollout, specs = config.actor_rollout_ref.rollout, []
@@ -124,7 +124,7 @@ def local_services(local: LocalConfig, config: RunConfig) -> tuple:
             settings = env_settings(config) if kind == "env" else []
             settings += list(launch.settings)
             if kind == "env" and not any(s.startswith("workers=") for s in settings):
-                settings.append(f"workers={min(config.data.train_batch_size * rollout.n, LOCAL_ENV_WORKERS)}")
+                settings.append(f"workers={min(trajectories_per_step(config), LOCAL_ENV_WORKERS[engine_of(config)])}")
             if kind == "env" and unsandboxed_here() and not any(s.startswith("sandbox=") for s in settings):
                 settings.append("sandbox=false")  # your own tools, on your own machine: said at start
             for key, value in (("gpu_memory_utilization", rollout.gpu_memory_utilization),
@@ -137,6 +137,27 @@ def local_services(local: LocalConfig, config: RunConfig) -> tuple:
     return tuple(specs)
 
 
+def trajectories_per_step(config: RunConfig) -> int:
+    return config.data.train_batch_size * config.actor_rollout_ref.rollout.n
+
+
+def engine_of(config: RunConfig) -> str:
+    """The engine a --local rollout runs: vLLM where the run asks for it, hf otherwise."""
+    return "vllm" if config.actor_rollout_ref.rollout.name == "vllm" else "hf"
+
+
+def env_workers_short(config: RunConfig, services: tuple) -> str | None:
+    """What start-run says where the env services --local starts hold fewer workers than a step has trajectories
+    (the rest wait for an episode to end), or None."""
+    workers = sum(int(setting.split("=", 1)[1]) for spec in services if spec.kind == "env"
+                  for setting in spec.settings if setting.startswith("workers="))
+    wanted = trajectories_per_step(config)
+    if not workers or workers >= wanted:
+        return None
+    return (f"the env service holds {workers} episodes at once, fewer than a step's {wanted} trajectories: the rest "
+            f"wait for one to end (local.services.env=[workers={wanted}] runs them all together, about 60 MB each)")
+
+
 def unsandboxed_here() -> str | None:
     """Why this host cannot run env workers in the sandbox (not root, no bubblewrap), or None where it can. The
     env service of --local then runs the user's own tools unsandboxed, and start-run says so; a cluster's env
@@ -146,9 +167,10 @@ def unsandboxed_here() -> str | None:
     return check_sandbox()
 
 
-LOCAL_ENV_WORKERS = 32
-"""Episodes the env service of --local holds open at once (each in a worker process of about 60 MB): a step's
-trajectories beyond them wait for one to end; local.services.env can say otherwise (workers=N)."""
+LOCAL_ENV_WORKERS = {"hf": 32, "vllm": 256}
+"""Episodes the env service of --local holds open at most, by the rollout's engine (each in a worker process of
+about 60 MB; an hf rollout samples one call at a time, vLLM hundreds of turns together): a step's trajectories
+beyond them wait for one to end, which start-run says; local.services.env can say otherwise (workers=N)."""
 
 
 def env_settings(config: RunConfig) -> list[str]:
@@ -195,12 +217,22 @@ def unregistered_algorithms(config: RunConfig, services: tuple | None) -> list[s
     return said
 
 
-def plan(config: RunConfig, data: RunData | None, services: tuple | None, coordinator: str) -> str:
-    """What start-run would do, for --dry-run: the resolved config, what was read, and where it would run."""
+def start_notices(config: RunConfig, services: tuple | None) -> list[str]:
+    """What start-run says before it starts (and --dry-run with the plan): the verl keys not acted on, the run's
+    algorithms that are not meshrl's, and env services that hold fewer episodes than a step has trajectories.
+    ValueError for an algorithm that no --local service could register."""
+    short = env_workers_short(config, services) if services is not None else None
+    return [*config.notices(), *unregistered_algorithms(config, services), *([short] if short else [])]
+
+
+def plan(config: RunConfig, data: RunData | None, services: tuple | None, coordinator: str,
+         notices: list[str]) -> str:
+    """What start-run would do, for --dry-run: the resolved config, what was read, the ``notices``, and where it
+    would run."""
     lines = ["# the resolved run config", to_yaml(config).rstrip(), ""]
     lines.append(f"# read: {data.describe()}, {config.trainer.steps} steps" if data is not None else
                  "# not read here: the model or data are not on this machine (the coordinator reads them)")
-    lines += [f"# note: {notice}" for notice in [*config.notices(), *unregistered_algorithms(config, services)]]
+    lines += [f"# note: {notice}" for notice in notices]
     if services is not None:
         lines.append("# would start on this machine: a coordinator, then " + ", ".join(
             f"a {spec.kind}" + (f" ({' '.join([*(f'{k}={v}' for k, v in spec.env), *spec.settings])})"

@@ -14,7 +14,8 @@ from services.run.config import RunConfig
 from services.coordctl.cli import app
 from services.coordctl.config import LocalConfig
 from services.coordctl.local import ServiceSpec
-from services.coordctl.resolve import hydra_config_file, local_services, resolve_config, unregistered_algorithms
+from services.coordctl.resolve import (hydra_config_file, local_services, resolve_config, start_notices,
+                                      unregistered_algorithms)
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -120,7 +121,7 @@ def test_a_multi_turn_run_without_its_tool_config_file_is_refused_before_anythin
         local_services(LocalConfig(), none)
 
 
-def test_a_multi_turn_run_on_vllm_gets_prefix_caching_and_an_env_worker_per_trajectory_up_to_32(tmp_path):
+def test_a_multi_turn_run_on_vllm_gets_prefix_caching_and_an_env_worker_per_trajectory_up_to_256(tmp_path):
     tool_config = tmp_path / "tools.yaml"
     tool_config.write_text("tools: []\n")
     small = validate(RunConfig, {"data": {"train_batch_size": 2}, "actor_rollout_ref": {
@@ -130,6 +131,25 @@ def test_a_multi_turn_run_on_vllm_gets_prefix_caching_and_an_env_worker_per_traj
     assert "enable_prefix_caching=true" in specs["rollout"] and "workers=8" in specs["env"]
     single = validate(RunConfig, {"actor_rollout_ref": {"rollout": {"name": "vllm"}}})
     assert not any(s.startswith("enable_prefix_caching") for s in local_services(LocalConfig(), single)[1].settings)
+    said = start_notices(small, local_services(LocalConfig(), small))
+    assert not any("episodes at once" in notice for notice in said)
+
+
+def test_env_workers_fewer_than_a_steps_trajectories_are_said_before_the_run_starts(tmp_path):
+    tool_config = tmp_path / "tools.yaml"
+    tool_config.write_text("tools: []\n")
+    multi_turn = {"enable": True, "tool_config_path": str(tool_config)}
+    large = {"data": {"train_batch_size": 64}, "actor_rollout_ref": {"rollout": {"n": 8, "multi_turn": multi_turn}}}
+    on_hf = validate(RunConfig, large)
+    on_vllm = validate(RunConfig, {**large, "actor_rollout_ref": {"rollout": {"name": "vllm", "n": 8,
+                                                                              "multi_turn": multi_turn}}})
+    hf_services, vllm_services = local_services(LocalConfig(), on_hf), local_services(LocalConfig(), on_vllm)
+    assert "workers=32" in hf_services[-1].settings and "workers=256" in vllm_services[-1].settings
+    assert start_notices(on_vllm, vllm_services)[-1] == (
+        "the env service holds 256 episodes at once, fewer than a step's 512 trajectories: the rest wait for one to "
+        "end (local.services.env=[workers=512] runs them all together, about 60 MB each)")
+    told = local_services(validate(LocalConfig, {"services": {"env": ["workers=512"]}}, "local"), on_vllm)
+    assert not any("episodes at once" in notice for notice in start_notices(on_vllm, told))
 
 
 def test_the_env_service_of_local_runs_unsandboxed_only_where_this_host_cannot_sandbox(tmp_path, monkeypatch):
