@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from services.common.errors import ResourceExhausted
 
+MAX_ENV_WORKERS = 256
+"""The most worker processes (open episodes) one env service runs: its ``workers`` setting's bound."""
 MAX_WAIT_S = 86_400.0
 """The longest a JoinChannel, ReceiveWeights or BroadcastWeights may be asked to wait (a day)."""
 MIN_TEMPERATURE = 1e-3

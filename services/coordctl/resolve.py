@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from services.common.config import ConfigError, apply_overrides, read_yaml, to_yaml, validate
+from services.common.limits import MAX_ENV_WORKERS
 from services.run.checks import RunData, load_run_data
 from services.run.config import RunConfig
 from services.coordctl.config import LocalConfig
@@ -154,8 +155,12 @@ def env_workers_short(config: RunConfig, services: tuple) -> str | None:
     wanted = trajectories_per_step(config)
     if not workers or workers >= wanted:
         return None
-    return (f"the env service holds {workers} episodes at once, fewer than a step's {wanted} trajectories: the rest "
-            f"wait for one to end (local.services.env=[workers={wanted}] runs them all together, about 60 MB each)")
+    services_needed = -(-wanted // MAX_ENV_WORKERS)
+    fix = (f"local.services.env=[workers={wanted}]" if services_needed == 1 else
+           f"local.services.env as a list of {services_needed} services of workers={MAX_ENV_WORKERS}, the most one "
+           "holds (examples/gpu_tools.yaml)")
+    return (f"the env services hold {workers} episodes at once, fewer than a step's {wanted} trajectories: the rest "
+            f"wait for one to end ({fix} runs them all together, about 60 MB each)")
 
 
 def unsandboxed_here() -> str | None:

@@ -8,6 +8,7 @@ import pydantic
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from services.common.config import Section, ServeConfig
+from services.common.limits import MAX_ENV_WORKERS
 
 
 class ToolConfig(Section):
@@ -67,7 +68,7 @@ class EnvironmentConfig(Section):
 class EnvServiceConfig(ServeConfig):
     environments: dict[str, EnvironmentConfig] = {}
     """The environments this service hosts, by the name a Reset asks for."""
-    workers: PositiveInt = Field(4, le=256)
+    workers: PositiveInt = Field(4, le=MAX_ENV_WORKERS)
     """Worker processes; each holds one open episode, so this many episodes may be open at once."""
     call_timeout_s: PositiveFloat = 10.0
     """Longest one tool call (or one step of a user's environment, or a reset) may take; past it the worker is

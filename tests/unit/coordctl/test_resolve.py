@@ -146,9 +146,11 @@ def test_env_workers_fewer_than_a_steps_trajectories_are_said_before_the_run_sta
     hf_services, vllm_services = local_services(LocalConfig(), on_hf), local_services(LocalConfig(), on_vllm)
     assert "workers=32" in hf_services[-1].settings and "workers=256" in vllm_services[-1].settings
     assert start_notices(on_vllm, vllm_services)[-1] == (
-        "the env service holds 256 episodes at once, fewer than a step's 512 trajectories: the rest wait for one to "
-        "end (local.services.env=[workers=512] runs them all together, about 60 MB each)")
-    told = local_services(validate(LocalConfig, {"services": {"env": ["workers=512"]}}, "local"), on_vllm)
+        "the env services hold 256 episodes at once, fewer than a step's 512 trajectories: the rest wait for one to "
+        "end (local.services.env as a list of 2 services of workers=256, the most one holds (examples/gpu_tools.yaml) "
+        "runs them all together, about 60 MB each)")
+    two = [{"settings": ["workers=256"]}, {"settings": ["workers=256"]}]
+    told = local_services(validate(LocalConfig, {"services": {"env": two}}, "local"), on_vllm)
     assert not any("episodes at once" in notice for notice in start_notices(on_vllm, told))
 
 
