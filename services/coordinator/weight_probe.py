@@ -47,14 +47,15 @@ class Tolerance(NamedTuple):
 # (tests/integration/test_weight_probe.py).
 MEASURED: dict[tuple[str, str], Tolerance] = {
     ("hf", "float32"): Tolerance(mean=1e-5, max=1e-4),
-    # NOT YET MEASURED ON A GPU (tests/gpu/test_weight_probe_vllm.py prints the figures): bf16 on a GPU against an
-    # FSDP trainer, set from the rollout/trainer probability differences measured so far on a random-init
-    # Qwen2.5-0.5B-shaped model (bench/results/gpu-tests-2026-12-05.md: |p_rollout - p_trainer| mean 8.4e-08, max
-    # 1.7e-06, at p about 1/151936 = 6.6e-06, so |delta logprob| = |delta p| / p about 0.013 mean and 0.1 to 0.3
-    # max), with about 4 times room. Replace with the measured figures.
-    ("hf", "bfloat16"): Tolerance(mean=0.05, max=1.0),
-    ("hf", "float16"): Tolerance(mean=0.05, max=1.0),
-    ("vllm", "bfloat16"): Tolerance(mean=0.05, max=1.0),
+    # NOT YET MEASURED BY THE PROBE ON A GPU (tests/gpu/test_weight_probe_vllm.py prints the figures). Set from the
+    # rollout/trainer |delta logprob| measured on an H200 in bf16 (bench/results/gpu-tests-2026-12-05-b.md): a dense
+    # random-init 0.5B with a LoRA adapter, 0.012 mean on its samples; a random-init Qwen3-MoE, 0.067 mean and 0.30
+    # max on one step's samples, and single tokens up to 11 where a token's expert choice flips between the two
+    # kernels. So the mean decides, with about 4 times room over the MoE's, and the max only catches the absurd:
+    # a probe of 4 sequences may hold a flipped token, and a healthy rollout must never be dropped for it.
+    ("hf", "bfloat16"): Tolerance(mean=0.25, max=16.0),
+    ("hf", "float16"): Tolerance(mean=0.25, max=16.0),
+    ("vllm", "bfloat16"): Tolerance(mean=0.25, max=16.0),
     ("vllm", "float16"): Tolerance(mean=0.02, max=0.5),
     ("vllm", "float32"): Tolerance(mean=1e-3, max=1e-2),
 }
