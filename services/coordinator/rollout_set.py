@@ -30,6 +30,13 @@ weights, and no trainer state is lost when a rollout goes:
   is then as likely at fault as every rollout.
 - With no rollout left the run waits (state ``waiting``) until one answers, then
   goes on where it was: the trainer's state is intact, nothing is rewound.
+- The loop's sync and a generation ahead of it (which refreshes when every
+  member failed it) may both find that a member went or a rollout came: they
+  change the set one at a time (``_changing``), and the second, once the first
+  is done, finds every member serving and changes nothing. (Two at once asked a
+  restarted rollout to load the run's model twice at once.) A refresh sends the
+  actor's weights as they are then, which the loop's update may have moved past
+  ``version`` meanwhile; the members serve that version from then on.
 - A channel that fails to form FORM_ATTEMPTS times in a row ends the attempt,
   naming the first cause (``weight_channels.not_formed``): the run fails, or
   waits for its services and goes on from its checkpoint.
@@ -50,7 +57,7 @@ from services.coordinator.clients import RolloutClient, RolloutInfo, TrainerClie
 from services.coordinator.dispatch import ReplicaPool, ReplicaSpeeds
 from services.coordinator.settings import RolloutSetSettings
 from services.coordinator.waiting import Notices, describe, wait_for
-from services.coordinator.weight_channels import WeightChannels, not_formed
+from services.coordinator.weight_channels import WeightChannels, not_formed, weights_named
 from services.coordinator.weight_probe import ProbeResult, WeightCheckFailed, WeightProbe
 
 log = structlog.get_logger()
@@ -86,6 +93,7 @@ class RolloutSet:
         self.engines: dict[str, str] = {}  # each rollout's engine (hf, vllm), by address
         self.service_ids: dict[str, str] = {}  # each rollout's process, by address
         self.refused: set[str] = set()  # processes (service ids) that failed the weight check twice: never taken in
+        self._changing = asyncio.Lock()  # held by form, load, refresh and sync: one change of the set at a time
 
     def addresses(self) -> list[str]:
         return [member.address for member in self.members]
@@ -114,11 +122,16 @@ class RolloutSet:
     async def form(self) -> None:
         """Before the first step: the group's rollouts that answer load the run's model and join a fresh
         channel (waiting while none answers; RunStopped if the run is stopped meanwhile)."""
-        await self._regroup(take_new=True)
+        async with self._changing:
+            await self._regroup(take_new=True)
 
     async def load(self) -> None:
         """For a run without a trainer: the group's rollouts that answer load the run's model and serve it as the
         model folder holds it (weight version 0); no channel is formed (waiting while none answers)."""
+        async with self._changing:
+            await self._load()
+
+    async def _load(self) -> None:
         for _ in range(FORM_ATTEMPTS):
             admitted = await self._admit(await self._answering(take_new=True, found=None))
             if admitted:
@@ -132,8 +145,12 @@ class RolloutSet:
         """At a step boundary: if a member went, a rollout came or a member serves other weights, form a
         fresh channel with the rollouts that answer and send them the current weights (without a trainer:
         ``load`` again)."""
+        async with self._changing:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         if self.actor is None:
-            await self.load()
+            await self._load()
             return
         found = await self._probe({*self.addresses(), *self.find()})
         members = set(self.addresses())
@@ -141,7 +158,7 @@ class RolloutSet:
                    if info.run_id == self.run_id and info.weight_version == self.version}
         if self.stale or set(found) != members or not members <= serving:
             await self._regroup(take_new=True, found=found)
-            await self.sync(self.version)
+            await self._sync(None)  # the actor's weights now: the loop may have updated them past self.version
 
     def draw_probe(self, batch: SequenceBatch, n: int) -> None:
         """The weight check's probe, from the first batch trained (``n`` samples per prompt); later calls keep it."""
@@ -152,7 +169,13 @@ class RolloutSet:
         """Send the actor's weights, of ``version``, to every member, then check that each computes with them
         (the weight probe, once drawn). A member that fails the check is sent them again; failing again, it leaves
         the run."""
+        async with self._changing:
+            await self._sync(version)
+
+    async def _sync(self, version: int | None) -> None:
+        """``version`` None: whatever version the actor holds when it sends, which the members then serve."""
         await self._send(version)
+        version = self.version
         self.probe_s, self.probe_metrics = 0.0, {}
         failed = await self._check_weights(version)
         if failed:
@@ -190,17 +213,19 @@ class RolloutSet:
                     self.probe_metrics[key] = max(self.probe_metrics.get(key, 0.0), value)
         return [r for r in results if not r.passed]
 
-    async def _send(self, version: int) -> None:
-        """Send the actor's weights, of ``version``, to every member. Members that do not take them are named
-        in an event; the channel is re-formed with the members that answer and the version sent again."""
-        self.version = version
+    async def _send(self, version: int | None) -> None:
+        """Send the actor's weights, of ``version`` (None: of whatever version it holds), to every member. Members
+        that do not take them are named in an event; the channel is re-formed with the members that answer and
+        the version sent again."""
+        if version is not None:
+            self.version = version
         failures = []
         for _ in range(SYNC_ATTEMPTS):
             if self.stale:
                 await self._regroup(take_new=False)
             failure, answers = await self.channels.broadcast(version)
             if failure is None:
-                self.served = version
+                self.version = self.served = answers[0].version if answers else self.version
                 self.pause_s = max((answer.pause_s for answer in answers), default=0.0)
                 self.memory = {key: max(answer.memory.get(key, 0.0) for answer in answers)
                                for key in {key for answer in answers for key in answer.memory}}
@@ -209,9 +234,9 @@ class RolloutSet:
             self.stale = True
             log.warning("weight_sync_failed", version=version, channels=list(self.channels.formed), failure=failure)
             self.notices.log(f"{failure}; re-forming the weight channel with the rollouts that answer and "
-                             f"sending version {version} again")
-        raise Unavailable(f"weight sync of version {version} failed {SYNC_ATTEMPTS} times in a row; the first: "
-                          f"{failures[0]}")
+                             f"sending {weights_named(version)} again")
+        raise Unavailable(f"weight sync of {weights_named(version)} failed {SYNC_ATTEMPTS} times in a row; the "
+                          f"first: {failures[0]}")
 
     async def sleep(self) -> None:
         """The members sharing the trainer's device free their GPU memory for it (a member that fails to is

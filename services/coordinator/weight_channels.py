@@ -37,9 +37,15 @@ from services.coordinator.waiting import describe
 log = structlog.get_logger()
 
 
-def took(receiving: asyncio.Future, version: int) -> bool:
-    """Whether a member's finished receive brought it ``version``."""
-    return not receiving.cancelled() and receiving.exception() is None and receiving.result().version == version
+def took(receiving: asyncio.Future, version: int | None) -> bool:
+    """Whether a member's finished receive brought it ``version`` (None: any)."""
+    return (not receiving.cancelled() and receiving.exception() is None
+            and version in (None, receiving.result().version))
+
+
+def weights_named(version: int | None) -> str:
+    """``version`` for an event: None is whatever version the actor holds when it sends."""
+    return "the actor's weights" if version is None else f"version {version}"
 
 
 class ChannelNotFormed(RuntimeError):
@@ -181,11 +187,11 @@ class WeightChannels:
         self.devices = formation.devices
         log.info("weight_channels_formed", channels=self.formed, colocated=sorted(self.colocated))
 
-    async def broadcast(self, version: int) -> tuple[str | None, list[Received]]:
-        """One send over each current channel, concurrently (the trainer sends into them in turn): (None, every
-        member's answer) if every member took it, else (what went wrong on the first channel that failed, [])
-        (the sends on the others are abandoned: the trainer's model thread may be held by the failed one until
-        the next channel is prepared)."""
+    async def broadcast(self, version: int | None) -> tuple[str | None, list[Received]]:
+        """One send of the actor's weights of ``version`` (None: whatever version it holds then) over each current
+        channel, concurrently (the trainer sends into them in turn): (None, every member's answer) if every member
+        took one version, else (what went wrong on the first channel that failed, []) (the sends on the others are
+        abandoned: the trainer's model thread may be held by the failed one until the next channel is prepared)."""
         sends = [asyncio.ensure_future(self._send(channel_id, [m for m in self.members() if m.address in addresses],
                                                   version))
                  for channel_id, addresses in self.formed.items()]
@@ -200,10 +206,13 @@ class WeightChannels:
             for send in sends:
                 send.cancel()
             await asyncio.gather(*sends, return_exceptions=True)
+        versions = sorted({answer.version for answer in answers})
+        if len(versions) > 1:  # version None: the actor was updated between its sends into two channels
+            return f"the weight channels took different versions ({versions}): the actor was updated meanwhile", []
         return None, answers
 
     async def _send(self, channel_id: str, members: list[RolloutClient],
-                    version: int) -> tuple[str | None, list[Received]]:
+                    version: int | None) -> tuple[str | None, list[Received]]:
         """One send over channel ``channel_id`` to its ``members``: (None, their answers) if every member took it,
         else (what went wrong, [])."""
         timeout = self.settings.channel_timeout_s
@@ -233,8 +242,10 @@ class WeightChannels:
                 task.cancel()
             answers = await asyncio.gather(*receiving.values(), return_exceptions=True)
             await asyncio.gather(sending, return_exceptions=True)
-        if sent is not None and sent.weight_version != version:
+        if sent is not None and version is not None and sent.weight_version != version:
             raise RuntimeError(f"the trainer sent weight version {sent.weight_version}, not {version}")
+        if sent is not None:
+            version = sent.weight_version
         not_serving = {address: answer for address, answer in zip(receiving, answers)
                        if not isinstance(answer, Received) or answer.version != version}
         if sent is not None and not not_serving:
@@ -245,7 +256,7 @@ class WeightChannels:
             trouble = f"{', '.join(left)} left the run while it was on the wire"
         errors = [describe(a) for a in not_serving.values() if isinstance(a, Exception)]
         detail = trouble or (f"a rollout's side: {errors[0]}" if errors else "a rollout received another version")
-        return (f"weight sync of version {version} on channel {channel_id} failed ({detail[:300]}); "
+        return (f"weight sync of {weights_named(version)} on channel {channel_id} failed ({detail[:300]}); "
                 f"not serving it: {', '.join(not_serving) or 'none'}"), []
 
     async def _join(self, channel_ids: list[str], plans: list[ChannelPlan], clients: list[RolloutClient],
