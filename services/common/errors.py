@@ -6,7 +6,8 @@ into gRPC status codes at the edge:
 | exception                         | status              |
 | --------------------------------- | ------------------- |
 | ValueError, KeyError, TypeError   | INVALID_ARGUMENT    |
-| ResourceExhausted, MemoryError    | RESOURCE_EXHAUSTED  |
+| ResourceExhausted, MemoryError,   | RESOURCE_EXHAUSTED  |
+| Busy                              |                     |
 | FailedPrecondition                | FAILED_PRECONDITION |
 | NotFound                          | NOT_FOUND           |
 | Unavailable, ConnectionError,     | UNAVAILABLE         |
@@ -23,7 +24,12 @@ which tells a caller that the service itself decided it (``rpc.is_retryable``
 reads it) rather than the transport or a process that died mid-call; and
 ``meshrl-errno: N`` where the exception has a system error number
 (``errno``: an OSError, a checkpoint the disk refused), which a caller reads
-rather than the words of the message.
+rather than the words of the message; and ``meshrl-retry-after-ms: N`` on a
+``Busy`` refusal (every worker of an env service holds an episode): unlike a
+request over a limit, the same request may succeed once one is free, and a
+caller that knows the key (``rpc.retry_after_s``) asks again after N ms or
+later, as gRPC's own retry pushback (``grpc-retry-pushback-ms``) says; one
+that does not sees the RESOURCE_EXHAUSTED it always saw.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from services.common.handlers import wrap_behaviour
 log = structlog.get_logger()
 ORIGIN_KEY, FROM_HANDLER = "meshrl-origin", "handler"
 ERRNO_KEY = "meshrl-errno"
+RETRY_AFTER_KEY = "meshrl-retry-after-ms"
 PASSED_UP = (KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit, grpc.aio.AbortError)
 
 
@@ -51,6 +58,15 @@ class NotFound(LookupError):
 
 class ResourceExhausted(RuntimeError):
     """The request asks for more than a limit of the service allows; the message names the field and setting."""
+
+
+class Busy(ResourceExhausted):
+    """Every unit of a capacity the service shares among its callers is in use (an env service's workers, each
+    holding an episode): the same request may succeed once one is free, ``retry_after_s`` from now or later."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Unavailable(RuntimeError):
@@ -84,9 +100,15 @@ async def _abort(context, method: str, error: BaseException) -> None:
         log.exception("rpc_failed", method=method)
     else:
         log.warning("rpc_refused", method=method, code=code.name, error=_message(error))
+    await context.abort(code, _message(error), trailing_metadata=trailing_metadata(error))
+
+
+def trailing_metadata(error: BaseException) -> tuple[tuple[str, str], ...]:
+    """What a refusal carries besides its status: its origin, the system error number where it has one, and when
+    to ask again where the service is busy."""
     number = getattr(error, "errno", None)
-    await context.abort(code, _message(error), trailing_metadata=((ORIGIN_KEY, FROM_HANDLER),) + (
-        ((ERRNO_KEY, str(number)),) if isinstance(number, int) else ()))
+    return ((ORIGIN_KEY, FROM_HANDLER),) + (((ERRNO_KEY, str(number)),) if isinstance(number, int) else ()) + (
+        ((RETRY_AFTER_KEY, str(round(error.retry_after_s * 1000))),) if isinstance(error, Busy) else ())
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

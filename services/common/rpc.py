@@ -13,7 +13,7 @@ import contextlib
 import grpc
 
 from services.common.auth import channel_credentials, token_interceptors
-from services.common.errors import FROM_HANDLER, ORIGIN_KEY
+from services.common.errors import FROM_HANDLER, ORIGIN_KEY, RETRY_AFTER_KEY
 
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_CALLS_IN_FLIGHT = 512  # 2,000 in flight on one channel ended some calls CANCELLED; 1,000 did not
@@ -74,8 +74,9 @@ def is_retryable(error: BaseException) -> bool:
 
     A status the called service set (its error interceptor marks it) is transient when it is UNAVAILABLE,
     DEADLINE_EXCEEDED, ABORTED or CANCELLED; its RESOURCE_EXHAUSTED (a request over a limit), INTERNAL (a
-    permanent error) and every other code fail the same way again, so they are not retried. A status gRPC
-    made up itself (a connection reset mid-call, a process killed, a server out of memory quota) may also be
+    permanent error) and every other code fail the same way again, so they are not retried (but for a busy
+    service's, which ``retry_after_s`` tells apart: the same call may succeed on the same replica, later). A status
+    gRPC made up itself (a connection reset mid-call, a process killed, a server out of memory quota) may also be
     RESOURCE_EXHAUSTED, INTERNAL or UNKNOWN, and is transient."""
     if isinstance(error, grpc.aio.AioRpcError):
         return error.code() in (TRANSIENT if from_handler(error) else TRANSIENT_FROM_TRANSPORT)
@@ -85,3 +86,19 @@ def is_retryable(error: BaseException) -> bool:
 def from_handler(error: grpc.aio.AioRpcError) -> bool:
     """Whether the called service's error interceptor set this status (rather than gRPC itself)."""
     return (ORIGIN_KEY, FROM_HANDLER) in tuple(error.trailing_metadata() or ())
+
+
+def retry_after_s(error: BaseException) -> float | None:
+    """For a call the service refused because it was busy (RESOURCE_EXHAUSTED with ``meshrl-retry-after-ms``, from
+    its error interceptor): the seconds after which it may be sent again (0 where the hint is not a number of
+    ms). None for every other failure, a request over a limit among them."""
+    if not (isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and from_handler(error)):
+        return None
+    hints = [value for key, value in tuple(error.trailing_metadata() or ()) if key == RETRY_AFTER_KEY]
+    if not hints:
+        return None
+    try:
+        return max(0.0, float(hints[0]) / 1000)
+    except ValueError:
+        return 0.0

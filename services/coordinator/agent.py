@@ -17,6 +17,8 @@ Choices:
   prefix; one sampled from weights older than the batch allows is sampled again.
 - A trajectory whose env replica fails (killed, unreachable) starts again from its prompt on another, counted
   (``agent/episodes_restarted``): the episode's state is lost with the replica, so its turns would not follow.
+- A trajectory whose episode an env replica refuses because every worker is busy (other runs share the service)
+  waits and asks again (``EnvSet.episode``), counted (``agent/env_busy_waits``).
 - Where the template cannot extend the conversation exactly (``CannotExtend``: it strips earlier thinking, for
   example), the trajectory's sample is closed as it stands (its model tokens train) and the trajectory goes on,
   in the same episode, in a new sample whose prompt is the whole conversation so far rendered fresh
@@ -88,6 +90,7 @@ class AgentTrace:
     tool_timeouts: Counter  # tool name -> calls that timed out
     env_seconds: float
     restarts: int  # times its episode was started again on another replica
+    env_busy_waits: int = 0  # Resets of its episodes refused because every worker of the env replica was busy
 
 
 class Sampled(NamedTuple):
@@ -236,14 +239,17 @@ class AgentLoop:
                          fleet: EnvFleet) -> tuple[tuple[Trajectory, ...], AgentTrace]:
         """One trajectory on a replica of its batch's ``fleet``, started again from its prompt where its env replica
         fails."""
+        busy_waits = 0  # of the episodes that failed
         for restarts in range(EPISODE_ATTEMPTS):
+            opened: Episode | None = None
             try:
                 async with self.env_set.episode(episode_row(prompt), self.settings.environment,
-                                                self.settings.max_parallel_calls, fleet) as episode:
-                    samples, trace = await self.turns(prompt, index, tools, episode, dispatcher)
-                    return samples, replace(trace, restarts=restarts)
+                                                self.settings.max_parallel_calls, fleet) as opened:
+                    samples, trace = await self.turns(prompt, index, tools, opened, dispatcher)
+                    return samples, replace(trace, restarts=restarts, env_busy_waits=busy_waits + opened.busy_waits)
             except EnvLost as error:
                 self.notices.log(f"trajectory {index}: its env replica failed ({error}); starting it again")
+                busy_waits += opened.busy_waits if opened is not None else 0
                 last = error
         raise Unavailable(f"trajectory {index}: its episode failed on {EPISODE_ATTEMPTS} env replicas: {last}")
 
@@ -377,6 +383,7 @@ def agent_metrics(traces: list[AgentTrace], trajectories: list[tuple[Trajectory,
                "agent/env_seconds/mean": sum(t.env_seconds for t in traces) / len(traces),
                "agent/env_reward/mean": sum(t.env_reward for t in traces) / len(traces),
                "agent/episodes_restarted": float(sum(t.restarts for t in traces)),
+               "agent/env_busy_waits": float(sum(t.env_busy_waits for t in traces)),
                "agent/new_samples": float(sum(len(t) - 1 for t in trajectories))}
     for ending in ("over_budget", "length"):
         metrics[f"agent/ended/{ending}"] = float(sum(t.ended == ending for t in traces))

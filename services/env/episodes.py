@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted
+from services.common.errors import Busy, FailedPrecondition, NotFound
 from services.env.config import EnvServiceConfig
 from services.env.environment import Message, StepResult
 from services.common.sandbox import SandboxLimits, SandboxUnavailable, run_in_sandbox
@@ -40,6 +40,9 @@ from services.env.worker_sandbox import WorkerProcess, readable_paths, start_wor
 
 WORKER_START_TIMEOUT_S = 60.0
 """Longest a new worker may take to start (import this package) before its first call."""
+BUSY_RETRY_AFTER_S = 0.5
+"""When a Reset refused because every worker holds an episode may be sent again (the refusal's hint; its caller
+backs off from it): episodes hold their workers for whole trajectories, so one is seldom free sooner."""
 
 
 class CallFailed(Exception):
@@ -110,15 +113,15 @@ class Episodes:
     def reset(self, episode_id: str, env_name: str, row: dict, max_parallel_calls: int = 0) -> list[Message]:
         """Open the episode on an idle worker: the environment's first messages; ``max_parallel_calls`` (> 0)
         lowers the service's bound on the tool calls run per step for this episode. ValueError for an unknown
-        environment or an environment that fails to reset; FailedPrecondition for an id already open;
-        ResourceExhausted when every worker holds an episode."""
+        environment or an environment that fails to reset; FailedPrecondition for an id already open; Busy (to
+        be sent again later) when every worker holds an episode."""
         if env_name not in self.config.environments:
             raise ValueError(f"env_name {env_name!r} is not hosted here; hosted: {sorted(self.config.environments)}")
         try:
             worker = self._idle.get_nowait()
         except queue.Empty:
-            raise ResourceExhausted(f"all {self.config.workers} workers hold open episodes (the setting "
-                                    f"workers); close one first") from None
+            raise Busy(f"all {self.config.workers} workers hold open episodes (the setting workers); ask again "
+                       f"once one is closed", retry_after_s=BUSY_RETRY_AFTER_S) from None
         with self._lock:
             if episode_id in self._open:
                 self._idle.put(worker)

@@ -18,11 +18,12 @@ import yaml
 from typer.testing import CliRunner
 
 from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc
-from services.common.rpc import open_channel
+from services.common.rpc import open_channel, retry_after_s
 from services.coordctl.cli import app
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.common.sandbox import check_sandbox
+from services.env.episodes import BUSY_RETRY_AFTER_S
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 USER = PLUGINS / "user_env.py"
@@ -224,10 +225,11 @@ def test_a_tool_class_that_fails_to_import_refuses_the_service_at_start(tmp_path
 def test_bad_requests_are_refused_with_their_status_and_a_full_service_says_so(env_cluster):
     deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
 
-    async def refused(call) -> grpc.StatusCode:
+    async def refused(call) -> tuple[grpc.StatusCode, float | None]:
+        """The refusal's status, and when the service says to send it again (None: never, the same is refused)."""
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await call
-        return error.value.code()
+        return error.value.code(), retry_after_s(error.value)
 
     async def requests(stub):
         codes = [await refused(stub.Reset(env_pb2.ResetRequest(episode_id="b", row_json=deep, env_name="gsm8k"),
@@ -242,6 +244,7 @@ def test_bad_requests_are_refused_with_their_status_and_a_full_service_says_so(e
             await stub.Close(env_pb2.CloseRequest(episode_id=f"b{index}"), timeout=30)
         return codes
 
+    # a full service is busy (ask again later); a request over a limit is refused for good, with the same status
     assert with_env(env_cluster.coordinator, requests) == [
-        grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED]
+        (grpc.StatusCode.INVALID_ARGUMENT, None), (grpc.StatusCode.INVALID_ARGUMENT, None),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY_RETRY_AFTER_S), (grpc.StatusCode.RESOURCE_EXHAUSTED, None)]

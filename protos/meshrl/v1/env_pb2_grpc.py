@@ -63,6 +63,9 @@ class EnvServicer:
     def Reset(self, request, context):
         """Starts an episode of a hosted environment on a dataset row: the messages
         that open the conversation (empty where the row's prompt is all of it).
+        Refused with RESOURCE_EXHAUSTED and the trailing metadata
+        meshrl-retry-after-ms (when to ask again) while every worker holds an
+        episode; a RESOURCE_EXHAUSTED without it (a row over a limit) is final.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

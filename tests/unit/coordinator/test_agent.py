@@ -128,7 +128,7 @@ def test_trajectory_metrics_count_turns_tools_and_tokens_by_hand():
         records = tuple(TurnRecord("model" if i % 2 == 0 else "reply", "", 1, i % 2 == 0, 0, "", 0.0)
                         for i in range(turns))
         return AgentTrace(records, "", env_reward, "env-1", ("r",), (0,), ended, Counter(calls), Counter(errors),
-                          Counter(), seconds, restarts=1 if ended == "length" else 0)
+                          Counter(), seconds, restarts=1 if ended == "length" else 0, env_busy_waits=turns // 2)
 
     traces = [trace(1, {}, {}, "answer", 0.0, 0.0), trace(3, {"lookup": 1}, {}, "answer", 1.0, 0.5),
               trace(5, {"lookup": 2}, {"lookup": 1}, "length", 0.5, 1.5)]
@@ -144,4 +144,5 @@ def test_trajectory_metrics_count_turns_tools_and_tokens_by_hand():
     assert metrics["agent/tool_errors"] == 1 and metrics["agent/tool_errors/lookup"] == 1
     assert metrics["agent/tool_timeouts"] == 0 and metrics["agent/ended/length"] == 1
     assert metrics["agent/episodes_restarted"] == 1
+    assert metrics["agent/env_busy_waits"] == 0 + 1 + 2  # Resets refused while their env service was full
     assert metrics["agent/new_samples"] == 1  # the third went on in a second sample; its tokens count together
