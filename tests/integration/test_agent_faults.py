@@ -1,6 +1,7 @@
 """Faults under a multi-turn run, and hostile tools on a running env service, on real processes.
 
-- An env service killed (kill -9) mid-episode, a rollout killed mid-trajectory; what a user checks afterwards:
+- An env service killed (kill -9) mid-episode, a rollout killed mid-trajectory, an env service shared by two runs
+  that is full of one's episodes when the other starts; what a user checks afterwards:
   the run finished, and every step's samples file holds all its samples (train_batch_size x n), each
   trajectory whole. Each kill lands where the test needs it every time, whatever the machine's speed: the user's
   environment (tests/integration/plugins/user_env.py) holds the trajectories at the point of the fault until the
@@ -69,15 +70,15 @@ def kill(cluster: LocalCluster, name: str) -> None:
     victim.wait()
 
 
-def fault_config(cluster: LocalCluster, chat_model: Path, data: Path) -> str:
+def fault_config(cluster: LocalCluster, chat_model: Path, data: Path, samples: str = "samples", **changes) -> str:
     """A multi-turn run whose model turns are one token each (every token stops a turn): none runs out of room,
-    so every trajectory reaches its environment's first step."""
+    so every trajectory reaches its environment's first step. Its samples go to ``samples`` in the state folder."""
     from transformers import AutoTokenizer
 
     every_token = list(range(len(AutoTokenizer.from_pretrained(chat_model))))
-    return agent_config(chat_model, data, cluster.state_dir / "samples", data__train_batch_size=PROMPTS,
+    return agent_config(chat_model, data, cluster.state_dir / samples, data__train_batch_size=PROMPTS,
                         actor_rollout_ref__rollout__n=N, actor_rollout_ref__actor__ppo_mini_batch_size=PROMPTS,
-                        actor_rollout_ref__rollout__stop_token_ids=every_token)
+                        actor_rollout_ref__rollout__stop_token_ids=every_token, **changes)
 
 
 async def follow(cluster: LocalCluster, config: str, fault) -> tuple[RunStatus, list[str]]:
@@ -101,16 +102,17 @@ async def list_services(cluster: LocalCluster):
         await client.close()
 
 
-def check_every_sample_kept(cluster: LocalCluster, final: RunStatus) -> tuple[dict[int, dict], dict[int, list]]:
-    """The run finished; each step has its metrics and all its samples, scored: (step -> metrics, step ->
-    samples file records)."""
+def check_every_sample_kept(cluster: LocalCluster, final: RunStatus, samples: str = "samples",
+                            steps: int = STEPS) -> tuple[dict[int, dict], dict[int, list]]:
+    """The run finished its ``steps``; each has its metrics and all its samples (in ``samples`` in the state
+    folder), scored: (step -> metrics, step -> samples file records)."""
     assert final.state == "finished", final.error
-    assert final.step == STEPS
+    assert final.step == steps
     with sqlite3.connect(cluster.state_dir / "meshrl.db") as db:
         metrics = {step: json.loads(m) for step, m in
                    db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ?", (final.run_id,))}
-    assert sorted(metrics) == list(range(1, STEPS + 1))
-    records = {step: [json.loads(line) for line in (cluster.state_dir / "samples" / f"{step}.jsonl").read_text()
+    assert sorted(metrics) == list(range(1, steps + 1))
+    records = {step: [json.loads(line) for line in (cluster.state_dir / samples / f"{step}.jsonl").read_text()
                       .splitlines()] for step in metrics}
     for step in metrics:
         assert len(records[step]) == PROMPTS * N, step  # 0 samples lost
@@ -186,6 +188,51 @@ def test_a_rollout_killed_mid_trajectory_its_next_turns_are_sampled_on_the_other
         len([t for t in r["turns"] if t["role"] == "model"]) - 1 for r in first_there)
     assert f"rollout/samples_by/{killed['address']}" not in metrics[2]
     assert all(r["rollout"] == kept for r in records[2])
+
+
+def test_two_runs_on_an_env_service_too_small_for_both_wait_for_its_workers_and_finish(make_cluster, chat_model,
+                                                                                      reverse_data, tmp_path):
+    """One env service with a worker for each trajectory of one run's step, shared by two runs (each on a trainer
+    and rollout of its own): each counts only its own episodes, so together they ask it for twice its workers.
+    Run a's trajectories all hold in their first steps (HeldAfterFirstTurn), every worker taken, when run b starts;
+    once the service has refused a Reset of b's (busy), the test releases them. Both finish with every sample,
+    and b counted the Resets refused. One step each: the refusals come in the first."""
+    folder = tmp_path / "hold"
+    (folder / "held").mkdir(parents=True)
+    env = env_service(tmp_path, "HeldAfterFirstTurn", folder, workers=PROMPTS * N)
+    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("trainer", "b"),
+                           ServiceSpec("rollout", "b"), ServiceSpec("reward"), env)
+    [env_name] = [name for name in cluster.processes if name.startswith("env")]
+    config_a = fault_config(cluster, chat_model, reverse_data, "samples-a", trainer__experiment_name="a",
+                            trainer__total_training_steps=1)
+    config_b = fault_config(cluster, chat_model, reverse_data, "samples-b", trainer__experiment_name="b",
+                            trainer__total_training_steps=1,
+                            placement={"actor": "b", "critic": "b", "ref": "b", "rollout": "b"})
+
+    def refused_busy(log: LogTail) -> bool:
+        return any(e["event"] == "rpc_refused" and e["method"].endswith("/Reset") and e["code"] == "RESOURCE_EXHAUSTED"
+                   for e in log.read())
+
+    async def both() -> list[RunStatus]:
+        client = CoordinatorClient(cluster.coordinator)
+        try:
+            run_a = await client.start_run(config_a)
+            await wait_until(lambda: len(list((folder / "held").iterdir())) == PROMPTS * N, "every worker held by a")
+            log = LogTail(cluster, env_name).from_now()
+            run_b = await client.start_run(config_b)
+            await wait_until(lambda: refused_busy(log), "a Reset of run b refused as busy")
+            (folder / "released").touch()
+            for run in (run_a, run_b):
+                async for _ in client.watch(run.run_id):
+                    pass
+            return [await client.get_run(run.run_id) for run in (run_a, run_b)]
+        finally:
+            await client.close()
+
+    final_a, final_b = asyncio.run(both())
+    check_every_sample_kept(cluster, final_a, "samples-a", steps=1)
+    metrics_b, _ = check_every_sample_kept(cluster, final_b, "samples-b", steps=1)
+    assert metrics_b[1]["agent/env_busy_waits"] > 0
 
 
 FORKS = 20  # processes the forking tool starts, then left running
