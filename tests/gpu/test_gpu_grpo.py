@@ -26,7 +26,7 @@ from tests.gpu.conftest import cuda_trainer, needs, vllm_rollout
 STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights")
 
 
-def run_config(model: Path, data: Path, free_cache_engine: bool = False) -> str:
+def run_config(model: Path, data: Path, free_cache_engine: bool = False, steps: int = 3) -> str:
     return yaml.safe_dump({
         "data": {"train_files": [str(data)], "train_batch_size": 32, "max_prompt_length": 16,
                  "max_response_length": 64},
@@ -35,7 +35,7 @@ def run_config(model: Path, data: Path, free_cache_engine: bool = False) -> str:
             "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 64},
             "rollout": {"name": "vllm", "n": 8, "free_cache_engine": free_cache_engine},
         },
-        "trainer": {"total_training_steps": 3, "experiment_name": "gpu-grpo"},
+        "trainer": {"total_training_steps": steps, "experiment_name": "gpu-grpo"},
     })
 
 

@@ -13,41 +13,18 @@ import json
 import re
 from pathlib import Path
 
-import yaml
 
 from bench.faults import service_address
-from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
 from services.coordinator.weight_probe import MEASURED
 from tests.gpu.conftest import cuda_trainer, needs, vllm_rollout
+from tests.gpu.test_gpu_grpo import run_config
+from tests.integration.test_weight_probe import run_with_messages
 
 VLLM_BF16 = MEASURED[("vllm", "bfloat16")]
 # a middle layer's MLP output: shifted by 0.5 against weights of about 0.02, it changes every later hidden state
 CORRUPTED = "model.layers.12.mlp.down_proj.weight"
-
-
-def run_config(model: Path, data: Path, steps: int, free_cache_engine: bool) -> str:
-    return yaml.safe_dump({
-        "data": {"train_files": [str(data)], "train_batch_size": 32, "max_prompt_length": 16,
-                 "max_response_length": 64},
-        "actor_rollout_ref": {
-            "model": {"path": str(model), "dtype": "bfloat16"},
-            "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 64},
-            "rollout": {"name": "vllm", "n": 8, "free_cache_engine": free_cache_engine},
-        },
-        "trainer": {"total_training_steps": steps, "experiment_name": "gpu-weight-probe"},
-    })
-
-
-async def run_with_messages(cluster: LocalCluster, config_yaml: str):
-    client = CoordinatorClient(cluster.coordinator)
-    try:
-        started = await client.start_run(config_yaml)
-        messages = [update.message async for update in client.watch(started.run_id) if update.message]
-        return await client.get_run(started.run_id), messages
-    finally:
-        await client.close()
 
 
 def probe_events(cluster: LocalCluster) -> list[dict]:
@@ -84,7 +61,7 @@ def test_a_vllm_rollout_with_wrong_weights_is_caught_resynced_and_dropped_beside
     try:
         asyncio.run(cluster.start(timeout_s=240))
         honest, wrong = service_address(cluster, "rollout-1"), service_address(cluster, "rollout-2")
-        final, messages = asyncio.run(run_with_messages(cluster, run_config(qwen_05b, data, steps=3,
+        final, messages = asyncio.run(run_with_messages(cluster.coordinator, run_config(qwen_05b, data, steps=3,
                                                                            free_cache_engine=False)))
         rows = print_figures(cluster, final.run_dir) if final.run_dir else []
     finally:
@@ -113,7 +90,7 @@ def test_a_colocated_vllm_rollout_passes_the_check_after_every_sync(qwen_05b, tm
                                                 ServiceSpec("reward")))
     try:
         asyncio.run(cluster.start(timeout_s=240))
-        final, messages = asyncio.run(run_with_messages(cluster, run_config(qwen_05b, data, steps=4,
+        final, messages = asyncio.run(run_with_messages(cluster.coordinator, run_config(qwen_05b, data, steps=4,
                                                                            free_cache_engine=True)))
         rows = print_figures(cluster, final.run_dir) if final.run_dir else []
     finally:

@@ -27,19 +27,23 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] | upper }}:{{ m['conten
                  "{% if add_generation_prompt %}A:{% endif %}")
 
 
+def with_chat_template(model: Path, folder: Path, template: str) -> Path:
+    """A copy of the model folder ``model`` in ``folder`` whose tokenizer has the chat template ``template``."""
+    from transformers import AutoTokenizer
+
+    folder.mkdir()
+    for item in model.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def chat_model(tiny_model, tmp_path_factory) -> Path:
     """The tiny model with a chat template over its alphabet (for multi-turn runs)."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("chat") / "tiny-chat"
-    folder.mkdir()
-    for item in tiny_model.iterdir():
-        (folder / item.name).write_bytes(item.read_bytes())
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
+    return with_chat_template(tiny_model, tmp_path_factory.mktemp("chat") / "tiny-chat", CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import yaml
 
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
+from tests.integration.conftest import with_chat_template
 from tests.integration.test_grpo_run import run_config, run_to_end
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -103,16 +104,8 @@ STRIPPING_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] | upper }}:"
 
 @pytest.fixture(scope="module")
 def stripping_model(chat_model, tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("stripping") / "tiny-chat-stripping"
-    folder.mkdir()
-    for item in chat_model.iterdir():
-        (folder / item.name).write_bytes(item.read_bytes())
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = STRIPPING_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
+    return with_chat_template(chat_model, tmp_path_factory.mktemp("stripping") / "tiny-chat-stripping",
+                              STRIPPING_TEMPLATE)
 
 
 def test_a_template_that_rewrites_earlier_turns_trains_each_trajectory_as_samples_of_fresh_prompts(

@@ -17,11 +17,11 @@ import yaml
 
 from services.coordctl.tiny_model import build_tiny_model
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.swap import GenerationCall
 from services.rollout.vllm_engine import VLLMEngine
 from services.rollout.vllm_lora import (AdapterServing, AdapterWindow, LoadedAdapter, lora_engine_args, peft_config,
                                         peft_tensors, unserved_modules, vllm_max_lora_rank)
 from services.trainer.ranks import Ranks
+from tests.unit.rollout.test_vllm_keep_swap import in_flight
 from services.trainer.worker import Worker
 
 
@@ -166,21 +166,6 @@ async def test_an_adapter_that_fails_to_load_leaves_the_previous_one_serving():
     llm.apply_fails = False  # the version sent again loads under an id of its own
     await asyncio.wait_for(engine.receive_weights("weights", 5), 5)
     assert llm.asked[-1] == ("meshrl_apply_adapter", 3, [1, 3]) and engine.weight_version == 2
-
-
-async def in_flight(engine: VLLMEngine, release: asyncio.Event) -> tuple[asyncio.Task, list[GenerationCall]]:
-    """A Generate call in flight through the engine's gate, until ``release``; the attempts it made."""
-    attempts = []
-
-    async def attempt(call: GenerationCall) -> int:
-        attempts.append(call)
-        await call.unless_interrupted(release.wait())
-        return engine.weight_version
-
-    task = asyncio.create_task(engine.gate.run(attempt))
-    while not attempts:
-        await asyncio.sleep(0)
-    return task, attempts
 
 
 @pytest.mark.parametrize("mode", ["finish", "keep"])
