@@ -219,7 +219,7 @@ class PPOLoop:
         timer.seconds.update(produced.seconds)
         served = self.rollout_set.served                                            #    the weights updated from
         rollouts, staleness = self.within_staleness(produced.rollouts)              # 1. responses and scores
-        self.rollout_set.draw_probe(rollouts.batch, rollouts.n)                     #    (the weight check's probe)
+        self.rollout_set.draw_probe(rollouts.batch, rollouts.group_ids)             #    (the weight check's probe)
         async with self.rollouts_asleep(timer):                                     #    (the GPU is the trainer's)
             evaluated = await self.evaluate(rollouts, step, timer)                  # 2. what the update needs
             estimate = await self.estimate(rollouts, evaluated, timer)              # 3. rewards and advantages

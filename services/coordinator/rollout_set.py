@@ -49,6 +49,7 @@ import time
 from typing import Callable
 
 import structlog
+import torch
 
 from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
@@ -160,10 +161,11 @@ class RolloutSet:
             await self._regroup(take_new=True, found=found)
             await self._sync(None)  # the actor's weights now: the loop may have updated them past self.version
 
-    def draw_probe(self, batch: SequenceBatch, n: int) -> None:
-        """The weight check's probe, from the first batch trained (``n`` samples per prompt); later calls keep it."""
+    def draw_probe(self, batch: SequenceBatch, group_ids: torch.Tensor) -> None:
+        """The weight check's probe, from the first batch trained (``group_ids``: each sample's prompt); later calls
+        keep it."""
         if self.probe is not None:
-            self.probe.draw(batch, n)
+            self.probe.draw(batch, group_ids)
 
     async def sync(self, version: int) -> None:
         """Send the actor's weights, of ``version``, to every member, then check that each computes with them

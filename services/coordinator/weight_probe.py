@@ -68,13 +68,16 @@ def tolerance_for(engine: str, dtype: str, settings: WeightCheckSettings) -> Tol
     return Tolerance(mean=settings.tolerance_mean or measured.mean, max=settings.tolerance_max or measured.max)
 
 
-def draw_probe(batch: SequenceBatch, n: int, size: int) -> SequenceBatch | None:
-    """The probe: the first sample with a response of each of the first ``size`` prompts that have one (``batch``
-    holds ``n`` samples per prompt, sample j of prompt i at row i*n+j); None if no sample has a response. No loss
-    mask: every response token is compared."""
-    lens = batch.response_lens.view(-1, n)
-    rows = [prompt * n + int(torch.nonzero(lens[prompt] > 0)[0]) for prompt in range(len(lens))
-            if bool((lens[prompt] > 0).any())][:size]
+def draw_probe(batch: SequenceBatch, group_ids: torch.Tensor, size: int) -> SequenceBatch | None:
+    """The probe: the first sample with a response of each of the first ``size`` prompts that have one
+    (``group_ids``: the prompt of each sample, in the batch's order; a multi-turn trajectory may hold several
+    samples); None if no sample has a response. No loss mask: every response token is compared."""
+    rows: list[int] = []
+    prompts: set[int] = set()
+    for row, (prompt, length) in enumerate(zip(group_ids.tolist(), batch.response_lens.tolist())):
+        if length > 0 and prompt not in prompts and len(rows) < size:
+            prompts.add(prompt)
+            rows.append(row)
     if not rows:
         return None
     chosen = batch.select(torch.tensor(rows, dtype=torch.int64))
@@ -112,10 +115,10 @@ class WeightProbe:
         self.sequences: SequenceBatch | None = None  # None until drawn
         self._expected: tuple[int, torch.Tensor] | None = None  # the actor's logprobs of the probe, and their version
 
-    def draw(self, batch: SequenceBatch, n: int) -> None:
-        """Draw the probe from ``batch`` (``n`` samples per prompt) unless it is drawn."""
+    def draw(self, batch: SequenceBatch, group_ids: torch.Tensor) -> None:
+        """Draw the probe from ``batch`` (``group_ids``: each sample's prompt) unless it is drawn."""
         if self.sequences is None:
-            self.sequences = draw_probe(batch, n, self.settings.sequences)
+            self.sequences = draw_probe(batch, group_ids, self.settings.sequences)
 
     def state(self) -> dict[str, list[list[int]]] | None:
         """The probe as a checkpoint keeps it (None: not drawn yet): its prompts and responses, as token ids."""

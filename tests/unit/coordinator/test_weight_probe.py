@@ -29,12 +29,21 @@ def test_the_probe_is_the_first_sample_with_a_response_of_each_of_the_first_prom
     # 3 prompts x n=2: prompt 0's first sample is empty (its second is taken), prompt 1 has none, prompt 2's first
     prompts = [[1], [1], [2, 2], [2, 2], [3, 3, 3], [3, 3, 3]]
     responses = [[], [10, 11], [], [], [12], [13, 14]]
-    probe = draw_probe(batch_of(prompts, responses), n=2, size=4)
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    probe = draw_probe(batch_of(prompts, responses), groups, size=4)
     assert probe.prompt_ids.tolist() == [1, 3, 3, 3] and probe.prompt_lens.tolist() == [1, 3]
     assert probe.response_ids.tolist() == [10, 11, 12] and probe.response_lens.tolist() == [2, 1]
     assert probe.loss_mask is None  # every response token is compared
-    assert draw_probe(batch_of(prompts, responses), n=2, size=1).response_ids.tolist() == [10, 11]
-    assert draw_probe(batch_of([[1], [1]], [[], []]), n=2, size=4) is None
+    assert draw_probe(batch_of(prompts, responses), groups, size=1).response_ids.tolist() == [10, 11]
+    assert draw_probe(batch_of([[1], [1]], [[], []]), torch.tensor([0, 0]), size=4) is None
+
+
+def test_the_probe_of_a_batch_whose_trajectories_went_on_in_new_samples_takes_one_sample_of_each_prompt():
+    # prompt 0: one trajectory of 3 samples, one of 1; prompt 1: two of 1 (5 + 1 samples, not n=2 per prompt)
+    prompts = [[1], [1, 5], [1, 5, 6], [1], [2, 2], [2, 2]]
+    responses = [[10], [11], [12], [13], [], [14]]
+    probe = draw_probe(batch_of(prompts, responses), torch.tensor([0, 0, 0, 0, 1, 1]), size=4)
+    assert probe.prompt_ids.tolist() == [1, 2, 2] and probe.response_ids.tolist() == [10, 14]
 
 
 def test_a_rollout_is_held_to_the_run_s_tolerances_else_those_measured_for_its_engine_and_dtype():
@@ -66,12 +75,12 @@ def test_a_probe_passes_only_with_its_mean_and_its_max_within_the_tolerance():
 def test_a_checkpoint_keeps_the_probe_and_a_resumed_run_checks_with_the_same_one():
     probe = WeightProbe(DEFAULTS, "float32", actor=None, timeout_s=1.0)
     assert probe.state() is None  # not drawn yet: a resumed run draws it anew
-    probe.draw(batch_of([[1, 2], [3]], [[4, 5, 6], [7]]), n=1)
+    probe.draw(batch_of([[1, 2], [3]], [[4, 5, 6], [7]]), torch.tensor([0, 1]))
     state = json.loads(json.dumps(probe.state()))  # as the run DB keeps it
     assert state == {"prompts": [[1, 2], [3]], "responses": [[4, 5, 6], [7]]}
     resumed = WeightProbe(DEFAULTS, "float32", actor=None, timeout_s=1.0)
     resumed.restore(state)
     for key in ("prompt_ids", "prompt_lens", "response_ids", "response_lens"):
         assert torch.equal(getattr(resumed.sequences, key), getattr(probe.sequences, key)), key
-    resumed.draw(batch_of([[9]], [[9]]), n=1)  # drawn once: a later batch does not replace it
+    resumed.draw(batch_of([[9]], [[9]]), torch.tensor([0]))  # drawn once: a later batch does not replace it
     assert resumed.sequences.prompt_ids.tolist() == [1, 2, 3]
