@@ -10,6 +10,7 @@ This is the form batches travel in, between every service.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,9 @@ def split_ragged(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor
     return list(torch.split(flat, lengths.tolist()))
 
 
-def join_ragged(pieces: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate pieces into (flat, lengths)."""
+def join_ragged(pieces: Sequence[torch.Tensor | Sequence[int]],
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate pieces (tensors or lists) into (flat, lengths)."""
     lengths = torch.tensor([len(p) for p in pieces], dtype=torch.int64)
     flat = torch.cat([torch.as_tensor(p, dtype=dtype) for p in pieces]) if pieces else torch.zeros(0, dtype=dtype)
     return flat, lengths
@@ -100,6 +102,15 @@ class SequenceBatch:
         if self.loss_mask is None:
             return torch.ones(self.num_response_tokens, dtype=torch.bool)
         return self.loss_mask
+
+    @staticmethod
+    def of_lists(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                 loss_masks: Sequence[Sequence[int]] | None = None) -> SequenceBatch:
+        """A batch of token ids given as lists: prompt i with response i (and its loss mask, where given)."""
+        prompt_ids, prompt_lens = join_ragged(prompts, torch.int64)
+        response_ids, response_lens = join_ragged(responses, torch.int64)
+        loss_mask = None if loss_masks is None else join_ragged(loss_masks, torch.bool)[0]
+        return SequenceBatch(prompt_ids, prompt_lens, response_ids, response_lens, loss_mask)
 
     @staticmethod
     def concat(batches: list[SequenceBatch]) -> SequenceBatch:

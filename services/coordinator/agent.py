@@ -43,7 +43,7 @@ import torch
 
 from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
-from services.common.sequences import SequenceBatch, join_ragged
+from services.common.sequences import SequenceBatch
 from services.coordinator.clients import RolloutClient
 from services.coordinator.env_set import EnvFleet, EnvLost, EnvSet, Episode
 from services.coordinator.rollout_set import RolloutSet
@@ -361,12 +361,8 @@ def trajectory_batch(samples: list[Trajectory]) -> SequenceBatch:
     """The trajectories' samples as a batch: each one's prompt as rendered for it (the first: with the tools and the
     episode's opening; a later one: the conversation so far), its response with the loss mask (1 on the model's
     tokens)."""
-    prompt_ids, prompt_lens = join_ragged([torch.tensor(t.prompt_ids) for t in samples], torch.int64)
-    response_ids, response_lens = join_ragged([torch.tensor(t.response_ids, dtype=torch.int64)
-                                               for t in samples], torch.int64)
-    mask, _ = join_ragged([torch.tensor(t.loss_mask, dtype=torch.bool) for t in samples], torch.bool)
-    return SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens, response_ids=response_ids,
-                         response_lens=response_lens, loss_mask=mask)
+    return SequenceBatch.of_lists([t.prompt_ids for t in samples], [t.response_ids for t in samples],
+                                  [t.loss_mask for t in samples])
 
 
 def agent_metrics(traces: list[AgentTrace], trajectories: list[tuple[Trajectory, ...]]) -> dict[str, float]:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from services.common.sequences import SequenceBatch, join_ragged
+from services.common.sequences import SequenceBatch
 from services.coordinator.clients import TrainerClient
 from services.coordinator.sampler import PromptSampler, split_rows
 from services.coordinator.settings import LoopSettings
@@ -150,13 +150,8 @@ def role_runs(messages: list[dict]) -> list[list[dict]]:
 
 def make_taught_batch(taught: list[Taught]) -> SequenceBatch:
     """The sequences as one batch; with a loss mask where any of them leaves a token untrained."""
-    batch = make_batch([t.prompt_ids for t in taught], [t.response_ids for t in taught])
+    batch = SequenceBatch.of_lists([t.prompt_ids for t in taught], [t.response_ids for t in taught])
     mask = [kept for t in taught for kept in t.loss_mask]
     return batch if all(mask) else SequenceBatch(batch.prompt_ids, batch.prompt_lens, batch.response_ids,
                                                   batch.response_lens, torch.tensor(mask, dtype=torch.bool))
 
-
-def make_batch(prompts: list[list[int]], responses: list[list[int]]) -> SequenceBatch:
-    prompt_ids, prompt_lens = join_ragged([torch.tensor(p) for p in prompts], torch.int64)
-    response_ids, response_lens = join_ragged([torch.tensor(r) for r in responses], torch.int64)
-    return SequenceBatch(prompt_ids, prompt_lens, response_ids, response_lens)

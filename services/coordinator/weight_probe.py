@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from services import algos
-from services.common.sequences import SequenceBatch
+from services.common.sequences import SequenceBatch, split_ragged
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.settings import WeightCheckSettings
 from services.coordinator.waiting import describe
@@ -125,19 +125,14 @@ class WeightProbe:
         if self.sequences is None:
             return None
         probe = self.sequences
-        return {"prompts": [row.tolist() for row in torch.split(probe.prompt_ids, probe.prompt_lens.tolist())],
-                "responses": [row.tolist() for row in torch.split(probe.response_ids, probe.response_lens.tolist())]}
+        return {"prompts": [row.tolist() for row in split_ragged(probe.prompt_ids, probe.prompt_lens)],
+                "responses": [row.tolist() for row in split_ragged(probe.response_ids, probe.response_lens)]}
 
     def restore(self, state: dict[str, list[list[int]]] | None) -> None:
         """Take the probe a checkpoint kept (``state``; None: it kept none, and the probe is drawn anew)."""
         if state is None:
             return
-        prompts, responses = state["prompts"], state["responses"]
-        self.sequences = SequenceBatch(
-            prompt_ids=torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
-            prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int64),
-            response_ids=torch.tensor([t for r in responses for t in r], dtype=torch.int64),
-            response_lens=torch.tensor([len(r) for r in responses], dtype=torch.int64))
+        self.sequences = SequenceBatch.of_lists(state["prompts"], state["responses"])
 
     async def check(self, members: list[RolloutClient], engines: dict[str, str],
                     version: int) -> list[ProbeResult]:

@@ -22,10 +22,10 @@ import yaml
 
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
 from services.common.service import keep_registered
+from services.common.sequences import SequenceBatch
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.control import CoordinatorClient
-from services.coordinator.warm_start import make_batch
 from services.coordinator.settings import Sampling
 
 
@@ -64,7 +64,7 @@ async def logprobs_both_ways(rollout_address: str, trainer_address: str, prompt:
     try:
         generated = await rollout.generate([prompt], Sampling(4, 1.0, 1.0, 6, ()), seed=11, first_index=0, timeout=60)
         responses = [r.tolist() for r in torch.split(generated.response_ids, generated.response_lens.tolist())]
-        batch = make_batch([prompt] * 4, responses)
+        batch = SequenceBatch.of_lists([prompt] * 4, responses)
         trainer_logprobs = await trainer.compute_log_probs(batch, step=0, timeout=60)
         return generated, trainer_logprobs, await rollout.weight_version()
     finally:
@@ -143,7 +143,7 @@ async def update_actor_calls(coordinator: str, config_yaml: str, rollout_logprob
     trainer = TrainerClient(address)
     try:
         await trainer.init_run("rc", config_yaml, ["actor"], seed=0, timeout=120)
-        batch = replace(make_batch([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14, 15]]), loss_mask=loss_mask)
+        batch = replace(SequenceBatch.of_lists([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14, 15]]), loss_mask=loss_mask)
         old = await trainer.compute_log_probs(batch, step=1, timeout=60)
         advantages = torch.tensor([1.0, 1.0, -1.0, 0.5, 0.5, 0.5, -0.5, -0.5])
         results = []

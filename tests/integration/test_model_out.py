@@ -17,8 +17,8 @@ import yaml
 
 from services.run.models import load_causal_lm, load_value_model
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
+from services.common.sequences import SequenceBatch
 from services.coordinator.clients import TrainerClient
-from services.coordinator.warm_start import make_batch
 from tests.integration.test_grpo_run import run_config, run_to_end
 
 CORE = "val-core/meshrl/reverse/reward/mean@1"
@@ -47,7 +47,7 @@ def transformers_logprobs(folder: Path, prompt: list[int], response: list[int]) 
 async def trainer_logprobs(address: str, prompt: list[int], response: list[int]) -> torch.Tensor:
     trainer = TrainerClient(address)
     try:
-        return await trainer.compute_log_probs(make_batch([prompt], [response]), step=0, timeout=60)
+        return await trainer.compute_log_probs(SequenceBatch.of_lists([prompt], [response]), step=0, timeout=60)
     finally:
         await trainer.close()
 
@@ -152,7 +152,7 @@ def test_a_critic_exports_as_a_value_model(cluster, tiny_model, reverse_data, tm
     async def trainer_values():
         trainer = TrainerClient({s.kind: s.address for s in services}["trainer"])
         try:
-            return await trainer.compute_values(make_batch([prompt], [response]), step=0, timeout=60)
+            return await trainer.compute_values(SequenceBatch.of_lists([prompt], [response]), step=0, timeout=60)
         finally:
             await trainer.close()
 
