@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 from pathlib import Path
 
@@ -163,10 +164,12 @@ def env_workers_short(config: RunConfig, services: tuple) -> str | None:
             f"wait for one to end ({fix} runs them all together, about 60 MB each)")
 
 
+@functools.cache
 def unsandboxed_here() -> str | None:
     """Why this host cannot run env workers in the sandbox (not root, no bubblewrap), or None where it can. The
     env service of --local then runs the user's own tools unsandboxed, and start-run says so; a cluster's env
-    service refuses to, unless its operator sets sandbox: false."""
+    service refuses to, unless its operator sets sandbox: false. Found once per process (a trial run in the
+    sandbox), however many env services --local starts."""
     from services.common.sandbox import check_sandbox
 
     return check_sandbox()
