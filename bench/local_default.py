@@ -50,14 +50,14 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
 
     from services import algos
     from services.common.config import validate
-    from services.run.models import load_causal_lm, load_tokenizer
-    from services.run.config import RunConfig
-    from services.run.data import load_prompts
+    from services.common.sequences import SequenceBatch
     from services.coordinator.sampler import PromptSampler
-    from services.coordinator.warm_start import make_batch
     from services.reward.rules import score_sample
     from services.rollout.hf_engine import HFEngine
     from services.rollout.sampling import SamplingSettings
+    from services.run.config import RunConfig
+    from services.run.data import load_prompts
+    from services.run.models import load_causal_lm, load_tokenizer
     from services.trainer.actor import UpdateInputs
     from services.trainer.batching import MicroBatching
     from services.trainer.ranks import Ranks
@@ -81,7 +81,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
         responses = [c.token_ids for group in completions for c in group]
         scores = torch.tensor([score_sample(p.data_source, tokenizer.decode(c.token_ids, skip_special_tokens=True),
                                             p.ground_truth) for p, group in zip(chosen, completions) for c in group])
-        batch = make_batch([p.token_ids for p in chosen for _ in range(rollout.n)], responses)
+        batch = SequenceBatch.of_lists([p.token_ids for p in chosen for _ in range(rollout.n)], responses)
         old = actor.compute_log_probs(batch, rollout.temperature, MicroBatching(256))
         groups = torch.arange(len(chosen)).repeat_interleave(rollout.n)
         advantages = algos.expand_per_token(algos.grpo_advantages(scores, groups), batch.response_lens)

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from services import algos
-from services.run.models import load_causal_lm
 from services.common.sequences import SequenceBatch
-from services.coordinator.warm_start import make_batch
 from services.coordctl.tiny_model import build_tiny_model
+from services.run.models import load_causal_lm
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.forward import response_logprobs
 from services.trainer.optim import OptimSettings, chunks
@@ -39,7 +38,7 @@ def tiny_case(model_path) -> tuple[Actor, SequenceBatch, UpdateInputs]:
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in (2, 5, 3, 4, 1, 6)]
     responses = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in (7, 1, 4, 6, 3, 5)]
-    batch = make_batch(prompts, responses)
+    batch = SequenceBatch.of_lists(prompts, responses)
     tokens = batch.num_response_tokens
     inputs = UpdateInputs(torch.randn(tokens, generator=generator, dtype=torch.float64) - 4,
                           torch.randn(tokens, generator=generator, dtype=torch.float64),

@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from services import algos
-from services.coordinator.warm_start import make_batch
+from services.common.sequences import SequenceBatch
 from services.trainer.chunked_head import chunkable, chunked_logprobs
 from services.trainer.forward import response_logprobs
 
@@ -83,7 +83,7 @@ def batch():
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 40, (n,), generator=generator).tolist() for n in (2, 5, 3)]
     responses = [torch.randint(3, 40, (n,), generator=generator).tolist() for n in (7, 1, 4)]
-    return make_batch(prompts, responses)
+    return SequenceBatch.of_lists(prompts, responses)
 
 
 def logprobs_and_gradients(model, chunk_tokens: int, remove_padding: bool):

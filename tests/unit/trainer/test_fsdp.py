@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services import algos
-from services.run.models import load_causal_lm, load_value_model
-from services.coordinator.warm_start import make_batch
+from services.common.sequences import SequenceBatch
 from services.coordctl.tiny_model import build_tiny_model
+from services.run.models import load_causal_lm, load_value_model
 from services.trainer import checkpoint
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.batching import MicroBatching, micro_batch_plan
@@ -65,7 +65,7 @@ def case():
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in PROMPTS]
     responses = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in RESPONSES]
-    batch = make_batch(prompts, responses)
+    batch = SequenceBatch.of_lists(prompts, responses)
     tokens = batch.num_response_tokens
     inputs = UpdateInputs(torch.randn(tokens, generator=generator, dtype=torch.float64) - 4,
                           torch.randn(tokens, generator=generator, dtype=torch.float64),

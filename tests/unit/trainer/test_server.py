@@ -11,7 +11,6 @@ import torch
 from services.common.limits import StreamLimits
 from services.common.sequences import SequenceBatch
 from services.coordinator.clients import batch_requests, sequence_tensors
-from services.coordinator.warm_start import make_batch
 from services.trainer.server import read_batch
 from services.trainer.worker import sequences
 
@@ -35,7 +34,7 @@ def with_mask(batch: SequenceBatch, mask: list[bool]) -> SequenceBatch:
 
 
 def test_a_batch_with_a_loss_mask_arrives_with_it():
-    sent = with_mask(make_batch([[5, 6], [7]], [[8, 9, 10], [11, 12]]), [True, False, True, True, False])
+    sent = with_mask(SequenceBatch.of_lists([[5, 6], [7]], [[8, 9, 10], [11, 12]]), [True, False, True, True, False])
     advantages = torch.arange(5, dtype=torch.float32)
     received = round_trip({**sequence_tensors(sent), "advantages": advantages}, extra=("advantages",))
     assert torch.equal(received["advantages"], advantages)
@@ -45,7 +44,7 @@ def test_a_batch_with_a_loss_mask_arrives_with_it():
 
 
 def test_a_batch_without_one_arrives_as_before():
-    sent = make_batch([[5, 6], [7]], [[8, 9, 10], [11, 12]])
+    sent = SequenceBatch.of_lists([[5, 6], [7]], [[8, 9, 10], [11, 12]])
     assert set(sequence_tensors(sent)) == {"prompt_ids", "prompt_lens", "response_ids", "response_lens"}
     received = round_trip(sequence_tensors(sent))
     assert "loss_mask" not in received
@@ -54,6 +53,6 @@ def test_a_batch_without_one_arrives_as_before():
 
 @pytest.mark.parametrize("mask", [torch.tensor([1, 0, 1, 1, 0]), torch.tensor([True, False, True])])
 def test_a_loss_mask_not_one_bool_per_response_token_is_refused(mask):
-    tensors = {**sequence_tensors(make_batch([[5, 6], [7]], [[8, 9, 10], [11, 12]])), "loss_mask": mask}
+    tensors = {**sequence_tensors(SequenceBatch.of_lists([[5, 6], [7]], [[8, 9, 10], [11, 12]])), "loss_mask": mask}
     with pytest.raises(ValueError, match="loss_mask must be a bool tensor with one value per response token"):
         round_trip(tensors)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.sequences import SequenceBatch
+from services.coordctl.tiny_model import build_random_model
 from services.run.models import load_causal_lm
 from services.run.sections.actor_rollout_ref import ModelConfig
-from services.coordctl.tiny_model import build_random_model
-from services.coordinator.warm_start import make_batch
 from services.trainer.forward import response_logprobs
 from services.trainer.settings import packs
 from services.trainer.setup import attention
@@ -38,7 +38,7 @@ def logprobs_and_gradients(model, batch, remove_padding: bool):
 
 
 def test_packed_varlen_attention_gives_the_padded_logprobs_and_gradients(model_path):
-    batch = make_batch([[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]],
+    batch = SequenceBatch.of_lists([[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]],
                        [[16, 17], [18, 19, 20, 21, 22, 23], [24], [25, 26, 27]])
     padded = load_causal_lm(model_path).double()
     varlen = load_causal_lm(model_path, attn_implementation=attention(True)).double()
@@ -55,7 +55,7 @@ def test_packed_varlen_attention_gives_the_padded_logprobs_and_gradients(model_p
 def test_varlen_attention_refuses_padded_rows(model_path):
     varlen = load_causal_lm(model_path, attn_implementation=attention(True)).double()
     with pytest.raises(ValueError, match="one packed row with its cu_seq_lens_q"):
-        response_logprobs(varlen, make_batch([[5, 6], [7]], [[8], [9, 10]]), 0, 1.0, False, CPU, False)
+        response_logprobs(varlen, SequenceBatch.of_lists([[5, 6], [7]], [[8], [9, 10]]), 0, 1.0, False, CPU, False)
 
 
 def test_passes_pack_where_configured_and_by_default_on_a_gpu_only():
