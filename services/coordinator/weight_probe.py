@@ -47,17 +47,22 @@ class Tolerance(NamedTuple):
 # (tests/integration/test_weight_probe.py).
 MEASURED: dict[tuple[str, str], Tolerance] = {
     ("hf", "float32"): Tolerance(mean=1e-5, max=1e-4),
-    # NOT YET MEASURED BY THE PROBE ON A GPU (tests/gpu/test_weight_probe_vllm.py prints the figures). Set from the
-    # rollout/trainer |delta logprob| measured on an H200 in bf16 (bench/results/gpu-tests-2026-12-05-b.md): a dense
-    # random-init 0.5B with a LoRA adapter, 0.012 mean on its samples; a random-init Qwen3-MoE, 0.067 mean and 0.30
-    # max on one step's samples, and single tokens up to 11 where a token's expert choice flips between the two
-    # kernels. So the mean decides, with about 4 times room over the MoE's, and the max only catches the absurd:
-    # a probe of 4 sequences may hold a flipped token, and a healthy rollout must never be dropped for it.
+    # bf16 on a GPU: set from the rollout/trainer |delta logprob| measured on an H200 (bench/results/
+    # gpu-tests-2026-12-05-b.md): a dense random-init 0.5B with a LoRA adapter, 0.012 mean on its samples; a
+    # random-init Qwen3-MoE, 0.067 mean and 0.30 max on one step's samples, and single tokens up to 11 where a
+    # token's expert choice flips between the two kernels. So the mean decides, with about 4 times room over the
+    # MoE's, and the max only catches the absurd: a probe of 4 sequences may hold a flipped token, and a healthy
+    # rollout must never be dropped for it. The probe itself on vLLM bf16 (dense random-init 0.5B, 4 syncs, H200,
+    # bench/results/gpu-tests-2026-12-05-c.md): mean 0.0090 to 0.0095, max 0.031 to 0.043.
     ("hf", "bfloat16"): Tolerance(mean=0.25, max=16.0),
     ("hf", "float16"): Tolerance(mean=0.25, max=16.0),
     ("vllm", "bfloat16"): Tolerance(mean=0.25, max=16.0),
     ("vllm", "float16"): Tolerance(mean=0.02, max=0.5),
-    ("vllm", "float32"): Tolerance(mean=1e-3, max=1e-2),
+    # vLLM fp32 on an H200 against the trainer's fp32 (the 128-wide chat model of examples/gpu_tools.yaml, 100
+    # syncs, bench/results/gpu-tests-2026-12-05-c.md): mean 7.9e-4 to 1.4e-3, max 0.0092 to 0.041 (GPU kernels
+    # differ from the trainer's in summation order); the first tolerance here, 1e-3 and 1e-2, failed a healthy
+    # rollout at its first sync. About 7 times room on the mean and 6 on the max.
+    ("vllm", "float32"): Tolerance(mean=1e-2, max=0.25),
 }
 
 
