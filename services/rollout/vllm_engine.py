@@ -20,10 +20,14 @@
   are aborted and generated again under the new ones (``restart``), or
   (``keep``) are frozen by vLLM's pause (mode ``keep``) for the swap
   and go on under the new weights after ``resume_generation()``, keeping
-  their tokens and their KV cache. With prefix caching on, vLLM 0.20's
-  freeze clears the cache by preempting them (they keep their tokens; their
-  KV is computed again, under the new weights, when they resume), since a
-  plain ``reset_prefix_cache`` fails while they hold KV blocks. A response
+  their tokens and their KV cache. With prefix caching on (multi-turn runs)
+  a keep swap lets the requests in flight finish first, as ``finish`` does
+  (``swap_mode``): vLLM 0.20 clears a prefix cache that running requests
+  hold only by preempting them. On an H200 a multi-turn run whose every
+  sample was caught by such swaps saw the trainer disown the rollout's
+  tokens from the first swap on (rollout/trainer mismatch KL 0.58; 0.002 on
+  the CPU's hf engine) and collapsed (bench/results/gpu-tests-2026-12-05-c.md;
+  this rule has not run on a GPU since). A response
   is stamped with the version served when its call began and the one
   served when its final output came back: the versions of its tokens lie
   between the two (its first token may already be the newer one's).
@@ -203,7 +207,8 @@ class VLLMEngine:
 
         While calls are generating, every worker receives into staging buffers and generation goes on; then,
         within a short pause, new requests wait, the requests in flight finish under the old weights (or are
-        dropped and generated again under the new ones: ``restart``; or are frozen: ``keep``), the staged
+        dropped and generated again under the new ones: ``restart``; or are frozen: ``keep``, where prefix caching
+        is off: ``swap_mode``), the staged
         buckets are copied in and the prefix cache is cleared (then the frozen requests go on). With nothing
         generating, the workers load each bucket straight into the model as it arrives, in one call,
         generation held back throughout. A LoRA run's adapters: ``_receive_adapter``."""
@@ -214,12 +219,12 @@ class VLLMEngine:
         started = time.perf_counter()
         stages = await self._staged(channel_id, timeout_s)
         received = time.perf_counter()
-        async with self.gate.swap(partial_rollout):
+        mode = swap_mode(partial_rollout, self.prefix_caching)
+        async with self.gate.swap(mode):
             drained = time.perf_counter()
-            freeze = partial_rollout == "keep" and self.gate.generating > 0
-            async with self._frozen(freeze, stages):
+            async with self._frozen(mode == "keep" and self.gate.generating > 0, stages):
                 applied = await self._swapped_in("meshrl_apply_received", (), timeout_s,
-                                                 clear_prefix_cache=self.prefix_caching and not freeze)
+                                                 clear_prefix_cache=self.prefix_caching)
         done = time.perf_counter()
         stages.update(worker_stages(applied), drain=drained - received, apply=done - drained)
         return WeightSwap(version=self.weight_version, transfer_s=received - started, pause_s=done - received,
@@ -280,9 +285,8 @@ class VLLMEngine:
 
     @contextlib.asynccontextmanager
     async def _frozen(self, freeze: bool, stages: dict[str, float]):
-        """With ``freeze``, the requests in flight frozen in vLLM for the body of the ``with`` (the prefix cache
-        cleared as they are, if it is on), then resumed, whatever happened; ``stages`` gets the seconds of
-        freezing and of resuming."""
+        """With ``freeze``, the requests in flight frozen in vLLM for the body of the ``with``, their KV cache
+        kept, then resumed, whatever happened; ``stages`` gets the seconds of freezing and of resuming."""
         if not freeze:
             yield
             return
@@ -291,7 +295,7 @@ class VLLMEngine:
             # AsyncLLM.pause_generation is this call then a 20 ms sleep, there so that the final outputs of
             # requests it aborts or drains come out before it returns: under keep none do, and the sleep would be
             # 20 ms of every swap's pause. The engine core answers once its step in progress is done.
-            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=self.prefix_caching)
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
             stages["freeze"] = time.perf_counter() - started
             yield
         finally:
@@ -360,6 +364,13 @@ def start_engine(settings: dict):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**settings))
+
+
+def swap_mode(partial_rollout: PartialRollout, prefix_caching: bool) -> PartialRollout:
+    """What a full-weight swap does with the requests in flight: the run's ``partial_rollout``, except that with
+    prefix caching on ``keep`` becomes ``finish`` (module docstring: the cache cannot be cleared under running
+    requests without preempting them)."""
+    return "finish" if partial_rollout == "keep" and prefix_caching else partial_rollout
 
 
 def lora_request_of(adapter: LoadedAdapter | None):

@@ -133,9 +133,11 @@ class RolloutConfig(Section):
     """What becomes of the Generate calls in flight when new weights arrive (asynchronous runs, where
     generation goes on during a sync): keep = they are held only while the weights are swapped in and go on
     under the new version with the tokens (and KV cache) they have, each sample recording the first and last
-    version of its tokens (its staleness counted from the first); finish = they complete under the old
-    version, the swap waiting for them; restart = they are stopped and sampled again, whole, under the new
-    version, with the same seeds: fresher samples for the compute thrown away."""
+    version of its tokens (its staleness counted from the first); on a vLLM rollout with prefix caching on
+    (multi-turn runs) keep acts as finish, since vLLM clears its prefix cache under running requests only by
+    preempting them; finish = they complete under the old version, the swap waiting for them; restart = they
+    are stopped and sampled again, whole, under the new version, with the same seeds: fresher samples for the
+    compute thrown away."""
     val_kwargs: ValKwargsConfig = ValKwargsConfig()
     """Sampling of validation (verl's key)."""
     weight_check: WeightCheckConfig = WeightCheckConfig()

@@ -63,19 +63,35 @@ async def in_flight(engine: VLLMEngine, release: asyncio.Event) -> tuple[asyncio
     return task, attempts
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
-async def test_keep_freezes_the_requests_in_flight_only_for_the_swap(prefix_caching):
+async def test_keep_freezes_the_requests_in_flight_only_for_the_swap():
     llm, release = StandIn(version=1), asyncio.Event()
-    engine = engine_with(llm, prefix_caching)
+    engine = engine_with(llm)
     call, attempts = await in_flight(engine, release)
     swap = await asyncio.wait_for(engine.receive_weights("weights", 5, "keep"), 5)
     assert not call.done() and engine.weight_version == swap.version == 1  # the call goes on under version 1
-    # with prefix caching the freeze clears the cache (preempting the frozen requests); no reset after it
-    assert llm.asked == ["meshrl_start_receive", "meshrl_wait_received",
-                         f"pause mode=keep clear_cache={prefix_caching}", "meshrl_apply_received", "resume"]
+    assert llm.asked == ["meshrl_start_receive", "meshrl_wait_received", "pause mode=keep clear_cache=False",
+                         "meshrl_apply_received", "resume"]
     assert {"freeze", "resume"} <= set(swap.stages)
     release.set()
     assert await call == 1 and len(attempts) == 1
+
+
+async def test_with_prefix_caching_keep_lets_the_requests_in_flight_finish_then_clears_the_cache():
+    """No freeze: vLLM would clear the cache under frozen requests only by preempting them."""
+    llm, release = StandIn(version=1), asyncio.Event()
+    engine = engine_with(llm, prefix_caching=True)
+    call, attempts = await in_flight(engine, release)
+    swapping = asyncio.create_task(engine.receive_weights("weights", 5, "keep"))
+    while "meshrl_wait_received" not in llm.asked:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.05)
+    assert not swapping.done() and "meshrl_apply_received" not in llm.asked  # waiting for the call in flight
+    release.set()
+    assert await asyncio.wait_for(call, 5) == 0  # it finished under the weights it began with
+    swap = await asyncio.wait_for(swapping, 5)
+    assert swap.version == engine.weight_version == 1 and len(attempts) == 1
+    assert llm.asked == ["meshrl_start_receive", "meshrl_wait_received", "meshrl_apply_received",
+                         "reset_prefix_cache"]
 
 
 async def test_a_keep_swap_that_fails_resumes_and_runs_the_calls_in_flight_again():
