@@ -39,7 +39,8 @@ def print_figures(cluster: LocalCluster, run_dir: str) -> list[dict]:
     for event in probe_events(cluster):
         print(f"  version {event['version']:>3}  {event['address']:<22} mean |delta logprob| {event['diff_mean']:.3e}  "
               f"max {event['diff_max']:.3e}  passed {event['passed']}  {event['error']}")
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    metrics = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     rows = [r for r in rows if "timing_s/step" in r]
     for r in rows:
         print(f"  step {r['step']}: weights/probe_logprob_diff_mean {r.get('weights/probe_logprob_diff_mean', -1):.3e}"
