@@ -30,8 +30,6 @@ from pathlib import Path
 
 import yaml
 
-ACC = "val-core/meshrl/{task}/acc/mean@{n}"
-REWARD = "val-core/meshrl/{task}/reward/mean@{n}"
 
 
 def coordctl(*args: str) -> str:
@@ -60,6 +58,12 @@ def export_and_evaluate(args: argparse.Namespace, run_dir: Path, config: dict, n
     print(evaluated.strip())
     responses = [json.loads(line) for line in (args.out / "eval.jsonl").read_text().splitlines()]
     return sum(bool(r["acc"]) for r in responses) / len(responses)
+
+
+def validation_key(validation: dict, ending: str) -> str:
+    """The key of a validation's core metric ending in ``ending`` (its data source is the run's task: the run's
+    config.yaml does not keep the local section that chose it)."""
+    return next(key for key in validation if key.startswith("val-core/") and key.endswith(ending))
 
 
 def print_trajectories(steps: list[dict]) -> None:
@@ -97,9 +101,9 @@ def main() -> None:
     [run_dir] = sorted((state_dir / "runs").iterdir())
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     n = config["actor_rollout_ref"]["rollout"]["val_kwargs"]["n"]
-    acc, reward = ACC.format(task=config["local"]["task"], n=n), REWARD.format(task=config["local"]["task"], n=n)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     validations = [line for line in lines if "val/weight_version" in line]
+    acc, reward = (validation_key(validations[0], f"/{name}/mean@{n}") for name in ("acc", "reward"))
 
     eval_acc = None if config["actor_rollout_ref"]["rollout"]["multi_turn"]["enable"] else \
         export_and_evaluate(args, run_dir, config, n)
