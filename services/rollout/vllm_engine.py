@@ -305,7 +305,7 @@ class VLLMEngine:
 
     async def _receive_now(self, channel_id: str, timeout_s: float, partial_rollout: PartialRollout) -> WeightSwap:
         started = time.perf_counter()
-        async with self.gate.swap(partial_rollout):
+        async with self.gate.swap(swap_mode(partial_rollout, self.prefix_caching)):
             drained = time.perf_counter()
             applied = await self._swapped_in("meshrl_receive_now", (channel_id, timeout_s), timeout_s,
                                              clear_prefix_cache=self.prefix_caching)
