@@ -163,10 +163,36 @@ def peft_config(keys: LoraKeys, modules_to_save: list[str] | None = None) -> Any
 
 def with_lora(model: Any, keys: LoraKeys, modules_to_save: list[str] | None = None) -> Any:
     """``model`` wrapped by PEFT: fresh adapters as the keys say (B zero: the model computes as before), or the
-    adapter of ``lora_adapter_path``, trainable; only the adapters (and ``modules_to_save``, whole) train."""
+    adapter of ``lora_adapter_path``, trainable; only the adapters (and ``modules_to_save``, whole) train.
+
+    On a bf16 or fp16 base PEFT keeps the adapters in fp32 (the optimizer's small updates would be lost in
+    bf16), and would cast each adapted layer's input to fp32 for them: a copy of the input that every adapted
+    layer keeps for its backward, more than full fine-tuning keeps. The inputs are left as they are here; such a
+    model computes inside ``adapter_autocast``, which casts the adapters instead."""
     from peft import PeftModel, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
     adapter_path = keys.lora_adapter_path if isinstance(keys, ActorLoraKeys) else None
     if adapter_path:
-        return PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
-    return get_peft_model(model, peft_config(keys, modules_to_save))
+        wrapped = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+    else:
+        wrapped = get_peft_model(model, peft_config(keys, modules_to_save))
+    adapted: list[Any] = [module for module in wrapped.modules() if isinstance(module, BaseTunerLayer)]
+    for layer in adapted:
+        layer.cast_input_dtype_enabled = False
+    return wrapped
+
+
+def adapter_autocast(model: Any, device_type: str) -> Any:
+    """The context a model's forward passes run in: for a LoRA model on a bf16 or fp16 base, torch.autocast to
+    that dtype, which casts the fp32 adapters (small) to it where they are used and leaves the activations as
+    they are (``with_lora``); nothing for any other model. A base held in fp32 (fp32, or FSDP2's mixed
+    precision, which casts every parameter alike) needs none."""
+    import contextlib
+
+    import torch
+
+    base_dtype = model.get_input_embeddings().weight.dtype
+    if is_lora(model) and base_dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(device_type, dtype=base_dtype)
+    return contextlib.nullcontext()

@@ -20,6 +20,7 @@ import torch
 
 from services import algos
 from services.common.sequences import Padded, SequenceBatch
+from services.run.lora import adapter_autocast
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.chunked_head import chunkable, head_replaced
 from services.trainer.ranks import Ranks
@@ -31,10 +32,12 @@ def model_inputs(batch: SequenceBatch, pad_id: int, remove_padding: bool, device
 
 
 def run_model(model: torch.nn.Module, inputs: Padded) -> torch.Tensor:
-    """The model's output scores (logits, or a value head's) at every position, [rows, L, ...]."""
+    """The model's output scores (logits, or a value head's) at every position, [rows, L, ...]; every pass of
+    the trainer's goes through here (a LoRA model's in ``adapter_autocast``)."""
     packed = {} if inputs.cu_seqlens is None else varlen_kwargs(inputs.cu_seqlens, inputs.max_seqlen)
-    return model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
-                 use_cache=False, **packed).logits
+    with adapter_autocast(model, inputs.input_ids.device.type):
+        return model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                     position_ids=inputs.position_ids, use_cache=False, **packed).logits
 
 
 def response_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,

@@ -11,12 +11,14 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors.torch import save_file
 
+from services.common.adapters import adapter_pairs, merged_weight
+from services.common.sequences import SequenceBatch
 from services.coordctl.tiny_model import build_tiny_model
 from services.run.config import RunConfig
-from services.run.lora import check_lora
+from services.run.lora import ADAPTER, check_lora
 from services.run.models import load_causal_lm
 from services.trainer import checkpoint
-from services.trainer.forward import batched_logprobs
+from services.trainer.forward import batched_logprobs, response_logprobs, response_values
 from services.trainer.ranks import Ranks
 from services.trainer.worker import Worker
 
@@ -39,6 +41,14 @@ def run_yaml(folder, **model_keys) -> str:
 def loaded(tiny, roles=("actor", "ref"), **model_keys) -> Worker:
     worker = Worker(Ranks.single("cpu"))
     worker.init_run({}, run_id="r", run_config_yaml=run_yaml(tiny, **model_keys), roles=list(roles), seed=0)
+    return worker
+
+
+def critic_loaded(tiny, dtype: str, lora_rank: int = 0) -> Worker:
+    worker = Worker(Ranks.single("cpu"))
+    config = yaml.safe_dump({"actor_rollout_ref": {"model": {"path": str(tiny), "dtype": dtype}},
+                             "critic": {"model": {"lora_rank": lora_rank}}, "algorithm": {"adv_estimator": "gae"}})
+    worker.init_run({}, run_id="r", run_config_yaml=config, roles=["critic"], seed=0)
     return worker
 
 
@@ -222,3 +232,101 @@ def test_under_fsdp2_mixed_precision_the_reference_pass_may_come_first(tiny):
     after = {name: t.full_tensor() for name, t in worker.roles.actor.named_weights()}
     assert any(not torch.equal(after[name], before[name]) for name in before)
     assert all(p.requires_grad == (".lora_" in name) for name, p in worker.roles.actor.model.named_parameters())
+
+
+def saved_for_backward_bytes(model: torch.nn.Module, forward_pass) -> int:
+    """The bytes that ``forward_pass(model)`` keeps for its backward: each storage once, the model's parameters
+    left out (a frozen linear layer keeps its weight, which costs nothing more)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        outputs = forward_pass(model)  # held until counted: nothing saved is freed and its address reused
+    del outputs
+    return sum(storages.values())
+
+
+def low_rank_bytes(model: torch.nn.Module, tokens: int, element_size: int) -> int:
+    """What LoRA may keep for backward beyond the frozen model's activations, in a dtype of ``element_size``
+    bytes: per adapted layer of rank r, x @ A's [tokens, r] (B's input) and A and B cast to the compute dtype."""
+    from peft.tuners.lora import LoraLayer
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            rank = module.r[ADAPTER]
+            total += (tokens * rank + rank * (module.in_features + module.out_features)) * element_size
+    return total
+
+
+def a_long_batch(rows: int = 4, length: int = 48) -> SequenceBatch:
+    """``rows`` sequences of ``length`` tokens each (half prompt, half response): no padding."""
+    ids = torch.randint(3, 60, (rows, length), generator=torch.Generator().manual_seed(0)).tolist()
+    return SequenceBatch.of_lists([row[:length // 2] for row in ids], [row[length // 2:] for row in ids])
+
+
+def test_a_bf16_lora_actor_keeps_no_more_for_backward_than_full_fine_tuning_and_its_low_rank_products(tiny):
+    """PEFT keeps the adapters in fp32 on a bf16 base; were each adapted layer's input cast to fp32 for them, that
+    copy would be kept for backward in every layer: more than full fine-tuning keeps (issue 29)."""
+    batch, rank = a_long_batch(), 4
+    full, lora = loaded(tiny, roles=("actor",), dtype="bfloat16"), loaded(
+        tiny, roles=("actor",), dtype="bfloat16", lora_rank=rank, lora_alpha=8)
+
+    def trainer_pass(worker: Worker):
+        return lambda model: response_logprobs(model, batch, worker.roles.pad_id, 1.0, True, torch.device("cpu"))
+
+    full_bytes = saved_for_backward_bytes(full.roles.actor.model, trainer_pass(full))
+    lora_bytes = saved_for_backward_bytes(lora.roles.actor.model, trainer_pass(lora))
+    tokens = int(batch.sequence_lens.sum())
+    assert lora_bytes <= full_bytes + low_rank_bytes(lora.roles.actor.model, tokens, element_size=2)
+
+
+def test_a_bf16_lora_critic_keeps_no_more_for_backward_than_a_fully_trained_one_and_its_low_rank_products(tiny):
+    batch = a_long_batch()
+    full, lora = critic_loaded(tiny, "bfloat16"), critic_loaded(tiny, "bfloat16", lora_rank=4)
+
+    def trainer_pass(worker: Worker):
+        return lambda model: response_values(model, batch, worker.roles.pad_id, torch.device("cpu"))
+
+    full_bytes = saved_for_backward_bytes(full.roles.critic.model, trainer_pass(full))
+    lora_bytes = saved_for_backward_bytes(lora.roles.critic.model, trainer_pass(lora))
+    tokens = int(batch.sequence_lens.sum())
+    assert lora_bytes <= full_bytes + low_rank_bytes(lora.roles.critic.model, tokens, element_size=2)
+
+
+def test_on_a_bf16_base_the_adapters_train_in_fp32(tiny):
+    """The optimizer updates fp32 adapters: in bf16 an update smaller than 1/256 of a weight would be lost."""
+    worker = loaded(tiny, roles=("actor",), dtype="bfloat16", lora_rank=4, lora_alpha=8)
+    update(worker)
+    factors = {name: p for name, p in worker.roles.actor.model.named_parameters() if ".lora_" in name}
+    assert factors and all(p.dtype == torch.float32 for p in factors.values())
+    assert all(p.abs().max() > 0 for name, p in factors.items() if ".lora_B." in name)  # all started at zero
+    assert all(p.dtype == torch.bfloat16 for name, p in worker.roles.actor.model.named_parameters()
+               if name not in factors)
+
+
+def test_a_bf16_lora_actor_s_logprobs_are_those_of_its_merged_weights(tiny):
+    """What the trainer computes for a bf16 LoRA actor is what a rollout computes on the base with the adapters
+    merged into its bf16 weights, to bf16's precision."""
+    worker = loaded(tiny, roles=("actor",), dtype="bfloat16", lora_rank=4, lora_alpha=8)
+    update(worker)
+    merged, base = load_causal_lm(tiny, "bfloat16"), load_causal_lm(tiny, "bfloat16")
+    weights = dict(merged.named_parameters())
+    with torch.no_grad():
+        for module, (a, b) in adapter_pairs(worker.roles.actor.named_weights()).items():
+            weights[f"{module}.weight"].copy_(merged_weight(weights[f"{module}.weight"], a, b))
+    from services.trainer.worker import sequences
+
+    def logprobs(model):
+        return batched_logprobs(model, sequences(SEQUENCES), worker.roles.pad_id, 1.0,
+                                worker.roles.settings.actor_log_probs, worker.ranks)
+
+    actor = worker.compute_log_probs(SEQUENCES, role="actor")
+    assert (actor - logprobs(merged)).abs().max() < 0.02
+    assert (actor - logprobs(base)).abs().max() > 0.1  # the adapters have moved it further than that
