@@ -15,6 +15,7 @@ PEFT is imported inside the functions: the coordinator imports this module to ch
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -188,8 +189,6 @@ def adapter_autocast(model: Any, device_type: str) -> Any:
     that dtype, which casts the fp32 adapters (small) to it where they are used and leaves the activations as
     they are (``with_lora``); nothing for any other model. A base held in fp32 (fp32, or FSDP2's mixed
     precision, which casts every parameter alike) needs none."""
-    import contextlib
-
     import torch
 
     base_dtype = model.get_input_embeddings().weight.dtype
