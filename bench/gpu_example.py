@@ -31,7 +31,6 @@ from pathlib import Path
 import yaml
 
 
-
 def coordctl(*args: str) -> str:
     """Run coordctl as a user would (its module, wherever the entry point is not installed); its output."""
     done = subprocess.run([sys.executable, "-m", "services.coordctl.cli", *args], text=True, capture_output=True)

@@ -16,8 +16,8 @@ Each prints the adapter sync's bytes and seconds.
 
 On an H200 (bench/results/gpu-tests-2026-12-05-c.md) the first test's figures held: gap 0.0111 with the adapter
 against 0.669 for the base, the call in flight 0.0129 against version 1 (0.706 against 2), adapters 2 and 3
-loaded after version 3; it then failed only at comparing vLLM's list of ids with a set, mended since. The
-second did not finish within 190 s.
+loaded after version 3; it then failed at an assertion the cut output did not show, most likely comparing
+vLLM's list of ids with a set (now compared as sets; not re-run). The second did not finish within 190 s.
 """
 
 from __future__ import annotations
