@@ -265,14 +265,19 @@ class Actor:
 
 def adapter_factors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """A PEFT model's LoRA factors as the weight channel carries them: per adapted layer, ``M.lora_A`` and
-    ``M.lora_B`` scaled by the adapter's scale, M the layer's name in the base model (a sharded factor stays a
-    DTensor, gathered as it is sent)."""
+    ``M.lora_B`` scaled by the adapter's scale, M the layer's name in the base model, both in the dtype of the
+    layer's base weight (a sharded factor stays a DTensor, gathered as it is sent).
+
+    The adapters train in fp32, but a rollout computes in its model's dtype (vLLM casts a LoRA to it, the hf
+    engine merges it into the base weight), and so does the trainer's forward (``lora.adapter_autocast``): sending
+    them in that dtype halves a bf16 model's sync bytes and changes nothing the rollout serves."""
     from peft.tuners.lora import LoraLayer
 
     factors = []
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
             layer = name.removeprefix(PEFT_PREFIX)
-            factors += [(layer + FACTOR_A, module.lora_A[ADAPTER].weight.detach()),
-                        (layer + FACTOR_B, module.lora_B[ADAPTER].weight.detach() * module.scaling[ADAPTER])]
+            dtype = module.get_base_layer().weight.dtype
+            a, b = module.lora_A[ADAPTER].weight.detach(), module.lora_B[ADAPTER].weight.detach()
+            factors += [(layer + FACTOR_A, a.to(dtype)), (layer + FACTOR_B, (b * module.scaling[ADAPTER]).to(dtype))]
     return factors

@@ -309,6 +309,8 @@ def test_on_a_bf16_base_the_adapters_train_in_fp32(tiny):
     assert all(p.abs().max() > 0 for name, p in factors.items() if ".lora_B." in name)  # all started at zero
     assert all(p.dtype == torch.bfloat16 for name, p in worker.roles.actor.model.named_parameters()
                if name not in factors)
+    sent = worker.roles.actor.named_weights()  # a sync carries them in the base's dtype, as the rollout computes
+    assert sent and all(t.dtype == torch.bfloat16 for _, t in sent)
 
 
 def test_a_bf16_lora_actor_s_logprobs_are_those_of_its_merged_weights(tiny):
