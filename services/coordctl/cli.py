@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import shutil
 import sys
@@ -42,6 +43,7 @@ DEFAULT_COORDINATOR = "127.0.0.1:7070"
 COORDINATOR = typer.Option(DEFAULT_COORDINATOR, "--coordinator", "-c", envvar="MESHRL_COORDINATOR",
                            help="host:port of the coordinator (env MESHRL_COORDINATOR)")
 FINAL_STATES = ("finished", "stopped", "failed", "interrupted")
+LOCAL_STATE_DIRS = Path("meshrl-runs")  # where --local runs and evals keep their state_dirs unless told otherwise
 
 
 def show_version(asked: bool) -> None:
@@ -194,7 +196,7 @@ def start_run(
         typer.echo(f"note: the env service runs your tools unsandboxed, as you: this machine cannot sandbox them "
                    f"({unsandboxed_here()})")
     if local:
-        state_dir = state_dir or Path("meshrl-runs") / time.strftime("local-%Y%m%d-%H%M%S")
+        state_dir = state_dir or LOCAL_STATE_DIRS / time.strftime("local-%Y%m%d-%H%M%S")
     drive(lambda client: client.start_run(to_yaml(config)), coordinator, services, state_dir, detach, started)
 
 
@@ -345,7 +347,9 @@ def export_model(
 
 
 def find_run_dir(run: str, state_dir: Path | None, coordinator: str) -> Path:
-    """The folder of a run named by its folder, or its id under ``state_dir``, or its id on the coordinator."""
+    """The folder of a run named by its folder, or its id under ``state_dir``, or its id under a --local run's
+    default state_dir here (``meshrl-runs/*/runs``: the coordinator of a finished --local run is gone), or its id
+    on the coordinator."""
     if (Path(run) / "config.yaml").exists():
         return Path(run)
     if state_dir is not None:
@@ -354,6 +358,9 @@ def find_run_dir(run: str, state_dir: Path | None, coordinator: str) -> Path:
             typer.echo(f"error: no run {run} under {state_dir / 'runs'}", err=True)
             raise typer.Exit(2)
         return folder
+    local = sorted(LOCAL_STATE_DIRS.glob(f"*/runs/{glob.escape(run)}/config.yaml")) if "/" not in run else []
+    if local:
+        return local[-1].parent
     folder = Path(call(coordinator, "get_run", run).run_dir)
     if not (folder / "config.yaml").exists():
         typer.echo(f"error: run {run}'s folder {folder} is not readable here: run coordctl on a host that sees "
@@ -484,7 +491,7 @@ def evaluate(
         typer.echo(f"bad config: {error}", err=True)
         raise typer.Exit(2)
     if local:
-        state_dir = state_dir or Path("meshrl-runs") / time.strftime("eval-%Y%m%d-%H%M%S")
+        state_dir = state_dir or LOCAL_STATE_DIRS / time.strftime("eval-%Y%m%d-%H%M%S")
     specs = tuple(ServiceSpec(kind, settings=tuple(launch.settings), env=tuple(sorted(launch.env.items())))
                   for kind in ("rollout", "reward") for launch in local_config.launches(kind))
     final = follow_run(lambda client: client.start_run(to_yaml(config)), coordinator, specs if local else None,

@@ -91,3 +91,22 @@ def test_a_trajectory_that_went_on_in_new_samples_shows_which_sample_each_turn_i
         "    model     trained, weight version 7, 20 tokens, 0.25 s, sample 1",
         "    reply from lookup  not trained, 0 tokens, 0.01 s, sample 2",
         "    model     trained, weight version 7, 3 tokens, 0.10 s, sample 2"]
+
+
+def test_a_finished_local_runs_id_is_found_under_meshrl_runs_here_without_a_coordinator(tmp_path, monkeypatch):
+    """After ``coordctl start-run --local`` its coordinator is gone: the run id its summary names still works."""
+    from typer.testing import CliRunner
+
+    from services.coordctl.cli import app
+
+    run_id = "local-tools-lookup-20261205-172048-04b9"
+    folder = tmp_path / "meshrl-runs" / "local-20261205-172034" / "runs" / run_id
+    (folder / "rollout_data").mkdir(parents=True)
+    (folder / "config.yaml").write_text("trainer:\n  rollout_data_dir: rollout_data\n")
+    (folder / "rollout_data" / "3.jsonl").write_text(json.dumps({**RECORD, "step": 3}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    shown = CliRunner().invoke(app, ["samples", run_id, "--coordinator", "127.0.0.1:1"])
+    assert shown.exit_code == 0, shown.output
+    assert f"{folder.relative_to(tmp_path)}/rollout_data/3.jsonl: 1 of 1 samples of step 3" in shown.output
+    unknown = CliRunner().invoke(app, ["samples", "no-such-run", "--coordinator", "127.0.0.1:1"])
+    assert unknown.exit_code != 0 and "no coordinator answers at 127.0.0.1:1" in unknown.output
