@@ -138,10 +138,10 @@ async def follow(client: CoordinatorClient, run: RunStatus, after_event_id: int 
             elif update.kind == "checkpoint":
                 progress.checkpoint = update.step
                 bar.write(update.message)
-            elif update.kind in ("log", "reward", "validation"):
-                bar.write(update.message)
             elif update.kind == "state":
                 bar.write(f"run {update.state}" + (f": {update.message}" if update.message else ""))
+            elif update.message:  # log, reward, env, validation, warning: what befell the run, in words
+                bar.write(update.message)
     return await client.get_run(run.run_id)
 
 

@@ -46,7 +46,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, Mapping, NamedTuple, Protocol
 
 import torch
 
@@ -196,6 +196,8 @@ class PPOLoop:
                 checkpoints.drawn(step, ahead.data_state)
                 metrics["perf/rollout_idle_fraction"] = pipeline.idle_fraction(since=timer.started)
                 await self.reporter.step(step, metrics)
+                if warning := mismatch_warning(step, metrics, settings.mismatch_kl_warning):
+                    self.reporter.log(warning, kind="warning")
                 if validations.due(step):
                     validations.start(step)                               # beside the next step's work
                 if settings.save_freq and step % settings.save_freq == 0:
@@ -514,3 +516,17 @@ def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollou
 
 def add_count(counts: dict[str, float], name: str, count: int) -> None:
     counts[name] = counts.get(name, 0.0) + float(count)
+
+
+def mismatch_warning(step: int, metrics: Mapping[str, float], limit: float | None) -> str | None:
+    """What to report of a step whose rollout/trainer mismatch KL (training/rollout_mismatch_kl, present when the
+    update had the rollouts' logprobs) is over ``limit``: the trainer does not give the sampled tokens the
+    probabilities the rollouts sampled them with, so the update's importance ratios are off, though the weight
+    check may pass (it scores a probe of its own, not the batch). None when it is within it, or not measured."""
+    kl = metrics.get("training/rollout_mismatch_kl")
+    if limit is None or kl is None or kl <= limit:
+        return None
+    spanning = metrics.get("training/off_policy/samples_spanning_swap", 0.0)
+    return (f"step {step}: rollout/trainer mismatch KL {kl:.3g}, over {limit:g} "
+            "(actor_rollout_ref.rollout.weight_check.mismatch_kl_warning): the trainer disowns the tokens the rollouts "
+            f"sampled, and the update's ratios are off; {spanning:.0f} samples spanned a weight swap")

@@ -100,6 +100,7 @@ class LoopSettings:
     warm_start_own_rows: bool  # the warm start teaches rows RL never draws
     validation: ValidationSettings | None  # None: the run has no held-out data
     keep_samples: bool  # report each step's samples with their lineage (trainer.rollout_data_dir)
+    mismatch_kl_warning: float | None  # a step whose rollout/trainer mismatch KL is over this is reported
     agent: AgentSettings | None  # None: one response per prompt; else multi-turn trajectories
 
 
@@ -153,6 +154,7 @@ def loop_settings(config: RunConfig) -> LoopSettings:
         warm_start_steps=warm_start.steps, warm_start_batch_size=warm_start.batch_size,
         warm_start_own_rows=warm_start.own_rows,
         validation=validation_settings(config), keep_samples=trainer.rollout_data_dir is not None,
+        mismatch_kl_warning=rollout.weight_check.mismatch_kl_warning,
         agent=agent_settings(config),
     )
 

@@ -26,7 +26,7 @@ from services.coordinator.clients import (Generated, Received, RewardSample, Rol
                                          TrainerPlacement)
 from services.run.data import Prompt
 from services.coordinator import checkpointer
-from services.coordinator.loop import PPOLoop, Trainers
+from services.coordinator.loop import PPOLoop, Trainers, mismatch_warning
 from services.coordinator.reward_set import RewardSet
 from services.coordinator.targets import ServiceTarget
 from services.coordinator.rollout_set import RolloutSet
@@ -168,12 +168,15 @@ class FakeReward:
 class Reporter:
     def __init__(self):
         self.steps, self.messages, self.checkpoints, self.validations, self.samples_of = {}, [], [], [], {}
+        self.warnings = []
 
     async def step(self, step, metrics):
         self.steps[step] = metrics
 
     def log(self, message, kind="log"):
         self.messages.append(message)
+        if kind == "warning":
+            self.warnings.append(message)
 
     def checkpoint(self, step, path, loop_state, keep):
         self.checkpoints.append((step, path, loop_state))
@@ -525,3 +528,38 @@ def test_a_warm_start_with_its_own_rows_teaches_rows_that_rl_never_draws(tmp_pat
     assert len(mesh.trainer.taught) == 2 and len(taught) == 2  # two steps, each a row of its own
     assert len(drawn) == 2 and not taught & drawn  # RL's three steps draw from the two rows left
     assert taught | drawn == {text(p.token_ids) for p in PROMPTS}
+
+
+def test_a_step_whose_rollout_trainer_mismatch_kl_is_over_the_limit_is_reported_with_its_figures():
+    spanning = {"training/rollout_mismatch_kl": 0.579, "training/off_policy/samples_spanning_swap": 512.0}
+    assert mismatch_warning(2, spanning, 0.1) == (
+        "step 2: rollout/trainer mismatch KL 0.579, over 0.1 (actor_rollout_ref.rollout.weight_check."
+        "mismatch_kl_warning): the trainer disowns the tokens the rollouts sampled, and the update's ratios are off; "
+        "512 samples spanned a weight swap")
+    assert mismatch_warning(3, {"training/rollout_mismatch_kl": 0.013}, 0.1) is None  # a healthy bf16 vLLM step
+    assert mismatch_warning(3, {"training/rollout_mismatch_kl": 0.1}, 0.1) is None  # at the limit: within it
+    assert mismatch_warning(3, {}, 0.1) is None  # not measured (no rollout logprobs)
+    assert mismatch_warning(3, spanning, None) is None  # turned off
+
+
+def reporting_mismatch(trainer: FakeTrainer, kls: list[float]) -> None:
+    """The fake trainer's updates report these rollout/trainer mismatch KLs, one a step."""
+    update, left = trainer.update_actor, iter(kls)
+
+    async def update_reporting_mismatch(*args, **kwargs):
+        metrics, version = await update(*args, **kwargs)
+        return {**metrics, "training/rollout_mismatch_kl": next(left)}, version
+
+    trainer.update_actor = update_reporting_mismatch
+
+
+def test_the_loop_reports_each_step_whose_mismatch_kl_is_over_the_limit_and_goes_on(tmp_path):
+    mesh = Mesh(tmp_path, {})
+    reporting_mismatch(mesh.trainer, [0.001, 0.58, 0.79])
+    assert mesh.run() is True
+    assert [w.split(":")[0] for w in mesh.reporter.warnings] == ["step 2", "step 3"]
+    assert "rollout/trainer mismatch KL 0.58, over 0.1" in mesh.reporter.warnings[0]
+    off = Mesh(tmp_path / "off", {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}, "rollout": {
+        "n": N, "weight_check": {"mismatch_kl_warning": None}}}})
+    reporting_mismatch(off.trainer, [0.5, 0.5, 0.5])
+    assert off.run() is True and off.reporter.warnings == []
