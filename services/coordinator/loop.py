@@ -169,8 +169,9 @@ class PPOLoop:
 
     async def run(self, resume: Checkpoint | None = None) -> bool:
         """Set up (from ``resume`` if given), then train until the last step or a stop request, checkpointing
-        every trainer.save_freq steps and at a stop, and validating when asked; True if every step ran. A run
-        that only validates does that and ends."""
+        every trainer.save_freq steps and at a stop (one asked during the warm start: its weights, as step 0, so
+        that a resume does not teach them again), and validating when asked; True if every step ran. A run that
+        only validates does that and ends."""
         settings, validation = self.settings, self.settings.validation
         if validation is not None and validation.only:
             await self.follow_envs()
@@ -182,6 +183,9 @@ class PPOLoop:
         checkpoints, validations = self.checkpoints, self.validations
         first, last = checkpoints.saved_step + 1, settings.total_steps
         if self.should_stop():
+            if resume is None and settings.warm_start_steps:  # stopped in the warm start: keep what it taught
+                checkpoints.drawn(0, checkpoints.data_state())
+                await checkpoints.save(0, self.kl_coef)
             return False
         if validation is not None and validation.before_train and checkpoints.saved_step == 0:
             validations.start(0)                                          # the starting weights

@@ -209,7 +209,7 @@ class Mesh:
         self.rollouts = {address: FakeRollout(address, self.trainer) for address in rollouts}
         self.rewards = {address: FakeReward(address) for address in rewards}
         groups = {"group default": ["reward-a:1"], "group b": ["reward-b:1"]}
-        stop = (lambda: len(self.reporter.steps) >= stop_after) if stop_after else (lambda: False)
+        stop = (lambda: len(self.reporter.steps) >= stop_after) if stop_after is not None else (lambda: False)
         rollout_set = RolloutSet("run", rollout_set_settings(config), self.trainer, lambda: list(self.rollouts),
                                  self.reporter, stop, connect=self.rollouts.__getitem__)
         reward_set = RewardSet(ServiceTarget("group", "default"), lambda target: groups[str(target)], self.reporter,
@@ -401,6 +401,22 @@ def test_a_stop_request_checkpoints_the_last_step_and_a_resume_goes_on_from_it(t
     assert again.reporter.steps[3]["training/weight_version"] == 3.0
     assert again.rollouts["rollout:1"].generated == 4 * N  # only step 3 is generated
 
+
+
+def test_a_stop_asked_during_the_warm_start_keeps_its_weights_as_step_0_and_a_resume_does_not_teach_again(tmp_path):
+    warm = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "warm_start": {"steps": 2, "batch_size": 1}},
+                                  "rollout": {"n": N}}}
+    mesh = Mesh(tmp_path, warm, stop_after=0)  # asked before the first step
+    assert mesh.run() is False
+    [(step, path, state)] = mesh.reporter.checkpoints
+    assert step == 0 and len(mesh.trainer.taught) == 2 and not mesh.reporter.steps
+    assert mesh.trainer.saved == [str(Path(path) / "actor")]
+    again = Mesh(tmp_path, warm)
+    again.trainer.version = 2  # the trainer restores the warm start's weights
+    assert again.run(Checkpoint("run", step, path, state)) is True
+    assert again.trainer.taught == [] and sorted(again.reporter.steps) == [1, 2, 3]
+    cold = Mesh(tmp_path / "cold", {}, stop_after=0)  # no warm start: nothing to keep before step 1
+    assert cold.run() is False and cold.reporter.checkpoints == []
 
 HELD_OUT = [prompt(digits) for digits in ("12", "345")]  # the fake rollout answers 12 twice right, 345 once
 
