@@ -253,11 +253,17 @@ def resume(
     detach: bool = typer.Option(False, "--detach", help="return once the run has resumed"),
 ) -> None:
     """Continue a stopped, failed or interrupted run from its last complete checkpoint."""
+    services = None
     if local:
+        from services.coordctl.local import saved_services
+
         refuse_local_with(context, detach)
         if state_dir is None or not (state_dir / "meshrl.db").exists():
             raise fail("--local resume needs --state-dir, the folder holding the run's meshrl.db")
-    services = local_services(LocalConfig(), RunConfig()) if local else None
+        try:  # the services the run was started with (a state_dir from before they were kept: the default ones)
+            services = saved_services(state_dir) or local_services(LocalConfig(), RunConfig())
+        except ValueError as error:
+            raise fail(f"error: {error}")
     drive(lambda client: client.resume_run(run_id), coordinator, services, state_dir, detach, time.monotonic())
 
 

@@ -172,7 +172,8 @@ async def begin_and_follow(coordinator: str, begin: Callable[[CoordinatorClient]
             if await interrupts.until(watching, 2):
                 return watching.result()
             watching.cancel()
-            since = f"the last checkpoint (step {progress.checkpoint})" if progress.checkpoint else "the start"
+            saved = progress.checkpoint
+            since = "the start" if saved is None else f"the last checkpoint (step {saved})"
             typer.echo(f"\nstopping now: the run goes on from {since} with {resume_hint or 'coordctl resume'} "
                        f"{run.run_id}; the steps after that will be redone")
             return await client.get_run(run.run_id)
@@ -183,8 +184,9 @@ async def begin_and_follow(coordinator: str, begin: Callable[[CoordinatorClient]
 async def run_local(begin, state_dir: Path, services: tuple) -> RunStatus:
     """Start the coordinator and ``services`` (ServiceSpecs) on ``state_dir``, begin the run there and follow it;
     stop them all after (the coordinator first, so that no service it still watches is seen to go)."""
-    from services.coordctl.local import LocalCluster
+    from services.coordctl.local import LocalCluster, save_services
 
+    save_services(state_dir, services)
     cluster = LocalCluster(state_dir, services)
     try:
         typer.echo(f"starting the local services (logs in {cluster.log_dir})")

@@ -56,6 +56,30 @@ class ServiceSpec:
 
 
 ONE_OF_EACH = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"))
+SERVICES_FILE = "services.json"  # in a --local state_dir: the services started there, which resume --local restarts
+
+
+def save_services(state_dir: Path, services: tuple[ServiceSpec, ...]) -> None:
+    """Record in ``state_dir`` the services a --local run started (its local section and run config chose them:
+    an env service for a multi-turn run, a vLLM rollout's settings), for ``resume --local`` to start again."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"kind": s.kind, "group": s.group, "settings": list(s.settings), "env": [list(pair) for pair in s.env],
+             "ranks": s.ranks} for s in services]
+    (state_dir / SERVICES_FILE).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def saved_services(state_dir: Path) -> tuple[ServiceSpec, ...] | None:
+    """The services ``save_services`` recorded in ``state_dir`` (None: none recorded, a state_dir from before
+    they were); ValueError naming the file if it is not what it wrote."""
+    path = state_dir / SERVICES_FILE
+    if not path.exists():
+        return None
+    try:
+        return tuple(ServiceSpec(row["kind"], row["group"], tuple(row["settings"]),
+                                 tuple((name, value) for name, value in row["env"]), row["ranks"])
+                     for row in json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} does not list the services of a --local run: {error!r}") from None
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
              "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 

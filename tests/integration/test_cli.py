@@ -122,6 +122,38 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path):
     assert tensorboard_scalars(run_dir / "tensorboard")["critic/score/mean"] == pytest.approx(rewards, rel=1e-6)
 
 
+def test_a_local_tools_run_stopped_in_its_warm_start_resumes_with_its_env_service_without_teaching_again(tmp_path):
+    """Ctrl-C during the warm start keeps what it taught (a checkpoint of step 0), and resume --local starts the
+    services the run was started with: here an env service for its tool, which the default services lack."""
+    state_dir, repository = tmp_path / "state", Path(__file__).resolve().parents[2]
+    small = ["actor_rollout_ref.actor.warm_start.steps=300", "actor_rollout_ref.actor.warm_start.batch_size=4",
+             "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "trainer.test_freq=-1", "trainer.val_before_train=false", "local.lookup_task.rows=500"]
+    process = subprocess.Popen([*COORDCTL, "start-run", "--local", "examples/local_tools.yaml", *small, "--state-dir",
+                                str(state_dir)], cwd=repository, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
+    said = ""
+    try:
+        said = said_until(process, "warm start 60/300")  # 240 steps before the first RL step: the stop lands first
+    finally:
+        process.send_signal(signal.SIGINT)
+        output = said + process.communicate(timeout=180)[0].decode()
+    assert process.returncode == 1 and "checkpoint of step 0 saved in" in output, output[-2000:]
+    (run_id, state, step, _), events = run_row_and_events(state_dir)
+    assert state == "stopped" and step == 0 and [s for kind, s, _ in events if kind == "checkpoint"] == [0]
+
+    resumed = subprocess.Popen([*COORDCTL, "resume", "--local", "--state-dir", str(state_dir), run_id],
+                               cwd=repository, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
+    try:
+        wait_for_step(state_dir, 1, resumed)
+    finally:  # stopped as a person stops it, whatever happened (its local services stop with it)
+        resumed.send_signal(signal.SIGINT)
+        output = resumed.communicate(timeout=120)[0].decode()
+    assert "resumed from the checkpoint of step 0" in output and "env replicas of group default" in output, output
+    assert "warm start" not in output and "waiting" not in output
+
+
 def read_until(process: subprocess.Popen, text: str) -> str:
     """The output of ``process`` up to the line holding ``text``, and that line's following two (read as it comes)."""
     lines: list[str] = []

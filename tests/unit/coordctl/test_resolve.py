@@ -186,3 +186,17 @@ def test_an_algorithm_no_local_service_can_register_is_refused_and_a_remote_ones
     assert [line.split(":")[0] for line in unregistered_algorithms(estimator, None)] == [
         "algorithm.adv_estimator=range_norm"]
     assert unregistered_algorithms(RunConfig(), local) == []
+
+
+def test_the_services_a_local_run_started_are_kept_for_its_resume_and_a_garbled_list_is_named(tmp_path):
+    from services.coordctl.local import SERVICES_FILE, ServiceSpec, save_services, saved_services
+
+    started = (ServiceSpec("trainer", env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+               ServiceSpec("rollout", settings=("engine=vllm", "enable_prefix_caching=true")),
+               ServiceSpec("env", group="tools", settings=("workers=64",)), ServiceSpec("trainer", ranks=2))
+    assert saved_services(tmp_path) is None  # a state_dir from before they were kept
+    save_services(tmp_path, started)
+    assert saved_services(tmp_path) == started
+    (tmp_path / SERVICES_FILE).write_text('[{"kind": "trainer"}]')
+    with pytest.raises(ValueError, match=f"{tmp_path / SERVICES_FILE} does not list the services of a --local run"):
+        saved_services(tmp_path)
