@@ -458,7 +458,8 @@ def evaluate(
                                                            "<MODEL_DIR name>-eval.jsonl here)"),
     overrides: Optional[list[str]] = typer.Argument(None, help="more run config: key.path=value ... (and, with "
                                                                "--local, local.services.rollout=[...])"),
-    local: bool = typer.Option(False, "--local", help="start a rollout and a reward service on this machine"),
+    local: bool = typer.Option(False, "--local", help="start a rollout and a reward service on this machine (and "
+                                                       "an env service to evaluate a multi-turn model)"),
     coordinator: str = COORDINATOR,
     state_dir: Optional[Path] = typer.Option(None, help="--local: folder for the run DB and logs"),
 ) -> None:
@@ -466,8 +467,7 @@ def evaluate(
     print mean@n and pass@k per data source, write every response with its score. A folder that coordctl export
     wrote is scored with its run's prompt and response lengths unless told otherwise. An adapter folder is
     merged onto its base model into <MODEL_DIR name>-merged here, which the rollouts then serve."""
-    from services.coordctl.export import exported_data, merge_adapter
-    from services.coordctl.local import ServiceSpec
+    from services.coordctl.export import exported_settings, merge_adapter
     from services.run.lora import ADAPTER_CONFIG
 
     if (model_dir / ADAPTER_CONFIG).exists():
@@ -480,26 +480,27 @@ def evaluate(
         typer.echo(f"merged the adapter {model_dir} onto its base into {merged}")
 
     sampled = temperature if temperature is not None else (1.0 if n > 1 else 0.0)
-    data_settings = {"max_response_length": 512, **exported_data(model_dir)}
+    exported = exported_settings(model_dir)
+    data_settings = {"max_response_length": 512, **exported.get("data", {})}
     if max_response_length is not None:
         data_settings["max_response_length"] = max_response_length
+    rollout = {**exported.get("actor_rollout_ref", {}).get("rollout", {}),
+               "val_kwargs": {"n": n, "do_sample": sampled > 0, "temperature": sampled}}
     try:
         run_data = apply_overrides({
             "data": {"val_files": [str(path.resolve()) for path in data], **data_settings},
-            "actor_rollout_ref": {"model": {"path": str(model_dir.resolve())}, "rollout": {"val_kwargs": {
-                "n": n, "do_sample": sampled > 0, "temperature": sampled}}},
+            "actor_rollout_ref": {"model": {"path": str(model_dir.resolve())}, "rollout": rollout},
             "trainer": {"val_only": True, "experiment_name": f"eval-{model_dir.resolve().name}"}},
             list(overrides or []))
         local_config = validate(LocalConfig, run_data.pop("local", {}), "local")
         config = validate(RunConfig, run_data)
         config.require_paths()
+        specs = tuple(spec for spec in local_services(local_config, config) if spec.kind != "trainer")
     except (ConfigError, ValueError) as error:
         typer.echo(f"bad config: {error}", err=True)
         raise typer.Exit(2)
     if local:
         state_dir = state_dir or LOCAL_STATE_DIRS / time.strftime("eval-%Y%m%d-%H%M%S")
-    specs = tuple(ServiceSpec(kind, settings=tuple(launch.settings), env=tuple(sorted(launch.env.items())))
-                  for kind in ("rollout", "reward") for launch in local_config.launches(kind))
     final = follow_run(lambda client: client.start_run(to_yaml(config)), coordinator, specs if local else None,
                        state_dir, False)
     if final.state != "finished":

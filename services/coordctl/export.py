@@ -32,9 +32,10 @@ from services.run.config import RunConfig
 from services.run.sections.lora import LoraKeys
 
 EXPORT_RECORD = "meshrl_export.json"
-EVAL_DATA_KEYS = ("max_prompt_length", "max_response_length", "truncation")
+EVAL_DATA_KEYS = ("max_prompt_length", "max_response_length", "truncation", "return_raw_chat")
 """The run's data.* keys an export records in EXPORT_RECORD: how long a prompt and a response may be, and what
-a longer prompt becomes; ``coordctl eval`` of the folder starts from them."""
+a longer prompt becomes; ``coordctl eval`` of the folder starts from them (and from a multi-turn run's
+actor_rollout_ref.rollout.multi_turn, recorded too: a model trained to call tools is scored calling them)."""
 
 
 def checkpoint_steps(folder: Path, role: str) -> dict[int, Path]:
@@ -169,9 +170,11 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "a
         model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="4GB")
     tokenizer.save_pretrained(out_dir)
     data = {key: getattr(config.data, key) for key in EVAL_DATA_KEYS}
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    rollout = {"multi_turn": multi_turn.model_dump(mode="json")} if multi_turn.enable else {}
     (out_dir / EXPORT_RECORD).write_text(json.dumps(
         {"run_dir": str(run_dir), "step": step, "role": role, "checkpoint": str(folder), "data": data,
-         "adapter": adapter}, indent=1) + "\n")
+         "rollout": rollout, "adapter": adapter}, indent=1) + "\n")
     return step, out_dir
 
 
@@ -202,10 +205,13 @@ def merge_adapter(adapter_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def exported_data(model_dir: Path) -> dict:
-    """The run's data settings that ``export`` recorded beside the model (EVAL_DATA_KEYS), for ``coordctl eval``
-    to default to; empty for a folder that was not exported by coordctl or that predates the record."""
+def exported_settings(model_dir: Path) -> dict:
+    """The run's settings that ``export`` recorded beside the model, for ``coordctl eval`` to default to: its
+    data.* (EVAL_DATA_KEYS) and, for a multi-turn run, actor_rollout_ref.rollout.multi_turn, as a run config's
+    sections; empty for a folder that was not exported by coordctl or that predates the record."""
     record = model_dir / EXPORT_RECORD
     if not record.exists():
         return {}
-    return json.loads(record.read_text()).get("data", {})
+    recorded = json.loads(record.read_text())
+    rollout = recorded.get("rollout", {})
+    return {"data": recorded.get("data", {}), **({"actor_rollout_ref": {"rollout": rollout}} if rollout else {})}

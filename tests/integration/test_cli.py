@@ -153,6 +153,23 @@ def test_a_local_tools_run_stopped_in_its_warm_start_resumes_with_its_env_servic
     assert "resumed from the checkpoint of step 0" in output and "env replicas of group default" in output, output
     assert "warm start" not in output and "waiting" not in output
 
+    # its export is evaluated calling the tool, as it was trained: the export records the run's multi_turn
+    # settings, and eval --local starts an env service for them
+    exported = tmp_path / "exported"
+    done = coordctl("export", run_id, str(exported), "--state-dir", str(state_dir))
+    assert done.returncode == 0, done.stderr
+    [run_dir] = state_dir.glob("runs/*")
+    held_out = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["val_files"][0]
+    evaluated = subprocess.run([*COORDCTL, "eval", str(exported), "--local", "--data", held_out, "--out",
+                                str(tmp_path / "eval.jsonl"), "--state-dir", str(tmp_path / "eval")], cwd=repository,
+                               capture_output=True, text=True, timeout=300,
+                               env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
+    assert evaluated.returncode == 0, evaluated.stdout[-2000:] + evaluated.stderr[-2000:]
+    assert "env replicas of group default" in evaluated.stdout and "meshrl/lookup: acc/mean@1" in evaluated.stdout
+    [metrics] = [json.loads(line) for path in (tmp_path / "eval").glob("runs/*/metrics.jsonl")
+                 for line in path.read_text().splitlines()]
+    assert metrics["val/agent/tool_call_rate"] > 0 and metrics["val/num_turns/max"] == 3  # call, reply, answer
+
 
 def read_until(process: subprocess.Popen, text: str) -> str:
     """The output of ``process`` up to the line holding ``text``, and that line's following two (read as it comes)."""

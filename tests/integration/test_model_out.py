@@ -80,7 +80,7 @@ def test_validate_export_evaluate_and_train_again(cluster, tiny_model, reverse_d
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in exported.iterdir()}
     assert json.loads((exported / "meshrl_export.json").read_text())["data"] == {
-        "max_prompt_length": 16, "max_response_length": 6, "truncation": "error"}
+        "max_prompt_length": 16, "max_response_length": 6, "truncation": "error", "return_raw_chat": False}
     prompt, response = [5, 6, 7, 16], [9, 12, 3]
     address = {s.kind: s.address for s in services}
     assert torch.allclose(transformers_logprobs(exported, prompt, response),
