@@ -6,8 +6,8 @@
 1. ``coordctl start-run --local CONFIG`` (timed), the services on this machine's GPU;
 2. ``coordctl export`` of the run's last checkpoint into a Hugging Face folder;
 3. ``coordctl eval`` of that folder on the run's held-out file, with the run's validation sampling and seed,
-   on a vLLM rollout (not for a multi-turn run such as examples/gpu_tools.yaml: eval scores one response per
-   prompt and calls no tools);
+   on a vLLM rollout (not yet for a multi-turn run such as examples/gpu_tools.yaml: eval calls tools since
+   2026-12-05, on the CPU, and its env services would need this bench's worker settings; not tried on a GPU);
 4. the warm start's loss lines, a table of every validation (step, weight version, accuracy, reward), then
    the figures: the held-out accuracy after the warm start and after GRPO, the gain in points, the wall time,
    and the exported model's accuracy under ``coordctl eval`` against the last validation's (a multi-turn run:
