@@ -56,7 +56,13 @@ class ServiceSpec:
 
 
 ONE_OF_EACH = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"))
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+             "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 SERVICES_FILE = "services.json"  # in a --local state_dir: the services started there, which resume --local restarts
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MESHRL_CACHE", Path.home() / ".cache" / "meshrl"))
 
 
 def save_services(state_dir: Path, services: tuple[ServiceSpec, ...]) -> None:
@@ -80,12 +86,6 @@ def saved_services(state_dir: Path) -> tuple[ServiceSpec, ...] | None:
                      for row in json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path} does not list the services of a --local run: {error!r}") from None
-CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-             "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MESHRL_CACHE", Path.home() / ".cache" / "meshrl"))
 
 
 def tiny_model_name(tiny: TinyModelConfig) -> str:
