@@ -402,7 +402,6 @@ def test_a_stop_request_checkpoints_the_last_step_and_a_resume_goes_on_from_it(t
     assert again.rollouts["rollout:1"].generated == 4 * N  # only step 3 is generated
 
 
-
 def test_a_stop_asked_during_the_warm_start_keeps_its_weights_as_step_0_and_a_resume_does_not_teach_again(tmp_path):
     warm = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "warm_start": {"steps": 2, "batch_size": 1}},
                                   "rollout": {"n": N}}}
@@ -417,6 +416,7 @@ def test_a_stop_asked_during_the_warm_start_keeps_its_weights_as_step_0_and_a_re
     assert again.trainer.taught == [] and sorted(again.reporter.steps) == [1, 2, 3]
     cold = Mesh(tmp_path / "cold", {}, stop_after=0)  # no warm start: nothing to keep before step 1
     assert cold.run() is False and cold.reporter.checkpoints == []
+
 
 HELD_OUT = [prompt(digits) for digits in ("12", "345")]  # the fake rollout answers 12 twice right, 345 once
 
