@@ -24,8 +24,12 @@ The runs (--runs, any of them, in this order):
   for both).
 - every-gpu: a rollout on each GPU, the one on the trainer's GPU asleep while the trainer works
   (free_cache_engine), max_staleness 0.
+- colocated-gc: colocated with actor_rollout_ref.model.enable_gradient_checkpointing (as TRL's runs have it).
 - colocated-lora: colocated with LoRA (issue 29): actor_rollout_ref.model.lora_rank 64, lora_alpha 128,
   target_modules all-linear; each sync sends the adapters alone, which the vLLM rollout loads from memory.
+- colocated-lora-merge: colocated-lora with actor_rollout_ref.model.lora.merge: each sync sends the adapted
+  layers' merged weights, which vLLM serves as full weights (no LoRA kernels).
+- colocated-lora-gc: colocated-lora with gradient checkpointing, against colocated-gc.
 - trl-lora: trl with a PEFT LoraConfig of the same rank, alpha and targets (TRL merges the adapters into the
   weights it pushes to vLLM at each sync).
 meshrl's runs start the services as a user does (LocalCluster: coordinator, trainer, rollout, reward on
@@ -42,7 +46,8 @@ max_staleness >= 1 not the last, which trains a batch generated ahead); peak mem
 perf/max_memory_allocated_gb; TRL: the process's torch peak less what its vLLM holds), vLLM's (meshrl:
 perf/rollout/; TRL: what building vLLM added), and each GPU's used memory (nvidia-smi, every 0.5 s). The
 ratios of each run's s/step to TRL's in the same folder are printed last, then the LoRA runs against the full
-fine-tunes (colocated-lora against colocated, trl-lora against trl): trainer peak memory, s/step and sync
+fine-tunes (colocated-lora and -merge against colocated, colocated-lora-gc against colocated-gc, trl-lora against
+trl): trainer peak memory, s/step and sync
 seconds, beside issue 29's goals (peak at most 0.6x, the step no slower, the adapter sync under 5 ms).
 
     python bench/grpo_step.py --runs trl,colocated,colocated-k1 --out OUT [--trl-site DIR] [--steps 8] [key=value ...]
@@ -100,6 +105,8 @@ class Run:
     max_staleness: int = 0
     sleep: bool = False  # actor_rollout_ref.rollout.free_cache_engine
     lora: bool = False  # trains LoRA adapters (LORA_RANK, LORA_ALPHA, all-linear) instead of every weight
+    merge: bool = False  # a LoRA run's rollout serves the adapters merged into its weights (lora.merge)
+    checkpointing: bool = False  # actor_rollout_ref.model.enable_gradient_checkpointing
 
 
 RUNS = {
@@ -110,10 +117,14 @@ RUNS = {
     "split-k0": Run(2, "split"),
     "split-k1": Run(2, "split", max_staleness=1),
     "every-gpu": Run(2, "every-gpu", sleep=True),
+    "colocated-gc": Run(1, "colocated", checkpointing=True),
     "colocated-lora": Run(1, "colocated", lora=True),
+    "colocated-lora-merge": Run(1, "colocated", lora=True, merge=True),
+    "colocated-lora-gc": Run(1, "colocated", lora=True, checkpointing=True),
     "trl-lora": Run(1, "", lora=True),
 }
-LORA_AGAINST = {"colocated-lora": "colocated", "trl-lora": "trl"}  # each LoRA run's full fine-tune
+LORA_AGAINST = {"colocated-lora": "colocated", "colocated-lora-merge": "colocated",  # each LoRA run's full
+                "colocated-lora-gc": "colocated-gc", "trl-lora": "trl"}  # fine-tune, alike in checkpointing
 
 
 # ---------------------------------------------------------------- what a run's steps come to
@@ -388,9 +399,9 @@ def meshrl_config(name: str, model: Path, data: Path, steps: int, overrides: lis
         "data": {"train_files": [str(data)], "train_batch_size": PROMPTS, "max_prompt_length": PROMPT_TOKENS,
                  "max_response_length": RESPONSE_TOKENS},
         "actor_rollout_ref": {
-            "model": {"path": str(model), "dtype": "bfloat16",
-                      **({"lora_rank": LORA_RANK, "lora_alpha": LORA_ALPHA, "target_modules": "all-linear"}
-                         if run.lora else {})},
+            "model": {"path": str(model), "dtype": "bfloat16", "enable_gradient_checkpointing": run.checkpointing,
+                      **({"lora_rank": LORA_RANK, "lora_alpha": LORA_ALPHA, "target_modules": "all-linear",
+                          "lora": {"merge": run.merge}} if run.lora else {})},
             "actor": {"optim": {"lr": LR}, "ppo_mini_batch_size": PROMPTS, "ppo_micro_batch_size_per_gpu": MICRO_BATCH,
                       "use_kl_loss": False},
             "rollout": {"name": "vllm", "n": SAMPLES, "free_cache_engine": run.sleep},

@@ -5,11 +5,18 @@ module name M (the name in the base model, as the rollout loaded it): ``M.lora_A
 (out x rank), B already multiplied by the adapter's scale (lora_alpha / rank), so the layer serves
 W = W_base + B @ A. The bucket protocol, its checksums and its manifest are those of full weights
 (``weight_sync``); only the names tell a rollout that the broadcast is an adapter.
+
+A LoRA actor whose adapters are served merged (``lora.merge``) sends instead each adapted layer's merged weight
+``M.weight`` = W_base + B @ A (``MergedWeight``, made as it is sent), which a rollout loads as full weights.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from services.common.weight_sync import full
 
 FACTOR_A, FACTOR_B = ".lora_A", ".lora_B"
 
@@ -42,3 +49,29 @@ def adapter_pairs(named: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[torc
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """W_base + B @ A (B scaled), computed in fp32 and given back in the base's dtype. [out, in]."""
     return (base.float() + b.float() @ a.float()).to(base.dtype)
+
+
+@dataclass(frozen=True)
+class MergedWeight:
+    """A LoRA layer's weight with its adapter merged in, W_base + scale * B @ A in W_base's dtype, made only when
+    the weight channel sends it (``full_tensor``): the base and the factors are gathered then (DTensor shards, on
+    every rank in the sender's order), so a sync holds one merged layer at a time, not a merged copy of the model."""
+
+    base: torch.Tensor  # [out, in]
+    a: torch.Tensor  # [rank, in]
+    b: torch.Tensor  # [out, rank], unscaled
+    scale: float  # lora_alpha / rank
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.base.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+    def numel(self) -> int:
+        return self.base.numel()
+
+    def full_tensor(self) -> torch.Tensor:
+        return merged_weight(full(self.base), full(self.a), full(self.b).float() * self.scale)

@@ -25,7 +25,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -34,6 +34,24 @@ from services.common.timing import StageTimer
 from services.common.wire import DTYPE_NAMES, DTYPES
 
 ALIGN = 16
+
+
+class MadeWhenSent(Protocol):
+    """A tensor a sender makes only as it sends it (``full`` calls ``full_tensor``, as it gathers a DTensor), e.g.
+    a LoRA layer's merged weight (``adapters.MergedWeight``): a sync then holds one such tensor at a time."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def numel(self) -> int: ...
+
+    def full_tensor(self) -> torch.Tensor: ...
+
+
+Sendable = torch.Tensor | MadeWhenSent  # what a weight sync sends under a name
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,7 @@ class Bucket:
     entries: tuple[Entry, ...]
 
 
-def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+def plan_buckets(named: list[tuple[str, Sendable]], bucket_bytes: int,
                  dtype: torch.dtype | None = None) -> list[Bucket]:
     """Pack tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor gets one alone), as
     ``dtype`` if given (a DTensor counts with its global shape).
@@ -100,16 +118,16 @@ def checksum(buffer: torch.Tensor) -> int:
     return int(checksum_tensor(buffer))
 
 
-def full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The whole tensor (a DTensor shard is all-gathered: a collective of its mesh), cast to ``dtype``; called
-    under no_grad."""
+def full(tensor: Sendable, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor (a DTensor shard is all-gathered: a collective of its mesh; a ``MadeWhenSent`` is made),
+    cast to ``dtype``; called under no_grad."""
     if hasattr(tensor, "full_tensor"):
         tensor = tensor.full_tensor()
     return tensor if dtype is None else tensor.to(dtype)
 
 
 @torch.no_grad()
-def gather_weights(named: list[tuple[str, torch.Tensor]]) -> None:
+def gather_weights(named: list[tuple[str, Sendable]]) -> None:
     """A sharded trainer's ranks other than the sender: take part in each all-gather of ``WeightSender.send``, in
     its order (every rank must call ``full_tensor`` for every parameter in the same order)."""
     for _, tensor in named:
@@ -176,7 +194,7 @@ class BucketBuffers:
         return self._placed[index]
 
     @torch.no_grad()
-    def pack(self, index: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    def pack(self, index: int, tensors: dict[str, Sendable], dtype: torch.dtype | None = None) -> torch.Tensor:
         """Bucket ``index``'s tensors (whole, as ``dtype`` if given) copied into its buffer at their offsets in
         one batched copy, the padding zeroed (another bucket may have used the buffer since); the buffer."""
         buffer, views, gaps = self.place(index)
@@ -197,7 +215,7 @@ class WeightSender:
 
     @torch.no_grad()
     def send(
-        self, channel: TensorChannel, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
+        self, channel: TensorChannel, named: list[tuple[str, Sendable]], version: int, bucket_bytes: int,
         dtype: torch.dtype | None = None, timer: StageTimer | None = None,
     ) -> tuple[int, int]:
         """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets). ``timer``, if

@@ -126,7 +126,7 @@ class RolloutSetSettings:
     rpc_timeout_s: float
     bucket_bytes: int
     partial_rollout: str  # what a swap does with the Generate calls in flight: finish, restart or keep
-    lora_rank: int  # a LoRA run's largest adapter rank (its syncs bring adapters); 0: full weights
+    lora_rank: int  # a LoRA run's largest adapter rank (its syncs bring adapters); 0: full weights (or merged ones)
     adapter_versions: int  # adapter versions a LoRA rollout keeps loaded (max_staleness + 1); 0 without LoRA
     weight_check: WeightCheckSettings | None = None  # None: no check of the weights after a sync
 
@@ -196,13 +196,14 @@ def validation_settings(config: RunConfig) -> ValidationSettings | None:
 
 def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
     model, trainer = config.actor_rollout_ref.model, config.trainer
+    lora_rank = served_lora_rank(model)
     return RolloutSetSettings(
         model_path=model.path, dtype=model.dtype, allow_pickle=model.allow_pickle, group=config.placement.rollout,
         backend=trainer.weight_sync_backend,
         channel_timeout_s=trainer.channel_timeout_s, rpc_timeout_s=trainer.rpc_timeout_s,
         bucket_bytes=trainer.weight_sync_bucket_mb << 20,
         partial_rollout=config.actor_rollout_ref.rollout.partial_rollout,
-        lora_rank=served_lora_rank(model), adapter_versions=trainer.async_.max_staleness + 1 if model.lora_rank else 0,
+        lora_rank=lora_rank, adapter_versions=trainer.async_.max_staleness + 1 if lora_rank else 0,
         weight_check=weight_check_settings(config),
     )
 

@@ -118,9 +118,10 @@ def check_adapter_folder(path: str, linears: dict[str, tuple[int, int]], key: st
 
 
 def served_lora_rank(keys: ActorLoraKeys) -> int:
-    """The largest rank of the adapters a LoRA actor trains (0 for full fine-tuning): lora_rank, or with
-    lora_adapter_path that adapter's own (its r, or the largest of its per-module rank_pattern)."""
-    if not keys.lora_rank:
+    """The largest rank of the adapters a rollout serves as adapters (0 for full fine-tuning, and for adapters
+    merged into the rollout's weights, ``lora.merge``): lora_rank, or with lora_adapter_path that adapter's own
+    (its r, or the largest of its per-module rank_pattern)."""
+    if not keys.lora_rank or keys.lora.merge:
         return 0
     if not keys.lora_adapter_path:
         return keys.lora_rank

@@ -21,13 +21,15 @@ import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from services import algos
 from services.algo_registry import POLICY_LOSSES, PolicyLossInputs, PolicyLossParams
-from services.common.adapters import FACTOR_A, FACTOR_B
+from services.common.adapters import FACTOR_A, FACTOR_B, MergedWeight
 from services.common.sequences import SequenceBatch
+from services.common.weight_sync import Sendable
 from services.run.lora import ADAPTER, PEFT_PREFIX, is_lora
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.forward import batched_logprobs, gather_tokens, response_logprobs
@@ -113,11 +115,13 @@ class UpdateInputs:
 
 class Actor:
     def __init__(self, model: torch.nn.Module, optim: OptimSettings, warm_start: OptimSettings, pad_id: int, seed: int,
-                 ranks: Ranks | None = None):
+                 ranks: Ranks | None = None, merge_adapters: bool = False):
         """``warm_start``: the settings of the warm start's own optimizer and schedule (one scheduler step per
         supervised step). ``ranks``: where the (placed, maybe sharded) model trains; None = one rank, on the
-        model's device."""
+        model's device. ``merge_adapters`` (a LoRA model): syncs send the adapted layers' merged weights
+        (``lora.merge``), not the adapters' factors."""
         self.model = model
+        self.merge_adapters = merge_adapters
         self.ranks = ranks or Ranks.single(next(model.parameters()).device)
         self.pad_id = pad_id
         self.vocab_size = model.config.vocab_size
@@ -240,11 +244,12 @@ class Actor:
         self.warm_start.advance_schedule()
         return metrics
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+    def named_weights(self) -> list[tuple[str, Sendable]]:
         """What a weight sync sends, in a fixed order: the model's parameters under their Hugging Face names (a tied
-        lm_head once); with LoRA, only the adapters' factors (``common.adapters``)."""
+        lm_head once); with LoRA, only the adapters' factors (``common.adapters``), or with ``merge_adapters`` the
+        adapted layers' merged weights."""
         if is_lora(self.model):
-            return adapter_factors(self.model)
+            return merged_weights(self.model) if self.merge_adapters else adapter_factors(self.model)
         return [(name, tensor.detach()) for name, tensor in self.model.named_parameters()]
 
     @contextmanager
@@ -263,7 +268,16 @@ class Actor:
             yield self.model
 
 
-def adapter_factors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """A PEFT model's adapted layers, in order, each under its name in the base model."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            yield name.removeprefix(PEFT_PREFIX), module
+
+
+def adapter_factors(model: torch.nn.Module) -> list[tuple[str, Sendable]]:
     """A PEFT model's LoRA factors as the weight channel carries them: per adapted layer, ``M.lora_A`` and
     ``M.lora_B`` scaled by the adapter's scale, M the layer's name in the base model, both in the dtype of the
     layer's base weight (a sharded factor stays a DTensor, gathered as it is sent).
@@ -271,13 +285,20 @@ def adapter_factors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     The adapters train in fp32, but a rollout computes in its model's dtype (vLLM casts a LoRA to it, the hf
     engine merges it into the base weight), and so does the trainer's forward (``lora.adapter_autocast``): sending
     them in that dtype halves a bf16 model's sync bytes and changes nothing the rollout serves."""
-    from peft.tuners.lora import LoraLayer
-
-    factors = []
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-            layer = name.removeprefix(PEFT_PREFIX)
-            dtype = module.get_base_layer().weight.dtype
-            a, b = module.lora_A[ADAPTER].weight.detach(), module.lora_B[ADAPTER].weight.detach()
-            factors += [(layer + FACTOR_A, a.to(dtype)), (layer + FACTOR_B, (b * module.scaling[ADAPTER]).to(dtype))]
+    factors: list[tuple[str, Sendable]] = []
+    for layer, module in lora_layers(model):
+        dtype = module.get_base_layer().weight.dtype
+        a, b = module.lora_A[ADAPTER].weight.detach(), module.lora_B[ADAPTER].weight.detach()
+        factors += [(layer + FACTOR_A, a.to(dtype)), (layer + FACTOR_B, (b * module.scaling[ADAPTER]).to(dtype))]
     return factors
+
+
+def merged_weights(model: torch.nn.Module) -> list[tuple[str, Sendable]]:
+    """A PEFT model's adapted layers' weights with their adapters merged in (``common.adapters.MergedWeight``,
+    made as each is sent), under the base model's names ``M.weight``: what a rollout that serves the adapters
+    merged (``lora.merge``) needs, as the layers no adapter touches never change."""
+    return [(f"{layer}.weight", MergedWeight(base=module.get_base_layer().weight.detach(),
+                                             a=module.lora_A[ADAPTER].weight.detach(),
+                                             b=module.lora_B[ADAPTER].weight.detach(),
+                                             scale=float(module.scaling[ADAPTER])))
+            for layer, module in lora_layers(model)]

@@ -5,6 +5,7 @@ metrics of one never stopped, and its export, merged or as a PEFT adapter folder
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from pathlib import Path
 
@@ -77,6 +78,31 @@ def test_a_lora_run_syncs_adapters_resumes_exactly_and_exports(cluster, tiny_mod
     assert sorted(got_metrics) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert got_metrics[step] == straight[step], f"step {step} differs after the resume"
+
+
+def test_a_merged_lora_run_sends_the_adapted_layers_merged_and_the_rollout_serves_them(cluster, tiny_model,
+                                                                                       reverse_data):
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=2, trainer__save_freq=0,
+                        actor_rollout_ref__model__lora_rank=8, actor_rollout_ref__model__lora__merge=True,
+                        actor_rollout_ref__actor__optim__lr=1e-2)
+    final, _, services = asyncio.run(run_to_end(cluster.coordinator, config))
+    assert final.state == "finished", final.error
+    address = {s.kind: s.address for s in services}
+    generated, trainer_logprobs, version = asyncio.run(
+        logprobs_both_ways(address["rollout"], address["trainer"], PROMPT))
+    assert version == 2
+    assert torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
+
+    # each sync carried the weights of the layers the adapters adapt (every linear layer of the decoder), whole
+    base = load_causal_lm(tiny_model)
+    adapted = [module.weight for name, module in base.named_modules()
+               if isinstance(module, torch.nn.Linear) and name != "lm_head"]
+    events = [json.loads(line) for line in (cluster.log_dir / "trainer.log").read_text().splitlines()
+              if line.startswith("{")]
+    loaded = next(i for i, e in enumerate(events) if e["event"] == "run_loaded" and e["run_id"] == final.run_id)
+    this_run = itertools.takewhile(lambda e: e["event"] != "run_loaded", events[loaded + 1:])
+    sent = [e["bytes"] for e in this_run if e["event"] == "weights_sent"]
+    assert sent and set(sent) == {sum(-(-weight.numel() * 4 // 16) * 16 for weight in adapted)}
 
 
 def test_a_full_weight_export_refuses_adapter(cluster, tiny_model, reverse_data, tmp_path):

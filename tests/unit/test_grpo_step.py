@@ -149,8 +149,12 @@ def test_each_meshrl_run_passes_the_checks_start_run_makes(assets, name):
     assert not config.use_reference and loop.max_staleness == RUNS[name].max_staleness
     assert loop.sleep_rollouts == any(rollout.enable_sleep_mode for rollout in settings["rollout"])
     assert [trainer.device for trainer in settings["trainer"]] == ["cuda"]
-    rollouts = rollout_set_settings(config)  # a LoRA run's rollouts start vLLM for its adapters
-    assert (rollouts.lora_rank, rollouts.adapter_versions) == ((64, 1) if RUNS[name].lora else (0, 0))
+    rollouts = rollout_set_settings(config)  # a LoRA run's rollouts start vLLM for its adapters, unless merged
+    served_as_adapters = RUNS[name].lora and not RUNS[name].merge
+    assert (rollouts.lora_rank, rollouts.adapter_versions) == ((64, 1) if served_as_adapters else (0, 0))
+    model_keys = config.actor_rollout_ref.model
+    assert (model_keys.lora.merge, model_keys.enable_gradient_checkpointing) == (RUNS[name].merge,
+                                                                                RUNS[name].checkpointing)
 
 
 def test_a_run_needing_more_gpus_than_there_are_is_skipped_saying_so():

@@ -32,7 +32,22 @@ class LoraKeys(Section):
     null = none excluded."""
 
 
+class LoraMergeKeys(Section):
+    """verl's actor_rollout_ref.model.lora block (its Megatron settings, of which meshrl takes ``merge``)."""
+
+    merge: bool = False
+    """Serve the trained adapters merged into the rollout's weights instead of as LoRA adapters: each sync sends,
+    per adapted layer, its base weight + B @ A in the rollout's dtype (the layers no adapter touches never change
+    and are not sent), and the rollout serves them as full weights, with no LoRA kernels (verl's merge: True).
+    Syncs carry more bytes (the adapted layers' weights, not their factors) and, in bf16, a small change to a
+    weight may round away in the merged weight, which the adapters keep exactly; generation runs at the base
+    model's speed. The trainer, its checkpoints and exports are the same either way. False: syncs send the
+    adapters' factors alone, which the rollout serves as LoRA adapters."""
+
+
 class ActorLoraKeys(LoraKeys):
+    lora: LoraMergeKeys = LoraMergeKeys()
+    """How the rollout serves the adapters (verl's model.lora block): merged into its weights or as adapters."""
     lora_adapter_path: str | None = None
     """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start from instead of fresh
     adapters: its own rank, alpha and target modules are used (lora_rank must still be > 0). Refused before the
@@ -47,6 +62,9 @@ class ActorLoraKeys(LoraKeys):
         if self.lora_adapter_path and not self.lora_rank:
             raise ValueError(f"lora_adapter_path: {self.lora_adapter_path} is an adapter to train further, which "
                              "needs lora_rank > 0 (lora_rank 0 is full fine-tuning)")
+        if self.lora.merge and not self.lora_rank:
+            raise ValueError("lora.merge: true merges LoRA adapters into the rollout's weights, and this run trains "
+                             "full weights (lora_rank 0): set lora_rank > 0, or leave lora.merge false")
         return self
 
 

@@ -50,3 +50,5 @@ def test_a_lora_runs_rollouts_hear_its_rank_and_keep_max_staleness_plus_one_vers
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 16, "rank_pattern": {"q_proj": 32}}))
     started = rollout_set_settings(lora_run(tmp_path, 0, lora_rank=8, lora_adapter_path=str(tmp_path)))
     assert (started.lora_rank, started.adapter_versions) == (32, 1)
+    merged = rollout_set_settings(lora_run(tmp_path, 2, lora_rank=64, lora={"merge": True}))
+    assert (merged.lora_rank, merged.adapter_versions) == (0, 0)  # served as full weights

@@ -3,6 +3,7 @@ second copy, the adapter-only sync's tensors, checkpoints of the adapters, and t
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 
 from services.common.adapters import adapter_pairs, merged_weight
 from services.common.sequences import SequenceBatch
+from services.common.weight_sync import full
 from services.coordctl.tiny_model import build_tiny_model
 from services.run.config import RunConfig
 from services.run.lora import ADAPTER, check_lora
@@ -100,6 +102,24 @@ def test_a_sync_sends_each_adapted_layer_s_factors_b_scaled(tiny):
     assert torch.allclose(named[f"{layer}.lora_B"], module.lora_B["default"].weight * 2.0)  # alpha / rank = 2
 
 
+def test_a_merged_sync_sends_each_adapted_layer_s_weight_with_its_adapter_merged(tiny):
+    """With lora.merge each adapted layer's weight is sent with its adapter merged in, as PEFT's own merge makes
+    it, and nothing else: the layers no adapter touches never change."""
+    worker = loaded(tiny, roles=("actor",), lora_rank=4, lora_alpha=8, lora={"merge": True})
+    update(worker)
+    named = worker.roles.actor.named_weights()
+    peft_merged = copy.deepcopy(worker.roles.actor.model).merge_and_unload().state_dict()
+    layers = [f"model.layers.{i}.{part}" for i in range(2) for part in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")]
+    assert sorted(name for name, _ in named) == sorted(f"{layer}.weight" for layer in layers)
+    base = load_causal_lm(tiny).state_dict()
+    for name, weight in named:
+        made = full(weight)
+        assert torch.allclose(made, peft_merged[name], atol=1e-6, rtol=0), name
+        assert not torch.allclose(made, base[name], atol=1e-4, rtol=0), name  # the adapter has moved it
+
+
 def test_target_modules_and_exclude_modules_choose_the_layers(tiny):
     worker = loaded(tiny, roles=("actor",), lora_rank=4, target_modules=["q_proj", "v_proj"],
                     exclude_modules=["model.layers.0.self_attn.v_proj"])
@@ -166,6 +186,12 @@ def test_an_adapter_folder_of_another_model_is_refused(tiny, tmp_path):
         check_lora(lora_keys(tiny, lora_rank=4, lora_adapter_path=str(tmp_path)), str(tiny), "actor_rollout_ref.model")
     with pytest.raises(ValueError, match=r"lora_adapter_path: .* needs lora_rank > 0"):
         lora_keys(tiny, lora_adapter_path=str(folder))
+
+
+def test_lora_merge_without_adapters_is_refused_naming_the_key(tiny):
+    with pytest.raises(ValueError, match=r"lora.merge: true merges LoRA adapters into the rollout's weights, and this "
+                                         r"run trains full weights \(lora_rank 0\)"):
+        lora_keys(tiny, lora={"merge": True})
 
 
 def test_verl_s_lora_and_rollout_keys_are_accepted_and_the_unused_ones_said(tiny):
