@@ -150,9 +150,13 @@ def summary(result: dict) -> dict:
             "memory": {**memory, **result.get("memory", {})}}
 
 
+CHECKS = ("training/rollout_mismatch_kl", "weights/probe_logprob_diff_mean", "weights/probe_logprob_diff_max")
+
+
 def meshrl_steps(rows: list[dict]) -> list[dict]:
     """A meshrl run's steps from its metrics.jsonl rows: seconds since the step before ended (the first: its
-    timing_s/step), its timing_s/ stages, and its trainer's and rollout's memory peaks (GB)."""
+    timing_s/step), its timing_s/ stages, its trainer's and rollout's memory peaks (GB), and what says the
+    rollout served the trainer's weights (CHECKS)."""
     memory_keys = {"trainer_allocated": "perf/max_memory_allocated_gb",
                    "trainer_reserved": "perf/max_memory_reserved_gb",
                    "rollout_allocated": "perf/rollout/max_memory_allocated_gb",
@@ -164,7 +168,8 @@ def meshrl_steps(rows: list[dict]) -> list[dict]:
         steps.append({"step": row["step"], "seconds": row["timing_s/step"] if ended is None else row["time"] - ended,
                       "stages": {key.removeprefix("timing_s/"): value for key, value in row.items()
                                  if key.startswith("timing_s/") and key != "timing_s/step"},
-                      "memory": {name: row[key] for name, key in memory_keys.items() if key in row}})
+                      "memory": {name: row[key] for name, key in memory_keys.items() if key in row},
+                      "checks": {key: row[key] for key in CHECKS if key in row}})
         ended = row["time"]
     return steps
 
