@@ -13,7 +13,14 @@ and a large vocabulary, responses run to max_new_tokens, so both sides
 generate the same number of tokens. Prints tokens/s of each and the ratio,
 last (goal at least 0.95).
 
-    python bench/rollout_throughput.py [--prompts 256 --n 8 --max-new-tokens 128]   (needs a GPU and vllm)
+--seed-cost: the reference also generates the batch again without per-request
+seeds (vLLM samples the rows of seeded requests one kernel at a time, the rows
+of unseeded ones at once), and prints what meshrl's per-sample seeds cost.
+--cuda-graphs: vLLM with CUDA graphs, as bench/grpo_step.py runs it (slower to
+start), instead of enforce_eager.
+
+    python bench/rollout_throughput.py [--prompts 256 --n 8 --max-new-tokens 128] [--seed-cost] [--cuda-graphs]
+    (needs a GPU and vllm)
 """
 
 from __future__ import annotations
@@ -41,20 +48,22 @@ def prompts_of(count: int) -> list[list[int]]:
             for i in range(count)]
 
 
-def reference(model: str, count: int, n: int, max_new_tokens: int) -> None:
-    """The child process: LLM.generate, printing one JSON line with tokens and seconds."""
+def reference(model: str, count: int, n: int, max_new_tokens: int, engine: dict, seed_cost: bool) -> None:
+    """The child process: LLM.generate, printing one JSON line with tokens and seconds (and with ``seed_cost``
+    the seconds of the same batch without per-request seeds)."""
     from vllm import LLM, SamplingParams
 
     from services.rollout.sampling import hash_seed
 
     prompts = prompts_of(count)
     llm = LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, seed=0, logprobs_mode="processed_logprobs",
-              **ENGINE)
+              **engine)
     eos = llm.llm_engine.model_config.hf_config.eos_token_id
 
-    def run(batch: list[list[int]]) -> tuple[int, float]:
+    def run(batch: list[list[int]], seeded: bool = True) -> tuple[int, float]:
         params = [SamplingParams(n=n, temperature=1.0, top_p=1.0, max_tokens=max_new_tokens, logprobs=0,
-                                 seed=hash_seed(SEED, i, 0) % (1 << 31), stop_token_ids=[eos], detokenize=False)
+                                 seed=hash_seed(SEED, i, 0) % (1 << 31) if seeded else None, stop_token_ids=[eos],
+                                 detokenize=False)
                   for i in range(len(batch))]
         started = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
@@ -62,16 +71,18 @@ def reference(model: str, count: int, n: int, max_new_tokens: int) -> None:
 
     run(prompts[:8])
     tokens, seconds = run(prompts)
-    print(json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
+    unseeded = {"unseeded_seconds": run(prompts, seeded=False)[1]} if seed_cost else {}
+    print(json.dumps({"tokens": tokens, "seconds": seconds, **unseeded}), flush=True)
 
 
-async def through_service(model: str, count: int, n: int, max_new_tokens: int, state: Path) -> tuple[int, float]:
+async def through_service(model: str, count: int, n: int, max_new_tokens: int, engine: dict,
+                          state: Path) -> tuple[int, float]:
     from services.coordinator.clients import RolloutClient
     from services.coordinator.settings import Sampling
     from services.coordctl.control import CoordinatorClient
     from services.coordctl.local import LocalCluster, ServiceSpec
 
-    settings = ("engine=vllm", *(f"{key}={str(value).lower()}" for key, value in ENGINE.items()))
+    settings = ("engine=vllm", *(f"{key}={str(value).lower()}" for key, value in engine.items()))
     cluster = LocalCluster(state, (ServiceSpec("rollout", settings=settings, env=(("CUDA_VISIBLE_DEVICES", "0"),)),))
     try:
         await cluster.start(timeout_s=180)
@@ -100,10 +111,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--seed-cost", action="store_true", help="the reference also generates without seeds")
+    parser.add_argument("--cuda-graphs", action="store_true", help="vLLM with CUDA graphs, not enforce_eager")
     parser.add_argument("--reference-model", help=argparse.SUPPRESS)  # the child process's role
     args = parser.parse_args()
+    engine = {**ENGINE, "enforce_eager": not args.cuda_graphs}
     if args.reference_model:
-        reference(args.reference_model, args.prompts, args.n, args.max_new_tokens)
+        reference(args.reference_model, args.prompts, args.n, args.max_new_tokens, engine, args.seed_cost)
         return
     from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 
@@ -111,14 +125,18 @@ def main() -> None:
         model = str(build_random_model(Path(tmp) / "qwen-0.5b", QWEN25_SHAPES["0.5b"], "bfloat16", seed=0))
         child = subprocess.run(
             [sys.executable, __file__, "--reference-model", model, "--prompts", str(args.prompts), "--n", str(args.n),
-             "--max-new-tokens", str(args.max_new_tokens)], capture_output=True, text=True, check=True,
+             "--max-new-tokens", str(args.max_new_tokens), *(["--seed-cost"] if args.seed_cost else []),
+             *(["--cuda-graphs"] if args.cuda_graphs else [])], capture_output=True, text=True, check=True,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
         raw = json.loads(next(line for line in child.stdout.splitlines() if line.startswith('{"tokens"')))
-        tokens, seconds = asyncio.run(through_service(model, args.prompts, args.n, args.max_new_tokens,
+        tokens, seconds = asyncio.run(through_service(model, args.prompts, args.n, args.max_new_tokens, engine,
                                                       Path(tmp) / "state"))
     raw_rate, our_rate = raw["tokens"] / raw["seconds"], tokens / seconds
     print(f"{args.prompts} prompts x {args.n} samples, up to {args.max_new_tokens} new tokens, random Qwen2.5-0.5B "
-          f"shape, bf16, {ENGINE}")
+          f"shape, bf16, {engine}")
+    if args.seed_cost:
+        print(f"LLM.generate without per-request seeds: {raw['unseeded_seconds']:.2f} s; with them (below) "
+              f"{raw['seconds'] / raw['unseeded_seconds']:.3f}x that")
     print(f"LLM.generate:    {raw['tokens']} tokens in {raw['seconds']:.2f} s = {raw_rate:,.0f} tokens/s")
     print(f"rollout service: {tokens} tokens in {seconds:.2f} s = {our_rate:,.0f} tokens/s")
     print(f"ratio service / LLM.generate: {our_rate / raw_rate:.3f}")
