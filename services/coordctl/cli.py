@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Optional
 
@@ -118,22 +119,25 @@ def print_final(run: RunStatus) -> None:
                                                                                       else ""))
 
 
-def follow_run(begin, coordinator: str, services: tuple | None, state_dir: Path | None, detach: bool) -> RunStatus:
+def follow_run(begin, coordinator: str, services: tuple | None, state_dir: Path | None, detach: bool,
+               said: Collection[str] = ()) -> RunStatus:
     """Begin a run (start or resume) on ``services`` (ServiceSpecs, started on this machine) or on the
-    coordinator's, and follow it; its final status (its first, with ``detach``)."""
+    coordinator's, and follow it, not showing again the notes in ``said``; its final status (its first, with
+    ``detach``)."""
     require_valid_security_settings()
     try:
         if services is not None:
-            return asyncio.run(run_local(begin, state_dir.resolve(), services))  # type: ignore[union-attr]  # --local sets both
-        return asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False))
+            return asyncio.run(run_local(begin, state_dir.resolve(), services, said))  # type: ignore[union-attr]  # --local sets both
+        return asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False, said=said))
     except grpc.aio.AioRpcError as error:
         raise fail(refused(error, None if services is not None else coordinator), 1)
 
 
 def drive(begin, coordinator: str, services: tuple | None, state_dir: Path | None, detach: bool,
-          started: float) -> None:
-    """Begin a run locally or on the coordinator, follow it, summarise; exit 1 unless it finished."""
-    final = follow_run(begin, coordinator, services, state_dir, detach)
+          started: float, said: Collection[str] = ()) -> None:
+    """Begin a run locally or on the coordinator, follow it (``said``: the notes printed already), summarise;
+    exit 1 unless it finished."""
+    final = follow_run(begin, coordinator, services, state_dir, detach, said)
     if detach:
         return
     print_summary(final, read_metrics(final.run_dir), time.monotonic() - started,
@@ -197,7 +201,8 @@ def start_run(
                    f"({unsandboxed_here()})")
     if local:
         state_dir = state_dir or LOCAL_STATE_DIRS / time.strftime("local-%Y%m%d-%H%M%S")
-    drive(lambda client: client.start_run(to_yaml(config)), coordinator, services, state_dir, detach, started)
+    drive(lambda client: client.start_run(to_yaml(config)), coordinator, services, state_dir, detach, started,
+          said=notices)
 
 
 @app.command("init")

@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -125,9 +126,11 @@ class Progress:
 
 
 async def follow(client: CoordinatorClient, run: RunStatus, after_event_id: int = 0,
-                 progress: Progress | None = None) -> RunStatus:
+                 progress: Progress | None = None, said: Collection[str] = ()) -> RunStatus:
     """Show the run's progress (step, reward, step time) from its events after ``after_event_id`` until it ends;
-    return its final status. ``progress`` gets the last checkpoint seen."""
+    return its final status. ``progress`` gets the last checkpoint seen. A log event whose words are in ``said``
+    (the notes start-run printed before the run began, which the run records as its first events) is not shown
+    again."""
     progress = progress or Progress()
     with tqdm(total=run.total_steps, initial=run.step, desc=run.run_id, unit="step", dynamic_ncols=True) as bar:
         async for update in client.watch(run.run_id, after_event_id):
@@ -140,16 +143,17 @@ async def follow(client: CoordinatorClient, run: RunStatus, after_event_id: int 
                 bar.write(update.message)
             elif update.kind == "state":
                 bar.write(f"run {update.state}" + (f": {update.message}" if update.message else ""))
-            elif update.message:  # log, reward, env, validation, warning: what befell the run, in words
-                bar.write(update.message)
+            elif update.message and not (update.kind == "log" and update.message in said):
+                bar.write(update.message)  # log, reward, env, validation, warning: what befell the run, in words
     return await client.get_run(run.run_id)
 
 
 async def begin_and_follow(coordinator: str, begin: Callable[[CoordinatorClient], Awaitable[RunStatus]],
-                           detach: bool, stop_on_interrupt: bool, resume_hint: str = "") -> RunStatus:
+                           detach: bool, stop_on_interrupt: bool, resume_hint: str = "",
+                           said: Collection[str] = ()) -> RunStatus:
     """Start (or resume) a run with ``begin(client)`` and follow it. Ctrl-C, SIGTERM or a closed output: with
     ``stop_on_interrupt`` the run stops at its next step boundary (a second signal stops following at once,
-    saying what ``resume_hint`` will redo); otherwise coordctl detaches."""
+    saying what ``resume_hint`` will redo); otherwise coordctl detaches. ``said``: as ``follow``'s."""
     client = CoordinatorClient(coordinator)
     try:
         with Interrupts() as interrupts:
@@ -158,7 +162,7 @@ async def begin_and_follow(coordinator: str, begin: Callable[[CoordinatorClient]
             if detach:
                 return run
             progress = Progress()
-            watching = asyncio.ensure_future(follow(client, run, run.last_event_id, progress))
+            watching = asyncio.ensure_future(follow(client, run, run.last_event_id, progress, said))
             if await interrupts.until(watching, 1):
                 return watching.result()
             if not stop_on_interrupt:
@@ -181,9 +185,10 @@ async def begin_and_follow(coordinator: str, begin: Callable[[CoordinatorClient]
         await client.close()
 
 
-async def run_local(begin, state_dir: Path, services: tuple) -> RunStatus:
-    """Start the coordinator and ``services`` (ServiceSpecs) on ``state_dir``, begin the run there and follow it;
-    stop them all after (the coordinator first, so that no service it still watches is seen to go)."""
+async def run_local(begin, state_dir: Path, services: tuple, said: Collection[str] = ()) -> RunStatus:
+    """Start the coordinator and ``services`` (ServiceSpecs) on ``state_dir``, begin the run there and follow it
+    (``said``: as ``follow``'s); stop them all after (the coordinator first, so that no service it still watches
+    is seen to go)."""
     from services.coordctl.local import LocalCluster, save_services
 
     save_services(state_dir, services)
@@ -193,7 +198,7 @@ async def run_local(begin, state_dir: Path, services: tuple) -> RunStatus:
         await cluster.start()
         typer.echo(how_to_reach(cluster.coordinator, cluster.targets_file))
         return await begin_and_follow(cluster.coordinator, begin, detach=False, stop_on_interrupt=True,
-                                      resume_hint=f"coordctl resume --local --state-dir {state_dir}")
+                                      resume_hint=f"coordctl resume --local --state-dir {state_dir}", said=said)
     finally:
         cluster.stop()
 

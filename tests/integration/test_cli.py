@@ -139,6 +139,7 @@ def test_a_local_tools_run_stopped_in_its_warm_start_resumes_with_its_env_servic
         process.send_signal(signal.SIGINT)
         output = said + process.communicate(timeout=180)[0].decode()
     assert process.returncode == 1 and "checkpoint of step 0 saved in" in output, output[-2000:]
+    assert output.count("multi_turn.tool_config_path=") == 1, output[:3000]  # noted, and not again as a run event
     (run_id, state, step, _), events = run_row_and_events(state_dir)
     assert state == "stopped" and step == 0 and [s for kind, s, _ in events if kind == "checkpoint"] == [0]
 
