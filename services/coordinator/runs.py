@@ -274,7 +274,9 @@ class RunManager:
             for event in events:
                 last = event.id
                 yield event
-            if not events and self.store.get_run(run_id).state in FINAL_STATES:
+            if events:  # look again at once: the run's last event ends the stream now, not a second later
+                continue
+            if self.store.get_run(run_id).state in FINAL_STATES:
                 return
             await self.records.changed(timeout_s=1.0)
 

@@ -195,7 +195,7 @@ MinJobAge=600
         while (job := self.job(job_id))["JobState"] not in FINAL_JOB_STATES:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job['JobState']} after {timeout_s} s")
-            time.sleep(1)
+            time.sleep(0.2)
         return job
 
     def __exit__(self, *exc) -> None:

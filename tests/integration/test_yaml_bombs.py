@@ -28,7 +28,7 @@ from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_grpo_run import run_config
 from tests.unit.common.test_request_text import alias_bomb, interpolation_bomb
 
-COORDINATOR_GRACE_S = 10.0  # the default grace_s, which LocalCluster leaves the coordinator
+COORDINATOR_GRACE_S = 2.0  # shorter than the default 10 s: the overdue stop's test waits out grace_s + RELEASE_S
 TRAINER_GRACE_S = 2.0
 ANSWER_S = 30.0  # a deadline no refusal comes near (the bomb held the coordinator past 60 s, for good)
 BOMBS = {
@@ -39,7 +39,8 @@ BOMBS = {
 
 
 def start(root: Path) -> LocalCluster:
-    cluster = LocalCluster(root / "state", (ServiceSpec("trainer", settings=(f"grace_s={TRAINER_GRACE_S}",)),))
+    cluster = LocalCluster(root / "state", (ServiceSpec("trainer", settings=(f"grace_s={TRAINER_GRACE_S}",)),),
+                           coordinator_settings=(f"grace_s={COORDINATOR_GRACE_S}",))
     asyncio.run(cluster.start(timeout_s=120))
     return cluster
 
