@@ -117,7 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     engine = {**ENGINE, "enforce_eager": not args.cuda_graphs}
     if args.reference_model:
-        reference(args.reference_model, args.prompts, args.n, args.max_new_tokens, engine, args.seed_cost)
+        reference(args.reference_model, args.prompts, args.n, args.max_new_tokens, engine=engine,
+                  seed_cost=args.seed_cost)
         return
     from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 
@@ -129,8 +130,8 @@ def main() -> None:
              *(["--cuda-graphs"] if args.cuda_graphs else [])], capture_output=True, text=True, check=True,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
         raw = json.loads(next(line for line in child.stdout.splitlines() if line.startswith('{"tokens"')))
-        tokens, seconds = asyncio.run(through_service(model, args.prompts, args.n, args.max_new_tokens, engine,
-                                                      Path(tmp) / "state"))
+        tokens, seconds = asyncio.run(through_service(model, args.prompts, args.n, args.max_new_tokens,
+                                                      engine=engine, state=Path(tmp) / "state"))
     raw_rate, our_rate = raw["tokens"] / raw["seconds"], tokens / seconds
     print(f"{args.prompts} prompts x {args.n} samples, up to {args.max_new_tokens} new tokens, random Qwen2.5-0.5B "
           f"shape, bf16, {engine}")
