@@ -60,6 +60,43 @@ class ReadsCredentials(Tool):
                            if name.startswith("MESHRL_") and ("TOKEN" in name or "TLS" in name)})
 
 
+def secrets_seen(secrets: list[str], paths: list[str]) -> list[str]:
+    """Where, from inside a sandbox, any of ``secrets`` (texts: a token, a path, a variable's name) shows in this
+    process's environment, in the environment, command line or mounts of any process it can see, or in the
+    settings of an env worker (the EnvServiceConfig it was sent); and which of ``paths`` exists here. Empty where
+    nothing is seen. Standard library only: run as a tool in a worker and as a program in the code sandbox (its
+    source and a call, see ``secrets_probe``)."""
+    import gc
+    import os
+
+    texts = {"os.environ": "\n".join(f"{name}={value}" for name, value in os.environ.items())}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        for part in ("environ", "cmdline", "mountinfo"):
+            try:
+                with open(f"/proc/{pid}/{part}", "rb") as shown:
+                    texts[f"/proc/{pid}/{part}"] = shown.read().decode(errors="replace")
+            except OSError:
+                continue
+    for index, settings in enumerate(o for o in gc.get_objects() if type(o).__name__ == "EnvServiceConfig"):
+        texts[f"worker settings {index}"] = settings.model_dump_json()
+    seen = [f"{secret} in {where}" for where, text in texts.items() for secret in secrets if secret in text]
+    return seen + [f"{path} exists" for path in paths if os.path.lexists(path)]
+
+
+def secrets_probe(secrets: list[str], paths: list[str]) -> str:
+    """A program that prints ``secrets_seen(secrets, paths)`` as JSON (for the code sandbox)."""
+    import inspect
+
+    return f"import json\n{inspect.getsource(secrets_seen)}\nprint(json.dumps(secrets_seen({secrets!r}, {paths!r})))\n"
+
+
+class SearchesSecrets(Tool):
+    """Replies with ``secrets_seen`` of its arguments' secrets and paths, as JSON."""
+
+    def call(self, arguments: dict):
+        return json.dumps(secrets_seen(arguments["secrets"], arguments["paths"]))
+
+
 class ReadsFile(Tool):
     """Replies with the file at ``path`` (the cluster's token file, in the test)."""
 
