@@ -22,7 +22,8 @@ from services.common.rpc import open_channel, retry_after_s
 from services.coordctl.cli import app
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
-from services.common.sandbox import check_sandbox
+from services.common.cli import REFUSED_EXIT_CODE
+from services.common.sandbox import BWRAP, check_sandbox
 from services.env.episodes import BUSY_RETRY_AFTER_S
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -248,3 +249,27 @@ def test_bad_requests_are_refused_with_their_status_and_a_full_service_says_so(e
     assert with_env(env_cluster.coordinator, requests) == [
         (grpc.StatusCode.INVALID_ARGUMENT, None), (grpc.StatusCode.INVALID_ARGUMENT, None),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY_RETRY_AFTER_S), (grpc.StatusCode.RESOURCE_EXHAUSTED, None)]
+
+
+def without_bwrap(command: list[str]) -> list[str]:
+    """``command`` run where /usr/bin/bwrap cannot be executed: in a mount namespace of its own, /dev/null bound
+    over it (the host keeps its bwrap)."""
+    return ["/usr/bin/unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+            f'mount --bind /dev/null {BWRAP} && exec "$@"', "without-bwrap", *command]
+
+
+@pytest.mark.skipif(not SANDBOXED, reason=f"no code sandbox here: {check_sandbox()}")
+@pytest.mark.parametrize("kind", ["env_user_tool", "env_code_interpreter", "reward_code_rule"])
+def test_a_service_that_must_sandbox_without_bubblewrap_refuses_with_exit_2_naming_the_package(tmp_path: Path,
+                                                                                               kind: str):
+    settings = {"env_user_tool": {"environments": {"e": {"tools": [user_tool("lookup", "Lookup")]}}},
+                "env_code_interpreter": {"environments": {"e": {"tools": [CODE_TOOL]}}},
+                "reward_code_rule": {"scorers": {"apps": [{"rule": "apps"}]}}}[kind]
+    config = tmp_path / "service.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    service = kind.split("_")[0]
+    result = subprocess.run(without_bwrap([sys.executable, "-m", f"services.{service}", "--config", str(config),
+                                           "port=0"]), capture_output=True, text=True, timeout=120)
+    assert result.returncode == REFUSED_EXIT_CODE, result.stderr[-2000:]
+    assert f"{service}: cannot start:" in result.stderr
+    assert f"{BWRAP} is missing: install the package bubblewrap" in result.stderr, result.stderr[-2000:]
