@@ -71,8 +71,6 @@ BWRAP = "/usr/bin/bwrap"
 PRLIMIT = "/usr/bin/prlimit"
 SETPRIV = "/usr/bin/setpriv"
 PYTHON = "/usr/bin/python3"
-PACKAGES = {BWRAP: "bubblewrap", PRLIMIT: "util-linux", SETPRIV: "util-linux", PYTHON: "python3"}
-"""What the sandbox runs, and the Debian package that installs each."""
 UID_BASE = 620_000
 """The first uid of the pool; ``UID_SLOTS`` uids from here must belong to no one else on the host."""
 UID_SLOTS = 64
@@ -150,7 +148,8 @@ class SandboxResult:
 
 def check_sandbox() -> str | None:
     """Why code cannot be sandboxed on this host, or None when it can (a trial run prints and exits)."""
-    for path, package in PACKAGES.items():
+    for path, package in ((BWRAP, "bubblewrap"), (PRLIMIT, "util-linux"), (SETPRIV, "util-linux"),
+                          (PYTHON, "python3")):  # what the sandbox runs, and the Debian package of each
         if not os.access(path, os.X_OK):
             return f"{path} is missing: install the package {package} (Debian, Ubuntu: apt-get install {package})"
     if os.geteuid() != 0:
