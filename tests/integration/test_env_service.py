@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -210,6 +212,46 @@ def test_the_code_interpreter_runs_code_sandboxed(env_cluster):
     step = with_env(env_cluster.coordinator, episode)
     [reply] = step.messages
     assert reply.content.splitlines()[:3] == ["42", "file FileNotFoundError", "net OSError"], reply.content
+
+
+def worker_pids(service_pid: int) -> list[int]:
+    """The host's running (not zombie) worker processes of the env service ``service_pid``: each is started as
+    ``python -B -m services.env.worker FD SERVICE_PID [sandboxed]``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            running = (entry / "stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+        except (OSError, IndexError):
+            continue
+        if running and argv[2:4] == [b"-m", b"services.env.worker"] and argv[5:6] == [str(service_pid).encode()]:
+            found.append(int(entry.name))
+    return found
+
+
+def test_resets_after_every_idle_worker_was_killed_are_answered_by_their_replacements(env_cluster):
+    [service] = [process for name, process in env_cluster.processes.items() if name.startswith("env")]
+    workers = worker_pids(service.pid)
+    assert len(workers) == 3, workers  # workers: 3, all idle
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while set(worker_pids(service.pid)) & set(workers):
+        assert time.monotonic() < deadline, "killed workers still running after 30 s"
+        time.sleep(0.1)
+
+    async def episodes(stub):
+        ids = [f"k{index}" for index in range(3)]
+        for episode_id in ids:
+            await stub.Reset(env_pb2.ResetRequest(episode_id=episode_id, row_json='{"reward_model": '
+                                                  '{"ground_truth": "7"}}', env_name="gsm8k"), timeout=60)
+        steps = [await stub.Step(env_pb2.StepRequest(episode_id=episode_id, message=assistant(
+            call("calc_gsm8k_reward", {"answer": "7"}))), timeout=30) for episode_id in ids]
+        for episode_id in ids:
+            await stub.Close(env_pb2.CloseRequest(episode_id=episode_id), timeout=30)
+        return steps
+
+    assert [step.reward for step in with_env(env_cluster.coordinator, episodes)] == [1.0, 1.0, 1.0]
 
 
 def test_a_tool_class_that_fails_to_import_refuses_the_service_at_start(tmp_path: Path):

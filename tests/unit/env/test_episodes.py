@@ -4,6 +4,7 @@ and what is closed or past max_steps is refused."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from services.env.config import EnvServiceConfig
 from services.env.environment import Message
 from services.env.episodes import Episodes
 
+PLUGINS = Path(__file__).resolve().parents[2] / "integration" / "plugins"
 CHECK = {"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "tool_schema": {"type": "function",
                                                                         "function": {"name": "check"}}}
 
@@ -42,3 +44,29 @@ def test_the_last_step_says_done_and_one_more_is_refused(episodes):
     assert last.done and last.info["max_steps"]
     with pytest.raises(FailedPrecondition, match="max_steps"):
         episodes.step("a", Message("assistant", call))
+
+
+def kills_its_worker(folder: Path, deaths: int) -> Episodes:
+    return Episodes(EnvServiceConfig.model_validate({"workers": 1, "environments": {"e": {
+        "environment": f"{PLUGINS / 'user_env.py'}:KillsItsWorker", "options": {"folder": str(folder),
+                                                                               "deaths": deaths}}}}), sandboxed=False)
+
+
+def test_a_worker_dying_under_a_reset_is_replaced_and_the_reset_answered_by_its_replacement(tmp_path: Path):
+    pool = kills_its_worker(tmp_path, deaths=1)
+    try:
+        assert pool.reset("a", "e", {}) == []
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["died-0"]  # one worker died, one answered
+        assert pool.step("a", Message("assistant", "x")).reward == 0.25
+    finally:
+        pool.close_all()
+
+
+def test_an_environment_whose_reset_kills_every_worker_is_refused_and_the_service_keeps_a_worker(tmp_path: Path):
+    pool = kills_its_worker(tmp_path, deaths=2)
+    try:
+        with pytest.raises(ValueError, match=r"environment e could not reset: its worker died \(exit code 3\)"):
+            pool.reset("a", "e", {})
+        assert pool.reset("b", "e", {}) == []  # deaths spent: the worker that took their place answers
+    finally:
+        pool.close_all()
