@@ -214,6 +214,27 @@ def test_the_code_interpreter_runs_code_sandboxed(env_cluster):
     assert reply.content.splitlines()[:3] == ["42", "file FileNotFoundError", "net OSError"], reply.content
 
 
+@pytest.mark.skipif(not SANDBOXED, reason=f"no code sandbox here: {check_sandbox()}")
+def test_the_model_is_told_its_code_was_stopped_however_much_it_printed(env_cluster):
+    """Past the output cap, past the time limit after printing much, exiting 3 after printing much: each reply is
+    cut to max_reply_chars (16 KiB) and still starts with why the run ended."""
+    codes = ["import sys\nsys.stdout.write('x' * 5_000_000)\n",
+             "import time\nprint('y' * 100_000, flush=True)\ntime.sleep(60)\n",
+             "print('z' * 100_000)\nraise SystemExit(3)\n"]
+
+    async def episode(stub):
+        await stub.Reset(env_pb2.ResetRequest(episode_id="s1", row_json="{}", env_name="gsm8k"), timeout=30)
+        step = await stub.Step(env_pb2.StepRequest(episode_id="s1", message=assistant("".join(
+            call("code_interpreter", {"code": code}) for code in codes))), timeout=60)
+        await stub.Close(env_pb2.CloseRequest(episode_id="s1"), timeout=30)
+        return step
+
+    replies = [message.content for message in with_env(env_cluster.coordinator, episode).messages]
+    assert [reply.split("\n", 1)[0] for reply in replies] == [
+        "(stopped: output, exit code None)", "(stopped: timeout, exit code None)", "(stopped: exited, exit code 3)"]
+    assert all("characters cut)" in reply and len(reply) < (16 << 10) + 100 for reply in replies)
+
+
 def worker_pids(service_pid: int) -> list[int]:
     """The host's running (not zombie) worker processes of the env service ``service_pid``: each is started as
     ``python -B -m services.env.worker FD SERVICE_PID [sandboxed]``."""
