@@ -17,6 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc
@@ -57,7 +59,8 @@ def env_cluster(tmp_path_factory):
     environments = {
         "gsm8k": {"tool_config_path": str(tool_config)},
         "user_tools": {"tools": [user_tool("lookup", "Lookup", table={"a": 1}), user_tool("hangs", "Hangs"),
-                                 user_tool("raises", "Raises"), user_tool("garbage", "Garbage")]},
+                                 user_tool("raises", "Raises"), user_tool("garbage", "Garbage"),
+                                 user_tool("undecodable", "Undecodable")]},
         "guess": {"environment": f"{USER}:GuessNumber", "options": {"tries": 3}},
     }
     config = root / "env.yaml"
@@ -174,6 +177,74 @@ def test_tools_that_hang_raise_or_return_garbage_get_error_replies_and_the_servi
     huge_replies = [m.content for m in huge.messages]
     assert "at most 65536" in huge_replies[0] and "5001 tool calls in one turn" in huge_replies[-1]
     assert len(huge_replies) == 9  # max_parallel_calls (8) and one error for the rest
+
+
+def escaped(data: bytes) -> str:
+    """``data`` as JSON ``\\u`` escapes, two bytes a UTF-16 code unit: any code unit, lone surrogates among them."""
+    return "".join(f"\\u{int.from_bytes(data[index:index + 2], 'big'):04x}" for index in range(0, len(data) - 1, 2))
+
+
+def lookup_of(key: str) -> str:
+    """A lookup call whose key is ``key`` written into the JSON as it is (which may break the JSON)."""
+    return '<tool_call>{"name": "lookup", "arguments": {"key": "' + key + '"}}</tool_call>'
+
+
+MODEL_TEXTS = {  # how bytes a model emitted may land in its turn (the rollout decodes them, bad bytes replaced)
+    "the turn": lambda data: data.decode("utf-8", "replace"),
+    "a call's body": lambda data: f"<tool_call>{data.decode('utf-8', 'replace')}</tool_call>",
+    "a key as it is": lambda data: lookup_of(data.decode("utf-8", "replace")),
+    "a key escaped": lambda data: lookup_of(escaped(data)),
+    "a tool name escaped": lambda data: '<tool_call>{"name": "' + escaped(data) + '", "arguments": {}}</tool_call>',
+    "arguments in a string": lambda data: ('<tool_call>{"name": "lookup", "arguments": "{\\"key\\": \\"'
+                                           + escaped(data).replace("\\", "\\\\") + '\\"}"}</tool_call>'),
+}
+
+
+def lone_surrogate_key(data: bytes) -> bool:
+    """Whether ``lookup_of(escaped(data))`` asks for a key holding a lone surrogate."""
+    key = json.loads(f'"{escaped(data)}"')
+    return key != key.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def test_any_bytes_a_model_emits_get_replies_and_the_episode_goes_on(env_cluster):
+    """Through the real service, for byte strings hypothesis picks, each landing in a turn in each way of
+    MODEL_TEXTS: the Step is answered (never an RPC error), a call of a lone surrogate is told so, and the next
+    call in the episode is answered as ever. A tool replying with a lone surrogate (a file name the host could
+    not decode) reaches the model as its escape."""
+    loop = asyncio.new_event_loop()
+
+    async def connect():
+        return open_channel(await env_address(env_cluster.coordinator))
+
+    channel = loop.run_until_complete(connect())
+    stub = env_pb2_grpc.EnvStub(channel)
+
+    async def episode(text: str) -> tuple[env_pb2.StepResponse, env_pb2.StepResponse]:
+        await stub.Reset(env_pb2.ResetRequest(episode_id="bytes", row_json="{}", env_name="user_tools"), timeout=30)
+        try:
+            return tuple([await stub.Step(env_pb2.StepRequest(episode_id="bytes", message=assistant(content)),
+                                          timeout=30) for content in (text, call("lookup", {"key": "a"}))])
+        finally:
+            await stub.Close(env_pb2.CloseRequest(episode_id="bytes"), timeout=30)
+
+    @settings(max_examples=60, deadline=None)
+    @given(data=st.binary(max_size=48), way=st.sampled_from(sorted(MODEL_TEXTS)))
+    @example(data=b"\xd8\x00", way="a key escaped").via("a lone high surrogate")
+    @example(data=b"\xdc\x80\x00a", way="arguments in a string").via("a lone low surrogate, nested")
+    def answered(data: bytes, way: str) -> None:
+        first, after = loop.run_until_complete(episode(MODEL_TEXTS[way](data)))
+        assert all(message.role == "tool" for message in first.messages)
+        if way == "a key escaped" and lone_surrogate_key(data):
+            assert "half a surrogate pair" in first.messages[0].content, first.messages[0].content
+        assert (after.messages[0].content, after.reward) == ("1", 0.5)
+
+    try:
+        answered()
+        replied, _ = loop.run_until_complete(episode(call("undecodable", {})))
+        assert [message.content for message in replied.messages] == ["name-\\udcff"]
+    finally:
+        loop.run_until_complete(channel.close())
+        loop.close()
 
 
 def test_a_reset_can_lower_the_tool_calls_run_per_turn_and_the_bound_survives_a_fresh_worker(env_cluster):

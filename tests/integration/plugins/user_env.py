@@ -20,6 +20,16 @@ class Lookup:
         return (str(self.table[key]), 0.5) if key in self.table else f"no value for {key}"
 
 
+class Undecodable:
+    """Replies with a file name this host could not decode (os.fsdecode keeps its byte as a lone surrogate)."""
+
+    def __init__(self, config: dict, create_kwargs: dict):
+        pass
+
+    def call(self, arguments: dict):
+        return os.fsdecode(b"name-\xff")
+
+
 class Hangs:
     def __init__(self, config: dict, create_kwargs: dict):
         pass
