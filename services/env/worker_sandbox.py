@@ -23,8 +23,10 @@ rather than one call:
   which takes every process of its pid namespace, whatever its code started, with it.
 
 A plain worker (``sandbox: false``) runs as the service's user: the cluster's credentials are left out of its
-environment, it leads a process group of its own (killed whole when it is replaced) and is bounded in memory, but
-it can read and write what the service can and open sockets.
+environment, it leads a process group of its own and adopts what it starts (both killed whole when it is
+replaced) and is bounded in memory, but it can read and write what the service can and open sockets.
+
+Sandboxed or not, a worker ends what an episode's code started when the episode closes (services/env/worker.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pathlib import Path
 
 from services.common.auth import TLS_VARIABLES
 from services.common.config import ServeConfig
+from services.common.lifetime import end_descendants
 from services.common.sandbox import BWRAP, LAUNCH_ENVIRONMENT, SandboxUnavailable, clear_uid, pool_uid
 from services.env.config import EnvServiceConfig
 from services.env.tools import environment_tools, user_classes
@@ -189,13 +192,17 @@ class WorkerProcess:
         return self.process.poll()
 
     def kill(self) -> None:
-        """SIGKILL the worker and every process it started (its sandbox's pid namespace, or its process group),
-        reap it and give its uid back."""
+        """SIGKILL the worker and every process it started (its sandbox's pid namespace; or, unsandboxed, its
+        descendants, which it adopts, and its process group), reap it and give its uid back."""
         if self._sandbox_init is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._sandbox_init, signal.SIGKILL)  # pid 1: its namespace goes with it
             os.close(self._sandbox_init)
             self._sandbox_init = None
+        if self._uid is None:
+            with contextlib.suppress(ProcessLookupError):  # stopped, it starts nothing more and still adopts
+                os.kill(self.process.pid, signal.SIGSTOP)
+            end_descendants(self.process.pid)
         with contextlib.suppress(ProcessLookupError):
             if self._uid is None:
                 os.killpg(self.process.pid, signal.SIGKILL)  # its pid is its group's (start_new_session)

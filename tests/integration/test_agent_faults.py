@@ -38,7 +38,7 @@ from services.common.auth import cluster_token
 from services.common.sandbox import check_sandbox
 from tests.integration.plugins.hostile_tools import secrets_probe
 from tests.integration.test_agent_run import agent_config
-from tests.integration.test_env_service import assistant, call, with_env
+from tests.integration.test_env_service import assistant, call, with_env, worker_pids
 from tests.integration.test_faults import LogTail
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -256,6 +256,7 @@ def hostile_config(root: Path) -> Path:
              hostile_tool("credentials", "ReadsCredentials"), hostile_tool("reads_file", "ReadsFile"),
              hostile_tool("writes_file", "WritesFile"), hostile_tool("connects", "Connects"),
              hostile_tool("forges", "ForgesAnswer"), hostile_tool("secrets", "SearchesSecrets"),
+             hostile_tool("detaches", "Detaches"),
              {"class_name": "meshrl.code_interpreter", "config": {"default_timeout": 10},
               "tool_schema": {"type": "function", "function": {"name": "code_interpreter"}}}]
     config = root / "env.yaml"
@@ -350,6 +351,31 @@ def test_tools_that_loop_fork_or_fill_memory_get_error_replies_and_what_they_sta
         end_leftovers(name)
     info = with_env(hostile_env.coordinator, lambda stub: stub.Info(common_pb2.InfoRequest(), timeout=10))
     assert info.open_episodes == 0 and info.workers == 2
+
+
+def test_what_a_tool_started_and_detached_ends_with_its_episode_and_its_worker_stays(hostile_env):
+    """A daemon (a session of its own, its parent gone) started by a tool runs until its episode closes, and no
+    longer; the worker that held the episode is not replaced for it."""
+    name = f"detached-{uuid.uuid4().hex[:12]}"
+    [service] = [process for key, process in hostile_env.processes.items() if key.startswith("env")]
+    workers = sorted(worker_pids(service.pid))
+
+    async def episode(stub):
+        await stub.Reset(env_pb2.ResetRequest(episode_id="detached", row_json="{}", env_name="hostile"), timeout=30)
+        try:
+            step = await stub.Step(env_pb2.StepRequest(episode_id="detached", message=assistant(
+                call("detaches", {"name": name}))), timeout=60)
+            await asyncio.to_thread(wait_for, lambda: len(named(name)) == 1, f"a process named {name}")
+            return step
+        finally:
+            await stub.Close(env_pb2.CloseRequest(episode_id="detached"), timeout=30)
+
+    try:
+        assert with_env(hostile_env.coordinator, episode).messages[0].content == "detached"
+        wait_for(lambda: not named(name), "the detached process ending with its episode", seconds=10)
+        assert sorted(worker_pids(service.pid)) == workers
+    finally:
+        end_leftovers(name)
 
 
 def test_a_tool_forking_thousands_of_processes_is_stopped_at_its_workers_bound(hostile_env):

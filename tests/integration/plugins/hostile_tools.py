@@ -42,6 +42,22 @@ class Forks(Tool):
         return f"started {count}"
 
 
+class Detaches(Tool):
+    """Starts a process named ``name`` (its argv[0]) that sleeps for an hour, detached as a daemon detaches (a
+    session of its own, its parent gone), and replies "detached"."""
+
+    def call(self, arguments: dict):
+        name = str(arguments["name"])
+        child = os.fork()
+        if child == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv("/usr/bin/sleep", [name, "3600"])
+            os._exit(0)
+        os.waitpid(child, 0)
+        return "detached"
+
+
 class Hogs(Tool):
     """Allocates 100 GiB, 256 MiB at a time, where its memory is bounded; says so and allocates nothing where not."""
 
