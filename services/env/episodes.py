@@ -11,6 +11,8 @@ or when the worker dies, the worker is killed and replaced, and
   reset of its row (the tools are built again);
 - a user environment's episode, whose state is lost, is done, its error in ``info``.
 
+A worker that died while idle is replaced before a Reset uses it, and a reset whose worker dies is tried once more
+on the worker that replaced it. Closing an episode ends every process its code started (services/env/worker.py).
 Workers end with the service, however it ends.
 
 Each worker runs in a sandbox of its own (services/env/worker_sandbox.py: its own namespaces, no network, a
