@@ -107,7 +107,11 @@ def _parse_block(block: str | None, tool_names: frozenset[str], max_call_bytes: 
     arguments = _arguments(call.get("arguments", {}))
     if arguments is None:
         return ParseError(f'the "arguments" of {name} must be a JSON object: {_quoted(block)}')
-    if (invalid := _invalid_unicode(arguments)) is not None:
+    try:
+        invalid = _invalid_unicode(arguments)
+    except RecursionError:  # parsed at the edge of the recursion limit, the check one frame deeper
+        return ParseError(f"the arguments of {name} are nested too deep: {_quoted(block)}")
+    if invalid is not None:
         return ParseError(f"the arguments of {name} hold {invalid!r}, a \\u escape of half a surrogate pair, which is "
                           f"no Unicode character (write the pair, or the character itself): {_quoted(block)}")
     return ToolCall(name=name, arguments=arguments)
