@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import uuid
 from pathlib import Path
 
 import pytest
 
 from meshrl.v1 import common_pb2, reward_pb2_grpc
+from services.common.auth import cluster_token
 from services.common.rpc import open_channel
 from services.common.sandbox import check_sandbox
 from services.coordinator.clients import RewardClient, RewardSample
@@ -109,3 +111,26 @@ def test_a_judged_program_sees_nothing_of_the_services_token_or_state_folder(cod
     [(scores, _)] = asyncio.run(score_through_service(code_cluster.coordinator, [
         [RewardSample("apps", python(probe), case, {})]]))
     assert [(s.valid, s.score, s.pred) for s in scores] == [(True, 1.0, "1/1 P")]
+
+
+def test_a_judged_program_sees_nothing_of_a_token_given_as_a_variable(tmp_path, monkeypatch):
+    """The cluster's token in MESHRL_TOKEN, which the reward service inherits: the same program finds neither it,
+    nor the state folder, nor any variable's name."""
+    token = f"token-{uuid.uuid4().hex}"
+    monkeypatch.delenv("MESHRL_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("MESHRL_TOKEN", token)
+    cluster_token.cache_clear()
+    config = reward_config(tmp_path, "reward", {"apps": [{"rule": "apps"}]}, sandbox={"wall_s": 10})
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("reward", settings=("--config", config)),))
+    try:
+        asyncio.run(cluster.start(timeout_s=60))
+        assert cluster.own_token_file is None, "the services run with the variable's token"
+        probe = secrets_probe([token, str(cluster.state_dir), "MESHRL_"], [str(cluster.state_dir)])
+        case = json.dumps({"inputs": [""], "outputs": ["[]\n"]})
+        [(scores, _)] = asyncio.run(score_through_service(cluster.coordinator, [
+            [RewardSample("apps", python(probe), case, {})]]))
+        assert [(s.valid, s.score, s.pred) for s in scores] == [(True, 1.0, "1/1 P")]
+    finally:
+        cluster.stop()
+        monkeypatch.undo()
+        cluster_token.cache_clear()
