@@ -199,7 +199,7 @@ class WorkerProcess:
                 signal.pidfd_send_signal(self._sandbox_init, signal.SIGKILL)  # pid 1: its namespace goes with it
             os.close(self._sandbox_init)
             self._sandbox_init = None
-        if self._uid is None:
+        if self._uid is None and self.process.returncode is None:  # not reaped: its pid is still its own
             with contextlib.suppress(ProcessLookupError):  # stopped, it starts nothing more and still adopts
                 os.kill(self.process.pid, signal.SIGSTOP)
             end_descendants(self.process.pid)
