@@ -190,5 +190,5 @@ def test_many_concurrent_calls_each_get_their_own_answer():
 
 
 def test_limits_must_be_positive():
-    with pytest.raises(ValueError, match="SandboxLimits.memory_mb"):
+    with pytest.raises(ValueError, match=r"SandboxLimits\.memory_mb"):
         SandboxLimits(memory_mb=0)
