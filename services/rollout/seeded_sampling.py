@@ -11,7 +11,7 @@ every token.
 
 ``random_sample`` here draws the same kind of noise for all seeded rows at
 once: row r's noise at its decode step t is Philox(key(seed_r, t), column),
-made in one Triton kernel. A request's generator stays what carries its
+made in one Triton kernel (the Philox key is seed * 1_000_003 + t). A request's generator stays what carries its
 state: its initial seed is the row's seed, and its offset counts the row's
 steps (advanced by one Philox block a step), so a request keeps its stream
 when vLLM moves it to another row, and a prompt gets the same noise in any
@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 
 STEP = 4  # how far a row's generator offset moves each step (one Philox counter block)
+KEY_MULTIPLIER = 1_000_003  # key = seed * this + step: distinct for every seed < 2**31 and step < 1_000_003
+SMALLEST_NOISE = 1e-20  # an Exp(1) draw below it is as good as it (the race's winner either way)
 
 
 def seeded_rows(generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -41,41 +43,20 @@ def seeded_rows(generators: dict[int, torch.Generator]) -> torch.Tensor:
     return torch.tensor(table, dtype=torch.int64).T.contiguous()
 
 
-def _kernel():
-    """The Triton kernel (built on first use: importing triton is for GPU workers only)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def exponential_rows(q_ptr, q_stride, rows_ptr, seeds_ptr, steps_ptr, vocab_size, BLOCK: tl.constexpr):
-        which = tl.program_id(0)
-        row = tl.load(rows_ptr + which)
-        seed = tl.load(seeds_ptr + which)
-        step = tl.load(steps_ptr + which)
-        step_key = tl.randint(seed, step.to(tl.uint32))  # one key per (seed, step)
-        columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        uniform = tl.rand(step_key, columns)  # [0, 1)
-        noise = -tl.log(1.0 - uniform)  # Exp(1); 1 - u is in (0, 1]
-        tl.store(q_ptr + row * q_stride + columns, noise, mask=columns < vocab_size)
-
-    return exponential_rows
-
-
-_EXPONENTIAL_ROWS = None
-BLOCK = 4096
+BLOCK = 4096  # columns a kernel program fills
 
 
 def fill_seeded_exponentials(q: torch.Tensor, table: torch.Tensor) -> None:
     """Write Exp(1) noise into the rows of ``q`` (rows, vocab; float32, on the GPU) that ``table`` names (from
     ``seeded_rows``), each row's from its seed and step: one kernel launch for all of them."""
-    global _EXPONENTIAL_ROWS
-    if _EXPONENTIAL_ROWS is None:
-        _EXPONENTIAL_ROWS = _kernel()
+    from services.rollout.seeded_kernel import exponential_rows
+
     table = table.to(q.device, non_blocking=True)
     rows, seeds, steps = table[0], table[1], table[2]
     vocab_size = q.shape[1]
     grid = (table.shape[1], (vocab_size + BLOCK - 1) // BLOCK)
-    _EXPONENTIAL_ROWS[grid](q, q.stride(0), rows, seeds, steps, vocab_size, BLOCK=BLOCK)
+    exponential_rows[grid](q, q.stride(0), rows, seeds, steps, vocab_size, KEY_MULTIPLIER=KEY_MULTIPLIER,
+                           SMALLEST_NOISE=SMALLEST_NOISE, BLOCK=BLOCK)
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
