@@ -438,14 +438,15 @@ def meshrl_config(name: str, model: Path, data: Path, steps: int, overrides: lis
     }, list(overrides))
 
 
-def meshrl_services(layout: str) -> tuple:
-    """The services of a layout (besides the coordinator): the trainer on GPU 0, vLLM rollouts, a reward."""
+def meshrl_services(layout: str, rollout_settings: tuple[str, ...] = ()) -> tuple:
+    """The services of a layout (besides the coordinator): the trainer on GPU 0, vLLM rollouts (with
+    ``rollout_settings`` added), a reward."""
     from services.coordctl.local import ServiceSpec
 
     def on(gpu: int) -> tuple:
         return (("CUDA_VISIBLE_DEVICES", str(gpu)),)
 
-    vllm = ("engine=vllm", f"gpu_memory_utilization={VLLM_SHARE}")
+    vllm = ("engine=vllm", f"gpu_memory_utilization={VLLM_SHARE}", *rollout_settings)
     asleep = ServiceSpec("rollout", settings=(*vllm, "enable_sleep_mode=true"), env=on(0))
     rollouts = {"colocated": (ServiceSpec("rollout", settings=vllm, env=on(0)),),
                 "colocated-sleep": (asleep,),
@@ -463,19 +464,21 @@ def unavailable(name: str, gpus: int) -> str | None:
 
 
 def run_meshrl(names: list[str], work: Path, model: Path, data: Path, steps: int, timeout_s: float,
-               overrides: list[str]) -> dict[str, dict]:
+               overrides: list[str], rollout_settings: tuple[str, ...] = ()) -> dict[str, dict]:
     """Runs ``names`` (one layout) one after the other on one cluster of services, started once."""
     from services.coordctl.control import CoordinatorClient
     from services.coordctl.local import LocalCluster
 
     layout = RUNS[names[0]].layout
-    cluster = LocalCluster(work / f"state-{layout}-{time.strftime('%Y%m%d-%H%M%S')}", meshrl_services(layout))
+    cluster = LocalCluster(work / f"state-{layout}-{time.strftime('%Y%m%d-%H%M%S')}",
+                           meshrl_services(layout, rollout_settings))
+    labels = [*overrides, *(f"rollout {setting}" for setting in rollout_settings)]
 
     async def all_runs() -> dict[str, dict]:
         await cluster.start(timeout_s=180)
         client = CoordinatorClient(cluster.coordinator)
         try:
-            return {name: await run_one(client, name, meshrl_config(name, model, data, steps, overrides), overrides,
+            return {name: await run_one(client, name, meshrl_config(name, model, data, steps, overrides), labels,
                                         timeout_s) for name in names}
         finally:
             await client.close()
@@ -692,7 +695,8 @@ def run_all(names: list[str], args) -> None:
         try:
             batch = run_trl(name, args.work, args.out, args.steps, args.run_timeout, args.trl_site) \
                 if not RUNS[name].layout else \
-                run_meshrl(together, args.work, model, data, args.steps, args.run_timeout, args.overrides)
+                run_meshrl(together, args.work, model, data, args.steps, args.run_timeout, args.overrides,
+                           tuple(args.rollout_setting))
         except Exception as error:  # noqa: BLE001 - recorded as the runs' result; the other runs go on
             batch = {ran: {**stamp(ran, RUNS[ran].max_staleness), "status": "failed", "steps": [], "memory": {},
                            "error": f"{type(error).__name__}: {error}"} for ran in together}
@@ -716,6 +720,9 @@ def main() -> None:
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)  # the trl run's child: its result file
     parser.add_argument("--trl-lora", action="store_true", help=argparse.SUPPRESS)  # that child trains LoRA
     parser.add_argument("--llm-generate-worker", type=Path, help=argparse.SUPPRESS)  # llm-generate's child
+    parser.add_argument("--rollout-setting", action="append", default=[], metavar="KEY=VALUE",
+                        help="a rollout service setting for every meshrl run (repeatable), e.g. "
+                             "batched_seeded_sampling=true")
     parser.add_argument("overrides", nargs="*", help="key=value for every meshrl run's config")
     args = parser.parse_args()
     if args.llm_generate_worker:

@@ -11,8 +11,9 @@ layout of the service):
   one kernel for every seeded row);
 - ours: a rollout service process (engine=vllm) started by LocalCluster,
   given the prompts as the coordinator gives them: one Generate call with
-  the whole batch, n samples each, per-sample seeds, logprobs of the
-  sampled tokens, streamed back over gRPC.
+  the whole batch, n samples each, per-sample seeds (sampled in one kernel:
+  ``batched_seeded_sampling=true``), logprobs of the sampled tokens,
+  streamed back over gRPC.
 Each side first generates a small warm-up batch, untimed. With random weights
 and a large vocabulary, responses run to max_new_tokens, so every run
 generates the same number of tokens. Prints each one's tokens/s, what vLLM's
@@ -90,7 +91,8 @@ async def through_service(model: str, prompts: list[list[int]], n: int, max_new_
     from services.coordctl.control import CoordinatorClient
     from services.coordctl.local import LocalCluster, ServiceSpec
 
-    settings = ("engine=vllm", *(f"{key}={str(value).lower()}" for key, value in engine.items()))
+    settings = ("engine=vllm", "batched_seeded_sampling=true",
+                *(f"{key}={str(value).lower()}" for key, value in engine.items()))
     cluster = LocalCluster(state, (ServiceSpec("rollout", settings=settings, env=(("CUDA_VISIBLE_DEVICES", "0"),)),))
     try:
         await cluster.start(timeout_s=180)

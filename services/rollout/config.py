@@ -41,6 +41,11 @@ class RolloutServiceConfig(StreamingServeConfig):
     over every KV block (11 ms for the 56 GB cache of a 0.5B model at gpu_memory_utilization 0.4 on an H200),
     and the cache lives one step at most, since the weights change every step; worth it for long prompts shared
     by many samples."""
+    batched_seeded_sampling: bool = False
+    """vLLM: draw the sampling noise of every seeded sample of a decode step in one GPU kernel
+    (services/rollout/seeded_sampling.py) instead of vLLM's one kernel launch per seeded sample. meshrl seeds
+    every sample, so at 256 samples that is 256 launches a token. The samples follow the same distribution and
+    stay reproducible by seed, but are not the ones vLLM's own generators draw. Off until measured on a GPU."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + response vLLM plans for (null = the model's)."""
     corrupt_weight_after_sync: str = ""
