@@ -122,7 +122,8 @@ def summary(rows: list[dict]) -> dict:
             "staleness_max": max(r.get("training/off_policy/staleness/max", 0.0) for r in rows)}
 
 
-STAGES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "rollout_pause", "step")
+STAGES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "weight_probe", "rollout_pause",
+          "step")
 
 
 def stage_means(rows: list[dict]) -> dict[str, float]:

@@ -207,7 +207,8 @@ class RolloutSet:
         for result in results:
             log.info("weight_probe", address=result.address, version=version, diff_mean=result.diff.mean,
                      diff_max=result.diff.max, tolerance_mean=result.tolerance.mean,
-                     tolerance_max=result.tolerance.max, passed=result.passed, error=result.error)
+                     tolerance_max=result.tolerance.max, passed=result.passed, error=result.error,
+                     seconds=round(result.seconds, 4))
         for result in results:
             if result.passed:
                 for name, value in (("mean", result.diff.mean), ("max", result.diff.max)):

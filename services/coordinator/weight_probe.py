@@ -5,9 +5,12 @@ with them.
   with a response: the training prompt and the model's own continuation. Drawn once, kept for every later sync,
   and in each checkpoint (``state``, ``restore``), so a resumed run checks with the same probe.
 - After each sync every rollout scores the probe (``RolloutClient.compute_log_probs``: each response token's logprob
-  given what comes before it, at temperature 1, under the weights it now serves) and the actor's logprobs of the
-  same tokens and version, computed once per version at temperature 1 and beside the rollouts' scoring, are the
-  reference (``WeightProbe.check``).
+  given what comes before it, at temperature 1, under the weights it now serves, and their version) and the
+  actor's logprobs of the same tokens and version, computed once per version at temperature 1, are the reference
+  (``WeightProbe.check``). The rollouts of a sync and the actor are asked at once, concurrently; a rollout takes
+  the call beside the generation it may have in flight (generating ahead), not after it (the hf engine between two
+  token steps, vLLM beside its running requests), so the check costs a few forwards of the probe, whatever the
+  staleness or the batch size (bench/weight_probe_cost.py).
 - A rollout passes where the mean and the largest |rollout - trainer logprob| over the probe's response tokens
   (``algos.logprob_diff``) are within the tolerance of its engine and dtype (``tolerance_for``: the run's
   actor_rollout_ref.rollout.weight_check keys, else ``MEASURED``). What a rollout that fails meets is the rollout
@@ -17,6 +20,8 @@ with them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -99,6 +104,7 @@ class ProbeResult:
     diff: algos.LogprobDiff  # its logprobs against the trainer's (infinite where it could not score)
     tolerance: Tolerance
     error: str = ""  # why it could not score the probe, if it could not
+    seconds: float = 0.0  # from asking the rollout to its answer (or failure)
 
     @property
     def passed(self) -> bool:
@@ -147,9 +153,11 @@ class WeightProbe:
             return []
         scoring = asyncio.gather(*(self._scored(member, self.sequences) for member in members))
         expected, answers = await asyncio.gather(self._actor_logprobs(self.sequences, version), scoring)
-        return [self._result(member.address, version, answer, expected,
-                             tolerance_for(engines.get(member.address, ""), self.dtype, self.settings))
-                for member, answer in zip(members, answers)]
+        return [dataclasses.replace(
+                    self._result(member.address, version, answer, expected,
+                                 tolerance_for(engines.get(member.address, ""), self.dtype, self.settings)),
+                    seconds=seconds)
+                for member, (answer, seconds) in zip(members, answers)]
 
     async def _actor_logprobs(self, sequences: SequenceBatch, version: int) -> torch.Tensor:
         """The actor's logprobs of the probe at temperature 1, computed once per version."""
@@ -159,12 +167,15 @@ class WeightProbe:
         return self._expected[1]
 
     async def _scored(self, member: RolloutClient,
-                      sequences: SequenceBatch) -> tuple[int, torch.Tensor] | BaseException:
-        """A member's version and logprobs of the probe, or what it failed with (the actor's are computed beside)."""
+                      sequences: SequenceBatch) -> tuple[tuple[int, torch.Tensor] | BaseException, float]:
+        """A member's version and logprobs of the probe, or what it failed with (the actor's are computed beside),
+        and the seconds it took."""
+        started = time.perf_counter()
         try:
-            return await member.compute_log_probs(sequences, self.timeout_s)
+            answer: tuple[int, torch.Tensor] | BaseException = await member.compute_log_probs(sequences, self.timeout_s)
         except Exception as error:  # noqa: BLE001 - it fails the member's check, naming the error
-            return error
+            answer = error
+        return answer, time.perf_counter() - started
 
     @staticmethod
     def _result(address: str, version: int, answer: tuple[int, torch.Tensor] | BaseException, expected: torch.Tensor,

@@ -16,10 +16,11 @@ adapters from the received tensors (``services.rollout.vllm_lora``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -30,10 +31,12 @@ from services.run.models import load_causal_lm, load_tokenizer
 from services.common.weight_sync import StagedWeights, WeightReceiver
 from services.rollout.config import CORRUPTION, RolloutServiceConfig
 from services.rollout.hf_engine import HFEngine, WeightsNotLoaded
-from services.rollout.sampling import Completion, SamplingSettings
+from services.rollout.sampling import Completion, SamplingSettings, ScoredResponses
 from services.rollout.vllm_lora import AdapterServing
 from services.rollout.swap import (GenerationCall, GenerationInterrupted, PartialRollout, SwapGate, WeightSwap,
                                    failed_swap, not_whole)
+
+Result = TypeVar("Result")
 
 
 class Engine(Protocol):
@@ -48,9 +51,10 @@ class Engine(Protocol):
         """``sampling.n`` completions per prompt, prompt i seeded from ``seed_indices[i]``, each stamped with
         the weight versions that sampled its first and its last token."""
 
-    async def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+    async def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> ScoredResponses:
         """The logprob (temperature 1) of each token of each response given its prompt and the response tokens
-        before it, under the weights served now (the weight check's probe; never during a swap)."""
+        before it, under the weights served now, and their version (the weight check's probe: never during a
+        swap, and taken at once, beside the Generate calls in flight rather than after them)."""
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
                            timeout_s: float) -> None:
@@ -79,8 +83,11 @@ class Engine(Protocol):
 
 
 class HFRolloutEngine:
-    """The transformers engine: all model work (generation, loading weights) on one thread; weights are received
-    into staging buffers on a thread of their own while generation goes on."""
+    """The transformers engine: all model work (generation, loading weights, scoring the probe) on one thread;
+    weights are received into staging buffers on a thread of their own while generation goes on. Work that must
+    not wait for a Generate call in flight (a ``keep`` swap, the weight check's probe) is left for the engine
+    thread to run between two token steps (``_between_token_steps``): at once when it is idle, else before the
+    next token step of the generation it runs, which then goes on."""
 
     channel_ranks = 1
 
@@ -101,7 +108,8 @@ class HFRolloutEngine:
         self.channels = ChannelTable(config.device)
         self.receiver = WeightReceiver()  # what its channels carried, kept from sync to sync
         self._staging: StagedWeights | None = None  # the last receive, which may still be on the wire
-        self._pending: tuple[Callable[[], None], Future[None]] | None = None  # a keep swap's, for the engine thread
+        self._waiting: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()  # work left
+        # for the engine thread between token steps, in order (``_between_token_steps``)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     async def memory(self):
@@ -115,7 +123,7 @@ class HFRolloutEngine:
             def before_step() -> int:  # on the engine thread, between token steps
                 if call.should_stop():
                     raise GenerationInterrupted
-                self._apply_pending()
+                self._run_waiting()
                 if self.damaged:  # a keep swap failed part way under this call
                     raise not_whole(self.damaged)
                 return self.weight_version
@@ -127,31 +135,35 @@ class HFRolloutEngine:
         return await self.gate.run(lambda call: self._on_engine(attempt, call))
 
     async def compute_log_probs(self, prompts, responses):
-        def attempt(call: GenerationCall) -> list[list[float]]:
+        """Scored on the engine thread between two token steps of the generation in flight, if any (not after
+        it): the weights cannot change while it runs, and the version it reports is theirs."""
+        def score() -> ScoredResponses:
             if self.damaged:
                 raise not_whole(self.damaged)
-            return self.engine.compute_log_probs(prompts, responses)
+            return ScoredResponses(version=self.weight_version,
+                                   logprobs=self.engine.compute_log_probs(prompts, responses))
 
-        return await self.gate.run(lambda call: self._on_engine(attempt, call))
+        return await self.gate.run(lambda call: self._between_token_steps(score))
 
-    def _apply_pending(self) -> None:
-        """On the engine thread: swap in the weights a ``keep`` swap left for it, if any (once)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            apply, done = pending
+    def _run_waiting(self) -> None:
+        """On the engine thread: run the work left for it (``_between_token_steps``), in the order it was left;
+        work whose caller has gone (its future cancelled) is skipped."""
+        while self._waiting:
+            work, done = self._waiting.popleft()
+            if not done.set_running_or_notify_cancel():
+                continue
             try:
-                apply()
-                done.set_result(None)
-            except Exception as error:  # noqa: BLE001 - it goes to the swap's ReceiveWeights
+                done.set_result(work())
+            except Exception as error:  # noqa: BLE001 - it goes to whoever left the work
                 done.set_exception(error)
 
-    async def _apply_between_steps(self, apply: Callable[[], None]) -> None:
-        """Have the engine thread run ``apply`` at once if it is idle, else between two token steps of the
-        generation it runs, which then goes on under the new weights."""
-        done: Future[None] = Future()
-        self._pending = (apply, done)
-        self._thread.submit(self._apply_pending)  # whichever comes first: this, or the next token step
-        await asyncio.wrap_future(done)
+    async def _between_token_steps(self, work: Callable[[], Result]) -> Result:
+        """``work``'s result, run on the engine thread at once if it is idle, else between two token steps of the
+        generation it runs (which then goes on), never after that generation."""
+        done: Future[Result] = Future()
+        self._waiting.append((work, done))
+        self._thread.submit(self._run_waiting)  # whichever comes first: this, or the next token step
+        return await asyncio.wrap_future(done)
 
     async def _leave_channels(self) -> None:
         """Close the channels joined. A receive still on one (a sync the new channel replaces) is abandoned,
@@ -201,7 +213,7 @@ class HFRolloutEngine:
         received = time.perf_counter()
         async with self.gate.swap(partial_rollout):
             drained = time.perf_counter()
-            await (self._apply_between_steps(apply) if partial_rollout == "keep" else self._on_engine(apply))
+            await (self._between_token_steps(apply) if partial_rollout == "keep" else self._on_engine(apply))
         done = time.perf_counter()
         stages = {**staged.timer.seconds, "drain": drained - received, "apply": done - drained}
         return WeightSwap(version=self.weight_version, transfer_s=received - started, pause_s=done - received,

@@ -5,7 +5,9 @@ temperature, top-p, length, seed, stop tokens); ``Completion`` is one sampled
 response: its token ids, each sampled token's logprob, why it ended and the
 weight versions that sampled it (of its first and of its last token: they
 differ where new weights were swapped in while it was sampled, under the
-swap's ``keep``).
+swap's ``keep``); ``ScoredResponses`` is what the weight check's probe gets
+back: each given response token's logprob and the one weight version that
+scored them all.
 
 Every sequence is seeded on its own, from (request seed, prompt index, sample
 index) through ``hash_seed``, never from a generator shared by a batch: a
@@ -36,6 +38,12 @@ class Completion:
     finish_reason: str  # "stop" or "length"
     first_version: int = 0  # of the weights that sampled its first token (stamped by the engine)
     last_version: int = 0  # of the weights that sampled its last token (>= first_version)
+
+
+@dataclass(frozen=True)
+class ScoredResponses:
+    version: int  # of the weights that scored every token
+    logprobs: list[list[float]]  # per response, each of its tokens' logprob (temperature 1) given what is before it
 
 
 def hash_seed(seed: int, prompt_index: int, sample_index: int) -> int:

@@ -164,11 +164,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             raise ValueError(f"prompt_lens has {len(prompts)} entries, response_lens {len(responses)}: one each per "
                              "sequence")
         check_prompt_lengths([p + r for p, r in zip(prompts, responses)], 1, engine.max_model_len)
-        version = engine.weight_version
-        logprobs = await engine.compute_log_probs(prompts, responses)
-        flat = torch.tensor([value for row in logprobs for value in row], dtype=torch.float32)
+        scored = await engine.compute_log_probs(prompts, responses)
+        flat = torch.tensor([value for row in scored.logprobs for value in row], dtype=torch.float32)
         for chunks in batch_to_chunks({"logprobs": flat}):
-            yield rollout_pb2.ComputeLogProbsResponse(chunks=chunks, weight_version=version)
+            yield rollout_pb2.ComputeLogProbsResponse(chunks=chunks, weight_version=scored.version)
 
     async def JoinChannel(self, request, context):
         timeout_s = check_wait("timeout_s", request.timeout_s)

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 from services.run.models import load_tokenizer
 from services.rollout.config import CORRUPTION, RolloutServiceConfig
 from services.rollout.direct_load import STACKED
-from services.rollout.sampling import Completion, SamplingSettings, hash_seed
+from services.rollout.sampling import Completion, SamplingSettings, ScoredResponses, hash_seed
 from services.rollout.swap import GenerationCall, PartialRollout, SwapGate, WeightSwap, failed_swap, not_whole
 from services.rollout.vllm_lora import (IN_MEMORY, SPARE_ADAPTERS, AdapterServing, AdapterWindow, LoadedAdapter,
                                         lora_engine_args)
@@ -166,10 +166,12 @@ class VLLMEngine:
             if not self.adapter_calls[adapter.adapter_id]:
                 del self.adapter_calls[adapter.adapter_id]
 
-    async def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+    async def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> ScoredResponses:
         """Each whole sequence goes in as a prompt with prompt_logprobs=0 (the logprob of each prompt token given
         those before it, from the raw logits: temperature 1) and one token generated; the response's part is
-        returned. vLLM reads no prefix cache for such a request, so it runs on the weights served now."""
+        returned. vLLM reads no prefix cache for such a request, so it runs on the weights served now. Its
+        requests join those in flight: AsyncLLM schedules them beside the running ones at its next step (nothing
+        here waits for the Generate calls in flight; only a swap in progress holds them back, at the gate)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -184,15 +186,17 @@ class VLLMEngine:
                 final = output
             return prompt_logprobs_of(final.prompt_logprobs, prompt + response, first=len(prompt))
 
-        async def attempt(call: GenerationCall) -> list[list[float]]:
+        async def attempt(call: GenerationCall) -> ScoredResponses:
             if self.damaged:
                 raise not_whole(self.damaged)
+            version = self.weight_version  # the coordinator probes between its syncs, never during one
             adapter = self.adapters.current if self.adapters else None  # a LoRA run's: the adapted model is scored
             request_ids = [uuid.uuid4().hex for _ in prompts]
             with self._using(adapter):
                 try:
-                    return list(await call.unless_interrupted(asyncio.gather(
-                        *(one(p, r, rid, adapter) for p, r, rid in zip(prompts, responses, request_ids)))))
+                    return ScoredResponses(version=version, logprobs=list(await call.unless_interrupted(
+                        asyncio.gather(*(one(p, r, rid, adapter)
+                                         for p, r, rid in zip(prompts, responses, request_ids))))))
                 except BaseException:
                     await self.llm.abort(request_ids)
                     raise

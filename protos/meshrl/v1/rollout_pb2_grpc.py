@@ -99,8 +99,10 @@ class RolloutServicer:
     def ComputeLogProbs(self, request_iterator, context):
         """Logprobs of given response tokens under the weights the engine serves,
         at temperature 1 (the weight check after each sync compares them with
-        the trainer's). The request streams the sequences; the response streams
-        logprobs [T] float32, one per response token.
+        the trainer's). Taken at once, beside the Generate calls in flight (not
+        after them); a swap in progress holds it back. The request streams the
+        sequences; the response streams logprobs [T] float32, one per response
+        token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

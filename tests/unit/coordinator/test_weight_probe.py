@@ -1,8 +1,9 @@
 """CPU tests of services/coordinator/weight_probe.py: which samples make the probe, the tolerance a rollout is held
-to, and when a probe passes."""
+to, when a probe passes, and that the rollouts of a sync and the actor are asked at once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -84,3 +85,45 @@ def test_a_checkpoint_keeps_the_probe_and_a_resumed_run_checks_with_the_same_one
         assert torch.equal(getattr(resumed.sequences, key), getattr(probe.sequences, key)), key
     resumed.draw(batch_of([[9]], [[9]]), torch.tensor([0]))  # drawn once: a later batch does not replace it
     assert resumed.sequences.prompt_ids.tolist() == [1, 2, 3]
+
+
+class Everyone:
+    """Stands in for the rollouts and the actor (their scoring is tested on real services): each answers only once
+    every one of them has been asked, so a check that asked them one after another would wait for ever."""
+
+    def __init__(self, count: int):
+        self.count, self.asked, self.all_asked = count, [], asyncio.Event()
+
+    async def answer(self, name: str, tokens: int) -> torch.Tensor:
+        self.asked.append(name)
+        if len(self.asked) == self.count:
+            self.all_asked.set()
+        await asyncio.wait_for(self.all_asked.wait(), timeout=30)
+        return torch.full((tokens,), -0.5)
+
+
+class AskedRollout:
+    def __init__(self, address: str, everyone: Everyone):
+        self.address, self.everyone = address, everyone
+
+    async def compute_log_probs(self, batch: SequenceBatch, timeout: float):
+        return 3, await self.everyone.answer(self.address, batch.num_response_tokens)
+
+
+class AskedActor:
+    def __init__(self, everyone: Everyone):
+        self.everyone = everyone
+
+    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float, temperature: float = 0.0):
+        return await self.everyone.answer("actor", batch.num_response_tokens)
+
+
+def test_the_rollouts_of_a_sync_and_the_actor_are_asked_at_once():
+    everyone = Everyone(count=4)
+    probe = WeightProbe(DEFAULTS, "float32", actor=AskedActor(everyone), timeout_s=30.0)
+    probe.draw(batch_of([[1, 2], [3]], [[4, 5, 6], [7]]), torch.tensor([0, 1]))
+    rollouts = [AskedRollout(f"r:{i}", everyone) for i in range(3)]
+    results = asyncio.run(probe.check(rollouts, {"r:0": "hf", "r:1": "hf", "r:2": "hf"}, version=3))
+    assert sorted(everyone.asked) == ["actor", "r:0", "r:1", "r:2"]
+    assert [r.address for r in results] == ["r:0", "r:1", "r:2"] and all(r.passed for r in results)
+    assert all(r.diff == LogprobDiff(0.0, 0.0) and r.seconds > 0 for r in results)
