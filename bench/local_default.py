@@ -51,7 +51,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     from services import algos
     from services.common.config import validate
     from services.common.sequences import SequenceBatch
-    from services.coordinator.sampler import PromptSampler
+    from services.coordinator.step.sampler import PromptSampler
     from services.reward.rules import score_sample
     from services.rollout.hf_engine import HFEngine
     from services.rollout.sampling import SamplingSettings

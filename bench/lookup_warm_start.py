@@ -29,10 +29,10 @@ import yaml
 
 from services.common.config import to_yaml
 from services.coordctl.resolve import checked, resolve_config
-from services.coordinator.clients import sequence_tensors
+from services.coordinator.fleet.clients import sequence_tensors
 from services.coordinator.settings import loop_settings
-from services.coordinator.turns import ReplyTokens, render_prompt, render_reply
-from services.coordinator.warm_start import WarmStart
+from services.coordinator.agent.turns import ReplyTokens, render_prompt, render_reply
+from services.coordinator.step.warm_start import WarmStart
 from services.env.tools import as_reply, read_tool_config, tool_class
 from services.reward.rules import score_sample
 from services.run.tool_calls import ParseError, parse_tool_calls

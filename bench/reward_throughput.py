@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.coordinator.clients import RewardClient, RewardSample
+from services.coordinator.fleet.clients import RewardClient, RewardSample
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.reward.rules import score_sample

@@ -77,7 +77,7 @@ def reference(model: str, count: int, n: int, max_new_tokens: int, engine: dict,
 
 async def through_service(model: str, count: int, n: int, max_new_tokens: int, engine: dict,
                           state: Path) -> tuple[int, float]:
-    from services.coordinator.clients import RolloutClient
+    from services.coordinator.fleet.clients import RolloutClient
     from services.coordinator.settings import Sampling
     from services.coordctl.control import CoordinatorClient
     from services.coordctl.local import LocalCluster, ServiceSpec

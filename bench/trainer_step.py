@@ -54,7 +54,7 @@ from bench.grpo_step import (MICRO_BATCH, PROMPT_TOKENS, PROMPTS, RESPONSE_TOKEN
                              meshrl_config, prepare_assets)
 from services.run.sections.actor import ActorConfig
 from services.common.sequences import SequenceBatch
-from services.coordinator.runs import parse_run_config
+from services.coordinator.runs.manager import parse_run_config
 from services.coordctl.tiny_model import QWEN25_SHAPES
 from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
 

@@ -20,7 +20,7 @@ from services.common.channel import open_weight_channel
 from services.run.models import load_causal_lm
 from services.common.nccl_channel import new_unique_id
 from services.common.weight_sync import WeightSender
-from services.coordinator.clients import RolloutClient
+from services.coordinator.fleet.clients import RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster
 from tests.gpu.conftest import needs, vllm_rollout

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from services.coordinator.clients import RolloutClient
+from services.coordinator.fleet.clients import RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster
 from tests.gpu.conftest import needs, vllm_rollout

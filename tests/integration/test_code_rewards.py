@@ -12,7 +12,7 @@ import pytest
 from meshrl.v1 import common_pb2, reward_pb2_grpc
 from services.common.rpc import open_channel
 from services.common.sandbox import check_sandbox
-from services.coordinator.clients import RewardClient, RewardSample
+from services.coordinator.fleet.clients import RewardClient, RewardSample
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_rewards import reward_address, reward_config, score_through_service
 

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from bench.faults import SERVICES, random_schedule, run_with_faults, service_address, serving, step_events
-from services.coordinator.clients import RolloutClient
-from services.coordinator.dispatch import split_by_speed
+from services.coordinator.fleet.clients import RolloutClient
+from services.coordinator.fleet.dispatch import split_by_speed
 from services.coordinator.settings import Sampling
 from services.coordctl.control import CoordinatorClient, RunStatus
 from services.coordctl.local import LocalCluster, ServiceSpec

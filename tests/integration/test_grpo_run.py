@@ -23,7 +23,7 @@ import yaml
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
 from services.common.service import keep_registered
 from services.common.sequences import SequenceBatch
-from services.coordinator.clients import RolloutClient, TrainerClient
+from services.coordinator.fleet.clients import RolloutClient, TrainerClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.control import CoordinatorClient
 from services.coordinator.settings import Sampling

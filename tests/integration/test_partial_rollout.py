@@ -22,7 +22,7 @@ from services.common.channel import open_weight_channel
 from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.run.models import load_causal_lm
 from services.common.weight_sync import WeightSender
-from services.coordinator.clients import Generated, Received, RolloutClient
+from services.coordinator.fleet.clients import Generated, Received, RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_faults import LogTail

@@ -19,7 +19,7 @@ import yaml
 
 from meshrl.v1 import reward_pb2, reward_pb2_grpc
 from services.common.rpc import open_channel
-from services.coordinator.clients import RewardClient, RewardSample
+from services.coordinator.fleet.clients import RewardClient, RewardSample
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.tiny_model import build_tiny_reward_model
