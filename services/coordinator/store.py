@@ -162,7 +162,10 @@ class RunStore:
             "INSERT INTO events (run_id, time, kind, step, state, message, metrics_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (run_id, now, kind, step, state, message, json.dumps(metrics)),
         )
-        return Event(cursor.lastrowid, run_id, now, kind, step, state, message, metrics)
+        if cursor.lastrowid is None:
+            raise RuntimeError(f"the run DB gave no id to run {run_id}'s event")
+        return Event(id=cursor.lastrowid, run_id=run_id, time=now, kind=kind, step=step, state=state, message=message,
+                     metrics=metrics)
 
     def get_run(self, run_id: str) -> RunRow:
         row = self._db.execute(
@@ -203,7 +206,9 @@ class RunStore:
             "SELECT id, run_id, time, kind, step, state, message, metrics_json FROM events"
             " WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id),
         )
-        return [Event(*row[:7], json.loads(row[7])) for row in rows]
+        return [Event(id=event_id, run_id=run, time=at, kind=kind, step=step, state=state, message=message,
+                      metrics=json.loads(metrics_json))
+                for event_id, run, at, kind, step, state, message, metrics_json in rows]
 
     def add_checkpoint(self, run_id: str, step: int, path: str, loop_state: dict) -> None:
         """Record a checkpoint whose trainer folders are complete (the last write of a checkpoint)."""

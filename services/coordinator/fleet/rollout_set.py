@@ -96,6 +96,13 @@ class RolloutSet:
         self.refused: set[str] = set()  # processes (service ids) that failed the weight check twice: never taken in
         self._changing = asyncio.Lock()  # held by form, load, refresh and sync: one change of the set at a time
 
+
+    def spread(self) -> ReplicaPool[RolloutClient]:
+        """The members as a pool to spread a batch over; Unavailable while the set has none (a refresh finds some,
+        waiting for one)."""
+        if self.pool is None:
+            raise Unavailable(f"run {self.run_id} has no rollout replica")
+        return self.pool
     def addresses(self) -> list[str]:
         return [member.address for member in self.members]
 

@@ -24,11 +24,11 @@ import asyncio
 import itertools
 import secrets
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Awaitable, Callable
 
 import structlog
 
-from services.common.errors import Unavailable
+from services.common.errors import FailedPrecondition, Unavailable
 from services.common.rpc import is_retryable
 from services.coordinator.fleet.clients import Received, RolloutClient, RolloutInfo, TrainerClient, TrainerPlacement
 from services.coordinator.settings import RolloutSetSettings
@@ -158,6 +158,12 @@ class WeightChannels:
         self.devices = 1  # the devices the trainer and the members of the adopted formation compute on
         self._prefix, self._generation = f"{run_id}-weights-{secrets.token_hex(3)}", 0
 
+    def sender(self) -> TrainerClient:
+        """The actor's trainer, which sends the weights (a run that only validates has none, and forms no channel)."""
+        if self.actor is None:
+            raise FailedPrecondition("the run has no actor trainer to send weights from: it only validates")
+        return self.actor
+
     async def form(self, clients: list[RolloutClient], ranks: dict[str, int]) -> Formation:
         """The actor and ``clients`` (taking ``ranks[address]`` channel ranks each) join fresh channels
         (``plan_channels``); none is joined where a rollout does not answer Info. The channels are sent over
@@ -165,7 +171,7 @@ class WeightChannels:
         infos = await asyncio.gather(*(c.info(self.settings.rpc_timeout_s) for c in clients), return_exceptions=True)
         failed = {c.address: i for c, i in zip(clients, infos) if not isinstance(i, RolloutInfo)}  # will not join
         answered = {c.address: i for c, i in zip(clients, infos) if isinstance(i, RolloutInfo)}
-        trainer = await self.actor.placement()
+        trainer = await self.sender().placement()
         plans = plan_channels(self.settings.backend, trainer.gpu, answered)
         self._generation += 1
         base = f"{self._prefix}-{self._generation}"
@@ -220,7 +226,8 @@ class WeightChannels:
         receiving = {m.address: asyncio.ensure_future(m.receive_weights(channel_id, timeout,
                                                                         self.settings.partial_rollout))
                      for m in members}
-        sending = asyncio.ensure_future(self.actor.broadcast_weights(channel_id, self.settings.bucket_bytes, timeout))
+        sending = asyncio.ensure_future(self.sender().broadcast_weights(channel_id, self.settings.bucket_bytes,
+                                                                        timeout))
         sent, trouble = None, ""
         try:
             pending = {sending, *receiving.values()}
@@ -249,7 +256,7 @@ class WeightChannels:
         not_serving = {address: answer for address, answer in zip(receiving, answers)
                        if not isinstance(answer, Received) or answer.version != version}
         if sent is not None and not not_serving:
-            return None, answers
+            return None, [answer for answer in answers if isinstance(answer, Received)]
         members_now = {m.address for m in self.members()}
         left = [address for address in not_serving if address not in members_now]
         if left and not trouble:
@@ -260,28 +267,29 @@ class WeightChannels:
                 f"not serving it: {', '.join(not_serving) or 'none'}"), []
 
     async def _join(self, channel_ids: list[str], plans: list[ChannelPlan], clients: list[RolloutClient],
-                    ranks: dict[str, int]) -> tuple[list, list[RolloutClient | None]]:
+                    ranks: dict[str, int]) -> tuple[list[Any], list[RolloutClient | None]]:
         """The actor prepares the planned channels (the first replacing its old ones, the others beside it), then
         it and ``clients`` join them, all at once; what each join returned or raised, and who joined (None: the
         actor). Once one join fails the others are cancelled: they would only wait out the deadline for it."""
         rpc_timeout_s, timeout = self.settings.rpc_timeout_s, self.settings.channel_timeout_s
         client = {c.address: c for c in clients}
         taken_by = [[ranks[address] for address in plan.addresses] for plan in plans]
-        rendezvous = [await self.actor.prepare_channel(channel_id, plan.backend, world_size=1 + sum(taken),
+        rendezvous = [await self.sender().prepare_channel(channel_id, plan.backend, world_size=1 + sum(taken),
                                                        timeout=rpc_timeout_s, keep_joined=index > 0)
                       for index, (channel_id, plan, taken) in enumerate(zip(channel_ids, plans, taken_by))]
-        joins, joiners = [], []
+        joins: list[Awaitable[Any]] = []
+        joiners: list[RolloutClient | None] = []
         for channel_id, plan, taken, meeting in zip(channel_ids, plans, taken_by, rendezvous):
             world_size = 1 + sum(taken)
-            joins.append(self.actor.join_channel(channel_id, plan.backend, rendezvous=meeting, world_size=world_size,
+            joins.append(self.sender().join_channel(channel_id, plan.backend, rendezvous=meeting, world_size=world_size,
                                                  timeout=timeout))
             joiners.append(None)
             for rank, address in zip(itertools.accumulate([1, *taken]), plan.addresses):
                 joins.append(client[address].join_channel(channel_id, plan.backend, rendezvous=meeting, rank=rank,
                                                           world_size=world_size, timeout=timeout))
                 joiners.append(client[address])
-        joins = [asyncio.ensure_future(join) for join in joins]
-        _, waiting = await asyncio.wait(joins, return_when=asyncio.FIRST_EXCEPTION)
-        for join in waiting:
-            join.cancel()
-        return await asyncio.gather(*joins, return_exceptions=True), joiners
+        tasks = [asyncio.ensure_future(join) for join in joins]
+        _, waiting = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in waiting:
+            task.cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True), joiners

@@ -203,7 +203,7 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
                     f"generating it again")
         await rollouts.refresh()
 
-    done = await map_shards_recovering(lambda: rollouts.pool, len(prompts), call, attempts=GENERATION_ATTEMPTS,
+    done = await map_shards_recovering(rollouts.spread, len(prompts), call, attempts=GENERATION_ATTEMPTS,
                                        recover=refresh)
     counts: dict[str, int] = {}
     for result, replica in done:

@@ -15,7 +15,8 @@ Choices:
   (minus the KL penalty when it goes into the reward) -> advantages (the run's estimator, by its name in
   ``algo_registry``; remax's greedy responses are generated and scored beside the samples) ->
   critic and actor updates, concurrently -> weight sync trainer -> every
-  rollout -> metrics. ``train`` reads as those stages, one call each.
+  rollout -> metrics. ``train`` reads as those stages, one call each; the generation side (prompts to scored
+  batches) is the ``Producer``'s (producer.py), which the pipeline asks for each step's batch.
 - Before the first step the run loads its roles everywhere, opens the weight
   channel, runs the optional supervised warm start, and syncs, so every
   rollout serves exactly the trainer's weights from step 1 on.
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Protocol
@@ -55,7 +55,6 @@ from services.algo_registry import EstimatorInputs, EstimatorParams
 from services.estimators import compute_advantages
 from services.common.sequences import SequenceBatch
 from services.common.timing import StageTimer
-from services.coordinator.step import generation
 from services.common.errors import FailedPrecondition
 from services.coordinator.agent.agent_loop import AgentLoop, episode_row
 from services.coordinator.fleet.env_set import EnvProbe, EnvSet
@@ -64,8 +63,9 @@ from services.coordinator.fleet.clients import TrainerClient
 from services.run.data import Prompt
 from services.coordinator.step.sampler import PromptSampler
 from services.coordinator.step.samples import step_records
+from services.coordinator.step.producer import Produced, Producer
 from services.coordinator.step.generation import Rollouts
-from services.coordinator.step.metrics import data_metrics, rollout_balance, throughput
+from services.coordinator.step.metrics import data_metrics, throughput
 from services.coordinator.step.pipeline import Pipeline
 from services.coordinator.fleet.reward_set import RewardSet, probe_samples
 from services.coordinator.fleet.rollout_set import RolloutSet
@@ -104,15 +104,6 @@ class Trainers:
         return roles
 
 
-@dataclass(frozen=True)
-class Produced:
-    """A step's scored batch, as the generation side hands it to the training side."""
-
-    rollouts: Rollouts
-    metrics: dict[str, float]  # of the generation: filtering, samples per replica
-    seconds: dict[str, float]  # stage -> seconds spent generating and scoring it
-
-
 class Evaluated(NamedTuple):
     """What the update needs from the trainers, all [T] over the batch's response tokens."""
 
@@ -137,6 +128,15 @@ class Updates(NamedTuple):
     version: int | None  # the actor's new weight version (None: only the critic was updated)
 
 
+class Training(NamedTuple):
+    """What only a run that trains has: its trainers, its warm start, its checkpoints and its batches."""
+
+    trainers: Trainers
+    warm_start: WarmStart
+    checkpoints: Checkpointer
+    producer: Producer
+
+
 class PPOLoop:
     def __init__(self, *, run_id: str, settings: LoopSettings, config_yaml: str, trainers: Trainers | None,
                  rollout_set: RolloutSet, reward_set: RewardSet, env_set: EnvSet | None, prompts: list[Prompt],
@@ -146,26 +146,43 @@ class PPOLoop:
         validates; ``env_set``: a multi-turn run's env services (None: one response per prompt); ``tokenizer``:
         the model's, to decode responses for the reward services and encode the warm start's targets."""
         self.run_id, self.settings, self.config_yaml = run_id, settings, config_yaml
-        self.trainers, self.rollout_set, self.reward_set, self.env_set = trainers, rollout_set, reward_set, env_set
+        self.rollout_set, self.reward_set, self.env_set = rollout_set, reward_set, env_set
         self.agent = AgentLoop(rollout_set=rollout_set, env_set=env_set, settings=settings.agent, tokenizer=tokenizer,
                                notices=reporter) if settings.agent is not None and env_set is not None else None
         warm_prompts, self.prompts = warm_start_rows(settings, prompts)  # the warm start's rows and RL's
-        self.tokenizer, self.reporter, self.should_stop = tokenizer, reporter, should_stop
-        self.sampler = PromptSampler(len(self.prompts), settings.batch_size, settings.shuffle, settings.seed) if \
-            self.prompts else None  # a run that only validates draws no batch
-        self.timeout = settings.rpc_timeout_s
+        self.reporter, self.should_stop, self.timeout = reporter, should_stop, settings.rpc_timeout_s
         self.kl_coef = settings.kl_in_reward.initial_coef if settings.kl_in_reward else 0.0
-        actor = trainers.actor if trainers else None  # None: a run that only validates (no warm start, no checkpoint)
-        self.warm_start = WarmStart(settings=settings, actor=actor, prompts=warm_prompts, tokenizer=tokenizer,
-                                    notices=reporter, timeout_s=self.timeout)
-        self.checkpoints = Checkpointer(run_id=run_id, roles=trainers.roles() if trainers else {}, actor=actor,
-                                        sampler=self.sampler, reward_set=reward_set, env_set=env_set, notices=reporter,
-                                        should_stop=should_stop, folder=checkpoint_dir,
-                                        keep=settings.checkpoints_kept, timeout_s=self.timeout,
-                                        probe=rollout_set.probe)
         self.validations = Validations(settings=settings.validation, total_steps=settings.total_steps,
                                        prompts=val_prompts, rollout_set=rollout_set, reward_set=reward_set,
                                        agent=self.agent, tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout)
+        self.training: Training | None = None  # a run that only validates draws no batch, saves no checkpoint
+        if trainers is not None:
+            sampler = PromptSampler(len(self.prompts), settings.batch_size, settings.shuffle, settings.seed)
+            self.training = Training(
+                trainers=trainers,
+                warm_start=WarmStart(settings=settings, actor=trainers.actor, prompts=warm_prompts,
+                                     tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout),
+                checkpoints=Checkpointer(run_id=run_id, roles=trainers.roles(), actor=trainers.actor, sampler=sampler,
+                                         reward_set=reward_set, env_set=env_set, notices=reporter,
+                                         should_stop=should_stop, folder=checkpoint_dir,
+                                         keep=settings.checkpoints_kept, timeout_s=self.timeout,
+                                         probe=rollout_set.probe),
+                producer=Producer(settings=settings, prompts=self.prompts, sampler=sampler, rollout_set=rollout_set,
+                                  reward_set=reward_set, agent=self.agent, tokenizer=tokenizer, notices=reporter))
+
+    def trained(self) -> Training:
+        """The run's training side; FailedPrecondition in a run that only validates (which never asks)."""
+        if self.training is None:
+            raise FailedPrecondition("a run that only validates has no trainers, warm start or checkpoints")
+        return self.training
+
+    @property
+    def trainers(self) -> Trainers:
+        return self.trained().trainers
+
+    @property
+    def checkpoints(self) -> Checkpointer:
+        return self.trained().checkpoints
 
     async def run(self, resume: Checkpoint | None = None) -> bool:
         """Set up (from ``resume`` if given), then train until the last step or a stop request, checkpointing
@@ -190,7 +207,8 @@ class PPOLoop:
         if validation is not None and validation.before_train and checkpoints.saved_step == 0:
             validations.start(0)                                          # the starting weights
         await self.boundary(first)
-        pipeline = Pipeline(self.produce, checkpoints.data_state, first, last, settings.max_staleness)
+        pipeline = Pipeline(self.trained().producer.produce, checkpoints.data_state, first, last,
+                            settings.max_staleness)
         pipeline.start()
         try:
             for step in range(first, last + 1):
@@ -236,8 +254,8 @@ class PPOLoop:
         metrics = {**updates.metrics, **estimate.metrics, **produced.metrics, **staleness,
                    **self.rollout_set.probe_metrics, **timer.metrics(),
                    **{f"perf/rollout/{key}": value for key, value in self.rollout_set.memory.items()}}
-        return {**metrics, **self.batch_metrics(rollouts, evaluated, estimate, updates, step_s=metrics["timing_s/step"],
-                                                 devices=self.rollout_set.devices)}
+        return {**metrics, **batch_metrics(rollouts, evaluated, estimate, updates, step_s=metrics["timing_s/step"],
+                                            devices=self.rollout_set.devices)}
 
     # ------------------------------------------------------------------ the stages of a step
 
@@ -314,11 +332,11 @@ class PPOLoop:
 
     async def update_critic(self, batch: SequenceBatch, evaluated: Evaluated, estimate: Estimate, step: int,
                             timer: StageTimer) -> dict[str, float]:
-        if self.trainers.critic is None:
+        critic = self.trainers.critic
+        if critic is None or evaluated.values is None:  # values come with a critic
             return {}
         with timer("update_critic"):
-            return await self.trainers.critic.update_critic(batch, evaluated.values, estimate.returns, step,
-                                                            self.timeout)
+            return await critic.update_critic(batch, evaluated.values, estimate.returns, step, self.timeout)
 
     async def update_actor(self, rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, step: int,
                            timer: StageTimer) -> tuple[dict[str, float], int | None]:
@@ -346,21 +364,6 @@ class PPOLoop:
         if self.rollout_set.probe is not None:
             timer.seconds["weight_probe"] = self.rollout_set.probe_s  # (within update_weights)
 
-    @staticmethod
-    def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updates: Updates,
-                      step_s: float, devices: int) -> dict[str, float]:
-        """verl's data metrics of the step's batch (by trajectory: a multi-turn one's samples together), its tokens
-        (every sample's) and their throughput per device (``devices``: those the run computes on), and the weight
-        version trained."""
-        batch, trajectories = rollouts.batch, rollouts.by_trajectory()
-        tokens = batch.num_response_tokens + int(batch.prompt_lens.sum())
-        return {**data_metrics(trajectories.scores, estimate.rewards, estimate.advantages, estimate.returns,
-                               evaluated.values, trajectories.response_lens, trajectories.prompt_lens,
-                               trajectories.truncated, rollouts.logprobs, evaluated.old_logprobs, batch.loss_mask),
-                "perf/total_num_tokens": float(tokens), "perf/throughput": throughput(tokens, step_s, devices),
-                "perf/devices": float(devices),
-                "training/weight_version": float(-1 if updates.version is None else updates.version)}
-
     def within_staleness(self, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
         """The rollouts whose every sample is at most trainer.async_.max_staleness versions older than the
         weights the update starts from (prompts with an older sample are dropped, and counted), and the
@@ -384,69 +387,6 @@ class PPOLoop:
                           f"weight versions old")
         return rollouts.keep_prompts(keep), metrics
 
-    # ------------------------------------------------------------------ the generation side
-
-    async def produce(self, step: int) -> Produced:
-        """The generation side of a step: its batch generated and scored (from weights no older than those the
-        rollouts serve now). With DAPO dynamic sampling, groups whose scores are all equal are dropped and
-        further batches generated, up to filter_groups.max_num_gen_batches rounds."""
-        timer, counts, oldest = StageTimer(), {}, self.rollout_set.served
-        if not self.settings.filter_groups:
-            rollouts = await self.generate_and_score(step, 0, timer, counts, oldest)
-            return Produced(rollouts, counts, timer.seconds)
-        wanted, kept = self.settings.batch_size, []
-        for round_index in range(self.settings.max_gen_rounds):
-            rollouts = await self.generate_and_score(step, round_index, timer, counts, oldest)
-            signal = algos.groups_with_signal(rollouts.scores, rollouts.group_ids)
-            kept.append(rollouts.keep_prompts(rollouts.prompts_where_every_sample(signal)))
-            if sum(len(part.prompts) for part in kept) >= wanted:
-                break
-        merged = Rollouts.concat(kept) if any(part.prompts for part in kept) else rollouts
-        merged = merged.keep_prompts(list(range(min(wanted, len(merged.prompts)))))
-        return Produced(merged, {**counts, "training/filter_groups/kept_prompts": float(len(merged.prompts)),
-                                 "training/filter_groups/gen_rounds": float(round_index + 1)}, timer.seconds)
-
-    async def generate_and_score(self, step: int, round_index: int, timer: StageTimer, counts: dict[str, float],
-                                 oldest: int) -> Rollouts:
-        """One round: the next batch's responses, sampled from weight versions >= ``oldest``, and their scores;
-        ``counts`` gets the samples each replica produced, and each one's share and speed (of the rounds so far)."""
-        chosen = [self.prompts[i] for i in self.sampler.next_batch()]
-        seed = (self.settings.seed * 1_000_003 + step) * 101 + round_index
-        with timer("gen"):
-            if self.agent is None:
-                rollouts, by_rollout = await generation.generate(self.rollout_set, chosen, self.settings.sampling,
-                                                                 seed, oldest, self.timeout, self.reporter,
-                                                                 f"step {step}")
-            else:
-                rollouts, by_rollout, trajectories = await generation.generate_trajectories(
-                    self.agent, chosen, self.settings.sampling, seed, oldest, self.timeout, f"step {step}")
-                counts |= trajectories
-        with timer("reward"):
-            scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, self.reporter, f"step {step}")
-        if self.settings.estimator.greedy_baseline:
-            rollouts = await self.with_greedy_baselines(scoring.rollouts, chosen, seed, oldest, step, timer)
-        else:
-            rollouts = scoring.rollouts
-        for address, count in by_rollout.items():
-            add_count(counts, f"rollout/samples_by/{address}", count)
-        counts |= rollout_balance(counts, self.rollout_set.speeds.speeds)
-        for service_id, count in scoring.by_service.items():
-            add_count(counts, f"reward/samples_by/{service_id}", count)
-        add_count(counts, "reward/timeouts", sum(s.timed_out for s in scoring.scores))
-        return rollouts
-
-    async def with_greedy_baselines(self, rollouts: Rollouts, chosen: list[Prompt], seed: int, oldest: int, step: int,
-                                    timer: StageTimer) -> Rollouts:
-        """``rollouts`` with the score of one greedy response (temperature 0) to each prompt, from the same weights,
-        as every response's baseline (remax; verl's timing_s/gen_max)."""
-        greedy_sampling = dataclasses.replace(self.settings.sampling, n=1, temperature=0.0, top_p=1.0)
-        with timer("gen_max"):
-            greedy, _ = await generation.generate(self.rollout_set, chosen, greedy_sampling, seed, oldest,
-                                                  self.timeout, self.reporter, f"step {step} greedy baselines")
-            scored = await generation.score(self.reward_set, greedy, self.tokenizer, self.reporter,
-                                            f"step {step} greedy baselines")
-        return dataclasses.replace(rollouts, baselines=scored.rollouts.scores[rollouts.group_ids])
-
     # ------------------------------------------------------------------ set-up and boundaries
 
     async def set_up(self, resume: Checkpoint | None) -> None:
@@ -461,7 +401,7 @@ class PPOLoop:
             await self.rollout_set.wake_up()  # one an earlier attempt left asleep
         if resume is None:
             tools = self.env_set.tools(self.agent.settings.environment) if self.agent and self.env_set else ()
-            version = await self.warm_start.run(tools)
+            version = await self.trained().warm_start.run(tools)
         else:
             version, self.kl_coef = await self.checkpoints.restore(resume)
         await self.rollout_set.sync(version)
@@ -507,6 +447,8 @@ def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollou
     if kl_in_reward is None:
         rewards, metrics = algos.token_rewards(trajectories.scores, lengths, mask=mask), {}
     else:
+        if evaluated.old_logprobs is None or evaluated.ref_logprobs is None:  # the settings ask for both then
+            raise ValueError("algorithm.use_kl_in_reward needs the actor's old logprobs and the reference's")
         kl = algos.kl_penalty(evaluated.old_logprobs, evaluated.ref_logprobs, kl_in_reward.estimator)
         rewards = algos.token_rewards(trajectories.scores, lengths, kl, kl_coef, mask)
         metrics = {"actor/reward_kl_penalty": algos.mean_sequence_kl(kl, lengths, mask),
@@ -518,8 +460,19 @@ def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollou
     return Estimate(rewards, advantages.advantages, advantages.returns, {**metrics, **advantages.metrics})
 
 
-def add_count(counts: dict[str, float], name: str, count: int) -> None:
-    counts[name] = counts.get(name, 0.0) + float(count)
+def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updates: Updates,
+                  step_s: float, devices: int) -> dict[str, float]:
+    """verl's data metrics of the step's batch (by trajectory: a multi-turn one's samples together), its tokens
+    (every sample's) and their throughput per device (``devices``: those the run computes on), and the weight
+    version trained."""
+    batch, trajectories = rollouts.batch, rollouts.by_trajectory()
+    tokens = batch.num_response_tokens + int(batch.prompt_lens.sum())
+    return {**data_metrics(trajectories.scores, estimate.rewards, estimate.advantages, estimate.returns,
+                           evaluated.values, trajectories.response_lens, trajectories.prompt_lens,
+                           trajectories.truncated, rollouts.logprobs, evaluated.old_logprobs, batch.loss_mask),
+            "perf/total_num_tokens": float(tokens), "perf/throughput": throughput(tokens, step_s, devices),
+            "perf/devices": float(devices),
+            "training/weight_version": float(-1 if updates.version is None else updates.version)}
 
 
 def mismatch_warning(step: int, metrics: Mapping[str, float], limit: float | None) -> str | None:

@@ -66,11 +66,14 @@ class Pipeline(Generic[Batch]):
 
     async def next(self, step: int) -> Ahead[Batch]:
         """The batch of ``step`` (waiting for it); the producer's failure, if it failed, is raised here."""
+        if self._task is None:
+            raise RuntimeError("the generation pipeline was not started")
+        producing = self._task
         getting = asyncio.ensure_future(self._ready.get())
-        await asyncio.wait({getting, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({getting, producing}, return_when=asyncio.FIRST_COMPLETED)
         if not getting.done():
             getting.cancel()
-            self._task.result()  # raises what ended the producer
+            producing.result()  # raises what ended the producer
             raise RuntimeError(f"the generation pipeline ended before step {step}")
         ahead = getting.result()
         if ahead.step != step:

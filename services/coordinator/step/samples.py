@@ -40,6 +40,8 @@ def step_records(step: int, rollouts: Rollouts, served: int, advantages: torch.T
         trajectory = int(trajectory_ids[row])
         first, last = int(first_rows[trajectory]), int(last_rows[trajectory])
         sample, scored, by = origin.sample, origin.scored, origin.scored_by
+        if sample is None or scored is None or by is None:
+            raise ValueError(f"step {step}: response {row} has no score to keep (its lineage was not scored)")
         version = int(rollouts.versions[row])
         records.append({
             "step": step, "input": sample.prompt, "output": sample.response, "gts": sample.ground_truth,

@@ -15,7 +15,7 @@ from services.coordctl.tiny_model import build_char_tokenizer
 from services.coordinator.agent.agent_loop import AgentTrace, trajectory_batch
 from services.coordinator.fleet.clients import ScoredSample
 from services.coordinator.step.generation import Lineage, Rollouts, reward_samples
-from services.coordinator.step.loop import Evaluated, PPOLoop, Updates, estimate_advantages
+from services.coordinator.step.loop import Evaluated, Updates, batch_metrics, estimate_advantages
 from services.coordinator.fleet.reward_set import Scored, ScoredBy
 from services.coordinator.step.samples import step_records
 from services.coordinator.settings import loop_settings
@@ -85,7 +85,7 @@ def test_grpo_counts_a_split_trajectory_once_and_gives_its_advantage_to_every_mo
 def test_the_steps_data_metrics_are_per_trajectory():
     rollouts = scored(split_rollouts())
     estimate = estimate_advantages(grpo_settings(), 0.0, rollouts, Evaluated(None, None, None))
-    metrics = PPOLoop.batch_metrics(rollouts, Evaluated(None, None, None), estimate, Updates({}, 4), step_s=1.0,
+    metrics = batch_metrics(rollouts, Evaluated(None, None, None), estimate, Updates({}, 4), step_s=1.0,
                                     devices=1)
     assert metrics["critic/score/mean"] == pytest.approx(0.5)  # (1 + 0 + 0.5 + 0.5) / 4, not over 5 samples
     assert metrics["response_length/mean"] == pytest.approx((7 + 2 + 2 + 1) / 4)
