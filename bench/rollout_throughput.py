@@ -95,7 +95,8 @@ async def through_service(model: str, count: int, n: int, max_new_tokens: int, e
 
         async def run(batch: list[list[int]]) -> tuple[int, float]:
             started = time.perf_counter()
-            out = await rollout.generate(batch, Sampling(n, 1.0, 1.0, max_new_tokens, ()), SEED, 0, 600)
+            out = await rollout.generate(batch, Sampling(n=n, temperature=1.0, top_p=1.0,
+                                                         max_new_tokens=max_new_tokens, stop_token_ids=()), SEED, 0, 600)
             return int(out.response_lens.sum()), time.perf_counter() - started
 
         await run(prompts[:8])

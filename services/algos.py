@@ -225,7 +225,8 @@ class RolloutISWeights(NamedTuple):
 
 
 def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, lengths: torch.Tensor,
-                       level: str, mode: str, threshold: float, mask: torch.Tensor | None = None) -> RolloutISWeights:
+                       level: str, mode: str, *, threshold: float,
+                       mask: torch.Tensor | None = None) -> RolloutISWeights:
     """Importance weights pi_old / pi_rollout of the rollout/trainer mismatch. [T], [T], [B] -> [T].
 
     token: rho_t = exp(old_logp_t - rollout_logp_t); sequence: every token of a response gets
@@ -254,7 +255,7 @@ class ValueLoss(NamedTuple):
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, lengths: torch.Tensor,
-               cliprange_value: float, mode: str, scale: LossScale, mask: torch.Tensor | None = None) -> ValueLoss:
+               cliprange_value: float, *, mode: str, scale: LossScale, mask: torch.Tensor | None = None) -> ValueLoss:
     """Clipped value loss: 0.5 * agg(max((V - R)^2, (clip(V, V_old +- c) - R)^2)). Token tensors [T]; with a
     loss ``mask`` [T], over its tokens only."""
     clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)

@@ -102,7 +102,7 @@ def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
 
 
 def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamma: float, lam: float,
-                   mask: torch.Tensor | None = None) -> algos.Advantages:
+                   *, mask: torch.Tensor | None = None) -> algos.Advantages:
     """Generalised advantage estimation, per sequence, then advantages whitened over the batch.
 
     rewards, values: [T]; delta_t = r_t + gamma V_{t+1} - V_t (V after the last token is 0),
@@ -200,7 +200,7 @@ def reinforce_plus_plus_baseline_advantages(scores: torch.Tensor, group_ids: tor
 def gae(inputs: EstimatorInputs, params: EstimatorParams) -> algos.Advantages:
     if inputs.values is None:
         raise ValueError("the gae estimator needs values from a critic")
-    return gae_advantages(inputs.rewards, inputs.values, inputs.lengths, params.gamma, params.lam, inputs.mask)
+    return gae_advantages(inputs.rewards, inputs.values, inputs.lengths, params.gamma, params.lam, mask=inputs.mask)
 
 
 @register_adv_est("grpo")

@@ -52,7 +52,8 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
              for name, tensor in load_causal_lm(model_path, "bfloat16").named_parameters()]
 
     async def generate():
-        return await rollout.generate(PROMPTS, Sampling(2, 1.0, 1.0, 8, ()), seed=1, first_index=0, timeout=60)
+        return await rollout.generate(PROMPTS, Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8,
+                                                        stop_token_ids=()), seed=1, first_index=0, timeout=60)
 
     async def sync(channel_id: str, version: int, broadcasts: int | None) -> tuple:
         """(what the trainer's WeightSender.send returned or raised, what the rollout's ReceiveWeights did)."""

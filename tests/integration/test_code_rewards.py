@@ -47,7 +47,8 @@ def code_cluster(tmp_path_factory):
 def test_a_batch_of_programs_is_scored_on_its_test_cases(code_cluster):
     adds = python("a, b = map(int, input().split())\nprint(a + b)\n")
     forgets_signs = python("a, b = map(int, input().split())\nprint(abs(a) + abs(b))\n")
-    batch = [RewardSample(source, response, truth, extra) for source, response, truth, extra in (
+    batch = [RewardSample(data_source=source, response=response, ground_truth=truth, extra_info=extra) for source,
+             response, truth, extra in (
         ("apps", adds, SUMS, {}),
         ("apps", forgets_signs, SUMS, {}),
         ("codeforces", forgets_signs, SUMS, {}),
@@ -73,7 +74,8 @@ def test_a_batch_of_programs_is_scored_on_its_test_cases(code_cluster):
 
 
 def test_the_service_answers_while_slow_programs_are_judged(code_cluster):
-    sleepers = [RewardSample("apps", python("import time\ntime.sleep(600)\n"), SUMS, {})]
+    sleepers = [RewardSample(data_source="apps", response=python("import time\ntime.sleep(600)\n"), ground_truth=SUMS,
+                             extra_info={})]
 
     async def info_while_scoring() -> tuple[bool, list]:
         address = await reward_address(code_cluster.coordinator)

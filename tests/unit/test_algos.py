@@ -812,7 +812,7 @@ def test_rollout_log_ratio_by_hand():
 @pytest.mark.parametrize("level,mode", list(IS_EXPECTED))
 def test_rollout_is_weights_by_hand(level, mode):
     old, rollout, lengths = _is_hand_case()
-    out = algos.rollout_is_weights(old, rollout, lengths, level, mode, 2.0)
+    out = algos.rollout_is_weights(old, rollout, lengths, level, mode, threshold=2.0)
     assert isinstance(out, algos.RolloutISWeights)
     weights, exceeded = IS_EXPECTED[level, mode]
     _close(out.weights, weights, atol=1e-12)
@@ -824,17 +824,17 @@ def test_rollout_is_weights_safety_bound_engages():
     old, rollout, lengths = _t([-26.0, 11.0, 17.0]), _t([-1.0, -1.0, -1.0]), torch.tensor([1, 2])
     _close(algos.rollout_log_ratio(old, rollout, lengths, "token"), [-20.0, 12.0, 18.0])
     _close(algos.rollout_log_ratio(old, rollout, lengths, "sequence"), [-20.0, 20.0])
-    seq = algos.rollout_is_weights(old, rollout, lengths, "sequence", "truncate", 5.0)
+    seq = algos.rollout_is_weights(old, rollout, lengths, "sequence", "truncate", threshold=5.0)
     _close(seq.weights, [math.exp(-20.0), 5.0, 5.0], atol=1e-15)
     assert torch.isfinite(algos.rollout_is_weights(_t([500.0]), _t([-500.0]), torch.tensor([1]), "token", "mask",
-                                                   2.0).weights).all()
+                                                   threshold=2.0).weights).all()
 
 
 def test_rollout_is_weights_equal_rollout_logprobs_are_one():
     old = _t([-0.3, -2.0, -1.1, -0.05, -4.0])
     for level in algos.ROLLOUT_IS_LEVELS:
         for mode in algos.ROLLOUT_IS_MODES:
-            out = algos.rollout_is_weights(old, old.clone(), torch.tensor([3, 0, 2]), level, mode, 2.0)
+            out = algos.rollout_is_weights(old, old.clone(), torch.tensor([3, 0, 2]), level, mode, threshold=2.0)
             assert out.weights.tolist() == [1.0] * 5 and not out.exceeded.any()
 
 
@@ -842,7 +842,7 @@ def test_rollout_is_weights_are_detached():
     old = _t([-1.0, -2.0]).requires_grad_(True)
     rollout = _t([-1.5, -1.0]).requires_grad_(True)
     for level in algos.ROLLOUT_IS_LEVELS:
-        out = algos.rollout_is_weights(old, rollout, torch.tensor([2]), level, "truncate", 2.0)
+        out = algos.rollout_is_weights(old, rollout, torch.tensor([2]), level, "truncate", threshold=2.0)
         assert not out.weights.requires_grad
 
 
@@ -850,16 +850,17 @@ def test_rollout_is_weights_are_detached():
 def test_rollout_is_weights_of_no_tokens_are_empty(lengths):
     empty = torch.zeros(0, dtype=F64)
     for level in algos.ROLLOUT_IS_LEVELS:
-        out = algos.rollout_is_weights(empty, empty, torch.tensor(lengths, dtype=torch.int64), level, "mask", 2.0)
+        out = algos.rollout_is_weights(empty, empty, torch.tensor(lengths, dtype=torch.int64), level, "mask",
+                                       threshold=2.0)
         assert out.weights.shape == (0,) and out.exceeded.shape == (0,)
 
 
 def test_rollout_is_weights_unknown_level_or_mode_raises():
     one, lengths = _t([0.0]), torch.tensor([1])
     with pytest.raises(ValueError, match="'geometric'"):
-        algos.rollout_is_weights(one, one, lengths, "geometric", "truncate", 2.0)
+        algos.rollout_is_weights(one, one, lengths, "geometric", "truncate", threshold=2.0)
     with pytest.raises(ValueError, match="'clip'"):
-        algos.rollout_is_weights(one, one, lengths, "token", "clip", 2.0)
+        algos.rollout_is_weights(one, one, lengths, "token", "clip", threshold=2.0)
 
 
 def _ref_is_weights(old: list[float], rollout: list[float], lengths: list[int], level: str, mode: str,
@@ -890,7 +891,7 @@ def test_rollout_is_weights_random_against_loop_reference(level, mode):
         old = rollout + rng.normal(0.0, 0.5, t)
         old[rng.choice(t, size=2, replace=False)] += 30.0  # beyond the safety bound
         weights, exceeded = _ref_is_weights(old.tolist(), rollout.tolist(), lengths, level, mode, threshold)
-        out = algos.rollout_is_weights(_t(old), _t(rollout), torch.tensor(lengths), level, mode, threshold)
+        out = algos.rollout_is_weights(_t(old), _t(rollout), torch.tensor(lengths), level, mode, threshold=threshold)
         _close(out.weights, weights, atol=1e-12, rtol=1e-12)
         assert out.exceeded.tolist() == exceeded
         assert 0 < sum(exceeded) < t  # the case does exercise the threshold
@@ -986,7 +987,7 @@ VALUE_EXPECTED = {  # 0.5 * aggregate; max_response_length 4
 def test_value_loss_by_hand(mode):
     lengths = torch.tensor([2, 4])
     values, old_values, returns = (_t(x) for x in VALUE_CASE)
-    out = algos.value_loss(values, old_values, returns, lengths, 0.5, mode, algos.LossScale.of(lengths, 4))
+    out = algos.value_loss(values, old_values, returns, lengths, 0.5, mode=mode, scale=algos.LossScale.of(lengths, 4))
     assert isinstance(out, algos.ValueLoss)
     assert out.loss.item() == pytest.approx(VALUE_EXPECTED[mode], abs=1e-12)
     assert out.clipfrac.item() == pytest.approx(2 / 6, abs=1e-7)
@@ -1004,8 +1005,8 @@ def test_value_loss_random_against_padded_reference(mode):
         pads = [_padded(x, lengths, 8)[0] for x in (values, old_values, returns)]
         mask = _padded(values, lengths, 8)[1]
         loss, clipfrac = _ref_value(*pads, mask, 0.2, mode)
-        out = algos.value_loss(_t(values), _t(old_values), _t(returns), torch.tensor(lengths), 0.2, mode,
-                               algos.LossScale.of(torch.tensor(lengths), 8))
+        out = algos.value_loss(_t(values), _t(old_values), _t(returns), torch.tensor(lengths), 0.2, mode=mode,
+                               scale=algos.LossScale.of(torch.tensor(lengths), 8))
         assert out.loss.item() == pytest.approx(loss, abs=1e-10)
         assert out.clipfrac.item() == pytest.approx(clipfrac, abs=1e-6)
         assert clipfrac > 0
@@ -1084,13 +1085,14 @@ def test_value_loss_micro_batches_sum_to_full_batch_loss_and_gradient(mode):
     scale = algos.LossScale.of(lens, width)
 
     full_v = _t(values).requires_grad_(True)
-    full = algos.value_loss(full_v, _t(old_values), _t(returns), lens, 0.2, mode, scale)
+    full = algos.value_loss(full_v, _t(old_values), _t(returns), lens, 0.2, mode=mode, scale=scale)
     full.loss.backward()
     assert full.clipfrac.item() > 0
 
     for bounds in MICRO_SPLITS:
         micro_v = _t(values).requires_grad_(True)
-        parts = [algos.value_loss(micro_v[tok], _t(old_values)[tok], _t(returns)[tok], lens[seq], 0.2, mode, scale)
+        parts = [algos.value_loss(micro_v[tok], _t(old_values)[tok], _t(returns)[tok], lens[seq], 0.2, mode=mode,
+                                  scale=scale)
                  for tok, seq in _micro_slices(lengths, bounds)]
         total = sum(p.loss for p in parts)
         total.backward()

@@ -147,7 +147,7 @@ def test_value_loss_covers_the_model_tokens_only(mode):
     old_values = torch.randn(tokens, generator=generator, dtype=F64)
     returns = torch.randn(tokens, generator=generator, dtype=F64)
     scale = algos.LossScale.of(LENGTHS, MAX_RESPONSE_LENGTH, MASK)
-    result = algos.value_loss(values, old_values, returns, LENGTHS, 0.2, mode, scale, MASK)
+    result = algos.value_loss(values, old_values, returns, LENGTHS, 0.2, mode=mode, scale=scale, mask=MASK)
     result.loss.backward()
     assert values.grad is not None
     assert torch.equal(values.grad[~MASK], torch.zeros(int((~MASK).sum()), dtype=F64))

@@ -36,7 +36,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any, NamedTuple
 
 import torch
@@ -44,7 +45,7 @@ import torch
 from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
 from services.common.sequences import SequenceBatch
-from services.coordinator.fleet.clients import RolloutClient
+from services.coordinator.fleet.clients import EnvStep, RolloutClient
 from services.coordinator.fleet.env_set import EnvFleet, EnvLost, EnvSet, Episode
 from services.coordinator.fleet.rollout_set import RolloutSet
 from services.coordinator.settings import AgentSettings, Sampling
@@ -60,7 +61,8 @@ GATHER_S = 0.005  # how long a replica's first waiting turn waits for others to 
 MAX_TURNS_PER_CALL = 256
 
 
-class TurnRecord(NamedTuple):
+@dataclass(frozen=True, kw_only=True)
+class TurnRecord:
     """One turn of a trajectory, as the samples file shows it."""
 
     role: str  # model, or reply (a tool's or the environment's message)
@@ -74,7 +76,7 @@ class TurnRecord(NamedTuple):
     # it is in that sample's prompt, rendered fresh)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AgentTrace:
     """What one trajectory did, beside its tokens: for the lineage, the samples file and the metrics."""
 
@@ -84,13 +86,57 @@ class AgentTrace:
     episode_service: str  # the env replica that ran the episode (id and version)
     rollouts: tuple[str, ...]  # the rollout replicas that sampled its turns, in order
     last_versions: tuple[int, ...]  # each of its samples': the weights that sampled its last model token
-    ended: str  # done, answer, max_assistant_turns, max_user_turns, length, over_budget
+    ended: Ended
     tool_calls: Counter  # tool name -> calls
     tool_errors: Counter  # tool name -> calls that answered an error
     tool_timeouts: Counter  # tool name -> calls that timed out
     env_seconds: float
     restarts: int  # times its episode was started again on another replica
     env_busy_waits: int = 0  # Resets of its episodes refused because every worker of the env replica was busy
+
+
+class Ended(StrEnum):
+    """Why a trajectory ended: its samples file's ``ended``, the agent/ended/* metrics."""
+
+    DONE = "done"  # the environment said so
+    ANSWER = "answer"  # the model answered without a tool call
+    MAX_ASSISTANT_TURNS = "max_assistant_turns"  # multi_turn.max_assistant_turns model turns were taken
+    MAX_USER_TURNS = "max_user_turns"  # multi_turn.max_user_turns replies were given
+    LENGTH = "length"  # data.max_response_length is used up (the model's last turn may be cut at it)
+    OVER_BUDGET = "over_budget"  # a reply does not fit what is left of data.max_response_length
+
+
+@dataclass(kw_only=True)
+class Conversation:
+    """One trajectory as its turns go: the sample being extended, those closed before it, and what it did so far."""
+
+    trajectory: Trajectory  # the sample being extended
+    messages: tuple[Message, ...]  # the conversation so far, as the template renders it
+    template_kwargs: dict  # what the prompt was rendered with (the environment's tools)
+    closed: list[Trajectory] = field(default_factory=list)  # earlier samples, closed where the template could not
+    # extend them
+    closed_versions: list[int] = field(default_factory=list)  # each closed sample's last model token's weights
+    records: list[TurnRecord] = field(default_factory=list)
+    calls: Counter = field(default_factory=Counter)  # tool name -> calls
+    errors: Counter = field(default_factory=Counter)  # tool name -> calls that answered an error
+    timeouts: Counter = field(default_factory=Counter)  # tool name -> calls that timed out
+    used: list[str] = field(default_factory=list)  # the rollout replica of each model turn
+    replica: RolloutClient | None = None  # the last model turn's, which the next prefers (its prefix cache)
+    last_version: int = -1  # the weights that sampled the last model token (-1: no model turn yet)
+    env_reward: float = 0.0
+    final_text: str = ""  # the model's last turn, decoded
+    model_turns: int = 0
+    replies: int = 0
+
+    def samples(self) -> tuple[Trajectory, ...]:
+        return (*self.closed, self.trajectory)
+
+    def trace(self, ended: Ended, episode: Episode) -> AgentTrace:
+        return AgentTrace(turns=tuple(self.records), final_text=self.final_text, env_reward=self.env_reward,
+                          episode_service=episode.service, rollouts=tuple(self.used),
+                          last_versions=(*self.closed_versions, self.last_version), ended=ended,
+                          tool_calls=self.calls, tool_errors=self.errors, tool_timeouts=self.timeouts,
+                          env_seconds=episode.seconds, restarts=0)
 
 
 class Sampled(NamedTuple):
@@ -100,7 +146,7 @@ class Sampled(NamedTuple):
     replica: RolloutClient
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _TurnRequest:
     ids: list[int]
     room: int
@@ -114,7 +160,7 @@ class TurnDispatcher:
     """Gathers the waiting turns of a batch's trajectories into Generate calls, per rollout replica."""
 
     def __init__(self, rollout_set: RolloutSet, sampling: Sampling, seed: int, oldest: int, timeout_s: float,
-                 calls_in_flight: int):
+                 *, calls_in_flight: int):
         self.rollout_set, self.sampling, self.seed, self.oldest = rollout_set, sampling, seed, oldest
         self.timeout_s, self.calls_in_flight = timeout_s, calls_in_flight
         self.waiting: dict[RolloutClient, list[_TurnRequest]] = {}
@@ -127,7 +173,8 @@ class TurnDispatcher:
     async def sample(self, ids: list[int], room: int, seed_index: int, prefer: RolloutClient | None) -> Sampled:
         """One turn after ``ids``: at most ``room`` tokens, seeded from ``seed_index``, sampled on ``prefer``
         where it still serves the run."""
-        request = _TurnRequest(list(ids), room, seed_index, asyncio.get_running_loop().create_future(), set())
+        request = _TurnRequest(ids=list(ids), room=room, seed_index=seed_index,
+                               future=asyncio.get_running_loop().create_future(), tried=set())
         await self._queue(request, prefer)
         return await request.future
 
@@ -215,12 +262,13 @@ class AgentLoop:
         self.tokenizer, self.notices = tokenizer, notices
 
     async def run(self, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int, timeout_s: float,
-                  what: str) -> tuple[list[tuple[Trajectory, ...]], list[AgentTrace], TurnDispatcher]:
+                  *, what: str) -> tuple[list[tuple[Trajectory, ...]], list[AgentTrace], TurnDispatcher]:
         """``sampling.n`` trajectories per prompt (trajectory i*n+j is sample j of prompt i), each as its samples
         (one, or more where its template could not extend it), each of its model turns sampled from weight
         versions >= ``oldest``, their episodes on the env replicas the run has as the batch (``what``: "step 5")
         begins."""
-        dispatcher = TurnDispatcher(self.rollout_set, sampling, seed, oldest, timeout_s, self.settings.calls_in_flight)
+        dispatcher = TurnDispatcher(self.rollout_set, sampling, seed, oldest, timeout_s,
+                                    calls_in_flight=self.settings.calls_in_flight)
         try:
             async with self.env_set.batch(what) as fleet:
                 tools = fleet.tools(self.settings.environment)
@@ -256,82 +304,99 @@ class AgentLoop:
     async def turns(self, prompt: Prompt, index: int, tools: tuple[dict, ...], episode: Episode,
                     dispatcher: TurnDispatcher) -> tuple[tuple[Trajectory, ...], AgentTrace]:
         """The turns of one trajectory in ``episode``: its samples, in order, and what it did."""
-        settings, tokenizer = self.settings, self.tokenizer
+        talk = await self.conversation(prompt, tools, episode)
+        while True:
+            if (ended := self.turn_limit(talk)) is not None:
+                break
+            sampled = await self.model_turn(talk, index, dispatcher)           # the model's turn
+            if sampled.truncated or talk.trajectory.room == 0:
+                ended = Ended.LENGTH
+                break
+            step = await self.env_step(talk, episode, sampled)                   # the tools' or environment's answer
+            if step.done or not step.messages:
+                ended = Ended.DONE if step.done and step.info.get("calls") != [] else Ended.ANSWER
+                break
+            if self.settings.max_user_turns is not None and talk.replies >= self.settings.max_user_turns:
+                ended = Ended.MAX_USER_TURNS
+                break
+            if not await self.append_replies(talk, step, sampled, episode):      # token-exact
+                ended = Ended.OVER_BUDGET
+                break
+        return talk.samples(), talk.trace(ended, episode)
+
+    async def conversation(self, prompt: Prompt, tools: tuple[dict, ...], episode: Episode) -> Conversation:
+        """The trajectory's start: the prompt with the episode's opening messages, rendered once with the tools."""
         template_kwargs = {"tools": list(tools)} if tools else {}
         messages: tuple[Message, ...] = (*prompt.messages, *episode.opening)
-        prompt_ids = await asyncio.to_thread(render_prompt, tokenizer, messages, template_kwargs)
-        if len(prompt_ids) > settings.max_prompt_length:
+        prompt_ids = await asyncio.to_thread(render_prompt, self.tokenizer, messages, template_kwargs)
+        if len(prompt_ids) > self.settings.max_prompt_length:
             raise ValueError(f"a prompt rendered with the environment's tools and opening messages has "
-                             f"{len(prompt_ids)} tokens, over data.max_prompt_length={settings.max_prompt_length} "
+                             f"{len(prompt_ids)} tokens, over data.max_prompt_length={self.settings.max_prompt_length} "
                              f"(row {prompt.extra_info.get('index', '?')} of {prompt.data_source})")
-        trajectory = Trajectory(prompt_ids, settings.max_response_length)
-        closed: list[Trajectory] = []  # the samples before ``trajectory``, closed where they could not be extended
-        last_versions: list[int] = []
-        records: list[TurnRecord] = []
-        calls: Counter = Counter()
-        errors: Counter = Counter()
-        timeouts: Counter = Counter()
-        replica, used, env_reward, final_text, ended = None, [], 0.0, "", "length"
-        model_turns = replies = 0
-        while True:
-            if trajectory.room == 0:  # a reply filled the response: no token is left for another turn
-                break
-            if settings.max_assistant_turns is not None and model_turns >= settings.max_assistant_turns:
-                ended = "max_assistant_turns"
-                break
-            started = time.monotonic()
-            sampled = await dispatcher.sample(list(trajectory.ids), trajectory.room, index * TURN_SEEDS + model_turns,
-                                              replica)
-            replica, model_turns = sampled.replica, model_turns + 1
-            used.append(replica.address)
-            trajectory = extend(trajectory, sampled.tokens)
-            final_text = tokenizer.decode(list(sampled.tokens.ids), skip_special_tokens=True)
-            records.append(TurnRecord("model", final_text, len(sampled.tokens.ids), True,
-                                      sampled.tokens.weight_version, "", time.monotonic() - started, len(closed)))
-            if sampled.truncated or trajectory.room == 0:
-                break
-            step = await episode.step(tokenizer.decode(list(sampled.tokens.ids), skip_special_tokens=False))
-            env_reward += step.reward
-            count_calls(step.info, calls, errors, timeouts)
-            if step.done or not step.messages:
-                ended = "done" if step.done and step.info.get("calls") != [] else "answer"
-                break
-            if settings.max_user_turns is not None and replies >= settings.max_user_turns:
-                ended = "max_user_turns"
-                break
-            reply = await asyncio.to_thread(
-                render_reply, tokenizer, messages=messages, sampled_ids=sampled.tokens.ids, replies=step.messages,
-                room=trajectory.room, max_reply_tokens=settings.max_reply_tokens,
-                truncate_side=settings.truncate_side, template_kwargs=template_kwargs)
-            if isinstance(reply, CannotExtend):
-                following = await asyncio.to_thread(next_sample, tokenizer, trajectory, reply.messages, template_kwargs)
-                if isinstance(following, OverBudget):
-                    ended = "over_budget"
-                    break
-                closed.append(trajectory)
-                last_versions.append(sampled.last_version)
-                trajectory, appended = following, 0  # the replies are in the new sample's prompt
-            elif isinstance(reply, OverBudget):
-                ended = "over_budget"
-                break
-            else:
-                trajectory, appended = extend(trajectory, reply), len(reply.ids)
-            messages, replies = reply.messages, replies + 1
-            records.extend(reply_records(messages[len(messages) - len(step.messages):], appended,
-                                         episode.seconds / max(1, episode.steps), len(closed)))
-        trace = AgentTrace(turns=tuple(records), final_text=final_text, env_reward=env_reward,
-                           episode_service=episode.service, rollouts=tuple(used),
-                           last_versions=(*last_versions, sampled.last_version), ended=ended, tool_calls=calls,
-                           tool_errors=errors, tool_timeouts=timeouts, env_seconds=episode.seconds, restarts=0)
-        return (*closed, trajectory), trace
+        trajectory = Trajectory(prompt_ids=prompt_ids, max_response_length=self.settings.max_response_length)
+        return Conversation(trajectory=trajectory, messages=messages, template_kwargs=template_kwargs)
+
+    def turn_limit(self, talk: Conversation) -> Ended | None:
+        """Why no model turn may follow (no room left, or max_assistant_turns), or None."""
+        if talk.trajectory.room == 0:  # a reply filled the response: no token is left for another turn
+            return Ended.LENGTH
+        limit = self.settings.max_assistant_turns
+        return Ended.MAX_ASSISTANT_TURNS if limit is not None and talk.model_turns >= limit else None
+
+    async def model_turn(self, talk: Conversation, index: int, dispatcher: TurnDispatcher) -> Sampled:
+        """The model's next turn, sampled after the conversation's ids (on the replica of the turn before, where it
+        still serves the run) and appended to it."""
+        started = time.monotonic()
+        sampled = await dispatcher.sample(list(talk.trajectory.ids), talk.trajectory.room,
+                                          index * TURN_SEEDS + talk.model_turns, talk.replica)
+        talk.replica, talk.model_turns, talk.last_version = sampled.replica, talk.model_turns + 1, sampled.last_version
+        talk.used.append(sampled.replica.address)
+        talk.trajectory = extend(talk.trajectory, sampled.tokens)
+        talk.final_text = self.tokenizer.decode(list(sampled.tokens.ids), skip_special_tokens=True)
+        talk.records.append(TurnRecord(role="model", text=talk.final_text, tokens=len(sampled.tokens.ids),
+                                       trained=True, weight_version=sampled.tokens.weight_version, tool="",
+                                       seconds=time.monotonic() - started, sample=len(talk.closed)))
+        return sampled
+
+    async def env_step(self, talk: Conversation, episode: Episode, sampled: Sampled) -> EnvStep:
+        """The episode's answer to the model's turn (its text as sampled, special tokens and all), counted."""
+        step = await episode.step(self.tokenizer.decode(list(sampled.tokens.ids), skip_special_tokens=False))
+        talk.env_reward += step.reward
+        count_calls(step.info, talk.calls, talk.errors, talk.timeouts)
+        return step
+
+    async def append_replies(self, talk: Conversation, step: EnvStep, sampled: Sampled, episode: Episode) -> bool:
+        """The step's replies appended token-exactly, or (where the template cannot extend the conversation) a new
+        sample begun with them in its prompt; False where they do not fit what is left of the response."""
+        settings = self.settings
+        reply = await asyncio.to_thread(
+            render_reply, self.tokenizer, messages=talk.messages, sampled_ids=sampled.tokens.ids,
+            replies=step.messages, room=talk.trajectory.room, max_reply_tokens=settings.max_reply_tokens,
+            truncate_side=settings.truncate_side, template_kwargs=talk.template_kwargs)
+        if isinstance(reply, OverBudget):
+            return False
+        if isinstance(reply, CannotExtend):
+            following = await asyncio.to_thread(next_sample, self.tokenizer, talk.trajectory, reply.messages,
+                                                talk.template_kwargs)
+            if isinstance(following, OverBudget):
+                return False
+            talk.closed.append(talk.trajectory)
+            talk.closed_versions.append(sampled.last_version)
+            talk.trajectory, appended = following, 0  # the replies are in the new sample's prompt
+        else:
+            talk.trajectory, appended = extend(talk.trajectory, reply), len(reply.ids)
+        talk.messages, talk.replies = reply.messages, talk.replies + 1
+        talk.records.extend(reply_records(talk.messages[len(talk.messages) - len(step.messages):], appended,
+                                          episode.seconds / max(1, episode.steps), len(talk.closed)))
+        return True
 
 
 def reply_records(replies: tuple[Message, ...], tokens: int, seconds: float, sample: int) -> list[TurnRecord]:
     """The records of one step's ``replies`` (as cut), the last one holding the ``tokens`` they were appended as
     (the template's tokens included; 0 where they open a new sample)."""
-    records = [TurnRecord("reply", str(m.get("content", "")), 0, False, None, str(m.get("name", "")), seconds, sample)
-               for m in replies]
-    records[-1] = records[-1]._replace(tokens=tokens)
+    records = [TurnRecord(role="reply", text=str(m.get("content", "")), tokens=0, trained=False, weight_version=None,
+                          tool=str(m.get("name", "")), seconds=seconds, sample=sample) for m in replies]
+    records[-1] = replace(records[-1], tokens=tokens)
     return records
 
 
@@ -381,7 +446,7 @@ def agent_metrics(traces: list[AgentTrace], trajectories: list[tuple[Trajectory,
                "agent/episodes_restarted": float(sum(t.restarts for t in traces)),
                "agent/env_busy_waits": float(sum(t.env_busy_waits for t in traces)),
                "agent/new_samples": float(sum(len(t) - 1 for t in trajectories))}
-    for ending in ("over_budget", "length"):
+    for ending in (Ended.OVER_BUDGET, Ended.LENGTH):
         metrics[f"agent/ended/{ending}"] = float(sum(t.ended == ending for t in traces))
     for name, counts in (("tool_errors", "tool_errors"), ("tool_timeouts", "tool_timeouts")):
         total: Counter = sum((getattr(t, counts) for t in traces), Counter())

@@ -85,7 +85,7 @@ class OverBudget(NamedTuple):
     room: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Trajectory:
     """A multi-turn trajectory's tokens. ``response_ids``, ``loss_mask`` and ``logprobs`` are aligned, one entry
     per token after the prompt; only the model's tokens have loss mask 1 and a logprob (0.0 elsewhere)."""

@@ -33,7 +33,7 @@ def sequence_tensors(batch: SequenceBatch) -> dict[str, torch.Tensor]:
     return tensors if batch.loss_mask is None else tensors | {"loss_mask": batch.loss_mask}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Generated:
     """Responses of one Generate call: row i*n+j is sample j of prompt i."""
 
@@ -50,7 +50,7 @@ class Generated:
         return self.weight_versions if self.last_weight_versions is None else self.last_weight_versions
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Received:
     """A rollout's side of one weight sync."""
 
@@ -60,7 +60,7 @@ class Received:
     memory: dict[str, float] = field(default_factory=dict)  # the engine's since its previous sync (verl-named)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RolloutInfo:
     """What a rollout says of itself: the run it has loaded ("" for none) and the weights it serves."""
 
@@ -81,7 +81,7 @@ class TrainerPlacement:
     ranks: int  # its processes, one device each
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RewardSample:
     """One response to score: the reward service picks its scorer by ``data_source``."""
 
@@ -92,7 +92,7 @@ class RewardSample:
     prompt: str = ""  # the prompt as text (a reward model scores prompt + response)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScoredSample:
     score: float
     valid: bool
@@ -103,7 +103,7 @@ class ScoredSample:
     timed_out: bool = False  # the scorer ran out of time on it (a rule's sample then scores 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SyncResult:
     weight_version: int
     total_bytes: int
@@ -118,7 +118,7 @@ class RolloutClient:
         self._stub = rollout_pb2_grpc.RolloutStub(self._conn.channel)
 
     async def init_run(self, run_id: str, model_path: str, dtype: str, timeout: float,
-                       allow_pickle: bool = False, lora_rank: int = 0, adapter_versions: int = 0) -> int:
+                       allow_pickle: bool = False, *, lora_rank: int = 0, adapter_versions: int = 0) -> int:
         """Load the run's model (for a LoRA run's adapters up to ``lora_rank``, ``adapter_versions`` of them
         loaded at once); returns how many ranks the engine takes in a weight channel."""
         async with self._conn.slot():
@@ -128,7 +128,7 @@ class RolloutClient:
         return int(info.details.get("channel_ranks", "1"))
 
     async def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int, first_index: int,
-                       timeout: float, seed_indices: list[int] | None = None) -> Generated:
+                       timeout: float, *, seed_indices: list[int] | None = None) -> Generated:
         """``sampling.n`` responses per prompt, prompt i seeded from (``seed``, ``first_index`` + i), or from
         (``seed``, ``seed_indices[i]``) where they are given."""
         params = rollout_pb2.SamplingParams(
@@ -160,7 +160,7 @@ class RolloutClient:
                          truncated=out["truncated"], weight_versions=out["weight_versions"], last_weight_versions=last)
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
-                           timeout: float) -> None:
+                           *, timeout: float) -> None:
         async with self._conn.slot():
             request = join_request(channel_id, backend, rendezvous=rendezvous, rank=rank, world_size=world_size,
                                    timeout=timeout)
@@ -236,7 +236,7 @@ class TrainerClient:
                 run_id=run_id, run_config_yaml=run_config_yaml, roles=roles, seed=seed), timeout=timeout)
 
     async def _stream_out(self, method, tensors: dict[str, torch.Tensor], step: int, role: str, name: str,
-                          timeout: float, temperature: float = 0.0) -> torch.Tensor:
+                          *, timeout: float, temperature: float = 0.0) -> torch.Tensor:
         assembler = BatchAssembler()
         async with self._conn.slot():
             async for reply in method(batch_requests(tensors, step, role, temperature), timeout=timeout):
@@ -260,7 +260,7 @@ class TrainerClient:
         return dict(reply.metrics), reply.weight_version
 
     async def update_actor(self, batch: SequenceBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-                           ref_logprobs: torch.Tensor | None, step: int, timeout: float,
+                           ref_logprobs: torch.Tensor | None, step: int, *, timeout: float,
                            rollout_logprobs: torch.Tensor | None = None) -> tuple[dict[str, float], int]:
         """One PPO update; ``old_logprobs`` None: it is one optimizer step and takes its own; ``rollout_logprobs``
         [T] (the rollout engine's) are needed when rollout correction is on, or for the mismatch metrics without
@@ -374,7 +374,7 @@ class RewardClient:
 Message = dict[str, str]  # a chat message: role, content (and a tool reply's name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EnvStep:
     """An environment's answer to one model turn."""
 
@@ -384,7 +384,7 @@ class EnvStep:
     info: dict  # what the environment reports besides: tool calls and their outcomes, ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EnvDescription:
     """An env service: who it is, what it hosts (environment name -> its tools' OpenAI schemas), and how many
     episodes it can hold open at once."""
@@ -430,8 +430,8 @@ class EnvClient:
             reply = await self._stub.Step(env_pb2.StepRequest(
                 episode_id=episode_id, message=env_pb2.ChatMessage(role="assistant", content=content)),
                 timeout=timeout)
-        return EnvStep([message_of(m) for m in reply.messages], reply.reward, reply.done,
-                       json.loads(reply.info_json or "{}"))
+        return EnvStep(messages=[message_of(m) for m in reply.messages], reward=reply.reward, done=reply.done,
+                       info=json.loads(reply.info_json or "{}"))
 
     async def close_episode(self, episode_id: str, timeout: float = CONTROL_TIMEOUT_S) -> None:
         async with self._conn.slot():
@@ -441,7 +441,7 @@ class EnvClient:
         await self._conn.close()
 
 
-def join_request(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int, timeout: float):
+def join_request(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int, *, timeout: float):
     return common_pb2.JoinChannelRequest(channel_id=channel_id, backend=backend, rank=rank, world_size=world_size,
                                          rendezvous=rendezvous, timeout_s=timeout)
 

@@ -56,7 +56,7 @@ class EnvLost(Exception):
     lost with it, and the trajectory starts again on another."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class EnvReplica:
     client: EnvClient
     description: EnvDescription
@@ -75,7 +75,7 @@ class EnvReplica:
         return self.description.workers - self.open
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Episode:
     """One open episode on one replica."""
 
@@ -189,7 +189,7 @@ def lost(replica: EnvReplica, error: grpc.aio.AioRpcError) -> Exception:
 
 class EnvSet:
     def __init__(self, target: ServiceTarget, find: Callable[[ServiceTarget], list[str]], notices: Notices,
-                 should_stop: Callable[[], bool], timeout_s: float, connect: Callable[[str], EnvClient] = EnvClient):
+                 should_stop: Callable[[], bool], timeout_s: float, *, connect: Callable[[str], EnvClient] = EnvClient):
         """``find(target)``: the addresses of the target's env services up now; ``timeout_s``: of each Reset and
         Step call (a tool call is bounded by the env service's own call_timeout_s, well within it); replicas that
         refuse the run for BUSY_BOUND_CALLS times as long (every worker busy) fail its batch."""
@@ -229,7 +229,8 @@ class EnvSet:
         except BaseException:
             await asyncio.gather(*(client.close() for client in clients))
             raise
-        replaced, self._next = self._next, EnvFleet(target, [EnvReplica(client, description) for client, description
+        replaced, self._next = self._next, EnvFleet(target, [EnvReplica(client=client,
+                                                                        description=description) for client, description
                                                              in zip(clients, descriptions)])
         if replaced is not None:  # a second swap before the boundary: the last one named wins
             await close_clients(replaced)
@@ -311,7 +312,8 @@ class EnvSet:
         replica of the batch's ``fleet``, open for the ``with`` body and closed after it."""
         replica, episode_id, opening, busy_waits = await self._open(fleet, row, environment, max_parallel_calls)
         try:
-            yield Episode(replica, episode_id, opening, self.timeout_s, busy_waits=busy_waits)
+            yield Episode(replica=replica, episode_id=episode_id, opening=opening, timeout_s=self.timeout_s,
+                          busy_waits=busy_waits)
         except EnvLost as error:
             await self.drop(replica.address, str(error))
             raise
@@ -434,7 +436,7 @@ class EnvSet:
     async def _describe(self, address: str) -> EnvReplica | None:
         client = self.connect(address)
         try:
-            return EnvReplica(client, await client.describe(DESCRIBE_TIMEOUT_S))
+            return EnvReplica(client=client, description=await client.describe(DESCRIBE_TIMEOUT_S))
         except grpc.aio.AioRpcError:
             await client.close()
             return None

@@ -62,7 +62,8 @@ class Scored:
 
 def probe_samples(prompts: list[Prompt]) -> list[RewardSample]:
     """Each prompt's ground truth as its response: a scorer that works gives each a valid score."""
-    return [RewardSample(p.data_source, p.ground_truth, p.ground_truth, p.extra_info)
+    return [RewardSample(data_source=p.data_source, response=p.ground_truth, ground_truth=p.ground_truth,
+                         extra_info=p.extra_info)
             for p in prompts[:SWAP_PROBE_SAMPLES]]
 
 
@@ -77,7 +78,7 @@ async def probe(client: RewardClient, samples: list[RewardSample]) -> None:
 class RewardSet:
     def __init__(self, target: ServiceTarget, find: Callable[[ServiceTarget], list[str]], notices: Notices,
                  should_stop: Callable[[], bool], timeout_s: float,
-                 connect: Callable[[str], RewardClient] = RewardClient):
+                 *, connect: Callable[[str], RewardClient] = RewardClient):
         """``find(target)``: the addresses of the target's reward services up now; ``connect``: a client of the
         reward service at an address; ``timeout_s``: of each Score call."""
         self.target, self.find, self.connect = target, find, connect

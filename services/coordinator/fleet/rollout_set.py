@@ -69,7 +69,7 @@ SYNC_ATTEMPTS = 3  # sends of one version in a row that may fail before the atte
 
 class RolloutSet:
     def __init__(self, run_id: str, settings: RolloutSetSettings, actor: TrainerClient | None,
-                 find: Callable[[], list[str]], notices: Notices, should_stop: Callable[[], bool],
+                 find: Callable[[], list[str]], notices: Notices, *, should_stop: Callable[[], bool],
                  connect: Callable[[str], RolloutClient] = RolloutClient):
         """``actor``: None for a run without a trainer (it only validates: ``load``, never a channel); ``find``:
         the addresses of the placement's rollout group that are up now; ``connect``: a client of the rollout at
@@ -183,14 +183,14 @@ class RolloutSet:
 
     async def _sync(self, version: int | None) -> None:
         """``version`` None: whatever version the actor holds when it sends, which the members then serve."""
-        await self._send(version)
+        await self._deliver(version)
         version = self.version
         self.probe_s, self.probe_metrics = 0.0, {}
         failed = await self._check_weights(version)
         if failed:
             self.notices.log(f"rollout {', '.join(r.address for r in failed)} failed the weight check after the "
                              f"sync of version {version} ({failed[0].described()}); sending version {version} again")
-            await self._send(version)
+            await self._deliver(version)
             again = await self._check_weights(version, only={r.address for r in failed})
             for result in again:
                 if self.service_ids.get(result.address):
@@ -222,7 +222,7 @@ class RolloutSet:
                     self.probe_metrics[key] = max(self.probe_metrics.get(key, 0.0), value)
         return [r for r in results if not r.passed]
 
-    async def _send(self, version: int | None) -> None:
+    async def _deliver(self, version: int | None) -> None:
         """Send the actor's weights, of ``version`` (None: of whatever version it holds), to every member. Members
         that do not take them are named in an event; the channel is re-formed with the members that answer and
         the version sent again."""

@@ -124,7 +124,7 @@ def plan_channels(configured: str, trainer_gpu: str, infos: dict[str, RolloutInf
             for (backend, colocated), addresses in groups.items()]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Formation:
     """What one formation came to: its channels (id -> plan), who did not join and why (address -> error, in
     the order found; empty when every rollout joined), the actor's own failure to join, and the rollouts that
@@ -198,7 +198,8 @@ class WeightChannels:
         channel, concurrently (the trainer sends into them in turn): (None, every member's answer) if every member
         took one version, else (what went wrong on the first channel that failed, []) (the sends on the others are
         abandoned: the trainer's model thread may be held by the failed one until the next channel is prepared)."""
-        sends = [asyncio.ensure_future(self._send(channel_id, [m for m in self.members() if m.address in addresses],
+        sends = [asyncio.ensure_future(self._send_over(channel_id,
+                                                       [m for m in self.members() if m.address in addresses],
                                                   version))
                  for channel_id, addresses in self.formed.items()]
         answers: list[Received] = []
@@ -217,7 +218,7 @@ class WeightChannels:
             return f"the weight channels took different versions ({versions}): the actor was updated meanwhile", []
         return None, answers
 
-    async def _send(self, channel_id: str, members: list[RolloutClient],
+    async def _send_over(self, channel_id: str, members: list[RolloutClient],
                     version: int | None) -> tuple[str | None, list[Received]]:
         """One send over channel ``channel_id`` to its ``members``: (None, their answers) if every member took it,
         else (what went wrong, [])."""

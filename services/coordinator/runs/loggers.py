@@ -34,7 +34,7 @@ import structlog
 log = structlog.get_logger()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunNames:
     """What the loggers name a run by, and the config they record with it."""
 

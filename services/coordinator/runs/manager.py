@@ -34,7 +34,7 @@ from services.coordinator.runs.records import RunRecords
 from services.coordinator.registry import Registry
 from services.coordinator.settings import check_algorithms_registered, check_within_rollout_limits
 from services.coordinator.store import Checkpoint, Event, RunRow, RunStore
-from services.coordinator.runs.supervisor import RunSupervisor, checkpoint_dir, samples_dir
+from services.coordinator.runs.supervisor import RunSupervisor, checkpoint_dir_within, samples_dir_within
 from services.coordinator.fleet.targets import ServiceTarget, named_target
 
 log = structlog.get_logger()
@@ -96,7 +96,7 @@ class RunManager:
         run_id = f"{config.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         run_dir = self.state_dir / "runs" / run_id
         self._check_checkpoint_dir(config, run_dir)  # before anything is made
-        samples_dir(self.state_dir, config, run_dir)
+        samples_dir_within(self.state_dir, config, run_dir)
         resolved = to_yaml(config)
         with refused_by_state_dir("start the run", self.store.path):
             run_dir.mkdir(parents=True)  # a new id: never a folder there already
@@ -141,7 +141,7 @@ class RunManager:
     def _check_checkpoint_dir(self, config: RunConfig, run_dir: Path) -> None:
         """Refuse (ValueError naming trainer.default_local_dir) a new run's checkpoint folder outside state_dir, or
         one that holds another run's checkpoints: its saves would replace them."""
-        folder = checkpoint_dir(self.state_dir, config, run_dir)
+        folder = checkpoint_dir_within(self.state_dir, config, run_dir)
         taken = self.store.latest_checkpoint_under(str(folder))
         if taken is not None:
             raise ValueError(f"trainer.default_local_dir: {folder} holds the checkpoints of run {taken.run_id} "
@@ -181,7 +181,7 @@ class RunManager:
         return self.store.get_run(run_id), mark
 
     def _drive(self, run_id: str, config: RunConfig, config_yaml: str, data: RunData, run_dir: Path,
-               resume: Checkpoint | None) -> None:
+               *, resume: Checkpoint | None) -> None:
         """Start the task that drives the run, from ``resume`` (None: the start)."""
         supervisor = self._supervisors[run_id] = RunSupervisor(
             run_id=run_id, config=config, config_yaml=config_yaml, data=data, run_dir=run_dir, records=self.records,

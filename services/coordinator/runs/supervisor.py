@@ -49,14 +49,14 @@ def recoverable(failure: Exception) -> bool:
     return is_retryable(failure) or isinstance(failure, (Unavailable, FailedPrecondition))
 
 
-def samples_dir(state_dir: Path, config: RunConfig, run_dir: Path) -> Path | None:
+def samples_dir_within(state_dir: Path, config: RunConfig, run_dir: Path) -> Path | None:
     """Where the run's samples go, resolved, once known to lie inside state_dir (else ValueError naming
     trainer.rollout_data_dir); None: nowhere."""
     chosen = config.samples_dir(run_dir)
     return None if chosen is None else inside(state_dir, chosen, "trainer.rollout_data_dir")
 
 
-def checkpoint_dir(state_dir: Path, config: RunConfig, run_dir: Path) -> Path:
+def checkpoint_dir_within(state_dir: Path, config: RunConfig, run_dir: Path) -> Path:
     """Where the run's checkpoints go, resolved, once known to lie inside state_dir (else ValueError naming
     trainer.default_local_dir)."""
     return inside(state_dir, config.checkpoint_dir(run_dir), "trainer.default_local_dir")
@@ -168,7 +168,7 @@ class RunSupervisor:
         run_id, config, run_dir = self.run_id, self.config, self.run_dir
         trainers = await self.connect()
         reporter = RunReporter(records=self.records, run_id=run_id, run_dir=run_dir,
-                               samples_dir=samples_dir(self.state_dir, config, run_dir))
+                               samples_dir=samples_dir_within(self.state_dir, config, run_dir))
         should_stop = lambda: self.stop_requested  # noqa: E731
         rollout_set = RolloutSet(
             run_id=run_id, settings=rollout_set_settings(config), actor=trainers.actor if trainers else None,
@@ -184,7 +184,7 @@ class RunSupervisor:
         ppo = PPOLoop(run_id=run_id, settings=loop_settings(config), config_yaml=self.config_yaml, trainers=trainers,
                       rollout_set=rollout_set, reward_set=reward_set, env_set=env_set, prompts=self.data.prompts,
                       val_prompts=self.data.val_prompts, tokenizer=self.data.tokenizer, reporter=reporter,
-                      should_stop=should_stop, checkpoint_dir=checkpoint_dir(self.state_dir, config, run_dir))
+                      should_stop=should_stop, checkpoint_dir=checkpoint_dir_within(self.state_dir, config, run_dir))
         self.loop = ppo
         try:
             await reporter.open_loggers(config, resume.step + 1 if resume else 0)

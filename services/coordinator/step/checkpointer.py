@@ -124,7 +124,7 @@ class Checkpointer:
                 raise DiskRefused(failures[0][2])
 
         await retry_while(save_unsaved, lambda error: str(error) if isinstance(error, DiskRefused) else None,
-                          self.notices.disk_waiting, self.should_stop, SAVE_RETRY_FIRST_S, SAVE_RETRY_MOST_S)
+                          self.notices.disk_waiting, self.should_stop, SAVE_RETRY_FIRST_S, most_s=SAVE_RETRY_MOST_S)
         self.notices.checkpoint(step, str(folder), self.loop_state(step, kl_coef), self.keep)
         self.saved_step = step
         self.data_after = {later: state for later, state in self.data_after.items() if later > step}

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from services.common.errors import Unavailable
-from services.coordinator.agent.agent_loop import AgentLoop, AgentTrace, agent_metrics, trajectory_batch
+from services.coordinator.agent.agent_loop import AgentLoop, AgentTrace, Ended, agent_metrics, trajectory_batch
 from services.common.sequences import SequenceBatch, join_ragged
 from services.coordinator.fleet.clients import Generated, RewardSample, RolloutClient, ScoredSample
 from services.run.data import Prompt
@@ -38,7 +38,7 @@ from services.coordinator.waiting import Notices
 GENERATION_ATTEMPTS = 3  # a batch generated again after every rollout of a shard failed, before giving up
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Lineage:
     """Who made one response: the rollout replica that sampled it and, once it is scored, the reward replica that
     scored it, the decoded prompt and response it scored, and what it said."""
@@ -64,7 +64,7 @@ class ByTrajectory(NamedTuple):
     baselines: torch.Tensor | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rollouts:
     """Responses to a batch of prompts: n per prompt, trajectory i*n+j is sample j of prompt i.
 
@@ -173,7 +173,7 @@ class Rollouts:
                         samples_per_trajectory=counts)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Scoring:
     """A batch's rollouts with their scores, and what the reward services were sent and said of each response."""
 
@@ -184,7 +184,7 @@ class Scoring:
 
 
 async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int,
-                   timeout_s: float, notices: Notices, what: str) -> tuple[Rollouts, dict[str, int]]:
+                   *, timeout_s: float, notices: Notices, what: str) -> tuple[Rollouts, dict[str, int]]:
     """``sampling.n`` responses per prompt from weight versions >= ``oldest`` (not yet scored), and the samples
     each replica produced (by address); ``what`` names the batch in events."""
 
@@ -209,7 +209,8 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
     for result, replica in done:
         counts[replica.address] = counts.get(replica.address, 0) + len(result.response_lens)
     shards = [result for result, _ in done]
-    lineage = tuple(Lineage(replica.address) for result, replica in done for _ in range(len(result.response_lens)))
+    lineage = tuple(Lineage(rollout=replica.address) for result,
+                    replica in done for _ in range(len(result.response_lens)))
     prompt_ids, prompt_lens = join_ragged(
         [torch.tensor(p.token_ids) for p in prompts for _ in range(sampling.n)], torch.int64)
     batch = SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens,
@@ -224,23 +225,24 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
 
 
 async def generate_trajectories(agent: AgentLoop, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int,
-                                timeout_s: float, what: str) -> tuple[Rollouts, dict[str, int], dict[str, float]]:
+                                *, timeout_s: float, what: str) -> tuple[Rollouts, dict[str, int], dict[str, float]]:
     """``sampling.n`` trajectories per prompt, their model turns sampled from weight versions >= ``oldest`` (not
     yet scored); the turns each replica sampled (by address), and the trajectories' metrics. ``what`` names the
     batch ("step 5") in the event of an env swap's first batch."""
-    trajectories, traces, dispatcher = await agent.run(prompts, sampling, seed, oldest, timeout_s, what)
+    trajectories, traces, dispatcher = await agent.run(prompts, sampling, seed, oldest, timeout_s, what=what)
     samples = [sample for trajectory in trajectories for sample in trajectory]
     last = [k == len(trajectory) - 1 for trajectory in trajectories for k in range(len(trajectory))]
     sample_traces = [trace for trajectory, trace in zip(trajectories, traces) for _ in trajectory]
     produced = Rollouts(
         batch=trajectory_batch(samples),
         logprobs=torch.tensor([lp for t in samples for lp in t.logprobs], dtype=torch.float32),
-        truncated=torch.tensor([is_last and trace.ended == "length" for is_last, trace in zip(last, sample_traces)]),
+        truncated=torch.tensor([is_last and trace.ended == Ended.LENGTH
+                                for is_last, trace in zip(last, sample_traces)]),
         scores=torch.zeros(len(samples)),
         versions=torch.tensor([t.weight_versions[0] for t in samples], dtype=torch.int64),
         last_versions=torch.tensor([v for trace in traces for v in trace.last_versions], dtype=torch.int64),
         prompts=prompts, n=sampling.n,
-        lineage=tuple(Lineage(trace.rollouts[0], trace=trace) for trace in sample_traces),
+        lineage=tuple(Lineage(rollout=trace.rollouts[0], trace=trace) for trace in sample_traces),
         env_scores=torch.tensor([agent.settings.env_reward_weight * trace.env_reward for trace in sample_traces],
                                 dtype=torch.float32),
         samples_per_trajectory=torch.tensor([len(t) for t in trajectories], dtype=torch.int64))

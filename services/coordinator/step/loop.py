@@ -349,7 +349,7 @@ class PPOLoop:
         with timer("update_actor"):
             return await self.trainers.actor.update_actor(
                 rollouts.batch, evaluated.old_logprobs, estimate.advantages, evaluated.ref_logprobs, step,
-                self.timeout, rollout_logprobs=rollout_logprobs)
+                timeout=self.timeout, rollout_logprobs=rollout_logprobs)
 
     async def sync_weights(self, updates: Updates, timer: StageTimer) -> None:
         """Every rollout serves the actor's new weights (nothing to send when only the critic was updated)."""
@@ -461,15 +461,17 @@ def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollou
 
 
 def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updates: Updates,
-                  step_s: float, devices: int) -> dict[str, float]:
+                  step_s: float, *, devices: int) -> dict[str, float]:
     """verl's data metrics of the step's batch (by trajectory: a multi-turn one's samples together), its tokens
     (every sample's) and their throughput per device (``devices``: those the run computes on), and the weight
     version trained."""
     batch, trajectories = rollouts.batch, rollouts.by_trajectory()
     tokens = batch.num_response_tokens + int(batch.prompt_lens.sum())
-    return {**data_metrics(trajectories.scores, estimate.rewards, estimate.advantages, estimate.returns,
-                           evaluated.values, trajectories.response_lens, trajectories.prompt_lens,
-                           trajectories.truncated, rollouts.logprobs, evaluated.old_logprobs, batch.loss_mask),
+    return {**data_metrics(scores=trajectories.scores, rewards=estimate.rewards, advantages=estimate.advantages,
+                           returns=estimate.returns, values=evaluated.values, response_lens=trajectories.response_lens,
+                           prompt_lens=trajectories.prompt_lens, truncated=trajectories.truncated,
+                           rollout_logprobs=rollouts.logprobs, old_logprobs=evaluated.old_logprobs,
+                           loss_mask=batch.loss_mask),
             "perf/total_num_tokens": float(tokens), "perf/throughput": throughput(tokens, step_s, devices),
             "perf/devices": float(devices),
             "training/weight_version": float(-1 if updates.version is None else updates.version)}

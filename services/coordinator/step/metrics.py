@@ -15,7 +15,7 @@ from services.algos import mismatch_metrics, summary
 
 def data_metrics(
     scores: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
-    values: torch.Tensor | None, response_lens: torch.Tensor, prompt_lens: torch.Tensor, truncated: torch.Tensor,
+    values: torch.Tensor | None, *, response_lens: torch.Tensor, prompt_lens: torch.Tensor, truncated: torch.Tensor,
     rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, loss_mask: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """One step's data under verl's names.
@@ -68,7 +68,7 @@ def rollout_balance(counts: dict[str, float], tokens_per_s: dict[str, float]) ->
                if address in tokens_per_s}}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PromptResults:
     """What validation got for one prompt: its n responses' scores, and what the scorer read and judged."""
 

@@ -81,16 +81,17 @@ class Producer:
         with timer("gen"):
             if self.agent is None:
                 rollouts, by_rollout = await generation.generate(self.rollout_set, chosen, self.settings.sampling,
-                                                                 seed, oldest, self.timeout_s, self.notices,
-                                                                 f"step {step}")
+                                                                 seed, oldest, timeout_s=self.timeout_s,
+                                                                 notices=self.notices, what=f"step {step}")
             else:
                 rollouts, by_rollout, trajectories = await generation.generate_trajectories(
-                    self.agent, chosen, self.settings.sampling, seed, oldest, self.timeout_s, f"step {step}")
+                    self.agent, chosen, self.settings.sampling, seed, oldest, timeout_s=self.timeout_s,
+                    what=f"step {step}")
                 counts |= trajectories
         with timer("reward"):
             scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, self.notices, f"step {step}")
         if self.settings.estimator.greedy_baseline:
-            rollouts = await self.with_greedy_baselines(scoring.rollouts, chosen, seed, oldest, step, timer)
+            rollouts = await self.with_greedy_baselines(scoring.rollouts, chosen, seed, oldest, step, timer=timer)
         else:
             rollouts = scoring.rollouts
         for address, count in by_rollout.items():
@@ -102,13 +103,14 @@ class Producer:
         return rollouts
 
     async def with_greedy_baselines(self, rollouts: Rollouts, chosen: list[Prompt], seed: int, oldest: int, step: int,
-                                    timer: StageTimer) -> Rollouts:
+                                    *, timer: StageTimer) -> Rollouts:
         """``rollouts`` with the score of one greedy response (temperature 0) to each prompt, from the same weights,
         as every response's baseline (remax; verl's timing_s/gen_max)."""
         greedy_sampling = dataclasses.replace(self.settings.sampling, n=1, temperature=0.0, top_p=1.0)
         with timer("gen_max"):
             greedy, _ = await generation.generate(self.rollout_set, chosen, greedy_sampling, seed, oldest,
-                                                  self.timeout_s, self.notices, f"step {step} greedy baselines")
+                                                  timeout_s=self.timeout_s, notices=self.notices,
+                                                  what=f"step {step} greedy baselines")
             scored = await generation.score(self.reward_set, greedy, self.tokenizer, self.notices,
                                             f"step {step} greedy baselines")
         return dataclasses.replace(rollouts, baselines=scored.rollouts.scores[rollouts.group_ids])

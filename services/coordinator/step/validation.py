@@ -36,7 +36,7 @@ from services.coordinator.settings import ValidationSettings
 from services.coordinator.waiting import Notices
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Validated:
     """One validation of a run: the weights after ``step`` (version ``version``) on the held-out prompts."""
 
@@ -55,15 +55,17 @@ async def run_validation(*, settings: ValidationSettings, prompts: list[Prompt],
     agent_metrics: dict[str, float] = {}
     if agent is None:
         generated, _ = await generation.generate(rollout_set, prompts, settings.sampling, settings.seed, version,
-                                                 timeout_s, notices, f"the validation of step {step}")
+                                                 timeout_s=timeout_s, notices=notices,
+                                                 what=f"the validation of step {step}")
     else:
         generated, _, agent_metrics = await generation.generate_trajectories(
-            agent, prompts, settings.sampling, settings.seed, version, timeout_s, f"the validation of step {step}")
+            agent, prompts, settings.sampling, settings.seed, version, timeout_s=timeout_s,
+            what=f"the validation of step {step}")
     scoring = await generation.score(reward_set, generated, tokenizer, notices, f"the validation of step {step}")
     metrics = await asyncio.to_thread(validation_metrics, prompt_results(scoring))
     metrics |= {"val/weight_version": float(version), "timing_s/testing": time.perf_counter() - started,
                 **{f"val/{name}": value for name, value in agent_metrics.items()}}
-    return Validated(step, version, metrics, sample_records(scoring))
+    return Validated(step=step, version=version, metrics=metrics, samples=sample_records(scoring))
 
 
 class ValidationNotices(Notices, Protocol):
@@ -125,8 +127,9 @@ def prompt_results(scoring: Scoring) -> list[PromptResults]:
     for index, prompt in enumerate(scoring.rollouts.prompts):
         scored = scoring.scores[index * n:(index + 1) * n]
         accs = [s.acc for s in scored]
-        results.append(PromptResults(prompt.data_source, [s.score for s in scored],
-                                     None if None in accs else [bool(a) for a in accs], [s.pred for s in scored]))
+        results.append(PromptResults(data_source=prompt.data_source, scores=[s.score for s in scored],
+                                     accs=None if None in accs else [bool(a) for a in accs],
+                                     preds=[s.pred for s in scored]))
     return results
 
 

@@ -33,8 +33,10 @@ class Replica:
             raise Unavailable(f"{self.address} is down")
         ids = [[index] * self.length for index in seed_indices]
         lens = torch.tensor([len(r) for r in ids])
-        return Generated(torch.tensor([t for r in ids for t in r]), lens, torch.full((int(lens.sum()),), -1.0),
-                         torch.zeros(len(ids), dtype=torch.bool), torch.full((len(ids),), self.version))
+        return Generated(response_ids=torch.tensor([t for r in ids for t in r]), response_lens=lens,
+                         logprobs=torch.full((int(lens.sum()),), -1.0),
+                         truncated=torch.zeros(len(ids), dtype=torch.bool), weight_versions=torch.full((len(ids),),
+                                                                                                       self.version))
 
 
 class Pool:
@@ -61,7 +63,7 @@ def sample_all(dispatcher: TurnDispatcher, turns: list[tuple[int, int, object]])
 
 def test_turns_waiting_together_go_as_one_call_each_seeded_from_its_own_index():
     replica = Replica("a")
-    dispatcher = TurnDispatcher(Rollouts(replica), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1)
+    dispatcher = TurnDispatcher(Rollouts(batch=replica), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1)
     sampled = sample_all(dispatcher, [(4, 7, None), (4, 3, None), (4, 12, None)])
     assert replica.calls == [(3, [7, 3, 12], 4)]
     assert [s.tokens.ids for s in sampled] == [(7, 7, 7), (3, 3, 3), (12, 12, 12)]
@@ -70,7 +72,7 @@ def test_turns_waiting_together_go_as_one_call_each_seeded_from_its_own_index():
 
 def test_a_turn_is_cut_to_its_room_when_the_call_ran_to_a_longer_one():
     replica = Replica("a", length=4)
-    dispatcher = TurnDispatcher(Rollouts(replica), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1)
+    dispatcher = TurnDispatcher(Rollouts(batch=replica), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1)
     short, long = sample_all(dispatcher, [(2, 1, None), (6, 2, None)])
     assert replica.calls == [(2, [1, 2], 6)]  # the call asks for the longest room
     assert short.tokens.ids == (1, 1) and short.tokens.logprobs == (-1.0, -1.0) and short.truncated
@@ -79,7 +81,8 @@ def test_a_turn_is_cut_to_its_room_when_the_call_ran_to_a_longer_one():
 
 def test_a_later_turn_goes_to_the_replica_of_the_turn_before():
     a, b = Replica("a"), Replica("b")
-    dispatcher = TurnDispatcher(Rollouts(a, b), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1)
+    dispatcher = TurnDispatcher(Rollouts(batch=a, logprobs=b), SAMPLING, seed=1, oldest=0, timeout_s=5,
+                                calls_in_flight=1)
     sampled = sample_all(dispatcher, [(4, 1, b), (4, 2, b), (4, 3, a)])
     assert [s.replica.address for s in sampled] == ["b", "b", "a"]
     assert b.calls == [(2, [1, 2], 4)] and a.calls == [(1, [3], 4)]
@@ -87,7 +90,8 @@ def test_a_later_turn_goes_to_the_replica_of_the_turn_before():
 
 def test_turns_of_a_failing_replica_are_sampled_again_on_another_with_the_same_seeds():
     down, up = Replica("down", failures=5), Replica("up")
-    dispatcher = TurnDispatcher(Rollouts(down, up), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1)
+    dispatcher = TurnDispatcher(Rollouts(batch=down, logprobs=up), SAMPLING, seed=1, oldest=0, timeout_s=5,
+                                calls_in_flight=1)
     sampled = sample_all(dispatcher, [(4, 8, down), (4, 9, down)])
     assert down.calls == [(2, [8, 9], 4)]
     assert up.calls == [(2, [8, 9], 4)]
@@ -96,13 +100,14 @@ def test_turns_of_a_failing_replica_are_sampled_again_on_another_with_the_same_s
 
 def test_a_turn_sampled_from_weights_older_than_the_batch_allows_is_sampled_again_elsewhere():
     old, new = Replica("old", version=2), Replica("new", version=4)
-    dispatcher = TurnDispatcher(Rollouts(old, new), SAMPLING, seed=1, oldest=3, timeout_s=5, calls_in_flight=1)
+    dispatcher = TurnDispatcher(Rollouts(batch=old, logprobs=new), SAMPLING, seed=1, oldest=3, timeout_s=5,
+                                calls_in_flight=1)
     [turn] = sample_all(dispatcher, [(4, 1, old)])
     assert turn.replica is new and turn.tokens.weight_version == 4
 
 
 def test_a_turn_that_fails_everywhere_fails_its_trajectory_naming_the_replica():
-    dispatcher = TurnDispatcher(Rollouts(Replica("a", failures=99)), SAMPLING, seed=1, oldest=0, timeout_s=5,
+    dispatcher = TurnDispatcher(Rollouts(batch=Replica("a", failures=99)), SAMPLING, seed=1, oldest=0, timeout_s=5,
                                 calls_in_flight=1)
     with pytest.raises(Unavailable, match="a turn failed on 4 attempts, last on a"):
         sample_all(dispatcher, [(4, 1, None)])
@@ -121,19 +126,24 @@ def test_tool_calls_are_counted_by_tool_and_outcome():
 
 
 def test_trajectory_metrics_count_turns_tools_and_tokens_by_hand():
-    from services.coordinator.agent.agent_loop import AgentTrace, TurnRecord, agent_metrics
+    from services.coordinator.agent.agent_loop import AgentTrace, Ended, TurnRecord, agent_metrics
     from services.coordinator.agent.turns import Trajectory
 
     def trace(turns: int, calls: dict, errors: dict, ended: str, env_reward: float, seconds: float) -> AgentTrace:
-        records = tuple(TurnRecord("model" if i % 2 == 0 else "reply", "", 1, i % 2 == 0, 0, "", 0.0)
-                        for i in range(turns))
-        return AgentTrace(records, "", env_reward, "env-1", ("r",), (0,), ended, Counter(calls), Counter(errors),
-                          Counter(), seconds, restarts=1 if ended == "length" else 0, env_busy_waits=turns // 2)
+        records = tuple(TurnRecord(role="model" if i % 2 == 0 else "reply", text="", tokens=1, trained=i % 2 == 0,
+                                   weight_version=0, tool="", seconds=0.0) for i in range(turns))
+        return AgentTrace(turns=records, final_text="", env_reward=env_reward, episode_service="env-1",
+                          rollouts=("r",), last_versions=(0,), ended=Ended(ended), tool_calls=Counter(calls),
+                          tool_errors=Counter(errors), tool_timeouts=Counter(), env_seconds=seconds,
+                          restarts=1 if ended == "length" else 0, env_busy_waits=turns // 2)
 
     traces = [trace(1, {}, {}, "answer", 0.0, 0.0), trace(3, {"lookup": 1}, {}, "answer", 1.0, 0.5),
               trace(5, {"lookup": 2}, {"lookup": 1}, "length", 0.5, 1.5)]
-    trajectories = [(Trajectory((1,), 10, (5, 5), (1, 1)),), (Trajectory((1,), 10, (5, 6, 6, 5), (1, 0, 0, 1)),),
-                    (Trajectory((1,), 10, (5, 6, 5), (1, 0, 1)), Trajectory((1,), 10, (6, 5, 5), (0, 1, 1)))]
+    trajectories = [(Trajectory(prompt_ids=(1,), max_response_length=10, response_ids=(5, 5), loss_mask=(1, 1)),),
+                    (Trajectory(prompt_ids=(1,), max_response_length=10, response_ids=(5, 6, 6, 5), loss_mask=(1, 0,
+                                                                                                               0, 1)),),
+                    (Trajectory(prompt_ids=(1,), max_response_length=10, response_ids=(5, 6, 5), loss_mask=(1, 0, 1)),
+                     Trajectory(prompt_ids=(1,), max_response_length=10, response_ids=(6, 5, 5), loss_mask=(0, 1, 1)))]
     metrics = agent_metrics(traces, trajectories)
     assert metrics["num_turns/min"] == 1 and metrics["num_turns/max"] == 5 and metrics["num_turns/mean"] == 3
     assert metrics["agent/tool_calls/mean"] == 1.0 and metrics["agent/tool_call_rate"] == pytest.approx(2 / 3)

@@ -35,7 +35,8 @@ class Env:
         self.refused = asyncio.Event()
 
     async def describe(self, timeout):
-        return EnvDescription(f"env-{self.address}", "1.0", {name: () for name in self.environments}, self.workers)
+        return EnvDescription(service_id=f"env-{self.address}", meshrl_version="1.0",
+                              environments={name: () for name in self.environments}, workers=self.workers)
 
     async def reset(self, episode_id, row, environment, max_parallel_calls, timeout):
         self.calls.append(("reset", environment, row, max_parallel_calls))

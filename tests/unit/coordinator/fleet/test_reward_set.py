@@ -8,7 +8,7 @@ from services.coordinator.fleet.clients import RewardSample, ScoredSample
 from services.coordinator.fleet.reward_set import RewardSet
 from services.coordinator.fleet.targets import ServiceTarget
 
-SAMPLES = [RewardSample("reverse", str(i), str(i), {}) for i in range(8)]
+SAMPLES = [RewardSample(data_source="reverse", response=str(i), ground_truth=str(i), extra_info={}) for i in range(8)]
 
 
 class Reward:
@@ -21,7 +21,7 @@ class Reward:
         if self.stopped:
             await asyncio.sleep(3600)
         self.scored += len(samples)
-        return [ScoredSample(1.0, True, "") for _ in samples], self.address
+        return [ScoredSample(score=1.0, valid=True, error="") for _ in samples], self.address
 
     async def close(self):
         pass

@@ -11,7 +11,8 @@ from services.run.config import RunConfig
 from services.coordinator.runs.loggers import RunNames, mlflow_name, open_loggers
 from tests.logger_files import tensorboard_scalars
 
-NAMES = RunNames("grpo-20261201-120000-ab12", "meshrl", "grpo", {"trainer": {"seed": 0}})
+NAMES = RunNames(run_id="grpo-20261201-120000-ab12", project="meshrl", experiment="grpo",
+                 config={"trainer": {"seed": 0}})
 
 
 def write(run_dir, listed, first_step, steps, offset):

@@ -87,7 +87,7 @@ class FakeTrainer:
 
     async def broadcast_weights(self, channel_id, bucket_bytes, timeout):
         await asyncio.sleep(0)
-        return SyncResult(self.version, 1024, 1, 0.001)
+        return SyncResult(weight_version=self.version, total_bytes=1024, buckets=1, seconds=0.001)
 
     async def save_checkpoint(self, run_id, path, timeout):
         self.saved.append(path)
@@ -112,7 +112,7 @@ class FakeRollout:
         self.spanning = 0  # responses sampled across a swap
 
     async def info(self, timeout=30.0):
-        return RolloutInfo(self.run_id, self.version, 1)
+        return RolloutInfo(run_id=self.run_id, weight_version=self.version, channel_ranks=1)
 
     async def init_run(self, run_id, model_path, dtype, timeout, allow_pickle=False, lora_rank=0, adapter_versions=0):
         self.run_id = run_id
@@ -124,7 +124,7 @@ class FakeRollout:
     async def receive_weights(self, channel_id, timeout, partial_rollout="finish"):
         await asyncio.sleep(0)
         self.version = self.trainer.version
-        return Received(self.version, 0.001, 0.0)
+        return Received(version=self.version, transfer_s=0.001, pause_s=0.0)
 
     async def generate(self, prompts, sampling, seed, first_index, timeout):
         version = self.version
@@ -138,9 +138,12 @@ class FakeRollout:
         self.generated += len(responses)
         self.spanning += len(responses) if self.version != version else 0
         lens = torch.tensor([len(r) for r in responses])
-        return Generated(torch.tensor([t for r in responses for t in r]), lens, torch.full((int(lens.sum()),), -0.5),
-                         torch.zeros(len(responses), dtype=torch.bool), torch.full((len(responses),), version),
-                         torch.full((len(responses),), self.version))
+        return Generated(response_ids=torch.tensor([t for r in responses for t in r]), response_lens=lens,
+                         logprobs=torch.full((int(lens.sum()),), -0.5),
+                         truncated=torch.zeros(len(responses),
+                                               dtype=torch.bool), weight_versions=torch.full((len(responses),),
+                                                                                             version),
+                         last_weight_versions=torch.full((len(responses),), self.version))
 
     async def compute_log_probs(self, batch: SequenceBatch, timeout):
         """The weight check's probe: the trainer's logprobs, -0.5 a token (it serves the trainer's weights)."""
@@ -156,8 +159,9 @@ class FakeReward:
 
     async def score(self, samples: list[RewardSample], timeout):
         self.scored += samples
-        return [ScoredSample(float(s.response == s.ground_truth), True, "", s.response == s.ground_truth, s.response,
-                             (("exact", 1.0, float(s.response == s.ground_truth)),),
+        return [ScoredSample(score=float(s.response == s.ground_truth), valid=True, error="",
+                             acc=s.response == s.ground_truth, pred=s.response,
+                             components=(("exact", 1.0, float(s.response == s.ground_truth)),),
                              timed_out=s.response != s.ground_truth)  # as if it ran out of time on every wrong one
                 for s in samples], f"id-of-{self.address}"
 
@@ -211,7 +215,7 @@ class Mesh:
         groups = {"group default": ["reward-a:1"], "group b": ["reward-b:1"]}
         stop = (lambda: len(self.reporter.steps) >= stop_after) if stop_after is not None else (lambda: False)
         rollout_set = RolloutSet("run", rollout_set_settings(config), self.trainer, lambda: list(self.rollouts),
-                                 self.reporter, stop, connect=self.rollouts.__getitem__)
+                                 self.reporter, should_stop=stop, connect=self.rollouts.__getitem__)
         reward_set = RewardSet(ServiceTarget("group", "default"), lambda target: groups[str(target)], self.reporter,
                                stop, 60.0, connect=self.rewards.__getitem__)
         self.loop = PPOLoop(run_id="run", settings=loop_settings(config), config_yaml="",
@@ -372,7 +376,8 @@ def test_a_reward_swap_is_probed_and_scores_from_the_next_boundary(tmp_path):
         while 1 not in mesh.reporter.steps:
             await asyncio.sleep(0.001)
         swapped["addresses"] = await loop.reward_set.swap(ServiceTarget("group", "b"), [
-            RewardSample(p.data_source, p.ground_truth, p.ground_truth, p.extra_info) for p in PROMPTS])
+            RewardSample(data_source=p.data_source, response=p.ground_truth, ground_truth=p.ground_truth,
+                         extra_info=p.extra_info) for p in PROMPTS])
         return await running
 
     assert asyncio.run(swap_after_step_one()) is True
@@ -395,7 +400,7 @@ def test_a_stop_request_checkpoints_the_last_step_and_a_resume_goes_on_from_it(t
     assert step == 2 and sorted(mesh.reporter.steps) == [1, 2]
     again = Mesh(tmp_path, {"trainer": {"total_training_steps": 3}})
     again.trainer.version = 2  # the trainer restores the weights of step 2
-    assert again.run(Checkpoint("run", step, path, state)) is True
+    assert again.run(Checkpoint(run_id="run", step=step, path=path, loop_state=state)) is True
     assert again.trainer.loaded == [str(Path(path) / "actor")]
     assert sorted(again.reporter.steps) == [3]
     assert again.reporter.steps[3]["training/weight_version"] == 3.0
@@ -412,7 +417,7 @@ def test_a_stop_asked_during_the_warm_start_keeps_its_weights_as_step_0_and_a_re
     assert mesh.trainer.saved == [str(Path(path) / "actor")]
     again = Mesh(tmp_path, warm)
     again.trainer.version = 2  # the trainer restores the warm start's weights
-    assert again.run(Checkpoint("run", step, path, state)) is True
+    assert again.run(Checkpoint(run_id="run", step=step, path=path, loop_state=state)) is True
     assert again.trainer.taught == [] and sorted(again.reporter.steps) == [1, 2, 3]
     cold = Mesh(tmp_path / "cold", {}, stop_after=0)  # no warm start: nothing to keep before step 1
     assert cold.run() is False and cold.reporter.checkpoints == []

@@ -104,8 +104,9 @@ def test_data_metrics_with_a_loss_mask_count_the_model_tokens_only():
 
 def test_data_metrics_of_an_empty_step_are_zero():
     empty, lengths = torch.tensor([]), torch.tensor([], dtype=torch.int64)
-    metrics = data_metrics(empty, empty, empty, empty, None, lengths, lengths, torch.tensor([], dtype=torch.bool),
-                           empty, empty)
+    metrics = data_metrics(empty, empty, empty, empty, None, response_lens=lengths, prompt_lens=lengths,
+                           truncated=torch.tensor([], dtype=torch.bool),
+                           rollout_logprobs=empty, old_logprobs=empty)
     assert all(value == 0.0 and not math.isnan(value) for value in metrics.values())
 
 
@@ -206,9 +207,9 @@ def test_majority_of_k_is_the_enumerated_expectation_within_bootstrap_noise(valu
 
 
 def test_validation_metrics_by_hand():
-    results = [PromptResults("src", [1.0, 0.0], [True, False], ["3", "4"]),
-               PromptResults("src", [1.0, 1.0], [True, True], ["3", "3"]),
-               PromptResults("rm", [0.25], None, [""])]
+    results = [PromptResults(data_source="src", scores=[1.0, 0.0], accs=[True, False], preds=["3", "4"]),
+               PromptResults(data_source="src", scores=[1.0, 1.0], accs=[True, True], preds=["3", "3"]),
+               PromptResults(data_source="rm", scores=[0.25], accs=None, preds=[""])]
     metrics = validation_metrics(results)
     # src: prompt 1 has mean 0.5, best of 2 0.75, worst of 2 0.25, pass@1 0.5, pass@2 1; prompt 2 all 1
     assert metrics["val-core/src/reward/mean@2"] == 0.75 and metrics["val-core/src/acc/mean@2"] == 0.75

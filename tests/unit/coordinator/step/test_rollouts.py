@@ -24,11 +24,15 @@ from services.run.config import RunConfig
 from services.run.data import Prompt
 
 # two prompts, two trajectories each; the first trajectory went on in a second sample
-SAMPLES = [Trajectory((1, 2), 20, (5, 6, 7), (1, 1, 1), (-0.1, -0.2, -0.3)),
-           Trajectory((1, 2, 5, 9), 10, (8, 9, 9, 8), (1, 0, 0, 1), (-0.4, 0.0, 0.0, -0.5)),
-           Trajectory((1, 2), 20, (5, 5), (1, 1), (-0.1, -0.1)),
-           Trajectory((3,), 20, (6, 6), (1, 1), (-0.2, -0.2)),
-           Trajectory((3,), 20, (7,), (1,), (-0.3,))]
+SAMPLES = [Trajectory(prompt_ids=(1, 2), max_response_length=20, response_ids=(5, 6, 7), loss_mask=(1, 1, 1),
+                      logprobs=(-0.1, -0.2, -0.3)),
+           Trajectory(prompt_ids=(1, 2, 5, 9), max_response_length=10, response_ids=(8, 9, 9, 8), loss_mask=(1, 0, 0,
+                                                                                                             1), logprobs=(-0.4, 0.0, 0.0, -0.5)),
+           Trajectory(prompt_ids=(1, 2), max_response_length=20, response_ids=(5, 5), loss_mask=(1, 1),
+                      logprobs=(-0.1, -0.1)),
+           Trajectory(prompt_ids=(3,), max_response_length=20, response_ids=(6, 6), loss_mask=(1, 1), logprobs=(-0.2,
+                                                                                                                -0.2)),
+           Trajectory(prompt_ids=(3,), max_response_length=20, response_ids=(7,), loss_mask=(1,), logprobs=(-0.3,))]
 SAMPLES_PER_TRAJECTORY = [2, 1, 1, 1]
 SCORES = [1.0, 0.0, 0.5, 0.5]  # the reward service's, per trajectory
 GRPO = 0.5 / (math.sqrt(0.5) + 1e-6)  # prompt 0: scores 1 and 0, mean 0.5, unbiased std sqrt(0.5)
@@ -49,14 +53,15 @@ def split_rollouts() -> Rollouts:
                     logprobs=torch.tensor([p for s in SAMPLES for p in s.logprobs]),
                     truncated=torch.zeros(len(SAMPLES), dtype=torch.bool), scores=torch.zeros(len(SAMPLES)),
                     versions=torch.tensor([3] * len(SAMPLES)), last_versions=torch.tensor([3] * len(SAMPLES)),
-                    prompts=prompts, n=2, lineage=tuple(Lineage("r:1", trace=t) for t in per_sample),
+                    prompts=prompts, n=2, lineage=tuple(Lineage(rollout="r:1", trace=t) for t in per_sample),
                     env_scores=torch.zeros(len(SAMPLES)),
                     samples_per_trajectory=torch.tensor(SAMPLES_PER_TRAJECTORY))
 
 
 def scored(rollouts: Rollouts) -> Rollouts:
     samples = reward_samples(rollouts, build_char_tokenizer())
-    scores = Scored([ScoredSample(score, True, "") for score in SCORES], [ScoredBy("reward-1", "w:1")] * len(SCORES))
+    scores = Scored([ScoredSample(score=score, valid=True, error="") for score in SCORES], [ScoredBy("reward-1",
+                                                                                                     "w:1")] * len(SCORES))
     return rollouts.with_scores(samples, scores)
 
 
