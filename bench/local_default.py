@@ -48,10 +48,10 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     """Mean time of a GRPO step with engine, actor and scorer called directly in this process."""
     import yaml
 
-    from services import algos
+    from services import algos, estimators
     from services.common.config import validate
     from services.common.sequences import SequenceBatch
-    from services.coordinator.sampler import PromptSampler
+    from services.coordinator.step.sampler import PromptSampler
     from services.reward.rules import score_sample
     from services.rollout.hf_engine import HFEngine
     from services.rollout.sampling import SamplingSettings
@@ -84,7 +84,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
         batch = SequenceBatch.of_lists([p.token_ids for p in chosen for _ in range(rollout.n)], responses)
         old = actor.compute_log_probs(batch, rollout.temperature, MicroBatching(256))
         groups = torch.arange(len(chosen)).repeat_interleave(rollout.n)
-        advantages = algos.expand_per_token(algos.grpo_advantages(scores, groups), batch.response_lens)
+        advantages = algos.expand_per_token(estimators.grpo_advantages(scores, groups), batch.response_lens)
         actor.update(batch, UpdateInputs(old, advantages, None), actor_settings(config, torch.device("cpu")))
         engine.load_weights(actor.named_weights())
         times.append(time.perf_counter() - started)

@@ -5,7 +5,7 @@ chat model and the lookup task's rows from the ``local`` section, the run config
 default, the tools of its tool_config_path):
 
 1. the warm start: the coordinator's ``WarmStart`` (its worked trajectories rendered token-exactly, tool replies
-   masked) feeding the trainer's ``Worker`` in this process, through the op TrainSupervised calls;
+   masked) feeding the trainer's ``RankWorker`` in this process, through the op TrainSupervised calls;
 2. greedy held-out success: on each held-out row, the model's turns generated greedily, each turn's tool calls
    parsed (Hermes) and answered by the tool class of the tool config, the replies appended as ``render_reply``
    renders them, until a turn without calls, multi_turn.max_assistant_turns or data.max_response_length; the
@@ -29,23 +29,23 @@ import yaml
 
 from services.common.config import to_yaml
 from services.coordctl.resolve import checked, resolve_config
-from services.coordinator.clients import sequence_tensors
+from services.coordinator.fleet.clients import sequence_tensors
 from services.coordinator.settings import loop_settings
-from services.coordinator.turns import ReplyTokens, render_prompt, render_reply
-from services.coordinator.warm_start import WarmStart
+from services.coordinator.agent.turns import ReplyTokens, render_prompt, render_reply
+from services.coordinator.step.warm_start import WarmStart
 from services.env.tools import as_reply, read_tool_config, tool_class
 from services.reward.rules import score_sample
 from services.run.tool_calls import ParseError, parse_tool_calls
 from services.trainer.ranks import Ranks
-from services.trainer.worker import Worker
+from services.trainer.worker import RankWorker
 
 EXAMPLE = "examples/local_tools.yaml"
 
 
 class InProcessActor:
-    """The trainer's Worker where the warm start expects the trainer's client."""
+    """The trainer's RankWorker where the warm start expects the trainer's client."""
 
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: RankWorker):
         self.worker = worker
 
     async def train_supervised(self, batch, step: int, timeout: float) -> tuple[dict[str, float], int]:
@@ -151,7 +151,7 @@ def main(overrides: list[str]) -> None:
     settings = loop_settings(config)
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
     tools = Tools(str(multi_turn.tool_config_path))
-    worker = Worker(Ranks.single("cpu"))
+    worker = RankWorker(Ranks.single("cpu"))
     worker.run("init_run", {"run_id": "lookup-warm-start", "run_config_yaml": to_yaml(config), "roles": ["actor"],
                             "seed": config.trainer.seed}, {})
     model = worker.roles.need("actor").model

@@ -28,7 +28,7 @@ from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model, buil
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engines import HFRolloutEngine
 from services.trainer.ranks import Ranks
-from services.trainer.worker import Worker
+from services.trainer.worker import RankWorker
 
 BUCKET_BYTES = 64 << 20  # the coordinator's default bucket size
 
@@ -42,7 +42,7 @@ def build_model(size: str, folder: Path) -> Path:
 def load_actor(model: Path, rank: int):
     lora = {"lora_rank": rank, "lora_alpha": 2 * rank} if rank else {}
     config = yaml.safe_dump({"actor_rollout_ref": {"model": {"path": str(model), **lora}}})
-    return Worker(Ranks.single("cpu")).init_run({}, run_id="bench", run_config_yaml=config, roles=["actor"],
+    return RankWorker(Ranks.single("cpu")).init_run({}, run_id="bench", run_config_yaml=config, roles=["actor"],
                                                seed=0).actor
 
 

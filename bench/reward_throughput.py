@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.coordinator.clients import RewardClient, RewardSample
+from services.coordinator.fleet.clients import RewardClient, RewardSample
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.reward.rules import score_sample
@@ -29,7 +29,8 @@ def gsm8k_batch(count: int, seed: int = 0) -> list[RewardSample]:
         answer = rng.randint(1, 10_000)
         reasoning = " ".join(f"step {i}: {rng.randint(1, 99)} + {rng.randint(1, 99)}" for i in range(8))
         final = rng.choice([f"#### {answer}", f"#### {answer + 1}", f"so it is {answer}"])
-        samples.append(RewardSample("openai/gsm8k", f"{reasoning}. {final}", str(answer), {"index": index}))
+        samples.append(RewardSample(data_source="openai/gsm8k", response=f"{reasoning}. {final}",
+                                    ground_truth=str(answer), extra_info={"index": index}))
     return samples
 
 

@@ -86,7 +86,7 @@ def reference(model: str, prompts: list[list[int]], n: int, max_new_tokens: int,
 
 async def through_service(model: str, prompts: list[list[int]], n: int, max_new_tokens: int, engine: dict,
                           state: Path) -> tuple[int, float]:
-    from services.coordinator.clients import RolloutClient
+    from services.coordinator.fleet.clients import RolloutClient
     from services.coordinator.settings import Sampling
     from services.coordctl.control import CoordinatorClient
     from services.coordctl.local import LocalCluster, ServiceSpec
@@ -104,7 +104,8 @@ async def through_service(model: str, prompts: list[list[int]], n: int, max_new_
 
         async def run(batch: list[list[int]]) -> tuple[int, float]:
             started = time.perf_counter()
-            out = await rollout.generate(batch, Sampling(n, 1.0, 1.0, max_new_tokens, ()), SEED, 0, 600)
+            out = await rollout.generate(batch, Sampling(n=n, temperature=1.0, top_p=1.0,
+                                                         max_new_tokens=max_new_tokens, stop_token_ids=()), SEED, 0, 600)
             return int(out.response_lens.sum()), time.perf_counter() - started
 
         await run(prompts[:8])

@@ -14,7 +14,7 @@ The sides:
   unpadded, as every sequence is as long), logits of the response positions alone (``logits_to_keep``, as
   TRL asks for them) upcast to fp32, log_softmax and gather; AdamW fused on CUDA.
 - reference+ckpt: the same with gradient checkpointing on, as TRL's GRPOTrainer has it by default.
-- meshrl: the trainer's ``Worker`` in this process, loaded by the op InitRun calls with the run config of
+- meshrl: the trainer's ``RankWorker`` in this process, loaded by the op InitRun calls with the run config of
   grpo_step's colocated run, and called with the ops and tensors ComputeLogProbs and UpdateActor hand it:
   everything the trainer service does but gRPC.
 
@@ -54,7 +54,7 @@ from bench.grpo_step import (MICRO_BATCH, PROMPT_TOKENS, PROMPTS, RESPONSE_TOKEN
                              meshrl_config, prepare_assets)
 from services.run.sections.actor import ActorConfig
 from services.common.sequences import SequenceBatch
-from services.coordinator.runs import parse_run_config
+from services.coordinator.runs.manager import parse_run_config
 from services.coordctl.tiny_model import QWEN25_SHAPES
 from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
 
@@ -158,14 +158,14 @@ class Reference:
 
 
 class Meshrl:
-    """The trainer service's Worker, given what its servicer gives it (check_init's and the batch's checks
+    """The trainer service's RankWorker, given what its servicer gives it (check_init's and the batch's checks
     aside, which refuse bad input and compute nothing)."""
 
     def __init__(self, config: dict, device: torch.device, batch: SequenceBatch):
         from services.trainer.ranks import Ranks
-        from services.trainer.worker import SEQUENCE_KEYS, Worker
+        from services.trainer.worker import SEQUENCE_KEYS, RankWorker
 
-        self.worker = Worker(Ranks.single(device))
+        self.worker = RankWorker(Ranks.single(device))
         self.worker.run("init_run", {"run_id": "trainer-step", "run_config_yaml": yaml.safe_dump(config),
                                      "roles": ["actor"], "seed": 0}, {})
         self.sequences = {key: getattr(batch, key) for key in SEQUENCE_KEYS}

@@ -1,4 +1,4 @@
-"""RL math for meshrl: pure functions on tensors.
+"""RL math for meshrl: pure functions on tensors, the pieces the estimators and the losses share.
 
 Choices, stated before the code:
 
@@ -8,15 +8,9 @@ Choices, stated before the code:
 - Rewards are outcome rewards: a response's score sits on its last token
   (``token_rewards``), minus ``kl_coef * kl`` on every token when the KL
   penalty goes into the reward.
-- Estimators follow verl's definitions (core_algos.py): GAE with whitened
-  advantages and returns = advantages + values; GRPO = (score - group mean) /
-  (group std + eps) (std unbiased) or without the division (Dr. GRPO); RLOO =
-  score - mean of the other samples of the prompt; REINFORCE++ = whitened
-  discounted returns; REINFORCE++-baseline = whitened (score - group mean).
-  GRPO, RLOO and REINFORCE++-baseline return their advantages as returns
-  (REINFORCE++ its discounted returns), as verl does.
-  One deliberate difference: a prompt with a single sample has no baseline,
-  and its advantage is 0 (verl passes its raw score through).
+- The advantage estimators are in ``services/estimators.py``, the policy losses in
+  ``services/policy_losses.py``; this module holds what both stand on and the value loss, rollout correction,
+  KL, optimisation schedule and metrics.
 - Whitening is over all response tokens of the batch: (x - mean) /
   sqrt(unbiased var + 1e-8).
 - Losses are aggregated by ``aggregate`` in verl's four modes. Every divisor
@@ -103,31 +97,6 @@ def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tens
     return (values - mean) * torch.rsqrt(var + WHITEN_EPS)
 
 
-def _padded_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and column of each flat token in right-padded [B, L] rows. [B] -> ([T], [T])."""
-    rows = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    return rows, torch.arange(len(rows), device=lengths.device) - starts[rows]
-
-
-def _to_padded(flat: torch.Tensor, lengths: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Flat [T] -> float64 right-padded [B, max length], 0 after each row's tokens."""
-    width = int(lengths.max()) if len(lengths) else 0
-    padded = torch.zeros(len(lengths), width, dtype=torch.float64, device=flat.device)
-    padded[index] = flat.to(torch.float64)
-    return padded
-
-
-def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence group sum, count and unbiased std of the float64 scores."""
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores)
-    means = sums / counts
-    squares = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, (scores - means[inverse]) ** 2)
-    std = torch.sqrt(squares / (counts - 1).clamp(min=1))
-    return sums[inverse], counts[inverse], std[inverse]
-
-
 # ---------------------------------------------------------------- rewards and KL
 
 
@@ -179,7 +148,8 @@ def adaptive_kl_coef(coef: float, current_kl: float, n_steps: int, target: float
     return coef * (1.0 + error * n_steps / horizon)
 
 
-# ---------------------------------------------------------------- advantage estimators
+# ---------------------------------------------------------------- what an estimator returns (the estimators:
+# services/estimators.py)
 
 
 class Advantages(NamedTuple):
@@ -188,98 +158,8 @@ class Advantages(NamedTuple):
     metrics: Mapping[str, float] = MappingProxyType({})  # what the estimator reports besides (verl's names)
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamma: float, lam: float,
-        mask: torch.Tensor | None = None) -> Advantages:
-    """Generalised advantage estimation, per sequence, then advantages whitened over the batch.
-
-    rewards, values: [T]; delta_t = r_t + gamma V_{t+1} - V_t (V after the last token is 0),
-    A_t = delta_t + gamma lam A_{t+1}; returns = A + V (before whitening). The recursion runs in
-    float64 on right-padded [B, L] rows, all rows at once; zero padding keeps it inside each row.
-
-    With a loss ``mask`` [T] (multi-turn: False on tool and environment tokens) the recursion passes
-    over the masked tokens as if they were not there, verl's convention for its multi-turn
-    response_mask: V_{t+1} is the value of the next model token and A_{t+1} its advantage, so the
-    discount counts model tokens only; whitening is over model tokens, and masked tokens get
-    advantage and return 0 (they train nothing).
-    """
-    index = _padded_index(lengths.to(rewards.device))
-    padded_rewards = _to_padded(rewards, lengths, index)
-    padded_values = _to_padded(values, lengths, index)
-    trained = _to_padded(torch.ones_like(rewards) if mask is None else mask.to(rewards.device), lengths, index) > 0
-    padded = torch.zeros_like(padded_rewards)
-    running = torch.zeros(len(lengths), dtype=torch.float64, device=rewards.device)
-    next_value = torch.zeros_like(running)
-    for t in range(padded.shape[1] - 1, -1, -1):
-        delta = padded_rewards[:, t] + gamma * next_value - padded_values[:, t]
-        running = torch.where(trained[:, t], delta + gamma * lam * running, running)
-        padded[:, t] = running
-        next_value = torch.where(trained[:, t], padded_values[:, t], next_value)
-    advantages = padded[index].float()
-    returns = masked(advantages + values.float(), mask)
-    return Advantages(whiten(advantages, mask), returns)
-
-
-def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
-    """Group-normalised advantage of each sequence (GRPO). [B], [B] -> [B].
-
-    (score - group mean) / (group std + eps), or without the division when
-    ``norm_by_std`` is False (Dr. GRPO). Groups of one get 0.
-    """
-    scores = scores.to(torch.float64)
-    sums, counts, std = _group_stats(scores, group_ids)
-    centred = scores - sums / counts
-    advantages = centred / (std + eps) if norm_by_std else centred
-    return torch.where(counts > 1, advantages, torch.zeros_like(advantages)).to(torch.float32)
-
-
-def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """REINFORCE leave-one-out: score minus the mean of the prompt's other samples. [B], [B] -> [B]."""
-    scores = scores.to(torch.float64)
-    sums, counts, _ = _group_stats(scores, group_ids)
-    others = (sums - scores) / (counts - 1).clamp(min=1)
-    return torch.where(counts > 1, scores - others, torch.zeros_like(scores)).to(torch.float32)
-
-
-def discounted_returns(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float,
-                       mask: torch.Tensor | None = None) -> torch.Tensor:
-    """G_t = r_t + gamma G_{t+1} within each sequence, in float64 on padded rows (see ``gae``). [T], [B] -> [T].
-
-    With a loss ``mask`` [T], G_{t+1} is the next model token's and masked tokens get 0 (as ``gae``)."""
-    index = _padded_index(lengths.to(rewards.device))
-    padded_rewards = _to_padded(rewards, lengths, index)
-    trained = _to_padded(torch.ones_like(rewards) if mask is None else mask.to(rewards.device), lengths, index) > 0
-    padded = torch.zeros_like(padded_rewards)
-    running = torch.zeros(len(lengths), dtype=torch.float64, device=rewards.device)
-    for t in range(padded.shape[1] - 1, -1, -1):
-        running = torch.where(trained[:, t], padded_rewards[:, t] + gamma * running, running)
-        padded[:, t] = running
-    return masked(padded[index].float(), mask)
-
-
-def reinforce_plus_plus(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float,
-                        mask: torch.Tensor | None = None) -> Advantages:
-    """REINFORCE++: discounted returns, whitened over the batch (its model tokens), are the advantages.
-    [T] -> [T]."""
-    returns = discounted_returns(rewards, lengths, gamma, mask)
-    return Advantages(whiten(returns, mask), returns)
-
-
-def reinforce_plus_plus_baseline(scores: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
-                                 mask: torch.Tensor | None = None) -> Advantages:
-    """REINFORCE++ with the group mean as baseline, on every token, whitened over the batch. [B] -> [T].
-
-    The returns are the whitened advantages too, as verl returns them (``(scores, scores)``). With a loss
-    ``mask`` [T], on and over its tokens only (0 on the others).
-    """
-    scores = scores.to(torch.float64)
-    sums, counts, _ = _group_stats(scores, group_ids)
-    centred = torch.where(counts > 1, scores - sums / counts, torch.zeros_like(scores)).to(torch.float32)
-    advantages = whiten(expand_per_token(centred, lengths), mask)
-    return Advantages(advantages, advantages)
-
-
-# ---------------------------------------------------------------- losses
+# ---------------------------------------------------------------- loss aggregation (the policy losses:
+# services/policy_losses.py; the value loss below)
 
 
 class LossScale(NamedTuple):
@@ -287,7 +167,7 @@ class LossScale(NamedTuple):
 
     num_tokens: int  # response tokens in the mini-batch (token-mean)
     num_sequences: int  # sequences in the mini-batch (seq-mean-*)
-    max_response_length: int  # the constant divisor of seq-mean-token-sum-norm (Dr. GRPO)
+    max_response_length: int  # the constant divisor of seq-mean-token-sum-norm (Dr. GRPO), besides the sequences
 
     @classmethod
     def of(cls, lengths: torch.Tensor, max_response_length: int, mask: torch.Tensor | None = None) -> LossScale:
@@ -303,7 +183,8 @@ def aggregate(per_token: torch.Tensor, lengths: torch.Tensor, mode: str, scale: 
 
     token-mean: sum / tokens; seq-mean-token-sum: sum of sequence sums / sequences;
     seq-mean-token-mean: sum of sequence means / sequences;
-    seq-mean-token-sum-norm: sum of sequence sums / max_response_length.
+    seq-mean-token-sum-norm (Dr. GRPO): sum of sequence sums / sequences / max_response_length, as verl >= 0.7.1
+    (its PR #5417 added the division by sequences; verl <= 0.7.0 divided by max_response_length only).
     With a loss ``mask`` [T] only its tokens are summed, and a sequence's mean is over its trained tokens.
     """
     per_token = masked(per_token, mask)
@@ -316,48 +197,8 @@ def aggregate(per_token: torch.Tensor, lengths: torch.Tensor, mode: str, scale: 
         counts = lengths.to(sums.device) if mask is None else sequence_sums(mask.to(sums.device).long(), lengths)
         return (sums / counts.clamp(min=1)).sum() / max(scale.num_sequences, 1)
     if mode == "seq-mean-token-sum-norm":
-        return sums.sum() / scale.max_response_length
+        return sums.sum() / max(scale.num_sequences, 1) / scale.max_response_length
     raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
-
-
-class PolicyLoss(NamedTuple):
-    loss: torch.Tensor  # scalar, aggregated
-    clipfrac: torch.Tensor  # share of tokens whose ratio was clipped (actor/pg_clipfrac)
-    clipfrac_lower: torch.Tensor  # share of negative-advantage tokens capped by dual-clip
-    approx_kl: torch.Tensor  # token mean of old_logprob - logprob (actor/ppo_kl)
-
-
-def policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, lengths: torch.Tensor, *,
-    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, mode: str, scale: LossScale,
-    is_weights: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-) -> PolicyLoss:
-    """PPO clipped surrogate with clip-higher and dual-clip. Token tensors [T], lengths [B].
-
-    l_t = max(-A r, -A clip(r, 1 - low, 1 + high)), r = exp(logp - old_logp) (log-ratio clamped to +-20);
-    where A < 0 and clip_ratio_c is set: l_t = min(l_t, -A c). With ``is_weights`` [T] (rollout
-    correction, from ``rollout_is_weights``) l_t becomes w_t l_t; the divisors of the aggregation stay.
-    The statistics are token means over the mini-batch (``scale.num_tokens``); with a loss ``mask`` [T],
-    over its tokens only (``aggregate``).
-    """
-    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    per_token = torch.maximum(unclipped, clipped)
-    capped = torch.zeros_like(per_token, dtype=torch.bool)
-    if clip_ratio_c is not None:
-        bound = -advantages * clip_ratio_c
-        capped = (advantages < 0) & (per_token > bound)
-        per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach()
-    tokens = max(scale.num_tokens, 1)
-    with torch.no_grad():
-        clipfrac = masked((clipped > unclipped).float(), mask).sum() / tokens
-        clipfrac_lower = masked(capped.float(), mask).sum() / tokens
-        approx_kl = masked(-log_ratio, mask).sum() / tokens
-    return PolicyLoss(aggregate(per_token, lengths, mode, scale, mask), clipfrac, clipfrac_lower, approx_kl)
 
 
 # ---------------------------------------------------------------- rollout correction
@@ -384,7 +225,8 @@ class RolloutISWeights(NamedTuple):
 
 
 def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, lengths: torch.Tensor,
-                       level: str, mode: str, threshold: float, mask: torch.Tensor | None = None) -> RolloutISWeights:
+                       level: str, mode: str, *, threshold: float,
+                       mask: torch.Tensor | None = None) -> RolloutISWeights:
     """Importance weights pi_old / pi_rollout of the rollout/trainer mismatch. [T], [T], [B] -> [T].
 
     token: rho_t = exp(old_logp_t - rollout_logp_t); sequence: every token of a response gets
@@ -413,7 +255,7 @@ class ValueLoss(NamedTuple):
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, lengths: torch.Tensor,
-               cliprange_value: float, mode: str, scale: LossScale, mask: torch.Tensor | None = None) -> ValueLoss:
+               cliprange_value: float, *, mode: str, scale: LossScale, mask: torch.Tensor | None = None) -> ValueLoss:
     """Clipped value loss: 0.5 * agg(max((V - R)^2, (clip(V, V_old +- c) - R)^2)). Token tensors [T]; with a
     loss ``mask`` [T], over its tokens only."""
     clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)

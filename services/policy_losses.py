@@ -4,7 +4,7 @@
 Choices, stated before the code (r_t = pi(y_t) / pi_old(y_t), A_t the advantage, low/high the actor's
 clip_ratio_low/high; each follows verl's core_algos.py and its paper):
 
-- vanilla: PPO's clipped surrogate with clip-higher and dual-clip (``algos.policy_loss``); token-mean.
+- vanilla: PPO's clipped surrogate with clip-higher and dual-clip (``policy_loss``); token-mean.
 - gspo (GSPO, arXiv:2507.18071): one ratio per response, s = exp(mean over its tokens of log r_t), clipped
   to [1 - low, 1 + high] as PPO clips a token's; each token's term is -A s_t with s_t = sg(s) pi / sg(pi)
   (equal to s, its gradient s grad log pi_t), log s_t capped at 10. The paper's clip ranges are tiny
@@ -32,12 +32,55 @@ micro-batches' shares add up.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from services import algos
 from services.algo_registry import PolicyLossInputs, PolicyLossOutput, PolicyLossParams, register_policy_loss
 
 GSPO_LOG_RATIO_CAP = 10.0  # verl's cap on log s_t, before exp
+
+
+class PolicyLoss(NamedTuple):
+    loss: torch.Tensor  # scalar, aggregated
+    clipfrac: torch.Tensor  # share of tokens whose ratio was clipped (actor/pg_clipfrac)
+    clipfrac_lower: torch.Tensor  # share of negative-advantage tokens capped by dual-clip
+    approx_kl: torch.Tensor  # token mean of old_logprob - logprob (actor/ppo_kl)
+
+
+def policy_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, lengths: torch.Tensor, *,
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, mode: str, scale: algos.LossScale,
+    is_weights: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+) -> PolicyLoss:
+    """PPO clipped surrogate with clip-higher and dual-clip. Token tensors [T], lengths [B].
+
+    l_t = max(-A r, -A clip(r, 1 - low, 1 + high)), r = exp(logp - old_logp) (log-ratio clamped to +-20);
+    where A < 0 and clip_ratio_c is set: l_t = min(l_t, -A c). With ``is_weights`` [T] (rollout
+    correction, from ``rollout_is_weights``) l_t becomes w_t l_t; the divisors of the aggregation stay.
+    The statistics are token means over the mini-batch (``scale.num_tokens``); with a loss ``mask`` [T],
+    over its tokens only (``aggregate``).
+    """
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    capped = torch.zeros_like(per_token, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        bound = -advantages * clip_ratio_c
+        capped = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+    tokens = max(scale.num_tokens, 1)
+    with torch.no_grad():
+        clipfrac = algos.masked((clipped > unclipped).float(), mask).sum() / tokens
+        clipfrac_lower = algos.masked(capped.float(), mask).sum() / tokens
+        approx_kl = algos.masked(-log_ratio, mask).sum() / tokens
+    return PolicyLoss(algos.aggregate(per_token, lengths, mode, scale, mask), clipfrac, clipfrac_lower, approx_kl)
+
 
 
 def token_share(per_token: torch.Tensor, inputs: PolicyLossInputs, params: PolicyLossParams) -> float:
@@ -80,7 +123,7 @@ def centred_covariance(inputs: PolicyLossInputs) -> torch.Tensor:
 
 @register_policy_loss("vanilla", loss_agg_mode="token-mean")
 def vanilla(inputs: PolicyLossInputs, params: PolicyLossParams) -> PolicyLossOutput:
-    pg = algos.policy_loss(
+    pg = policy_loss(
         logprobs=inputs.logprobs, old_logprobs=inputs.old_logprobs, advantages=inputs.advantages,
         lengths=inputs.lengths, clip_ratio_low=params.clip_ratio_low, clip_ratio_high=params.clip_ratio_high,
         clip_ratio_c=params.clip_ratio_c, mode=params.loss_agg_mode, scale=params.scale,

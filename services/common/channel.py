@@ -61,7 +61,7 @@ class TensorChannel(Protocol):
 
 
 def open_weight_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
-                        timeout_s: float, device: str) -> TensorChannel:
+                        *, timeout_s: float, device: str) -> TensorChannel:
     """Join a channel (blocking until every member has joined or the deadline passes).
 
     gloo works on any device (tensors on CPU); nccl needs ``device`` to be a CUDA device, and every member a
@@ -78,7 +78,7 @@ def open_weight_channel(channel_id: str, backend: str, rendezvous: bytes, rank: 
 
 
 def _open_weight_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
-                         timeout_s: float, device: str) -> TensorChannel:
+                         *, timeout_s: float, device: str) -> TensorChannel:
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     if backend == "gloo":
@@ -111,7 +111,7 @@ class ChannelTable:
         self._channels: dict[str, TensorChannel] = {}
 
     async def join(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
-                   timeout_s: float) -> None:
+                   *, timeout_s: float) -> None:
         """Join (blocks, on a thread of its own, until every member has joined or the deadline passes)."""
         channel = await asyncio.to_thread(open_weight_channel, channel_id, backend, rendezvous=rendezvous, rank=rank,
                                           world_size=world_size, timeout_s=timeout_s, device=self.device)

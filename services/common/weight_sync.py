@@ -216,7 +216,7 @@ class WeightSender:
     @torch.no_grad()
     def send(
         self, channel: TensorChannel, named: list[tuple[str, Sendable]], version: int, bucket_bytes: int,
-        dtype: torch.dtype | None = None, timer: StageTimer | None = None,
+        dtype: torch.dtype | None = None, *, timer: StageTimer | None = None,
     ) -> tuple[int, int]:
         """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets). ``timer``, if
         given, gets the time spent on each stage: manifest, pack (gather, copy), transfer (waiting).

@@ -392,10 +392,10 @@ def samples(
     """Print a step's samples as the run kept them (trainer.rollout_data_dir): each response with its prompt,
     score and its parts, the weight version that sampled it and its staleness, the rollout and the reward
     service that handled it, and its advantage."""
-    from services.coordctl.samples import describe, read_samples, samples_dir, steps_kept
+    from services.coordctl.samples import describe, read_samples, kept_samples_dir, steps_kept
 
     run_dir = find_run_dir(run, state_dir, coordinator)
-    folder = samples_dir(run_dir)
+    folder = kept_samples_dir(run_dir)
     if folder is None:
         raise fail(f"run {run_dir.name} keeps no samples: start it with trainer.rollout_data_dir=FOLDER")
     kept = steps_kept(folder) if folder.is_dir() else []

@@ -29,7 +29,7 @@ import typer
 from tqdm import tqdm
 
 from services.coordctl.control import CoordinatorClient, RunStatus
-from services.coordctl.samples import samples_dir
+from services.coordctl.samples import kept_samples_dir
 
 VALIDATION_KEY = re.compile(r"^val-(core|aux)/(?P<source>.+)/(?P<variable>reward|acc)/(?P<metric>[^/]+(/[^/]+)?)$")
 
@@ -150,7 +150,7 @@ async def follow(client: CoordinatorClient, run: RunStatus, after_event_id: int 
 
 async def begin_and_follow(coordinator: str, begin: Callable[[CoordinatorClient], Awaitable[RunStatus]],
                            detach: bool, stop_on_interrupt: bool, resume_hint: str = "",
-                           said: Collection[str] = ()) -> RunStatus:
+                           *, said: Collection[str] = ()) -> RunStatus:
     """Start (or resume) a run with ``begin(client)`` and follow it. Ctrl-C, SIGTERM or a closed output: with
     ``stop_on_interrupt`` the run stops at its next step boundary (a second signal stops following at once,
     saying what ``resume_hint`` will redo); otherwise coordctl detaches. ``said``: as ``follow``'s."""
@@ -239,7 +239,7 @@ def print_summary(run: RunStatus, lines: list[dict], seconds: float, state_dir: 
              ("  config  ", run_dir / "config.yaml", ""), ("  plot    ", run_dir / "reward.png", ""),
              ("  curves  ", run_dir / "tensorboard", f" (tensorboard --logdir {run_dir.parent})"),
              ("  samples ", run_dir / "validation", " (every validation's responses and scores)")]
-    kept = samples_dir(run_dir)
+    kept = kept_samples_dir(run_dir)
     if kept is not None:
         files.append(("  rollouts", kept, f" (each step's responses and their lineage: coordctl samples "
                                           f"{run.run_id} --step N)"))

@@ -131,14 +131,15 @@ def task_files(local: LocalConfig, cache: Path) -> tuple[Path, Path | None]:
         name = f"arithmetic-s{task.min_steps}-{task.max_steps}-n{task.largest}-s{task.seed}-h{task.held_out_share:g}"
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return arithmetic_task_rows(count, task.min_steps, task.max_steps, task.largest, seed, split,
-                                        task.held_out_share)
+            return arithmetic_task_rows(count, task.min_steps, task.max_steps, task.largest, seed, split=split,
+                                        held_out_share=task.held_out_share)
     else:
         task = local.synthetic_task
         name = f"reverse-d{task.min_digits}-{task.max_digits}-s{task.seed}-h{task.held_out_share:g}"
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return reverse_task_rows(count, task.min_digits, task.max_digits, seed, split, task.held_out_share)
+            return reverse_task_rows(count, task.min_digits, task.max_digits, seed, split,
+                                     held_out_share=task.held_out_share)
     train = cache / "data" / f"{name}-train{task.rows}.jsonl"
     test = cache / "data" / f"{name}-test{task.val_rows}.jsonl"
     if not train.exists():

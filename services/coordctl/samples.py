@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 
-def samples_dir(run_dir: Path) -> Path | None:
+def kept_samples_dir(run_dir: Path) -> Path | None:
     """The folder the run keeps its steps' samples in, from its config.yaml (None: it keeps none, or its folder is
     not readable here)."""
     path = run_dir / "config.yaml"

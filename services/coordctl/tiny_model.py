@@ -126,7 +126,7 @@ def moe_shape(hidden_size: int, num_heads: int, num_experts: int, experts_per_to
 
 
 def build_tiny_model(folder: Path, hidden_size: int, num_layers: int, num_heads: int, seed: int,
-                     chat: bool = False, num_experts: int = 0, experts_per_token: int = 2) -> Path:
+                     *, chat: bool = False, num_experts: int = 0, experts_per_token: int = 2) -> Path:
     """Write a tiny random-init model and its tokenizer (the chat variant's with ``chat``) into ``folder``
     (atomically); return it. Qwen2 (dense), or Qwen3-MoE with ``num_experts`` > 0 (``moe_shape``)."""
     shape: dict[str, int | float] = dict(

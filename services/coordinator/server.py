@@ -12,7 +12,7 @@ from services.common.service import PROTOCOL_VERSION
 from services.coordinator import telemetry
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.registry import Registry, ServiceRecord
-from services.coordinator.runs import RunManager
+from services.coordinator.runs.manager import RunManager
 from services.coordinator.store import Event, RunRow, RunStore
 
 

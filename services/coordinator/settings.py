@@ -14,7 +14,7 @@ from services.run.config import RunConfig
 from services.run.lora import served_lora_rank
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sampling:
     """What every Generate call of a run asks for."""
 
@@ -25,7 +25,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...]  # besides EOS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Estimator:
     """The advantage estimator and its parameters (services/algo_registry.ADV_ESTIMATORS)."""
 
@@ -36,7 +36,7 @@ class Estimator:
     greedy_baseline: bool = False  # it needs a greedy response to each prompt, scored (remax)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KLInReward:
     """The KL penalty subtracted from every token's reward, and how its coefficient moves."""
 
@@ -47,7 +47,7 @@ class KLInReward:
     horizon: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ValidationSettings:
     """When and how a run validates on its held-out prompts."""
 
@@ -58,7 +58,7 @@ class ValidationSettings:
     only: bool  # validate the model folder and finish: no training
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AgentSettings:
     """How a multi-turn run's trajectories go (actor_rollout_ref.rollout.multi_turn)."""
 
@@ -74,7 +74,7 @@ class AgentSettings:
     calls_in_flight: int  # Generate calls at once per rollout replica (hf: 1, its engine runs one at a time)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoopSettings:
     """What the PPO loop of one run does each step."""
 
@@ -113,7 +113,7 @@ class WeightCheckSettings:
     tolerance_max: float | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RolloutSetSettings:
     """How a run's rollouts load its model and receive its weights."""
 
@@ -135,18 +135,21 @@ def loop_settings(config: RunConfig) -> LoopSettings:
     data, trainer, algorithm = config.data, config.trainer, config.algorithm
     rollout, warm_start = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor.warm_start
     control = algorithm.kl_ctrl
-    kl_in_reward = KLInReward(algorithm.kl_penalty, control.kl_coef, control.type == "adaptive", control.target_kl,
-                              control.horizon) if algorithm.use_kl_in_reward else None
+    kl_in_reward = KLInReward(estimator=algorithm.kl_penalty, initial_coef=control.kl_coef,
+                              adaptive=control.type == "adaptive", target_kl=control.target_kl,
+                              horizon=control.horizon) if algorithm.use_kl_in_reward else None
     return LoopSettings(
         total_steps=trainer.steps, save_freq=max(trainer.save_freq, 0),
         checkpoints_kept=checkpoints_kept(trainer.max_actor_ckpt_to_keep, trainer.max_critic_ckpt_to_keep,
                                           has_critic=config.use_critic),
         max_staleness=trainer.async_.max_staleness, seed=trainer.seed, rpc_timeout_s=trainer.rpc_timeout_s,
         batch_size=data.train_batch_size, shuffle=data.shuffle,
-        sampling=Sampling(rollout.n, rollout.temperature, rollout.top_p, data.max_response_length,
-                          tuple(rollout.stop_token_ids)),
-        estimator=Estimator(algorithm.adv_estimator, algorithm.gamma, algorithm.lam, algorithm.norm_adv_by_std_in_grpo,
-                            ADV_ESTIMATORS.get(algorithm.adv_estimator).greedy_baseline),
+        sampling=Sampling(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
+                          max_new_tokens=data.max_response_length,
+                          stop_token_ids=tuple(rollout.stop_token_ids)),
+        estimator=Estimator(name=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
+                            norm_by_std=algorithm.norm_adv_by_std_in_grpo,
+                            greedy_baseline=ADV_ESTIMATORS.get(algorithm.adv_estimator).greedy_baseline),
         kl_in_reward=kl_in_reward, critic_warmup=trainer.critic_warmup,
         recompute_old_logprobs=config.recomputes_old_log_prob,
         rollout_correction=config.use_rollout_correction, sleep_rollouts=rollout.free_cache_engine,
@@ -188,10 +191,12 @@ def validation_settings(config: RunConfig) -> ValidationSettings | None:
     if not config.data.val_files:
         return None
     trainer, val = config.trainer, config.actor_rollout_ref.rollout.val_kwargs
-    sampling = Sampling(val.n, val.sampling_temperature, val.sampling_top_p, config.data.max_response_length,
-                        tuple(config.actor_rollout_ref.rollout.stop_token_ids))
-    return ValidationSettings(sampling, trainer.seed * 1_000_003 + 7, trainer.test_freq, trainer.val_before_train,
-                              trainer.val_only)
+    sampling = Sampling(n=val.n, temperature=val.sampling_temperature, top_p=val.sampling_top_p,
+                        max_new_tokens=config.data.max_response_length,
+                        stop_token_ids=tuple(config.actor_rollout_ref.rollout.stop_token_ids))
+    return ValidationSettings(sampling=sampling, seed=trainer.seed * 1_000_003 + 7, test_freq=trainer.test_freq,
+                              before_train=trainer.val_before_train,
+                              only=trainer.val_only)
 
 
 def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:

@@ -56,7 +56,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 """
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunRow:
     run_id: str
     name: str
@@ -69,7 +69,7 @@ class RunRow:
     created_at: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Checkpoint:
     run_id: str
     step: int
@@ -77,7 +77,7 @@ class Checkpoint:
     loop_state: dict  # the coordinator's side: data position, KL coefficient, reward target
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Event:
     id: int
     run_id: str
@@ -116,7 +116,7 @@ class RunStore:
             raise DamagedRunDB(damaged_message(path, problems[0]))
 
     def create_run(self, run_id: str, name: str, config_yaml: str, run_dir: str, total_steps: int,
-                   notices: tuple[str, ...] = ()) -> None:
+                   *, notices: tuple[str, ...] = ()) -> None:
         """A new run (state pending) with ``notices`` as its first events, in one transaction: all of it, or
         nothing when the disk refuses the write."""
         now = time.time()
@@ -133,7 +133,7 @@ class RunStore:
     def set_state(self, run_id: str, state: str, error: str = "") -> Event:
         self._db.execute("UPDATE runs SET state = ?, error = ?, updated_at = ? WHERE run_id = ?",
                          (state, error, time.time(), run_id))
-        return self.add_event(run_id, "state", self.get_run(run_id).step, state, error, {})
+        return self.add_event(run_id, "state", self.get_run(run_id).step, state, error, metrics={})
 
     def record_step(self, run_id: str, step: int, metrics: dict[str, float]) -> Event:
         now = time.time()
@@ -142,7 +142,7 @@ class RunStore:
             self._db.execute("INSERT OR REPLACE INTO steps (run_id, step, time, metrics_json) VALUES (?, ?, ?, ?)",
                              (run_id, step, now, json.dumps(metrics)))
             self._db.execute("UPDATE runs SET step = ?, updated_at = ? WHERE run_id = ?", (step, now, run_id))
-        return self.add_event(run_id, "step", step, "", "", metrics)
+        return self.add_event(run_id, "step", step, "", "", metrics=metrics)
 
     def record_validation(self, run_id: str, step: int, metrics: dict[str, float]) -> None:
         """Add a validation's metrics to the record of step ``step`` (step 0: before training), which may not
@@ -156,13 +156,16 @@ class RunStore:
                              (run_id, step, time.time(), json.dumps(merged)))
 
     def add_event(self, run_id: str, kind: str, step: int, state: str, message: str,
-                  metrics: dict[str, float]) -> Event:
+                  *, metrics: dict[str, float]) -> Event:
         now = time.time()
         cursor = self._db.execute(
             "INSERT INTO events (run_id, time, kind, step, state, message, metrics_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (run_id, now, kind, step, state, message, json.dumps(metrics)),
         )
-        return Event(cursor.lastrowid, run_id, now, kind, step, state, message, metrics)
+        if cursor.lastrowid is None:
+            raise RuntimeError(f"the run DB gave no id to run {run_id}'s event")
+        return Event(id=cursor.lastrowid, run_id=run_id, time=now, kind=kind, step=step, state=state, message=message,
+                     metrics=metrics)
 
     def get_run(self, run_id: str) -> RunRow:
         row = self._db.execute(
@@ -171,14 +174,14 @@ class RunStore:
         ).fetchone()
         if row is None:
             raise LookupError(run_id)
-        return RunRow(*row)
+        return run_row(row)
 
     def list_runs(self) -> list[RunRow]:
         rows = self._db.execute(
             "SELECT run_id, name, state, config_yaml, run_dir, step, total_steps, error, created_at FROM runs"
             " ORDER BY created_at"
         ).fetchall()
-        return [RunRow(*row) for row in rows]
+        return [run_row(row) for row in rows]
 
     def step_metrics(self, run_id: str) -> list[tuple[int, dict[str, float]]]:
         rows = self._db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ? ORDER BY step", (run_id,))
@@ -203,7 +206,9 @@ class RunStore:
             "SELECT id, run_id, time, kind, step, state, message, metrics_json FROM events"
             " WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id),
         )
-        return [Event(*row[:7], json.loads(row[7])) for row in rows]
+        return [Event(id=event_id, run_id=run, time=at, kind=kind, step=step, state=state, message=message,
+                      metrics=json.loads(metrics_json))
+                for event_id, run, at, kind, step, state, message, metrics_json in rows]
 
     def add_checkpoint(self, run_id: str, step: int, path: str, loop_state: dict) -> None:
         """Record a checkpoint whose trainer folders are complete (the last write of a checkpoint)."""
@@ -215,13 +220,13 @@ class RunStore:
         row = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE run_id = ?"
                                " AND step < ? ORDER BY step DESC LIMIT 1",
                                (run_id, before if before is not None else 2**62)).fetchone()
-        return Checkpoint(row[0], row[1], row[2], json.loads(row[3])) if row else None
+        return Checkpoint(run_id=row[0], step=row[1], path=row[2], loop_state=json.loads(row[3])) if row else None
 
     def checkpoints_by_age(self, run_id: str) -> list[Checkpoint]:
         """The run's checkpoints, the one saved first first."""
         rows = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE run_id = ?"
                                 " ORDER BY time, step", (run_id,))
-        return [Checkpoint(row[0], row[1], row[2], json.loads(row[3])) for row in rows]
+        return [Checkpoint(run_id=row[0], step=row[1], path=row[2], loop_state=json.loads(row[3])) for row in rows]
 
     def forget_checkpoint(self, run_id: str, step: int) -> None:
         self._db.execute("DELETE FROM checkpoints WHERE run_id = ? AND step = ?", (run_id, step))
@@ -230,13 +235,13 @@ class RunStore:
         """The checkpoint recorded at ``path``, of whichever run."""
         row = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE path = ?",
                                (path,)).fetchone()
-        return Checkpoint(row[0], row[1], row[2], json.loads(row[3])) if row else None
+        return Checkpoint(run_id=row[0], step=row[1], path=row[2], loop_state=json.loads(row[3])) if row else None
 
     def latest_checkpoint_under(self, folder: str) -> Checkpoint | None:
         """The checkpoint saved last in ``folder`` (as step_<N>), of whichever run."""
         row = self._db.execute("SELECT run_id, step, path, loop_state_json FROM checkpoints WHERE path LIKE ?"
                                " ORDER BY time DESC LIMIT 1", (f"{folder.rstrip('/')}/step_%",)).fetchone()
-        return Checkpoint(row[0], row[1], row[2], json.loads(row[3])) if row else None
+        return Checkpoint(run_id=row[0], step=row[1], path=row[2], loop_state=json.loads(row[3])) if row else None
 
     def forget_steps_after(self, run_id: str, step: int) -> None:
         """Drop the metrics of steps after ``step`` (they will be run again) and set the run back to it."""
@@ -257,3 +262,11 @@ def damaged_message(path: Path, problem: str) -> str:
             f"run DB. The runs recorded in the damaged file cannot be listed or resumed from it; their folders under "
             f"{path.parent / 'runs'} keep each run's config.yaml, metrics.jsonl and checkpoints, and `sqlite3 "
             f"{path}.damaged .recover` may salvage rows the damage spared")
+
+
+RUN_COLUMNS = ("run_id", "name", "state", "config_yaml", "run_dir", "step", "total_steps", "error", "created_at")
+
+
+def run_row(row: tuple) -> RunRow:
+    """A runs table row, selected in RUN_COLUMNS' order, as its record."""
+    return RunRow(**dict(zip(RUN_COLUMNS, row, strict=True)))

@@ -64,7 +64,7 @@ async def pause(seconds: float, should_stop: Callable[[], bool], reason: str) ->
 
 async def retry_while(attempt: Callable[[], Awaitable[Found]], refusal: Callable[[Exception], str | None],
                       waiting: Callable[[str | None], None], should_stop: Callable[[], bool],
-                      first_s: float, most_s: float) -> Found:
+                      first_s: float, *, most_s: float) -> Found:
     """``await attempt()`` until it succeeds. While it fails with an error that ``refusal`` gives a reason for,
     the run waits (``waiting(reason)``, then ``waiting(None)``) and tries again, backing off: ``first_s`` after
     the first failure, twice as long after each further one, never over ``most_s``. Any other error is raised,

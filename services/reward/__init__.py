@@ -1,0 +1,1 @@
+"""The reward service: stateless scorers (rules, a reward model, users' functions)."""

@@ -87,8 +87,10 @@ def _serve(ref: str, connection, parent_pid: int) -> None:
         return
 
 
-@dataclass
-class Worker:
+@dataclass(kw_only=True)
+class ScorerProcess:
+    """One process running the users' scoring functions, and the service's pipe to it."""
+
     process: multiprocessing.process.BaseProcess
     connection: Connection  # the service's end of the pipe to the process: a task out, its answer back
     owed: int = 1  # answers it owes that are no task's: its "ready", then the warm-up call's
@@ -108,30 +110,31 @@ class FunctionWorkers:
         self.ref, self.timeout_s = ref, timeout_s
         self._warm_up: tuple | None = None  # once a call asks for one: a replacement makes it as soon as it starts
         self._context = multiprocessing.get_context("spawn")
-        self._idle: queue.LifoQueue[Worker] = queue.LifoQueue()  # the last back is warm; a new one may be starting
-        self._all: list[Worker] = []
+        self._idle: queue.LifoQueue[ScorerProcess] = queue.LifoQueue()  # the last back is warm; a new one may be
+        # starting
+        self._all: list[ScorerProcess] = []
         self._lock = threading.Lock()
         for _ in range(workers):
             self._idle.put(self._start())
 
-    def _start(self) -> Worker:
+    def _start(self) -> ScorerProcess:
         ours, theirs = self._context.Pipe()
         process = self._context.Process(target=_serve, args=(self.ref, theirs, os.getpid()), daemon=True)
         process.start()
         theirs.close()
-        worker = Worker(process, ours)
+        worker = ScorerProcess(process=process, connection=ours)
         if self._warm_up is not None:
             self._send_warm_up(worker)
         with self._lock:
             self._all.append(worker)
         return worker
 
-    def _send_warm_up(self, worker: Worker) -> None:
+    def _send_warm_up(self, worker: ScorerProcess) -> None:
         worker.connection.send([self._warm_up])
         worker.owed += 1
         worker.warm = True
 
-    def _replace(self, worker: Worker) -> None:
+    def _replace(self, worker: ScorerProcess) -> None:
         """Kill ``worker`` and put a fresh one in its place."""
         worker.process.kill()
         worker.process.join(5)
@@ -156,7 +159,7 @@ class FunctionWorkers:
             results += self._run(self._idle.get(), tasks[len(results):], warm_up is not None)
         return results
 
-    def _run(self, worker: Worker, tasks: list[tuple], warm: bool) -> list[FunctionScore | Exception]:
+    def _run(self, worker: ScorerProcess, tasks: list[tuple], warm: bool) -> list[FunctionScore | Exception]:
         """The tasks' results in order, up to and including the first that times out or loses the worker (which
         is then replaced); the worker goes back to the idle ones if it is still good."""
         results: list[FunctionScore | Exception] = []
@@ -180,7 +183,7 @@ class FunctionWorkers:
         self._idle.put(worker)
         return results
 
-    def _prepare(self, worker: Worker, warm: bool) -> bool:
+    def _prepare(self, worker: ScorerProcess, warm: bool) -> bool:
         """Have the worker make the warm-up call if asked and it has not, and take the answers it owes before any
         task's (its "ready", the warm-up's): no task's time, but each within WORKER_START_TIMEOUT_S (False if
         not)."""

@@ -1,0 +1,1 @@
+"""What describes a run: its config, data, the checks before it starts, model loading."""

@@ -110,7 +110,7 @@ def load_run_data(config: RunConfig) -> RunData:
 
     def load(files: list[str]) -> tuple[list[Prompt], int]:
         return load_prompts(files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length,
-                            overlong_rule(config))
+                            overlong=overlong_rule(config))
 
     prompts, dropped = load(data.train_files) if not config.trainer.val_only else ([], 0)
     val_prompts = load(data.val_files)[0] if data.val_files else []

@@ -92,7 +92,7 @@ TOKENIZE_BATCH = 2048  # prompts tokenised in one call: the fast tokenizer runs 
 
 
 def prompts_from_rows(rows: list[tuple[int, Any]], prompt_key: str, source_key: str, tokenizer: Any, max_len: int,
-                      overlong: str = "error") -> list[Prompt | None]:
+                      *, overlong: str = "error") -> list[Prompt | None]:
     """Each (row number, row) as a validated, tokenised prompt, in order; ValueError "row N: ..." names the first
     bad row. A prompt over ``max_len`` tokens: ``overlong`` error (ValueError), drop (None), or left / right / middle
     (truncated to its last / first tokens / both ends, as verl's data.truncation)."""
@@ -108,7 +108,7 @@ def prompts_from_rows(rows: list[tuple[int, Any]], prompt_key: str, source_key: 
         encoded = tokenizer(texts[start:start + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]
         for (number, row), token_ids in zip(rows[start:start + TOKENIZE_BATCH], encoded):
             try:
-                prompts.append(prompt_of(row, token_ids, source_key, max_len, overlong, prompt_key))
+                prompts.append(prompt_of(row, token_ids, source_key, max_len, overlong, prompt_key=prompt_key))
             except ValueError as error:
                 raise ValueError(f"row {number}: {error}") from None
     return prompts
@@ -122,7 +122,7 @@ def chat_messages(prompt: Any) -> tuple[dict[str, Any], ...]:
 
 
 def prompt_of(row: dict[str, Any], token_ids: list[int], source_key: str, max_len: int, overlong: str,
-              prompt_key: str) -> Prompt | None:
+              *, prompt_key: str) -> Prompt | None:
     """A checked row and its prompt's tokens as a Prompt (None: dropped as over-long)."""
     if not token_ids:
         raise ValueError("empty prompt")
@@ -151,7 +151,7 @@ def truncate(token_ids: list[int], max_len: int, side: str) -> list[int]:
 
 
 def load_prompts(files: list[str], prompt_key: str, source_key: str, tokenizer: Any, max_len: int,
-                 overlong: str = "error") -> tuple[list[Prompt], int]:
+                 *, overlong: str = "error") -> tuple[list[Prompt], int]:
     """Every row of ``files`` as a prompt, and how many over-long ones were dropped (``overlong`` drop); ValueError
     naming the file and row of a bad one, or the files when none is left."""
     prompts: list[Prompt] = []
@@ -159,7 +159,7 @@ def load_prompts(files: list[str], prompt_key: str, source_key: str, tokenizer: 
     for name in files:
         rows = read_rows(Path(name))
         try:
-            loaded = prompts_from_rows(rows, prompt_key, source_key, tokenizer, max_len, overlong)
+            loaded = prompts_from_rows(rows, prompt_key, source_key, tokenizer, max_len, overlong=overlong)
         except ValueError as error:
             raise ValueError(f"{name} {error}") from None
         dropped += sum(prompt is None for prompt in loaded)

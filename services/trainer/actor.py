@@ -115,7 +115,7 @@ class UpdateInputs:
 
 class Actor:
     def __init__(self, model: torch.nn.Module, optim: OptimSettings, warm_start: OptimSettings, pad_id: int, seed: int,
-                 ranks: Ranks | None = None, merge_adapters: bool = False):
+                 *, ranks: Ranks | None = None, merge_adapters: bool = False):
         """``warm_start``: the settings of the warm start's own optimizer and schedule (one scheduler step per
         supervised step). ``ranks``: where the (placed, maybe sharded) model trains; None = one rank, on the
         model's device. ``merge_adapters`` (a LoRA model): syncs send the adapted layers' merged weights
@@ -133,7 +133,7 @@ class Actor:
 
     def compute_log_probs(self, batch: SequenceBatch, temperature: float, micro: MicroBatching) -> torch.Tensor | None:
         """Logprob of every response token under the current weights, flat [T] on rank 0 (None on the others)."""
-        return batched_logprobs(self.model, batch, self.pad_id, temperature, micro, self.ranks)
+        return batched_logprobs(self.model, batch, self.pad_id, temperature, micro, ranks=self.ranks)
 
     def update(self, batch: SequenceBatch, inputs: UpdateInputs, settings: ActorSettings) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; verl-named metrics averaged over mini-batches, and the update's
@@ -166,7 +166,7 @@ class Actor:
         own_logprobs = []  # then the real micro-batches' logprobs
         for micro, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
             weight = self.ranks.grad_scale if real else 0.0
-            micro_stats, logprobs = self._micro_batch_loss(batch, micro, inputs, settings, scale, weight)
+            micro_stats, logprobs = self._micro_batch_loss(batch, micro, inputs, settings, scale, weight=weight)
             for key, value in micro_stats.items():
                 stats[key] = stats.get(key, 0.0) + (value if real else 0.0)
             if real and mismatch:
@@ -181,7 +181,7 @@ class Actor:
         return stats
 
     def _micro_batch_loss(self, batch, micro, inputs: UpdateInputs, settings: ActorSettings,
-                          scale: algos.LossScale, weight: float = 1.0) -> tuple[dict[str, float], torch.Tensor]:
+                          scale: algos.LossScale, *, weight: float = 1.0) -> tuple[dict[str, float], torch.Tensor]:
         """Backpropagate ``weight`` x one micro-batch's share of the mini-batch loss; return its share of the
         metrics, and its logprobs, detached (pi_old where ``inputs`` has no old logprobs). Only the tokens of the
         batch's loss mask, where it has one, carry loss (``algos``)."""
@@ -233,7 +233,8 @@ class Actor:
             for part, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
                 chosen = batch.select(part)
                 logprobs, _ = response_logprobs(self.model, chosen, self.pad_id, 1.0, False,
-                                                self.ranks.device, micro.remove_padding, micro.chunk_tokens)
+                                                device=self.ranks.device, remove_padding=micro.remove_padding,
+                                                chunk_tokens=micro.chunk_tokens)
                 mask = None if chosen.loss_mask is None else chosen.loss_mask.to(logprobs.device)
                 loss = algos.sequence_nll(logprobs, num_tokens, mask)
                 ((self.ranks.grad_scale if real else 0.0) * loss).backward()

@@ -58,8 +58,8 @@ class ChunkedLogprobs(torch.autograd.Function):
     unless asked for; without a gradient unless ``entropy_grad``), in the logits' upcast dtype."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int, with_entropy: bool,
-                entropy_grad: bool):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int,  # noqa: PLR0917
+                with_entropy: bool, entropy_grad: bool):  # (Function.apply passes its arguments positionally)
         dtype = algos.upcast(weight[:0]).dtype
         logprobs = torch.empty(len(hidden), dtype=dtype, device=hidden.device)
         entropy = torch.empty(len(hidden) if with_entropy else 0, dtype=dtype, device=hidden.device)
@@ -112,7 +112,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                     temperature: float, chunk_tokens: int, with_entropy: bool,
+                     temperature: float, *, chunk_tokens: int, with_entropy: bool,
                      entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each target and (``with_entropy``) each position's entropy, from hidden states [N, H] through
     the output layer ``weight`` [V, H] (+ ``bias`` [V]), at most ``chunk_tokens`` tokens' logits at once. Without
@@ -134,7 +134,7 @@ def chunkable(model: torch.nn.Module) -> bool:
 
 @contextmanager
 def head_replaced(model: torch.nn.Module, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
-                  chunk_tokens: int, with_entropy: bool, entropy_grad: bool = True) -> Iterator[None]:
+                  chunk_tokens: int, *, with_entropy: bool, entropy_grad: bool = True) -> Iterator[None]:
     """For the forward passes inside the ``with``, the model's output is, instead of its logits, the logprobs of
     ``targets`` [T] (and the entropies) at the hidden states' ``positions`` ([rows, L] bool, row-major order):
     [T, 2] logprob and entropy (entropy 0 unless ``with_entropy``)."""
@@ -142,7 +142,8 @@ def head_replaced(model: torch.nn.Module, positions: torch.Tensor, targets: torc
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         logprobs, entropy = chunked_logprobs(hidden[positions], head.weight, head.bias, targets, temperature,
-                                             chunk_tokens, with_entropy, entropy_grad)
+                                             chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                             entropy_grad=entropy_grad)
         return torch.stack([logprobs, entropy if entropy is not None else torch.zeros_like(logprobs)], dim=-1)
 
     head.forward = forward

@@ -83,8 +83,8 @@ class Critic:
             values = response_values(self.model, part, self.pad_id, device, settings.remove_padding)
             part_mask = None if part.loss_mask is None else part.loss_mask.to(device)
             result = algos.value_loss(values, old_values[tokens].to(device), returns[tokens].to(device),
-                                      part.response_lens, settings.cliprange_value, settings.loss_agg_mode, scale,
-                                      part_mask)
+                                      part.response_lens, settings.cliprange_value, mode=settings.loss_agg_mode,
+                                      scale=scale, mask=part_mask)
             ((self.ranks.grad_scale if real else 0.0) * settings.vf_coef * result.loss).backward()
             if real:
                 stats["critic/vf_loss"] += float(result.loss.detach())

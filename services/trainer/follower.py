@@ -19,12 +19,12 @@ from services.common.cli import log_config, parse_service_config
 from services.common.logging import configure_logging
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ranks import fatal, join
-from services.trainer.worker import STOP, Worker
+from services.trainer.worker import STOP, RankWorker
 
 log = structlog.get_logger()
 
 
-def follow(worker: Worker) -> None:
+def follow(worker: RankWorker) -> None:
     """Do each command rank 0 relays until it says stop; end the process if rank 0 goes away or a command fails."""
     while True:
         try:
@@ -54,5 +54,5 @@ def main() -> None:
     import_modules(config.policy_loss_modules, "policy_loss_modules")
     ranks = join(config.device, config.collective_timeout_s)
     structlog.contextvars.bind_contextvars(rank=ranks.rank)
-    follow(Worker(ranks))
+    follow(RankWorker(ranks))
     ranks.close()

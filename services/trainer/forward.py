@@ -41,7 +41,7 @@ def run_model(model: torch.nn.Module, inputs: Padded) -> torch.Tensor:
 
 
 def response_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,
-                      with_entropy: bool, device: torch.device, remove_padding: bool = False,
+                      with_entropy: bool, *, device: torch.device, remove_padding: bool = False,
                       chunk_tokens: int = 0, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (fp32, from temperature-scaled logits) of the response tokens, flat [T], and their entropies
     (without a gradient unless ``entropy_grad``); ``chunk_tokens`` > 0: at most that many tokens' logits at once,
@@ -50,7 +50,8 @@ def response_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int,
     if chunk_tokens > 0 and chunkable(model):
         positions = torch.nn.functional.pad(inputs.response_mask, (0, 1))  # [rows, L]: the last predicts nothing
         targets = inputs.input_ids[:, 1:][inputs.response_mask]
-        with head_replaced(model, positions, targets, temperature, chunk_tokens, with_entropy, entropy_grad):
+        with head_replaced(model, positions, targets, temperature, chunk_tokens, with_entropy=with_entropy,
+                           entropy_grad=entropy_grad):
             scores = run_model(model, inputs)
         return scores[:, 0], scores[:, 1] if with_entropy else None
     logits = run_model(model, inputs)[:, :-1]
@@ -101,11 +102,12 @@ def gather_tokens(batch: SequenceBatch, plan: list[list[torch.Tensor]], mine: li
 
 
 def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,
-                     micro: MicroBatching, ranks: Ranks) -> torch.Tensor | None:
+                     micro: MicroBatching, *, ranks: Ranks) -> torch.Tensor | None:
     """Logprobs of every response token without gradients: flat [T] on rank 0 (CPU), None on the others."""
     model.eval()
-    return per_token(lambda part: response_logprobs(model, part, pad_id, temperature, False, ranks.device,
-                                                    micro.remove_padding, micro.chunk_tokens)[0], batch, micro, ranks)
+    return per_token(lambda part: response_logprobs(model, part, pad_id, temperature, False, device=ranks.device,
+                                                    remove_padding=micro.remove_padding,
+                                                    chunk_tokens=micro.chunk_tokens)[0], batch, micro, ranks)
 
 
 def batched_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, micro: MicroBatching,

@@ -41,7 +41,7 @@ from services.trainer.actor import ActorSettings
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ranks import join
 from services.trainer.setup import actor_sharding, critic_sharding, pad_id_of
-from services.trainer.worker import SEQUENCE_KEYS, Roles, Worker, check_roles, parse_run_config
+from services.trainer.worker import SEQUENCE_KEYS, Roles, RankWorker, check_roles, parse_run_config
 
 log = structlog.get_logger()
 
@@ -141,7 +141,7 @@ def check_init(config: RunConfig, roles: list[str], world_size: int) -> None:
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, config: TrainerServiceConfig, identity: common_pb2.ServiceIdentity, worker: Worker):
+    def __init__(self, config: TrainerServiceConfig, identity: common_pb2.ServiceIdentity, worker: RankWorker):
         self.config = config
         self.identity = identity
         self.worker = worker
@@ -246,7 +246,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if request.rank != 0:
             raise ValueError(f"the trainer is the channel's root and joins as rank 0, not {request.rank}")
         await self.channels.join(request.channel_id, request.backend, request.rendezvous, request.rank,
-                                 request.world_size, check_wait("timeout_s", request.timeout_s))
+                                 request.world_size, timeout_s=check_wait("timeout_s", request.timeout_s))
         log.info("channel_joined", channel_id=request.channel_id, rank=request.rank, world_size=request.world_size)
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 
@@ -320,7 +320,7 @@ def attach(server, config: TrainerServiceConfig, identity: common_pb2.ServiceIde
     POLICY_LOSSES.load_builtins()  # first: a user's module reusing a built-in's name is the one refused
     import_modules(config.policy_loss_modules, "policy_loss_modules")
     identity.policy_losses.extend(POLICY_LOSSES.names())
-    servicer = TrainerServicer(config, identity, Worker(join(config.device, config.collective_timeout_s)))
+    servicer = TrainerServicer(config, identity, RankWorker(join(config.device, config.collective_timeout_s)))
     telemetry.watch_memory(servicer.worker.ranks.device)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     return servicer

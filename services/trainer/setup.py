@@ -90,7 +90,7 @@ def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
     model = place(model, ranks, actor_sharding(config, ranks.world_size), model_config.enable_gradient_checkpointing)
     optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.steps,
                            actor.fsdp_config.optimizer_offload)
-    return Actor(model, optim, warm_start_settings(actor), pad_id_of(model_config.path), seed, ranks,
+    return Actor(model, optim, warm_start_settings(actor), pad_id_of(model_config.path), seed, ranks=ranks,
                  merge_adapters=model_config.lora.merge)
 
 

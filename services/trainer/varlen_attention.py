@@ -49,7 +49,7 @@ def causal_per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 
 def causal_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, longest: int,
-                 scale: float | None) -> torch.Tensor:
+                 *, scale: float | None) -> torch.Tensor:
     """The flash kernel's variable-length causal attention.
 
     query [N, Hq, D], key and value [N, Hkv, D] -> [N, Hq, D]."""
@@ -59,7 +59,7 @@ def causal_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, st
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     attention_mask: torch.Tensor | None, *, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention function: query [1, Hq, N, D], key and value [1, Hkv, N, D] of one packed row ->
     ([1, N, Hq, D], no weights). The bounds come from ``varlen_kwargs``; ValueError without them."""
@@ -73,7 +73,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     starts = starts.to(query.device)
     if query.is_cuda and query.dtype in FLASH_DTYPES:
         output = causal_flash(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), starts,
-                              int(kwargs["max_length_q"]), scaling)
+                              int(kwargs["max_length_q"]), scale=scaling)
     else:
         output = causal_per_sequence(query[0], key[0], value[0], starts, scaling)
     return output[None], None

@@ -1,6 +1,6 @@
 """The trainer's model work, done alike on every rank.
 
-Rank 0's servicer checks each request, then calls ``Worker.run``: the
+Rank 0's servicer checks each request, then calls ``RankWorker.run``: the
 command (an op name, JSON arguments and named tensors) goes to the other
 ranks, and rank 0 does its part. The other ranks sit in ``follower.follow``,
 doing each command they receive until rank 0 says stop. Every op takes the whole batch;
@@ -163,7 +163,7 @@ def sequences(tensors: dict[str, torch.Tensor]) -> SequenceBatch:
                          loss_mask=tensors.get("loss_mask"))
 
 
-class Worker:
+class RankWorker:
     def __init__(self, ranks: Ranks):
         self.ranks = ranks
         self.roles: Roles | None = None
@@ -206,7 +206,7 @@ class Worker:
     # ------------------------------------------------------------ ops
 
     def init_run(self, tensors, run_id: str, run_config_yaml: str, roles: list[str], seed: int,
-                 config: RunConfig | None = None) -> Roles:
+                 *, config: RunConfig | None = None) -> Roles:
         """Build the run's roles and settings (the servicer checked what can be checked without loading weights).
         ``config``: rank 0's, which its servicer parsed; the other ranks parse ``run_config_yaml``. On one CPU
         rank the roles are built beside the run held now, which stays if they fail to load; on a GPU the run held

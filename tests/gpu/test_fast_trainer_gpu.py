@@ -47,7 +47,8 @@ def synthetic(vocab_size: int) -> SequenceBatch:
 
 
 def forward_backward(model, batch: SequenceBatch, packed: bool) -> torch.Tensor:
-    logprobs, entropy = response_logprobs(model, batch, 0, 1.0, True, CUDA, packed, ModelConfig().logprob_chunk_tokens)
+    logprobs, entropy = response_logprobs(model, batch, 0, 1.0, True, device=CUDA, remove_padding=packed,
+                                          chunk_tokens=ModelConfig().logprob_chunk_tokens)
     (-logprobs.mean() - 0.01 * entropy.mean()).backward()
     return logprobs.detach().float().cpu()
 

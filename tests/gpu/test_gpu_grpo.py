@@ -16,8 +16,8 @@ import yaml
 from bench.faults import service_address
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
 from services.common.rpc import open_channel
-from services.coordinator.clients import RolloutClient
-from services.coordinator.dispatch import split_by_speed
+from services.coordinator.fleet.clients import RolloutClient
+from services.coordinator.fleet.dispatch import split_by_speed
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl

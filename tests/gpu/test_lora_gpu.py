@@ -20,7 +20,7 @@ from services.coordctl.tiny_model import QWEN25_SHAPES, build_random_model
 from services.rollout.hf_engine import HFEngine
 from services.run.models import load_causal_lm
 from services.trainer.ranks import Ranks
-from services.trainer.worker import Worker
+from services.trainer.worker import RankWorker
 from tests.gpu.conftest import needs
 
 ROWS, PROMPT, RESPONSE = 16, 64, 192
@@ -40,13 +40,13 @@ def batch(vocab: int) -> dict[str, torch.Tensor]:
             "advantages": torch.randn(ROWS * RESPONSE, generator=generator)}
 
 
-def peak_update_memory(folder, **lora) -> tuple[float, Worker]:
+def peak_update_memory(folder, **lora) -> tuple[float, RankWorker]:
     """GiB of GPU memory at the peak of one actor update (with the reference's logprobs for the KL loss)."""
     config = yaml.safe_dump({"actor_rollout_ref": {
         "model": {"path": str(folder), "dtype": "bfloat16", "enable_gradient_checkpointing": True, **lora},
         "actor": {"use_kl_loss": True, "ppo_micro_batch_size_per_gpu": 4, "optim": {"lr": 1e-4},
                   "fsdp_config": {"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}}}})
-    worker = Worker(Ranks.single("cuda"))
+    worker = RankWorker(Ranks.single("cuda"))
     worker.init_run({}, run_id="gpu", run_config_yaml=config, roles=["actor", "ref"], seed=0)
     tensors = batch(worker.roles.actor.vocab_size)
     sequences = {key: tensors[key] for key in ("prompt_ids", "prompt_lens", "response_ids", "response_lens")}

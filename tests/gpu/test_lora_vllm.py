@@ -1,7 +1,7 @@
 """LoRA on the vLLM rollout engine (one GPU): each adapter version is loaded inside vLLM's worker from the tensors
 the weight channel brought, no file written, and a call in flight finishes under the adapter it began with.
 
-- In this process: a LoRA actor (the trainer's Worker, rank 64, alpha 128, all-linear, adapters moved to random
+- In this process: a LoRA actor (the trainer's RankWorker, rank 64, alpha 128, all-linear, adapters moved to random
   values so that they change the model) sends its adapters over CUDA IPC to a vLLM engine started for a LoRA
   run (max_staleness 1: two versions loaded). The rollout's logprobs match the trainer's for the adapted model,
   not the base's; a long call started under version 1 goes on while version 2 is loaded, ends stamped 1 and
@@ -39,7 +39,7 @@ from services.rollout.config import RolloutServiceConfig
 from services.rollout.sampling import Completion, SamplingSettings
 from services.rollout.vllm_lora import AdapterServing
 from services.trainer.ranks import Ranks
-from services.trainer.worker import Worker
+from services.trainer.worker import RankWorker
 from tests.gpu.conftest import cuda_trainer, needs, vllm_rollout
 from tests.gpu.test_gpu_grpo import run
 from tests.integration.test_faults import LogTail
@@ -49,13 +49,13 @@ CHANNEL, TIMEOUT_S = "lora-weights", 120.0
 B_STD = 0.03  # random lora_B values: each adapted weight moves by about a third of its own size
 
 
-def lora_worker(model: Path) -> Worker:
-    """The trainer's Worker on GPU 0 with a LoRA actor and its reference (the base, adapters off), in bf16 and
+def lora_worker(model: Path) -> RankWorker:
+    """The trainer's RankWorker on GPU 0 with a LoRA actor and its reference (the base, adapters off), in bf16 and
     unsharded (plain tensors, which the test sets by hand)."""
     config = yaml.safe_dump({"actor_rollout_ref": {
         "model": {"path": str(model), "dtype": "bfloat16", "lora_rank": RANK, "lora_alpha": ALPHA},
         "actor": {"use_kl_loss": True, "optim": {"lr": 1e-4}}}})
-    worker = Worker(Ranks.single("cuda"))
+    worker = RankWorker(Ranks.single("cuda"))
     worker.init_run({}, run_id="lora-vllm", run_config_yaml=config, roles=["actor", "ref"], seed=0)
     return worker
 
@@ -81,7 +81,7 @@ def restore(actor, saved: dict[str, torch.Tensor]) -> None:
             parameter.copy_(saved[name])
 
 
-def trainer_logprobs(worker: Worker, prompts: list[list[int]], completions: list[Completion], role: str
+def trainer_logprobs(worker: RankWorker, prompts: list[list[int]], completions: list[Completion], role: str
                      ) -> torch.Tensor:
     """The trainer's logprobs of the completions' tokens (completion i answers prompt i // n). [T]"""
     n = len(completions) // len(prompts)
@@ -93,7 +93,7 @@ def trainer_logprobs(worker: Worker, prompts: list[list[int]], completions: list
     return worker.compute_log_probs(tensors, role=role).float().cpu()
 
 
-def gap(worker: Worker, prompts: list[list[int]], completions: list[Completion], role: str = "actor") -> float:
+def gap(worker: RankWorker, prompts: list[list[int]], completions: list[Completion], role: str = "actor") -> float:
     """Mean |trainer's logprob - rollout's| over the completions' tokens."""
     served = torch.tensor([lp for c in completions for lp in c.logprobs])
     return float((trainer_logprobs(worker, prompts, completions, role) - served).abs().mean())

@@ -20,7 +20,7 @@ from services.common.channel import open_weight_channel
 from services.run.models import load_causal_lm
 from services.common.nccl_channel import new_unique_id
 from services.common.weight_sync import WeightSender
-from services.coordinator.clients import RolloutClient
+from services.coordinator.fleet.clients import RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster
 from tests.gpu.conftest import needs, vllm_rollout
@@ -52,7 +52,8 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
              for name, tensor in load_causal_lm(model_path, "bfloat16").named_parameters()]
 
     async def generate():
-        return await rollout.generate(PROMPTS, Sampling(2, 1.0, 1.0, 8, ()), seed=1, first_index=0, timeout=60)
+        return await rollout.generate(PROMPTS, Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8,
+                                                        stop_token_ids=()), seed=1, first_index=0, timeout=60)
 
     async def sync(channel_id: str, version: int, broadcasts: int | None) -> tuple:
         """(what the trainer's WeightSender.send returned or raised, what the rollout's ReceiveWeights did)."""

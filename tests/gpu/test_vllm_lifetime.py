@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from services.coordinator.clients import RolloutClient
+from services.coordinator.fleet.clients import RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster
 from tests.gpu.conftest import needs, vllm_rollout
@@ -60,7 +60,8 @@ def test_a_generate_abandoned_by_its_client_is_aborted_in_the_vllm_engine(vllm_r
                 await client.generate(BUSY_PROMPTS, BUSY, 0, 0, timeout=2.0)
             assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             started = time.monotonic()
-            generated = await client.generate([[5, 6, 7]], Sampling(2, 1.0, 1.0, 8, ()), 0, 0, timeout=120)
+            generated = await client.generate([[5, 6, 7]], Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8,
+                                                                    stop_token_ids=()), 0, 0, timeout=120)
             assert len(generated.response_lens) == 2
             return time.monotonic() - started
         finally:

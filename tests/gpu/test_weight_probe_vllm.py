@@ -4,7 +4,7 @@ service's corrupt_weight_after_sync) is caught, sent the weights again, then dro
 beside it passes every check; and a colocated run (the rollout asleep while the trainer works) passes every check.
 Each prints the measured bf16 figures (the honest rollout's mean and max |delta logprob| per sync, the wrong one's)
 and what the check cost beside the step: the figures the default tolerance of vLLM bf16
-(services/coordinator/weight_probe.py, MEASURED) is to be set from."""
+(services/coordinator/fleet/weight_probe.py, MEASURED) is to be set from."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from bench.faults import service_address
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
-from services.coordinator.weight_probe import MEASURED
+from services.coordinator.fleet.weight_probe import MEASURED
 from tests.gpu.conftest import cuda_trainer, needs, vllm_rollout
 from tests.gpu.test_gpu_grpo import run_config
 from tests.integration.test_weight_probe import run_with_messages

@@ -15,7 +15,7 @@ from meshrl.v1 import common_pb2, reward_pb2_grpc
 from services.common.auth import cluster_token
 from services.common.rpc import open_channel
 from services.common.sandbox import check_sandbox
-from services.coordinator.clients import RewardClient, RewardSample
+from services.coordinator.fleet.clients import RewardClient, RewardSample
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.plugins.hostile_tools import secrets_probe
 from tests.integration.test_rewards import reward_address, reward_config, score_through_service
@@ -51,7 +51,8 @@ def code_cluster(tmp_path_factory):
 def test_a_batch_of_programs_is_scored_on_its_test_cases(code_cluster):
     adds = python("a, b = map(int, input().split())\nprint(a + b)\n")
     forgets_signs = python("a, b = map(int, input().split())\nprint(abs(a) + abs(b))\n")
-    batch = [RewardSample(source, response, truth, extra) for source, response, truth, extra in (
+    batch = [RewardSample(data_source=source, response=response, ground_truth=truth, extra_info=extra) for source,
+             response, truth, extra in (
         ("apps", adds, SUMS, {}),
         ("apps", forgets_signs, SUMS, {}),
         ("codeforces", forgets_signs, SUMS, {}),
@@ -77,7 +78,8 @@ def test_a_batch_of_programs_is_scored_on_its_test_cases(code_cluster):
 
 
 def test_the_service_answers_while_slow_programs_are_judged(code_cluster):
-    sleepers = [RewardSample("apps", python("import time\ntime.sleep(600)\n"), SUMS, {})]
+    sleepers = [RewardSample(data_source="apps", response=python("import time\ntime.sleep(600)\n"), ground_truth=SUMS,
+                             extra_info={})]
 
     async def info_while_scoring() -> tuple[bool, list]:
         address = await reward_address(code_cluster.coordinator)

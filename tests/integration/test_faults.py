@@ -15,8 +15,8 @@ import time
 import pytest
 
 from bench.faults import SERVICES, random_schedule, run_with_faults, service_address, serving, step_events
-from services.coordinator.clients import RolloutClient
-from services.coordinator.dispatch import split_by_speed
+from services.coordinator.fleet.clients import RolloutClient
+from services.coordinator.fleet.dispatch import split_by_speed
 from services.coordinator.settings import Sampling
 from services.coordctl.control import CoordinatorClient, RunStatus
 from services.coordctl.local import LocalCluster, ServiceSpec
@@ -110,7 +110,8 @@ def test_rollout_stopped_during_a_weight_broadcast_is_named_and_the_run_goes_on_
             # after step 3 cannot finish on it; it is stopped as the actor's update of step 3 ends, so the
             # sync goes on the wire with a member that does not take it (it would land after the transfer if
             # stopped once the sync has begun: its receive runs beside the engine)
-            hold = asyncio.ensure_future(busy.generate([[5, 6, 7]] * 16, Sampling(16, 1.0, 1.0, 16, ()), 0, 0, 120))
+            hold = asyncio.ensure_future(busy.generate([[5, 6, 7]] * 16, Sampling(n=16, temperature=1.0, top_p=1.0,
+                                                                                  max_new_tokens=16, stop_token_ids=()), 0, 0, 120))
             await LogTail(cluster, "trainer").wait_for("actor_updated", stop_at)
             os.kill(pid, signal.SIGSTOP)
             async for update in client.watch(started.run_id):

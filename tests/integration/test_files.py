@@ -21,7 +21,7 @@ import torch
 from meshrl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common.rpc import Connection
 from services.coordctl.control import CoordinatorClient
-from services.coordinator.clients import TrainerClient
+from services.coordinator.fleet.clients import TrainerClient
 from tests.integration.test_grpo_run import run_config
 from tests.integration.test_resume import refusal, resume, run
 

@@ -23,7 +23,7 @@ import yaml
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
 from services.common.service import keep_registered
 from services.common.sequences import SequenceBatch
-from services.coordinator.clients import RolloutClient, TrainerClient
+from services.coordinator.fleet.clients import RolloutClient, TrainerClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.control import CoordinatorClient
 from services.coordinator.settings import Sampling
@@ -62,7 +62,8 @@ async def logprobs_both_ways(rollout_address: str, trainer_address: str, prompt:
     """Sample from the rollout, then score the same sequences on the trainer."""
     rollout, trainer = RolloutClient(rollout_address), TrainerClient(trainer_address)
     try:
-        generated = await rollout.generate([prompt], Sampling(4, 1.0, 1.0, 6, ()), seed=11, first_index=0, timeout=60)
+        generated = await rollout.generate([prompt], Sampling(n=4, temperature=1.0, top_p=1.0, max_new_tokens=6,
+                                                              stop_token_ids=()), seed=11, first_index=0, timeout=60)
         responses = [r.tolist() for r in torch.split(generated.response_ids, generated.response_lens.tolist())]
         batch = SequenceBatch.of_lists([prompt] * 4, responses)
         trainer_logprobs = await trainer.compute_log_probs(batch, step=0, timeout=60)

@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from services.common.auth import cluster_tls, cluster_token, write_token
-from services.coordinator.clients import RolloutClient
+from services.coordinator.fleet.clients import RolloutClient
 from services.coordctl.cli import app
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import CHILD_ENV, ServiceSpec

@@ -18,7 +18,7 @@ import yaml
 from services.run.models import load_causal_lm, load_value_model
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
 from services.common.sequences import SequenceBatch
-from services.coordinator.clients import TrainerClient
+from services.coordinator.fleet.clients import TrainerClient
 from tests.integration.test_grpo_run import run_config, run_to_end
 
 CORE = "val-core/meshrl/reverse/reward/mean@1"

@@ -22,7 +22,7 @@ from services.common.channel import open_weight_channel
 from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.run.models import load_causal_lm
 from services.common.weight_sync import WeightSender
-from services.coordinator.clients import Generated, Received, RolloutClient
+from services.coordinator.fleet.clients import Generated, Received, RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.local import LocalCluster, ServiceSpec
 from tests.integration.test_faults import LogTail
@@ -77,11 +77,13 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
     channel, sender = None, WeightSender()
 
     async def generate() -> Generated:
-        return await rollout.generate(PROMPTS, Sampling(N, TEMPERATURE, 1.0, tokens, ()), seed=5, first_index=3,
+        return await rollout.generate(PROMPTS, Sampling(n=N, temperature=TEMPERATURE, top_p=1.0,
+                                                        max_new_tokens=tokens, stop_token_ids=()), seed=5, first_index=3,
                                       timeout=TIMEOUT_S)
 
     async def generate_long() -> Generated:
-        return await rollout.generate(PROMPTS[:1], Sampling(1, TEMPERATURE, 1.0, long_tokens, ()), seed=5,
+        return await rollout.generate(PROMPTS[:1], Sampling(n=1, temperature=TEMPERATURE, top_p=1.0,
+                                                            max_new_tokens=long_tokens, stop_token_ids=()), seed=5,
                                       first_index=3, timeout=TIMEOUT_S)
 
     async def sync_while_generating(version: int, partial_rollout: str, call=generate, then=lambda named: None):
@@ -201,7 +203,8 @@ def test_a_swap_that_fails_part_way_leaves_the_hf_rollout_refusing_to_generate_u
 
         async def generate() -> Generated | grpc.aio.AioRpcError:
             try:
-                return await rollout.generate(PROMPTS, Sampling(N, 1.0, 1.0, 4, ()), seed=5, first_index=0,
+                return await rollout.generate(PROMPTS, Sampling(n=N, temperature=1.0, top_p=1.0, max_new_tokens=4,
+                                                                stop_token_ids=()), seed=5, first_index=0,
                                               timeout=TIMEOUT_S)
             except grpc.aio.AioRpcError as error:
                 return error

@@ -19,7 +19,7 @@ import yaml
 
 from meshrl.v1 import reward_pb2, reward_pb2_grpc
 from services.common.rpc import open_channel
-from services.coordinator.clients import RewardClient, RewardSample
+from services.coordinator.fleet.clients import RewardClient, RewardSample
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.tiny_model import build_tiny_reward_model
@@ -72,7 +72,8 @@ async def score_through_service(coordinator: str, batches: list[list[RewardSampl
 
 
 def test_user_functions_that_raise_hang_or_return_garbage_cost_only_their_sample(reward_cluster):
-    batch = [RewardSample(source, response, truth, {}) for source, response, truth in (
+    batch = [RewardSample(data_source=source, response=response, ground_truth=truth, extra_info={}) for source,
+             response, truth in (
         ("length_match", "abc", "xyz"), ("raises", "abc", "xyz"), ("hangs", "abc", "xyz"), ("garbage", "abc", "xyz"),
         ("combined", "321", "321"), ("nobody", "1", "1"), ("verdict", "42", "42"))]
     started = time.monotonic()
@@ -93,7 +94,8 @@ def test_user_functions_that_raise_hang_or_return_garbage_cost_only_their_sample
 
 
 def test_reward_model_scores_prompt_and_response_in_batches(reward_cluster):
-    batch = [RewardSample("rm", response, "", {}, prompt) for prompt, response in (("12=", "21"), ("345=", "543"), ("7=", ""))]
+    batch = [RewardSample(data_source="rm", response=response, ground_truth="", extra_info={},
+                          prompt=prompt) for prompt, response in (("12=", "21"), ("345=", "543"), ("7=", ""))]
     [(scores, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [batch]))
     model = RewardModel(str(reward_cluster.state_dir.parent / "rm"), "cpu", batch_size=1)
     expected = model.score(["12=21", "345=543", "7="])
@@ -102,12 +104,17 @@ def test_reward_model_scores_prompt_and_response_in_batches(reward_cluster):
 
 
 def test_math_answers_too_big_to_check_time_out_score_zero_and_the_service_goes_on(reward_cluster):
-    normal = [RewardSample("lighteval/MATH", r"so \boxed{\frac{1}{2}}", "0.5", {}),  # equal for math-verify only
-              RewardSample("math", r"\boxed{4}", "5", {}), RewardSample("openai/gsm8k", "so #### 7", "7", {})]
+    normal = [RewardSample(data_source="lighteval/MATH", response=r"so \boxed{\frac{1}{2}}", ground_truth="0.5",
+                           extra_info={}),  # equal for math-verify only
+              RewardSample(data_source="math", response=r"\boxed{4}", ground_truth="5",
+                           extra_info={}), RewardSample(data_source="openai/gsm8k", response="so #### 7",
+                                                        ground_truth="7", extra_info={})]
     expected = [(1.0, True, False), (0.0, False, False), (1.0, True, False)]  # score, acc, timed_out
-    hostile = [RewardSample("lighteval/MATH", r"so \boxed{9^{9^{9}}}", "3", {}),  # math-verify: hours on either
-               RewardSample("math", r"\boxed{99999999!}", "3", {}),
-               RewardSample("math_and_form", r"so \boxed{9^{9^{9}}}", "3", {})]
+    hostile = [RewardSample(data_source="lighteval/MATH", response=r"so \boxed{9^{9^{9}}}", ground_truth="3",
+                            extra_info={}),  # math-verify: hours on either
+               RewardSample(data_source="math", response=r"\boxed{99999999!}", ground_truth="3", extra_info={}),
+               RewardSample(data_source="math_and_form", response=r"so \boxed{9^{9^{9}}}", ground_truth="3",
+                            extra_info={})]
     [(first, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [normal]))  # the rules warm up
     started = time.monotonic()
     [(scores, _)] = asyncio.run(score_through_service(reward_cluster.coordinator, [hostile + normal]))

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from bench.faults import service_address
-from services.coordinator.clients import RolloutClient
+from services.coordinator.fleet.clients import RolloutClient
 from services.coordinator.settings import Sampling
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
@@ -46,7 +46,7 @@ def test_a_generate_abandoned_by_its_client_stops_taking_the_engine(cluster, tin
                 await rollout.generate(BUSY_PROMPTS, BUSY, 0, 0, timeout=1.0)  # its deadline passes
             assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             started = time.monotonic()
-            small = Sampling(2, 1.0, 1.0, 8, ())
+            small = Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, stop_token_ids=())
             generated = await rollout.generate([[5, 6, 7]], small, 0, 0, timeout=60)
             assert len(generated.response_lens) == 2
             return time.monotonic() - started

@@ -19,8 +19,8 @@ from bench.faults import service_address
 from services.common.sequences import SequenceBatch
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import ServiceSpec
-from services.coordinator.clients import RolloutClient
-from services.coordinator.weight_probe import MEASURED
+from services.coordinator.fleet.clients import RolloutClient
+from services.coordinator.fleet.weight_probe import MEASURED
 from tests.integration.test_grpo_run import run_config
 
 HF_FP32 = MEASURED[("hf", "float32")]

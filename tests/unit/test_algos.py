@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from services import algos, estimators
+from services import algos, estimators, policy_losses
 from services.algo_registry import EstimatorInputs, EstimatorParams
 from services.trainer.optim import Optimizer, OptimSettings
 
@@ -104,8 +104,8 @@ def _ref_agg(loss: np.ndarray, mask: np.ndarray, mode: str) -> float:
         return float(seq_sums.mean())
     if mode == "seq-mean-token-mean":
         return float((seq_sums / mask.sum(-1)).mean())
-    if mode == "seq-mean-token-sum-norm":
-        return float(seq_sums.sum() / loss.shape[-1])
+    if mode == "seq-mean-token-sum-norm":  # verl >= 0.7.1 (PR #5417): a mean over sequences, then / the horizon
+        return float(seq_sums.mean() / loss.shape[-1])
     raise AssertionError(mode)
 
 
@@ -117,7 +117,7 @@ def _ref_agg_weights(mask: np.ndarray, mode: str) -> np.ndarray:
         return mask / mask.shape[0]
     if mode == "seq-mean-token-mean":
         return mask / mask.sum(-1, keepdims=True) / mask.shape[0]
-    return mask / mask.shape[1]
+    return mask / mask.shape[0] / mask.shape[1]
 
 
 def _ref_policy(logp, old, adv, mask, low, high, c, mode):
@@ -330,7 +330,7 @@ def test_gae_by_hand_gamma_1_lam_1():
     # seq 3, t=0: delta = 2 - 1 = 1, A = 1
     # returns = A + V = [1.0, 1.0, 2.0]
     # whiten [0.5, 0.75, 1]: mean 0.75, deviations [-.25, 0, .25], unbiased var .125 / 2 = .0625
-    out = algos.gae(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0.5, 0.25, 1.0]), torch.tensor([2, 0, 1]), 1.0, 1.0)
+    out = estimators.gae_advantages(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0.5, 0.25, 1.0]), torch.tensor([2, 0, 1]), 1.0, 1.0)
     s = math.sqrt(0.0625 + 1e-8)
     _close(out.returns, [1.0, 1.0, 2.0])
     _close(out.advantages, [-0.25 / s, 0.0, 0.25 / s], atol=1e-5)
@@ -343,7 +343,7 @@ def test_gae_by_hand_gamma_09_lam_08():
     #        t=0: delta = 0 + 0.9 * 0.4 - 0.5 = -0.14,    A0 = -0.14 + 0.72 * 0.428 = 0.16816
     # seq 2, t=0: delta = 2 - 0.5 = 1.5,                  A = 1.5
     # returns = A + V = [0.66816, 0.828, 1.0, 2.0]
-    out = algos.gae(torch.tensor([0.0, 0.0, 1.0, 2.0]), torch.tensor([0.5, 0.4, 0.6, 0.5]), torch.tensor([3, 1]),
+    out = estimators.gae_advantages(torch.tensor([0.0, 0.0, 1.0, 2.0]), torch.tensor([0.5, 0.4, 0.6, 0.5]), torch.tensor([3, 1]),
                     0.9, 0.8)
     raw = [0.16816, 0.428, 0.4, 1.5]
     _close(out.returns, [0.66816, 0.828, 1.0, 2.0])
@@ -365,7 +365,7 @@ def test_gae_random_against_padded_reference(gamma, lam):
         r_pad, mask = _padded(rewards, lengths, width)
         v_pad, _ = _padded(values, lengths, width)
         exp_adv, exp_ret = _ref_gae(r_pad, v_pad, mask, gamma, lam)
-        out = algos.gae(_t(rewards, torch.float32), _t(values, torch.float32), torch.tensor(lengths), gamma, lam)
+        out = estimators.gae_advantages(_t(rewards, torch.float32), _t(values, torch.float32), torch.tensor(lengths), gamma, lam)
         _close(out.returns, _flat(exp_ret, lengths), atol=1e-5, rtol=1e-5)
         _close(out.advantages, _flat(exp_adv, lengths), atol=1e-5, rtol=1e-5)
 
@@ -416,7 +416,7 @@ def _random_ragged_cases(seed: int):
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8), (0.99, 0.95)])
 def test_gae_equals_loop_reference_on_ragged_batches(gamma, lam):
     for lengths, rewards, values in _random_ragged_cases(11):
-        got = algos.gae(rewards, values, lengths, gamma, lam)
+        got = estimators.gae_advantages(rewards, values, lengths, gamma, lam)
         expected = gae_reference(rewards, values, lengths, gamma, lam)
         assert got.advantages.dtype == got.returns.dtype == torch.float32
         assert got.returns.shape == (int(lengths.sum()),)
@@ -427,7 +427,7 @@ def test_gae_equals_loop_reference_on_ragged_batches(gamma, lam):
 @pytest.mark.parametrize("gamma", [1.0, 0.9, 0.5])
 def test_discounted_returns_equals_loop_reference_on_ragged_batches(gamma):
     for lengths, rewards, _ in _random_ragged_cases(12):
-        got = algos.discounted_returns(rewards, lengths, gamma)
+        got = estimators.discounted_returns(rewards, lengths, gamma)
         assert got.dtype == torch.float32 and got.shape == (int(lengths.sum()),)
         torch.testing.assert_close(got, discounted_returns_reference(rewards, lengths, gamma), atol=1e-6, rtol=0)
 
@@ -458,7 +458,7 @@ def test_grpo_advantages_by_hand_with_std():
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
     s = math.sqrt(13) + 1e-6
     expected = [a, 0.0, -a, 0.0, -a, 0.0, a, -3 / s, -1 / s, 4 / s]
-    got = algos.grpo_advantages(scores, group_ids)
+    got = estimators.grpo_advantages(scores, group_ids)
     assert got.dtype == torch.float32
     _close(got, expected, atol=1e-6)
 
@@ -466,7 +466,7 @@ def test_grpo_advantages_by_hand_with_std():
 def test_grpo_advantages_by_hand_without_std():
     scores, group_ids = _grpo_hand_case()
     # Dr. GRPO: score - group mean only; size-1 groups still 0.
-    got = algos.grpo_advantages(scores, group_ids, norm_by_std=False)
+    got = estimators.grpo_advantages(scores, group_ids, norm_by_std=False)
     _close(got, [0.5, 0.0, -0.5, 0.0, -0.5, 0.0, 0.5, -3.0, -1.0, 4.0], atol=1e-6)
 
 
@@ -475,14 +475,14 @@ def test_grpo_advantages_singleton_and_equal_groups_are_zero():
     scores = torch.tensor([0.1, 7.0, 0.1, 0.1, -2.0])
     group_ids = torch.tensor([3, 4, 3, 3, 8])
     for norm in (True, False):
-        got = algos.grpo_advantages(scores, group_ids, norm_by_std=norm)
+        got = estimators.grpo_advantages(scores, group_ids, norm_by_std=norm)
         assert torch.isfinite(got).all()
         _close(got, [0.0] * 5, atol=1e-6)
 
 
 def test_grpo_advantages_eps_is_added_to_std():
     # group [0, 2]: mean 1, centred [-1, 1], var 2, std sqrt(2); eps = 1 -> +-1 / (sqrt(2) + 1)
-    got = algos.grpo_advantages(torch.tensor([0.0, 2.0]), torch.tensor([0, 0]), eps=1.0)
+    got = estimators.grpo_advantages(torch.tensor([0.0, 2.0]), torch.tensor([0, 0]), eps=1.0)
     d = math.sqrt(2) + 1
     _close(got, [-1 / d, 1 / d], atol=1e-6)
 
@@ -507,7 +507,7 @@ def test_grpo_advantages_random_against_loop_reference(norm_by_std):
         group_ids = _random_groups(rng)
         scores = [rng.choice([0.0, 1.0, rng.uniform(-3, 3)]) for _ in group_ids]
         expected = _grpo_reference(scores, group_ids, norm_by_std, eps=1e-6)
-        got = algos.grpo_advantages(torch.tensor(scores), torch.tensor(group_ids), norm_by_std=norm_by_std)
+        got = estimators.grpo_advantages(torch.tensor(scores), torch.tensor(group_ids), norm_by_std=norm_by_std)
         _close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -516,7 +516,7 @@ def test_rloo_advantages_by_hand():
     # group 5 [1, 0, 0, 1]: 1 - (0 + 0 + 1) / 3 = 2/3;  0 - (1 + 0 + 1) / 3 = -2/3
     # group 2 [3, 3]: 3 - 3 = 0;  group 9 (size 1): 0
     # group 1 [2, 4, 9]: 2 - 13/2 = -4.5;  4 - 11/2 = -1.5;  9 - 6/2 = 6
-    got = algos.rloo_advantages(scores, group_ids)
+    got = estimators.rloo_advantages(scores, group_ids)
     assert got.dtype == torch.float32
     _close(got, [2 / 3, 0.0, -2 / 3, 0.0, -2 / 3, 0.0, 2 / 3, -4.5, -1.5, 6.0], atol=1e-6)
 
@@ -530,7 +530,7 @@ def test_rloo_advantages_random_against_loop_reference():
         for i, (score, gid) in enumerate(zip(scores, group_ids)):
             others = [s for j, (s, g) in enumerate(zip(scores, group_ids)) if g == gid and j != i]
             expected.append(score - sum(others) / len(others) if others else 0.0)
-        _close(algos.rloo_advantages(torch.tensor(scores), torch.tensor(group_ids)), expected, atol=1e-5)
+        _close(estimators.rloo_advantages(torch.tensor(scores), torch.tensor(group_ids)), expected, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -542,12 +542,12 @@ def test_reinforce_plus_plus_by_hand():
     # gamma 0.9: G = [0.81, 0.9, 1 | 2];  gamma 1: G = [1, 1, 1 | 2]
     rewards, lengths = torch.tensor([0.0, 0.0, 1.0, 2.0]), torch.tensor([3, 0, 1])
     for gamma, returns in ((0.9, [0.81, 0.9, 1.0, 2.0]), (1.0, [1.0, 1.0, 1.0, 2.0])):
-        out = algos.reinforce_plus_plus(rewards, lengths, gamma)
+        out = estimators.reinforce_plus_plus_advantages(rewards, lengths, gamma)
         _close(out.returns, returns)
         mean, var = statistics.fmean(returns), statistics.variance(returns)
         _close(out.advantages, [(g - mean) / math.sqrt(var + 1e-8) for g in returns], atol=1e-5)
     # gamma 1 in numbers: mean 1.25, deviations [-.25, -.25, -.25, .75], var (3 * .0625 + .5625) / 3 = .25
-    _close(algos.reinforce_plus_plus(rewards, lengths, 1.0).advantages, [-0.5, -0.5, -0.5, 1.5], atol=1e-5)
+    _close(estimators.reinforce_plus_plus_advantages(rewards, lengths, 1.0).advantages, [-0.5, -0.5, -0.5, 1.5], atol=1e-5)
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
@@ -560,7 +560,7 @@ def test_reinforce_plus_plus_random_against_padded_reference(gamma):
         rewards = rng.normal(size=sum(lengths))
         r_pad, mask = _padded(rewards, lengths, 9)
         returns = _ref_discounted(r_pad, mask, gamma)
-        out = algos.reinforce_plus_plus(_t(rewards, torch.float32), torch.tensor(lengths), gamma)
+        out = estimators.reinforce_plus_plus_advantages(_t(rewards, torch.float32), torch.tensor(lengths), gamma)
         _close(out.returns, _flat(returns, lengths), atol=1e-5)
         _close(out.advantages, _flat(_masked_whiten(returns, mask), lengths), atol=1e-5, rtol=1e-5)
 
@@ -573,7 +573,7 @@ def test_reinforce_plus_plus_baseline_by_hand():
     # sum of squares: (2 * 289 + 1681 + 3 * 961 + 2 * 81) / 576 = 5304 / 576; unbiased var 5304 / 576 / 7 = 221/168
     # whitened = deviation / sqrt(221/168 + 1e-8): [-0.617584, -0.617584, -1.489468, 1.126183 x 3, -0.326956 x 2]
     # verl returns (scores, scores): the returns are those whitened advantages too.
-    out = algos.reinforce_plus_plus_baseline(torch.tensor([1.0, 0.0, 3.0, 5.0]), torch.tensor([7, 7, 7, 2]),
+    out = estimators.reinforce_plus_plus_baseline_advantages(torch.tensor([1.0, 0.0, 3.0, 5.0]), torch.tensor([7, 7, 7, 2]),
                                              torch.tensor([2, 1, 3, 2]))
     s = math.sqrt(221 / 168 + 1e-8)
     expected = [d / 24 / s for d in (-17, -17, -41, 31, 31, 31, -9, -9)]
@@ -610,7 +610,7 @@ def test_reinforce_plus_plus_baseline_random_against_padded_reference():
         if np.var(_flat(per_token, lengths)) <= 1e-6:  # whitening a constant amplifies float32 rounding
             continue
         whitened = _flat(_masked_whiten(per_token, mask), lengths)  # verl: masked_whiten(...); returns the same
-        out = algos.reinforce_plus_plus_baseline(torch.tensor(scores), torch.tensor(group_ids), torch.tensor(lengths))
+        out = estimators.reinforce_plus_plus_baseline_advantages(torch.tensor(scores), torch.tensor(group_ids), torch.tensor(lengths))
         _close(out.advantages, whitened, atol=1e-4, rtol=1e-4)
         _close(out.returns, whitened, atol=1e-4, rtol=1e-4)
 
@@ -628,7 +628,7 @@ def test_aggregate_by_hand():
         "token-mean": 21 / 6,  # 3.5
         "seq-mean-token-sum": 21 / 3,  # 7
         "seq-mean-token-mean": (1 / 1 + 5 / 2 + 15 / 3) / 3,  # 8.5 / 3
-        "seq-mean-token-sum-norm": 21 / 4,  # by the constant 4, not by the 3 sequences
+        "seq-mean-token-sum-norm": 21 / 3 / 4,  # by the 3 sequences and the constant 4 (verl >= 0.7.1)
     }
     for mode, value in expected.items():
         assert algos.aggregate(per_token, lengths, mode, scale).item() == pytest.approx(value, abs=1e-12), mode
@@ -637,7 +637,7 @@ def test_aggregate_by_hand():
     assert algos.aggregate(per_token, lengths, "token-mean", big).item() == pytest.approx(21 / 12)
     assert algos.aggregate(per_token, lengths, "seq-mean-token-sum", big).item() == pytest.approx(21 / 6)
     assert algos.aggregate(per_token, lengths, "seq-mean-token-mean", big).item() == pytest.approx(8.5 / 6)
-    assert algos.aggregate(per_token, lengths, "seq-mean-token-sum-norm", big).item() == pytest.approx(21 / 4)
+    assert algos.aggregate(per_token, lengths, "seq-mean-token-sum-norm", big).item() == pytest.approx(21 / 6 / 4)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -689,7 +689,7 @@ HAND_EXPECTED = {  # (dual-clip at 3, no dual-clip); max_response_length 6
     "token-mean": (2.97 / 8, 19.97 / 8),
     "seq-mean-token-sum": (2.97 / 2, 19.97 / 2),
     "seq-mean-token-mean": ((-1.58 / 3 + 4.55 / 5) / 2, (-1.58 / 3 + 21.55 / 5) / 2),
-    "seq-mean-token-sum-norm": (2.97 / 6, 19.97 / 6),
+    "seq-mean-token-sum-norm": (2.97 / 2 / 6, 19.97 / 2 / 6),
 }
 
 
@@ -698,14 +698,14 @@ def test_policy_loss_by_hand(mode):
     new, old, adv, lengths = _policy_hand_case()
     scale = algos.LossScale.of(lengths, 6)
     with_c, without_c = HAND_EXPECTED[mode]
-    out = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+    out = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
                             mode=mode, scale=scale)
-    assert isinstance(out, algos.PolicyLoss)
+    assert isinstance(out, policy_losses.PolicyLoss)
     assert out.loss.item() == pytest.approx(with_c, abs=1e-12)
     assert out.clipfrac.item() == pytest.approx(3 / 8, abs=1e-7)
     assert out.clipfrac_lower.item() == pytest.approx(1 / 8, abs=1e-7)
     assert out.approx_kl.item() == pytest.approx(-math.log(12.065625) / 8, abs=1e-12)
-    off = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=None,
+    off = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=None,
                             mode=mode, scale=scale)
     assert off.loss.item() == pytest.approx(without_c, abs=1e-12)
     assert off.clipfrac.item() == pytest.approx(3 / 8, abs=1e-7)
@@ -719,9 +719,9 @@ def test_policy_loss_clip_higher_differs_on_one_token():
     new, old, adv = new[6:7], old[6:7], adv[6:7]
     lengths = torch.tensor([1])
     scale = algos.LossScale.of(lengths, 1)
-    wide = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=C,
+    wide = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=C,
                              mode="token-mean", scale=scale)
-    narrow = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=C,
+    narrow = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=C,
                                mode="token-mean", scale=scale)
     assert wide.loss.item() == pytest.approx(-1.25) and wide.clipfrac.item() == 0.0
     assert narrow.loss.item() == pytest.approx(-1.2) and narrow.clipfrac.item() == 1.0
@@ -730,7 +730,7 @@ def test_policy_loss_clip_higher_differs_on_one_token():
 def test_policy_loss_gradient_by_hand():
     new, old, adv, lengths = _policy_hand_case()
     new = new.clone().requires_grad_(True)
-    out = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+    out = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
                             mode="token-mean", scale=algos.LossScale.of(lengths, 6))
     out.loss.backward()
     # d/d logp of -A * r / 8 is -A * r / 8 where the unclipped term is active; 0 where the clamp is
@@ -762,7 +762,7 @@ def test_policy_loss_random_against_padded_reference(mode, low, high, c):
         mask = _padded(new, lengths, width)[1]
         loss, clipfrac, lower, kl, grad = _ref_policy(*pads, mask, low, high, c, mode)
         logp = _t(new).requires_grad_(True)
-        out = algos.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), clip_ratio_low=low,
+        out = policy_losses.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), clip_ratio_low=low,
                                 clip_ratio_high=high, clip_ratio_c=c, mode=mode,
                                 scale=algos.LossScale.of(torch.tensor(lengths), width))
         out.loss.backward()
@@ -812,7 +812,7 @@ def test_rollout_log_ratio_by_hand():
 @pytest.mark.parametrize("level,mode", list(IS_EXPECTED))
 def test_rollout_is_weights_by_hand(level, mode):
     old, rollout, lengths = _is_hand_case()
-    out = algos.rollout_is_weights(old, rollout, lengths, level, mode, 2.0)
+    out = algos.rollout_is_weights(old, rollout, lengths, level, mode, threshold=2.0)
     assert isinstance(out, algos.RolloutISWeights)
     weights, exceeded = IS_EXPECTED[level, mode]
     _close(out.weights, weights, atol=1e-12)
@@ -824,17 +824,17 @@ def test_rollout_is_weights_safety_bound_engages():
     old, rollout, lengths = _t([-26.0, 11.0, 17.0]), _t([-1.0, -1.0, -1.0]), torch.tensor([1, 2])
     _close(algos.rollout_log_ratio(old, rollout, lengths, "token"), [-20.0, 12.0, 18.0])
     _close(algos.rollout_log_ratio(old, rollout, lengths, "sequence"), [-20.0, 20.0])
-    seq = algos.rollout_is_weights(old, rollout, lengths, "sequence", "truncate", 5.0)
+    seq = algos.rollout_is_weights(old, rollout, lengths, "sequence", "truncate", threshold=5.0)
     _close(seq.weights, [math.exp(-20.0), 5.0, 5.0], atol=1e-15)
     assert torch.isfinite(algos.rollout_is_weights(_t([500.0]), _t([-500.0]), torch.tensor([1]), "token", "mask",
-                                                   2.0).weights).all()
+                                                   threshold=2.0).weights).all()
 
 
 def test_rollout_is_weights_equal_rollout_logprobs_are_one():
     old = _t([-0.3, -2.0, -1.1, -0.05, -4.0])
     for level in algos.ROLLOUT_IS_LEVELS:
         for mode in algos.ROLLOUT_IS_MODES:
-            out = algos.rollout_is_weights(old, old.clone(), torch.tensor([3, 0, 2]), level, mode, 2.0)
+            out = algos.rollout_is_weights(old, old.clone(), torch.tensor([3, 0, 2]), level, mode, threshold=2.0)
             assert out.weights.tolist() == [1.0] * 5 and not out.exceeded.any()
 
 
@@ -842,7 +842,7 @@ def test_rollout_is_weights_are_detached():
     old = _t([-1.0, -2.0]).requires_grad_(True)
     rollout = _t([-1.5, -1.0]).requires_grad_(True)
     for level in algos.ROLLOUT_IS_LEVELS:
-        out = algos.rollout_is_weights(old, rollout, torch.tensor([2]), level, "truncate", 2.0)
+        out = algos.rollout_is_weights(old, rollout, torch.tensor([2]), level, "truncate", threshold=2.0)
         assert not out.weights.requires_grad
 
 
@@ -850,16 +850,17 @@ def test_rollout_is_weights_are_detached():
 def test_rollout_is_weights_of_no_tokens_are_empty(lengths):
     empty = torch.zeros(0, dtype=F64)
     for level in algos.ROLLOUT_IS_LEVELS:
-        out = algos.rollout_is_weights(empty, empty, torch.tensor(lengths, dtype=torch.int64), level, "mask", 2.0)
+        out = algos.rollout_is_weights(empty, empty, torch.tensor(lengths, dtype=torch.int64), level, "mask",
+                                       threshold=2.0)
         assert out.weights.shape == (0,) and out.exceeded.shape == (0,)
 
 
 def test_rollout_is_weights_unknown_level_or_mode_raises():
     one, lengths = _t([0.0]), torch.tensor([1])
     with pytest.raises(ValueError, match="'geometric'"):
-        algos.rollout_is_weights(one, one, lengths, "geometric", "truncate", 2.0)
+        algos.rollout_is_weights(one, one, lengths, "geometric", "truncate", threshold=2.0)
     with pytest.raises(ValueError, match="'clip'"):
-        algos.rollout_is_weights(one, one, lengths, "token", "clip", 2.0)
+        algos.rollout_is_weights(one, one, lengths, "token", "clip", threshold=2.0)
 
 
 def _ref_is_weights(old: list[float], rollout: list[float], lengths: list[int], level: str, mode: str,
@@ -890,7 +891,7 @@ def test_rollout_is_weights_random_against_loop_reference(level, mode):
         old = rollout + rng.normal(0.0, 0.5, t)
         old[rng.choice(t, size=2, replace=False)] += 30.0  # beyond the safety bound
         weights, exceeded = _ref_is_weights(old.tolist(), rollout.tolist(), lengths, level, mode, threshold)
-        out = algos.rollout_is_weights(_t(old), _t(rollout), torch.tensor(lengths), level, mode, threshold)
+        out = algos.rollout_is_weights(_t(old), _t(rollout), torch.tensor(lengths), level, mode, threshold=threshold)
         _close(out.weights, weights, atol=1e-12, rtol=1e-12)
         assert out.exceeded.tolist() == exceeded
         assert 0 < sum(exceeded) < t  # the case does exercise the threshold
@@ -904,7 +905,7 @@ def test_policy_loss_with_is_weights_by_hand():
     new, old, adv, lengths = _policy_hand_case()
     new = new.clone().requires_grad_(True)
     weights = _t([2.0, 1.0, 0.5, 0.0, 1.0, 1.0, 1.0, 1.0])
-    out = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+    out = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
                             mode="token-mean", scale=algos.LossScale.of(lengths, 6), is_weights=weights)
     assert out.loss.item() == pytest.approx(-1.53 / 8, abs=1e-12)
     assert out.clipfrac.item() == pytest.approx(3 / 8, abs=1e-7)  # the statistics do not see the weights
@@ -919,7 +920,7 @@ def test_policy_loss_with_unit_is_weights_equals_without(mode):
     grads = []
     for weights in (None, torch.ones(8, dtype=F64)):
         logp = new.clone().requires_grad_(True)
-        out = algos.policy_loss(logp, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+        out = policy_losses.policy_loss(logp, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
                                 mode=mode, scale=scale, is_weights=weights)
         out.loss.backward()
         grads.append((out.loss.item(), logp.grad))
@@ -930,7 +931,7 @@ def test_policy_loss_with_unit_is_weights_equals_without(mode):
 def test_policy_loss_all_masked_is_zero_with_zero_gradient():
     new, old, adv, lengths = _policy_hand_case()
     new = new.clone().requires_grad_(True)
-    out = algos.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+    out = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
                             mode="token-mean", scale=algos.LossScale.of(lengths, 6),
                             is_weights=torch.zeros(8, dtype=F64))
     out.loss.backward()
@@ -953,7 +954,7 @@ def test_policy_loss_with_is_weights_random_against_padded_reference(mode):
     losses = np.where(pads[2] < 0, np.minimum(-pads[2] * C, losses), losses)
     _, _, _, _, grad = _ref_policy(*pads, mask, LOW, HIGH, C, mode)
     logp = _t(new).requires_grad_(True)
-    out = algos.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), clip_ratio_low=LOW,
+    out = policy_losses.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), clip_ratio_low=LOW,
                             clip_ratio_high=HIGH, clip_ratio_c=C, mode=mode,
                             scale=algos.LossScale.of(torch.tensor(lengths), width), is_weights=_t(weights))
     out.loss.backward()
@@ -978,7 +979,7 @@ VALUE_EXPECTED = {  # 0.5 * aggregate; max_response_length 4
     "token-mean": 0.5 * 11.5 / 6,
     "seq-mean-token-sum": 0.5 * 11.5 / 2,
     "seq-mean-token-mean": 0.5 * (3.25 / 2 + 8.25 / 4) / 2,
-    "seq-mean-token-sum-norm": 0.5 * 11.5 / 4,
+    "seq-mean-token-sum-norm": 0.5 * 11.5 / 2 / 4,
 }
 
 
@@ -986,7 +987,7 @@ VALUE_EXPECTED = {  # 0.5 * aggregate; max_response_length 4
 def test_value_loss_by_hand(mode):
     lengths = torch.tensor([2, 4])
     values, old_values, returns = (_t(x) for x in VALUE_CASE)
-    out = algos.value_loss(values, old_values, returns, lengths, 0.5, mode, algos.LossScale.of(lengths, 4))
+    out = algos.value_loss(values, old_values, returns, lengths, 0.5, mode=mode, scale=algos.LossScale.of(lengths, 4))
     assert isinstance(out, algos.ValueLoss)
     assert out.loss.item() == pytest.approx(VALUE_EXPECTED[mode], abs=1e-12)
     assert out.clipfrac.item() == pytest.approx(2 / 6, abs=1e-7)
@@ -1004,8 +1005,8 @@ def test_value_loss_random_against_padded_reference(mode):
         pads = [_padded(x, lengths, 8)[0] for x in (values, old_values, returns)]
         mask = _padded(values, lengths, 8)[1]
         loss, clipfrac = _ref_value(*pads, mask, 0.2, mode)
-        out = algos.value_loss(_t(values), _t(old_values), _t(returns), torch.tensor(lengths), 0.2, mode,
-                               algos.LossScale.of(torch.tensor(lengths), 8))
+        out = algos.value_loss(_t(values), _t(old_values), _t(returns), torch.tensor(lengths), 0.2, mode=mode,
+                               scale=algos.LossScale.of(torch.tensor(lengths), 8))
         assert out.loss.item() == pytest.approx(loss, abs=1e-10)
         assert out.clipfrac.item() == pytest.approx(clipfrac, abs=1e-6)
         assert clipfrac > 0
@@ -1053,14 +1054,14 @@ def test_policy_loss_micro_batches_sum_to_full_batch_loss_and_gradient(mode):
     scale = algos.LossScale.of(lens, width)
 
     full_lp = _t(new).requires_grad_(True)
-    full = algos.policy_loss(full_lp, _t(old), _t(adv), lens, clip_ratio_low=LOW, clip_ratio_high=HIGH,
+    full = policy_losses.policy_loss(full_lp, _t(old), _t(adv), lens, clip_ratio_low=LOW, clip_ratio_high=HIGH,
                              clip_ratio_c=C, mode=mode, scale=scale)
     full.loss.backward()
     assert full.clipfrac.item() > 0 and full.clipfrac_lower.item() > 0  # the case does exercise both clips
 
     for bounds in MICRO_SPLITS:
         micro_lp = _t(new).requires_grad_(True)
-        parts = [algos.policy_loss(micro_lp[tok], _t(old)[tok], _t(adv)[tok], lens[seq], clip_ratio_low=LOW,
+        parts = [policy_losses.policy_loss(micro_lp[tok], _t(old)[tok], _t(adv)[tok], lens[seq], clip_ratio_low=LOW,
                                    clip_ratio_high=HIGH, clip_ratio_c=C, mode=mode, scale=scale)
                  for tok, seq in _micro_slices(lengths, bounds)]
         total = sum(p.loss for p in parts)
@@ -1084,13 +1085,14 @@ def test_value_loss_micro_batches_sum_to_full_batch_loss_and_gradient(mode):
     scale = algos.LossScale.of(lens, width)
 
     full_v = _t(values).requires_grad_(True)
-    full = algos.value_loss(full_v, _t(old_values), _t(returns), lens, 0.2, mode, scale)
+    full = algos.value_loss(full_v, _t(old_values), _t(returns), lens, 0.2, mode=mode, scale=scale)
     full.loss.backward()
     assert full.clipfrac.item() > 0
 
     for bounds in MICRO_SPLITS:
         micro_v = _t(values).requires_grad_(True)
-        parts = [algos.value_loss(micro_v[tok], _t(old_values)[tok], _t(returns)[tok], lens[seq], 0.2, mode, scale)
+        parts = [algos.value_loss(micro_v[tok], _t(old_values)[tok], _t(returns)[tok], lens[seq], 0.2, mode=mode,
+                                  scale=scale)
                  for tok, seq in _micro_slices(lengths, bounds)]
         total = sum(p.loss for p in parts)
         total.backward()

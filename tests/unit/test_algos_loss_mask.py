@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from services import algos, estimators
+from services import algos, estimators, policy_losses
 from services.algo_registry import EstimatorInputs, EstimatorParams
 
 F64 = torch.float64
@@ -60,7 +60,7 @@ def reference_aggregate(per_token: dict[int, float], mode: str) -> float:
         return sum(sums) / len(responses)
     if mode == "seq-mean-token-mean":
         return sum(s / len(tokens) for s, tokens in zip(sums, responses)) / len(responses)
-    return sum(sums) / MAX_RESPONSE_LENGTH
+    return sum(sums) / len(responses) / MAX_RESPONSE_LENGTH  # seq-mean-token-sum-norm, verl >= 0.7.1
 
 
 def reference_terms(data: dict[str, torch.Tensor], mode: str) -> dict[str, float]:
@@ -90,7 +90,7 @@ def masked_terms(data: dict[str, torch.Tensor], logits: torch.Tensor, mode: str)
     logprobs = algos.token_logprobs(logits, data["targets"])
     weights = algos.rollout_is_weights(data["old_logprobs"], data["rollout_logprobs"], LENGTHS, level="token",
                                        mode="truncate", threshold=2.0, mask=MASK)
-    pg = algos.policy_loss(logprobs, data["old_logprobs"], data["advantages"], LENGTHS, clip_ratio_low=0.2,
+    pg = policy_losses.policy_loss(logprobs, data["old_logprobs"], data["advantages"], LENGTHS, clip_ratio_low=0.2,
                            clip_ratio_high=0.28, clip_ratio_c=3.0, mode=mode, scale=scale,
                            is_weights=weights.weights, mask=MASK)
     entropy = algos.aggregate(algos.token_entropy(logits), LENGTHS, mode, scale, MASK)
@@ -147,7 +147,7 @@ def test_value_loss_covers_the_model_tokens_only(mode):
     old_values = torch.randn(tokens, generator=generator, dtype=F64)
     returns = torch.randn(tokens, generator=generator, dtype=F64)
     scale = algos.LossScale.of(LENGTHS, MAX_RESPONSE_LENGTH, MASK)
-    result = algos.value_loss(values, old_values, returns, LENGTHS, 0.2, mode, scale, MASK)
+    result = algos.value_loss(values, old_values, returns, LENGTHS, 0.2, mode=mode, scale=scale, mask=MASK)
     result.loss.backward()
     assert values.grad is not None
     assert torch.equal(values.grad[~MASK], torch.zeros(int((~MASK).sum()), dtype=F64))

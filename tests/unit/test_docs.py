@@ -1,5 +1,6 @@
 """The docs as a site: ``mkdocs build --strict`` passes (no broken link, anchor or page), the run config's
-reference page is what the config's docstrings say, and every code block is fenced with its language."""
+reference page is what the config's docstrings say, the architecture page's code map is what the modules'
+docstrings say, and every code block is fenced with its language."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ def test_the_site_builds_strict(tmp_path):
 
 def test_the_config_reference_is_fresh():
     done = run("docs/gen_config_reference.py", "--check")
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_code_map_is_fresh():
+    """docs/architecture/overview.md's "Where the code is" is what the modules' opening docstrings say."""
+    done = run("docs/gen_code_map.py", "--check")
     assert done.returncode == 0, done.stderr
 
 

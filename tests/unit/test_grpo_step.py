@@ -13,7 +13,7 @@ from bench.grpo_step import (PROMPT_TOKENS, RUNS, StepRecorder, load_results, me
                              meshrl_steps, prepare_assets, report, summary, trl_stages, unavailable)
 from services.common.config import load_config
 from services.run.checks import load_run_data
-from services.coordinator.runs import parse_run_config
+from services.coordinator.runs.manager import parse_run_config
 from services.coordinator.settings import check_within_rollout_limits, loop_settings, rollout_set_settings
 from services.rollout.config import RolloutServiceConfig
 from services.trainer.config import TrainerServiceConfig

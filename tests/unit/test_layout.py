@@ -6,6 +6,13 @@ itself, ``services.run`` (what describes a run: its config, data, checks, model)
 and the RL math (``services.algos``, pure functions, with the built-in estimators and losses and the registries
 that name them: ``services.estimators``, ``services.policy_losses``, ``services.algo_registry``); coordctl, the CLI, imports only itself, run, common and the registries' names (it
 starts the services as processes, by module name, and checks a run's algorithm names against the built-ins); run imports only itself and common; common and algos import no room.
+
+Inside the coordinator, the wings (sub-packages by what changes together) stand on each other in one order, top
+to bottom: the entry (``server``, ``__main__``), ``runs`` (a run's lifetime), ``step`` (one step of the loop),
+``agent`` (the agent loop), ``fleet`` (the services a run uses) and the base (the package's other top-level
+modules: settings, store, registry, waiting, disk, telemetry, config). A module imports only its own wing and
+those below it, never one above; the base imports only the base. Counting each wing as one room and each top-level
+module as its own, the longest import chain is 7 floors (it was 13 modules before the wings).
 """
 
 from __future__ import annotations
@@ -87,3 +94,72 @@ def test_the_checks_see_a_circle_and_a_crossing():
     assert cycles(graph) == [["services.rollout.a", "services.rollout.b", "services.rollout.a"]]
     assert "rollout" not in ALLOWED["common"] and "coordinator" not in ALLOWED["coordctl"]
     assert "run" not in ALLOWED["common"] and "trainer" not in ALLOWED["run"]
+
+
+# ---------------------------------------------------------------- the coordinator's wings
+
+COORDINATOR = "services.coordinator"
+WINGS = ("entry", "runs", "step", "agent", "fleet", "base")  # top to bottom: a wing imports only those after it
+ENTRY = ("server", "__main__")
+MAX_FLOORS = 7
+
+
+def wing(module: str) -> str:
+    """The wing of a coordinator module: its sub-package, the entry, or the base (the other top-level modules)."""
+    name = module.removeprefix(COORDINATOR + ".").split(".")[0]
+    if name in WINGS:
+        return name
+    return "entry" if name in ENTRY else "base"
+
+
+def coordinator_graph() -> dict[str, set[str]]:
+    return {source: {target for target in targets if target.startswith(COORDINATOR + ".")}
+            for source, targets in import_graph().items() if source.startswith(COORDINATOR + ".")}
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a wing into one above it (WINGS' order), as 'source -> target'."""
+    return sorted(f"{source} -> {target}" for source, targets in graph.items() for target in targets
+                  if WINGS.index(wing(target)) < WINGS.index(wing(source)))
+
+
+def floors(graph: dict[str, set[str]]) -> int:
+    """The longest import chain, each wing one room and each top-level module (entry, base) its own."""
+    def room_of(module: str) -> str:
+        return wing(module) if wing(module) not in ("entry", "base") else module
+
+    rooms: dict[str, set[str]] = {}
+    for source, targets in graph.items():
+        rooms.setdefault(room_of(source), set()).update(room_of(t) for t in targets if room_of(t) != room_of(source))
+    depth: dict[str, int] = {}
+
+    def height(room: str) -> int:
+        if room not in depth:
+            depth[room] = 1 + max((height(below) for below in rooms.get(room, ())), default=0)
+        return depth[room]
+
+    return max(map(height, rooms), default=0)
+
+
+def test_every_coordinator_module_is_in_a_wing_or_the_named_base():
+    """A new module goes into the wing it changes with; the top of the package is only the entry and the base."""
+    graph = coordinator_graph()
+    assert {module.split(".")[2] for module in graph if module.count(".") >= 3} == {"runs", "step", "agent", "fleet"}
+    assert {module.split(".")[2] for module in graph if wing(module) == "base"} == {
+        "config", "settings", "store", "registry", "waiting", "disk", "telemetry"}
+
+
+def test_no_wing_imports_one_above_it():
+    graph = coordinator_graph()
+    assert arrows_up(graph) == []
+    assert floors(graph) <= MAX_FLOORS
+
+
+def test_the_wing_checks_see_an_arrow_up_and_count_floors():
+    graph = {"services.coordinator.fleet.a": {"services.coordinator.step.b"},
+             "services.coordinator.step.b": {"services.coordinator.agent.c"},
+             "services.coordinator.agent.c": {"services.coordinator.settings"},
+             "services.coordinator.settings": set()}
+    assert arrows_up(graph) == ["services.coordinator.fleet.a -> services.coordinator.step.b"]
+    assert floors(graph) == 4
+    assert wing("services.coordinator.server") == "entry" and wing("services.coordinator.store") == "base"

@@ -94,7 +94,7 @@ def aggregate_reference(per_response_terms: list[list[torch.Tensor]], mode: str)
     if mode == "seq-mean-token-mean":
         return sum((s / max(len(terms), 1) for s, terms in zip(sums, per_response_terms)),
                    torch.zeros((), dtype=F64)) / count
-    return sum(sums, torch.zeros((), dtype=F64)) / MAX_LENGTH
+    return sum(sums, torch.zeros((), dtype=F64)) / count / MAX_LENGTH  # seq-mean-token-sum-norm, verl >= 0.7.1
 
 
 def reference(name: str, batch: dict, mode: str | None = None, **params):

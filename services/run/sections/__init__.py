@@ -1,0 +1,1 @@
+"""The run config's sections, one module per top-level key, every field with a docstring."""

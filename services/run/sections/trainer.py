@@ -79,7 +79,7 @@ class TrainerConfig(Section):
     logger: list[LoggerName] = ["console", "tensorboard"]
     """verl's experiment loggers, each given every metric of every step: tensorboard (event files in the run's
     folder), wandb, mlflow (extras of the same names, installed where the coordinator runs; see
-    services/coordinator/loggers.py). The console shows progress whatever is listed, and every metric always
+    services/coordinator/runs/loggers.py). The console shows progress whatever is listed, and every metric always
     goes to metrics.jsonl and the run DB. verl's other loggers are accepted and reported as not written."""
     n_gpus_per_node: PositiveInt | None = None
     """verl's Ray placement: meshrl's services are placed per node (systemd, Slurm, --local), so this is

@@ -374,7 +374,8 @@ async def test_channel_table_joins_gets_and_replaces():
 
     async def join_both(channel_id):
         store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
-        await asyncio.gather(*(t.join(channel_id, "gloo", rendezvous, rank, 2, 5) for rank, t in enumerate(tables)))
+        await asyncio.gather(*(t.join(channel_id, "gloo", rendezvous, rank, 2, timeout_s=5) for rank,
+                               t in enumerate(tables)))
         return store
 
     first = await join_both("c")
@@ -397,13 +398,13 @@ def test_channel_table_get_unknown_raises_not_found():
 async def test_channel_table_refuses_other_backends_and_bad_timeouts():
     table = ChannelTable()  # on the CPU
     with pytest.raises(ValueError, match=r"channel backend nccl needs a CUDA device, this service runs on 'cpu'"):
-        await table.join("c", "nccl", b"127.0.0.1:1", 0, 2, 5)
+        await table.join("c", "nccl", b"127.0.0.1:1", 0, 2, timeout_s=5)
     with pytest.raises(ValueError, match=r"channel backend cuda_ipc needs a CUDA device, this service runs on 'cpu'"):
-        await table.join("c", "cuda_ipc", b"127.0.0.1:1", 0, 1, 5)
+        await table.join("c", "cuda_ipc", b"127.0.0.1:1", 0, 1, timeout_s=5)
     with pytest.raises(ValueError, match=r"channel backend must be gloo, nccl or cuda_ipc, got 'mpi'"):
-        await table.join("c", "mpi", b"127.0.0.1:1", 0, 2, 5)
+        await table.join("c", "mpi", b"127.0.0.1:1", 0, 2, timeout_s=5)
     with pytest.raises(ValueError, match=r"timeout_s must be positive"):
-        await table.join("c", "gloo", b"127.0.0.1:1", 0, 2, 0)
+        await table.join("c", "gloo", b"127.0.0.1:1", 0, 2, timeout_s=0)
 
 
 def test_a_member_that_died_fails_the_broadcast_at_once_naming_that():

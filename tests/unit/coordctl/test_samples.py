@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.coordctl.samples import describe, read_samples, samples_dir, steps_kept, wrapped
+from services.coordctl.samples import describe, read_samples, kept_samples_dir, steps_kept, wrapped
 
 RECORD = {"step": 7, "input": "12=", "output": "21", "gts": "21", "score": 1.0, "acc": True, "pred": "21",
           "valid": True, "error": "", "reward_components": [{"name": "meshrl/reverse", "weight": 1.0, "value": 1.0}],
@@ -43,7 +43,7 @@ def test_long_text_wraps_under_its_label_and_keeps_its_line_breaks():
 
 def test_the_folder_and_steps_come_from_the_runs_config_and_a_bad_line_is_named(tmp_path):
     (tmp_path / "config.yaml").write_text("trainer:\n  rollout_data_dir: rollout_data\n")
-    folder = samples_dir(tmp_path)
+    folder = kept_samples_dir(tmp_path)
     assert folder == tmp_path / "rollout_data"
     folder.mkdir()
     for step in (10, 2, 1):
@@ -54,7 +54,7 @@ def test_the_folder_and_steps_come_from_the_runs_config_and_a_bad_line_is_named(
     with pytest.raises(ValueError, match=r"3\.jsonl:2: not JSON"):
         read_samples(folder / "3.jsonl")
     (tmp_path / "config.yaml").write_text("trainer:\n  experiment_name: x\n")
-    assert samples_dir(tmp_path) is None and samples_dir(tmp_path / "elsewhere") is None
+    assert kept_samples_dir(tmp_path) is None and kept_samples_dir(tmp_path / "elsewhere") is None
 
 
 def test_a_trajectory_is_shown_turn_by_turn_with_what_trained_and_which_weights_sampled_it():

@@ -1,6 +1,6 @@
 """CPU tests of services/coordctl/tiny_model.py's chat variant: one token per character and per ChatML or tool
 tag, <|im_end|> as EOS, a ChatML template with the tools in one line, and replies that extend a conversation
-token-exactly (services/coordinator/turns.py)."""
+token-exactly (services/coordinator/agent/turns.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from services.coordctl.synthetic import lookup_task_rows
 from services.coordctl.tiny_model import ALPHABET, build_char_tokenizer, build_chat_tokenizer, build_tiny_model
-from services.coordinator.turns import ReplyTokens, SampledTokens, Trajectory, extend, render_prompt, render_reply
+from services.coordinator.agent.turns import ReplyTokens, SampledTokens, Trajectory, extend, render_prompt, render_reply
 from services.run.models import load_tokenizer
 
 TOOLS = ({"type": "function", "function": {"name": "lookup", "description": "The code of a key.", "parameters": {

@@ -16,7 +16,7 @@ from services.common.errors import FailedPrecondition, ResourceExhausted, status
 from services.coordinator import disk
 from services.coordinator.disk import (RunWrites, append_line, disk_fault, metrics_lines, refused_by_state_dir,
                                        trainer_disk_fault)
-from services.coordinator.reporter import RunReporter
+from services.coordinator.runs.reporter import RunReporter
 
 
 def test_disk_fault_names_the_file_and_the_systems_words():

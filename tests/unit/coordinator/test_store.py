@@ -50,7 +50,7 @@ def test_steps_metrics_and_events_in_order(db_path):
     e2 = store.record_step("r1", 2, {"loss": 2.0})
     store.record_step("r2", 1, {"loss": 9.0})
     e3 = store.record_step("r1", 1, {"loss": 1.0, "score": 0.25})
-    e4 = store.add_event("r1", "log", 1, "", "hello", {})
+    e4 = store.add_event("r1", "log", 1, "", "hello", metrics={})
     store.record_step("r1", 2, {"loss": 1.5})  # a redone step replaces the old metrics
 
     assert store.step_metrics("r1") == [(1, {"loss": 1.0, "score": 0.25}), (2, {"loss": 1.5})]
@@ -78,7 +78,7 @@ def test_data_survives_closing_and_reopening(db_path):
     assert store.get_run("r1").state == "running" and store.get_run("r1").step == 1
     assert store.step_metrics("r1") == [(1, {"loss": 1.0})]
     assert store.events_after("r1", 0) == before
-    assert store.add_event("r1", "log", 1, "", "again", {}).id > before[-1].id  # ids keep growing
+    assert store.add_event("r1", "log", 1, "", "again", metrics={}).id > before[-1].id  # ids keep growing
     assert [r.run_id for r in store.list_runs()] == ["r1"]
     store.close()
 
@@ -108,7 +108,7 @@ def test_a_damaged_run_db_is_refused_naming_the_file_and_what_to_do(db_path, dam
     store = RunStore(db_path)
     store.create_run("r1", "first", "", "/d", 10)
     for index in range(500):
-        store.add_event("r1", "log", index, "", "x" * 100, {})
+        store.add_event("r1", "log", index, "", "x" * 100, metrics={})
     store.close()
     (db_path.parent / "runs" / "r1").mkdir(parents=True)
     (db_path.parent / "runs" / "r1" / "config.yaml").write_text("data: {}\n")

@@ -20,7 +20,8 @@ def gauge(name: str, **labels: str) -> float:
 
 
 def row(run_id: str, state: str) -> RunRow:
-    return RunRow(run_id, "name", state, "", "", 0, 10, "", 0.0)
+    return RunRow(run_id=run_id, name="name", state=state, config_yaml="", run_dir="", step=0, total_steps=10,
+                  error="", created_at=0.0)
 
 
 def test_runs_are_counted_by_state_and_a_state_none_is_in_reads_zero():

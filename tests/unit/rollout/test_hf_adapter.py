@@ -15,7 +15,7 @@ from services.coordctl.tiny_model import build_tiny_model
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engines import HFRolloutEngine
 from services.trainer.ranks import Ranks
-from services.trainer.worker import Worker
+from services.trainer.worker import RankWorker
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10]])
 
@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 
 
 def lora_actor(tiny):
-    worker = Worker(Ranks.single("cpu"))
+    worker = RankWorker(Ranks.single("cpu"))
     config = yaml.safe_dump({"actor_rollout_ref": {"model": {"path": str(tiny), "lora_rank": 4, "lora_alpha": 8,
                                                              "target_modules": ["q_proj", "v_proj", "down_proj"]}}})
     return worker.init_run({}, run_id="r", run_config_yaml=config, roles=["actor"], seed=0).actor

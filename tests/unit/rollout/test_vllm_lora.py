@@ -22,7 +22,7 @@ from services.rollout.vllm_lora import (AdapterServing, AdapterWindow, LoadedAda
                                         peft_tensors, unserved_modules, vllm_max_lora_rank)
 from services.trainer.ranks import Ranks
 from tests.unit.rollout.test_vllm_keep_swap import in_flight
-from services.trainer.worker import Worker
+from services.trainer.worker import RankWorker
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def lora_actor(tmp_path_factory):
     tiny = build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=2, num_heads=2, seed=0)
     config = yaml.safe_dump({"actor_rollout_ref": {"model": {"path": str(tiny), "lora_rank": 4, "lora_alpha": 8,
                                                              "target_modules": ["q_proj", "v_proj", "down_proj"]}}})
-    return Worker(Ranks.single("cpu")).init_run({}, run_id="r", run_config_yaml=config, roles=["actor"],
+    return RankWorker(Ranks.single("cpu")).init_run({}, run_id="r", run_config_yaml=config, roles=["actor"],
                                                  seed=0).actor
 
 

@@ -14,7 +14,7 @@ from services.common.config import validate
 from services.run.data import Prompt, load_prompts
 from services.run.checks import check_batch_sizes
 from services.run.config import RunConfig
-from services.coordinator.sampler import PromptSampler, split_rows
+from services.coordinator.step.sampler import PromptSampler, split_rows
 from services.coordctl.tiny_model import build_char_tokenizer
 
 MAX_LEN = 8

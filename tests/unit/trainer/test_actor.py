@@ -161,7 +161,7 @@ def test_the_warm_start_trains_only_the_tokens_the_loss_mask_keeps(model_path):
     masked = replace(batch, loss_mask=mask)
 
     reference = load_causal_lm(model_path).double()
-    logprobs, _ = response_logprobs(reference, masked, 0, 1.0, False, torch.device("cpu"))
+    logprobs, _ = response_logprobs(reference, masked, 0, 1.0, False, device=torch.device("cpu"))
     hand_loss = -logprobs[mask].sum() / mask.sum()
     hand_loss.backward()
     hand_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
@@ -242,5 +242,6 @@ def test_tool_tokens_give_their_logits_no_gradient(model_path):
     assert torch.equal(grad[~mask], torch.zeros_like(grad[~mask]))
     assert (grad[mask].abs().sum(-1) > 0).all()
     with torch.no_grad():
-        _, entropy = response_logprobs(actor.model, batch, 0, actor_settings.temperature, True, torch.device("cpu"))
+        _, entropy = response_logprobs(actor.model, batch, 0, actor_settings.temperature, True,
+                                       device=torch.device("cpu"))
     assert stats["actor/entropy"] == pytest.approx(float(entropy[mask].mean()), rel=1e-12)

@@ -22,7 +22,7 @@ from services.run.models import load_causal_lm
 from services.trainer import checkpoint
 from services.trainer.forward import batched_logprobs, response_logprobs, response_values
 from services.trainer.ranks import Ranks
-from services.trainer.worker import Worker
+from services.trainer.worker import RankWorker
 
 SEQUENCES = {"prompt_ids": torch.tensor([5, 6, 7, 8, 9, 10, 11]), "prompt_lens": torch.tensor([3, 4]),
              "response_ids": torch.tensor([12, 13, 14, 15, 16]), "response_lens": torch.tensor([2, 3])}
@@ -40,21 +40,21 @@ def run_yaml(folder, **model_keys) -> str:
         "actor": {"use_kl_loss": True, "optim": {"lr": 1e-2}}}})
 
 
-def loaded(tiny, roles=("actor", "ref"), **model_keys) -> Worker:
-    worker = Worker(Ranks.single("cpu"))
+def loaded(tiny, roles=("actor", "ref"), **model_keys) -> RankWorker:
+    worker = RankWorker(Ranks.single("cpu"))
     worker.init_run({}, run_id="r", run_config_yaml=run_yaml(tiny, **model_keys), roles=list(roles), seed=0)
     return worker
 
 
-def critic_loaded(tiny, dtype: str, lora_rank: int = 0) -> Worker:
-    worker = Worker(Ranks.single("cpu"))
+def critic_loaded(tiny, dtype: str, lora_rank: int = 0) -> RankWorker:
+    worker = RankWorker(Ranks.single("cpu"))
     config = yaml.safe_dump({"actor_rollout_ref": {"model": {"path": str(tiny), "dtype": dtype}},
                              "critic": {"model": {"lora_rank": lora_rank}}, "algorithm": {"adv_estimator": "gae"}})
     worker.init_run({}, run_id="r", run_config_yaml=config, roles=["critic"], seed=0)
     return worker
 
 
-def update(worker: Worker) -> None:
+def update(worker: RankWorker) -> None:
     ref = worker.compute_log_probs(SEQUENCES, role="ref" if "ref" in worker.roles.hosted() else "actor")
     worker.update_actor({**SEQUENCES, "advantages": ADVANTAGES, "ref_logprobs": ref})
 
@@ -80,7 +80,7 @@ def test_the_reference_is_the_base_model_with_no_second_copy(tiny):
     from services.trainer.worker import sequences
 
     want = batched_logprobs(base, sequences(SEQUENCES), worker.roles.pad_id, 1.0, worker.roles.settings.ref_log_probs,
-                            worker.ranks)
+                            ranks=worker.ranks)
     assert torch.allclose(worker.compute_log_probs(SEQUENCES, role="ref"), want, atol=1e-6)
     assert not torch.allclose(worker.compute_log_probs(SEQUENCES, role="actor"), want, atol=1e-4)
     counts = worker.roles.parameter_counts()
@@ -207,7 +207,7 @@ def test_verl_s_lora_and_rollout_keys_are_accepted_and_the_unused_ones_said(tiny
 
 
 def test_a_lora_critic_trains_its_adapters_and_its_value_head(tiny, tmp_path):
-    worker = Worker(Ranks.single("cpu"))
+    worker = RankWorker(Ranks.single("cpu"))
     config = yaml.safe_dump({"actor_rollout_ref": {"model": {"path": str(tiny)}},
                              "critic": {"model": {"lora_rank": 4}}, "algorithm": {"adv_estimator": "gae"}})
     worker.init_run({}, run_id="r", run_config_yaml=config, roles=["critic"], seed=0)
@@ -247,7 +247,7 @@ def test_lora_adapter_path_starts_from_a_saved_adapter_with_its_own_rank(tiny, t
 def test_under_fsdp2_mixed_precision_the_reference_pass_may_come_first(tiny):
     """PEFT's disable_adapter freezes the adapters; were the reference pass FSDP2's first forward with them
     frozen, FSDP2 would keep the gradients in bf16 for good and the update would fail (pytorch#186998)."""
-    worker = Worker(Ranks.single("cpu"))
+    worker = RankWorker(Ranks.single("cpu"))
     config = yaml.safe_dump({"actor_rollout_ref": {
         "model": {"path": str(tiny), "lora_rank": 4},
         "actor": {"use_kl_loss": True, "optim": {"lr": 1e-2},
@@ -304,8 +304,8 @@ def test_a_bf16_lora_actor_keeps_no_more_for_backward_than_full_fine_tuning_and_
     full, lora = loaded(tiny, roles=("actor",), dtype="bfloat16"), loaded(
         tiny, roles=("actor",), dtype="bfloat16", lora_rank=rank, lora_alpha=8)
 
-    def trainer_pass(worker: Worker):
-        return lambda model: response_logprobs(model, batch, worker.roles.pad_id, 1.0, True, torch.device("cpu"))
+    def trainer_pass(worker: RankWorker):
+        return lambda model: response_logprobs(model, batch, worker.roles.pad_id, 1.0, True, device=torch.device("cpu"))
 
     full_bytes = saved_for_backward_bytes(full.roles.actor.model, trainer_pass(full))
     lora_bytes = saved_for_backward_bytes(lora.roles.actor.model, trainer_pass(lora))
@@ -317,7 +317,7 @@ def test_a_bf16_lora_critic_keeps_no_more_for_backward_than_a_fully_trained_one_
     batch = a_long_batch()
     full, lora = critic_loaded(tiny, "bfloat16"), critic_loaded(tiny, "bfloat16", lora_rank=4)
 
-    def trainer_pass(worker: Worker):
+    def trainer_pass(worker: RankWorker):
         return lambda model: response_values(model, batch, worker.roles.pad_id, torch.device("cpu"))
 
     full_bytes = saved_for_backward_bytes(full.roles.critic.model, trainer_pass(full))
@@ -353,7 +353,7 @@ def test_a_bf16_lora_actor_s_logprobs_are_those_of_its_merged_weights(tiny):
 
     def logprobs(model):
         return batched_logprobs(model, sequences(SEQUENCES), worker.roles.pad_id, 1.0,
-                                worker.roles.settings.actor_log_probs, worker.ranks)
+                                worker.roles.settings.actor_log_probs, ranks=worker.ranks)
 
     actor = worker.compute_log_probs(SEQUENCES, role="actor")
     assert (actor - logprobs(merged)).abs().max() < 0.02

@@ -10,7 +10,7 @@ import torch
 
 from services.common.limits import StreamLimits
 from services.common.sequences import SequenceBatch
-from services.coordinator.clients import batch_requests, sequence_tensors
+from services.coordinator.fleet.clients import batch_requests, sequence_tensors
 from services.trainer.server import read_batch
 from services.trainer.worker import sequences
 

@@ -13,7 +13,7 @@ from services.run.config import RunConfig
 from services.coordctl.tiny_model import build_tiny_model
 from services.trainer.ranks import Ranks
 from services.trainer.settings import run_settings
-from services.trainer.worker import Roles, Worker, unloaded_notice
+from services.trainer.worker import Roles, RankWorker, unloaded_notice
 
 
 def test_on_one_cpu_rank_a_run_that_fails_to_load_leaves_the_run_held(tmp_path):
@@ -23,7 +23,7 @@ def test_on_one_cpu_rank_a_run_that_fails_to_load_leaves_the_run_held(tmp_path):
     name = "model.layers.0.mlp.up_proj.weight"
     tensors[name] = torch.zeros(tensors[name].shape[0], 7)
     save_file(tensors, wide / "model.safetensors", metadata={"format": "pt"})
-    worker = Worker(Ranks.single("cpu"))
+    worker = RankWorker(Ranks.single("cpu"))
 
     def init(run_id, folder):
         config = yaml.safe_dump({"actor_rollout_ref": {"model": {"path": str(folder)}}})

@@ -1,0 +1,120 @@
+"""The generation side of a step: its batch of prompts generated over the run's rollouts and scored over its
+reward services, as the pipeline asks for it (``Producer.produce``, step after step).
+
+Choices:
+- The prompts come from the run's sampler, in its order; sampling seeds from (trainer.seed, step, round), so a
+  prompt's samples do not depend on which replica served it.
+- DAPO dynamic sampling (algorithm.filter_groups): groups whose scores are all equal are dropped and further
+  batches generated, up to filter_groups.max_num_gen_batches rounds, the kept prompts cut to the batch size.
+- remax: one greedy response (temperature 0) to each prompt is generated and scored beside the samples, from the
+  same weights, as every response's baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from services import algos
+from services.common.timing import StageTimer
+from services.coordinator.agent.agent_loop import AgentLoop
+from services.coordinator.fleet.reward_set import RewardSet
+from services.coordinator.fleet.rollout_set import RolloutSet
+from services.coordinator.settings import LoopSettings
+from services.coordinator.step import generation
+from services.coordinator.step.generation import Rollouts
+from services.coordinator.step.metrics import rollout_balance
+from services.coordinator.step.sampler import PromptSampler
+from services.coordinator.waiting import Notices
+from services.run.data import Prompt
+
+
+@dataclass(frozen=True)
+class Produced:
+    """A step's scored batch, as the generation side hands it to the training side."""
+
+    rollouts: Rollouts
+    metrics: dict[str, float]  # of the generation: filtering, samples per replica
+    seconds: dict[str, float]  # stage -> seconds spent generating and scoring it
+
+
+
+class Producer:
+    """A run's batches, step by step: what the pipeline calls to generate (and score) the batch of a step."""
+
+    def __init__(self, *, settings: LoopSettings, prompts: list[Prompt], sampler: PromptSampler,
+                 rollout_set: RolloutSet, reward_set: RewardSet, agent: AgentLoop | None, tokenizer,
+                 notices: Notices):
+        """``agent``: a multi-turn run's agent loop (None: one response per prompt); ``tokenizer``: the model's, to
+        decode responses for the reward services."""
+        self.settings, self.prompts, self.sampler = settings, prompts, sampler
+        self.rollout_set, self.reward_set, self.agent = rollout_set, reward_set, agent
+        self.tokenizer, self.notices, self.timeout_s = tokenizer, notices, settings.rpc_timeout_s
+
+    async def produce(self, step: int) -> Produced:
+        """The generation side of a step: its batch generated and scored (from weights no older than those the
+        rollouts serve now). With DAPO dynamic sampling, groups whose scores are all equal are dropped and
+        further batches generated, up to filter_groups.max_num_gen_batches rounds."""
+        timer, oldest = StageTimer(), self.rollout_set.served
+        counts: dict[str, float] = {}
+        if not self.settings.filter_groups:
+            rollouts = await self.generate_and_score(step, 0, timer, counts, oldest)
+            return Produced(rollouts, counts, timer.seconds)
+        wanted, kept = self.settings.batch_size, []
+        for round_index in range(self.settings.max_gen_rounds):
+            rollouts = await self.generate_and_score(step, round_index, timer, counts, oldest)
+            signal = algos.groups_with_signal(rollouts.scores, rollouts.group_ids)
+            kept.append(rollouts.keep_prompts(rollouts.prompts_where_every_sample(signal)))
+            if sum(len(part.prompts) for part in kept) >= wanted:
+                break
+        merged = Rollouts.concat(kept) if any(part.prompts for part in kept) else rollouts
+        merged = merged.keep_prompts(list(range(min(wanted, len(merged.prompts)))))
+        return Produced(merged, {**counts, "training/filter_groups/kept_prompts": float(len(merged.prompts)),
+                                 "training/filter_groups/gen_rounds": float(round_index + 1)}, timer.seconds)
+
+    async def generate_and_score(self, step: int, round_index: int, timer: StageTimer, counts: dict[str, float],
+                                 oldest: int) -> Rollouts:
+        """One round: the next batch's responses, sampled from weight versions >= ``oldest``, and their scores;
+        ``counts`` gets the samples each replica produced, and each one's share and speed (of the rounds so far)."""
+        chosen = [self.prompts[i] for i in self.sampler.next_batch()]
+        seed = (self.settings.seed * 1_000_003 + step) * 101 + round_index
+        with timer("gen"):
+            if self.agent is None:
+                rollouts, by_rollout = await generation.generate(self.rollout_set, chosen, self.settings.sampling,
+                                                                 seed, oldest, timeout_s=self.timeout_s,
+                                                                 notices=self.notices, what=f"step {step}")
+            else:
+                rollouts, by_rollout, trajectories = await generation.generate_trajectories(
+                    self.agent, chosen, self.settings.sampling, seed, oldest, timeout_s=self.timeout_s,
+                    what=f"step {step}")
+                counts |= trajectories
+        with timer("reward"):
+            scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, self.notices, f"step {step}")
+        if self.settings.estimator.greedy_baseline:
+            rollouts = await self.with_greedy_baselines(scoring.rollouts, chosen, seed, oldest, step, timer=timer)
+        else:
+            rollouts = scoring.rollouts
+        for address, count in by_rollout.items():
+            add_count(counts, f"rollout/samples_by/{address}", count)
+        counts |= rollout_balance(counts, self.rollout_set.speeds.speeds)
+        for service_id, count in scoring.by_service.items():
+            add_count(counts, f"reward/samples_by/{service_id}", count)
+        add_count(counts, "reward/timeouts", sum(s.timed_out for s in scoring.scores))
+        return rollouts
+
+    async def with_greedy_baselines(self, rollouts: Rollouts, chosen: list[Prompt], seed: int, oldest: int, step: int,
+                                    *, timer: StageTimer) -> Rollouts:
+        """``rollouts`` with the score of one greedy response (temperature 0) to each prompt, from the same weights,
+        as every response's baseline (remax; verl's timing_s/gen_max)."""
+        greedy_sampling = dataclasses.replace(self.settings.sampling, n=1, temperature=0.0, top_p=1.0)
+        with timer("gen_max"):
+            greedy, _ = await generation.generate(self.rollout_set, chosen, greedy_sampling, seed, oldest,
+                                                  timeout_s=self.timeout_s, notices=self.notices,
+                                                  what=f"step {step} greedy baselines")
+            scored = await generation.score(self.reward_set, greedy, self.tokenizer, self.notices,
+                                            f"step {step} greedy baselines")
+        return dataclasses.replace(rollouts, baselines=scored.rollouts.scores[rollouts.group_ids])
+
+
+def add_count(counts: dict[str, float], name: str, count: int) -> None:
+    counts[name] = counts.get(name, 0.0) + float(count)
