@@ -7,6 +7,10 @@ number of ranks). The folder must be one that every rank sees (one node, or a
 shared file system). The LR schedules, shuffle generators and RNG state are
 the same on every rank; rank 0 writes them.
 
+An actor part way through its warm start (some of its steps taken, not all) also saves the warm start's own
+optimizer state and schedule, which a resume's warm start goes on with; once the warm start is done they are
+left out (nothing uses them again).
+
 A LoRA role (a PEFT model) saves only what it trains, its adapters (and a LoRA
 critic's value head) with their optimizer state: the frozen base is the run's
 model folder, loaded again on resume. Each role's record says whether it is
@@ -37,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
 
 from services.common.errors import FailedPrecondition
 from services.common.manifest import EXTRA, STAGING, read_manifest, verify, write_manifest
@@ -78,6 +83,15 @@ def role_state(role: Actor | Critic) -> dict[str, Any]:
         trained = {name for name, parameter in role.model.named_parameters() if parameter.requires_grad}
         model_state = {name: tensor for name, tensor in model_state.items() if name in trained}
     return {"model": model_state, "optim": optim_state}
+
+
+def warm_start_under_way(actor: Actor | None) -> bool:
+    """Whether ``actor`` has taken some of its warm start's steps, not all."""
+    return actor is not None and 0 < actor.warm_start.schedule.last_epoch < actor.warm_start.settings.total_steps
+
+
+def warm_start_optim_state(actor: Actor) -> dict[str, Any]:
+    return get_optimizer_state_dict(actor.model, actor.warm_start.adamw, options=state_options(actor.model))
 
 
 def staging_of(path: Path) -> Path:
@@ -121,11 +135,15 @@ def save(roles, path: Path, weight_version: int, ranks: Ranks, key: bytes) -> in
             staging.mkdir(parents=True)
             (staging / STAGING).write_text(json.dumps({"run_id": roles.run_id}))
         ranks.barrier()
-        state, extra = {}, {"weight_version": weight_version, "torch_rng": torch.get_rng_state()}
+        state: dict[str, dict[str, Any]] = {}
+        extra: dict[str, Any] = {"weight_version": weight_version, "torch_rng": torch.get_rng_state()}
         for name, role in trainable(roles).items():
             state[name] = role_state(role)
             extra[name] = {"schedule": role.optimizer.schedule.state_dict(), "shuffle": role.shuffle.get_state(),
                            "lora": is_lora(role.model)}
+        if warm_start_under_way(roles.actor):
+            state["actor"]["warm_start_optim"] = warm_start_optim_state(roles.actor)
+            extra["actor"]["warm_start_schedule"] = roles.actor.warm_start.schedule.state_dict()
         dcp.save(state, checkpoint_id=staging)  # returns once every rank's shards and the metadata are written
         if ranks.rank != 0:
             return 0
@@ -201,6 +219,9 @@ def load(roles, path: Path) -> int:
     state: dict[str, dict[str, Any]] = {}
     for name, role in trainable(roles).items():
         state[name] = role_state(role)
+    warm_start = "actor" in state and "warm_start_schedule" in extra["actor"]  # saved part way through it
+    if warm_start:
+        state["actor"]["warm_start_optim"] = warm_start_optim_state(roles.actor)
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as error:
@@ -210,5 +231,9 @@ def load(roles, path: Path) -> int:
                        optim_state_dict=state[name]["optim"], options=state_options(role.model))
         role.optimizer.schedule.load_state_dict(extra[name]["schedule"])
         role.shuffle.set_state(extra[name]["shuffle"])
+    if warm_start:
+        set_optimizer_state_dict(roles.actor.model, roles.actor.warm_start.adamw, state["actor"]["warm_start_optim"],
+                                 options=state_options(roles.actor.model))
+        roles.actor.warm_start.schedule.load_state_dict(extra["actor"]["warm_start_schedule"])
     torch.set_rng_state(extra["torch_rng"])
     return extra["weight_version"]
