@@ -155,7 +155,7 @@ def test_ctrl_c_in_a_warm_start_stops_at_its_next_step_and_resume_goes_on_from_t
                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
     try:
-        wait_for_step(state_dir, 1, resumed, timeout_s=600)  # the warm start's steps left, then step 1
+        wait_for_step(state_dir, 1, resumed, timeout_s=240)  # the warm start's steps left, then step 1
     finally:  # stopped as a person stops it, whatever happened (its local services stop with it)
         resumed.send_signal(signal.SIGINT)
         output = resumed.communicate(timeout=120)[0].decode()
