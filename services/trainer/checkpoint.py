@@ -99,7 +99,8 @@ def warm_start_under_way(actor: Actor | None) -> bool:
 
 
 def warm_start_optim_state(actor: Actor) -> dict[str, Any]:
-    return get_optimizer_state_dict(actor.model, actor.warm_start.adamw, options=state_options(actor))
+    with actor.warm_start_trainable():  # (what it trains requires gradients, as torch's state dicts expect)
+        return get_optimizer_state_dict(actor.model, actor.warm_start.adamw, options=state_options(actor))
 
 
 def staging_of(path: Path) -> Path:
@@ -240,8 +241,9 @@ def load(roles, path: Path) -> int:
         role.optimizer.schedule.load_state_dict(extra[name]["schedule"])
         role.shuffle.set_state(extra[name]["shuffle"])
     if warm_start:
-        set_optimizer_state_dict(roles.actor.model, roles.actor.warm_start.adamw, state["actor"]["warm_start_optim"],
-                                 options=state_options(roles.actor))
+        with roles.actor.warm_start_trainable():
+            set_optimizer_state_dict(roles.actor.model, roles.actor.warm_start.adamw,
+                                     state["actor"]["warm_start_optim"], options=state_options(roles.actor))
         roles.actor.warm_start.schedule.load_state_dict(extra["actor"]["warm_start_schedule"])
     torch.set_rng_state(extra["torch_rng"])
     return extra["weight_version"]

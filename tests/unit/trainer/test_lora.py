@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from services.common.adapters import adapter_pairs, merged_weight
 from services.common.sequences import SequenceBatch
 from services.common.weight_sync import full
+from services.coordctl.export import holds_base, lora_role_model
 from services.coordctl.tiny_model import build_tiny_model
 from services.run.config import RunConfig
 from services.run.lora import ADAPTER, check_lora
@@ -392,6 +393,12 @@ def test_a_lora_warm_start_trains_the_full_weights_and_the_adapters_learn_on_top
     again.load_checkpoint({}, path=str(tmp_path / "ckpt"))
     assert all(torch.equal(p, dict(actor.model.named_parameters())[name])
                for name, p in again.roles.actor.model.named_parameters())
+    # coordctl export's model: the checkpoint's base with its adapters merged in, as the trainer computes
+    config = RunConfig.model_validate(yaml.safe_load(run_yaml(tiny, {"steps": 2, "batch_size": 2}, lora_rank=4,
+                                                              lora_alpha=8)))
+    assert holds_base(tmp_path / "ckpt", "actor")
+    exported = lora_role_model(config, "actor", tmp_path / "ckpt").merge_and_unload()
+    assert all(torch.allclose(p, sent[name], atol=1e-6, rtol=0) for name, p in exported.named_parameters())
 
 
 def test_with_full_weights_off_a_lora_warm_start_trains_the_adapters(tiny):
