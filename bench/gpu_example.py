@@ -75,7 +75,7 @@ def print_trajectories(steps: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="examples/gpu_arithmetic.yaml")
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "examples" / "gpu_arithmetic.yaml"))
     parser.add_argument("--out", type=Path, default=Path("gpu-example"))
     parser.add_argument("--eval-rollout", nargs="*", default=None,
                         help="settings of eval's rollout service (default: the config's local.services.rollout)")

@@ -15,6 +15,7 @@ Prints, from the run's metrics:
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -92,7 +93,9 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
 
 
 def main() -> None:
-    overrides = sys.argv[1:]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for the run")
+    overrides = parser.parse_args().overrides
     with tempfile.TemporaryDirectory() as tmp:
         state_dir = Path(tmp) / "state"
         rows, run_started, wall = run_local(state_dir, overrides)

@@ -20,9 +20,10 @@ before and after the warm start. One torch thread, as --local gives each service
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import sys
 import time
+from pathlib import Path
 
 import torch
 import yaml
@@ -39,7 +40,7 @@ from services.run.tool_calls import ParseError, parse_tool_calls
 from services.trainer.ranks import Ranks
 from services.trainer.worker import RankWorker
 
-EXAMPLE = "examples/local_tools.yaml"
+EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "local_tools.yaml")
 
 
 class InProcessActor:
@@ -167,11 +168,9 @@ def main(overrides: list[str]) -> None:
 
     print("before the warm start:", held_out(), flush=True)
     warm = WarmStart(settings=settings, actor=InProcessActor(worker), prompts=data.prompts, tokenizer=tokenizer,
-                     notices=Printed(), timeout_s=0.0, tools=tools.schemas,
-                     max_reply_tokens=multi_turn.max_tool_response_length,
-                     truncate_side=multi_turn.tool_response_truncate_side)
+                     notices=Printed(), timeout_s=0.0)
     started, cpu_started = time.monotonic(), time.process_time()
-    asyncio.run(warm.run())
+    asyncio.run(warm.run(tools.schemas))
     seconds, cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
     evaluated = time.monotonic()
     result = held_out()
@@ -180,4 +179,6 @@ def main(overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the example")
+    main(parser.parse_args().overrides)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,9 @@ from typing import Callable
 
 import torch
 import yaml
+
+if not __package__:  # run as a file (python bench/trainer_step.py): the bench package is in the folder above
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.grpo_step import (MICRO_BATCH, PROMPT_TOKENS, PROMPTS, RESPONSE_TOKENS, ROOT, SAMPLES, machine,
                              meshrl_config, prepare_assets)

@@ -105,12 +105,23 @@ def lora_role_model(config: RunConfig, role: str, folder: Path):
                       modules_to_save=None if role == "actor" else [output_layer_name(base)])
     trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
     stored = read_role_state(folder, role)
-    missing = sorted(trained - set(stored))
-    if missing or set(stored) - trained:
+    # a run whose warm start trained the full weights (warm_start.full_weights) keeps that base beside the adapters
+    wanted = set(model.state_dict()) if set(stored) - trained else trained
+    missing = sorted(wanted - set(stored))
+    if missing or set(stored) - wanted:
         raise ValueError(f"checkpoint {folder} does not hold the adapters of the run's model: missing "
-                         f"{missing[:5]}, unexpected {sorted(set(stored) - trained)[:5]}")
+                         f"{missing[:5]}, unexpected {sorted(set(stored) - wanted)[:5]}")
     model.load_state_dict(stored, strict=False)
     return model
+
+
+def holds_base(folder: Path, role: str) -> bool:
+    """Whether a LoRA role's checkpoint holds its base's weights beside its adapters (the warm start trained them:
+    warm_start.full_weights)."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return any(key.startswith(f"{role}.model.") and ".base_layer." in key for key in stored)
 
 
 def read_role_state(folder: Path, role: str) -> dict:
@@ -154,6 +165,10 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "a
     verify(folder, checkpoint_key(run_dir.parent.parent))  # the key of the state_dir, which holds runs/<run_id>
     if lora:
         model = lora_role_model(config, role, folder)
+        if adapter and holds_base(folder, role):
+            raise ValueError(f"--adapter: run {run_dir.name}'s warm start trained the {role}'s full weights "
+                             "(actor_rollout_ref.actor.warm_start.full_weights), so its adapters sit on that base, "
+                             "not on the model folder; export it merged, without --adapter")
         model = model if adapter else model.merge_and_unload()
     else:
         model = role_model(config, role)

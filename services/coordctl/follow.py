@@ -2,7 +2,8 @@
 
 Choices:
 - Ctrl-C, SIGTERM and a closed output (the ``tee`` of ``coordctl ... | tee log`` killed by the same Ctrl-C)
-  all ask the run to stop at its next step boundary, where it saves a checkpoint: no step is lost. A second
+  all ask the run to stop at its next step boundary (in the warm start, a warm-start step's), where it saves a
+  checkpoint: no step is lost. A second
   signal stops at once and says which steps a resume will redo. A run on a cluster is not coordctl's to
   stop: there a signal detaches, and the run goes on.
 - Output outlives its reader: once the pipe it went to is closed, what follows goes to the terminal if
@@ -170,8 +171,8 @@ async def begin_and_follow(coordinator: str, begin: Callable[[CoordinatorClient]
                 typer.echo(f"\ndetached; the run goes on (coordctl stop {run.run_id} stops it)")
                 return await client.get_run(run.run_id)
             why = "the output was closed" if interrupts.output_closed and not interrupts.signals else "interrupted"
-            typer.echo(f"\n{why}: stopping the run at its next step boundary, where it saves a checkpoint "
-                       "(Ctrl-C again to stop now)")
+            typer.echo(f"\n{why}: stopping the run at its next step boundary (in its warm start, the next "
+                       "warm-start step's), where it saves a checkpoint (Ctrl-C again to stop now)")
             await client.stop_run(run.run_id)
             if await interrupts.until(watching, 2):
                 return watching.result()

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.resources
+from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -63,6 +66,42 @@ def without_hydra(data: dict, file: str) -> dict:
     return data
 
 
+READ_PATH_KEYS = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.lora_adapter_path", "critic.model.path",
+                  "data.train_files", "data.val_files", "actor_rollout_ref.rollout.multi_turn.tool_config_path")
+"""The keys naming files and folders a run reads (one path, or a list of them). A relative one written in a config
+file is taken from that file's folder (the file and what it names move together); one given on the command line
+(``key=value``) from the current folder, as verl's scripts expect. Both are sent as absolute paths."""
+
+
+def absolute_paths(data: dict, folder: Path, keys: Collection[str] = READ_PATH_KEYS) -> dict:
+    """A copy of ``data`` (a config's nested sections) whose relative paths under ``keys`` (those it holds) are
+    taken from ``folder``; ``~`` is the user's home."""
+    data = copy.deepcopy(data)
+    for key in keys:
+        *sections, name = key.split(".")
+        section: Any = data
+        for part in sections:
+            section = section.get(part) if isinstance(section, dict) else None
+        if not isinstance(section, dict) or not section.get(name):
+            continue
+        value = section[name]
+        if isinstance(value, str):
+            section[name] = from_folder(value, folder)
+        elif isinstance(value, list):
+            section[name] = [from_folder(item, folder) if isinstance(item, str) else item for item in value]
+    return data
+
+
+def from_folder(path: str, folder: Path) -> str:
+    expanded = Path(path).expanduser()
+    return str(expanded if expanded.is_absolute() else folder / expanded)
+
+
+def overridden_keys(overrides: list[str]) -> set[str]:
+    """The keys that ``overrides`` set (``key=value``, ``+key=value``, ``++key=value``)."""
+    return {override.split("=", 1)[0].lstrip("+") for override in overrides if "=" in override}
+
+
 def resolve_config(args: list[str], local: bool,
                    config_file: str | None = None) -> tuple[RunConfig, LocalConfig | None]:
     """The run config from an optional YAML file and overrides, and (with ``local``) the ``local`` section;
@@ -72,16 +111,20 @@ def resolve_config(args: list[str], local: bool,
     neither, the overrides apply to meshrl's defaults (those of RunConfig), as verl's main_ppo applies them to
     its own. With ``local``, the file and overrides are laid over the embedded default, and their ``local``
     section (what to build, how to start the services) is taken off before the rest is validated as the run
-    config; the model and data it names are built if missing, and unless trainer.save_freq is given the run
+    config; the paths it reads are made absolute (``READ_PATH_KEYS``); the model and data it names are built if
+    missing, and unless trainer.save_freq is given the run
     saves a checkpoint of its last step (what ``coordctl export`` reads)."""
     files = [a for a in args if "=" not in a and not a.startswith("~")] + ([config_file] if config_file else [])
     overrides = [a for a in args if "=" in a or a.startswith("~")]
     if len(files) > 1:
         raise ConfigError(f"one config file at most, got {files}")
     data = without_hydra(read_yaml(files[0]), files[0]) if files else {}
+    if files:
+        data = absolute_paths(data, Path(files[0]).resolve().parent)
     if local:  # a file given with --local is laid over the embedded default
         data = merge(default_config(), data)
     data = apply_overrides(data, overrides)
+    data = absolute_paths(data, Path.cwd(), overridden_keys(overrides).intersection(READ_PATH_KEYS))
     local_section = data.pop("local", None)
     if local_section is not None and not local:
         raise ConfigError("local: only `coordctl start-run --local` reads this section (what it builds)")

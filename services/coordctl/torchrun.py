@@ -12,5 +12,6 @@ import signal
 from services.common.lifetime import die_with_parent
 
 if __name__ == "__main__":
-    die_with_parent(int(os.environ["MESHRL_PARENT_PID"]), signal.SIGTERM)
+    if "MESHRL_PARENT_PID" in os.environ:  # (absent where a person runs it, for --help say)
+        die_with_parent(int(os.environ["MESHRL_PARENT_PID"]), signal.SIGTERM)
     runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)

@@ -201,7 +201,7 @@ def validation_settings(config: RunConfig) -> ValidationSettings | None:
 
 def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
     model, trainer = config.actor_rollout_ref.model, config.trainer
-    lora_rank = served_lora_rank(model)
+    lora_rank = 0 if config.warm_start_trains_base else served_lora_rank(model)  # (then syncs bring full weights)
     return RolloutSetSettings(
         model_path=model.path, dtype=model.dtype, allow_pickle=model.allow_pickle, group=config.placement.rollout,
         backend=trainer.weight_sync_backend,

@@ -28,6 +28,7 @@ and the cluster's credentials were left out of its environment when it was start
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -154,7 +155,13 @@ def end_episode_processes() -> None:
 
 
 def main(argv: list[str]) -> None:
-    fd, parent_pid, sandboxed = int(argv[0]), int(argv[1]), argv[2:] == ["sandboxed"]
+    parser = argparse.ArgumentParser(prog="python -m services.env.worker",
+                                     description="An env worker; the env service starts it, not a person.")
+    parser.add_argument("fd", type=int, help="the worker's end of a socketpair")
+    parser.add_argument("parent_pid", type=int, help="the env service's process id")
+    parser.add_argument("sandboxed", nargs="?", choices=["sandboxed"], help="the worker runs in a sandbox")
+    args = parser.parse_args(argv)
+    fd, parent_pid, sandboxed = args.fd, args.parent_pid, args.sandboxed is not None
     if not sandboxed:  # a sandbox's bwrap kills it with the service (--die-with-parent)
         die_with_parent(parent_pid, signal.SIGKILL)
     adopt_orphans()  # what the episode's code starts stays this worker's to end, daemons and new sessions included

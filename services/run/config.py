@@ -43,6 +43,13 @@ class RunConfig(Section):
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @property
+    def warm_start_trains_base(self) -> bool:
+        """Whether a LoRA actor's warm start trains the full weights under its adapters (warm_start.full_weights)."""
+        actor_rollout_ref = self.actor_rollout_ref
+        warm_start = actor_rollout_ref.actor.warm_start
+        return bool(actor_rollout_ref.model.lora_rank and warm_start.steps and warm_start.full_weights)
+
+    @property
     def use_rollout_correction(self) -> bool:
         enable = self.algorithm.rollout_correction.enable
         return self.trainer.async_.max_staleness > 0 if enable == "auto" else enable

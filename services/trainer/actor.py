@@ -115,20 +115,22 @@ class UpdateInputs:
 
 class Actor:
     def __init__(self, model: torch.nn.Module, optim: OptimSettings, warm_start: OptimSettings, pad_id: int, seed: int,
-                 *, ranks: Ranks | None = None, merge_adapters: bool = False):
+                 *, ranks: Ranks | None = None, merge_adapters: bool = False, trains_base: bool = False):
         """``warm_start``: the settings of the warm start's own optimizer and schedule (one scheduler step per
         supervised step). ``ranks``: where the (placed, maybe sharded) model trains; None = one rank, on the
         model's device. ``merge_adapters`` (a LoRA model): syncs send the adapted layers' merged weights
-        (``lora.merge``), not the adapters' factors."""
+        (``lora.merge``), not the adapters' factors. ``trains_base`` (a LoRA model, warm_start.full_weights): the
+        warm start trains the full weights under the adapters, and syncs send the whole model, merged."""
         self.model = model
-        self.merge_adapters = merge_adapters
+        self.merge_adapters, self.trains_base = merge_adapters, trains_base
         self.ranks = ranks or Ranks.single(next(model.parameters()).device)
         self.pad_id = pad_id
         self.vocab_size = model.config.vocab_size
         self.shape = ModelShape.of(model.config, model.config.vocab_size)
         self.peak_flops = device_peak_flops(self.ranks.device)  # None: no MFU here
         self.optimizer = Optimizer(model.parameters(), optim)
-        self.warm_start = Optimizer(model.parameters(), warm_start)
+        with self.warm_start_trainable():
+            self.warm_start = Optimizer(model.parameters(), warm_start)
         self.shuffle = torch.Generator().manual_seed(seed)
 
     def compute_log_probs(self, batch: SequenceBatch, temperature: float, micro: MicroBatching) -> torch.Tensor | None:
@@ -229,7 +231,7 @@ class Actor:
         rows = torch.arange(len(batch))
         plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, micro)
         total = 0.0
-        with self.warm_start.resident():
+        with self.warm_start_trainable(), self.warm_start.resident():
             for part, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
                 chosen = batch.select(part)
                 logprobs, _ = response_logprobs(self.model, chosen, self.pad_id, 1.0, False,
@@ -250,8 +252,26 @@ class Actor:
         lm_head once); with LoRA, only the adapters' factors (``common.adapters``), or with ``merge_adapters`` the
         adapted layers' merged weights."""
         if is_lora(self.model):
+            if self.trains_base:  # the warm start changed the base: rollouts need all of it
+                return whole_merged_weights(self.model)
             return merged_weights(self.model) if self.merge_adapters else adapter_factors(self.model)
         return [(name, tensor.detach()) for name, tensor in self.model.named_parameters()]
+
+    @contextmanager
+    def warm_start_trainable(self) -> Iterator[None]:
+        """Inside the ``with``, what the warm start trains is what requires gradients: a LoRA actor whose warm start
+        trains its base (``trains_base``), every weight but the adapters'; any other actor, as it is."""
+        if not self.trains_base:
+            yield
+            return
+        was = {name: parameter.requires_grad for name, parameter in self.model.named_parameters()}
+        for name, parameter in self.model.named_parameters():
+            parameter.requires_grad_(not is_adapter_parameter(name))
+        try:
+            yield
+        finally:
+            for name, parameter in self.model.named_parameters():
+                parameter.requires_grad_(was[name])
 
     @contextmanager
     def base_policy(self) -> Iterator[torch.nn.Module]:
@@ -276,6 +296,21 @@ def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
             yield name.removeprefix(PEFT_PREFIX), module
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether a PEFT model's parameter ``name`` is one of its LoRA factors."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def whole_merged_weights(model: torch.nn.Module) -> list[tuple[str, Sendable]]:
+    """Every weight of a PEFT model under the base model's names, the adapted layers' with their adapters merged
+    in (``merged_weights``): what a rollout needs once the warm start has trained the base (a weight tied to
+    another once, as ``named_parameters`` gives it)."""
+    adapted = {f"{layer}.weight" for layer, _ in lora_layers(model)}
+    rest = [(name.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."), parameter.detach())
+            for name, parameter in model.named_parameters() if not is_adapter_parameter(name)]
+    return merged_weights(model) + [(name, tensor) for name, tensor in rest if name not in adapted]
 
 
 def adapter_factors(model: torch.nn.Module) -> list[tuple[str, Sendable]]:

@@ -7,10 +7,16 @@ number of ranks). The folder must be one that every rank sees (one node, or a
 shared file system). The LR schedules, shuffle generators and RNG state are
 the same on every rank; rank 0 writes them.
 
+An actor part way through its warm start (some of its steps taken, not all) also saves the warm start's own
+optimizer state and schedule, which a resume's warm start goes on with; once the warm start is done they are
+left out (nothing uses them again).
+
 A LoRA role (a PEFT model) saves only what it trains, its adapters (and a LoRA
 critic's value head) with their optimizer state: the frozen base is the run's
-model folder, loaded again on resume. Each role's record says whether it is
-LoRA, and a checkpoint is refused for a role trained the other way.
+model folder, loaded again on resume. A LoRA actor whose warm start trains its
+base (warm_start.full_weights) saves that base too: it is the model folder no
+more. Each role's record says whether it is LoRA, and a checkpoint is refused
+for a role trained the other way.
 
 A checkpoint is written into ``<path>.tmp`` and renamed to ``<path>`` once
 complete (by rank 0, after every rank's shards are written, with the signed
@@ -37,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
 
 from services.common.errors import FailedPrecondition
 from services.common.manifest import EXTRA, STAGING, read_manifest, verify, write_manifest
@@ -63,21 +70,37 @@ def trainable(roles) -> dict[str, Actor | Critic]:
     return {name: role for name, role in (("actor", roles.actor), ("critic", roles.critic)) if role is not None}
 
 
-def state_options(model: torch.nn.Module) -> StateDictOptions:
-    """What of a role's state a checkpoint holds: everything, or for LoRA what it trains (no frozen base)."""
-    lora = is_lora(model)
-    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+def adapters_only(role: Actor | Critic) -> bool:
+    """Whether a checkpoint of ``role`` holds only what it trains in RL, not its frozen base: a LoRA role, unless
+    its warm start trains the base."""
+    return is_lora(role.model) and not getattr(role, "trains_base", False)
+
+
+def state_options(role: Actor | Critic) -> StateDictOptions:
+    """What of a role's state a checkpoint holds: everything, or ``adapters_only``."""
+    partial = adapters_only(role)
+    return StateDictOptions(ignore_frozen_params=partial, strict=not partial)
 
 
 def role_state(role: Actor | Critic) -> dict[str, Any]:
     """The role's model and optimizer state as its checkpoint holds them. For LoRA, the parameters it trains: a
     weight tied to a frozen one (the output layer of a model whose embeddings are tied) is left out too, which
     ``ignore_frozen_params`` alone keeps, the tie hiding it from the parameters it asks about."""
-    model_state, optim_state = get_state_dict(role.model, role.optimizer.adamw, options=state_options(role.model))
-    if is_lora(role.model):
+    model_state, optim_state = get_state_dict(role.model, role.optimizer.adamw, options=state_options(role))
+    if adapters_only(role):
         trained = {name for name, parameter in role.model.named_parameters() if parameter.requires_grad}
         model_state = {name: tensor for name, tensor in model_state.items() if name in trained}
     return {"model": model_state, "optim": optim_state}
+
+
+def warm_start_under_way(actor: Actor | None) -> bool:
+    """Whether ``actor`` has taken some of its warm start's steps, not all."""
+    return actor is not None and 0 < actor.warm_start.schedule.last_epoch < actor.warm_start.settings.total_steps
+
+
+def warm_start_optim_state(actor: Actor) -> dict[str, Any]:
+    with actor.warm_start_trainable():  # (what it trains requires gradients, as torch's state dicts expect)
+        return get_optimizer_state_dict(actor.model, actor.warm_start.adamw, options=state_options(actor))
 
 
 def staging_of(path: Path) -> Path:
@@ -121,11 +144,15 @@ def save(roles, path: Path, weight_version: int, ranks: Ranks, key: bytes) -> in
             staging.mkdir(parents=True)
             (staging / STAGING).write_text(json.dumps({"run_id": roles.run_id}))
         ranks.barrier()
-        state, extra = {}, {"weight_version": weight_version, "torch_rng": torch.get_rng_state()}
+        state: dict[str, dict[str, Any]] = {}
+        extra: dict[str, Any] = {"weight_version": weight_version, "torch_rng": torch.get_rng_state()}
         for name, role in trainable(roles).items():
             state[name] = role_state(role)
             extra[name] = {"schedule": role.optimizer.schedule.state_dict(), "shuffle": role.shuffle.get_state(),
                            "lora": is_lora(role.model)}
+        if warm_start_under_way(roles.actor):
+            state["actor"]["warm_start_optim"] = warm_start_optim_state(roles.actor)
+            extra["actor"]["warm_start_schedule"] = roles.actor.warm_start.schedule.state_dict()
         dcp.save(state, checkpoint_id=staging)  # returns once every rank's shards and the metadata are written
         if ranks.rank != 0:
             return 0
@@ -201,14 +228,22 @@ def load(roles, path: Path) -> int:
     state: dict[str, dict[str, Any]] = {}
     for name, role in trainable(roles).items():
         state[name] = role_state(role)
+    warm_start = "actor" in state and "warm_start_schedule" in extra["actor"]  # saved part way through it
+    if warm_start:
+        state["actor"]["warm_start_optim"] = warm_start_optim_state(roles.actor)
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as error:
         raise ValueError(f"checkpoint {path} cannot be loaded: {cause_of(error)}") from None
     for name, role in trainable(roles).items():
         set_state_dict(role.model, role.optimizer.adamw, model_state_dict=state[name]["model"],
-                       optim_state_dict=state[name]["optim"], options=state_options(role.model))
+                       optim_state_dict=state[name]["optim"], options=state_options(role))
         role.optimizer.schedule.load_state_dict(extra[name]["schedule"])
         role.shuffle.set_state(extra[name]["shuffle"])
+    if warm_start:
+        with roles.actor.warm_start_trainable():
+            set_optimizer_state_dict(roles.actor.model, roles.actor.warm_start.adamw,
+                                     state["actor"]["warm_start_optim"], options=state_options(roles.actor))
+        roles.actor.warm_start.schedule.load_state_dict(extra["actor"]["warm_start_schedule"])
     torch.set_rng_state(extra["torch_rng"])
     return extra["weight_version"]

@@ -91,7 +91,7 @@ def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
     optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.steps,
                            actor.fsdp_config.optimizer_offload)
     return Actor(model, optim, warm_start_settings(actor), pad_id_of(model_config.path), seed, ranks=ranks,
-                 merge_adapters=model_config.lora.merge)
+                 merge_adapters=model_config.lora.merge, trains_base=config.warm_start_trains_base)
 
 
 def build_critic(config: RunConfig, seed: int, ranks: Ranks) -> Critic:

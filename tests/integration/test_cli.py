@@ -122,37 +122,46 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path):
     assert tensorboard_scalars(run_dir / "tensorboard")["critic/score/mean"] == pytest.approx(rewards, rel=1e-6)
 
 
-def test_a_local_tools_run_stopped_in_its_warm_start_resumes_with_its_env_service_without_teaching_again(tmp_path):
-    """Ctrl-C during the warm start keeps what it taught (a checkpoint of step 0), and resume --local starts the
-    services the run was started with: here an env service for its tool, which the default services lack."""
+def test_ctrl_c_in_a_warm_start_stops_at_its_next_step_and_resume_goes_on_from_there_from_any_folder(tmp_path):
+    """Ctrl-C during the warm start lands at its next step boundary, not after the whole warm start: a checkpoint
+    of step 0 keeps what it taught and where it was, and resume --local goes on with its next step, then RL, with
+    the services the run was started with: here an env service for its tool, which the default services lack. All
+    run from another folder than the repository's: the example's tool config is found beside it."""
     state_dir, repository = tmp_path / "state", Path(__file__).resolve().parents[2]
     small = ["actor_rollout_ref.actor.warm_start.steps=300", "actor_rollout_ref.actor.warm_start.batch_size=4",
-             "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-             "trainer.test_freq=-1", "trainer.val_before_train=false", "local.lookup_task.rows=500"]
-    process = subprocess.Popen([*COORDCTL, "start-run", "--local", "examples/local_tools.yaml", *small, "--state-dir",
-                                str(state_dir)], cwd=repository, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
+             "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
+             "local.lookup_task.rows=500"]
+    process = subprocess.Popen([*COORDCTL, "start-run", "--local", str(repository / "examples" / "local_tools.yaml"),
+                                *small, "--state-dir", str(state_dir)], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
     said = ""
     try:
-        said = said_until(process, "warm start 60/300")  # 240 steps before the first RL step: the stop lands first
+        said = said_until(process, "warm start 60/300")
     finally:
         process.send_signal(signal.SIGINT)
         output = said + process.communicate(timeout=180)[0].decode()
     assert process.returncode == 1 and "checkpoint of step 0 saved in" in output, output[-2000:]
+    assert "stopping the run at its next step boundary (in its warm start, the next warm-start step's)" in output
     assert output.count("multi_turn.tool_config_path=") == 1, output[:3000]  # noted, and not again as a run event
+    [taught] = re.findall(r"warm start stopped after (\d+)/300 steps: a resume goes on from step", output)
+    assert 60 <= int(taught) < 300 and "warm start 300/300" not in output
     (run_id, state, step, _), events = run_row_and_events(state_dir)
     assert state == "stopped" and step == 0 and [s for kind, s, _ in events if kind == "checkpoint"] == [0]
+    [loop_state] = sqlite3.connect(state_dir / "meshrl.db").execute("SELECT loop_state_json FROM checkpoints")
+    assert json.loads(loop_state[0])["warm_start"]["taught"] == int(taught)
 
     resumed = subprocess.Popen([*COORDCTL, "resume", "--local", "--state-dir", str(state_dir), run_id],
-                               cwd=repository, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
     try:
-        wait_for_step(state_dir, 1, resumed)
+        wait_for_step(state_dir, 1, resumed, timeout_s=240)  # the warm start's steps left, then step 1
     finally:  # stopped as a person stops it, whatever happened (its local services stop with it)
         resumed.send_signal(signal.SIGINT)
         output = resumed.communicate(timeout=120)[0].decode()
     assert "resumed from the checkpoint of step 0" in output and "env replicas of group default" in output, output
-    assert "warm start" not in output and "waiting" not in output
+    assert "warm start 300/300" in output and "warm start 60/300" not in output  # on from where it stopped
+    assert "waiting" not in output
 
     # its export is evaluated calling the tool, as it was trained: the export records the run's multi_turn
     # settings, and eval --local starts an env service for them
@@ -162,7 +171,7 @@ def test_a_local_tools_run_stopped_in_its_warm_start_resumes_with_its_env_servic
     [run_dir] = state_dir.glob("runs/*")
     held_out = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["val_files"][0]
     evaluated = subprocess.run([*COORDCTL, "eval", str(exported), "--local", "--data", held_out, "--out",
-                                str(tmp_path / "eval.jsonl"), "--state-dir", str(tmp_path / "eval")], cwd=repository,
+                                str(tmp_path / "eval.jsonl"), "--state-dir", str(tmp_path / "eval")], cwd=tmp_path,
                                capture_output=True, text=True, timeout=300,
                                env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
     assert evaluated.returncode == 0, evaluated.stdout[-2000:] + evaluated.stderr[-2000:]

@@ -208,7 +208,7 @@ class RunManager:
         if row.state not in FINAL_STATES:
             self._supervisors[run_id].stop()
             self.records.event(run_id, "log", step=row.step, message="stop requested: stopping at the next step "
-                               "boundary")
+                               "boundary (in the warm start, the next warm-start step's)")
             self.records.notify()
         return self.get_run(run_id)
 

@@ -4,7 +4,8 @@ checkpoints/step_N/<roles>, and the loop's own state, which the run DB records w
 Choices:
 - The loop's state after step s is the data sampler as it was right after step s's batch was drawn (generation
   may have run ahead since), the KL coefficient and the reward target (and a multi-turn run's env target): a run
-  resumed from it draws the batches it would have drawn, on the services it had.
+  resumed from it draws the batches it would have drawn, on the services it had. A checkpoint of step 0 saved
+  by a stop in the warm start also records how far the warm start went (``WarmStartProgress``).
 - A save a trainer's disk refuses (full, read-only) makes the run wait, saying so, and is tried again until the
   disk takes it (or the run is stopped): after SAVE_RETRY_FIRST_S, then twice as long after each further refusal,
   never more than SAVE_RETRY_MOST_S, so a disk that stays full is not written to the brim every few seconds. A
@@ -34,6 +35,7 @@ from services.coordinator.store import Checkpoint
 from services.coordinator.fleet.targets import ServiceTarget
 from services.coordinator.waiting import retry_while
 from services.coordinator.fleet.weight_probe import WeightProbe
+from services.coordinator.step.warm_start import WarmStartProgress
 
 SAVE_RETRY_FIRST_S = 2.0  # a checkpoint save its disk refused is first tried again after this long
 SAVE_RETRY_MOST_S = 30.0  # and, backing off, never waits longer than this (each try writes until refused)
@@ -61,6 +63,7 @@ class Restored(NamedTuple):
 
     version: int  # the actor's weight version
     kl_coef: float
+    warm_start: WarmStartProgress | None  # how far the warm start went, in a checkpoint saved during it
 
 
 class Checkpointer:
@@ -87,20 +90,24 @@ class Checkpointer:
         """Step ``step``'s batch was drawn with the data sampler in ``data_state`` right after."""
         self.data_after[step] = data_state
 
-    def loop_state(self, step: int, kl_coef: float) -> dict:
+    def loop_state(self, step: int, kl_coef: float, warm_start: WarmStartProgress | None = None) -> dict:
         """What the coordinator must keep to go on after step ``step``: the data sampler as it was right after
-        that step's batch was drawn (it may have run ahead since), the KL coefficient, the reward target and a
-        multi-turn run's env target."""
+        that step's batch was drawn (it may have run ahead since), the KL coefficient, the reward target, a
+        multi-turn run's env target, and ``warm_start``'s progress where given (a stop in the warm start)."""
         target = self.reward_set.target
         state = {**self.data_after[step], "kl_coef": kl_coef, "reward_target": [target.kind, target.name]}
+        if warm_start is not None:
+            state["warm_start"] = warm_start._asdict()
         if self.env_set is not None:
             state["env_target"] = [self.env_set.target.kind, self.env_set.target.name]
         if self.probe is not None:
             state["weight_probe"] = self.probe.state()
         return state
 
-    async def save(self, step: int, kl_coef: float) -> None:
-        """Each trainer saves its roles under checkpoints/step_N/<roles>; then the run DB records the step, and
+    async def save(self, step: int, kl_coef: float, warm_start: WarmStartProgress | None = None) -> None:
+        """Each trainer saves its roles under checkpoints/step_N/<roles> (the actor part way through its warm
+        start: with the warm start's optimizer and schedule); then the run DB records the step (``warm_start``:
+        with the warm start's progress), and
         checkpoints beyond the run's ``keep`` newest go. A save a trainer's disk refuses (full, read-only) makes
         the run wait, saying so, and is tried again, backing off, until the disk takes it (or the run is
         stopped); each retry asks only the trainers not saved yet."""
@@ -125,7 +132,7 @@ class Checkpointer:
 
         await retry_while(save_unsaved, lambda error: str(error) if isinstance(error, DiskRefused) else None,
                           self.notices.disk_waiting, self.should_stop, SAVE_RETRY_FIRST_S, most_s=SAVE_RETRY_MOST_S)
-        self.notices.checkpoint(step, str(folder), self.loop_state(step, kl_coef), self.keep)
+        self.notices.checkpoint(step, str(folder), self.loop_state(step, kl_coef, warm_start), self.keep)
         self.saved_step = step
         self.data_after = {later: state for later, state in self.data_after.items() if later > step}
 
@@ -154,4 +161,5 @@ class Checkpointer:
             self.probe.restore(state.get("weight_probe"))
         self.saved_step = resume.step
         self.notices.log(f"resumed from the checkpoint of step {resume.step}")
-        return Restored(versions[list(roles).index(self.actor)], state["kl_coef"])
+        return Restored(version=versions[list(roles).index(self.actor)], kl_coef=state["kl_coef"],
+                        warm_start=WarmStartProgress.of_state(state.get("warm_start")))

@@ -161,7 +161,8 @@ class PPOLoop:
             self.training = Training(
                 trainers=trainers,
                 warm_start=WarmStart(settings=settings, actor=trainers.actor, prompts=warm_prompts,
-                                     tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout),
+                                     tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout,
+                                     should_stop=should_stop),
                 checkpoints=Checkpointer(run_id=run_id, roles=trainers.roles(), actor=trainers.actor, sampler=sampler,
                                          reward_set=reward_set, env_set=env_set, notices=reporter,
                                          should_stop=should_stop, folder=checkpoint_dir,
@@ -186,9 +187,10 @@ class PPOLoop:
 
     async def run(self, resume: Checkpoint | None = None) -> bool:
         """Set up (from ``resume`` if given), then train until the last step or a stop request, checkpointing
-        every trainer.save_freq steps and at a stop (one asked during the warm start: its weights, as step 0, so
-        that a resume does not teach them again), and validating when asked; True if every step ran. A run that
-        only validates does that and ends."""
+        every trainer.save_freq steps and at a stop (one asked during the warm start lands at its next step
+        boundary: its weights, optimizer and progress, as step 0, so that a resume goes on from there and does not
+        teach again what it taught), and validating when asked; True if every step ran. A run that only validates
+        does that and ends."""
         settings, validation = self.settings, self.settings.validation
         if validation is not None and validation.only:
             await self.follow_envs()
@@ -196,13 +198,13 @@ class PPOLoop:
             self.validations.start(0)
             await self.validations.finish()
             return True
-        await self.set_up(resume)
+        warm_start_began = await self.set_up(resume)
         checkpoints, validations = self.checkpoints, self.validations
         first, last = checkpoints.saved_step + 1, settings.total_steps
         if self.should_stop():
-            if resume is None and settings.warm_start_steps:  # stopped in the warm start: keep what it taught
+            if warm_start_began:  # stopped in (or right after) the warm start: keep what it taught, and where it was
                 checkpoints.drawn(0, checkpoints.data_state())
-                await checkpoints.save(0, self.kl_coef)
+                await checkpoints.save(0, self.kl_coef, self.trained().warm_start.progress)
             return False
         if validation is not None and validation.before_train and checkpoints.saved_step == 0:
             validations.start(0)                                          # the starting weights
@@ -389,8 +391,9 @@ class PPOLoop:
 
     # ------------------------------------------------------------------ set-up and boundaries
 
-    async def set_up(self, resume: Checkpoint | None) -> None:
-        """Load the roles and models everywhere, open the weight channel, warm start (or restore), and sync."""
+    async def set_up(self, resume: Checkpoint | None) -> bool:
+        """Load the roles and models everywhere, open the weight channel, warm start (or restore, and go on with
+        a warm start stopped part way), and sync; True if this went through (part of) the warm start."""
         await self.follow_envs()
         await asyncio.gather(
             *(trainer.init_run(self.run_id, self.config_yaml, roles, self.settings.seed, self.timeout)
@@ -399,12 +402,19 @@ class PPOLoop:
         )
         if self.settings.sleep_rollouts:
             await self.rollout_set.wake_up()  # one an earlier attempt left asleep
+        tools = self.env_set.tools(self.agent.settings.environment) if self.agent and self.env_set else ()
         if resume is None:
-            tools = self.env_set.tools(self.agent.settings.environment) if self.agent and self.env_set else ()
-            version = await self.trained().warm_start.run(tools)
+            warm_start = self.settings.warm_start_steps > 0
+            version = await self.trained().warm_start.run(tools) if warm_start else 0
         else:
-            version, self.kl_coef = await self.checkpoints.restore(resume)
+            restored = await self.checkpoints.restore(resume)
+            version, self.kl_coef = restored.version, restored.kl_coef
+            warm_start = restored.warm_start is not None and restored.warm_start.taught < \
+                self.settings.warm_start_steps
+            if warm_start:
+                version = await self.trained().warm_start.run(tools, restored.warm_start, version)
         await self.rollout_set.sync(version)
+        return warm_start
 
     async def boundary(self, step: int) -> None:
         """Before step ``step`` is generated: apply a reward swap, follow the reward, env and rollout replicas."""

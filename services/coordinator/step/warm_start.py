@@ -5,6 +5,9 @@ Choices:
   trainer.seed + 1), on the run's rows or, with own_rows, on rows set aside for it that RL never draws.
 - The response it teaches is the row's worked solution (extra_info.answer, as verl's GSM8K preprocessing keeps
   it) where it has one, else its ground truth, ending in EOS.
+- A stop asked during the warm start lands at its next step boundary: ``progress`` (the steps taught and its
+  sampler's place) goes into the checkpoint the loop then saves as step 0, beside the trainer's weights and the
+  warm start's optimizer and schedule, and a resume goes on from the next step with the rows it would have drawn.
 - A row with a worked multi-turn trajectory (extra_info.turns: the chat messages after the prompt, assistant
   turns and tool replies) is taught token-exactly as the agent loop would produce it (turns.py): the prompt
   rendered by the chat template with the run's tools, then each assistant message's text and EOS (trained),
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -48,30 +51,53 @@ def warm_start_rows(settings: LoopSettings, prompts: list[Prompt]) -> tuple[list
     return [prompts[i] for i in taught], [prompts[i] for i in rest]
 
 
+class WarmStartProgress(NamedTuple):
+    """How far a warm start has gone: the steps taught, and its sampler's place right after the last batch drawn."""
+
+    taught: int
+    epoch: int
+    position: int
+
+    @classmethod
+    def of_state(cls, state: dict | None) -> WarmStartProgress | None:
+        """The progress a checkpoint's loop state records (None: none, as in a checkpoint of an RL step)."""
+        return None if state is None else cls(taught=state["taught"], epoch=state["epoch"], position=state["position"])
+
+
 class WarmStart:
     def __init__(self, *, settings: LoopSettings, actor: TrainerClient, prompts: list[Prompt], tokenizer,
-                 notices: Notices, timeout_s: float):
+                 notices: Notices, timeout_s: float, should_stop: Callable[[], bool] = lambda: False):
         """``prompts``: the warm start's rows; ``tokenizer``: the model's, to encode the responses it teaches. A
         worked trajectory's tool replies are cut as the agent loop cuts them (multi_turn.max_tool_response_length
-        and tool_response_truncate_side; a single-turn run: only data.max_response_length bounds them)."""
+        and tool_response_truncate_side; a single-turn run: only data.max_response_length bounds them).
+        ``should_stop``: asked before each step; once True, the warm start ends there (``progress`` says where)."""
         self.settings, self.actor, self.prompts, self.tokenizer = settings, actor, prompts, tokenizer
-        self.notices, self.timeout_s = notices, timeout_s
+        self.notices, self.timeout_s, self.should_stop = notices, timeout_s, should_stop
         agent = settings.agent
         self.max_reply_tokens = agent.max_reply_tokens if agent is not None else None
         self.truncate_side = agent.truncate_side if agent is not None else "middle"
+        self.progress = WarmStartProgress(taught=0, epoch=0, position=0)
 
-    async def run(self, tools: tuple[dict[str, Any], ...] = ()) -> int:
-        """Supervised steps on the ground-truth responses; returns the trainer's weight version. ``tools``: the
-        OpenAI schemas of a multi-turn run's tools (rendered into its trajectories' prompts as the agent loop
-        renders them), () for a single-turn run."""
-        steps, version = self.settings.warm_start_steps, 0
-        if not steps:
-            return version
+    async def run(self, tools: tuple[dict[str, Any], ...] = (), resume: WarmStartProgress | None = None,
+                  version: int = 0) -> int:
+        """Supervised steps on the ground-truth responses, from ``resume`` (where a stopped warm start left off;
+        None: the first step) until the last or a stop; returns the trainer's weight version (``version``, that
+        of the weights it starts from, if it teaches nothing). ``tools``: the OpenAI schemas of a multi-turn
+        run's tools (rendered into its trajectories' prompts as the agent loop renders them), () for a
+        single-turn run."""
+        steps = self.settings.warm_start_steps
         sampler = PromptSampler(len(self.prompts), self.settings.warm_start_batch_size, True, self.settings.seed + 1)
+        self.progress = resume or self.progress
+        sampler.epoch, sampler.position = self.progress.epoch, self.progress.position
         started = time.monotonic()
-        for index in range(steps):
+        for index in range(self.progress.taught, steps):
+            if self.should_stop():
+                self.notices.log(f"warm start stopped after {index}/{steps} steps: a resume goes on from step "
+                                 f"{index + 1}")
+                break
             batch = make_taught_batch([self.taught(self.prompts[i], tools) for i in sampler.next_batch()])
             metrics, version = await self.actor.train_supervised(batch, 0, self.timeout_s)
+            self.progress = WarmStartProgress(taught=index + 1, epoch=sampler.epoch, position=sampler.position)
             if (index + 1) % max(1, steps // 5) == 0:
                 self.notices.log(f"warm start {index + 1}/{steps}: loss {metrics['warm_start/loss']:.3f}, "
                                  f"lr {metrics['warm_start/lr']:.2g} ({time.monotonic() - started:.0f} s)")

@@ -30,6 +30,13 @@ class WarmStartConfig(Section):
     """After the warm-up: constant, or cosine decay to min_lr_ratio * lr at the warm start's last step."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """Floor of the cosine decay, as a fraction of lr."""
+    full_weights: bool = True
+    """With LoRA (actor_rollout_ref.model.lora_rank > 0): the warm start trains the model's full weights, as the
+    SFT model it stands in for was trained, and RL's adapters learn on top of them. That warm-started base is
+    then the reference (the adapters switched off), checkpoints hold it beside the adapters, and each sync sends
+    the whole model with the adapters merged in, which rollouts serve as full weights (as with lora.merge). false:
+    the warm start trains the adapters alone, on the model folder's frozen base. Changes nothing without LoRA or
+    without warm-start steps."""
     own_rows: bool = False
     """Teach rows that RL never draws: steps x batch_size rows of the training data, chosen by a seeded shuffle,
     are the warm start's (each taught once) and RL's batches come from the rest, so RL does not spend its steps

@@ -111,14 +111,54 @@ def test_a_multi_turn_run_without_its_tool_config_file_is_refused_before_anythin
     monkeypatch.setenv("MESHRL_CACHE", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["start-run", "--local", "--dry-run", str(EXAMPLES / "local_tools.yaml"),
-                                      "local.lookup_task.rows=100"])
+                                      "local.lookup_task.rows=100",
+                                      "actor_rollout_ref.rollout.multi_turn.tool_config_path=mine/tools.yaml"])
     assert result.exit_code == 2
     assert ("actor_rollout_ref.rollout.multi_turn.tool_config_path: no tool config file at "
-            f"{tmp_path / 'examples' / 'local_tools' / 'tools.yaml'}") in result.output
+            f"{tmp_path / 'mine' / 'tools.yaml'}") in result.output
     assert not (tmp_path / "meshrl-runs").exists()
     none = validate(RunConfig, {"actor_rollout_ref": {"rollout": {"multi_turn": {"enable": True}}}})
     with pytest.raises(ValueError, match=r"multi_turn\.tool_config_path: a multi-turn run started with --local"):
         local_services(LocalConfig(), none)
+
+
+def test_an_example_runs_from_another_folder_with_the_tools_beside_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["start-run", "--local", "--dry-run", str(EXAMPLES / "local_tools.yaml"),
+                                      "local.lookup_task.rows=100"])
+    assert result.exit_code == 0, result.output
+    assert f"environments.tools.tool_config_path={EXAMPLES / 'local_tools' / 'tools.yaml'} " in result.output
+    assert not (tmp_path / "meshrl-runs").exists()
+
+
+def test_relative_paths_in_a_file_are_taken_from_its_folder_and_on_the_command_line_from_the_current_one(
+        tmp_path, monkeypatch):
+    configs, here = tmp_path / "configs", tmp_path / "here"
+    configs.mkdir()
+    here.mkdir()
+    (configs / "run.yaml").write_text(yaml.safe_dump({
+        "actor_rollout_ref": {"model": {"path": "../models/m", "lora_rank": 8, "lora_adapter_path": "adapters/a"},
+                              "rollout": {"multi_turn": {"enable": True, "tool_config_path": "tools.yaml"}}},
+        "critic": {"model": {"path": "/models/critic"}},
+        "data": {"train_files": ["data/train.parquet", "/data/other.parquet"], "val_files": "data/val.parquet"}}))
+    monkeypatch.chdir(here)
+    config, _ = resolve_config([str(Path("..") / "configs" / "run.yaml")], local=False)
+    model, rollout = config.actor_rollout_ref.model, config.actor_rollout_ref.rollout
+    assert Path(model.path).resolve() == tmp_path / "models" / "m"
+    assert (model.lora_adapter_path, rollout.multi_turn.tool_config_path) == (
+        str(configs / "adapters" / "a"), str(configs / "tools.yaml"))
+    assert config.critic.model.path == "/models/critic"  # an absolute path stays as it is
+    assert config.data.train_files == [str(configs / "data" / "train.parquet"), "/data/other.parquet"]
+    assert config.data.val_files == [str(configs / "data" / "val.parquet")]
+
+    overridden, _ = resolve_config([str(configs / "run.yaml"), "data.train_files=[mine.parquet]",
+                                    "+actor_rollout_ref.model.path=models/m", "critic.model.path=~/critic"],
+                                   local=False)
+    assert overridden.data.train_files == [str(here / "mine.parquet")]
+    assert overridden.actor_rollout_ref.model.path == str(here / "models" / "m")
+    assert overridden.critic.model.path == str(Path.home() / "critic")
+    assert overridden.data.val_files == [str(configs / "data" / "val.parquet")]  # not overridden: the file's
 
 
 def test_a_multi_turn_run_on_vllm_gets_prefix_caching_and_an_env_worker_per_trajectory_up_to_256(tmp_path):

@@ -52,3 +52,14 @@ def test_a_lora_runs_rollouts_hear_its_rank_and_keep_max_staleness_plus_one_vers
     assert (started.lora_rank, started.adapter_versions) == (32, 1)
     merged = rollout_set_settings(lora_run(tmp_path, 2, lora_rank=64, lora={"merge": True}))
     assert (merged.lora_rank, merged.adapter_versions) == (0, 0)  # served as full weights
+
+
+def test_a_lora_run_whose_warm_start_trains_the_full_weights_has_rollouts_serve_full_weights(tmp_path):
+    def settings(**warm_start):
+        return rollout_set_settings(validate(RunConfig, {
+            "actor_rollout_ref": {"model": {"path": str(tmp_path), "lora_rank": 8},
+                                  "actor": {"warm_start": warm_start}}}))
+
+    assert (settings(steps=30).lora_rank, settings(steps=30).adapter_versions) == (0, 0)  # the whole model, merged
+    assert settings(steps=30, full_weights=False).lora_rank == 8  # the warm start trains the adapters: adapters
+    assert settings(steps=0).lora_rank == 8  # no warm start: the base is the model folder's

@@ -8,6 +8,7 @@ The two scripts' arguments are quoted from verl's repository (volcengine/verl, 2
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -210,7 +211,8 @@ def test_verls_multi_turn_gsm8k_recipe_is_taken_with_its_meaning(tmp_path):
         config_file=hydra_config_file(str(tmp_path), "gsm8k_multiturn_grpo"))
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
     assert multi_turn.enable and multi_turn.max_assistant_turns == 5 and multi_turn.format == "hermes"
-    assert multi_turn.tool_config_path == "config/tool_config/gsm8k_tool_config.yaml"
+    # from the folder the script runs in, as verl's scripts expect
+    assert multi_turn.tool_config_path == str(Path.cwd() / "config/tool_config/gsm8k_tool_config.yaml")
     assert multi_turn.tool_response_truncate_side == "middle" and multi_turn.max_tool_response_length == 256
     notices = " ".join(config.notices())
     assert "rollout.name=sglang" in notices and "the env services host the tools" in notices

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from services.common.adapters import adapter_pairs, merged_weight
 from services.common.sequences import SequenceBatch
 from services.common.weight_sync import full
+from services.coordctl.export import holds_base, lora_role_model
 from services.coordctl.tiny_model import build_tiny_model
 from services.run.config import RunConfig
 from services.run.lora import ADAPTER, check_lora
@@ -34,15 +35,16 @@ def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=2, num_heads=2, seed=0)
 
 
-def run_yaml(folder, **model_keys) -> str:
+def run_yaml(folder, warm_start=None, **model_keys) -> str:
     return yaml.safe_dump({"actor_rollout_ref": {
         "model": {"path": str(folder), **model_keys},
-        "actor": {"use_kl_loss": True, "optim": {"lr": 1e-2}}}})
+        "actor": {"use_kl_loss": True, "optim": {"lr": 1e-2}, "warm_start": warm_start or {}}}})
 
 
-def loaded(tiny, roles=("actor", "ref"), **model_keys) -> RankWorker:
+def loaded(tiny, roles=("actor", "ref"), warm_start=None, **model_keys) -> RankWorker:
     worker = RankWorker(Ranks.single("cpu"))
-    worker.init_run({}, run_id="r", run_config_yaml=run_yaml(tiny, **model_keys), roles=list(roles), seed=0)
+    worker.init_run({}, run_id="r", run_config_yaml=run_yaml(tiny, warm_start, **model_keys), roles=list(roles),
+                    seed=0)
     return worker
 
 
@@ -358,3 +360,52 @@ def test_a_bf16_lora_actor_s_logprobs_are_those_of_its_merged_weights(tiny):
     actor = worker.compute_log_probs(SEQUENCES, role="actor")
     assert (actor - logprobs(merged)).abs().max() < 0.02
     assert (actor - logprobs(base)).abs().max() > 0.1  # the adapters have moved it further than that
+
+
+def test_a_lora_warm_start_trains_the_full_weights_and_the_adapters_learn_on_top(tiny, tmp_path):
+    """warm_start.full_weights (the default): the warm start trains every weight but the adapters, RL the adapters
+    alone; the reference is the warm-started base; each sync sends the whole model, merged, under the base's
+    names; a checkpoint holds the base with the adapters, restores it exactly, and exports as the trainer computes."""
+    worker = loaded(tiny, lora_rank=4, lora_alpha=8, warm_start={"steps": 2, "batch_size": 2})
+    actor = worker.roles.actor
+    initial = {name: p.clone() for name, p in actor.model.named_parameters()}
+    worker.train_supervised(SEQUENCES)
+    taught = {name: p.clone() for name, p in actor.model.named_parameters()}
+    changed = {name for name in initial if not torch.equal(taught[name], initial[name])}
+    assert changed and not any(".lora_" in name for name in changed)  # the base learnt, the adapters did not
+    assert "base_model.model.model.embed_tokens.weight" in changed  # every weight, not only the adapted layers'
+    assert all(p.requires_grad == (".lora_" in name) for name, p in actor.model.named_parameters())  # RL's again
+    reference = worker.compute_log_probs(SEQUENCES, role="ref")
+    update(worker)
+    updated = {name for name, p in actor.model.named_parameters() if not torch.equal(p, taught[name])}
+    assert updated and all(".lora_" in name for name in updated)  # RL trains the adapters alone
+    assert torch.equal(worker.compute_log_probs(SEQUENCES, role="ref"), reference)  # the warm-started base
+
+    sent = {name: full(weight) for name, weight in actor.named_weights()}
+    merged = copy.deepcopy(actor.model).merge_and_unload()
+    assert sent.keys() == dict(merged.named_parameters()).keys()  # the whole model under its own names
+    assert all(torch.allclose(sent[name], p, atol=1e-6, rtol=0) for name, p in merged.named_parameters())
+
+    worker.save_checkpoint({}, path=str(tmp_path / "ckpt"))
+    stored = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    assert "actor.model.base_model.model.model.embed_tokens.weight" in stored
+    again = loaded(tiny, lora_rank=4, lora_alpha=8, warm_start={"steps": 2, "batch_size": 2})
+    again.load_checkpoint({}, path=str(tmp_path / "ckpt"))
+    assert all(torch.equal(p, dict(actor.model.named_parameters())[name])
+               for name, p in again.roles.actor.model.named_parameters())
+    # coordctl export's model: the checkpoint's base with its adapters merged in, as the trainer computes
+    config = RunConfig.model_validate(yaml.safe_load(run_yaml(tiny, {"steps": 2, "batch_size": 2}, lora_rank=4,
+                                                              lora_alpha=8)))
+    assert holds_base(tmp_path / "ckpt", "actor")
+    exported = lora_role_model(config, "actor", tmp_path / "ckpt").merge_and_unload()
+    assert all(torch.allclose(p, sent[name], atol=1e-6, rtol=0) for name, p in exported.named_parameters())
+
+
+def test_with_full_weights_off_a_lora_warm_start_trains_the_adapters(tiny):
+    worker = loaded(tiny, lora_rank=4, lora_alpha=8, warm_start={"steps": 2, "batch_size": 2, "full_weights": False})
+    actor = worker.roles.actor
+    initial = {name: p.clone() for name, p in actor.model.named_parameters()}
+    worker.train_supervised(SEQUENCES)
+    changed = {name for name, p in actor.model.named_parameters() if not torch.equal(p, initial[name])}
+    assert changed and all(".lora_" in name for name in changed)
+    assert all(".lora_" in name for name, _ in actor.named_weights())  # adapter syncs

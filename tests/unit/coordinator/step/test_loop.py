@@ -202,7 +202,7 @@ class Mesh:
     """A PPOLoop over one fake trainer, the fake rollouts and reward services named, from a run config."""
 
     def __init__(self, tmp_path: Path, overrides: dict, rollouts=("rollout:1",), rewards=("reward-a:1", "reward-b:1"),
-                 stop_after: int | None = None, val_prompts=()):
+                 stop_after: int | None = None, val_prompts=(), stop_after_taught: int | None = None):
         data = {"train_batch_size": 4, "shuffle": False, "max_response_length": 4,
                 "val_files": ["held-out.jsonl"] if val_prompts else []}
         config = validate(RunConfig, {"data": data, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4},
@@ -214,6 +214,8 @@ class Mesh:
         self.rewards = {address: FakeReward(address) for address in rewards}
         groups = {"group default": ["reward-a:1"], "group b": ["reward-b:1"]}
         stop = (lambda: len(self.reporter.steps) >= stop_after) if stop_after is not None else (lambda: False)
+        if stop_after_taught is not None:  # a stop asked once the warm start has taught that many steps
+            stop = lambda: len(self.trainer.taught) >= stop_after_taught  # noqa: E731
         rollout_set = RolloutSet("run", rollout_set_settings(config), self.trainer, lambda: list(self.rollouts),
                                  self.reporter, should_stop=stop, connect=self.rollouts.__getitem__)
         reward_set = RewardSet(ServiceTarget("group", "default"), lambda target: groups[str(target)], self.reporter,
@@ -407,14 +409,45 @@ def test_a_stop_request_checkpoints_the_last_step_and_a_resume_goes_on_from_it(t
     assert again.rollouts["rollout:1"].generated == 4 * N  # only step 3 is generated
 
 
-def test_a_stop_asked_during_the_warm_start_keeps_its_weights_as_step_0_and_a_resume_does_not_teach_again(tmp_path):
-    warm = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "warm_start": {"steps": 2, "batch_size": 1}},
+def taught_rows(trainer: FakeTrainer) -> list[str]:
+    return [text(ids) for batch in trainer.taught for ids in split_ragged(batch.prompt_ids, batch.prompt_lens)]
+
+
+def test_a_stop_asked_during_the_warm_start_lands_at_its_next_step_and_a_resume_goes_on_from_there(tmp_path):
+    warm = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "warm_start": {"steps": 5, "batch_size": 1}},
                                   "rollout": {"n": N}}}
-    mesh = Mesh(tmp_path, warm, stop_after=0)  # asked before the first step
+    whole = Mesh(tmp_path / "whole", warm)  # the same warm start, not stopped
+    assert whole.run() is True and len(whole.trainer.taught) == 5
+
+    mesh = Mesh(tmp_path, warm, stop_after_taught=2)  # asked during the second step
     assert mesh.run() is False
     [(step, path, state)] = mesh.reporter.checkpoints
-    assert step == 0 and len(mesh.trainer.taught) == 2 and not mesh.reporter.steps
+    assert step == 0 and len(mesh.trainer.taught) == 2 and not mesh.reporter.steps  # not the 3 steps left
+    assert state["warm_start"] == {"taught": 2, "epoch": 0, "position": 2}  # 2 rows of the 5 drawn
     assert mesh.trainer.saved == [str(Path(path) / "actor")]
+    assert "warm start stopped after 2/5 steps: a resume goes on from step 3" in mesh.reporter.messages
+
+    again = Mesh(tmp_path, warm)
+    again.trainer.version = 2  # the trainer restores the weights (and the warm start's optimizer) of its step 2
+    assert again.run(Checkpoint("run", step, path, state)) is True
+    assert again.trainer.loaded == [str(Path(path) / "actor")]
+    assert taught_rows(mesh.trainer) + taught_rows(again.trainer) == taught_rows(whole.trainer)  # the rows it would
+    assert sorted(again.reporter.steps) == [1, 2, 3]                                            # have drawn
+    assert again.reporter.steps[1]["training/weight_version"] == 6.0  # RL from the 5 steps' weights
+
+
+def test_a_stop_asked_before_or_after_the_warm_start_keeps_step_0_and_a_resume_does_not_teach_again(tmp_path):
+    warm = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "warm_start": {"steps": 2, "batch_size": 1}},
+                                  "rollout": {"n": N}}}
+    early = Mesh(tmp_path / "early", warm, stop_after_taught=0)  # asked before its first step: nothing taught
+    assert early.run() is False and early.trainer.taught == []
+    [(step, _, state)] = early.reporter.checkpoints
+    assert step == 0 and state["warm_start"]["taught"] == 0
+
+    mesh = Mesh(tmp_path, warm, stop_after_taught=2)  # asked as its last step ends
+    assert mesh.run() is False
+    [(step, path, state)] = mesh.reporter.checkpoints
+    assert step == 0 and len(mesh.trainer.taught) == 2 and state["warm_start"]["taught"] == 2
     again = Mesh(tmp_path, warm)
     again.trainer.version = 2  # the trainer restores the warm start's weights
     assert again.run(Checkpoint(run_id="run", step=step, path=path, loop_state=state)) is True
