@@ -50,10 +50,10 @@ WARM_START_BATCH = {"prompt_ids": torch.tensor([5, 6, 7, 8, 9, 10, 11]), "prompt
                     "response_ids": torch.tensor([12, 13, 14, 15, 16]), "response_lens": torch.tensor([2, 3])}
 
 
-def warm_started(folder, steps: int, lora_rank: int = 0) -> Worker:
+def warm_started(folder, steps: int, lora_rank: int = 0) -> RankWorker:
     """A worker holding a run whose warm start has 4 steps (a warmup and a cosine: every step's lr differs); with
     ``lora_rank``, a LoRA actor whose warm start trains its full weights."""
-    worker = Worker(Ranks.single("cpu"))
+    worker = RankWorker(Ranks.single("cpu"))
     warm_start = {"steps": 4, "batch_size": 2, "lr": 1e-2, "lr_warmup_steps": 1, "warmup_style": "cosine"}
     config = yaml.safe_dump({"actor_rollout_ref": {"model": {"path": str(folder), "lora_rank": lora_rank},
                                                    "actor": {"warm_start": warm_start}}})

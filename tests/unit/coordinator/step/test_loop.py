@@ -429,7 +429,7 @@ def test_a_stop_asked_during_the_warm_start_lands_at_its_next_step_and_a_resume_
 
     again = Mesh(tmp_path, warm)
     again.trainer.version = 2  # the trainer restores the weights (and the warm start's optimizer) of its step 2
-    assert again.run(Checkpoint("run", step, path, state)) is True
+    assert again.run(Checkpoint(run_id="run", step=step, path=path, loop_state=state)) is True
     assert again.trainer.loaded == [str(Path(path) / "actor")]
     assert taught_rows(mesh.trainer) + taught_rows(again.trainer) == taught_rows(whole.trainer)  # the rows it would
     assert sorted(again.reporter.steps) == [1, 2, 3]                                            # have drawn
