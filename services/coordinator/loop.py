@@ -58,6 +58,7 @@ from services.common.timing import StageTimer
 from services.coordinator import generation
 from services.common.errors import FailedPrecondition
 from services.coordinator.agent import AgentLoop, episode_row
+from services.gateway.server import run_gateway
 from services.coordinator.env_set import EnvProbe, EnvSet
 from services.coordinator.checkpointer import CheckpointNotices, Checkpointer
 from services.coordinator.clients import TrainerClient
@@ -148,7 +149,8 @@ class PPOLoop:
         self.run_id, self.settings, self.config_yaml = run_id, settings, config_yaml
         self.trainers, self.rollout_set, self.reward_set, self.env_set = trainers, rollout_set, reward_set, env_set
         self.agent = AgentLoop(rollout_set=rollout_set, env_set=env_set, settings=settings.agent, tokenizer=tokenizer,
-                               notices=reporter) if settings.agent is not None and env_set is not None else None
+                               notices=reporter, gateway=run_gateway(run_id, settings.agent, tokenizer)) \
+            if settings.agent is not None and env_set is not None else None
         warm_prompts, self.prompts = warm_start_rows(settings, prompts)  # the warm start's rows and RL's
         self.tokenizer, self.reporter, self.should_stop = tokenizer, reporter, should_stop
         self.sampler = PromptSampler(len(self.prompts), settings.batch_size, settings.shuffle, settings.seed) if \
