@@ -22,7 +22,7 @@ from services.common.request_text import json_object
 from services.env import telemetry
 from services.env.config import EnvServiceConfig
 from services.env.environment import Message
-from services.env.episodes import Episodes
+from services.env.episodes import Episodes, Gateway
 from services.common.sandbox import SandboxUnavailable, check_sandbox
 from services.env.tools import check_tools, environment_tools
 from services.env.worker_sandbox import hosts_user_code
@@ -85,8 +85,9 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         if not request.episode_id:
             raise ValueError("episode_id is empty")
         row = await asyncio.to_thread(row_from_json, request.row_json, self.config.max_message_chars)  # off the loop
+        gateway = Gateway(request.gateway_url, request.episode_key, request.model) if request.gateway_url else None
         messages = await self._in_thread(self.episodes.reset, request.episode_id, request.env_name, row,
-                                         max(0, request.max_parallel_calls))
+                                         max(0, request.max_parallel_calls), gateway)
         telemetry.EPISODES.inc()
         telemetry.OPEN_EPISODES.set(self.episodes.open_count)
         return env_pb2.ResetResponse(messages=[message_to_pb(m) for m in messages],
@@ -112,7 +113,8 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         return env_pb2.EnvInfo(identity=self.identity, open_episodes=self.episodes.open_count,
                                workers=self.config.workers, environments=[
             env_pb2.EnvironmentInfo(
-                name=name, source=environment.environment or "tools",
+                name=name, source=environment.environment or environment.agent or " ".join(
+                    environment.agent_command or []) or "tools", runs_agent=environment.runs_agent,
                 tools=[env_pb2.ToolInfo(name=tool.name, schema_json=json.dumps(tool.tool_schema))
                        for tool in self.tools[name]])
             for name, environment in self.config.environments.items()])

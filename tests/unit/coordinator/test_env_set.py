@@ -37,7 +37,7 @@ class Env:
     async def describe(self, timeout):
         return EnvDescription(f"env-{self.address}", "1.0", {name: () for name in self.environments}, self.workers)
 
-    async def reset(self, episode_id, row, environment, max_parallel_calls, timeout):
+    async def reset(self, episode_id, row, environment, max_parallel_calls, timeout, access=None):
         self.calls.append(("reset", environment, row, max_parallel_calls))
         self.overlapping += bool(self.refusals and self.in_flight)
         self.in_flight += 1
