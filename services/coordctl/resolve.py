@@ -192,7 +192,9 @@ def env_settings(config: RunConfig) -> list[str]:
         if not target.endswith(".py") or not agent.is_file():
             raise ValueError(f"actor_rollout_ref.rollout.multi_turn.agent: no agent file at {agent} (path/to/file.py:"
                              f"function)")
-        return [f"environments.{multi_turn.environment}.agent={agent}:{function}"]
+        tools = [f"environments.{multi_turn.environment}.tool_config_path={Path(multi_turn.tool_config_path).resolve()}"
+                 ] if multi_turn.tool_config_path is not None else []
+        return [f"environments.{multi_turn.environment}.agent={agent}:{function}", *tools]
     key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
     if multi_turn.tool_config_path is None:
         raise ValueError(f"{key}: a multi-turn run started with --local needs a tool config (or multi_turn.agent) for "

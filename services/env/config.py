@@ -61,6 +61,8 @@ class EnvironmentConfig(Section):
     OPENAI_MODEL and MESHRL_ROW (the row as JSON, also on its stdin) set; the last line it prints, where it is a
     number, is its reward (otherwise the reward service scores its last completion). An argument that names a file
     is made absolute, and its folder readable in the sandbox."""
+    # An agent environment may list tools (tools or tool_config_path): the schemas of the tools its agent passes, which
+    # the service describes (Info) and never runs, so that a run renders its warm start's worked trajectories with them.
     agent_timeout_s: PositiveFloat = 300.0
     """Longest one episode's agent may run (an agent environment's); past it the agent is stopped and the episode
     failed (scored 0, counted by the run as agent/episodes_failed/timed_out)."""
@@ -72,10 +74,11 @@ class EnvironmentConfig(Section):
     @pydantic.model_validator(mode="after")
     def _one_kind(self) -> EnvironmentConfig:
         has_tools = bool(self.tools) or self.tool_config_path is not None
-        kinds = [has_tools, self.environment is not None, self.agent is not None, self.agent_command is not None]
-        if sum(kinds) != 1:
+        kinds = [self.environment is not None, self.agent is not None, self.agent_command is not None]
+        if sum(kinds) > 1 or sum(kinds) == 0 and not has_tools or self.environment is not None and has_tools:
             raise ValueError("an environment names either tools (tools or tool_config_path), an environment class "
-                             "(environment), an agent function (agent) or an agent command (agent_command): one of them")
+                             "(environment), an agent function (agent) or an agent command (agent_command): one of "
+                             "them (an agent may list the tools it passes)")
         if self.agent_command is not None and not self.agent_command:
             raise ValueError("agent_command must name a program")
         if self.options and self.environment is None:

@@ -63,8 +63,9 @@ def workers_sandboxed(config: EnvServiceConfig, unavailable: str | None) -> bool
 class EnvServicer(env_pb2_grpc.EnvServicer):
     def __init__(self, config: EnvServiceConfig, identity: common_pb2.ServiceIdentity):
         self.tools = {name: environment_tools(environment) for name, environment in config.environments.items()}
-        for tools in self.tools.values():
-            check_tools(tools)
+        for name, tools in self.tools.items():
+            if not config.environments[name].runs_agent:  # an agent's tools are its own: listed, never run here
+                check_tools(tools)
         self.config = config
         self.identity = identity
         unavailable = check_sandbox() if config.sandbox else None

@@ -87,7 +87,8 @@ class MultiTurnConfig(Section):
     agent: str | None = None
     """A user's agent, path/to/file.py:function (``async def run(client, row) -> float | None``, given an
     openai.AsyncOpenAI pointed at its episode): coordctl start-run --local starts its env service with an
-    environment that runs it per prompt (docs/guides/existing-agents.md); instead of tool_config_path. A cluster's
+    environment that runs it per prompt (docs/guides/existing-agents.md), with tool_config_path (if given) as the
+    schemas of the tools the agent passes (never run by the env service: the agent runs its tools). A cluster's
     env services name their agents in their own config."""
     gateway: GatewayConfig = GatewayConfig()
     env_reward_weight: float = Field(1.0, allow_inf_nan=False)
@@ -99,12 +100,6 @@ class MultiTurnConfig(Section):
     def _known_format(cls, name: str) -> str:
         check_format(name)
         return name
-
-    @pydantic.model_validator(mode="after")
-    def _tools_or_agent(self) -> MultiTurnConfig:
-        if self.agent is not None and self.tool_config_path is not None:
-            raise ValueError("agent and tool_config_path: name one (the agent brings its own tools)")
-        return self
 
 
 class WeightCheckConfig(Section):
