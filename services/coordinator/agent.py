@@ -37,14 +37,14 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
 from services.common.sequences import SequenceBatch
-from services.coordinator.clients import RolloutClient
+from services.coordinator.clients import GatewayAccess, RolloutClient
 from services.coordinator.env_set import EnvFleet, EnvLost, EnvSet, Episode
 from services.coordinator.rollout_set import RolloutSet
 from services.coordinator.settings import AgentSettings, Sampling
@@ -52,9 +52,6 @@ from services.coordinator.turns import (CannotExtend, Message, OverBudget, Sampl
                                         next_sample, render_prompt, render_reply)
 from services.coordinator.waiting import Notices
 from services.run.data import Prompt
-
-if TYPE_CHECKING:
-    from services.gateway.server import Gateway
 
 TURN_SEEDS = 1 << 12  # seed indices each trajectory reserves: turn t of trajectory k is seeded k * TURN_SEEDS + t
 EPISODE_ATTEMPTS = 3  # a trajectory started again after its env replica failed, before the batch fails
@@ -94,7 +91,7 @@ class AgentTrace:
     env_seconds: float
     restarts: int  # times its episode was started again on another replica
     env_busy_waits: int = 0  # Resets of its episodes refused because every worker of the env replica was busy
-    agent_outcome: str = ""  # an agent environment's (services/gateway/episodes.py): ok, no_calls, raised, timed_out
+    agent_outcome: str = ""  # an agent environment's (coordinator/gateway/episodes.py): ok, no_calls, raised, timed_out
     agent_score: float | None = None  # the score its agent decided (None: the reward service's)
     gateway_calls: int = 0  # completions its agent's calls to the gateway recorded
     gateway_segments: int = 0  # of those calls, the ones that started a new sample (the first included)
@@ -219,13 +216,32 @@ class TurnDispatcher:
             await self._queue(request, prefer=None)
 
 
+class AgentGateway(Protocol):
+    """What the agent loop asks of a run's OpenAI-compatible endpoint (services/coordinator/gateway/server.py) for
+    an environment whose episodes run users' agents."""
+
+    @property
+    def started(self) -> bool: ...
+
+    async def start(self) -> str: ...
+
+    async def close(self) -> None: ...
+
+    def open(self, index: int, dispatcher: TurnDispatcher) -> GatewayAccess: ...
+
+    def forget(self, key: str) -> None: ...
+
+    async def trajectory(self, access: GatewayAccess, prompt: Prompt,
+                         episode: Episode) -> tuple[tuple[Trajectory, ...], AgentTrace]: ...
+
+
 class AgentLoop:
     """Runs a batch of prompts as trajectories (``run``), over a run's rollouts and env services."""
 
     def __init__(self, *, rollout_set: RolloutSet, env_set: EnvSet, settings: AgentSettings, tokenizer: Any,
-                 notices: Notices, gateway: Gateway | None = None):
-        """``gateway``: the run's OpenAI-compatible endpoint (services/gateway/), started with the first batch of
-        an environment that runs users' agents."""
+                 notices: Notices, gateway: AgentGateway | None = None):
+        """``gateway``: the run's OpenAI-compatible endpoint (services/coordinator/gateway/), started with the first
+        batch of an environment that runs users' agents."""
         self.rollout_set, self.env_set, self.settings = rollout_set, env_set, settings
         self.tokenizer, self.notices, self.gateway = tokenizer, notices, gateway
 
@@ -412,7 +428,7 @@ def agent_metrics(traces: list[AgentTrace], trajectories: list[tuple[Trajectory,
                "agent/env_busy_waits": float(sum(t.env_busy_waits for t in traces)),
                "agent/new_samples": float(sum(len(t) - 1 for t in trajectories))}
     outcomes = Counter(t.agent_outcome for t in traces if t.agent_outcome)
-    if outcomes:  # an agent environment's (services/gateway/episodes.py)
+    if outcomes:  # an agent environment's (services/coordinator/gateway/episodes.py)
         metrics["agent/gateway/calls/mean"] = sum(t.gateway_calls for t in traces) / len(traces)
         metrics["agent/gateway/segments/mean"] = sum(t.gateway_segments for t in traces) / len(traces)
         metrics.update({f"agent/episodes_failed/{why}": float(outcomes[why])

@@ -58,7 +58,7 @@ from services.common.timing import StageTimer
 from services.coordinator import generation
 from services.common.errors import FailedPrecondition
 from services.coordinator.agent import AgentLoop, episode_row
-from services.gateway.server import run_gateway
+from services.coordinator.gateway.server import run_gateway
 from services.coordinator.env_set import EnvProbe, EnvSet
 from services.coordinator.checkpointer import CheckpointNotices, Checkpointer
 from services.coordinator.clients import TrainerClient

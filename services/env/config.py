@@ -75,7 +75,7 @@ class EnvironmentConfig(Section):
     def _one_kind(self) -> EnvironmentConfig:
         has_tools = bool(self.tools) or self.tool_config_path is not None
         kinds = [self.environment is not None, self.agent is not None, self.agent_command is not None]
-        if sum(kinds) > 1 or sum(kinds) == 0 and not has_tools or self.environment is not None and has_tools:
+        if sum(kinds) > 1 or (sum(kinds) == 0 and not has_tools) or (self.environment is not None and has_tools):
             raise ValueError("an environment names either tools (tools or tool_config_path), an environment class "
                              "(environment), an agent function (agent) or an agent command (agent_command): one of "
                              "them (an agent may list the tools it passes)")

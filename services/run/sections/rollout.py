@@ -42,7 +42,7 @@ class ValKwargsConfig(Section):
 
 class GatewayConfig(Section):
     """The OpenAI-compatible endpoint (POST /v1/chat/completions, GET /v1/models) a run serves while the episodes
-    of an environment that runs users' agents go (services/gateway/, docs/guides/existing-agents.md)."""
+    of an environment that runs users' agents go (services/coordinator/gateway/, docs/guides/existing-agents.md)."""
 
     host: str = "127.0.0.1"
     """The address it binds: loopback by default, so that only this host's processes reach it (the env services

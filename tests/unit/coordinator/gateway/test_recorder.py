@@ -9,8 +9,8 @@ import pytest
 
 from services.coordctl.tiny_model import build_chat_tokenizer
 from services.coordinator.turns import SampledTokens, render_prompt
-from services.gateway.recorder import Budget, EpisodeRecording
-from services.gateway.wire import RequestError, assistant_message
+from services.coordinator.gateway.recorder import Budget, EpisodeRecording
+from services.coordinator.gateway.wire import RequestError, assistant_message
 
 LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "The code of a key.",
                                            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}

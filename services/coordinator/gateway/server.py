@@ -15,7 +15,7 @@ back. Errors are OpenAI's error objects: 400 for a malformed body or field (``in
 401 for a missing, unknown or ended key, or one of another run (``invalid_api_key``); 404 for another model
 (``model_not_found``); 503 when the rollouts cannot serve it.
 
-A completion is recorded (services/gateway/recorder.py) once its answer is written whole to the client: a call
+A completion is recorded (recorder.py) once its answer is written whole to the client: a call
 whose client went away first (a stream it cut) is not recorded, so nothing the agent never saw trains, and a
 client's retry of it is recorded once, as the call it is. A call still running when its episode ends is answered
 401 and not recorded.
@@ -27,7 +27,7 @@ import asyncio
 import json
 import secrets
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable
 
 import structlog
@@ -35,15 +35,15 @@ from aiohttp import web
 
 from services.common.errors import Unavailable
 from services.coordinator.agent import TURN_SEEDS, AgentTrace, Sampled, TurnDispatcher
-from services.coordinator.clients import GatewayAccess, RolloutClient
+from services.coordinator.clients import GatewayAccess
 from services.coordinator.env_set import Episode
 from services.coordinator.settings import AgentSettings
 from services.coordinator.turns import Trajectory
-from services.gateway.episodes import run_episode
-from services.gateway.recorder import Budget, EpisodeRecording, Plan
+from services.coordinator.gateway.episodes import GatewayEpisode, agent_outcome, agent_samples, agent_trace
+from services.coordinator.gateway.recorder import Budget, EpisodeRecording, Plan
+from services.coordinator.gateway.wire import (ChatRequest, Choice, RequestError, assistant_message, chat_request,
+                                               completion, error_body, models, stream_chunks)
 from services.run.data import Prompt
-from services.gateway.wire import (ChatRequest, Choice, RequestError, assistant_message, chat_request, completion,
-                                   error_body, models, stream_chunks)
 
 log = structlog.get_logger()
 
@@ -57,20 +57,6 @@ class GatewaySettings:
     port: int  # 0: one the system picks
     max_n: int  # completions one call may ask for
     budget: Budget
-
-
-@dataclass
-class GatewayEpisode:
-    """One open episode: its calls' turns go through ``dispatcher``, its completions into ``recording``."""
-
-    key: str
-    index: int  # its trajectory's index in the batch: its calls are seeded from it
-    dispatcher: TurnDispatcher
-    recording: EpisodeRecording
-    seeds_used: int = 0
-    replica: RolloutClient | None = None  # the replica of its last call (its prefix cache holds the conversation)
-    rollouts: list[str] = field(default_factory=list)  # the replica of each completion recorded
-    closed: bool = False
 
 
 class Gateway:
@@ -125,9 +111,15 @@ class Gateway:
 
     async def trajectory(self, access: GatewayAccess, prompt: Prompt,
                          episode: Episode) -> tuple[tuple[Trajectory, ...], AgentTrace]:
-        """The agent's run in ``episode``, opened with ``access``: its samples and trace (services/gateway/
+        """The agent's run in ``episode``, opened with ``access``: its samples and trace (services/coordinator/gateway/
         episodes.py)."""
-        return await run_episode(self, access, prompt, episode)
+        try:
+            step = await episode.step("")  # the agent runs to its end
+        finally:
+            recorded = self.close_episode(access.key)
+        outcome = agent_outcome(step, recorded.recording.calls)
+        samples = agent_samples(recorded, self.tokenizer, prompt, self.settings.budget.max_prompt_length)
+        return samples, agent_trace(recorded, step, outcome, episode, self.tokenizer)
 
     def forget(self, key: str) -> None:
         """End the episode of ``key`` if it is open, what it recorded dropped (its env replica failed)."""

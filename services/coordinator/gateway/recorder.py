@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
-from services.coordinator.turns import (CannotExtend, Message, OverBudget, SampledTokens, Trajectory,
-                                        extend, render_prompt, render_reply, without_stop)
-from services.gateway.wire import RequestError, hermes_text, message_text
+from services.coordinator.gateway.wire import RequestError, hermes_text, message_text
+from services.coordinator.turns import (CannotExtend, Message, OverBudget, SampledTokens, Trajectory, extend,
+                                        render_prompt, render_reply, without_stop)
 
 
 class Budget(NamedTuple):

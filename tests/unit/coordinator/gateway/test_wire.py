@@ -8,8 +8,8 @@ import json
 import pytest
 
 from services.coordctl.tiny_model import build_chat_tokenizer
-from services.gateway.server import decode_choice
-from services.gateway.wire import RequestError, assistant_message, chat_request, stream_chunks
+from services.coordinator.gateway.server import decode_choice
+from services.coordinator.gateway.wire import RequestError, assistant_message, chat_request, stream_chunks
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

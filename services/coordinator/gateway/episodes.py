@@ -6,7 +6,7 @@ and what the gateway recorded becomes the trajectory's samples.
   the environment's ``agent_timeout_s``. Its answer: the reward the agent returned (``reward_returned``), and how
   it ended (``agent_outcome``: ok, raised, timed_out).
 - The key is taken back as the Step returns: a call still in flight is refused, and nothing more is recorded.
-- Its samples are the recording's leaves (services/gateway/recorder.py), each trained with the trajectory's
+- Its samples are the recording's leaves (services/coordinator/gateway/recorder.py), each trained with the trajectory's
   score: the reward the agent returned, else the reward service's score of its last completion. An episode that
   made no call, raised or timed out is failed (``agent/episodes_failed/<why>``): it scores 0, the calls it made
   train with that score, and one that made none is one sample of its prompt and a single masked token (it
@@ -16,33 +16,39 @@ and what the gateway recorded becomes the trajectory's samples.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-from services.coordinator.agent import AgentTrace, TurnRecord
-from services.coordinator.clients import EnvStep, GatewayAccess
+from services.coordinator.agent import AgentTrace, TurnDispatcher, TurnRecord
+from services.coordinator.clients import EnvStep, RolloutClient
 from services.coordinator.env_set import Episode
+from services.coordinator.gateway.recorder import EpisodeRecording
 from services.coordinator.turns import Trajectory, Turn, render_prompt
-from services.gateway.recorder import EpisodeRecording
 from services.run.data import Prompt
 from services.run.tool_calls import parse_tool_calls
-
-if TYPE_CHECKING:
-    from services.gateway.server import Gateway, GatewayEpisode
 
 OUTCOMES = ("ok", "raised", "timed_out")
 
 
-async def run_episode(gateway: Gateway, access: GatewayAccess, prompt: Prompt,
-                      episode: Episode) -> tuple[tuple[Trajectory, ...], AgentTrace]:
-    """The agent's run in ``episode`` (opened with ``access``), as the trajectory's samples and trace."""
-    try:
-        step = await episode.step("")
-    finally:
-        recorded = gateway.close_episode(access.key)
-    outcome = agent_outcome(step, recorded.recording.calls)
-    samples = tuple(leaf.trajectory for leaf in recorded.recording.leaves) or (
-        placeholder(gateway.tokenizer, prompt, gateway.settings.budget.max_prompt_length),)
-    return samples, agent_trace(recorded, step, outcome, episode, gateway.tokenizer)
+@dataclass
+class GatewayEpisode:
+    """One open episode: its calls' turns go through ``dispatcher``, its completions into ``recording``."""
+
+    key: str
+    index: int  # its trajectory's index in the batch: its calls are seeded from it
+    dispatcher: TurnDispatcher
+    recording: EpisodeRecording
+    seeds_used: int = 0
+    replica: RolloutClient | None = None  # the replica of its last call (its prefix cache holds the conversation)
+    rollouts: list[str] = field(default_factory=list)  # the replica of each completion recorded
+    closed: bool = False
+
+
+def agent_samples(recorded: GatewayEpisode, tokenizer: Any, prompt: Prompt,
+                  max_prompt_length: int) -> tuple[Trajectory, ...]:
+    """The trajectory's samples: what its calls recorded, or the placeholder of an episode that made none."""
+    return tuple(leaf.trajectory for leaf in recorded.recording.leaves) or (
+        placeholder(tokenizer, prompt, max_prompt_length),)
 
 
 def agent_outcome(step: EnvStep, calls: int) -> str:
