@@ -76,7 +76,8 @@ def worker_config(config: EnvServiceConfig) -> EnvServiceConfig:
             environments[name] = environment.model_copy(update={"agent": absolute(environment.agent)})
         elif environment.agent_command is not None:
             environments[name] = environment.model_copy(update={"agent_command": [
-                str(Path(arg).resolve()) if Path(arg).is_file() else arg for arg in environment.agent_command]})
+                os.path.abspath(arg) if Path(arg).is_file() else arg for arg in environment.agent_command]})
+            # (abspath, not resolve: a virtualenv's python is a link that must be run as the link to be that venv)
         else:
             tools = [tool.model_copy(update={"class_name": absolute(tool.class_name)})
                      for tool in environment_tools(environment)]
@@ -104,7 +105,8 @@ def readable_paths(config: EnvServiceConfig) -> list[str]:
         for ref in user_classes(environment):
             target = ref.rpartition(":")[0]
             paths.add(str(Path(target).resolve().parent) if target.endswith(".py") else package_folder(target))
-        paths.update(str(Path(arg).resolve().parent) for arg in environment.agent_command or [] if Path(arg).is_file())
+        paths.update(os.path.dirname(os.path.abspath(arg)) for arg in environment.agent_command or []
+                     if Path(arg).is_file())
     resolved = sorted({os.path.realpath(path) for path in paths} | paths, key=lambda path: (len(path), path))
     readable = [path for path in resolved if os.path.exists(path)]
     check_hidden(readable)

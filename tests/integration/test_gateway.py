@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,15 @@ from tests.integration.test_agent_run import agent_config
 from tests.integration.test_grpo_run import run_to_end
 
 AGENTS = Path(__file__).resolve().parent / "plugins" / "openai_agents.py"
+AGENTS_SDK = Path(__file__).resolve().parents[2] / "examples" / "local_agent" / "agents_sdk.py"
 
 
 @pytest.fixture(scope="module")
 def gateway_cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway")
     environments = {"two_calls": {"agent": f"{AGENTS}:two_calls"}, "hostile": {"agent": f"{AGENTS}:hostile"},
-                    "flaky": {"agent": f"{AGENTS}:flaky", "agent_timeout_s": 4}}
+                    "flaky": {"agent": f"{AGENTS}:flaky", "agent_timeout_s": 4},
+                    "agents_sdk": {"agent_command": [sys.executable, str(AGENTS_SDK)]}}
     (root / "env-default.yaml").write_text(yaml.safe_dump({"environments": environments, "workers": 8}))
     (root / "env-plain.yaml").write_text(yaml.safe_dump({"environments": environments, "workers": 8,
                                                           "sandbox": False}))
@@ -143,3 +146,15 @@ def test_agents_that_never_call_raise_or_hang_are_counted_and_the_run_goes_on(ga
     failed = {why: sum(step_metrics(cluster, final.run_id, step)[f"agent/episodes_failed/{why}"] for step in (1, 2))
               for why in ("no_calls", "raised", "timed_out")}
     assert all(count > 0 for count in failed.values()), failed
+
+
+def test_an_agent_written_with_the_openai_agents_sdk_runs_unmodified_as_a_command(gateway_cluster, chat_model,
+                                                                                  reverse_data):
+    pytest.importorskip("agents")  # openai-agents: the example's framework, not one of meshrl's dependencies
+    cluster, _ = gateway_cluster
+    final, _, _ = asyncio.run(run_to_end(cluster.coordinator, gateway_run(
+        chat_model, reverse_data, cluster.state_dir / "sdk-samples", "agents_sdk", "default")))
+    assert final.state == "finished", final.error
+    metrics = step_metrics(cluster, final.run_id, 1)
+    assert metrics["agent/gateway/calls/mean"] >= 1.0
+    assert sum(metrics[f"agent/episodes_failed/{why}"] for why in ("no_calls", "raised", "timed_out")) == 0.0

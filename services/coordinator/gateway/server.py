@@ -118,6 +118,9 @@ class Gateway:
         finally:
             recorded = self.close_episode(access.key)
         outcome = agent_outcome(step, recorded.recording.calls)
+        if outcome != "ok":
+            log.warning("agent_failed", run_id=self.run_id, episode=recorded.index, outcome=outcome,
+                        error=str(step.info.get("agent_error") or step.info.get("error") or "")[:2000])
         samples = agent_samples(recorded, self.tokenizer, prompt, self.settings.budget.max_prompt_length)
         return samples, agent_trace(recorded, step, outcome, episode, self.tokenizer)
 
