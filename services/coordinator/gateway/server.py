@@ -187,10 +187,11 @@ class Gateway:
                       first_seed: int) -> list[Sampled]:
         """``body.n`` completions of the plan's prompt through the episode's dispatcher; 503 if the rollouts fail."""
         dispatcher = episode.dispatcher
-        sampling = dispatcher.sampling
+        sampling = None  # the batch's, shared with the other turns it may join
         if body.temperature is not None or body.top_p is not None:
-            sampling = replace(sampling, temperature=sampling.temperature if body.temperature is None
-                               else body.temperature, top_p=sampling.top_p if body.top_p is None else body.top_p)
+            own = dispatcher.sampling
+            sampling = replace(own, temperature=own.temperature if body.temperature is None else body.temperature,
+                               top_p=own.top_p if body.top_p is None else body.top_p)
         try:
             sampled = await asyncio.gather(*(
                 dispatcher.sample(list(plan.base.ids), max_tokens, first_seed + j, episode.replica, sampling=sampling)
