@@ -30,6 +30,10 @@ The runs (--runs, any of them, in this order):
 - colocated-lora-merge: colocated-lora with actor_rollout_ref.model.lora.merge: each sync sends the adapted
   layers' merged weights, which vLLM serves as full weights (no LoRA kernels).
 - colocated-lora-gc: colocated-lora with gradient checkpointing, against colocated-gc.
+- llm-generate: vLLM's own ``LLM.generate`` at the shape, in a child process, with the engine arguments of
+  meshrl's rollout (CUDA graphs, the same memory share) and the steps' sampling (n 8, temperature 1, the
+  sampled tokens' logprobs, no per-request seeds, no detokenizing): the generation every other run's gen stage
+  is measured against (each "step" one batch generated; the gen table's reference).
 - trl-lora: trl with a PEFT LoraConfig of the same rank, alpha and targets (TRL merges the adapters into the
   weights it pushes to vLLM at each sync).
 meshrl's runs start the services as a user does (LocalCluster: coordinator, trainer, rollout, reward on
@@ -88,6 +92,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS = 32, 8, 64, 256
 STEP_TOKENS = PROMPTS * SAMPLES * (PROMPT_TOKENS + RESPONSE_TOKENS)  # a step's tokens, both sides (no early EOS)
+GEN_TOKENS = PROMPTS * SAMPLES * RESPONSE_TOKENS  # the tokens a step generates
 MICRO_BATCH = 64  # samples per forward/backward, both sides
 LR = 1e-6
 VLLM_SHARE = 0.3  # vLLM's gpu_memory_utilization, every run
@@ -111,6 +116,7 @@ class Run:
 
 RUNS = {
     "trl": Run(1, ""),
+    "llm-generate": Run(1, ""),
     "colocated": Run(1, "colocated"),
     "colocated-k1": Run(1, "colocated", max_staleness=1),
     "colocated-sleep": Run(1, "colocated-sleep", sleep=True),
@@ -262,8 +268,22 @@ def report(results: dict[str, dict]) -> str:
         lines += [f"{name:<16}" + "".join(f"{s['stages'][stage]:>16.3f}" if stage in s["stages"] else f"{'-':>16}"
                                           for stage in stages) for name, s in summaries.items()]
     lora = lora_ratios(summaries)
-    lines += ["", *ratios(results, summaries), *(["", *lora] if lora else [])]
+    lines += ["", *generation(summaries), "", *ratios(results, summaries), *(["", *lora] if lora else [])]
     return "\n".join(lines)
+
+
+def generation(summaries: dict[str, dict]) -> list[str]:
+    """Each run's generation: its median gen stage, the tokens a step generates over it, and that rate over
+    llm-generate's (vLLM's own LLM.generate at the same shape, where it ran in the same results)."""
+    reference = summaries.get("llm-generate", {}).get("stages", {}).get("gen")
+    lines = [f"generation ({GEN_TOKENS} tokens a step)" + ("" if reference else
+                                                          ": no llm-generate result here, no ratio to it")]
+    for name, s in summaries.items():
+        gen = s["stages"].get("gen")
+        if gen:
+            ratio = f"  {reference / gen:.3f}x LLM.generate's tokens/s" if reference else ""
+            lines.append(f"  {name:<22}{gen:>7.2f} s {GEN_TOKENS / gen:>9,.0f} tokens/s{ratio}")
+    return lines
 
 
 def sync_ms(summary_of_run: dict) -> str:
@@ -299,7 +319,7 @@ def ratios(results: dict[str, dict], summaries: dict[str, dict]) -> list[str]:
     reference, trl_host = summaries["trl"]["seconds"], results["trl"]["host"]
     lines = [f"s/step over TRL's {reference:.2f} s ({results['trl']['machine']}):"]
     for name, s in summaries.items():
-        if name != "trl":
+        if name not in ("trl", "llm-generate"):
             elsewhere = "" if results[name]["host"] == trl_host else f" (NOT the same host: {results[name]['host']})"
             lines.append(f"  {name:<16}{s['seconds'] / reference:.2f}x{elsewhere}")
     return lines
@@ -590,14 +610,15 @@ def trl_lora_config():
 
 
 def run_trl(name: str, work: Path, out: Path, steps: int, timeout_s: float, site: Path | None) -> dict[str, dict]:
-    """TRL's run ``name`` (trl or trl-lora) in a child process (this script with --trl-worker, its output in
-    ``out``/<name>.log): its result, by run name."""
+    """TRL's run ``name`` (trl or trl-lora), or llm-generate, in a child process (this script with --trl-worker or
+    --llm-generate-worker, its output in ``out``/<name>.log): its result, by run name."""
     result_file, log = work / f"{name}-result.json", out / f"{name}.log"
     result_file.unlink(missing_ok=True)
     path = [str(site)] if site else []
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "0",
            "PYTHONPATH": os.pathsep.join([*path, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    command = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(result_file), "--work", str(work),
+    role = "--llm-generate-worker" if name == "llm-generate" else "--trl-worker"
+    command = [sys.executable, str(Path(__file__).resolve()), role, str(result_file), "--work", str(work),
                "--steps", str(steps), "--out", str(work), *(["--trl-lora"] if RUNS[name].lora else [])]
     with GpuMemoryPeaks() as gpus, log.open("w") as output:
         child = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
@@ -612,6 +633,36 @@ def run_trl(name: str, work: Path, out: Path, steps: int, timeout_s: float, site
     wait_gpus_free()
     return {name: {**stamp(name, 0), "status": "failed" if error else "ok", "error": error, "steps": steps_done,
                    "memory": gpus.peaks}}
+
+
+# ---------------------------------------------------------------- vLLM's own generation
+
+
+def run_llm_generate_here(model: Path, data: Path, steps: int, result_file: Path) -> None:
+    """``LLM.generate`` of the shape's batch ``steps`` times in this process (module docstring: llm-generate); each
+    one's seconds go to ``result_file``."""
+    from vllm import LLM, SamplingParams
+
+    from services.run.data import read_rows, render_prompt
+    from services.run.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    prompts = [tokenizer(render_prompt(row["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
+               for _, row in read_rows(data)]
+    llm = LLM(model=str(model), dtype="bfloat16", seed=0, gpu_memory_utilization=VLLM_SHARE, skip_tokenizer_init=True,
+              logprobs_mode="processed_logprobs", max_num_seqs=1024, max_num_batched_tokens=8192)
+    params = SamplingParams(n=SAMPLES, temperature=1.0, top_p=1.0, max_tokens=RESPONSE_TOKENS, logprobs=0,
+                            stop_token_ids=[tokenizer.eos_token_id], detokenize=False)
+    done = []
+    for step in range(steps):
+        batch = prompts[step * PROMPTS:(step + 1) * PROMPTS]
+        started = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in batch], params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        tokens = sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
+        done.append({"step": step + 1, "seconds": seconds, "stages": {"gen": seconds}, "memory": {},
+                     "tokens": tokens})
+        result_file.write_text(json.dumps({"steps": done}))
 
 
 # ---------------------------------------------------------------- the command
@@ -664,8 +715,12 @@ def main() -> None:
                                                       "PYTHONPATH only)")
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)  # the trl run's child: its result file
     parser.add_argument("--trl-lora", action="store_true", help=argparse.SUPPRESS)  # that child trains LoRA
+    parser.add_argument("--llm-generate-worker", type=Path, help=argparse.SUPPRESS)  # llm-generate's child
     parser.add_argument("overrides", nargs="*", help="key=value for every meshrl run's config")
     args = parser.parse_args()
+    if args.llm_generate_worker:
+        run_llm_generate_here(args.work / "model", args.work / "prompts.jsonl", args.steps, args.llm_generate_worker)
+        return
     if args.trl_worker:
         run_trl_here(args.work / "model", args.work / "prompts.jsonl", args.steps, args.work / "trl", args.trl_worker,
                      lora=args.trl_lora)

@@ -20,7 +20,10 @@ What one call gets (``bwrap`` from Debian's ``bubblewrap``):
 - a root with only ``/usr`` (read-only; ``/bin``, ``/lib``, ``/lib64`` are links into it), a fresh ``/proc`` and
   a minimal ``/dev``; the host's ``/etc``, ``/root``, ``/home``, ``/work``, ``/var``, ``/run`` and ``/tmp`` are not
   there, so neither is the cluster token (``MESHRL_TOKEN_FILE``, a state folder's ``token``) nor the TLS keys
-  (``MESHRL_TLS_*``) nor any state folder; the environment is cleared, so ``MESHRL_TOKEN`` is not inherited;
+  (``MESHRL_TLS_*``) nor any state folder;
+- no environment of the service's: bwrap itself starts with ``LAUNCH_ENVIRONMENT`` only (its process stays in the
+  sandbox as pid 1, whose ``/proc/1/environ`` the code can read), and the program gets PATH, HOME and LANG, so
+  neither ``MESHRL_TOKEN`` nor the names and paths of the other variables reach it;
 - a private, size-limited tmpfs at ``/tmp`` as the working directory, holding the program (``main.py``) and the
   caller's files; nothing else is writable;
 - the distribution's interpreter, ``/usr/bin/python3 -I`` (stdlib and Debian's packages only: the service's
@@ -78,6 +81,9 @@ WORKDIR = "/tmp"
 PROGRAM = "main.py"
 SANDBOXED = [PYTHON, "-I", "-B", f"{WORKDIR}/{PROGRAM}"]
 """What runs inside: the distribution's interpreter, isolated from the environment and user site, on the program."""
+LAUNCH_ENVIRONMENT = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+"""The whole environment of what starts a sandbox (setpriv, prlimit, bwrap): bwrap's pid 1 keeps it for the
+sandbox's life, readable from inside, so none of the service's variables is passed on."""
 HELPER_PROCESSES = 2
 """bwrap's own processes that count against the uid's RLIMIT_NPROC: the outer bwrap and the sandbox's pid 1."""
 
@@ -142,9 +148,10 @@ class SandboxResult:
 
 def check_sandbox() -> str | None:
     """Why code cannot be sandboxed on this host, or None when it can (a trial run prints and exits)."""
-    for path in (BWRAP, PRLIMIT, SETPRIV, PYTHON):
+    for path, package in ((BWRAP, "bubblewrap"), (PRLIMIT, "util-linux"), (SETPRIV, "util-linux"),
+                          (PYTHON, "python3")):  # what the sandbox runs, and the Debian package of each
         if not os.access(path, os.X_OK):
-            return f"{path} is missing (Debian packages: bubblewrap, util-linux, python3)"
+            return f"{path} is missing: install the package {package} (Debian, Ubuntu: apt-get install {package})"
     if os.geteuid() != 0:
         return "the sandbox runs each call as a uid of its own and needs root (CAP_SETUID) to switch to it"
     try:
@@ -191,7 +198,8 @@ def _start(command: list[str], uid: int, fds: dict[str, int]) -> tuple[subproces
     try:
         process = subprocess.Popen([SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *command,
                                     "--info-fd", str(info_write), "--", *SANDBOXED], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(info_write, *fds.values()))
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(info_write, *fds.values()),
+                                   env=LAUNCH_ENVIRONMENT)
     except OSError as error:
         os.close(info_read)
         raise SandboxUnavailable(f"could not start bwrap as uid {uid}: {error}") from None

@@ -261,7 +261,8 @@ def refuse_open_bind(kind: str, config: ServeConfig) -> None:
     try:
         token = cluster_token()
     except ValueError as error:  # MESHRL_TOKEN_FILE unreadable or empty
-        sys.exit(f"{kind}: cannot start: {error}")
+        sys.stderr.write(f"{kind}: cannot start: {error}\n")
+        sys.exit(REFUSED_EXIT_CODE)
     if token is not None or is_loopback(config.host):
         return
     if config.allow_open:
@@ -293,9 +294,8 @@ def run_service(kind: str, config_model: type[Config],
                         response_write_timeout_s=config.response_write_timeout_s, ports_file=config.ports_file)
     try:
         uvloop.run(serve(endpoint, lambda server, identity: attach(server, config, identity)))
-    except ValueError as error:  # what the servicer refuses to start with (a plugin that fails to import, ...)
-        sys.exit(f"{kind}: cannot start: {error}")
-    except CannotStart as refused:
+    except (ValueError, CannotStart) as refused:  # what the servicer refuses to start with (a plugin that fails to
+        # import, a sandbox this host cannot give, a damaged run DB): a restart would find it again
         log.error("cannot_start", reason=str(refused))
         sys.stderr.write(f"{kind}: cannot start: {refused}\n")
         sys.exit(REFUSED_EXIT_CODE)

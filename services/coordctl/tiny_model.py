@@ -48,12 +48,29 @@ CHAT_TEMPLATE = (  # every literal in {{ }}: the chat template renders with trim
 )
 
 
-def build_char_tokenizer():
-    """A fast tokenizer with one token per character of ALPHABET, plus <pad>, <eos>, <unk>."""
+def filler_word(index: int) -> str:
+    """The text of the ``index``-th id past the alphabet: letters between brackets no alphabet holds, so that
+    it never reads as a digit or a tool call."""
+    letters = ""
+    while True:
+        index, rest = divmod(index, 26)
+        letters += chr(ord("a") + rest)
+        if not index:
+            return f"\u27e8{letters}\u27e9"
+
+
+def build_char_tokenizer(vocab_size: int | None = None):
+    """A fast tokenizer with one token per character of ALPHABET, plus <pad>, <eos>, <unk>; with ``vocab_size``,
+    every id up to it decodes, the ids past the alphabet each to a filler word of its own (encoding never makes
+    them). A model's vocabulary larger than the alphabet (the Qwen2.5 shapes' 152k) then decodes whatever it
+    samples, as a real tokenizer does: engines that detokenize as they generate (TRL's vLLM) pay what they pay
+    on a real model, not an error path for each unknown id."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(ALPHABET))}
+    words = SPECIAL_TOKENS + tuple(ALPHABET)
+    words += tuple(filler_word(i) for i in range(max(0, (vocab_size or 0) - len(words))))
+    vocab = {token: i for i, token in enumerate(words)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -138,13 +155,14 @@ def build_random_model(folder: Path, shape: dict, dtype: str, seed: int, chat: b
     """Write a random-init model of the given shape (``architecture``: Qwen2, or Qwen3-MoE when it names experts),
     with the character tokenizer (the chat variant's with ``chat``), into ``folder``.
 
-    A vocabulary larger than the tokenizer's is allowed (its extra ids are never produced by the tokenizer).
+    A vocabulary larger than the alphabet is allowed: the character tokenizer then decodes every id of it
+    (``build_char_tokenizer``), though encoding never produces the extra ids; the chat variant's does not.
     """
     import torch
 
     from services.run.models import load_tokenizer
 
-    tokenizer = build_chat_tokenizer() if chat else build_char_tokenizer()
+    tokenizer = build_chat_tokenizer() if chat else build_char_tokenizer(shape.get("vocab_size"))
     config_class, model_class = architecture(shape)
     config = config_class(**{
         "vocab_size": len(tokenizer), "tie_word_embeddings": True, "max_position_embeddings": 4096,

@@ -61,7 +61,9 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 def as_messages(value: Any) -> list[Message]:
-    """A list of messages from what a user's class returned (Messages or dicts); ValueError for anything else."""
+    """A list of messages from what a user's class returned (Messages or dicts), their text made valid Unicode
+    (``valid_text``: the service reads every message a worker sends through here); ValueError for anything
+    else."""
     if not isinstance(value, list):
         raise ValueError(f"returned {type(value).__name__}, not a list of messages")
     messages = []
@@ -70,8 +72,14 @@ def as_messages(value: Any) -> list[Message]:
                                else item if isinstance(item, Message) else (None, None, None))
         if role not in ROLES or not isinstance(content, str) or not isinstance(name, str):
             raise ValueError(f"returned a message {str(item)[:200]!r}, not {{role: {'|'.join(ROLES)}, content: str}}")
-        messages.append(Message(role, content, name))
+        messages.append(Message(role, valid_text(content), valid_text(name)))
     return messages
+
+
+def valid_text(text: str) -> str:
+    """``text`` with each lone surrogate written as its ``\\udXXX`` escape: a tool that echoes what it was given,
+    or reads file names the host cannot decode, may return one, and no UTF-8 wire (a gRPC reply) carries it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def as_step_result(value: Any) -> StepResult:

@@ -11,6 +11,8 @@ or when the worker dies, the worker is killed and replaced, and
   reset of its row (the tools are built again);
 - a user environment's episode, whose state is lost, is done, its error in ``info``.
 
+A worker that died while idle is replaced before a Reset uses it, and a reset whose worker dies is tried once more
+on the worker that replaced it. Closing an episode ends every process its code started (services/env/worker.py).
 Workers end with the service, however it ends.
 
 Each worker runs in a sandbox of its own (services/env/worker_sandbox.py: its own namespaces, no network, a
@@ -56,9 +58,9 @@ backs off from it): episodes hold their workers for whole trajectories, so one i
 class CallFailed(Exception):
     """A call the worker could not answer: it timed out, or the worker died or reported an error."""
 
-    def __init__(self, message: str, replies: list[Message], tool: str, timed_out: bool):
+    def __init__(self, message: str, replies: list[Message], tool: str, timed_out: bool, worker_died: bool = False):
         super().__init__(message)
-        self.replies, self.tool, self.timed_out = replies, tool, timed_out
+        self.replies, self.tool, self.timed_out, self.worker_died = replies, tool, timed_out, worker_died
 
 
 @dataclass
@@ -135,9 +137,11 @@ class Episodes:
               gateway: Gateway | None = None) -> list[Message]:
         """Open the episode on an idle worker: the environment's first messages; ``max_parallel_calls`` (> 0)
         lowers the service's bound on the tool calls run per step for this episode; ``gateway``: where an agent
-        environment's agent calls. ValueError for an unknown environment, an agent environment without a gateway
-        or an environment that fails to reset; FailedPrecondition for an id already open; Busy (to be sent again
-        later) when every worker holds an episode."""
+        environment's agent calls. An idle worker that has died is replaced first, and a worker that dies during
+        the reset is replaced and the reset tried once more on the new one: a worker's death costs no episode.
+        ValueError for an unknown environment, an agent environment without a gateway or an environment that fails
+        to reset (its worker dying twice included); FailedPrecondition for an id already open; Busy (to be sent
+        again later) when every worker holds an episode."""
         if env_name not in self.config.environments:
             raise ValueError(f"env_name {env_name!r} is not hosted here; hosted: {sorted(self.config.environments)}")
         if self.config.environments[env_name].runs_agent and gateway is None:
@@ -154,10 +158,18 @@ class Episodes:
                 raise FailedPrecondition(f"episode {episode_id!r} is open already")
             episode = self._open[episode_id] = Episode(env_name, row, worker, max_parallel_calls, gateway)
         with episode.lock:
+            if worker.process.exit_code is not None:  # it died while idle
+                episode.worker = self._replace(worker)
+            command = self._reset_command(episode)
             try:
-                return self._call(episode, self._reset_command(episode))
-            except CallFailed as failed:
-                self._forget(episode_id, episode, replace=True)
+                try:
+                    return self._call(episode, command)
+                except CallFailed as failed:
+                    if not failed.worker_died:
+                        raise
+                    return self._call(episode, command)  # on the worker that replaced it
+            except CallFailed as failed:  # a worker that timed out or died has been replaced by a fresh one already
+                self._forget(episode_id, episode, replace=not (failed.timed_out or failed.worker_died))
                 raise ValueError(f"environment {env_name} could not reset: {failed}") from None
 
     def step(self, episode_id: str, message: Message) -> StepResult:
@@ -266,9 +278,10 @@ class Episodes:
             raise CallFailed(str(error), replies, tool, timed_out=True) from None
         except (EOFError, OSError, ValueError, TypeError) as error:  # it died, or sent what no worker sends
             episode.worker = self._replace(worker)
-            why = (f"its worker died (exit code {worker.process.exit_code})" if isinstance(error, (EOFError, OSError))
+            died = isinstance(error, (EOFError, OSError))
+            why = (f"its worker died (exit code {worker.process.exit_code})" if died
                    else f"its worker sent a malformed answer ({type(error).__name__})")
-            raise CallFailed(f"{why}; it was replaced", replies, tool, timed_out=False) from None
+            raise CallFailed(f"{why}; it was replaced", replies, tool, timed_out=False, worker_died=died) from None
 
     def _run_code(self, code: str, limits: SandboxLimits) -> tuple[str, Any]:
         """A sandboxed worker's code-interpreter call, run in the code sandbox within call_timeout_s: ("ran",

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import structlog
 
 from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc
+from services.common.cli import CannotStart
 from services.common.limits import check_at_most
 from services.common.request_text import json_object
 from services.env import telemetry
@@ -72,9 +73,9 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         self.episodes = Episodes(config, sandboxed=workers_sandboxed(config, unavailable))
         try:
             self.episodes.check_first_worker()
-        except SandboxUnavailable:
+        except SandboxUnavailable as error:
             self.episodes.close_all()
-            raise
+            raise CannotStart(str(error)) from None
         # a thread for each worker's call and as many again for the calls that wait on a busy episode (a Close
         # while its step runs), besides a few for the quick ones
         self.threads = ThreadPoolExecutor(max_workers=2 * config.workers + 4, thread_name_prefix="episodes")

@@ -74,7 +74,9 @@ def _number(text: str) -> str | None:
 class CodeInterpreterTool:
     """Runs the model's Python code in the sandbox (services/common/sandbox.py) and replies with what it printed.
 
-    Arguments: ``{"code": "print(1 + 1)"}``. Config (verl's SandboxFusionTool keys): ``default_timeout`` (wall
+    Arguments: ``{"code": "print(1 + 1)"}``. The reply is what it printed, then its standard error; a run that was
+    stopped (time, memory or output limit) or exited with a status other than 0 starts with a line saying so,
+    which survives however long the output is. Config (verl's SandboxFusionTool keys): ``default_timeout`` (wall
     seconds, default 10) and ``memory_limit_mb`` (default 512); its other keys (``sandbox_fusion_url``,
     ``num_workers``, ...) name verl's remote sandbox and are ignored: the code runs here, sandboxed."""
 
@@ -89,8 +91,8 @@ class CodeInterpreterTool:
             raise ValueError('the arguments need "code", a string of Python')
         result = self.run(code, self.limits)
         text = result.stdout + (f"\nstderr:\n{result.stderr}" if result.stderr else "")
-        if result.stopped != "exited" or result.exit_code:
-            text += f"\n(stopped: {result.stopped}, exit code {result.exit_code})"
+        if result.stopped != "exited" or result.exit_code:  # first: a reply cut to its limit keeps its start
+            text = f"(stopped: {result.stopped}, exit code {result.exit_code})\n{text}"
         return ToolReply(text)
 
 

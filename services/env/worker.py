@@ -19,8 +19,9 @@ answers ("http_response", response) (services/env/agent_runner.py).
 
 Commands: ("reset", env name, row, max parallel calls, gateway access or None) builds a new environment (its tool
 calls per step bounded by the smaller of that, when positive, and the service's; an agent environment's agent
-calling with the access's key) and resets it; ("step", message dict) steps it; ("close",) drops it; None (or the
-service's end closing) ends the worker.
+calling with the access's key) and resets it; ("step", message dict) steps it; ("close",) drops it and ends every
+process its code started (the worker is the subreaper of its descendants, so a process that detached itself, by a
+double fork or a new session, is found too); None (or the service's end closing) ends the worker.
 
 Before any user code runs, the worker bounds itself (``contain``): its private memory (RLIMIT_DATA) and, in a
 sandbox, where it runs as a uid of its own, the processes and threads of that uid (RLIMIT_NPROC); no core files.
@@ -32,13 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import resource
 import signal
 import sys
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from services.common.lifetime import die_with_parent
+import structlog
+
+from services.common.lifetime import adopt_orphans, die_with_parent, end_descendants, reap_children
 from services.env.agent_runner import AgentEpisode, Relay
 from services.env.config import EnvironmentConfig, EnvServiceConfig
 from services.env.environment import (Environment, Message, StepResult, ToolEnvironment, ToolLimits, as_messages,
@@ -170,15 +174,26 @@ def serve(connection: Connection, sandboxed: bool) -> None:
                 answer = as_step_result(environment.step(command[1]))
             else:
                 environment = answer = None
+                end_episode_processes()
             connection.send_bytes(encode("done", answer))
         except Exception as error:  # noqa: BLE001 - the service turns it into an error reply
             connection.send_bytes(encode("error", f"{type(error).__name__}: {str(error)[:2000]}"))
+
+
+def end_episode_processes() -> None:
+    """End every process the episode's code started (this worker adopts them all: ``main``), however it detached
+    them, and reap them; log what would not end."""
+    left = end_descendants(os.getpid())
+    reap_children()
+    if left:
+        structlog.get_logger().warning("episode_processes_left", pids=left)
 
 
 def main(argv: list[str]) -> None:
     fd, parent_pid, sandboxed = int(argv[0]), int(argv[1]), argv[2:] == ["sandboxed"]
     if not sandboxed:  # a sandbox's bwrap kills it with the service (--die-with-parent)
         die_with_parent(parent_pid, signal.SIGKILL)
+    adopt_orphans()  # what the episode's code starts stays this worker's to end, daemons and new sessions included
     try:
         serve(Connection(fd), sandboxed)
     except (EOFError, ConnectionError):

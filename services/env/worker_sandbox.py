@@ -10,17 +10,23 @@ rather than one call:
   the service runs from (``sys.prefix``, ``sys.base_prefix``); the folders of the ``services`` and ``meshrl``
   packages; the folder of each user's class file (``path/to/file.py:Class``) or the package a
   ``package.module:Class`` comes from. Not there: the host's ``/etc``, ``/root``, ``/home``, ``/work`` (besides
-  the folders above), ``/var``, ``/run``, the service's state folder and so the cluster token and TLS keys;
+  the folders above), ``/var``, ``/run``, the service's state folder and so the cluster token and TLS keys (a
+  service whose readable folders would hold one of them, or its ports file, refuses to start: ``check_hidden``);
+- nothing of the service's environment: bwrap starts with ``LAUNCH_ENVIRONMENT`` only (its pid 1 keeps that
+  environment, readable in ``/proc/1/environ``), and the worker gets PATH, HOME, LANG and PYTHONPATH; nor of its
+  settings beyond the environments and their limits (``worker_config``: no ports file, so no state folder's
+  path);
 - a private tmpfs at ``/tmp`` (``worker_tmp_mb``), the working directory, the only place it can write;
 - a uid of the pool, held for the worker's life, under ``worker_processes`` (RLIMIT_NPROC counts per uid, so a fork
-  bomb exhausts its own quota) and ``worker_memory_mb`` (services/env/worker.py ``contain``); an empty
-  environment besides PATH, HOME, LANG and PYTHONPATH;
+  bomb exhausts its own quota) and ``worker_memory_mb`` (services/env/worker.py ``contain``);
 - ``--die-with-parent``: the service's end (kill -9 included) ends it; replacing it kills the sandbox's pid 1,
   which takes every process of its pid namespace, whatever its code started, with it.
 
 A plain worker (``sandbox: false``) runs as the service's user: the cluster's credentials are left out of its
-environment, it leads a process group of its own (killed whole when it is replaced) and is bounded in memory, but
-it can read and write what the service can and open sockets.
+environment, it leads a process group of its own and adopts what it starts (both killed whole when it is
+replaced) and is bounded in memory, but it can read and write what the service can and open sockets.
+
+Sandboxed or not, a worker ends what an episode's code started when the episode closes (services/env/worker.py).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from services.common.auth import TLS_VARIABLES
-from services.common.sandbox import BWRAP, SandboxUnavailable, clear_uid, pool_uid
+from services.common.config import ServeConfig
+from services.common.lifetime import end_descendants
+from services.common.sandbox import BWRAP, LAUNCH_ENVIRONMENT, SandboxUnavailable, clear_uid, pool_uid
 from services.env.config import EnvServiceConfig
 from services.env.tools import environment_tools, user_classes
 
@@ -61,13 +69,15 @@ exec "$@"
 """
 CREDENTIAL_VARIABLES = ("MESHRL_TOKEN", "MESHRL_TOKEN_FILE", *TLS_VARIABLES)
 """Environment variables that name the cluster's credentials: a plain worker is started without them."""
-SECRET_FILES = ("MESHRL_TOKEN_FILE", "MESHRL_TLS_KEY")
+SECRET_FILES = ("MESHRL_TOKEN_FILE", *TLS_VARIABLES)
 """Environment variables naming files that no worker's sandbox may show."""
 
 
 def worker_config(config: EnvServiceConfig) -> EnvServiceConfig:
     """The settings a worker gets: each environment's tools listed in full (a tool config file is read here, not in
-    the worker) and each class file's path absolute (the worker's working directory is its own)."""
+    the worker) and each class file's path absolute (the worker's working directory is its own); the service's
+    own settings (ServeConfig's: its address, coordinator, ports file) at their defaults, so that code in a worker
+    learns nothing of where the service keeps its state."""
     environments = {}
     for name, environment in config.environments.items():
         if environment.environment is not None:
@@ -82,7 +92,8 @@ def worker_config(config: EnvServiceConfig) -> EnvServiceConfig:
             tools = [tool.model_copy(update={"class_name": absolute(tool.class_name)})
                      for tool in environment_tools(environment)]
             environments[name] = environment.model_copy(update={"tools": tools, "tool_config_path": None})
-    return config.model_copy(update={"environments": environments})
+    served = {name: field.get_default(call_default_factory=True) for name, field in ServeConfig.model_fields.items()}
+    return config.model_copy(update={**served, "environments": environments})
 
 
 def absolute(ref: str) -> str:
@@ -109,19 +120,26 @@ def readable_paths(config: EnvServiceConfig) -> list[str]:
                      if Path(arg).is_file())
     resolved = sorted({os.path.realpath(path) for path in paths} | paths, key=lambda path: (len(path), path))
     readable = [path for path in resolved if os.path.exists(path)]
-    check_hidden(readable)
+    check_hidden(readable, secret_files(config))
     return readable
 
 
-def check_hidden(paths: list[str]) -> None:
-    """ValueError where ``paths`` would show a worker the host's root or /tmp, or a file of SECRET_FILES."""
+def secret_files(config: EnvServiceConfig) -> dict[str, str]:
+    """What no worker's sandbox may show, by what names it: the files of SECRET_FILES that are set, and the
+    service's ports file (in its state folder, beside the logs and, under coordctl --local, the token)."""
+    named = {name: os.environ.get(name, "") for name in SECRET_FILES}
+    return {name: path for name, path in {**named, "ports_file": config.ports_file}.items() if path}
+
+
+def check_hidden(paths: list[str], secrets: dict[str, str]) -> None:
+    """ValueError where ``paths`` would show a worker the host's root or /tmp, or one of ``secrets`` (what names
+    it -> its path)."""
     for path in paths:
         if path in ("/", WORKDIR):
             raise ValueError(f"{path} would be readable in the env workers' sandbox (a class file sits there?): "
                              f"put users' classes in a folder of their own")
-        for name in SECRET_FILES:
-            secret = os.environ.get(name)
-            if secret and os.path.realpath(secret).startswith(path + "/"):
+        for name, secret in secrets.items():
+            if os.path.realpath(secret).startswith(path + "/"):
                 raise ValueError(f"{name} {secret} lies in {path}, which the env workers' sandbox shows to users' "
                                  f"code: keep users' classes and the cluster's secrets in different folders")
 
@@ -183,13 +201,17 @@ class WorkerProcess:
         return self.process.poll()
 
     def kill(self) -> None:
-        """SIGKILL the worker and every process it started (its sandbox's pid namespace, or its process group),
-        reap it and give its uid back."""
+        """SIGKILL the worker and every process it started (its sandbox's pid namespace; or, unsandboxed, its
+        descendants, which it adopts, and its process group), reap it and give its uid back."""
         if self._sandbox_init is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._sandbox_init, signal.SIGKILL)  # pid 1: its namespace goes with it
             os.close(self._sandbox_init)
             self._sandbox_init = None
+        if self._uid is None and self.process.returncode is None:  # not reaped: its pid is still its own
+            with contextlib.suppress(ProcessLookupError):  # stopped, it starts nothing more and still adopts
+                os.kill(self.process.pid, signal.SIGSTOP)
+            end_descendants(self.process.pid)
         with contextlib.suppress(ProcessLookupError):
             if self._uid is None:
                 os.killpg(self.process.pid, signal.SIGKILL)  # its pid is its group's (start_new_session)
@@ -218,7 +240,7 @@ def start_worker(config: EnvServiceConfig, fd: int, paths: list[str] | None) -> 
     try:
         process = subprocess.Popen([*staged_command(paths, uid), *sandbox_command(config, paths),
                                     "--info-fd", str(info_write), "--", *worker_command(fd, sandboxed=True)],
-                                   pass_fds=(fd, info_write))
+                                   pass_fds=(fd, info_write), env=LAUNCH_ENVIRONMENT)
     except OSError as error:
         held.close()
         raise SandboxUnavailable(f"could not start a worker's sandbox as uid {uid}: {error}") from None

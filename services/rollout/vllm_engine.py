@@ -6,7 +6,9 @@
 - The logprob of each sampled token is the processed one (after
   temperature), the quantity the trainer recomputes.
 - Each of the n samples of prompt i is seeded from (seed, its seed index),
-  as in the hf engine, so a prompt's samples do not depend on the replica.
+  as in the hf engine, so a prompt's samples do not depend on the replica;
+  the workers draw every seeded row's noise in one kernel a step
+  (``seeded_sampling``), not vLLM's one per row.
 - Weights arrive inside vLLM's workers, through the worker extension
   ``services.rollout.vllm_worker.MeshrlWorkerExtension``: the coordinator's
   channel id, unique id and ranks reach it by ``collective_rpc``, and every
@@ -106,6 +108,7 @@ class VLLMEngine:
         tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
         vocab_size = llm.vllm_config.model_config.get_vocab_size()
         await llm.collective_rpc("meshrl_end_with", args=(os.getpid(),))
+        await llm.collective_rpc("meshrl_batched_seeded_sampling")
         gpus = tuple(await llm.collective_rpc("meshrl_gpu"))
         return cls(llm, vocab_size=vocab_size, eos_id=tokenizer.eos_token_id, config=config, gpus=gpus, lora=lora)
 

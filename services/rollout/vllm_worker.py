@@ -35,6 +35,7 @@ from services.common.memory import memory_metrics
 from services.common.timing import StageTimer
 from services.common.weight_sync import StagedWeights, WeightReceiver, tensor_checksum
 from services.rollout.direct_load import DirectLoader
+from services.rollout.seeded_sampling import use_batched_seeded_sampling
 from services.rollout.vllm_lora import peft_config, peft_tensors, unserved_modules
 from services.run.experts import per_expert_tensors
 
@@ -60,6 +61,10 @@ class MeshrlWorkerExtension:
         service's process ``pid`` ends, however it ends: vLLM's processes are not the service's children by
         PDEATHSIG, and would otherwise hold the GPU after a kill -9."""
         end_with(pid)
+
+    def meshrl_batched_seeded_sampling(self) -> None:
+        """Sample every seeded row of a step in one kernel (``seeded_sampling``) instead of one per row."""
+        use_batched_seeded_sampling()
 
     def meshrl_memory(self) -> dict[str, float]:
         """verl's memory metrics of this worker since the previous call."""

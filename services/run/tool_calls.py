@@ -1,7 +1,8 @@
 """Tool calls parsed out of an assistant turn's text: each one a call or an error the model will be shown.
 
 A tool call is model output, so untrusted. Parsing never raises on what the model wrote: every ``<tool_call>``
-block becomes either a ``ToolCall`` or a ``ParseError`` whose ``message`` names what was wrong, and the agent
+block becomes either a ``ToolCall`` (its arguments valid Unicode: a lone surrogate, which JSON's ``\\u`` escapes
+can write, is an error) or a ``ParseError`` whose ``message`` names what was wrong, and the agent
 loop sends that message back as the tool's reply (as verl does) and counts it. The bounds hold before any JSON
 is parsed: a block over ``max_call_bytes`` (UTF-8) is refused unread, and past ``max_parallel_calls`` blocks the
 rest of the turn is one error, not thousands.
@@ -106,7 +107,24 @@ def _parse_block(block: str | None, tool_names: frozenset[str], max_call_bytes: 
     arguments = _arguments(call.get("arguments", {}))
     if arguments is None:
         return ParseError(f'the "arguments" of {name} must be a JSON object: {_quoted(block)}')
+    try:
+        invalid = _invalid_unicode(arguments)
+    except RecursionError:  # parsed at the edge of the recursion limit, the check one frame deeper
+        return ParseError(f"the arguments of {name} are nested too deep: {_quoted(block)}")
+    if invalid is not None:
+        return ParseError(f"the arguments of {name} hold {invalid!r}, a \\u escape of half a surrogate pair, which is "
+                          f"no Unicode character (write the pair, or the character itself): {_quoted(block)}")
     return ToolCall(name=name, arguments=arguments)
+
+
+def _invalid_unicode(arguments: dict[str, Any]) -> str | None:
+    """The first lone surrogate in the arguments' keys and strings (JSON's ``\\ud800`` parses to one; no text
+    encoding, so no tool, reply or wire, can carry it), or None where there is none."""
+    try:
+        json.dumps(arguments, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        return str(error.object[error.start:error.end])
+    return None
 
 
 def _arguments(value: Any) -> dict[str, Any] | None:

@@ -34,9 +34,11 @@ from bench.faults import service_address
 from meshrl.v1 import common_pb2, env_pb2
 from services.coordctl.control import CoordinatorClient, RunStatus
 from services.coordctl.local import LocalCluster, ServiceSpec
+from services.common.auth import cluster_token
 from services.common.sandbox import check_sandbox
+from tests.integration.plugins.hostile_tools import secrets_probe
 from tests.integration.test_agent_run import agent_config
-from tests.integration.test_env_service import assistant, call, with_env
+from tests.integration.test_env_service import assistant, call, with_env, worker_pids
 from tests.integration.test_faults import LogTail
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -246,14 +248,17 @@ def hostile_tool(name: str, cls: str, **config) -> dict:
 
 
 def hostile_config(root: Path) -> Path:
-    """An env service's config hosting "hostile": hostile_tools.py's tools beside user_env.py's Lookup; 2 s per
-    call, 512 MiB of private memory and WORKER_PROCESSES processes per worker."""
+    """An env service's config hosting "hostile": hostile_tools.py's tools beside user_env.py's Lookup and the code
+    interpreter; 2 s per call, 512 MiB of private memory and WORKER_PROCESSES processes per worker."""
     tools = [{"class_name": f"{USER_ENV}:Lookup", "config": {"table": {"a": 1}},
               "tool_schema": {"type": "function", "function": {"name": "lookup"}}},
              hostile_tool("spins", "Spins"), hostile_tool("forks", "Forks"), hostile_tool("hogs", "Hogs"),
              hostile_tool("credentials", "ReadsCredentials"), hostile_tool("reads_file", "ReadsFile"),
              hostile_tool("writes_file", "WritesFile"), hostile_tool("connects", "Connects"),
-             hostile_tool("forges", "ForgesAnswer")]
+             hostile_tool("forges", "ForgesAnswer"), hostile_tool("secrets", "SearchesSecrets"),
+             hostile_tool("detaches", "Detaches"),
+             {"class_name": "meshrl.code_interpreter", "config": {"default_timeout": 10},
+              "tool_schema": {"type": "function", "function": {"name": "code_interpreter"}}}]
     config = root / "env.yaml"
     config.write_text(yaml.safe_dump({"environments": {"hostile": {"tools": tools}}, "workers": 2,
                                       "call_timeout_s": 2.0, "worker_memory_mb": 512,
@@ -348,6 +353,31 @@ def test_tools_that_loop_fork_or_fill_memory_get_error_replies_and_what_they_sta
     assert info.open_episodes == 0 and info.workers == 2
 
 
+def test_what_a_tool_started_and_detached_ends_with_its_episode_and_its_worker_stays(hostile_env):
+    """A daemon (a session of its own, its parent gone) started by a tool runs until its episode closes, and no
+    longer; the worker that held the episode is not replaced for it."""
+    name = f"detached-{uuid.uuid4().hex[:12]}"
+    [service] = [process for key, process in hostile_env.processes.items() if key.startswith("env")]
+    workers = sorted(worker_pids(service.pid))
+
+    async def episode(stub):
+        await stub.Reset(env_pb2.ResetRequest(episode_id="detached", row_json="{}", env_name="hostile"), timeout=30)
+        try:
+            step = await stub.Step(env_pb2.StepRequest(episode_id="detached", message=assistant(
+                call("detaches", {"name": name}))), timeout=60)
+            await asyncio.to_thread(wait_for, lambda: len(named(name)) == 1, f"a process named {name}")
+            return step
+        finally:
+            await stub.Close(env_pb2.CloseRequest(episode_id="detached"), timeout=30)
+
+    try:
+        assert with_env(hostile_env.coordinator, episode).messages[0].content == "detached"
+        wait_for(lambda: not named(name), "the detached process ending with its episode", seconds=10)
+        assert sorted(worker_pids(service.pid)) == workers
+    finally:
+        end_leftovers(name)
+
+
 def test_a_tool_forking_thousands_of_processes_is_stopped_at_its_workers_bound(hostile_env):
     """5000 forks: those past the worker's bound (worker_processes) fail, the model is told; the processes started
     end when a spinning call has the worker replaced, and the next call is answered."""
@@ -372,6 +402,49 @@ def test_a_tool_finds_no_cluster_credentials_in_its_environment(hostile_env):
     assert json.loads(found.messages[0].content) == {}
 
 
+def secrets_seen_by_tools(coordinator: str, secrets: list[str], paths: list[str]) -> list[str]:
+    """What a user's tool in a sandboxed worker, and code it has the code interpreter run, see of ``secrets`` and
+    ``paths`` (hostile_tools.secrets_seen): both replies, each a JSON list (empty where nothing is seen)."""
+    arguments = {"secrets": secrets, "paths": paths}
+    [step] = steps(coordinator, f"secrets-{uuid.uuid4().hex[:8]}", [
+        call("secrets", arguments) + call("code_interpreter", {"code": secrets_probe(secrets, paths)})])
+    return [message.content for message in step.messages]
+
+
+def test_a_tool_and_its_code_see_nothing_of_a_token_given_as_a_file(hostile_env):
+    """The cluster's token in a file (MESHRL_TOKEN_FILE, in the state folder, as coordctl --local makes it): neither
+    the token, nor the file, its path, the state folder or the variables' names show inside either sandbox."""
+    token_file = Path(os.environ["MESHRL_TOKEN_FILE"])
+    state = hostile_env.state_dir
+    assert token_file.parent == state and token_file.read_text().strip(), "the cluster has a token in its file"
+    secrets = [token_file.read_text().strip(), str(token_file), str(state), "MESHRL_"]
+    paths = [str(token_file), str(state), str(state / "ports"), str(state / "logs")]
+    assert secrets_seen_by_tools(hostile_env.coordinator, secrets, paths) == ["[]", "[]\n"]
+
+
+def test_a_tool_and_its_code_see_nothing_of_a_token_given_as_a_variable(tmp_path, monkeypatch):
+    """The cluster's token in MESHRL_TOKEN, which the env service inherits: it shows inside neither sandbox, nor
+    does the state folder or any variable's name."""
+    if SANDBOX is not None:
+        pytest.skip(f"this host cannot sandbox env workers: {SANDBOX}")
+    token = f"token-{uuid.uuid4().hex}"
+    monkeypatch.delenv("MESHRL_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("MESHRL_TOKEN", token)
+    cluster_token.cache_clear()
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("env", settings=("--config",
+                                                                             str(hostile_config(tmp_path)))),))
+    try:
+        asyncio.run(cluster.start(timeout_s=90))
+        assert cluster.own_token_file is None, "the services run with the variable's token"
+        secrets = [token, str(cluster.state_dir), "MESHRL_"]
+        paths = [str(cluster.state_dir), str(cluster.state_dir / "ports"), str(cluster.state_dir / "logs")]
+        assert secrets_seen_by_tools(cluster.coordinator, secrets, paths) == ["[]", "[]\n"]
+    finally:
+        cluster.stop()
+        monkeypatch.undo()
+        cluster_token.cache_clear()
+
+
 def test_an_unknown_tool_and_a_10_mb_call_are_answered_and_the_service_keeps_answering(hostile_env):
     cluster = hostile_env
     huge = call("lookup", {"key": "x" * 10_000_000})
@@ -388,7 +461,7 @@ def test_an_unknown_tool_and_a_10_mb_call_are_answered_and_the_service_keeps_ans
         return unknown, refused.value, after
 
     unknown, refused, after = with_env(cluster.coordinator, episode)
-    assert unknown.messages[0].content.startswith("unknown tool 'nope'; tools: connects, credentials"), unknown
+    assert unknown.messages[0].content.startswith("unknown tool 'nope'; tools: code_interpreter, connects"), unknown
     assert not unknown.done and json.loads(unknown.info_json)["calls"] == [{"tool": "", "outcome": "error"}]
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_message_chars" in refused.details() and str(len(huge)) in refused.details()

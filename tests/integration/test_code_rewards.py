@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import uuid
 from pathlib import Path
 
 import pytest
 
 from meshrl.v1 import common_pb2, reward_pb2_grpc
+from services.common.auth import cluster_token
 from services.common.rpc import open_channel
 from services.common.sandbox import check_sandbox
 from services.coordinator.clients import RewardClient, RewardSample
 from services.coordctl.local import LocalCluster, ServiceSpec
+from tests.integration.plugins.hostile_tools import secrets_probe
 from tests.integration.test_rewards import reward_address, reward_config, score_through_service
 
 REASON = check_sandbox()
@@ -93,3 +97,40 @@ def test_the_service_answers_while_slow_programs_are_judged(code_cluster):
     assert answered_first  # 3 cases of 3 s on 2 sandbox threads: 6 s of judging, while Info came back at once
     assert [(s.valid, s.pred) for s in scores] == [(True, "0/3 TTT")]
 
+
+
+def test_a_judged_program_sees_nothing_of_the_services_token_or_state_folder(code_cluster):
+    """The reward service holds the cluster's token file (MESHRL_TOKEN_FILE, in its state folder): a program that
+    looks for the token, its path, the state folder and the variables' names everywhere it can reach prints []
+    and so passes its one case."""
+    token_file = Path(os.environ["MESHRL_TOKEN_FILE"])
+    state = code_cluster.state_dir
+    secrets = [token_file.read_text().strip(), str(token_file), str(state), "MESHRL_"]
+    probe = secrets_probe(secrets, [str(token_file), str(state)])
+    case = json.dumps({"inputs": [""], "outputs": ["[]\n"]})
+    [(scores, _)] = asyncio.run(score_through_service(code_cluster.coordinator, [
+        [RewardSample("apps", python(probe), case, {})]]))
+    assert [(s.valid, s.score, s.pred) for s in scores] == [(True, 1.0, "1/1 P")]
+
+
+def test_a_judged_program_sees_nothing_of_a_token_given_as_a_variable(tmp_path, monkeypatch):
+    """The cluster's token in MESHRL_TOKEN, which the reward service inherits: the same program finds neither it,
+    nor the state folder, nor any variable's name."""
+    token = f"token-{uuid.uuid4().hex}"
+    monkeypatch.delenv("MESHRL_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("MESHRL_TOKEN", token)
+    cluster_token.cache_clear()
+    config = reward_config(tmp_path, "reward", {"apps": [{"rule": "apps"}]}, sandbox={"wall_s": 10})
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("reward", settings=("--config", config)),))
+    try:
+        asyncio.run(cluster.start(timeout_s=60))
+        assert cluster.own_token_file is None, "the services run with the variable's token"
+        probe = secrets_probe([token, str(cluster.state_dir), "MESHRL_"], [str(cluster.state_dir)])
+        case = json.dumps({"inputs": [""], "outputs": ["[]\n"]})
+        [(scores, _)] = asyncio.run(score_through_service(cluster.coordinator, [
+            [RewardSample("apps", python(probe), case, {})]]))
+        assert [(s.valid, s.score, s.pred) for s in scores] == [(True, 1.0, "1/1 P")]
+    finally:
+        cluster.stop()
+        monkeypatch.undo()
+        cluster_token.cache_clear()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc
@@ -22,7 +26,8 @@ from services.common.rpc import open_channel, retry_after_s
 from services.coordctl.cli import app
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
-from services.common.sandbox import check_sandbox
+from services.common.cli import REFUSED_EXIT_CODE
+from services.common.sandbox import BWRAP, check_sandbox
 from services.env.episodes import BUSY_RETRY_AFTER_S
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -54,7 +59,8 @@ def env_cluster(tmp_path_factory):
     environments = {
         "gsm8k": {"tool_config_path": str(tool_config)},
         "user_tools": {"tools": [user_tool("lookup", "Lookup", table={"a": 1}), user_tool("hangs", "Hangs"),
-                                 user_tool("raises", "Raises"), user_tool("garbage", "Garbage")]},
+                                 user_tool("raises", "Raises"), user_tool("garbage", "Garbage"),
+                                 user_tool("undecodable", "Undecodable")]},
         "guess": {"environment": f"{USER}:GuessNumber", "options": {"tries": 3}},
     }
     config = root / "env.yaml"
@@ -173,6 +179,74 @@ def test_tools_that_hang_raise_or_return_garbage_get_error_replies_and_the_servi
     assert len(huge_replies) == 9  # max_parallel_calls (8) and one error for the rest
 
 
+def escaped(data: bytes) -> str:
+    """``data`` as JSON ``\\u`` escapes, two bytes a UTF-16 code unit: any code unit, lone surrogates among them."""
+    return "".join(f"\\u{int.from_bytes(data[index:index + 2], 'big'):04x}" for index in range(0, len(data) - 1, 2))
+
+
+def lookup_of(key: str) -> str:
+    """A lookup call whose key is ``key`` written into the JSON as it is (which may break the JSON)."""
+    return '<tool_call>{"name": "lookup", "arguments": {"key": "' + key + '"}}</tool_call>'
+
+
+MODEL_TEXTS = {  # how bytes a model emitted may land in its turn (the rollout decodes them, bad bytes replaced)
+    "the turn": lambda data: data.decode("utf-8", "replace"),
+    "a call's body": lambda data: f"<tool_call>{data.decode('utf-8', 'replace')}</tool_call>",
+    "a key as it is": lambda data: lookup_of(data.decode("utf-8", "replace")),
+    "a key escaped": lambda data: lookup_of(escaped(data)),
+    "a tool name escaped": lambda data: '<tool_call>{"name": "' + escaped(data) + '", "arguments": {}}</tool_call>',
+    "arguments in a string": lambda data: ('<tool_call>{"name": "lookup", "arguments": "{\\"key\\": \\"'
+                                           + escaped(data).replace("\\", "\\\\") + '\\"}"}</tool_call>'),
+}
+
+
+def lone_surrogate_key(data: bytes) -> bool:
+    """Whether ``lookup_of(escaped(data))`` asks for a key holding a lone surrogate."""
+    key = json.loads(f'"{escaped(data)}"')
+    return key != key.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def test_any_bytes_a_model_emits_get_replies_and_the_episode_goes_on(env_cluster):
+    """Through the real service, for byte strings hypothesis picks, each landing in a turn in each way of
+    MODEL_TEXTS: the Step is answered (never an RPC error), a call of a lone surrogate is told so, and the next
+    call in the episode is answered as ever. A tool replying with a lone surrogate (a file name the host could
+    not decode) reaches the model as its escape."""
+    loop = asyncio.new_event_loop()
+
+    async def connect():
+        return open_channel(await env_address(env_cluster.coordinator))
+
+    channel = loop.run_until_complete(connect())
+    stub = env_pb2_grpc.EnvStub(channel)
+
+    async def episode(text: str) -> tuple[env_pb2.StepResponse, env_pb2.StepResponse]:
+        await stub.Reset(env_pb2.ResetRequest(episode_id="bytes", row_json="{}", env_name="user_tools"), timeout=30)
+        try:
+            return tuple([await stub.Step(env_pb2.StepRequest(episode_id="bytes", message=assistant(content)),
+                                          timeout=30) for content in (text, call("lookup", {"key": "a"}))])
+        finally:
+            await stub.Close(env_pb2.CloseRequest(episode_id="bytes"), timeout=30)
+
+    @settings(max_examples=60, deadline=None)
+    @given(data=st.binary(max_size=48), way=st.sampled_from(sorted(MODEL_TEXTS)))
+    @example(data=b"\xd8\x00", way="a key escaped").via("a lone high surrogate")
+    @example(data=b"\xdc\x80\x00a", way="arguments in a string").via("a lone low surrogate, nested")
+    def answered(data: bytes, way: str) -> None:
+        first, after = loop.run_until_complete(episode(MODEL_TEXTS[way](data)))
+        assert all(message.role == "tool" for message in first.messages)
+        if way == "a key escaped" and lone_surrogate_key(data):
+            assert "half a surrogate pair" in first.messages[0].content, first.messages[0].content
+        assert (after.messages[0].content, after.reward) == ("1", 0.5)
+
+    try:
+        answered()
+        replied, _ = loop.run_until_complete(episode(call("undecodable", {})))
+        assert [message.content for message in replied.messages] == ["name-\\udcff"]
+    finally:
+        loop.run_until_complete(channel.close())
+        loop.close()
+
+
 def test_a_reset_can_lower_the_tool_calls_run_per_turn_and_the_bound_survives_a_fresh_worker(env_cluster):
     four = call("lookup", {"key": "a"}) * 4
 
@@ -209,6 +283,67 @@ def test_the_code_interpreter_runs_code_sandboxed(env_cluster):
     step = with_env(env_cluster.coordinator, episode)
     [reply] = step.messages
     assert reply.content.splitlines()[:3] == ["42", "file FileNotFoundError", "net OSError"], reply.content
+
+
+@pytest.mark.skipif(not SANDBOXED, reason=f"no code sandbox here: {check_sandbox()}")
+def test_the_model_is_told_its_code_was_stopped_however_much_it_printed(env_cluster):
+    """Past the output cap, past the time limit after printing much, exiting 3 after printing much: each reply is
+    cut to max_reply_chars (16 KiB) and still starts with why the run ended."""
+    codes = ["import sys\nsys.stdout.write('x' * 5_000_000)\n",
+             "import time\nprint('y' * 100_000, flush=True)\ntime.sleep(60)\n",
+             "print('z' * 100_000)\nraise SystemExit(3)\n"]
+
+    async def episode(stub):
+        await stub.Reset(env_pb2.ResetRequest(episode_id="s1", row_json="{}", env_name="gsm8k"), timeout=30)
+        step = await stub.Step(env_pb2.StepRequest(episode_id="s1", message=assistant("".join(
+            call("code_interpreter", {"code": code}) for code in codes))), timeout=60)
+        await stub.Close(env_pb2.CloseRequest(episode_id="s1"), timeout=30)
+        return step
+
+    replies = [message.content for message in with_env(env_cluster.coordinator, episode).messages]
+    assert [reply.split("\n", 1)[0] for reply in replies] == [
+        "(stopped: output, exit code None)", "(stopped: timeout, exit code None)", "(stopped: exited, exit code 3)"]
+    assert all("characters cut)" in reply and len(reply) < (16 << 10) + 100 for reply in replies)
+
+
+def worker_pids(service_pid: int) -> list[int]:
+    """The host's running (not zombie) worker processes of the env service ``service_pid``: each is started as
+    ``python -B -m services.env.worker FD SERVICE_PID [sandboxed]``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            running = (entry / "stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+        except (OSError, IndexError):
+            continue
+        if running and argv[2:4] == [b"-m", b"services.env.worker"] and argv[5:6] == [str(service_pid).encode()]:
+            found.append(int(entry.name))
+    return found
+
+
+def test_resets_after_every_idle_worker_was_killed_are_answered_by_their_replacements(env_cluster):
+    [service] = [process for name, process in env_cluster.processes.items() if name.startswith("env")]
+    workers = worker_pids(service.pid)
+    assert len(workers) == 3, workers  # workers: 3, all idle
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while set(worker_pids(service.pid)) & set(workers):
+        assert time.monotonic() < deadline, "killed workers still running after 30 s"
+        time.sleep(0.1)
+
+    async def episodes(stub):
+        ids = [f"k{index}" for index in range(3)]
+        for episode_id in ids:
+            await stub.Reset(env_pb2.ResetRequest(episode_id=episode_id, row_json='{"reward_model": '
+                                                  '{"ground_truth": "7"}}', env_name="gsm8k"), timeout=60)
+        steps = [await stub.Step(env_pb2.StepRequest(episode_id=episode_id, message=assistant(
+            call("calc_gsm8k_reward", {"answer": "7"}))), timeout=30) for episode_id in ids]
+        for episode_id in ids:
+            await stub.Close(env_pb2.CloseRequest(episode_id=episode_id), timeout=30)
+        return steps
+
+    assert [step.reward for step in with_env(env_cluster.coordinator, episodes)] == [1.0, 1.0, 1.0]
 
 
 def test_a_tool_class_that_fails_to_import_refuses_the_service_at_start(tmp_path: Path):
@@ -248,3 +383,27 @@ def test_bad_requests_are_refused_with_their_status_and_a_full_service_says_so(e
     assert with_env(env_cluster.coordinator, requests) == [
         (grpc.StatusCode.INVALID_ARGUMENT, None), (grpc.StatusCode.INVALID_ARGUMENT, None),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY_RETRY_AFTER_S), (grpc.StatusCode.RESOURCE_EXHAUSTED, None)]
+
+
+def without_bwrap(command: list[str]) -> list[str]:
+    """``command`` run where /usr/bin/bwrap cannot be executed: in a mount namespace of its own, /dev/null bound
+    over it (the host keeps its bwrap)."""
+    return ["/usr/bin/unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+            f'mount --bind /dev/null {BWRAP} && exec "$@"', "without-bwrap", *command]
+
+
+@pytest.mark.skipif(not SANDBOXED, reason=f"no code sandbox here: {check_sandbox()}")
+@pytest.mark.parametrize("kind", ["env_user_tool", "env_code_interpreter", "reward_code_rule"])
+def test_a_service_that_must_sandbox_without_bubblewrap_refuses_with_exit_2_naming_the_package(tmp_path: Path,
+                                                                                               kind: str):
+    settings = {"env_user_tool": {"environments": {"e": {"tools": [user_tool("lookup", "Lookup")]}}},
+                "env_code_interpreter": {"environments": {"e": {"tools": [CODE_TOOL]}}},
+                "reward_code_rule": {"scorers": {"apps": [{"rule": "apps"}]}}}[kind]
+    config = tmp_path / "service.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    service = kind.split("_")[0]
+    result = subprocess.run(without_bwrap([sys.executable, "-m", f"services.{service}", "--config", str(config),
+                                           "port=0"]), capture_output=True, text=True, timeout=120)
+    assert result.returncode == REFUSED_EXIT_CODE, result.stderr[-2000:]
+    assert f"{service}: cannot start:" in result.stderr
+    assert f"{BWRAP} is missing: install the package bubblewrap" in result.stderr, result.stderr[-2000:]

@@ -42,6 +42,22 @@ class Forks(Tool):
         return f"started {count}"
 
 
+class Detaches(Tool):
+    """Starts a process named ``name`` (its argv[0]) that sleeps for an hour, detached as a daemon detaches (a
+    session of its own, its parent gone), and replies "detached"."""
+
+    def call(self, arguments: dict):
+        name = str(arguments["name"])
+        child = os.fork()
+        if child == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv("/usr/bin/sleep", [name, "3600"])
+            os._exit(0)
+        os.waitpid(child, 0)
+        return "detached"
+
+
 class Hogs(Tool):
     """Allocates 100 GiB, 256 MiB at a time, where its memory is bounded; says so and allocates nothing where not."""
 
@@ -58,6 +74,43 @@ class ReadsCredentials(Tool):
     def call(self, arguments: dict):
         return json.dumps({name: value for name, value in os.environ.items()
                            if name.startswith("MESHRL_") and ("TOKEN" in name or "TLS" in name)})
+
+
+def secrets_seen(secrets: list[str], paths: list[str]) -> list[str]:
+    """Where, from inside a sandbox, any of ``secrets`` (texts: a token, a path, a variable's name) shows in this
+    process's environment, in the environment, command line or mounts of any process it can see, or in the
+    settings of an env worker (the EnvServiceConfig it was sent); and which of ``paths`` exists here. Empty where
+    nothing is seen. Standard library only: run as a tool in a worker and as a program in the code sandbox (its
+    source and a call, see ``secrets_probe``)."""
+    import gc
+    import os
+
+    texts = {"os.environ": "\n".join(f"{name}={value}" for name, value in os.environ.items())}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        for part in ("environ", "cmdline", "mountinfo"):
+            try:
+                with open(f"/proc/{pid}/{part}", "rb") as shown:
+                    texts[f"/proc/{pid}/{part}"] = shown.read().decode(errors="replace")
+            except OSError:
+                continue
+    for index, settings in enumerate(o for o in gc.get_objects() if type(o).__name__ == "EnvServiceConfig"):
+        texts[f"worker settings {index}"] = settings.model_dump_json()
+    seen = [f"{secret} in {where}" for where, text in texts.items() for secret in secrets if secret in text]
+    return seen + [f"{path} exists" for path in paths if os.path.lexists(path)]
+
+
+def secrets_probe(secrets: list[str], paths: list[str]) -> str:
+    """A program that prints ``secrets_seen(secrets, paths)`` as JSON (for the code sandbox)."""
+    import inspect
+
+    return f"import json\n{inspect.getsource(secrets_seen)}\nprint(json.dumps(secrets_seen({secrets!r}, {paths!r})))\n"
+
+
+class SearchesSecrets(Tool):
+    """Replies with ``secrets_seen`` of its arguments' secrets and paths, as JSON."""
+
+    def call(self, arguments: dict):
+        return json.dumps(secrets_seen(arguments["secrets"], arguments["paths"]))
 
 
 class ReadsFile(Tool):

@@ -20,6 +20,16 @@ class Lookup:
         return (str(self.table[key]), 0.5) if key in self.table else f"no value for {key}"
 
 
+class Undecodable:
+    """Replies with a file name this host could not decode (os.fsdecode keeps its byte as a lone surrogate)."""
+
+    def __init__(self, config: dict, create_kwargs: dict):
+        pass
+
+    def call(self, arguments: dict):
+        return os.fsdecode(b"name-\xff")
+
+
 class Hangs:
     def __init__(self, config: dict, create_kwargs: dict):
         pass
@@ -119,3 +129,19 @@ class HeldAfterFirstTurn(Countdown):
             while not (self.folder / "released").exists():
                 time.sleep(0.05)
         return super().step(message)
+
+
+class KillsItsWorker(Countdown):
+    """Countdown, but a reset ends its worker process (os._exit) the first ``deaths`` times of all (counted in
+    files under ``folder``), as a worker dying under a reset would."""
+
+    def __init__(self, folder: str, deaths: int = 1):
+        super().__init__()
+        self.folder, self.deaths = Path(folder), deaths
+
+    def reset(self, row: dict) -> list[dict]:
+        died = len(list(self.folder.glob("died-*")))
+        if died < self.deaths:
+            (self.folder / f"died-{died}").touch()
+            os._exit(3)
+        return super().reset(row)

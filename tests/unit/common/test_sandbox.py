@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from services.common import sandbox
+from services.common.auth import TLS_VARIABLES
 from services.common.sandbox import (BWRAP, UID_BASE, UID_SLOTS, SandboxLimits, SandboxResult, SandboxUnavailable,
                                      check_sandbox, run_in_sandbox)
+from tests.integration.plugins.hostile_tools import secrets_probe
 
 pytestmark = pytest.mark.skipif(not os.access(BWRAP, os.X_OK), reason=f"{BWRAP} missing (Debian package bubblewrap)")
 
@@ -138,6 +142,20 @@ def test_the_cluster_token_the_host_home_and_the_repository_cannot_be_read(tmp_p
     assert result.stdout.splitlines() == ["None None"] + ["refused FileNotFoundError"] * len(targets)
 
 
+def test_nothing_of_the_callers_environment_shows_inside(tmp_path, monkeypatch):
+    """bwrap's own process stays in the sandbox as its pid 1, whose environment code can read (/proc/1/environ):
+    neither the token, nor the names or paths of the caller's credential variables show anywhere inside."""
+    variables = {"MESHRL_TOKEN": f"token-{os.getpid()}-secret", "MESHRL_TOKEN_FILE": str(tmp_path / "token"),
+                 **{name: str(tmp_path / f"{name.lower()}.pem") for name in TLS_VARIABLES}}
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+        if value.startswith(str(tmp_path)):
+            Path(value).write_text("secret")
+    secrets = [variables["MESHRL_TOKEN"], str(tmp_path), "MESHRL_"]
+    result = run_in_sandbox(secrets_probe(secrets, [str(tmp_path), *variables.values()]), SHORT)
+    assert (json.loads(result.stdout), result.stopped) == ([], "exited"), result.stderr
+
+
 def test_a_socket_to_the_hosts_loopback_fails():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -172,5 +190,5 @@ def test_many_concurrent_calls_each_get_their_own_answer():
 
 
 def test_limits_must_be_positive():
-    with pytest.raises(ValueError, match="SandboxLimits.memory_mb"):
+    with pytest.raises(ValueError, match=r"SandboxLimits\.memory_mb"):
         SandboxLimits(memory_mb=0)

@@ -56,13 +56,27 @@ def test_a_sandboxed_worker_reads_python_meshrl_and_the_users_class_folders_only
                           str(PLUGINS), str(Path(yaml.__file__).parent)}  # not tmp_path: the service reads tools.yaml
 
 
-def test_a_class_folder_that_holds_the_token_file_refuses_the_service(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("secret", ["MESHRL_TOKEN_FILE", "MESHRL_TLS_KEY", "MESHRL_TLS_CERT", "MESHRL_TLS_CA",
+                                    "ports_file"])
+def test_a_class_folder_that_holds_a_secret_file_or_the_state_folder_refuses_the_service(tmp_path: Path, monkeypatch,
+                                                                                       secret: str):
     (tmp_path / "tool.py").write_text("class Tool:\n    pass\n")
-    (tmp_path / "token").write_text("secret")
-    monkeypatch.setenv("MESHRL_TOKEN_FILE", str(tmp_path / "token"))
-    config = EnvServiceConfig.model_validate({"environments": {"e": {"environment": f"{tmp_path / 'tool.py'}:Tool"}}})
-    with pytest.raises(ValueError, match=f"MESHRL_TOKEN_FILE {tmp_path / 'token'} lies in {tmp_path}"):
-        readable_paths(config)
+    path = tmp_path / "state" / "secret"
+    settings = {"environments": {"e": {"environment": f"{tmp_path / 'tool.py'}:Tool"}}}
+    if secret == "ports_file":
+        settings["ports_file"] = str(path)
+    else:
+        monkeypatch.setenv(secret, str(path))
+    with pytest.raises(ValueError, match=f"{secret} {path} lies in {tmp_path}"):
+        readable_paths(EnvServiceConfig.model_validate(settings))
+
+
+def test_a_worker_is_not_told_the_services_own_settings(tmp_path: Path):
+    """Its address, coordinator and ports file (which lies in its state folder) stay in the service."""
+    served = {"host": "10.1.2.3", "port": 7001, "coordinator": "10.1.2.4:7000",
+              "ports_file": str(tmp_path / "state" / "ports" / "env.json")}
+    sent = worker_config(user_config(tmp_path).model_copy(update=served)).model_dump_json()
+    assert [value for value in map(str, served.values()) if value in sent] == []
 
 
 def test_a_workers_answers_are_json_and_anything_else_is_refused():

@@ -56,6 +56,19 @@ def test_malformed_calls_are_errors_the_model_is_shown(block, says):
     assert says in call.message
 
 
+@pytest.mark.parametrize("arguments", ['{"expression": "6\\ud800*7"}', '{"\\udc80": 1}',
+                                       '"{\\"expression\\": \\"\\\\udfff\\"}"', '{"x": ["a", {"y": "\\ud83d"}]}'])
+def test_a_lone_surrogate_escape_in_the_arguments_is_an_error_in_valid_text(arguments):
+    (call,) = parse(f'<tool_call>{{"name": "calculator", "arguments": {arguments}}}</tool_call>').calls
+    assert isinstance(call, ParseError) and "half a surrogate pair" in call.message, call
+    call.message.encode("utf-8")  # the reply itself travels
+
+
+def test_a_surrogate_pair_escape_is_the_character_it_writes():
+    (call,) = parse('<tool_call>{"name": "lookup", "arguments": {"key": "\\ud83d\\ude00"}}</tool_call>').calls
+    assert call == ToolCall(name="lookup", arguments={"key": "\U0001f600"})
+
+
 def test_deeply_nested_json_is_an_error_not_a_recursion_error():
     block = '{"name": "lookup", "arguments": ' + '{"a": ' * 100_000 + "1" + "}" * 100_001
     (call,) = parse(f"<tool_call>{block}</tool_call>", max_call_bytes=10**7).calls
