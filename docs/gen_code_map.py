@@ -19,8 +19,8 @@ PAGE = REPO / "docs" / "architecture" / "overview.md"
 SERVICES = REPO / "services"
 # The packages in the order a newcomer reads them: the coordinator and its wings top to bottom, the other
 # services, what describes a run, the plumbing, and the RL math at services/'s top.
-PACKAGES = ("coordinator", "coordinator/runs", "coordinator/step", "coordinator/agent", "coordinator/fleet",
-            "rollout", "trainer", "reward", "env", "coordctl", "run", "run/sections", "common", "")
+PACKAGES = ("coordinator", "coordinator/runs", "coordinator/step", "coordinator/agent/gateway", "coordinator/agent",
+            "coordinator/fleet", "rollout", "trainer", "reward", "env", "coordctl", "run", "run/sections", "common", "")
 TOP = "The RL math, pure functions on tensors, and the registries that name the estimators and losses."
 MARKERS = ("<!-- code map: written by docs/gen_code_map.py from the modules' docstrings; do not edit -->",
            "<!-- end of the code map -->")

@@ -226,12 +226,22 @@ beyond them wait for one to end, which start-run says; local.services.env can sa
 
 def env_settings(config: RunConfig) -> list[str]:
     """The settings of the env service --local starts for a multi-turn run: it hosts the environment that
-    multi_turn.environment names, with the tools of multi_turn.tool_config_path (as an absolute path; ValueError
-    naming the key and the file if there is none there)."""
+    multi_turn.environment names, with the tools of multi_turn.tool_config_path or the agent of multi_turn.agent
+    (as an absolute path; ValueError naming the key and the file if there is none there)."""
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if multi_turn.agent is not None:
+        target, _, function = multi_turn.agent.rpartition(":")
+        agent = Path(target).resolve()
+        if not target.endswith(".py") or not agent.is_file():
+            raise ValueError(f"actor_rollout_ref.rollout.multi_turn.agent: no agent file at {agent} (path/to/file.py:"
+                             f"function)")
+        tools = [f"environments.{multi_turn.environment}.tool_config_path={Path(multi_turn.tool_config_path).resolve()}"
+                 ] if multi_turn.tool_config_path is not None else []
+        return [f"environments.{multi_turn.environment}.agent={agent}:{function}", *tools]
     key = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
     if multi_turn.tool_config_path is None:
-        raise ValueError(f"{key}: a multi-turn run started with --local needs a tool config for its env service")
+        raise ValueError(f"{key}: a multi-turn run started with --local needs a tool config (or multi_turn.agent) for "
+                         f"its env service")
     path = Path(multi_turn.tool_config_path).resolve()
     if not path.is_file():
         raise ValueError(f"{key}: no tool config file at {path}")

@@ -72,6 +72,9 @@ class AgentSettings:
     max_response_length: int  # every token after the prompt, the model's and the replies'
     max_prompt_length: int  # of the prompt as rendered with the environment's tools and opening messages
     calls_in_flight: int  # Generate calls at once per rollout replica (hf: 1, its engine runs one at a time)
+    gateway_host: str = "127.0.0.1"  # the run's OpenAI-compatible endpoint, for an environment of users' agents
+    gateway_port: int = 0  # 0: one the system picks
+    gateway_max_n: int = 8  # completions one call to it may ask for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +176,8 @@ def agent_settings(config: RunConfig) -> AgentSettings | None:
         max_reply_tokens=turns.max_tool_response_length,
         truncate_side=turns.tool_response_truncate_side, env_reward_weight=turns.env_reward_weight,
         max_response_length=config.data.max_response_length, max_prompt_length=config.data.max_prompt_length,
-        calls_in_flight=1 if rollout.name == "hf" else 64)
+        calls_in_flight=1 if rollout.name == "hf" else 64, gateway_host=turns.gateway.host,
+        gateway_port=turns.gateway.port, gateway_max_n=turns.gateway.max_n)
 
 
 def checkpoints_kept(actor_bound: int | None, critic_bound: int | None, has_critic: bool) -> int | None:

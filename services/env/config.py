@@ -51,12 +51,36 @@ class EnvironmentConfig(Section):
     and ``step(message) -> StepResult`` (services/env/environment.py)."""
     options: dict[str, Any] = {}
     """Keyword arguments the user's environment class is built with."""
+    agent: str | None = None
+    """A user's agent program, path/to/file.py:function or package.module:function, ``async def run(client, row)
+    -> float | None``: once per episode, given an ``openai.AsyncOpenAI`` pointed at the run's gateway for that
+    episode and the dataset row, it returns the reward (None: the run's reward service scores its last
+    completion). Its calls are what trains (services/env/agent_runner.py, docs/guides/existing-agents.md)."""
+    agent_command: list[str] | None = None
+    """A user's agent as a command (its argv), run once per episode with OPENAI_BASE_URL, OPENAI_API_KEY,
+    OPENAI_MODEL and MESHRL_ROW (the row as JSON, also on its stdin) set; the last line it prints, where it is a
+    number, is its reward (otherwise the reward service scores its last completion). An argument that names a file
+    is made absolute, and its folder readable in the sandbox."""
+    # An agent environment may list tools (tools or tool_config_path): the schemas of the tools its agent passes, which
+    # the service describes (Info) and never runs, so that a run renders its warm start's worked trajectories with them.
+    agent_timeout_s: PositiveFloat = 300.0
+    """Longest one episode's agent may run (an agent environment's); past it the agent is stopped and the episode
+    failed (scored 0, counted by the run as agent/episodes_failed/timed_out)."""
+
+    @property
+    def runs_agent(self) -> bool:
+        return self.agent is not None or self.agent_command is not None
 
     @pydantic.model_validator(mode="after")
     def _one_kind(self) -> EnvironmentConfig:
         has_tools = bool(self.tools) or self.tool_config_path is not None
-        if has_tools == (self.environment is not None):
-            raise ValueError("an environment names either tools (tools or tool_config_path) or an environment class")
+        kinds = [self.environment is not None, self.agent is not None, self.agent_command is not None]
+        if sum(kinds) > 1 or (sum(kinds) == 0 and not has_tools) or (self.environment is not None and has_tools):
+            raise ValueError("an environment names either tools (tools or tool_config_path), an environment class "
+                             "(environment), an agent function (agent) or an agent command (agent_command): one of "
+                             "them (an agent may list the tools it passes)")
+        if self.agent_command is not None and not self.agent_command:
+            raise ValueError("agent_command must name a program")
         if self.options and self.environment is None:
             raise ValueError("options are for an environment class only")
         names = [tool.name for tool in self.tools]

@@ -26,12 +26,17 @@ answers in, are services/env/worker.py's.
 
 from __future__ import annotations
 
+import json
 import queue
 import socket
 import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 from services.common.errors import Busy, FailedPrecondition, NotFound
 from services.env.config import EnvServiceConfig
@@ -42,6 +47,9 @@ from services.env.worker_sandbox import WorkerProcess, readable_paths, start_wor
 
 WORKER_START_TIMEOUT_S = 60.0
 """Longest a new worker may take to start (import this package) before its first call."""
+AGENT_GRACE_S = 5.0
+"""How long past its agent_timeout_s an agent's step may take before its worker is replaced (the worker stops
+the agent itself at agent_timeout_s and answers; this bounds one that does not)."""
 BUSY_RETRY_AFTER_S = 0.5
 """When a Reset refused because every worker holds an episode may be sent again (the refusal's hint; its caller
 backs off from it): episodes hold their workers for whole trajectories, so one is seldom free sooner."""
@@ -62,12 +70,25 @@ class Worker:
     started: bool = False  # its "ready" has been read
 
 
+class Gateway(NamedTuple):
+    """The run's gateway, as an agent environment's Reset gives it."""
+
+    url: str  # http://host:port/v1
+    key: str
+    model: str
+
+    def access(self) -> dict:
+        """What the worker's agent is given (the URL stays with the service, which relays its calls)."""
+        return {"key": self.key, "model": self.model}
+
+
 @dataclass
 class Episode:
     env_name: str
     row: dict
     worker: Worker
     max_parallel_calls: int  # the caller's bound on tool calls per step (0: the service's)
+    gateway: Gateway | None = None  # an agent environment's: where its agent's calls go
     steps: int = 0
     closed: bool = False  # its worker went back (a call that waited for the lock meanwhile must not use it)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time on its worker
@@ -112,15 +133,20 @@ class Episodes:
     def open_count(self) -> int:
         return len(self._open)
 
-    def reset(self, episode_id: str, env_name: str, row: dict, max_parallel_calls: int = 0) -> list[Message]:
+    def reset(self, episode_id: str, env_name: str, row: dict, max_parallel_calls: int = 0,
+              gateway: Gateway | None = None) -> list[Message]:
         """Open the episode on an idle worker: the environment's first messages; ``max_parallel_calls`` (> 0)
-        lowers the service's bound on the tool calls run per step for this episode. An idle worker that has died
-        is replaced first, and a worker that dies during the reset is replaced and the reset tried once more on
-        the new one: a worker's death costs no episode. ValueError for an unknown environment or an environment
-        that fails to reset (its worker dying twice included); FailedPrecondition for an id already open; Busy (to
-        be sent again later) when every worker holds an episode."""
+        lowers the service's bound on the tool calls run per step for this episode; ``gateway``: where an agent
+        environment's agent calls. An idle worker that has died is replaced first, and a worker that dies during
+        the reset is replaced and the reset tried once more on the new one: a worker's death costs no episode.
+        ValueError for an unknown environment, an agent environment without a gateway or an environment that fails
+        to reset (its worker dying twice included); FailedPrecondition for an id already open; Busy (to be sent
+        again later) when every worker holds an episode."""
         if env_name not in self.config.environments:
             raise ValueError(f"env_name {env_name!r} is not hosted here; hosted: {sorted(self.config.environments)}")
+        if self.config.environments[env_name].runs_agent and gateway is None:
+            raise ValueError(f"environment {env_name} runs a user's agent: its Reset must give gateway_url, "
+                             f"episode_key and model (a run serves them with multi_turn)")
         try:
             worker = self._idle.get_nowait()
         except queue.Empty:
@@ -130,11 +156,11 @@ class Episodes:
             if episode_id in self._open:
                 self._idle.put(worker)
                 raise FailedPrecondition(f"episode {episode_id!r} is open already")
-            episode = self._open[episode_id] = Episode(env_name, row, worker, max_parallel_calls)
+            episode = self._open[episode_id] = Episode(env_name, row, worker, max_parallel_calls, gateway)
         with episode.lock:
             if worker.process.exit_code is not None:  # it died while idle
                 episode.worker = self._replace(worker)
-            command = ("reset", env_name, row, max_parallel_calls)
+            command = self._reset_command(episode)
             try:
                 try:
                     return self._call(episode, command)
@@ -155,8 +181,11 @@ class Episodes:
             if episode.steps >= self.config.max_steps:
                 raise FailedPrecondition(f"episode {episode_id!r} took its {self.config.max_steps} steps (max_steps)")
             episode.steps += 1
+            environment = self.config.environments[episode.env_name]
+            deadline = time.monotonic() + environment.agent_timeout_s + AGENT_GRACE_S if environment.runs_agent \
+                else None
             try:
-                result = self._call(episode, ("step", message._asdict()))
+                result = self._call(episode, ("step", message._asdict()), deadline)
             except CallFailed as failed:
                 result = self._recover(episode, failed)
             if episode.steps >= self.config.max_steps:
@@ -166,11 +195,12 @@ class Episodes:
     def _recover(self, episode: Episode, failed: CallFailed) -> StepResult:
         """The step's result after its call failed: see the module's docstring."""
         info = {"error": str(failed), "timed_out": failed.timed_out, "tool": failed.tool}
-        if self.config.environments[episode.env_name].environment is not None:
+        environment = self.config.environments[episode.env_name]
+        if environment.environment is not None or environment.runs_agent:
             return StepResult(messages=[], done=True, info=info)
         reply = Message("tool", f"error: {failed}", failed.tool)
         try:
-            self._call(episode, ("reset", episode.env_name, episode.row, episode.max_parallel_calls))
+            self._call(episode, self._reset_command(episode))
         except CallFailed as again:
             return StepResult(messages=[*failed.replies, reply], done=True, info={**info, "reset_error": str(again)})
         return StepResult(messages=[*failed.replies, reply], info={**info, "restarted": True})
@@ -205,8 +235,14 @@ class Episodes:
             self._open.pop(episode_id, None)
         self._idle.put(self._replace(episode.worker) if replace else episode.worker)
 
-    def _call(self, episode: Episode, command: tuple) -> Any:
-        """Send ``command`` to the episode's worker and wait for its answer, each message within call_timeout_s;
+    @staticmethod
+    def _reset_command(episode: Episode) -> tuple:
+        access = episode.gateway.access() if episode.gateway is not None else None
+        return "reset", episode.env_name, episode.row, episode.max_parallel_calls, access
+
+    def _call(self, episode: Episode, command: tuple, deadline: float | None = None) -> Any:
+        """Send ``command`` to the episode's worker and wait for its answer, each message within call_timeout_s
+        (an agent's step: all of it by ``deadline``, on the monotonic clock, its calls relayed to the gateway);
         CallFailed (the worker replaced in the episode) when one does not come, the worker dies or it reports an
         error."""
         worker, tool = episode.worker, ""
@@ -217,10 +253,10 @@ class Episodes:
                 wait_ready(worker)
             worker.connection.send(command)
             while True:
-                if not worker.connection.poll(self.config.call_timeout_s):
+                wait_s = self.config.call_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+                if not worker.connection.poll(wait_s):
                     what = f"tool {tool}" if tool else f"the environment's {command[0]}"
-                    raise TimeoutError(f"{what} did not return within {self.config.call_timeout_s} s (its worker "
-                                       f"was replaced)")
+                    raise TimeoutError(f"{what} did not return within {wait_s:.1f} s (its worker was replaced)")
                 kind, value = decode(worker.connection.recv_bytes(MAX_ANSWER_BYTES), command[0])
                 calls, code_runs = calls + (kind == "calling"), code_runs + (kind == "run_code")
                 check_reports(calls, len(replies) + (kind == "reply"), code_runs, self.config.max_parallel_calls)
@@ -231,6 +267,8 @@ class Episodes:
                     tool = ""
                 elif kind == "run_code":
                     worker.connection.send(self._run_code(*value))
+                elif kind == "http" and episode.gateway is not None and deadline is not None:
+                    worker.connection.send(("http_response", relay(episode.gateway, value, deadline)))
                 elif kind == "done":
                     return value
                 else:
@@ -270,6 +308,26 @@ class Episodes:
                                      f"{worker.process.exit_code}; its error is in this service's log)") from None
         finally:
             self._idle.put(worker)
+
+
+def relay(gateway: Gateway, request: dict, deadline: float) -> dict:
+    """An agent's call sent on to the gateway (its origin, the call's path: nowhere else), by ``deadline``: the
+    gateway's answer, or a 502 with OpenAI's error object where it could not be reached."""
+    origin = urllib.parse.urlsplit(gateway.url)
+    http = urllib.request.Request(f"{origin.scheme}://{origin.netloc}{request['path']}", method=request["method"],
+                                  data=request["body"].encode() if request["method"] == "POST" else None,
+                                  headers=request["headers"])
+    try:
+        with urllib.request.urlopen(http, timeout=max(0.1, deadline - time.monotonic())) as answer:
+            return {"status": answer.status, "content_type": answer.headers.get("Content-Type", "application/json"),
+                    "body": answer.read(MAX_ANSWER_BYTES).decode(errors="replace")}
+    except urllib.error.HTTPError as refused:
+        return {"status": refused.code, "content_type": refused.headers.get("Content-Type", "application/json"),
+                "body": refused.read(MAX_ANSWER_BYTES).decode(errors="replace")}
+    except (urllib.error.URLError, OSError) as error:
+        return {"status": 502, "content_type": "application/json", "body": json.dumps({"error": {
+            "message": f"the env service could not reach the run's gateway: {error}", "type": "server_error",
+            "param": None, "code": "gateway_unreachable"}})}
 
 
 def check_reports(calls: int, replies: int, code_runs: int, max_parallel_calls: int) -> None:

@@ -23,7 +23,7 @@ from services.common.request_text import json_object
 from services.env import telemetry
 from services.env.config import EnvServiceConfig
 from services.env.environment import Message
-from services.env.episodes import Episodes
+from services.env.episodes import Episodes, Gateway
 from services.common.sandbox import SandboxUnavailable, check_sandbox
 from services.env.tools import check_tools, environment_tools
 from services.env.worker_sandbox import hosts_user_code
@@ -64,8 +64,9 @@ def workers_sandboxed(config: EnvServiceConfig, unavailable: str | None) -> bool
 class EnvServicer(env_pb2_grpc.EnvServicer):
     def __init__(self, config: EnvServiceConfig, identity: common_pb2.ServiceIdentity):
         self.tools = {name: environment_tools(environment) for name, environment in config.environments.items()}
-        for tools in self.tools.values():
-            check_tools(tools)
+        for name, tools in self.tools.items():
+            if not config.environments[name].runs_agent:  # an agent's tools are its own: listed, never run here
+                check_tools(tools)
         self.config = config
         self.identity = identity
         unavailable = check_sandbox() if config.sandbox else None
@@ -86,8 +87,9 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         if not request.episode_id:
             raise ValueError("episode_id is empty")
         row = await asyncio.to_thread(row_from_json, request.row_json, self.config.max_message_chars)  # off the loop
+        gateway = Gateway(request.gateway_url, request.episode_key, request.model) if request.gateway_url else None
         messages = await self._in_thread(self.episodes.reset, request.episode_id, request.env_name, row,
-                                         max(0, request.max_parallel_calls))
+                                         max(0, request.max_parallel_calls), gateway)
         telemetry.EPISODES.inc()
         telemetry.OPEN_EPISODES.set(self.episodes.open_count)
         return env_pb2.ResetResponse(messages=[message_to_pb(m) for m in messages],
@@ -113,7 +115,8 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         return env_pb2.EnvInfo(identity=self.identity, open_episodes=self.episodes.open_count,
                                workers=self.config.workers, environments=[
             env_pb2.EnvironmentInfo(
-                name=name, source=environment.environment or "tools",
+                name=name, source=environment.environment or environment.agent or " ".join(
+                    environment.agent_command or []) or "tools", runs_agent=environment.runs_agent,
                 tools=[env_pb2.ToolInfo(name=tool.name, schema_json=json.dumps(tool.tool_schema))
                        for tool in self.tools[name]])
             for name, environment in self.config.environments.items()])

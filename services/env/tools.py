@@ -117,9 +117,14 @@ def tool_class(tool: ToolConfig) -> type:
 
 
 def user_classes(environment: EnvironmentConfig) -> list[str]:
-    """The users' classes ``environment`` names (its environment class, its tools that are no built-in)."""
+    """The users' classes ``environment`` names (its environment class, its tools that are no built-in), or its
+    agent function."""
     if environment.environment is not None:
         return [environment.environment]
+    if environment.agent is not None:
+        return [environment.agent]
+    if environment.agent_command is not None:
+        return []
     return [tool.class_name for tool in environment_tools(environment) if tool.class_name not in BUILTINS]
 
 

@@ -14,11 +14,14 @@ never pickle, so that code in a worker, however hostile, can send the service no
   ("ran_error", text);
 - ("done", value) or ("error", text) to end each command.
 
-Commands: ("reset", env name, row, max parallel calls) builds a new environment (its tool calls per step bounded by
-the smaller of that, when positive, and the service's) and resets it; ("step", message dict) steps it; ("close",)
-drops it and ends every process its code started (the worker is the subreaper of its descendants, so a process
-that detached itself, by a double fork or a new session, is found too); None (or the service's end closing) ends
-the worker.
+An agent environment's worker also sends ("http", request), its agent's call to the run's gateway, and the service
+answers ("http_response", response) (services/env/agent_runner.py).
+
+Commands: ("reset", env name, row, max parallel calls, gateway access or None) builds a new environment (its tool
+calls per step bounded by the smaller of that, when positive, and the service's; an agent environment's agent
+calling with the access's key) and resets it; ("step", message dict) steps it; ("close",) drops it and ends every
+process its code started (the worker is the subreaper of its descendants, so a process that detached itself, by a
+double fork or a new session, is found too); None (or the service's end closing) ends the worker.
 
 Before any user code runs, the worker bounds itself (``contain``): its private memory (RLIMIT_DATA) and, in a
 sandbox, where it runs as a uid of its own, the processes and threads of that uid (RLIMIT_NPROC); no core files.
@@ -41,6 +44,7 @@ from typing import Any, Callable
 import structlog
 
 from services.common.lifetime import adopt_orphans, die_with_parent, end_descendants, reap_children
+from services.env.agent_runner import AgentEpisode, Relay
 from services.env.config import EnvironmentConfig, EnvServiceConfig
 from services.env.environment import (Environment, Message, StepResult, ToolEnvironment, ToolLimits, as_messages,
                                       as_step_result)
@@ -54,8 +58,14 @@ HELPER_PROCESSES = 2
 (bwrap's) and the worker."""
 
 
-def build(name: str, environment: EnvironmentConfig, limits: ToolLimits, report, run: CodeRunner) -> Environment:
-    """The environment ``name`` of an episode, in a worker."""
+def build(name: str, environment: EnvironmentConfig, limits: ToolLimits, *, report, run: CodeRunner,
+          access: dict | None, relay: Relay) -> Environment:
+    """The environment ``name`` of an episode, in a worker (``access``: an agent environment's gateway key and
+    model; ``relay``: how its agent's calls reach the gateway)."""
+    if environment.runs_agent:
+        if not access:
+            raise ValueError(f"environment {name} runs an agent: its Reset must give the run's gateway")
+        return AgentEpisode(environment, access, relay)
     if environment.environment is not None:
         return load_class(environment.environment, f"environment {name}")(**environment.options)
     return ToolEnvironment(environment.tools, limits, report, run)
@@ -97,10 +107,22 @@ def decode(data: bytes, command: str) -> tuple[str, Any]:
         if not isinstance(value, dict) or not isinstance(value.get("code"), str):
             raise ValueError("a run_code message needs code")
         return kind, (value["code"], SandboxLimits(**value.get("limits", {})))
+    if kind == "http":
+        return kind, http_request(value)
     if kind == "done":
         return kind, (as_messages(value) if command == "reset" else as_step_result(value) if command == "step"
                       else None)
     raise ValueError(f"a worker sent {str(kind)[:50]!r}")
+
+
+def http_request(value: Any) -> dict:
+    """An agent's call as the worker sent it, checked: method, path (from its root), headers and body strings."""
+    if not isinstance(value, dict) or value.get("method") not in ("GET", "POST") \
+            or not isinstance(value.get("path"), str) or not value["path"].startswith("/") \
+            or not isinstance(value.get("body"), str) or not isinstance(value.get("headers"), dict) \
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in value["headers"].items()):
+        raise ValueError("an http message needs a method (GET or POST), a path from /, headers and a body")
+    return value
 
 
 def code_runner(connection: Connection, sandboxed: bool) -> CodeRunner:
@@ -119,6 +141,19 @@ def code_runner(connection: Connection, sandboxed: bool) -> CodeRunner:
     return ask_service
 
 
+def http_relay(connection: Connection) -> Relay:
+    """How an agent's call reaches the gateway: sent to the service, which sends it on and answers."""
+
+    def ask_service(request: dict) -> dict:
+        connection.send_bytes(encode("http", request))
+        kind, value = connection.recv()
+        if kind != "http_response":
+            raise RuntimeError(f"the service answered an agent's call with {kind!r}")
+        return value
+
+    return ask_service
+
+
 def serve(connection: Connection, sandboxed: bool) -> None:
     """Answer the service's commands until None or its end closes (see the module's docstring)."""
     config: EnvServiceConfig = connection.recv()
@@ -126,6 +161,7 @@ def serve(connection: Connection, sandboxed: bool) -> None:
     limits = ToolLimits(config.max_parallel_calls, config.max_call_bytes, config.max_reply_chars)
     report: Callable[[str, Any], None] = lambda kind, value: connection.send_bytes(encode(kind, value))  # noqa: E731
     run = code_runner(connection, sandboxed)
+    relay = http_relay(connection)
     environment: Any = None
     connection.send_bytes(encode("ready", None))
     while (command := connection.recv()) is not None:
@@ -133,7 +169,8 @@ def serve(connection: Connection, sandboxed: bool) -> None:
             if command[0] == "reset":
                 bound = min(limits.max_parallel_calls, command[3]) if command[3] > 0 else limits.max_parallel_calls
                 environment = build(command[1], config.environments[command[1]],
-                                    limits._replace(max_parallel_calls=bound), report, run)
+                                    limits._replace(max_parallel_calls=bound), report=report, run=run,
+                                    access=command[4], relay=relay)
                 answer: Any = as_messages(environment.reset(command[2]))
             elif command[0] == "step":
                 answer = as_step_result(environment.step(command[1]))

@@ -82,6 +82,12 @@ def worker_config(config: EnvServiceConfig) -> EnvServiceConfig:
     for name, environment in config.environments.items():
         if environment.environment is not None:
             environments[name] = environment.model_copy(update={"environment": absolute(environment.environment)})
+        elif environment.agent is not None:
+            environments[name] = environment.model_copy(update={"agent": absolute(environment.agent)})
+        elif environment.agent_command is not None:
+            environments[name] = environment.model_copy(update={"agent_command": [
+                os.path.abspath(arg) if Path(arg).is_file() else arg for arg in environment.agent_command]})
+            # (abspath, not resolve: a virtualenv's python is a link that must be run as the link to be that venv)
         else:
             tools = [tool.model_copy(update={"class_name": absolute(tool.class_name)})
                      for tool in environment_tools(environment)]
@@ -97,7 +103,8 @@ def absolute(ref: str) -> str:
 
 
 def hosts_user_code(config: EnvServiceConfig) -> bool:
-    return any(user_classes(environment) for environment in config.environments.values())
+    return any(user_classes(environment) or environment.agent_command
+               for environment in config.environments.values())
 
 
 def readable_paths(config: EnvServiceConfig) -> list[str]:
@@ -109,6 +116,8 @@ def readable_paths(config: EnvServiceConfig) -> list[str]:
         for ref in user_classes(environment):
             target = ref.rpartition(":")[0]
             paths.add(str(Path(target).resolve().parent) if target.endswith(".py") else package_folder(target))
+        paths.update(os.path.dirname(os.path.abspath(arg)) for arg in environment.agent_command or []
+                     if Path(arg).is_file())
     resolved = sorted({os.path.realpath(path) for path in paths} | paths, key=lambda path: (len(path), path))
     readable = [path for path in resolved if os.path.exists(path)]
     check_hidden(readable, secret_files(config))

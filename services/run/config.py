@@ -202,6 +202,10 @@ class RunConfig(Section):
                            "the env services host the tools (their own config names them: environments."
                            f"{multi_turn.environment}.tool_config_path); coordctl start-run --local starts one with "
                            "this file")
+        if multi_turn.enable and multi_turn.agent is not None:
+            notices.append(f"actor_rollout_ref.rollout.multi_turn.agent={multi_turn.agent}: the env services run the "
+                           f"agents (their own config names them: environments.{multi_turn.environment}.agent); "
+                           "coordctl start-run --local starts one with this agent")
         if trainer.use_legacy_worker_impl is not None:
             notices.append(f"trainer.use_legacy_worker_impl={trainer.use_legacy_worker_impl}: meshrl has one "
                            "worker implementation")

@@ -9,7 +9,7 @@ starts the services as processes, by module name, and checks a run's algorithm n
 
 Inside the coordinator, the wings (sub-packages by what changes together) stand on each other in one order, top
 to bottom: the entry (``server``, ``__main__``), ``runs`` (a run's lifetime), ``step`` (one step of the loop),
-``agent`` (the agent loop), ``fleet`` (the services a run uses) and the base (the package's other top-level
+``agent`` (the agent loop, and the gateway users' own agents call), ``fleet`` (the services a run uses) and the base (the package's other top-level
 modules: settings, store, registry, waiting, disk, telemetry, config). A module imports only its own wing and
 those below it, never one above; the base imports only the base. Counting each wing as one room and each top-level
 module as its own, the longest import chain is 7 floors (it was 13 modules before the wings).

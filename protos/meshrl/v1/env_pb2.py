@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13meshrl/v1/env.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"b\n\x0cResetRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x10\n\x08row_json\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12\x1a\n\x12max_parallel_calls\x18\x04 \x01(\x05\"M\n\rResetResponse\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.ChatMessage\x12\x12\n\nservice_id\x18\x02 \x01(\t\"J\n\x0bStepRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\'\n\x07message\x18\x02 \x01(\x0b\x32\x16.meshrl.v1.ChatMessage\"i\n\x0cStepResponse\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.ChatMessage\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x11\n\tinfo_json\x18\x04 \x01(\t\"\"\n\x0c\x43loseRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\"\x1f\n\rCloseResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"-\n\x08ToolInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bschema_json\x18\x02 \x01(\t\"S\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\"\n\x05tools\x18\x03 \x03(\x0b\x32\x13.meshrl.v1.ToolInfo\"\x91\x01\n\x07\x45nvInfo\x12,\n\x08identity\x18\x01 \x01(\x0b\x32\x1a.meshrl.v1.ServiceIdentity\x12\x30\n\x0c\x65nvironments\x18\x02 \x03(\x0b\x32\x1a.meshrl.v1.EnvironmentInfo\x12\x15\n\ropen_episodes\x18\x03 \x01(\x05\x12\x0f\n\x07workers\x18\x04 \x01(\x05\x32\xea\x01\n\x03\x45nv\x12:\n\x05Reset\x12\x17.meshrl.v1.ResetRequest\x1a\x18.meshrl.v1.ResetResponse\x12\x37\n\x04Step\x12\x16.meshrl.v1.StepRequest\x1a\x17.meshrl.v1.StepResponse\x12:\n\x05\x43lose\x12\x17.meshrl.v1.CloseRequest\x1a\x18.meshrl.v1.CloseResponse\x12\x32\n\x04Info\x12\x16.meshrl.v1.InfoRequest\x1a\x12.meshrl.v1.EnvInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13meshrl/v1/env.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\x9b\x01\n\x0cResetRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x10\n\x08row_json\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12\x1a\n\x12max_parallel_calls\x18\x04 \x01(\x05\x12\x13\n\x0bgateway_url\x18\x05 \x01(\t\x12\x13\n\x0b\x65pisode_key\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\"M\n\rResetResponse\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.ChatMessage\x12\x12\n\nservice_id\x18\x02 \x01(\t\"J\n\x0bStepRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\'\n\x07message\x18\x02 \x01(\x0b\x32\x16.meshrl.v1.ChatMessage\"i\n\x0cStepResponse\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.ChatMessage\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x11\n\tinfo_json\x18\x04 \x01(\t\"\"\n\x0c\x43loseRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\"\x1f\n\rCloseResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"-\n\x08ToolInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bschema_json\x18\x02 \x01(\t\"g\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\"\n\x05tools\x18\x03 \x03(\x0b\x32\x13.meshrl.v1.ToolInfo\x12\x12\n\nruns_agent\x18\x04 \x01(\x08\"\x91\x01\n\x07\x45nvInfo\x12,\n\x08identity\x18\x01 \x01(\x0b\x32\x1a.meshrl.v1.ServiceIdentity\x12\x30\n\x0c\x65nvironments\x18\x02 \x03(\x0b\x32\x1a.meshrl.v1.EnvironmentInfo\x12\x15\n\ropen_episodes\x18\x03 \x01(\x05\x12\x0f\n\x07workers\x18\x04 \x01(\x05\x32\xea\x01\n\x03\x45nv\x12:\n\x05Reset\x12\x17.meshrl.v1.ResetRequest\x1a\x18.meshrl.v1.ResetResponse\x12\x37\n\x04Step\x12\x16.meshrl.v1.StepRequest\x1a\x17.meshrl.v1.StepResponse\x12:\n\x05\x43lose\x12\x17.meshrl.v1.CloseRequest\x1a\x18.meshrl.v1.CloseResponse\x12\x32\n\x04Info\x12\x16.meshrl.v1.InfoRequest\x1a\x12.meshrl.v1.EnvInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +34,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=58
   _globals['_CHATMESSAGE']._serialized_end=116
-  _globals['_RESETREQUEST']._serialized_start=118
-  _globals['_RESETREQUEST']._serialized_end=216
-  _globals['_RESETRESPONSE']._serialized_start=218
-  _globals['_RESETRESPONSE']._serialized_end=295
-  _globals['_STEPREQUEST']._serialized_start=297
-  _globals['_STEPREQUEST']._serialized_end=371
-  _globals['_STEPRESPONSE']._serialized_start=373
-  _globals['_STEPRESPONSE']._serialized_end=478
-  _globals['_CLOSEREQUEST']._serialized_start=480
-  _globals['_CLOSEREQUEST']._serialized_end=514
-  _globals['_CLOSERESPONSE']._serialized_start=516
-  _globals['_CLOSERESPONSE']._serialized_end=547
-  _globals['_TOOLINFO']._serialized_start=549
-  _globals['_TOOLINFO']._serialized_end=594
-  _globals['_ENVIRONMENTINFO']._serialized_start=596
-  _globals['_ENVIRONMENTINFO']._serialized_end=679
-  _globals['_ENVINFO']._serialized_start=682
-  _globals['_ENVINFO']._serialized_end=827
-  _globals['_ENV']._serialized_start=830
-  _globals['_ENV']._serialized_end=1064
+  _globals['_RESETREQUEST']._serialized_start=119
+  _globals['_RESETREQUEST']._serialized_end=274
+  _globals['_RESETRESPONSE']._serialized_start=276
+  _globals['_RESETRESPONSE']._serialized_end=353
+  _globals['_STEPREQUEST']._serialized_start=355
+  _globals['_STEPREQUEST']._serialized_end=429
+  _globals['_STEPRESPONSE']._serialized_start=431
+  _globals['_STEPRESPONSE']._serialized_end=536
+  _globals['_CLOSEREQUEST']._serialized_start=538
+  _globals['_CLOSEREQUEST']._serialized_end=572
+  _globals['_CLOSERESPONSE']._serialized_start=574
+  _globals['_CLOSERESPONSE']._serialized_end=605
+  _globals['_TOOLINFO']._serialized_start=607
+  _globals['_TOOLINFO']._serialized_end=652
+  _globals['_ENVIRONMENTINFO']._serialized_start=654
+  _globals['_ENVIRONMENTINFO']._serialized_end=757
+  _globals['_ENVINFO']._serialized_start=760
+  _globals['_ENVINFO']._serialized_end=905
+  _globals['_ENV']._serialized_start=908
+  _globals['_ENV']._serialized_end=1142
 # @@protoc_insertion_point(module_scope)

@@ -18,16 +18,22 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("episode_id", "row_json", "env_name", "max_parallel_calls")
+    __slots__ = ("episode_id", "row_json", "env_name", "max_parallel_calls", "gateway_url", "episode_key", "model")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROW_JSON_FIELD_NUMBER: _ClassVar[int]
     ENV_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_PARALLEL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_URL_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     row_json: str
     env_name: str
     max_parallel_calls: int
-    def __init__(self, episode_id: _Optional[str] = ..., row_json: _Optional[str] = ..., env_name: _Optional[str] = ..., max_parallel_calls: _Optional[int] = ...) -> None: ...
+    gateway_url: str
+    episode_key: str
+    model: str
+    def __init__(self, episode_id: _Optional[str] = ..., row_json: _Optional[str] = ..., env_name: _Optional[str] = ..., max_parallel_calls: _Optional[int] = ..., gateway_url: _Optional[str] = ..., episode_key: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ("messages", "service_id")
@@ -78,14 +84,16 @@ class ToolInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., schema_json: _Optional[str] = ...) -> None: ...
 
 class EnvironmentInfo(_message.Message):
-    __slots__ = ("name", "source", "tools")
+    __slots__ = ("name", "source", "tools", "runs_agent")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_AGENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     tools: _containers.RepeatedCompositeFieldContainer[ToolInfo]
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolInfo, _Mapping]]] = ...) -> None: ...
+    runs_agent: bool
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolInfo, _Mapping]]] = ..., runs_agent: _Optional[bool] = ...) -> None: ...
 
 class EnvInfo(_message.Message):
     __slots__ = ("identity", "environments", "open_episodes", "workers")

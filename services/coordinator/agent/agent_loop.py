@@ -38,14 +38,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from services.common.errors import Unavailable
 from services.common.rpc import is_retryable
 from services.common.sequences import SequenceBatch
-from services.coordinator.fleet.clients import EnvStep, RolloutClient
+from services.coordinator.fleet.clients import EnvStep, GatewayAccess, RolloutClient
 from services.coordinator.fleet.env_set import EnvFleet, EnvLost, EnvSet, Episode
 from services.coordinator.fleet.rollout_set import RolloutSet
 from services.coordinator.settings import AgentSettings, Sampling
@@ -93,6 +93,10 @@ class AgentTrace:
     env_seconds: float
     restarts: int  # times its episode was started again on another replica
     env_busy_waits: int = 0  # Resets of its episodes refused because every worker of the env replica was busy
+    agent_outcome: str = ""  # an agent environment's (agent/gateway/episodes.py): ok, no_calls, raised, timed_out
+    agent_score: float | None = None  # the score its agent decided (None: the reward service's)
+    gateway_calls: int = 0  # completions its agent's calls to the gateway recorded
+    gateway_segments: int = 0  # of those calls, the ones that started a new sample (the first included)
 
 
 class Ended(StrEnum):
@@ -104,6 +108,10 @@ class Ended(StrEnum):
     MAX_USER_TURNS = "max_user_turns"  # multi_turn.max_user_turns replies were given
     LENGTH = "length"  # data.max_response_length is used up (the model's last turn may be cut at it)
     OVER_BUDGET = "over_budget"  # a reply does not fit what is left of data.max_response_length
+    AGENT_OK = "agent_ok"  # a user's agent (an agent environment, through the gateway) returned
+    AGENT_NO_CALLS = "agent_no_calls"  # it returned without calling the gateway
+    AGENT_RAISED = "agent_raised"  # it raised
+    AGENT_TIMED_OUT = "agent_timed_out"  # it ran past its agent_timeout_s
 
 
 @dataclass(kw_only=True)
@@ -154,6 +162,7 @@ class _TurnRequest:
     future: asyncio.Future
     tried: set
     attempts: int = 0
+    sampling: Sampling | None = None  # None: the batch's; a gateway call's own temperature and top_p otherwise
 
 
 class TurnDispatcher:
@@ -170,11 +179,13 @@ class TurnDispatcher:
         self._tasks: set[asyncio.Task] = set()
         self._refreshing = asyncio.Lock()  # one wait for the rollouts at a time, whichever turn found none
 
-    async def sample(self, ids: list[int], room: int, seed_index: int, prefer: RolloutClient | None) -> Sampled:
+    async def sample(self, ids: list[int], room: int, seed_index: int, prefer: RolloutClient | None,
+                     sampling: Sampling | None = None) -> Sampled:
         """One turn after ``ids``: at most ``room`` tokens, seeded from ``seed_index``, sampled on ``prefer``
-        where it still serves the run."""
+        where it still serves the run, with ``sampling``'s temperature and top_p where given (the batch's
+        otherwise; turns of one Generate call share them)."""
         request = _TurnRequest(ids=list(ids), room=room, seed_index=seed_index,
-                               future=asyncio.get_running_loop().create_future(), tried=set())
+                               future=asyncio.get_running_loop().create_future(), tried=set(), sampling=sampling)
         await self._queue(request, prefer)
         return await request.future
 
@@ -206,7 +217,9 @@ class TurnDispatcher:
         waiting = self.waiting.get(replica)
         if not waiting or self.in_flight[replica] >= self.calls_in_flight:
             return
-        batch, self.waiting[replica] = waiting[:MAX_TURNS_PER_CALL], waiting[MAX_TURNS_PER_CALL:]
+        alike = [r for r in waiting if r.sampling == waiting[0].sampling]
+        batch = alike[:MAX_TURNS_PER_CALL]
+        self.waiting[replica] = [r for r in waiting if all(r is not b for b in batch)]
         self.in_flight[replica] += 1
         task = asyncio.ensure_future(self._call(replica, batch))
         self._tasks.add(task)
@@ -214,7 +227,7 @@ class TurnDispatcher:
 
     async def _call(self, replica: RolloutClient, batch: list[_TurnRequest]) -> None:
         try:
-            sampling = replace(self.sampling, n=1, max_new_tokens=max(r.room for r in batch))
+            sampling = replace(batch[0].sampling or self.sampling, n=1, max_new_tokens=max(r.room for r in batch))
             generated = await replica.generate([r.ids for r in batch], sampling, seed=self.seed, first_index=0,
                                                timeout=self.timeout_s, seed_indices=[r.seed_index for r in batch])
             if int(generated.weight_versions.min()) < self.oldest:
@@ -253,13 +266,38 @@ class TurnDispatcher:
             await self._queue(request, prefer=None)
 
 
+class AgentGateway(Protocol):
+    """What the agent loop asks of a run's OpenAI-compatible endpoint (services/coordinator/agent/gateway/server.py) for
+    an environment whose episodes run users' agents."""
+
+    @property
+    def started(self) -> bool: ...
+
+    async def start(self) -> str: ...
+
+    async def close(self) -> None: ...
+
+    def open(self, index: int, dispatcher: TurnDispatcher) -> GatewayAccess: ...
+
+    def forget(self, key: str) -> None: ...
+
+    async def trajectory(self, access: GatewayAccess, prompt: Prompt,
+                         episode: Episode) -> tuple[tuple[Trajectory, ...], AgentTrace]: ...
+
+
 class AgentLoop:
     """Runs a batch of prompts as trajectories (``run``), over a run's rollouts and env services."""
 
     def __init__(self, *, rollout_set: RolloutSet, env_set: EnvSet, settings: AgentSettings, tokenizer: Any,
-                 notices: Notices):
+                 notices: Notices, gateway: AgentGateway | None = None):
+        """``gateway``: the run's OpenAI-compatible endpoint (services/coordinator/agent/gateway/), started with the
+        first batch of an environment that runs users' agents."""
         self.rollout_set, self.env_set, self.settings = rollout_set, env_set, settings
-        self.tokenizer, self.notices = tokenizer, notices
+        self.tokenizer, self.notices, self.gateway = tokenizer, notices, gateway
+
+    async def close(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.close()
 
     async def run(self, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int, timeout_s: float,
                   *, what: str) -> tuple[list[tuple[Trajectory, ...]], list[AgentTrace], TurnDispatcher]:
@@ -272,6 +310,9 @@ class AgentLoop:
         try:
             async with self.env_set.batch(what) as fleet:
                 tools = fleet.tools(self.settings.environment)
+                if fleet.runs_agent(self.settings.environment) and self.gateway is not None \
+                        and not self.gateway.started:
+                    await self.gateway.start()
                 async with asyncio.TaskGroup() as group:  # one failing for good cancels the others (episodes close)
                     tasks = [group.create_task(self.trajectory(prompt, index * sampling.n + j, tools, dispatcher,
                                                                fleet))
@@ -288,17 +329,25 @@ class AgentLoop:
         """One trajectory on a replica of its batch's ``fleet``, started again from its prompt where its env replica
         fails."""
         busy_waits = 0  # of the episodes that failed
+        gateway = self.gateway if fleet.runs_agent(self.settings.environment) else None
         for restarts in range(EPISODE_ATTEMPTS):
             opened: Episode | None = None
+            access = gateway.open(index, dispatcher) if gateway is not None else None
             try:
                 async with self.env_set.episode(episode_row(prompt), self.settings.environment,
-                                                self.settings.max_parallel_calls, fleet) as opened:
-                    samples, trace = await self.turns(prompt, index, tools, opened, dispatcher)
+                                                self.settings.max_parallel_calls, fleet, access) as opened:
+                    if gateway is not None and access is not None:  # the user's agent drives it
+                        samples, trace = await gateway.trajectory(access, prompt, opened)
+                    else:
+                        samples, trace = await self.turns(prompt, index, tools, opened, dispatcher)
                     return samples, replace(trace, restarts=restarts, env_busy_waits=busy_waits + opened.busy_waits)
             except EnvLost as error:
                 self.notices.log(f"trajectory {index}: its env replica failed ({error}); starting it again")
                 busy_waits += opened.busy_waits if opened is not None else 0
                 last = error
+            finally:
+                if gateway is not None and access is not None:
+                    gateway.forget(access.key)
         raise Unavailable(f"trajectory {index}: its episode failed on {EPISODE_ATTEMPTS} env replicas: {last}")
 
     async def turns(self, prompt: Prompt, index: int, tools: tuple[dict, ...], episode: Episode,
@@ -446,6 +495,12 @@ def agent_metrics(traces: list[AgentTrace], trajectories: list[tuple[Trajectory,
                "agent/episodes_restarted": float(sum(t.restarts for t in traces)),
                "agent/env_busy_waits": float(sum(t.env_busy_waits for t in traces)),
                "agent/new_samples": float(sum(len(t) - 1 for t in trajectories))}
+    outcomes = Counter(t.agent_outcome for t in traces if t.agent_outcome)
+    if outcomes:  # an agent environment's (services/coordinator/agent/gateway/episodes.py)
+        metrics["agent/gateway/calls/mean"] = sum(t.gateway_calls for t in traces) / len(traces)
+        metrics["agent/gateway/segments/mean"] = sum(t.gateway_segments for t in traces) / len(traces)
+        metrics.update({f"agent/episodes_failed/{why}": float(outcomes[why])
+                        for why in ("no_calls", "raised", "timed_out")})
     for ending in (Ended.OVER_BUDGET, Ended.LENGTH):
         metrics[f"agent/ended/{ending}"] = float(sum(t.ended == ending for t in traces))
     for name, counts in (("tool_errors", "tool_errors"), ("tool_timeouts", "tool_timeouts")):

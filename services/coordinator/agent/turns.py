@@ -150,7 +150,7 @@ def render_reply(tokenizer: Any, *, messages: Sequence[Message], sampled_ids: Se
     if truncate_side not in TRUNCATE_SIDES:
         raise ValueError(f"truncate side {truncate_side!r} is not one of {', '.join(TRUNCATE_SIDES)}")
     sampled = tokenizer.decode(list(sampled_ids), skip_special_tokens=False)
-    conversation = [*messages, {"role": "assistant", "content": _without_stop(tokenizer, sampled)}]
+    conversation = [*messages, {"role": "assistant", "content": without_stop(tokenizer, sampled)}]
     cut = [truncate_text(tokenizer, str(reply.get("content", "")), max_reply_tokens, truncate_side)
            for reply in replies]
     rendered = _bridge(tokenizer, conversation, sampled, _with_contents(replies, cut), template_kwargs)
@@ -250,7 +250,7 @@ def _reply(ids: tuple[int, ...], conversation: list[Message], replies: list[Mess
     return ReplyTokens(ids=ids, truncated=truncated, messages=(*conversation, *replies))
 
 
-def _without_stop(tokenizer: Any, sampled: str) -> str:
+def without_stop(tokenizer: Any, sampled: str) -> str:
     """The model's text without the special token it stopped on (its eos, or ChatML's ``<|im_end|>``), if any."""
     for token in tokenizer.all_special_tokens:
         if token and sampled.endswith(token):

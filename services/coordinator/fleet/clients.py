@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -393,6 +394,16 @@ class EnvDescription:
     meshrl_version: str
     environments: dict[str, tuple[dict, ...]]
     workers: int
+    agents: frozenset[str] = frozenset()  # the environments whose episodes run a user's agent (the run's gateway)
+
+
+class GatewayAccess(NamedTuple):
+    """What an agent environment's episode is given: the run's gateway (http://host:port/v1), the episode's key
+    and the model's name there."""
+
+    url: str
+    key: str
+    model: str
 
 
 def message_of(pb: env_pb2.ChatMessage) -> Message:
@@ -412,16 +423,18 @@ class EnvClient:
         return EnvDescription(
             service_id=info.identity.service_id, meshrl_version=info.identity.meshrl_version,
             environments={e.name: tuple(json.loads(tool.schema_json) for tool in e.tools) for e in info.environments},
-            workers=info.workers)
+            workers=info.workers, agents=frozenset(e.name for e in info.environments if e.runs_agent))
 
-    async def reset(self, episode_id: str, row: dict, environment: str, max_parallel_calls: int,
-                    timeout: float) -> list[Message]:
-        """Open an episode of ``environment`` on ``row`` (at most ``max_parallel_calls`` tool calls run per turn):
-        the messages it adds before the model's first turn."""
+    async def reset(self, episode_id: str, row: dict, environment: str, *, max_parallel_calls: int,
+                    timeout: float, access: GatewayAccess | None = None) -> list[Message]:
+        """Open an episode of ``environment`` on ``row`` (at most ``max_parallel_calls`` tool calls run per turn;
+        an agent environment's: its agent calls the gateway as ``access`` says): the messages it adds before the
+        model's first turn."""
+        gateway = {"gateway_url": access.url, "episode_key": access.key, "model": access.model} if access else {}
         async with self._conn.slot():
             reply = await self._stub.Reset(env_pb2.ResetRequest(
                 episode_id=episode_id, row_json=json.dumps(row), env_name=environment,
-                max_parallel_calls=max_parallel_calls), timeout=timeout)
+                max_parallel_calls=max_parallel_calls, **gateway), timeout=timeout)
         return [message_of(m) for m in reply.messages]
 
     async def step(self, episode_id: str, content: str, timeout: float) -> EnvStep:

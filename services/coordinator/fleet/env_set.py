@@ -40,7 +40,7 @@ import grpc
 
 from services.common.errors import FailedPrecondition, ResourceExhausted
 from services.common.rpc import is_retryable, retry_after_s
-from services.coordinator.fleet.clients import EnvClient, EnvDescription, EnvStep, Message
+from services.coordinator.fleet.clients import EnvClient, EnvDescription, EnvStep, GatewayAccess, Message
 from services.coordinator.fleet.targets import ServiceTarget
 from services.coordinator.waiting import Notices, wait_for
 
@@ -130,6 +130,10 @@ class EnvFleet:
         raise ValueError(f"actor_rollout_ref.rollout.multi_turn.environment = {environment!r}: no env service of "
                          f"{self.target} hosts it (they host: {', '.join(hosted) or 'nothing'})")
 
+    def runs_agent(self, environment: str) -> bool:
+        """Whether ``environment``'s episodes run a user's agent (which calls the run's gateway)."""
+        return any(environment in replica.description.agents for replica in self.replicas)
+
 
 @dataclass(frozen=True)
 class EnvProbe:
@@ -150,8 +154,8 @@ async def probe(client: EnvClient, env_probe: EnvProbe) -> EnvDescription:
         raise ValueError(f"env {client.address} ({description.service_id}) does not host the run's environment "
                          f"{env_probe.environment!r} (it hosts: {hosted})")
     episode_id = f"probe-{uuid.uuid4().hex}"
-    await client.reset(episode_id, env_probe.row, env_probe.environment, env_probe.max_parallel_calls,
-                       SWAP_PROBE_TIMEOUT_S)
+    await client.reset(episode_id, env_probe.row, env_probe.environment,
+                       max_parallel_calls=env_probe.max_parallel_calls, timeout=SWAP_PROBE_TIMEOUT_S)
     await client.close_episode(episode_id, SWAP_PROBE_TIMEOUT_S)
     return description
 
@@ -306,11 +310,13 @@ class EnvSet:
                 await close_clients(fleet)
 
     @contextlib.asynccontextmanager
-    async def episode(self, row: dict, environment: str, max_parallel_calls: int,
-                      fleet: EnvFleet) -> AsyncIterator[Episode]:
-        """An episode of ``environment`` on ``row`` (at most ``max_parallel_calls`` tool calls run per turn), on a
-        replica of the batch's ``fleet``, open for the ``with`` body and closed after it."""
-        replica, episode_id, opening, busy_waits = await self._open(fleet, row, environment, max_parallel_calls)
+    async def episode(self, row: dict, environment: str, max_parallel_calls: int, fleet: EnvFleet,
+                      access: GatewayAccess | None = None) -> AsyncIterator[Episode]:
+        """An episode of ``environment`` on ``row`` (at most ``max_parallel_calls`` tool calls run per turn; an agent
+        environment's agent calls the gateway as ``access`` says), on a replica of the batch's ``fleet``, open for
+        the ``with`` body and closed after it."""
+        replica, episode_id, opening, busy_waits = await self._open(fleet, row, environment, max_parallel_calls,
+                                                                    access)
         try:
             yield Episode(replica=replica, episode_id=episode_id, opening=opening, timeout_s=self.timeout_s,
                           busy_waits=busy_waits)
@@ -324,8 +330,8 @@ class EnvSet:
         fleets = [self.fleet, *self._swapped_out, *([self._next] if self._next else [])]
         await asyncio.gather(*(close_clients(fleet) for fleet in fleets))
 
-    async def _open(self, fleet: EnvFleet, row: dict, environment: str,
-                    max_parallel_calls: int) -> tuple[EnvReplica, str, list[Message], int]:
+    async def _open(self, fleet: EnvFleet, row: dict, environment: str, max_parallel_calls: int,
+                    access: GatewayAccess | None) -> tuple[EnvReplica, str, list[Message], int]:
         """Reset an episode on a replica of ``fleet`` (``_take``), asked again where one refuses it because every
         worker is busy: the replica, the episode's id, its opening messages and the refusals it met. A failed
         Reset raises as the trajectory sees it (EnvLost: the replica is dropped)."""
@@ -334,7 +340,9 @@ class EnvSet:
             episode_id = uuid.uuid4().hex
             replica = await self._take(fleet, episode_id)
             try:
-                opening = await replica.client.reset(episode_id, row, environment, max_parallel_calls, self.timeout_s)
+                opening = await replica.client.reset(episode_id, row, environment,
+                                                     max_parallel_calls=max_parallel_calls, timeout=self.timeout_s,
+                                                     access=access)
             except grpc.aio.AioRpcError as error:
                 hint_s = retry_after_s(error)
                 if hint_s is not None:

@@ -205,7 +205,8 @@ class RunSupervisor:
             self.loop = None
             await asyncio.gather(*(client.close() for client in (trainers.roles() if trainers else ())),
                                  rollout_set.close(), reward_set.close(), reporter.close(),
-                                 *([env_set.close()] if env_set is not None else []))
+                                 *([env_set.close()] if env_set is not None else []),
+                                 *([ppo.agent.close()] if ppo.agent is not None else []))
 
     async def watch_members(self, trainers: set[str], rollout_set: RolloutSet, reward_set: RewardSet,
                             env_set: EnvSet | None = None) -> bool:

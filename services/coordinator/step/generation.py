@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -88,6 +89,8 @@ class Rollouts:
     baselines: torch.Tensor | None = None  # [S] float32: the score of a greedy response to each one's prompt
     # (an estimator's greedy_baseline); None where the run does not generate them
     samples_per_trajectory: torch.Tensor | None = None  # [B*n] int64 (None: one each)
+    agent_scores: torch.Tensor | None = None  # [S] float32: the score an agent environment's agent decided (NaN:
+    # the reward service's; None: no agent environment)
 
     @property
     def trajectory_ids(self) -> torch.Tensor:
@@ -140,13 +143,16 @@ class Rollouts:
             lineage=tuple(self.lineage[row] for row in rows.tolist()),
             env_scores=None if self.env_scores is None else self.env_scores[rows],
             baselines=None if self.baselines is None else self.baselines[rows],
-            samples_per_trajectory=None if counts is None else counts.view(-1, self.n)[keep].flatten())
+            samples_per_trajectory=None if counts is None else counts.view(-1, self.n)[keep].flatten(),
+            agent_scores=None if self.agent_scores is None else self.agent_scores[rows])
 
     def with_scores(self, samples: list[RewardSample], scored: Scored) -> Rollouts:
         """These rollouts with the scores of ``scored`` (of ``samples``, their trajectories' decoded responses, one
         each), plus the environment's where they have them."""
         trajectory_ids = self.trajectory_ids
         scores = torch.tensor([s.score for s in scored.scores], dtype=torch.float32)[trajectory_ids]
+        if self.agent_scores is not None:
+            scores = torch.where(torch.isnan(self.agent_scores), scores, self.agent_scores)
         if self.env_scores is not None:
             scores = scores + self.env_scores
         lineage = tuple(dataclasses.replace(origin, scored_by=scored.scored_by[t], sample=samples[t],
@@ -170,7 +176,9 @@ class Rollouts:
                                                                                          if p.env_scores is not None]),
                         baselines=(None if any(p.baselines is None for p in parts)
                                    else torch.cat([p.baselines for p in parts if p.baselines is not None])),
-                        samples_per_trajectory=counts)
+                        samples_per_trajectory=counts,
+                        agent_scores=(None if any(p.agent_scores is None for p in parts)
+                                      else torch.cat([p.agent_scores for p in parts if p.agent_scores is not None])))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,13 +247,17 @@ async def generate_trajectories(agent: AgentLoop, prompts: list[Prompt], samplin
         truncated=torch.tensor([is_last and trace.ended == Ended.LENGTH
                                 for is_last, trace in zip(last, sample_traces)]),
         scores=torch.zeros(len(samples)),
-        versions=torch.tensor([t.weight_versions[0] for t in samples], dtype=torch.int64),
+        versions=torch.tensor([t.weight_versions[0] if t.weight_versions else oldest for t in samples],
+                              dtype=torch.int64),  # (an agent's episode that made no call: its placeholder)
         last_versions=torch.tensor([v for trace in traces for v in trace.last_versions], dtype=torch.int64),
         prompts=prompts, n=sampling.n,
         lineage=tuple(Lineage(rollout=trace.rollouts[0], trace=trace) for trace in sample_traces),
         env_scores=torch.tensor([agent.settings.env_reward_weight * trace.env_reward for trace in sample_traces],
                                 dtype=torch.float32),
-        samples_per_trajectory=torch.tensor([len(t) for t in trajectories], dtype=torch.int64))
+        samples_per_trajectory=torch.tensor([len(t) for t in trajectories], dtype=torch.int64),
+        agent_scores=torch.tensor([math.nan if trace.agent_score is None else trace.agent_score
+                                   for trace in sample_traces], dtype=torch.float32)
+        if any(trace.agent_outcome for trace in traces) else None)
     return produced, dict(dispatcher.turns), agent_metrics(traces, trajectories)
 
 

@@ -57,6 +57,7 @@ from services.common.sequences import SequenceBatch
 from services.common.timing import StageTimer
 from services.common.errors import FailedPrecondition
 from services.coordinator.agent.agent_loop import AgentLoop, episode_row
+from services.coordinator.agent.gateway.server import run_gateway
 from services.coordinator.fleet.env_set import EnvProbe, EnvSet
 from services.coordinator.step.checkpointer import CheckpointNotices, Checkpointer
 from services.coordinator.fleet.clients import TrainerClient
@@ -148,7 +149,8 @@ class PPOLoop:
         self.run_id, self.settings, self.config_yaml = run_id, settings, config_yaml
         self.rollout_set, self.reward_set, self.env_set = rollout_set, reward_set, env_set
         self.agent = AgentLoop(rollout_set=rollout_set, env_set=env_set, settings=settings.agent, tokenizer=tokenizer,
-                               notices=reporter) if settings.agent is not None and env_set is not None else None
+                               notices=reporter, gateway=run_gateway(run_id, settings.agent, tokenizer)) \
+            if settings.agent is not None and env_set is not None else None
         warm_prompts, self.prompts = warm_start_rows(settings, prompts)  # the warm start's rows and RL's
         self.reporter, self.should_stop, self.timeout = reporter, should_stop, settings.rpc_timeout_s
         self.kl_coef = settings.kl_in_reward.initial_coef if settings.kl_in_reward else 0.0

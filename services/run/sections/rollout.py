@@ -40,6 +40,21 @@ class ValKwargsConfig(Section):
         return self.top_p if self.do_sample else 1.0
 
 
+class GatewayConfig(Section):
+    """The OpenAI-compatible endpoint (POST /v1/chat/completions, GET /v1/models) a run serves while the episodes
+    of an environment that runs users' agents go (services/coordinator/agent/gateway/,
+    docs/guides/existing-agents.md)."""
+
+    host: str = "127.0.0.1"
+    """The address it binds: loopback by default, so that only this host's processes reach it (the env services
+    relay their agents' calls to it); an env service on another host needs an address it can reach. Every call
+    must carry the key its episode was given."""
+    port: int = Field(0, ge=0, le=65535)
+    """Its TCP port; 0: one the system picks (the env services are told it with each episode)."""
+    max_n: PositiveInt = Field(8, le=256)
+    """Completions one call may ask for (n); a call asking for more is refused."""
+
+
 class MultiTurnConfig(Section):
     """Multi-turn rollouts with tools or environments (verl's actor_rollout_ref.rollout.multi_turn): each
     trajectory is a conversation the coordinator's agent loop runs turn by turn, the model's turns sampled on a
@@ -70,6 +85,13 @@ class MultiTurnConfig(Section):
     its env service with this file, and a run checks that its env services host every tool the file names."""
     environment: str = "tools"
     """Which environment of the env services runs the episodes (an env service's environments, by name)."""
+    agent: str | None = None
+    """A user's agent, path/to/file.py:function (``async def run(client, row) -> float | None``, given an
+    openai.AsyncOpenAI pointed at its episode): coordctl start-run --local starts its env service with an
+    environment that runs it per prompt (docs/guides/existing-agents.md), with tool_config_path (if given) as the
+    schemas of the tools the agent passes (never run by the env service: the agent runs its tools). A cluster's
+    env services name their agents in their own config."""
+    gateway: GatewayConfig = GatewayConfig()
     env_reward_weight: float = Field(1.0, allow_inf_nan=False)
     """A trajectory's score: the reward service's score of the whole response plus this times the sum of the
     environment's step rewards (verl sums tool rewards into the score: 1.0); 0 = the reward service alone."""

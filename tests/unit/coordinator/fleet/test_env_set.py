@@ -38,7 +38,7 @@ class Env:
         return EnvDescription(service_id=f"env-{self.address}", meshrl_version="1.0",
                               environments={name: () for name in self.environments}, workers=self.workers)
 
-    async def reset(self, episode_id, row, environment, max_parallel_calls, timeout):
+    async def reset(self, episode_id, row, environment, max_parallel_calls, timeout, access=None):
         self.calls.append(("reset", environment, row, max_parallel_calls))
         self.overlapping += bool(self.refusals and self.in_flight)
         self.in_flight += 1

@@ -1,0 +1,122 @@
+"""The gateway's overhead per call over a direct Generate, on loopback.
+
+A rollout service process (the hf engine, the tiny chat model) started by LocalCluster; in this process, the
+three ways to sample the same completion of the same prompt, interleaved call by call so that they meet the same
+load:
+
+- direct: ``RolloutClient.generate`` of the prompt's ids (one gRPC Generate);
+- dispatcher: a turn of the agent loop's ``TurnDispatcher`` (what a multi-turn run samples with: its
+  ``GATHER_S`` window, in which turns of other trajectories may join the call, included);
+- gateway: ``chat.completions.create`` with the ``openai`` client over HTTP on loopback to a run's gateway
+  (``services/coordinator/agent/gateway/``): the request parsed, the messages rendered by the chat template, the turn
+  through the same ``TurnDispatcher``, the answer decoded and written, the call recorded. Every 8 calls a new
+  episode (key) begins, as agents' episodes make a few calls each.
+
+Prints p50 and p90 of each (ms), the gateway's overhead over the dispatcher's turn (what the gateway adds to the
+agent loop's own path), and last its p50 overhead over a direct Generate.
+
+    python bench/gateway_overhead.py [--calls N] [--max-tokens K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+CALLS_PER_EPISODE = 8
+WARM_UP = 5
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+async def measure(model: Path, state: Path, calls: int, max_tokens: int) -> dict[str, list[float]]:
+    import openai
+    from transformers import AutoTokenizer
+
+    from services.coordctl.control import CoordinatorClient
+    from services.coordctl.local import LocalCluster, ServiceSpec
+    from services.coordinator.agent.agent_loop import TurnDispatcher
+    from services.coordinator.fleet.clients import RolloutClient
+    from services.coordinator.fleet.dispatch import ReplicaPool
+    from services.coordinator.agent.gateway.recorder import Budget
+    from services.coordinator.agent.gateway.server import Gateway, GatewaySettings
+    from services.coordinator.settings import Sampling
+    from services.coordinator.agent.turns import render_prompt
+
+    cluster = LocalCluster(state, (ServiceSpec("rollout"),))
+    try:
+        await cluster.start(timeout_s=180)
+        control = CoordinatorClient(cluster.coordinator)
+        [service] = await control.list_services()
+        await control.close()
+        rollout = RolloutClient(service.address)
+        await rollout.init_run("bench", str(model), "float32", 300)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        messages = [{"role": "user", "content": "code of QX?"}]
+        ids = list(render_prompt(tokenizer, messages, {}))
+        sampling = Sampling(n=1, temperature=1.0, top_p=1.0, max_new_tokens=max_tokens, stop_token_ids=())
+        rollout_set = SimpleNamespace(pool=ReplicaPool("rollout", [rollout]))  # the run's rollouts: this one
+        dispatcher = TurnDispatcher(rollout_set, sampling, seed=0, oldest=0, timeout_s=60,  # type: ignore[arg-type]
+                                    calls_in_flight=1)
+        gateway = Gateway(run_id="bench", tokenizer=tokenizer, settings=GatewaySettings(
+            host="127.0.0.1", port=0, max_n=8, budget=Budget(max_prompt_length=256, max_response_length=64)))
+        await gateway.start()
+        seconds: dict[str, list[float]] = {"direct": [], "dispatcher": [], "gateway": []}
+        client = None
+        for call in range(WARM_UP + calls):
+            if call % CALLS_PER_EPISODE == 0:
+                if client is not None:
+                    await client.close()
+                access = gateway.open(call // CALLS_PER_EPISODE, dispatcher)
+                client = openai.AsyncOpenAI(base_url=access.url, api_key=access.key, max_retries=0)
+            started = time.perf_counter()
+            await rollout.generate([ids], sampling, seed=0, first_index=call, timeout=60)
+            direct = time.perf_counter() - started
+            started = time.perf_counter()
+            await dispatcher.sample(ids, max_tokens, call, None)
+            turn = time.perf_counter() - started
+            started = time.perf_counter()
+            await client.chat.completions.create(model="bench", messages=messages, max_tokens=max_tokens)
+            through = time.perf_counter() - started
+            if call >= WARM_UP:
+                for name, value in (("direct", direct), ("dispatcher", turn), ("gateway", through)):
+                    seconds[name].append(value * 1000)
+        if client is not None:
+            await client.close()
+        await dispatcher.close()
+        await gateway.close()
+        await rollout.close()
+        return seconds
+    finally:
+        cluster.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    args = parser.parse_args()
+    from services.coordctl.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model(Path(tmp) / "tiny-chat", hidden_size=32, num_layers=1, num_heads=2, seed=0, chat=True)
+        ms = asyncio.run(measure(model, Path(tmp) / "state", args.calls, args.max_tokens))
+    for name, values in ms.items():
+        print(f"{name:>10}: p50 {statistics.median(values):7.2f} ms  p90 {percentile(values, 0.9):7.2f} ms "
+              f"({len(values)} calls, {args.max_tokens} token each)")
+    over_turn = statistics.median(g - d for g, d in zip(ms["gateway"], ms["dispatcher"]))
+    print(f"gateway over the dispatcher's turn (same call): p50 {over_turn:.2f} ms")
+    over_direct = statistics.median(g - d for g, d in zip(ms["gateway"], ms["direct"]))
+    print(f"gateway overhead per call over a direct Generate (same call), p50: {over_direct:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
