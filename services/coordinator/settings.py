@@ -23,6 +23,7 @@ class Sampling:
     top_p: float
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]  # besides EOS
+    routed_experts: bool = False  # also the experts each token was routed to (routing replay)
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def loop_settings(config: RunConfig) -> LoopSettings:
         max_staleness=trainer.async_.max_staleness, seed=trainer.seed, rpc_timeout_s=trainer.rpc_timeout_s,
         batch_size=data.train_batch_size, shuffle=data.shuffle,
         sampling=Sampling(rollout.n, rollout.temperature, rollout.top_p, data.max_response_length,
-                          tuple(rollout.stop_token_ids)),
+                          tuple(rollout.stop_token_ids), routed_experts=config.records_routes),
         estimator=Estimator(algorithm.adv_estimator, algorithm.gamma, algorithm.lam, algorithm.norm_adv_by_std_in_grpo,
                             ADV_ESTIMATORS.get(algorithm.adv_estimator).greedy_baseline),
         kl_in_reward=kl_in_reward, critic_warmup=trainer.critic_warmup,
