@@ -35,6 +35,7 @@ from transformers import DynamicCache
 
 from services import algos
 from services.common.adapters import adapter_pairs, merged_weight
+from services.run.experts import per_expert_tensors
 from services.run.routing import RouteRecorder
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
 
@@ -196,9 +197,12 @@ class HFEngine:
         return scored
 
     def shift_weight(self, name: str, delta: float) -> None:
-        """Add ``delta`` to every value of parameter ``name`` (a test's deliberately wrong weights; KeyError
-        naming it if the model has none)."""
-        parameters = dict(self.model.named_parameters())
+        """Add ``delta`` to every value of parameter ``name``, or of one expert's projection by its checkpoint name
+        (``<layer>.mlp.experts.<e>.up_proj.weight``: a view of the fused experts parameter) (a test's deliberately
+        wrong weights; KeyError naming it if the model has none)."""
+        parameters: dict[str, torch.Tensor] = dict(self.model.named_parameters())
+        parameters |= {piece: view for fused, parameter in parameters.items()
+                       for piece, view in per_expert_tensors(fused, parameter)}
         if name not in parameters:
             raise KeyError(f"corrupt_weight_after_sync names {name!r}, which is not a parameter of the rollout model")
         with torch.no_grad():
