@@ -74,7 +74,8 @@ def test_routing_replay_routes_the_trainer_by_the_rollouts_experts_and_a_corrupt
     cluster = make_cluster(*ONE_OF_EACH)
     final, _, _ = asyncio.run(run_to_end(cluster.coordinator, run_config(
         moe_model, reverse_data, trainer__total_training_steps=steps,
-        actor_rollout_ref__actor__router_replay__mode="R3", actor_rollout_ref__actor__ppo_mini_batch_size=8)))
+        actor_rollout_ref__actor__router_replay__mode="R3", actor_rollout_ref__actor__ppo_mini_batch_size=8,
+        actor_rollout_ref__actor__strategy="fsdp2")))  # the hooks on the routers of a model FSDP2 holds
     assert final.state == "finished", final.error
     rows = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
