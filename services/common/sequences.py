@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+NO_ROUTE = -1
+"""Routing replay: a position given no routed experts (padding, a sequence's last token); its router chooses."""
+
 
 def split_ragged(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
     """Cut a flat tensor into B pieces of the given lengths."""
@@ -52,11 +55,13 @@ class Padded:
     position_ids: torch.Tensor | None = None  # packed: [1, N], restarting at 0 for each sequence
     cu_seqlens: torch.Tensor | None = None  # packed: [B+1] int32, where each sequence starts, then N
     max_seqlen: int = 0  # packed: the longest sequence
+    routed_experts: torch.Tensor | None = None  # [B, L, layers, k] int64: each position's routes, NO_ROUTE where
+    # none was recorded (padding, each sequence's last token); None: the batch carries none
 
     def to(self, device: torch.device | str) -> Padded:
         return Padded(*(None if t is None else t.to(device) for t in (  # type: ignore[arg-type,call-arg]  # mypy cannot match a starred generator to the fields
             self.input_ids, self.attention_mask, self.response_mask, self.position_ids, self.cu_seqlens)),
-            self.max_seqlen)
+            self.max_seqlen, self.routed_experts)
 
     def gather_response(self, per_position: torch.Tensor) -> torch.Tensor:
         """[B, L-1] values at predicting positions -> flat [T] aligned with response_ids."""
@@ -70,6 +75,8 @@ class SequenceBatch:
     response_ids: torch.Tensor  # [T] int64
     response_lens: torch.Tensor  # [B] int64
     loss_mask: torch.Tensor | None = None  # [T] bool: the model's tokens (they train); None: every response token
+    routed_experts: torch.Tensor | None = None  # [sum of (sequence_lens - 1), layers, k] small ints: the experts
+    # the rollout routed each token but each sequence's last to (routing replay); None: not recorded
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -95,6 +102,8 @@ class SequenceBatch:
             response_ids=ragged_select(self.response_ids, self.response_lens, rows),
             response_lens=self.response_lens[rows],
             loss_mask=None if self.loss_mask is None else self.loss_mask[self.token_index(rows)],
+            routed_experts=None if self.routed_experts is None else ragged_select(
+                self.routed_experts, self.sequence_lens - 1, rows),
         )
 
     def trained(self) -> torch.Tensor:
@@ -114,14 +123,22 @@ class SequenceBatch:
 
     @staticmethod
     def concat(batches: list[SequenceBatch]) -> SequenceBatch:
-        """One batch of all of ``batches``' sequences; it has a loss mask where any of them has one."""
+        """One batch of all of ``batches``' sequences; it has a loss mask where any of them has one, routed
+        experts where all of them have them."""
         def joined(field: str) -> torch.Tensor:
             return torch.cat([getattr(b, field) for b in batches])
 
         loss_mask = None if all(b.loss_mask is None for b in batches) else torch.cat([b.trained() for b in batches])
+        routed = all(b.routed_experts is not None for b in batches) and bool(batches)
         return SequenceBatch(prompt_ids=joined("prompt_ids"), prompt_lens=joined("prompt_lens"),
                              response_ids=joined("response_ids"), response_lens=joined("response_lens"),
-                             loss_mask=loss_mask)
+                             loss_mask=loss_mask, routed_experts=joined("routed_experts") if routed else None)
+
+    def position_routes(self) -> list[torch.Tensor]:
+        """Each sequence's routed experts, one row per position ([S, layers, k] int64), the last NO_ROUTE."""
+        assert self.routed_experts is not None
+        pieces = split_ragged(self.routed_experts.long(), self.sequence_lens - 1)
+        return [torch.nn.functional.pad(piece, (0, 0, 0, 0, 0, 1), value=NO_ROUTE) for piece in pieces]
 
     def padded(self, pad_id: int = 0) -> Padded:
         """Right-padded prompt+response rows and the mask of response predictions."""
@@ -137,7 +154,12 @@ class SequenceBatch:
             input_ids[row, : len(sequence)] = sequence
             attention_mask[row, : len(sequence)] = 1
             response_mask[row, len(prompt) - 1 : len(sequence) - 1] = True
-        return Padded(input_ids, attention_mask, response_mask)
+        routes = None
+        if self.routed_experts is not None:
+            routes = torch.full((len(self), width, *self.routed_experts.shape[1:]), NO_ROUTE, dtype=torch.int64)
+            for row, piece in enumerate(self.position_routes()):
+                routes[row, : len(piece)] = piece
+        return Padded(input_ids, attention_mask, response_mask, routed_experts=routes)
 
     def packed(self) -> Padded:
         """All sequences in one row, no padding, position ids restarting at 0 for each sequence, and the
@@ -158,4 +180,6 @@ class SequenceBatch:
             response_mask[start + prompt_len - 1 : start + length - 1] = True
             start += length
         starts = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
-        return Padded(input_ids[None], None, response_mask[None], position_ids[None], starts, max(lengths, default=0))
+        routes = None if self.routed_experts is None else torch.cat(self.position_routes())[None]
+        return Padded(input_ids[None], None, response_mask[None], position_ids[None], starts, max(lengths, default=0),
+                      routes)

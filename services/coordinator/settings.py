@@ -23,6 +23,7 @@ class Sampling:
     top_p: float
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]  # besides EOS
+    routed_experts: bool = False  # also the experts each token was routed to (routing replay)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +150,7 @@ def loop_settings(config: RunConfig) -> LoopSettings:
         batch_size=data.train_batch_size, shuffle=data.shuffle,
         sampling=Sampling(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                           max_new_tokens=data.max_response_length,
-                          stop_token_ids=tuple(rollout.stop_token_ids)),
+                          stop_token_ids=tuple(rollout.stop_token_ids), routed_experts=config.records_routes),
         estimator=Estimator(name=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
                             norm_by_std=algorithm.norm_adv_by_std_in_grpo,
                             greedy_baseline=ADV_ESTIMATORS.get(algorithm.adv_estimator).greedy_baseline),

@@ -49,8 +49,10 @@ class RolloutServiceConfig(StreamingServeConfig):
     max_model_len: PositiveInt | None = None
     """Longest prompt + response vLLM plans for (null = the model's)."""
     corrupt_weight_after_sync: str = ""
-    """For tests of the weight check only: the parameter (as the model names it, e.g. model.norm.weight) to which
-    every sync adds CORRUPTION (0.5) once the weights arrived whole and passed their checksums, so that the engine
+    """For tests of the weight check only: the parameter (as the model names it, e.g. model.norm.weight; on the hf
+    engine also one expert's projection as a checkpoint names it, e.g.
+    model.layers.0.mlp.experts.1.up_proj.weight) to which every sync adds CORRUPTION (0.5) once the weights arrived
+    whole and passed their checksums, so that the engine
     computes with weights that are not the trainer's; empty (the default): none. Never set it in a real run."""
     max_request_bytes: PositiveInt = 64 << 20
     """Bytes one Generate request stream may send in all (its prompts: 64 MiB holds 8 million prompt tokens);

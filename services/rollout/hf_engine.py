@@ -35,6 +35,8 @@ from transformers import DynamicCache
 
 from services import algos
 from services.common.adapters import adapter_pairs, merged_weight
+from services.run.experts import per_expert_tensors
+from services.run.routing import RouteRecorder
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
 
 
@@ -107,11 +109,25 @@ class HFEngine:
             done.update(zip(chunk, outputs))
         return [[done[(i, k)] for k in range(sampling.n)] for i in range(len(prompts))]
 
-    @torch.no_grad()
     def _generate_rows(
         self, prompts: list[list[int]], generators: list[torch.Generator], sampling: SamplingSettings,
         before_step: Callable[[], int] = version_0,
     ) -> list[Completion]:
+        recorder = RouteRecorder(self.model) if sampling.routed_experts else None
+        try:
+            return self._sample_rows(prompts, generators, sampling=sampling, before_step=before_step,
+                                     recorder=recorder)
+        finally:
+            if recorder is not None:
+                recorder.close()
+
+    @torch.no_grad()
+    def _sample_rows(
+        self, prompts: list[list[int]], generators: list[torch.Generator], sampling: SamplingSettings,
+        before_step: Callable[[], int], recorder: RouteRecorder | None,
+    ) -> list[Completion]:
+        """Sample ``prompts`` together, a row each, left-padded; with a ``recorder``, each row's routes of the
+        tokens it fed the model: its prompt's, then each sampled token's but the last (never fed)."""
         stops = torch.tensor(sorted(set(self.eos_ids) | set(sampling.stop_token_ids)), dtype=torch.int64)
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.int64)
@@ -119,6 +135,7 @@ class HFEngine:
         for row, prompt in enumerate(prompts):  # left padding, so every row's next token is at the end
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
+        routes: list[list[torch.Tensor]] = [[] for _ in prompts]  # each row's, of the tokens fed so far
         tokens: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         last_versions = [0 for _ in prompts]  # the weight version of each row's last token
@@ -134,6 +151,11 @@ class HFEngine:
                 input_ids=step_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                 **{self.cache_argument: cache},
             )
+            if recorder is not None:
+                taken = recorder.take()
+                step_routes = taken.view(len(prompts), step_ids.shape[1], *taken.shape[1:])
+                for row in torch.nonzero(~finished).flatten().tolist():  # the rows that fed a real token
+                    routes[row].append(step_routes[row, -len(prompts[row]):] if step == 0 else step_routes[row])
             logits = out.logits[:, -1].float()
             chosen, chosen_logprobs = choose_tokens(logits, sampling, generators)
             for row in torch.nonzero(~finished).flatten().tolist():
@@ -147,8 +169,9 @@ class HFEngine:
             attention_mask = torch.cat([attention_mask, (~finished).long().unsqueeze(-1)], dim=-1)
         return [
             Completion(token_ids=t, logprobs=lp, finish_reason="stop" if t and t[-1] in stops.tolist() else "length",
-                       first_version=first_version, last_version=last)
-            for t, lp, last in zip(tokens, logprobs, last_versions)
+                       first_version=first_version, last_version=last,
+                       routed_experts=torch.cat(r) if recorder is not None else None)
+            for t, lp, last, r in zip(tokens, logprobs, last_versions, routes)
         ]
 
     @torch.no_grad()
@@ -174,9 +197,12 @@ class HFEngine:
         return scored
 
     def shift_weight(self, name: str, delta: float) -> None:
-        """Add ``delta`` to every value of parameter ``name`` (a test's deliberately wrong weights; KeyError
-        naming it if the model has none)."""
-        parameters = dict(self.model.named_parameters())
+        """Add ``delta`` to every value of parameter ``name``, or of one expert's projection by its checkpoint name
+        (``<layer>.mlp.experts.<e>.up_proj.weight``: a view of the fused experts parameter) (a test's deliberately
+        wrong weights; KeyError naming it if the model has none)."""
+        parameters: dict[str, torch.Tensor] = dict(self.model.named_parameters())
+        parameters |= {piece: view for fused, parameter in parameters.items()
+                       for piece, view in per_expert_tensors(fused, parameter)}
         if name not in parameters:
             raise KeyError(f"corrupt_weight_after_sync names {name!r}, which is not a parameter of the rollout model")
         with torch.no_grad():

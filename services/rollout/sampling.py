@@ -19,6 +19,10 @@ returns.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class SamplingSettings:
     max_new_tokens: int
     seed: int
     stop_token_ids: tuple[int, ...]
+    routed_experts: bool = False  # also record the experts each token was routed to (routing replay)
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class Completion:
     finish_reason: str  # "stop" or "length"
     first_version: int = 0  # of the weights that sampled its first token (stamped by the engine)
     last_version: int = 0  # of the weights that sampled its last token (>= first_version)
+    routed_experts: torch.Tensor | None = None  # [prompt + response tokens - 1, layers, k]: the experts each
+    # token fed to the model (all but the last sampled) was routed to, where asked for (routing replay)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def sampling_from_pb(params: rollout_pb2.SamplingParams, config: RolloutServiceC
         temperature=check_temperature("params.temperature", params.temperature), top_p=params.top_p,
         max_new_tokens=check_at_most("params.max_new_tokens", params.max_new_tokens, limit=config.max_new_tokens,
                                      setting="max_new_tokens"),
-        seed=params.seed, stop_token_ids=tuple(params.stop_token_ids),
+        seed=params.seed, stop_token_ids=tuple(params.stop_token_ids), routed_experts=params.return_routed_experts,
     )
 
 
@@ -148,6 +148,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         out = {"response_ids": response_ids, "response_lens": response_lens, "logprobs": logprobs,
                "truncated": truncated, "weight_versions": versions,
                "last_weight_versions": torch.tensor([c.last_version for c in flat], dtype=torch.int64)}
+        if sampling.routed_experts:
+            out["routed_experts"] = torch.cat([c.routed_experts for c in flat if c.routed_experts is not None])
         oldest = int(versions.min()) if len(versions) else engine.weight_version
         for chunks in batch_to_chunks(out):
             yield rollout_pb2.GenerateResponse(chunks=chunks, weight_version=oldest)

@@ -118,6 +118,9 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        if sampling.routed_experts:  # vLLM 0.20.1 returns them with enable_return_routed_experts: not wired yet
+            raise ValueError("params.return_routed_experts: this rollout's engine (vllm) does not record routed "
+                             "experts yet; routing replay runs on the hf engine")
         stops = sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set()))
 
         async def one(index: int, prompt: list[int], first_version: int, request_id: str,

@@ -105,6 +105,24 @@ class RunConfig(Section):
                              f"logprobs: {needed}; leave it null (computed only where needed) or set it true")
         return self
 
+    @property
+    def records_routes(self) -> bool:
+        """Whether the rollouts record each token's routed experts (routing replay R3, or its agreement alone)."""
+        rollout = self.actor_rollout_ref.rollout
+        return rollout.enable_rollout_routing_replay or self.actor_rollout_ref.actor.router_replay.mode == "R3"
+
+    @pydantic.model_validator(mode="after")
+    def _routes_recorded_where_they_can_travel(self) -> RunConfig:
+        rollout = self.actor_rollout_ref.rollout
+        if self.records_routes and rollout.multi_turn.enable:
+            raise ValueError("actor_rollout_ref.actor.router_replay.mode R3 (or rollout.enable_rollout_routing_replay) "
+                             "with rollout.multi_turn.enable: a multi-turn trajectory does not carry routed experts "
+                             "yet; turn one of them off")
+        if self.records_routes and rollout.name == "vllm":
+            raise ValueError("actor_rollout_ref.actor.router_replay.mode R3 (or rollout.enable_rollout_routing_replay) "
+                             "needs hf rollouts (rollout.name hf): the vLLM engine does not return routed experts yet")
+        return self
+
     @pydantic.model_validator(mode="after")
     def _sleeping_rollouts_are_synchronous(self) -> RunConfig:
         if self.actor_rollout_ref.rollout.free_cache_engine and self.trainer.async_.max_staleness > 0:

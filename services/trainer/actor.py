@@ -13,6 +13,10 @@ An update that is one optimizer step over the batch (one epoch, one
 mini-batch) may come without old logprobs: the weights have not moved before
 its one step, so each micro-batch's own logprobs, detached, are pi_old (the
 ratio is 1), and it reports their mismatch with the rollout's.
+
+A batch that carries the rollout's routed experts (an MoE model, routing
+replay on) is routed by them in every pass (R3), and each update reports the
+share of them the actor's own routers agree with (training/routing_agreement).
 """
 
 from __future__ import annotations
@@ -31,11 +35,16 @@ from services.common.adapters import FACTOR_A, FACTOR_B, MergedWeight
 from services.common.sequences import SequenceBatch
 from services.common.weight_sync import Sendable
 from services.run.lora import ADAPTER, PEFT_PREFIX, is_lora
+from services.run.routing import RouteTally
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.forward import batched_logprobs, gather_tokens, response_logprobs
 from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
 from services.trainer.optim import Optimizer, OptimSettings, mean_metrics, shuffled_mini_batches
 from services.trainer.ranks import Ranks
+
+ROUTES_GIVEN, ROUTES_AGREED = "routing/given", "routing/agreed"
+"""A micro-batch's counts of token-layer routes replayed and agreed with (``routing.RouteTally``), summed over the
+mini-batch into training/routing_agreement."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +74,12 @@ class ActorSettings:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
+    replay_routes: bool = False  # route by the rollout's routed experts where the batch has them (R3)
 
     @property
     def micro(self) -> MicroBatching:
-        return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding, self.logprob_chunk_tokens)
+        return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding, self.logprob_chunk_tokens,
+                             replay_routes=self.replay_routes)
 
     def one_optimizer_step(self, num_rows: int) -> bool:
         """Whether the update of ``num_rows`` sequences is one optimizer step over all of them (one epoch, one
@@ -174,6 +185,10 @@ class Actor:
             if real and mismatch:
                 own_logprobs.append(logprobs.cpu())
         stats = self.ranks.sum_metrics(stats)
+        routes_given = stats.pop(ROUTES_GIVEN, 0.0)
+        routes_agreed = stats.pop(ROUTES_AGREED, 0.0)
+        if routes_given:
+            stats["training/routing_agreement"] = routes_agreed / routes_given
         if mismatch:
             old_logprobs = gather_tokens(batch, plan, own_logprobs, self.ranks)  # this one step's rows: the batch
             if old_logprobs is not None:  # rank 0
@@ -191,10 +206,12 @@ class Actor:
         tokens = batch.token_index(micro)
         device = self.ranks.device
         mask = None if part.loss_mask is None else part.loss_mask.to(device)
+        tally = RouteTally()
         logprobs, entropy = response_logprobs(
             self.model, part, pad_id=self.pad_id, temperature=settings.temperature, with_entropy=True, device=device,
             remove_padding=settings.remove_padding, chunk_tokens=settings.logprob_chunk_tokens,
-            entropy_grad=settings.entropy_coeff != 0)  # else a metric only
+            entropy_grad=settings.entropy_coeff != 0,  # else a metric only
+            replay_routes=settings.replay_routes, tally=tally)
         lengths = part.response_lens
         if inputs.old_logprobs is None:  # one optimizer step: the weights are still pi_old's
             old_logprobs = logprobs.detach()
@@ -212,6 +229,8 @@ class Actor:
         entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale, mask)
         loss = pg.loss - settings.entropy_coeff * entropy_loss
         stats = {"actor/pg_loss": float(pg.loss.detach()), **pg.metrics, "actor/entropy": float(entropy_loss.detach())}
+        if tally.given:  # counts, summed over micro-batches and ranks (the agreement: ``_update_mini_batch``)
+            stats |= {ROUTES_GIVEN: float(tally.given), ROUTES_AGREED: float(tally.agreed)}
         if tis is not None:  # shares of the mini-batch's token means, like the statistics above
             stats["rollout_corr/rollout_is_mean"] = float(tis.weights.sum()) / max(scale.num_tokens, 1)
             stats["rollout_corr/rollout_is_ratio_fraction_high"] = float(tis.exceeded.sum()) / max(scale.num_tokens, 1)

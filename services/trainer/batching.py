@@ -35,6 +35,7 @@ class MicroBatching:
     max_tokens: int | None = None  # token budget per micro-batch (verl's use_dynamic_bsz), or None
     remove_padding: bool = False  # the forward packs its rows into one (cost: tokens) or pads them (rows x longest)
     chunk_tokens: int = 0  # logprobs from the hidden states, this many tokens' logits at a time; 0 = all at once
+    replay_routes: bool = False  # route by the batch's routed experts where it has them (R3); else only compare
 
 
 def balanced_shares(lengths: torch.Tensor, rows: torch.Tensor, world_size: int) -> list[torch.Tensor]:

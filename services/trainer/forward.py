@@ -14,6 +14,7 @@ micro-batch's logits.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from services import algos
 from services.common.sequences import Padded, SequenceBatch
 from services.run.lora import adapter_autocast
+from services.run.routing import RouteTally, replaying
 from services.trainer.batching import MicroBatching, micro_batch_plan, with_stand_ins
 from services.trainer.chunked_head import chunkable, head_replaced
 from services.trainer.ranks import Ranks
@@ -31,30 +33,36 @@ def model_inputs(batch: SequenceBatch, pad_id: int, remove_padding: bool, device
     return (batch.packed() if remove_padding else batch.padded(pad_id)).to(device)
 
 
-def run_model(model: torch.nn.Module, inputs: Padded) -> torch.Tensor:
+def run_model(model: torch.nn.Module, inputs: Padded, replay_routes: bool = False,
+              tally: RouteTally | None = None) -> torch.Tensor:
     """The model's output scores (logits, or a value head's) at every position, [rows, L, ...]; every pass of
-    the trainer's goes through here (a LoRA model's in ``adapter_autocast``)."""
+    the trainer's goes through here (a LoRA model's in ``adapter_autocast``). Where the inputs carry routed
+    experts, the model routes by them with ``replay_routes`` (R3), and ``tally`` counts how many of them its own
+    routers chose (``routing.replaying``)."""
     packed = {} if inputs.cu_seqlens is None else varlen_kwargs(inputs.cu_seqlens, inputs.max_seqlen)
-    with adapter_autocast(model, inputs.input_ids.device.type):
+    routes = contextlib.nullcontext() if inputs.routed_experts is None else replaying(
+        model, inputs.routed_experts.flatten(0, 1), replay=replay_routes, tally=tally)
+    with adapter_autocast(model, inputs.input_ids.device.type), routes:
         return model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                      position_ids=inputs.position_ids, use_cache=False, **packed).logits
 
 
 def response_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,
                       with_entropy: bool, *, device: torch.device, remove_padding: bool = False,
-                      chunk_tokens: int = 0, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      chunk_tokens: int = 0, entropy_grad: bool = True, replay_routes: bool = False,
+                      tally: RouteTally | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (fp32, from temperature-scaled logits) of the response tokens, flat [T], and their entropies
     (without a gradient unless ``entropy_grad``); ``chunk_tokens`` > 0: at most that many tokens' logits at once,
-    where the model allows (``chunkable``)."""
+    where the model allows (``chunkable``). Routed experts of the batch: as ``run_model``."""
     inputs = model_inputs(batch, pad_id, remove_padding, device)
     if chunk_tokens > 0 and chunkable(model):
         positions = torch.nn.functional.pad(inputs.response_mask, (0, 1))  # [rows, L]: the last predicts nothing
         targets = inputs.input_ids[:, 1:][inputs.response_mask]
         with head_replaced(model, positions, targets, temperature, chunk_tokens, with_entropy=with_entropy,
                            entropy_grad=entropy_grad):
-            scores = run_model(model, inputs)
+            scores = run_model(model, inputs, replay_routes, tally)
         return scores[:, 0], scores[:, 1] if with_entropy else None
-    logits = run_model(model, inputs)[:, :-1]
+    logits = run_model(model, inputs, replay_routes, tally)[:, :-1]
     logprobs = inputs.gather_response(algos.token_logprobs(logits, inputs.input_ids[:, 1:], temperature))
     entropy = inputs.gather_response(algos.token_entropy(logits if entropy_grad else logits.detach(), temperature)) \
         if with_entropy else None
@@ -107,7 +115,8 @@ def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, 
     model.eval()
     return per_token(lambda part: response_logprobs(model, part, pad_id, temperature, False, device=ranks.device,
                                                     remove_padding=micro.remove_padding,
-                                                    chunk_tokens=micro.chunk_tokens)[0], batch, micro, ranks)
+                                                    chunk_tokens=micro.chunk_tokens,
+                                                    replay_routes=micro.replay_routes)[0], batch, micro, ranks)
 
 
 def batched_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, micro: MicroBatching,

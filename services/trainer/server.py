@@ -63,6 +63,7 @@ async def read_batch(request_iterator, limits: StreamLimits,
         raise ValueError("prompt_lens and response_lens must have one entry per sequence")
     check_token_tensors(batch, extra)
     check_loss_mask(batch)
+    check_routed_experts(batch)
     return first or trainer_pb2.BatchRequest(), batch
 
 
@@ -75,6 +76,18 @@ def check_loss_mask(batch: dict[str, torch.Tensor]) -> None:
     if mask.dtype != torch.bool or mask.shape != (tokens,):
         raise ValueError(f"loss_mask must be a bool tensor with one value per response token ({tokens}), "
                          f"got {mask.dtype} {list(mask.shape)}")
+
+
+def check_routed_experts(batch: dict[str, torch.Tensor]) -> None:
+    """Routed experts, where the batch has them, are small integers [R, layers, k], R each sequence's tokens but
+    its last (the rollout never fed its last token to the model)."""
+    routes = batch.get("routed_experts")
+    if routes is None:
+        return
+    fed = int((batch["prompt_lens"] + batch["response_lens"] - 1).sum())
+    if routes.dtype not in (torch.uint8, torch.int16) or routes.dim() != 3 or routes.shape[0] != fed:
+        raise ValueError(f"routed_experts must be uint8 or int16 [{fed}, layers, top_k] (each sequence's tokens but "
+                         f"its last), got {routes.dtype} {list(routes.shape)}")
 
 
 def check_token_tensors(batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -> None:
@@ -97,7 +110,7 @@ def check_vocab(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[
         ids = batch[key]
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
             raise ValueError(f"{key} must lie in [0, {vocab_size})")
-    return {key: batch[key] for key in (*SEQUENCE_KEYS, "loss_mask") if key in batch}
+    return {key: batch[key] for key in (*SEQUENCE_KEYS, "loss_mask", "routed_experts") if key in batch}
 
 
 def actor_update_tensors(batch: dict[str, torch.Tensor], settings: ActorSettings,

@@ -66,7 +66,8 @@ def log_prob_micro(config: RunConfig, device: torch.device, role: str = "actor")
     return MicroBatching(size or actor.ppo_micro_batch_size_per_gpu,
                          (budget or actor.ppo_max_token_len_per_gpu) if dynamic else None,
                          packs(actor_rollout_ref.model.use_remove_padding, device),
-                         actor_rollout_ref.model.logprob_chunk_tokens)
+                         actor_rollout_ref.model.logprob_chunk_tokens,
+                         replay_routes=role == "actor" and actor.router_replay.mode == "R3")
 
 
 def values_micro(config: RunConfig, device: torch.device) -> MicroBatching:
@@ -106,6 +107,7 @@ def actor_settings(config: RunConfig, device: torch.device) -> ActorSettings:
         loss_mode=actor.policy_loss.loss_mode, clip_cov_ratio=actor.policy_loss.clip_cov_ratio,
         clip_cov_lb=actor.policy_loss.clip_cov_lb, clip_cov_ub=actor.policy_loss.clip_cov_ub,
         kl_cov_ratio=actor.policy_loss.kl_cov_ratio, ppo_kl_coef=actor.policy_loss.ppo_kl_coef,
+        replay_routes=actor.router_replay.mode == "R3",
     )
 
 

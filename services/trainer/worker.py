@@ -156,11 +156,13 @@ def unloaded_notice(held: Roles | None, beside: bool) -> str:
     return f"run {held.run_id} was let go first to make room: no run is loaded now; InitRun it again to go on"
 
 
-def sequences(tensors: dict[str, torch.Tensor]) -> SequenceBatch:
-    """The batch of a request's tensors, with its loss mask where it has one."""
+def sequences(tensors: dict[str, torch.Tensor], routed: bool = False) -> SequenceBatch:
+    """The batch of a request's tensors, with its loss mask where it has one, and with ``routed`` its routed
+    experts where it has them (the actor's passes; the reference and critic route by their own routers)."""
     return SequenceBatch(prompt_ids=tensors["prompt_ids"], prompt_lens=tensors["prompt_lens"],
                          response_ids=tensors["response_ids"], response_lens=tensors["response_lens"],
-                         loss_mask=tensors.get("loss_mask"))
+                         loss_mask=tensors.get("loss_mask"),
+                         routed_experts=tensors.get("routed_experts") if routed else None)
 
 
 class RankWorker:
@@ -235,7 +237,7 @@ class RankWorker:
         settings = roles.settings
         micro = settings.actor_log_probs if role == "actor" else settings.ref_log_probs
         with self._policy(roles, role) as model:
-            return batched_logprobs(model, sequences(tensors), pad_id=roles.pad_id,
+            return batched_logprobs(model, sequences(tensors, routed=role == "actor"), pad_id=roles.pad_id,
                                     temperature=temperature or settings.temperature, micro=micro, ranks=self.ranks)
 
     @staticmethod
@@ -254,7 +256,7 @@ class RankWorker:
         roles = self._roles()
         inputs = UpdateInputs(tensors.get("old_logprobs"), tensors["advantages"], tensors.get("ref_logprobs"),
                               tensors.get("rollout_logprobs"))
-        metrics = roles.need("actor").update(sequences(tensors), inputs, roles.settings.actor)
+        metrics = roles.need("actor").update(sequences(tensors, routed=True), inputs, roles.settings.actor)
         self.weight_version += 1
         return Updated({**metrics, **step_memory_metrics(self.ranks.device)}, self.weight_version)
 

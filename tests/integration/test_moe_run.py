@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.coordctl.local import ONE_OF_EACH
+from services.coordctl.local import ONE_OF_EACH, ServiceSpec
 from services.coordctl.tiny_model import build_tiny_model
 from tests.integration.test_grpo_run import logprobs_both_ways, run_config, run_to_end
 from tests.integration.test_model_out import transformers_logprobs
@@ -63,3 +63,32 @@ def test_grpo_on_a_mixture_of_experts_syncs_every_expert(make_cluster, moe_model
     response = generated.response_ids[:int(generated.response_lens[0])].tolist()
     initial = transformers_logprobs(moe_model, prompt, response)
     assert (initial - trainer_logprobs[:len(response)]).abs().max() > 1e-3
+
+
+def test_routing_replay_routes_the_trainer_by_the_rollouts_experts_and_a_corrupt_expert_is_caught(
+        make_cluster, moe_model, reverse_data):
+    """R3 on (actor.router_replay.mode): every update reports its routers' agreement with the rollout's recorded
+    routes, and the rollout's and trainer's probabilities of the sampled tokens stay together; then a rollout
+    computing with one expert shifted after the checksums passed is caught by the weight check."""
+    steps = 3
+    cluster = make_cluster(*ONE_OF_EACH)
+    final, _, _ = asyncio.run(run_to_end(cluster.coordinator, run_config(
+        moe_model, reverse_data, trainer__total_training_steps=steps,
+        actor_rollout_ref__actor__router_replay__mode="R3", actor_rollout_ref__actor__ppo_mini_batch_size=8,
+        actor_rollout_ref__actor__strategy="fsdp2")))  # the hooks on the routers of a model FSDP2 holds
+    assert final.state == "finished", final.error
+    rows = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        # one optimizer step a batch, its pass on the weights that sampled (fp32, one CPU): the trainer's routers
+        # choose as the rollout's did on (nearly) every token and layer; a flip needs two router logits within
+        # rounding of each other
+        assert 0.99 <= row["training/routing_agreement"] <= 1.0, row
+        assert row["training/rollout_mismatch_kl"] < 1e-6, row
+
+    corrupt = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout", settings=(
+        "corrupt_weight_after_sync=model.layers.0.mlp.experts.1.up_proj.weight",)), ServiceSpec("reward"))
+    final, _, _ = asyncio.run(run_to_end(corrupt.coordinator, run_config(
+        moe_model, reverse_data, trainer__total_training_steps=steps,
+        actor_rollout_ref__actor__router_replay__mode="R3")))
+    assert final.state == "failed"
+    assert "no rollout passed the weight check after the sync of version 1" in final.error

@@ -24,7 +24,7 @@ class RolloutInitRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., allow_pickle: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., adapter_versions: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "max_new_tokens", "seed", "first_index", "stop_token_ids", "seed_indices")
+    __slots__ = ("n", "temperature", "top_p", "max_new_tokens", "seed", "first_index", "stop_token_ids", "seed_indices", "return_routed_experts")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class SamplingParams(_message.Message):
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_INDICES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -41,7 +42,8 @@ class SamplingParams(_message.Message):
     first_index: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., first_index: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    return_routed_experts: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., first_index: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed_indices: _Optional[_Iterable[int]] = ..., return_routed_experts: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("params", "chunks")

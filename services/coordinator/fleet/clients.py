@@ -28,10 +28,15 @@ class CheckpointRefused(ValueError):
 
 
 def sequence_tensors(batch: SequenceBatch) -> dict[str, torch.Tensor]:
-    """The batch's tensors under their names on the wire; its loss mask only where it has one."""
+    """The batch's tensors under their names on the wire; its loss mask and routed experts only where it has
+    them."""
     tensors = {"prompt_ids": batch.prompt_ids, "prompt_lens": batch.prompt_lens,
                "response_ids": batch.response_ids, "response_lens": batch.response_lens}
-    return tensors if batch.loss_mask is None else tensors | {"loss_mask": batch.loss_mask}
+    if batch.loss_mask is not None:
+        tensors["loss_mask"] = batch.loss_mask
+    if batch.routed_experts is not None:
+        tensors["routed_experts"] = batch.routed_experts
+    return tensors
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +49,7 @@ class Generated:
     truncated: torch.Tensor  # [B*n] bool
     weight_versions: torch.Tensor  # [B*n] int64, the weights that sampled each response's first token
     last_weight_versions: torch.Tensor | None = None  # [B*n] int64, its last token's (None: as weight_versions)
+    routed_experts: torch.Tensor | None = None  # [sum of prompt + response lens - B*n, layers, k] where asked for
 
     @property
     def last_versions(self) -> torch.Tensor:
@@ -136,6 +142,7 @@ class RolloutClient:
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             max_new_tokens=sampling.max_new_tokens, seed=seed, first_index=first_index,
             stop_token_ids=list(sampling.stop_token_ids), seed_indices=seed_indices or [],
+            return_routed_experts=sampling.routed_experts,
         )
         flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
@@ -157,8 +164,15 @@ class RolloutClient:
         if last is not None and (len(last) != len(prompts) * n or bool((last < out["weight_versions"]).any())):
             raise ValueError(f"rollout {self.address} returned last_weight_versions that are not one per response, "
                              f"each at least its weight_versions")
+        routes = out.get("routed_experts")
+        if sampling.routed_experts:
+            fed = (lens.repeat_interleave(n) + out["response_lens"] - 1).sum()
+            if routes is None or routes.dim() != 3 or routes.shape[0] != int(fed):
+                raise ValueError(f"rollout {self.address} returned routed_experts "
+                                 f"{None if routes is None else list(routes.shape)}, not {int(fed)} tokens' routes")
         return Generated(response_ids=out["response_ids"], response_lens=out["response_lens"], logprobs=out["logprobs"],
-                         truncated=out["truncated"], weight_versions=out["weight_versions"], last_weight_versions=last)
+                         truncated=out["truncated"], weight_versions=out["weight_versions"], last_weight_versions=last,
+                         routed_experts=routes)
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
                            *, timeout: float) -> None:
@@ -183,6 +197,7 @@ class RolloutClient:
         it."""
         tensors = sequence_tensors(batch)
         tensors.pop("loss_mask", None)
+        tensors.pop("routed_experts", None)
 
         def requests():
             for chunks in batch_to_chunks(tensors):

@@ -221,9 +221,11 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
                     replica in done for _ in range(len(result.response_lens)))
     prompt_ids, prompt_lens = join_ragged(
         [torch.tensor(p.token_ids) for p in prompts for _ in range(sampling.n)], torch.int64)
+    routes = [s.routed_experts for s in shards if s.routed_experts is not None]  # every shard's, where asked for
     batch = SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens,
                           response_ids=torch.cat([s.response_ids for s in shards]),
-                          response_lens=torch.cat([s.response_lens for s in shards]))
+                          response_lens=torch.cat([s.response_lens for s in shards]),
+                          routed_experts=torch.cat(routes) if sampling.routed_experts else None)
     produced = Rollouts(batch=batch, logprobs=torch.cat([s.logprobs for s in shards]),
                         truncated=torch.cat([s.truncated for s in shards]), scores=torch.zeros(len(batch)),
                         versions=torch.cat([s.weight_versions for s in shards]),

@@ -74,6 +74,17 @@ class PolicyLossConfig(Section):
         return self
 
 
+class RouterReplayConfig(Section):
+    """Routing replay for a mixture-of-experts model (verl's actor.router_replay; docs/guides/moe.md)."""
+
+    mode: Literal["disabled", "R3"] = "disabled"
+    """R3 (rollout routing replay): the rollouts record the experts each token was routed to, they travel with
+    the sample, and the actor's logprob and update passes route by them instead of by their own routers (the
+    routers' softmax still weighs the chosen experts, so the routers still learn); disabled: each engine routes
+    by its own router. R3 needs an MoE model and hf rollouts (vLLM's routes are not wired yet). verl's R2 (replay
+    the old-logprob pass's routes) is not offered."""
+
+
 class ActorConfig(Section):
     optim: OptimConfig = OptimConfig()
     ppo_mini_batch_size: PositiveInt = 16
@@ -129,3 +140,4 @@ class ActorConfig(Section):
     rank trains as fast as without FSDP)."""
     fsdp_config: FSDPConfig = FSDPConfig()
     """How the trainer holds the actor; the reference follows the actor's strategy and fsdp_config."""
+    router_replay: RouterReplayConfig = RouterReplayConfig()

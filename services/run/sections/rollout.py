@@ -144,6 +144,10 @@ class RolloutConfig(Section):
     the whole temperature-scaled distribution."""
     stop_token_ids: list[int] = []
     """Token ids that end a response besides EOS."""
+    enable_rollout_routing_replay: bool = False
+    """The rollouts record the experts each token was routed to and they travel with the sample (an MoE model on
+    hf rollouts); the actor then reports training/routing_agreement, and with actor.router_replay.mode R3 routes
+    by them. R3 records them whatever this says."""
     log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
     """Sequences per forward pass of the trainer's old and reference logprobs; null = the actor's
     ppo_micro_batch_size_per_gpu."""

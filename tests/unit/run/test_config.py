@@ -115,3 +115,16 @@ def test_a_run_config_asks_the_services_for_nothing_they_refuse(key, value):
     """What a run sends the services is within their limits (temperature, timeouts), or refused at StartRun."""
     with pytest.raises(ConfigError, match=key):
         load_config(RunConfig, None, [f"{key}={value}"])
+
+
+def test_routing_replay_takes_verls_keys_and_is_refused_where_routes_cannot_travel():
+    assert not load_config(RunConfig, None, []).records_routes
+    r3 = load_config(RunConfig, None, ["actor_rollout_ref.actor.router_replay.mode=R3"])
+    assert r3.records_routes and r3.actor_rollout_ref.actor.router_replay.mode == "R3"
+    assert load_config(RunConfig, None, ["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]).records_routes
+    with pytest.raises(ConfigError, match=r"router_replay\.mode.*'disabled' or 'R3'"):
+        load_config(RunConfig, None, ["actor_rollout_ref.actor.router_replay.mode=R2"])
+    for refused, why in (("actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn trajectory"),
+                         ("actor_rollout_ref.rollout.name=vllm", "needs hf rollouts")):
+        with pytest.raises(ConfigError, match=why):
+            load_config(RunConfig, None, ["actor_rollout_ref.actor.router_replay.mode=R3", refused])
