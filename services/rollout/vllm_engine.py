@@ -7,8 +7,9 @@
   temperature), the quantity the trainer recomputes.
 - Each of the n samples of prompt i is seeded from (seed, its seed index),
   as in the hf engine, so a prompt's samples do not depend on the replica;
-  with ``batched_seeded_sampling`` the workers draw every seeded row's noise
-  in one kernel a step (``seeded_sampling``), not vLLM's one per row.
+  with ``batched_seeded_sampling`` (the default) the workers draw every
+  seeded row's noise in one kernel a step (``seeded_sampling``), not vLLM's
+  one per row.
 - Weights arrive inside vLLM's workers, through the worker extension
   ``services.rollout.vllm_worker.MeshrlWorkerExtension``: the coordinator's
   channel id, unique id and ranks reach it by ``collective_rpc``, and every

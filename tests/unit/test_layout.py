@@ -163,3 +163,13 @@ def test_the_wing_checks_see_an_arrow_up_and_count_floors():
     assert arrows_up(graph) == ["services.coordinator.fleet.a -> services.coordinator.step.b"]
     assert floors(graph) == 4
     assert wing("services.coordinator.server") == "entry" and wing("services.coordinator.store") == "base"
+
+
+def test_every_package_is_in_the_distribution():
+    """pyproject.toml lists the packages a ``pip install .`` takes: a sub-package left out installs without it."""
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[2]
+    listed = set(tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(repo).parts) for init in (repo / "services").rglob("__init__.py")}
+    assert found - listed == set()

@@ -74,7 +74,7 @@ from services.coordinator.fleet.targets import ServiceTarget
 from services.coordinator.settings import LoopSettings
 from services.coordinator.store import Checkpoint
 from services.coordinator.step.validation import ValidationNotices, Validations
-from services.coordinator.step.warm_start import WarmStart, warm_start_rows
+from services.coordinator.step.warm_start import WarmStart, WarmStartProgress, warm_start_rows
 
 
 class Reporter(CheckpointNotices, ValidationNotices, Protocol):
@@ -371,18 +371,9 @@ class PPOLoop:
     def within_staleness(self, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
         """The rollouts whose every sample is at most trainer.async_.max_staleness versions older than the
         weights the update starts from (prompts with an older sample are dropped, and counted), and the
-        staleness metrics. A sample's staleness counts from its first token's version; those whose later tokens
-        came from newer weights (partial_rollout keep) are counted as spanning a swap."""
-        limit, groups = self.settings.max_staleness, rollouts.group_ids
-        staleness = (self.rollout_set.served - rollouts.versions).float()
-        spanning = (rollouts.last_versions > rollouts.versions).sum()
-        keep = rollouts.prompts_where_every_sample(staleness <= limit)
-        dropped = ~torch.isin(groups, torch.tensor(keep, dtype=torch.int64))
-        metrics = {"rollout/weight_version": float(rollouts.versions.min()),
-                   "training/off_policy/staleness/mean": float(staleness.mean()),
-                   "training/off_policy/staleness/max": float(staleness.max()),
-                   "training/off_policy/dropped_samples": float(dropped.sum()),
-                   "training/off_policy/samples_spanning_swap": float(spanning)}
+        staleness metrics (``staleness``)."""
+        limit = self.settings.max_staleness
+        keep, metrics = staleness(rollouts, served=self.rollout_set.served, limit=limit)
         if len(keep) == len(rollouts.prompts):
             return rollouts, metrics
         if not keep:
@@ -405,16 +396,14 @@ class PPOLoop:
         if self.settings.sleep_rollouts:
             await self.rollout_set.wake_up()  # one an earlier attempt left asleep
         tools = self.env_set.tools(self.agent.settings.environment) if self.agent and self.env_set else ()
-        if resume is None:
-            warm_start = self.settings.warm_start_steps > 0
-            version = await self.trained().warm_start.run(tools) if warm_start else 0
-        else:
+        version, progress = 0, self.trained().warm_start.progress  # a new run: none taught yet
+        if resume is not None:
             restored = await self.checkpoints.restore(resume)
             version, self.kl_coef = restored.version, restored.kl_coef
-            warm_start = restored.warm_start is not None and restored.warm_start.taught < \
-                self.settings.warm_start_steps
-            if warm_start:
-                version = await self.trained().warm_start.run(tools, restored.warm_start, version)
+            progress = restored.warm_start or WarmStartProgress.done(self.settings.warm_start_steps)
+        warm_start = progress.taught < self.settings.warm_start_steps
+        if warm_start:
+            version = await self.trained().warm_start.run(tools, progress, version)
         await self.rollout_set.sync(version)
         return warm_start
 
@@ -501,3 +490,18 @@ def mismatch_warning(step: int, metrics: Mapping[str, float], limit: float | Non
     return (f"step {step}: rollout/trainer mismatch KL {kl:.3g}, over {limit:g} "
             "(actor_rollout_ref.rollout.weight_check.mismatch_kl_warning): the trainer disowns the tokens the rollouts "
             f"sampled, and the update's ratios are off; {spanning:.0f} samples spanned a weight swap")
+
+
+def staleness(rollouts: Rollouts, *, served: int, limit: int) -> tuple[list[int], dict[str, float]]:
+    """The prompts whose every sample is at most ``limit`` versions older than ``served`` (the weights the update
+    starts from), and the staleness metrics. A sample's staleness counts from its first token's version; those whose
+    later tokens came from newer weights (partial_rollout keep) are counted as spanning a swap."""
+    ages = (served - rollouts.versions).float()
+    keep = rollouts.prompts_where_every_sample(ages <= limit)
+    dropped = ~torch.isin(rollouts.group_ids, torch.tensor(keep, dtype=torch.int64))
+    spanning = (rollouts.last_versions > rollouts.versions).sum()
+    return keep, {"rollout/weight_version": float(rollouts.versions.min()),
+                  "training/off_policy/staleness/mean": float(ages.mean()),
+                  "training/off_policy/staleness/max": float(ages.max()),
+                  "training/off_policy/dropped_samples": float(dropped.sum()),
+                  "training/off_policy/samples_spanning_swap": float(spanning)}

@@ -59,6 +59,11 @@ class WarmStartProgress(NamedTuple):
     position: int
 
     @classmethod
+    def done(cls, steps: int) -> WarmStartProgress:
+        """A warm start of ``steps`` steps over (a checkpoint taken after it, which keeps no progress)."""
+        return cls(taught=steps, epoch=0, position=0)
+
+    @classmethod
     def of_state(cls, state: dict | None) -> WarmStartProgress | None:
         """The progress a checkpoint's loop state records (None: none, as in a checkpoint of an RL step)."""
         return None if state is None else cls(taught=state["taught"], epoch=state["epoch"], position=state["position"])
