@@ -111,7 +111,7 @@ def test_a_judged_program_sees_nothing_of_the_services_token_or_state_folder(cod
     probe = secrets_probe(secrets, [str(token_file), str(state)])
     case = json.dumps({"inputs": [""], "outputs": ["[]\n"]})
     [(scores, _)] = asyncio.run(score_through_service(code_cluster.coordinator, [
-        [RewardSample("apps", python(probe), case, {})]]))
+        [RewardSample(data_source="apps", response=python(probe), ground_truth=case, extra_info={})]]))
     assert [(s.valid, s.score, s.pred) for s in scores] == [(True, 1.0, "1/1 P")]
 
 
@@ -130,7 +130,7 @@ def test_a_judged_program_sees_nothing_of_a_token_given_as_a_variable(tmp_path, 
         probe = secrets_probe([token, str(cluster.state_dir), "MESHRL_"], [str(cluster.state_dir)])
         case = json.dumps({"inputs": [""], "outputs": ["[]\n"]})
         [(scores, _)] = asyncio.run(score_through_service(cluster.coordinator, [
-            [RewardSample("apps", python(probe), case, {})]]))
+            [RewardSample(data_source="apps", response=python(probe), ground_truth=case, extra_info={})]]))
         assert [(s.valid, s.score, s.pred) for s in scores] == [(True, 1.0, "1/1 P")]
     finally:
         cluster.stop()
