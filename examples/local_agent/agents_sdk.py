@@ -16,15 +16,9 @@ import os
 import sys
 import zlib
 
-from agents import Agent, MaxTurnsExceeded, Runner, function_tool, set_default_openai_api, set_tracing_disabled
-
 SALT = "meshrl-lookup"
 
-set_default_openai_api("chat_completions")  # the endpoint every OpenAI-compatible server has
-set_tracing_disabled(True)  # no traces sent to OpenAI's platform
 
-
-@function_tool
 def lookup(key: str) -> str:
     """The code of a key.
 
@@ -37,7 +31,11 @@ def lookup(key: str) -> str:
 
 
 async def main(question: str) -> None:
-    agent = Agent(name="lookup", tools=[lookup], model=os.environ["OPENAI_MODEL"])
+    from agents import Agent, MaxTurnsExceeded, Runner, function_tool, set_default_openai_api, set_tracing_disabled
+
+    set_default_openai_api("chat_completions")  # the endpoint every OpenAI-compatible server has
+    set_tracing_disabled(True)  # no traces sent to OpenAI's platform
+    agent = Agent(name="lookup", tools=[function_tool(lookup)], model=os.environ["OPENAI_MODEL"])
     try:
         result = await Runner.run(agent, question, max_turns=3)
         print(f"answer: {result.final_output}", file=sys.stderr)
