@@ -646,12 +646,10 @@ def run_llm_generate_here(model: Path, data: Path, steps: int, result_file: Path
     one's seconds go to ``result_file``."""
     from vllm import LLM, SamplingParams
 
-    from services.run.data import read_rows, render_prompt
     from services.run.models import load_tokenizer
 
     tokenizer = load_tokenizer(model)
-    prompts = [tokenizer(render_prompt(row["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
-               for _, row in read_rows(data)]
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in trl_prompts(data, tokenizer)]
     llm = LLM(model=str(model), dtype="bfloat16", seed=0, gpu_memory_utilization=VLLM_SHARE, skip_tokenizer_init=True,
               logprobs_mode="processed_logprobs", max_num_seqs=1024, max_num_batched_tokens=8192)
     params = SamplingParams(n=SAMPLES, temperature=1.0, top_p=1.0, max_tokens=RESPONSE_TOKENS, logprobs=0,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -74,6 +73,7 @@ def run_config(overrides: list[str], steps: int, max_staleness: int, check: bool
 async def run_on(cluster, config_yaml: str) -> list[dict]:
     """Run ``config_yaml`` on ``cluster`` to its end; its metrics.jsonl rows (RuntimeError unless it finished)."""
     from services.coordctl.control import CoordinatorClient
+    from services.coordctl.follow import read_metrics
 
     client = CoordinatorClient(cluster.coordinator)
     try:
@@ -85,7 +85,7 @@ async def run_on(cluster, config_yaml: str) -> list[dict]:
         await client.close()
     if final.state != "finished":
         raise RuntimeError(f"run {final.run_id} ended {final.state}: {final.error}")
-    return [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(final.run_dir)
 
 
 async def measure(folder: Path, services: tuple, args: argparse.Namespace) -> dict[tuple[int, bool], list[Timed]]:

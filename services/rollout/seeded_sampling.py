@@ -11,8 +11,8 @@ every token.
 
 ``random_sample`` here draws the same kind of noise for all seeded rows at
 once: row r's noise at its decode step t is Philox(key(seed_r, t), column),
-made in one Triton kernel (the Philox key is seed * 1_000_003 + t). A request's generator stays what carries its
-state: its initial seed is the row's seed, and its offset counts the row's
+made in one Triton kernel (the Philox key is seed * 1_000_003 + t). A
+request's generator stays what carries its state: its initial seed is the row's seed, and its offset counts the row's
 steps (advanced by one Philox block a step), so a request keeps its stream
 when vLLM moves it to another row, and a prompt gets the same noise in any
 batch, as before. The samples are not vLLM's own stream's (another generator
@@ -30,6 +30,7 @@ import torch
 STEP = 4  # how far a row's generator offset moves each step (one Philox counter block)
 KEY_MULTIPLIER = 1_000_003  # key = seed * this + step: distinct for every seed < 2**31 and step < 1_000_003
 SMALLEST_NOISE = 1e-20  # an Exp(1) draw below it is as good as it (the race's winner either way)
+BLOCK = 4096  # columns a kernel program fills
 
 
 def seeded_rows(generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -41,9 +42,6 @@ def seeded_rows(generators: dict[int, torch.Generator]) -> torch.Tensor:
         table.append((row, generator.initial_seed(), offset // STEP))
         generator.set_offset(offset + STEP)
     return torch.tensor(table, dtype=torch.int64).T.contiguous()
-
-
-BLOCK = 4096  # columns a kernel program fills
 
 
 def fill_seeded_exponentials(q: torch.Tensor, table: torch.Tensor) -> None:
