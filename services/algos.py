@@ -307,6 +307,48 @@ def logprob_diff(a: torch.Tensor, b: torch.Tensor) -> LogprobDiff:
     return LogprobDiff(mean=float(apart.mean()), max=float(apart.max()))
 
 
+TAIL_FLOOR = 1e-30  # the least probability a tail bucket is given inside a log (its mass may round to 0)
+
+
+def topk_kl(p_top: torch.Tensor, q_at_p_top: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) at each position over the partition of the vocabulary into p's k most likely tokens, each its own
+    bucket, and the rest of the vocabulary as one (the tail): sum_i p_i log(p_i / q_i) + p_tail log(p_tail /
+    q_tail), with p_tail = 1 - sum_i p_i and q_tail = 1 - sum_i q_i (the weight check's probe: p the rollout's
+    next-token distribution, q the trainer's at the rollout's top-k ids).
+
+    Both distributions coarsened by the same partition, so it is 0 where they agree on every bucket and never more
+    than their KL over the whole vocabulary (the data processing inequality); a q that puts little mass on p's
+    top-k shows it, whichever tokens q ranks first. A tail that rounds to 0 counts as ``TAIL_FLOOR`` inside the
+    log; a token of p's top-k with probability 0 (a vocabulary smaller than k) adds nothing. [T, k] logprobs,
+    [T, k] logprobs of the same ids -> [T] float64."""
+    if p_top.shape != q_at_p_top.shape:
+        raise ValueError(f"top-k logprobs of shape {tuple(p_top.shape)} and {tuple(q_at_p_top.shape)}: they must be "
+                         "of the same tokens")
+    p_log, q_log = p_top.double(), q_at_p_top.double()
+    p, q = p_log.exp(), q_log.exp()
+    head = torch.where(p > 0, p * (p_log - q_log), torch.zeros_like(p)).sum(dim=-1)
+    p_tail = (1 - p.sum(dim=-1)).clamp(min=0)
+    q_tail = (1 - q.sum(dim=-1)).clamp(min=0)
+    tail = p_tail * (p_tail.clamp(min=TAIL_FLOOR).log() - q_tail.clamp(min=TAIL_FLOOR).log())
+    return head + tail
+
+
+class DistributionDiff(NamedTuple):
+    """How far two sets of next-token distributions at the same positions are apart (``topk_kl``)."""
+
+    mean: float  # mean KL over the positions
+    max: float  # largest KL at one position
+
+
+def distribution_diff(kl: torch.Tensor) -> DistributionDiff:
+    """Mean and max of per-position KLs (``topk_kl``); a non-finite one counts as infinite; no positions: 0.
+    [T] -> scalars."""
+    if not kl.numel():
+        return DistributionDiff(0.0, 0.0)
+    kl = torch.where(torch.isfinite(kl), kl.double(), torch.full_like(kl, math.inf, dtype=torch.float64))
+    return DistributionDiff(mean=float(kl.mean()), max=float(kl.max()))
+
+
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the temperature-scaled distribution at each position. [..., V] -> [...]."""
     log_probs = torch.log_softmax(upcast(logits) / temperature, dim=-1)

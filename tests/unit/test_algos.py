@@ -1252,6 +1252,49 @@ def test_logprob_diff_by_hand():
     assert algos.logprob_diff(trainer, trainer) == algos.LogprobDiff(mean=0.0, max=0.0)
 
 
+# topk_kl (the weight check's comparison of whole next-token distributions)
+
+
+def test_topk_kl_by_hand():
+    """A vocabulary of 5; the rollout's p = (0.5, 0.2, 0.15, 0.1, 0.05), its top-2 ids 0 and 1. Worked by hand:
+    - q = (0.4, 0.3, 0.1, 0.1, 0.1): buckets {0}, {1}, tail: p (0.5, 0.2, 0.3), q (0.4, 0.3, 0.3);
+      KL = 0.5 ln(5/4) + 0.2 ln(2/3) + 0.3 ln 1 = 0.5 * 0.2231435513 - 0.2 * 0.4054651081 = 0.0304787594.
+    - q = (0.1, 0.1, 0.4, 0.3, 0.1), whose own top-2 (ids 2, 3) shares none of p's: p (0.5, 0.2, 0.3), q (0.1, 0.1,
+      0.8); KL = 0.5 ln 5 + 0.2 ln 2 + 0.3 ln(3/8) = 0.8047189562 + 0.1386294361 - 0.2942487759 = 0.6490996164.
+    - q = p: 0 at every position."""
+    p_top = torch.tensor([[0.5, 0.2], [0.5, 0.2], [0.5, 0.2]]).log()
+    q_at = torch.tensor([[0.4, 0.3], [0.1, 0.1], [0.5, 0.2]]).log()
+    kl = algos.topk_kl(p_top, q_at)
+    assert kl.dtype == torch.float64
+    assert kl.tolist() == pytest.approx([0.0304787594, 0.6490996164, 0.0], abs=1e-7)
+    assert algos.distribution_diff(kl) == pytest.approx((sum(kl.tolist()) / 3, float(kl[1])))
+
+
+def test_topk_kl_is_at_most_the_kl_over_the_whole_vocabulary():
+    """A coarsening of both distributions: never above their full KL (here random distributions, k = 3 of 11)."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.log_softmax(torch.randn(64, 11, generator=generator) * 2, dim=-1)
+    q = torch.log_softmax(torch.randn(64, 11, generator=generator) * 2, dim=-1)
+    top = p.topk(3, dim=-1)
+    coarse = algos.topk_kl(top.values, q.gather(-1, top.indices))
+    full = (p.exp() * (p - q)).sum(dim=-1).double()
+    assert (coarse <= full + 1e-6).all() and (coarse >= -1e-9).all()
+    assert float(coarse.mean()) > 0.1 * float(full.mean())  # it is not blind: most of the divergence shows
+
+
+def test_topk_kl_of_a_vocabulary_smaller_than_k_and_of_a_tail_that_rounds_to_0():
+    # the top-3 of a 2-token vocabulary: its third "token" has probability 0 and adds nothing; both tails are 0
+    p_top = torch.tensor([[0.75, 0.25, 0.0]]).log()
+    q_at = torch.tensor([[0.5, 0.5, 0.0]]).log()
+    assert algos.topk_kl(p_top, q_at).item() == pytest.approx(0.75 * math.log(1.5) + 0.25 * math.log(0.5))
+    # p has all its mass on its top-1, q none there: finite and large, not nan
+    assert algos.topk_kl(torch.tensor([[0.0]]), torch.tensor([[-50.0]])).item() == pytest.approx(50.0)
+    assert algos.distribution_diff(torch.tensor([0.5, math.nan])).max == math.inf
+    assert algos.distribution_diff(torch.tensor([])) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="same tokens"):
+        algos.topk_kl(torch.zeros(2, 3), torch.zeros(2, 2))
+
+
 def test_logprob_diff_counts_a_non_finite_logprob_as_infinitely_far_and_no_tokens_as_equal():
     trainer = torch.tensor([-1.0, -2.0])
     for bad in (math.nan, -math.inf, math.inf):
