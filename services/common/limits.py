@@ -23,6 +23,9 @@ MIN_TEMPERATURE = 1e-3
 NaN (0 asks for greedy decoding)."""
 MAX_STOP_TOKENS = 1024
 """The most stop token ids one Generate call may give (each generated token is checked against them)."""
+MAX_PROBE_TOP_K = 20
+"""The most next tokens per position the weight check's probe may ask a rollout for (vLLM's default max_logprobs,
+which bounds its prompt_logprobs)."""
 MAX_NESTING = 64
 """The deepest nesting of lists and mappings in a structured value a request carries: a run config's YAML, a
 sample's extra_info (a dataset row holds a few levels; far deeper overflows a parser's stack)."""

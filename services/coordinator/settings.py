@@ -108,13 +108,15 @@ class LoopSettings:
     agent: AgentSettings | None  # None: one response per prompt; else multi-turn trajectories
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WeightCheckSettings:
     """The weight check after every sync (actor_rollout_ref.rollout.weight_check)."""
 
     sequences: int  # in the probe
     tolerance_mean: float | None  # None: the figure measured for the rollout's engine and dtype
     tolerance_max: float | None
+    top_k: int = 20  # next tokens at each probe position whose distributions are compared
+    tolerance_topk_kl: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,7 +225,8 @@ def weight_check_settings(config: RunConfig) -> WeightCheckSettings | None:
     if not check.enable:
         return None
     return WeightCheckSettings(sequences=check.probe_sequences, tolerance_mean=check.tolerance_mean,
-                               tolerance_max=check.tolerance_max)
+                               tolerance_max=check.tolerance_max, top_k=check.top_k,
+                               tolerance_topk_kl=check.tolerance_topk_kl)
 
 
 def check_algorithms_registered(config: RunConfig, trainer_losses: Mapping[str, Sequence[str]]) -> None:

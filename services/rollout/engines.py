@@ -51,10 +51,12 @@ class Engine(Protocol):
         """``sampling.n`` completions per prompt, prompt i seeded from ``seed_indices[i]``, each stamped with
         the weight versions that sampled its first and its last token."""
 
-    async def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> ScoredResponses:
+    async def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]],
+                                top_k: int = 0) -> ScoredResponses:
         """The logprob (temperature 1) of each token of each response given its prompt and the response tokens
-        before it, under the weights served now, and their version (the weight check's probe: never during a
-        swap, and taken at once, beside the Generate calls in flight rather than after them)."""
+        before it, with ``top_k`` > 0 the top_k most likely next tokens at each of those positions, under the
+        weights served now, and their version (the weight check's probe: never during a swap, and taken at once,
+        beside the Generate calls in flight rather than after them)."""
 
     async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
                            timeout_s: float) -> None:
@@ -134,14 +136,14 @@ class HFRolloutEngine:
 
         return await self.gate.run(lambda call: self._on_engine(attempt, call))
 
-    async def compute_log_probs(self, prompts, responses):
+    async def compute_log_probs(self, prompts, responses, top_k=0):
         """Scored on the engine thread between two token steps of the generation in flight, if any (not after
         it): the weights cannot change while it runs, and the version it reports is theirs."""
         def score() -> ScoredResponses:
             if self.damaged:
                 raise not_whole(self.damaged)
-            return ScoredResponses(version=self.weight_version,
-                                   logprobs=self.engine.compute_log_probs(prompts, responses))
+            logprobs, top = self.engine.score(prompts, responses, top_k)
+            return ScoredResponses(version=self.weight_version, logprobs=logprobs, top=top)
 
         return await self.gate.run(lambda call: self._between_token_steps(score))
 

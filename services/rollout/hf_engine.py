@@ -37,7 +37,7 @@ from services import algos
 from services.common.adapters import adapter_pairs, merged_weight
 from services.run.experts import per_expert_tensors
 from services.run.routing import RouteRecorder
-from services.rollout.sampling import Completion, SamplingSettings, hash_seed
+from services.rollout.sampling import Completion, SamplingSettings, TopTokens, hash_seed, joined
 
 
 def version_0() -> int:
@@ -174,11 +174,19 @@ class HFEngine:
             for t, lp, last, r in zip(tokens, logprobs, last_versions, routes)
         ]
 
-    @torch.no_grad()
     def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        """The logprob (temperature 1) of each response token given the prompt and the response tokens before it."""
+        return self.score(prompts, responses, top_k=0)[0]
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], responses: list[list[int]],
+              top_k: int) -> tuple[list[list[float]], TopTokens | None]:
         """The logprob (temperature 1) of each response token given the prompt and the response tokens before
-        it, one forward pass over the whole sequences, right-padded, ``batch_size`` sequences at a time."""
+        it, and with ``top_k`` > 0 the top_k most likely next tokens at each of those positions (all of them, for
+        a smaller vocabulary), flat over the responses; one forward pass over the whole sequences, right-padded,
+        ``batch_size`` sequences at a time."""
         scored: list[list[float]] = []
+        tops: list[TopTokens] = []
         for start in range(0, len(prompts), self.batch_size):
             rows = [p + r for p, r in zip(prompts[start : start + self.batch_size],
                                           responses[start : start + self.batch_size])]
@@ -194,7 +202,10 @@ class HFEngine:
                 before = logits[index, len(prompt) - 1 : len(prompt) - 1 + length].float()
                 targets = input_ids[index, len(prompt) : len(prompt) + length].to(before.device)
                 scored.append(algos.token_logprobs(before, targets, 1.0).tolist())
-        return scored
+                if top_k > 0:
+                    top = torch.log_softmax(before, dim=-1).topk(min(top_k, before.shape[-1]), dim=-1)
+                    tops.append(TopTokens(ids=top.indices.cpu(), logprobs=top.values.cpu()))
+        return scored, joined(tops) if tops else None
 
     def shift_weight(self, name: str, delta: float) -> None:
         """Add ``delta`` to every value of parameter ``name``, or of one expert's projection by its checkpoint name

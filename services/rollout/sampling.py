@@ -6,8 +6,9 @@ response: its token ids, each sampled token's logprob, why it ended and the
 weight versions that sampled it (of its first and of its last token: they
 differ where new weights were swapped in while it was sampled, under the
 swap's ``keep``); ``ScoredResponses`` is what the weight check's probe gets
-back: each given response token's logprob and the one weight version that
-scored them all.
+back: each given response token's logprob, where asked the top-k next tokens
+at its position (``TopTokens``), and the one weight version that scored them
+all.
 
 Every sequence is seeded on its own, from (request seed, prompt index, sample
 index) through ``hash_seed``, never from a generator shared by a batch: a
@@ -19,7 +20,7 @@ returns.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -47,10 +48,25 @@ class Completion:
     # token fed to the model (all but the last sampled) was routed to, where asked for (routing replay)
 
 
+class TopTokens(NamedTuple):
+    """The most likely next tokens at each scored position (temperature 1): the weight check's whole distributions."""
+
+    ids: torch.Tensor  # [T, k] int64, most likely first
+    logprobs: torch.Tensor  # [T, k] float32
+
+
+def joined(tops: list[TopTokens]) -> TopTokens:
+    """Several responses' top tokens, one after the other (flat over their positions)."""
+    import torch
+
+    return TopTokens(ids=torch.cat([top.ids for top in tops]), logprobs=torch.cat([top.logprobs for top in tops]))
+
+
 @dataclass(frozen=True)
 class ScoredResponses:
     version: int  # of the weights that scored every token
     logprobs: list[list[float]]  # per response, each of its tokens' logprob (temperature 1) given what is before it
+    top: TopTokens | None = None  # at each response token's position, flat over the responses, where asked for
 
 
 def hash_seed(seed: int, prompt_index: int, sample_index: int) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.errors import FailedPrecondition, NotFound
-from services.common.limits import MAX_STOP_TOKENS, check_at_most, check_temperature, check_wait
+from services.common.limits import MAX_PROBE_TOP_K, MAX_STOP_TOKENS, check_at_most, check_temperature, check_wait
 from services.run.models import refuse_pickled_weights
 from services.common.sequences import join_ragged
 from services.common.wire import BatchAssembler, batch_to_chunks, read_stream
@@ -156,8 +156,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def ComputeLogProbs(self, request_iterator, context):
         assembler = BatchAssembler()
-        await read_stream(request_iterator, assembler, self.config.stream_limits())
+        first = await read_stream(request_iterator, assembler, self.config.stream_limits())
         engine = self._require_engine()
+        top_k = first.top_k if first is not None else 0
+        if top_k > MAX_PROBE_TOP_K:
+            raise ValueError(f"top_k must be at most {MAX_PROBE_TOP_K} (vLLM's max_logprobs), got {top_k}")
         batch = assembler.result(required=("prompt_ids", "prompt_lens", "response_ids", "response_lens"))
         prompts = prompt_lists(batch["prompt_ids"], batch["prompt_lens"], engine.vocab_size)
         responses = token_lists(batch["response_ids"], batch["response_lens"], engine.vocab_size,
@@ -166,9 +169,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             raise ValueError(f"prompt_lens has {len(prompts)} entries, response_lens {len(responses)}: one each per "
                              "sequence")
         check_prompt_lengths([p + r for p, r in zip(prompts, responses)], 1, engine.max_model_len)
-        scored = await engine.compute_log_probs(prompts, responses)
-        flat = torch.tensor([value for row in scored.logprobs for value in row], dtype=torch.float32)
-        for chunks in batch_to_chunks({"logprobs": flat}):
+        scored = await engine.compute_log_probs(prompts, responses, top_k)
+        out = {"logprobs": torch.tensor([value for row in scored.logprobs for value in row], dtype=torch.float32)}
+        if scored.top is not None:
+            out |= {"top_ids": scored.top.ids.to(torch.int64), "top_logprobs": scored.top.logprobs.float()}
+        for chunks in batch_to_chunks(out):
             yield rollout_pb2.ComputeLogProbsResponse(chunks=chunks, weight_version=scored.version)
 
     async def JoinChannel(self, request, context):

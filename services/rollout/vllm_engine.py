@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 from services.run.models import load_tokenizer
 from services.rollout.config import CORRUPTION, RolloutServiceConfig
 from services.rollout.direct_load import STACKED
-from services.rollout.sampling import Completion, SamplingSettings, ScoredResponses, hash_seed
+from services.rollout.sampling import Completion, SamplingSettings, ScoredResponses, TopTokens, hash_seed, joined
 from services.rollout.swap import GenerationCall, PartialRollout, SwapGate, WeightSwap, failed_swap, not_whole
 from services.rollout.vllm_lora import (IN_MEMORY, SPARE_ADAPTERS, AdapterServing, AdapterWindow, LoadedAdapter,
                                         lora_engine_args)
@@ -170,25 +170,29 @@ class VLLMEngine:
             if not self.adapter_calls[adapter.adapter_id]:
                 del self.adapter_calls[adapter.adapter_id]
 
-    async def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> ScoredResponses:
-        """Each whole sequence goes in as a prompt with prompt_logprobs=0 (the logprob of each prompt token given
-        those before it, from the raw logits: temperature 1) and one token generated; the response's part is
-        returned. vLLM reads no prefix cache for such a request, so it runs on the weights served now. Its
-        requests join those in flight: AsyncLLM schedules them beside the running ones at its next step (nothing
-        here waits for the Generate calls in flight; only a swap in progress holds them back, at the gate)."""
+    async def compute_log_probs(self, prompts: list[list[int]], responses: list[list[int]],
+                                top_k: int = 0) -> ScoredResponses:
+        """Each whole sequence goes in as a prompt with prompt_logprobs=top_k (the logprob of each prompt token
+        given those before it, from the raw logits: temperature 1, and the top_k most likely tokens there beside
+        it) and one token generated; the response's part is returned. vLLM reads no prefix cache for such a
+        request, so it runs on the weights served now. Its requests join those in flight: AsyncLLM schedules them
+        beside the running ones at its next step (nothing here waits for the Generate calls in flight; only a
+        swap in progress holds them back, at the gate)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
+        top_k = min(top_k, self.vocab_size)
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
 
         async def one(prompt: list[int], response: list[int], request_id: str,
-                      adapter: LoadedAdapter | None) -> list[float]:
+                      adapter: LoadedAdapter | None) -> tuple[list[float], TopTokens | None]:
             final: Any = None
             async for output in self.llm.generate({"prompt_token_ids": prompt + response}, params,
                                                   request_id=request_id, lora_request=lora_request_of(adapter)):
                 final = output
-            return prompt_logprobs_of(final.prompt_logprobs, prompt + response, first=len(prompt))
+            logprobs = prompt_logprobs_of(final.prompt_logprobs, prompt + response, first=len(prompt))
+            return logprobs, top_tokens_of(final.prompt_logprobs, first=len(prompt), k=top_k) if top_k else None
 
         async def attempt(call: GenerationCall) -> ScoredResponses:
             if self.damaged:
@@ -198,12 +202,15 @@ class VLLMEngine:
             request_ids = [uuid.uuid4().hex for _ in prompts]
             with self._using(adapter):
                 try:
-                    return ScoredResponses(version=version, logprobs=list(await call.unless_interrupted(
+                    scored = list(await call.unless_interrupted(
                         asyncio.gather(*(one(p, r, rid, adapter)
-                                         for p, r, rid in zip(prompts, responses, request_ids))))))
+                                         for p, r, rid in zip(prompts, responses, request_ids)))))
                 except BaseException:
                     await self.llm.abort(request_ids)
                     raise
+            tops = [top for _, top in scored if top is not None]
+            return ScoredResponses(version=version, logprobs=[logprobs for logprobs, _ in scored],
+                                   top=joined(tops) if tops else None)
 
         return await self.gate.run(attempt)
 
@@ -414,6 +421,23 @@ def prompt_logprobs_of(prompt_logprobs: list, token_ids: list[int], first: int) 
     """The logprobs of ``token_ids[first:]`` from a vLLM request's ``prompt_logprobs`` (one entry per prompt
     token: None for the first, else a dict of token id -> Logprob holding the token itself)."""
     return [prompt_logprobs[i][token_ids[i]].logprob for i in range(first, len(token_ids))]
+
+
+def top_tokens_of(prompt_logprobs: list, first: int, k: int) -> TopTokens:
+    """The k most likely tokens at each position that predicts ``prompt_logprobs``' tokens ``first`` on, from a
+    vLLM request's prompt_logprobs (asked with prompt_logprobs=k: each position's dict holds the top k, ranks 1 to
+    k, and the prompt's own token with its rank, which may be past k)."""
+    import torch
+
+    ids, logprobs = [], []
+    for position in prompt_logprobs[first:]:
+        top = sorted((entry.rank, token, entry.logprob) for token, entry in position.items() if entry.rank <= k)
+        if len(top) != k:
+            raise ValueError(f"vLLM returned {len(top)} prompt logprobs of rank 1 to {k} at a position, not {k}")
+        ids.append([token for _, token, _ in top])
+        logprobs.append([logprob for _, _, logprob in top])
+    return TopTokens(ids=torch.tensor(ids, dtype=torch.int64).reshape(-1, k),
+                     logprobs=torch.tensor(logprobs, dtype=torch.float32).reshape(-1, k))
 
 
 async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, timeout_s: float) -> None:

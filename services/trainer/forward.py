@@ -77,34 +77,34 @@ def response_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, d
 
 
 @torch.no_grad()
-def per_token(compute: Callable[[SequenceBatch], torch.Tensor], batch: SequenceBatch, micro: MicroBatching,
-              ranks: Ranks) -> torch.Tensor | None:
-    """``compute`` (a micro-batch -> flat [T'] values of its response tokens) over this rank's micro-batches.
+def per_token(compute: Callable[[SequenceBatch, torch.Tensor], torch.Tensor], batch: SequenceBatch,
+              micro: MicroBatching, ranks: Ranks) -> torch.Tensor | None:
+    """``compute`` (a micro-batch and its rows of ``batch`` -> values [T', ...] of its response tokens) over this
+    rank's micro-batches.
 
-    Returns on rank 0 the values of the whole batch, flat [T] in the batch's order, on CPU; None on the others.
+    Returns on rank 0 the values of the whole batch, [T, ...] in the batch's order, on CPU; None on the others.
     """
     rows = torch.arange(len(batch))
     plan = micro_batch_plan(batch.sequence_lens, rows, ranks.world_size, micro)
     mine = []
     for part, real in with_stand_ins(plan[ranks.rank], batch.sequence_lens, rows):
-        values = compute(batch.select(part))
-        if real:
-            mine.append(values.cpu())
+        values = compute(batch.select(part), part)
+        mine.append(values.cpu() if real else values[:0].cpu())  # a stand-in's: none, of the values' shape
     return gather_tokens(batch, plan, mine, ranks)
 
 
 def gather_tokens(batch: SequenceBatch, plan: list[list[torch.Tensor]], mine: list[torch.Tensor],
                   ranks: Ranks) -> torch.Tensor | None:
     """Per-token values of the rows of ``plan`` (``micro_batch_plan``) gathered from every rank, each of which
-    computed ``mine``: flat values of its real micro-batches, in its plan's order. Returns on rank 0 the values
-    of the whole batch, flat [T] in the batch's order, on CPU (0 for tokens of rows outside the plan); None on
-    the others."""
+    computed ``mine``: values [T', ...] of its real micro-batches, in its plan's order. Returns on rank 0 the
+    values of the whole batch, [T, ...] in the batch's order, on CPU (0 for tokens of rows outside the plan); None
+    on the others."""
     local = torch.cat(mine) if mine else torch.zeros(0)
     orders = [torch.cat(batches) if batches else torch.zeros(0, dtype=torch.int64) for batches in plan]
     gathered = ranks.gather(local, [int(batch.response_lens[order].sum()) for order in orders])
     if gathered is None:
         return None
-    values = torch.zeros(batch.num_response_tokens, dtype=gathered.dtype)
+    values = torch.zeros((batch.num_response_tokens, *gathered.shape[1:]), dtype=gathered.dtype)
     values[batch.token_index(torch.cat(orders))] = gathered
     return values
 
@@ -113,15 +113,40 @@ def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, 
                      micro: MicroBatching, *, ranks: Ranks) -> torch.Tensor | None:
     """Logprobs of every response token without gradients: flat [T] on rank 0 (CPU), None on the others."""
     model.eval()
-    return per_token(lambda part: response_logprobs(model, part, pad_id, temperature, False, device=ranks.device,
-                                                    remove_padding=micro.remove_padding,
-                                                    chunk_tokens=micro.chunk_tokens,
-                                                    replay_routes=micro.replay_routes)[0], batch, micro, ranks)
+    return per_token(lambda part, _: response_logprobs(model, part, pad_id, temperature, False, device=ranks.device,
+                                                       remove_padding=micro.remove_padding,
+                                                       chunk_tokens=micro.chunk_tokens,
+                                                       replay_routes=micro.replay_routes)[0], batch, micro, ranks)
+
+
+def candidate_logprobs(model: torch.nn.Module, batch: SequenceBatch, candidate_ids: torch.Tensor, *, pad_id: int,
+                       temperature: float, device: torch.device, remove_padding: bool = False,
+                       replay_routes: bool = False) -> torch.Tensor:
+    """At each response token's position, the logprob (fp32, temperature-scaled) of the token itself and of each
+    of ``candidate_ids`` there: [T', m] int64 ids -> [T', 1 + m], the token's first. The whole vocabulary's logits
+    of the response positions at once (the weight check's small probe, not a training batch)."""
+    inputs = model_inputs(batch, pad_id, remove_padding, device)
+    logits = run_model(model, inputs, replay_routes)[:, :-1]
+    vocabulary = inputs.gather_response(torch.log_softmax(algos.upcast(logits) / temperature, dim=-1))  # [T', V]
+    ids = torch.cat([inputs.gather_response(inputs.input_ids[:, 1:]).unsqueeze(-1), candidate_ids.to(device)], dim=-1)
+    return vocabulary.gather(-1, ids)
+
+
+def batched_candidate_logprobs(model: torch.nn.Module, batch: SequenceBatch, *, candidate_ids: torch.Tensor,
+                               pad_id: int, temperature: float, micro: MicroBatching,
+                               ranks: Ranks) -> torch.Tensor | None:
+    """``candidate_logprobs`` of every response token without gradients: [T, 1 + m] on rank 0 (CPU), None on the
+    others."""
+    model.eval()
+    return per_token(lambda part, rows: candidate_logprobs(
+        model, part, candidate_ids[batch.token_index(rows)], pad_id=pad_id, temperature=temperature,
+        device=ranks.device, remove_padding=micro.remove_padding, replay_routes=micro.replay_routes),
+        batch, micro, ranks)
 
 
 def batched_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, micro: MicroBatching,
                    ranks: Ranks) -> torch.Tensor | None:
     """Values before every response token without gradients: flat [T] on rank 0 (CPU), None on the others."""
     model.eval()
-    return per_token(lambda part: response_values(model, part, pad_id, ranks.device, micro.remove_padding),
+    return per_token(lambda part, _: response_values(model, part, pad_id, ranks.device, micro.remove_padding),
                      batch, micro, ranks)

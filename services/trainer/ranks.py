@@ -86,11 +86,11 @@ class Ranks:
         return command["op"], command["args"], tensors
 
     def gather(self, local: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
-        """Each rank's flat ``local`` (rank r holds sizes[r] values): on rank 0 all of them concatenated in rank
-        order, on the others None."""
+        """Each rank's ``local`` [sizes[r], ...] (the same trailing shape on every rank): on rank 0 all of them
+        concatenated in rank order, on the others None."""
         if self.world_size == 1:
             return local
-        padded = torch.zeros(max(max(sizes), 1), dtype=local.dtype)
+        padded = torch.zeros((max(max(sizes), 1), *local.shape[1:]), dtype=local.dtype)
         padded[: len(local)] = local
         parts = [torch.zeros_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(padded, parts, dst=0, group=self.cpu)

@@ -113,6 +113,19 @@ def check_vocab(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[
     return {key: batch[key] for key in (*SEQUENCE_KEYS, "loss_mask", "routed_experts") if key in batch}
 
 
+def check_candidate_ids(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> torch.Tensor:
+    """A request's candidate_ids, once they are int64 [T, m], a row per response token, and in the vocabulary."""
+    ids = batch["candidate_ids"]
+    tokens = batch["response_ids"].numel()
+    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] != tokens:
+        raise ValueError(f"candidate_ids must be int64 [{tokens} response tokens, m], got {ids.dtype} "
+                         f"{list(ids.shape)}")
+    vocab_size = model.config.vocab_size
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"candidate_ids must lie in [0, {vocab_size})")
+    return ids
+
+
 def actor_update_tensors(batch: dict[str, torch.Tensor], settings: ActorSettings,
                          model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors of an actor update, once they are known to be what ``settings`` need
@@ -199,9 +212,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if temperature and not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
             raise ValueError(f"ComputeLogProbs temperature must be 0 (the run's) or at least {MIN_TEMPERATURE}, got "
                              f"{temperature}")
-        logprobs = await self._run("compute_log_probs", {"role": role, "temperature": temperature},
-                                   check_vocab(batch, model))
-        for chunks in batch_to_chunks({"logprobs": logprobs}):
+        tensors, args = check_vocab(batch, model), {"role": role, "temperature": temperature}
+        if "candidate_ids" in batch:
+            tensors["candidate_ids"] = check_candidate_ids(batch, model)
+            logprobs, at_candidates = await self._run("compute_candidate_log_probs", args, tensors)
+            out = {"logprobs": logprobs, "candidate_logprobs": at_candidates.float()}
+        else:
+            out = {"logprobs": await self._run("compute_log_probs", args, tensors)}
+        for chunks in batch_to_chunks(out):
             yield trainer_pb2.BatchResponse(chunks=chunks)
 
     async def ComputeValues(self, request_iterator, context):

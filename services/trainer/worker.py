@@ -44,7 +44,7 @@ from services.common.weight_sync import WeightSender, gather_weights
 from services.trainer import checkpoint
 from services.trainer.actor import Actor, UpdateInputs
 from services.trainer.critic import Critic
-from services.trainer.forward import batched_logprobs
+from services.trainer.forward import batched_candidate_logprobs, batched_logprobs
 from services.trainer.ranks import Ranks, fatal
 from services.trainer.settings import RunSettings, run_settings
 from services.trainer.setup import (ROLES, build_actor, build_critic, build_reference, pad_id_of,
@@ -53,9 +53,10 @@ from services.trainer.telemetry import release_cached_memory, step_memory_metric
 
 log = structlog.get_logger()
 SEQUENCE_KEYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
-OPS = ("init_run", "compute_log_probs", "compute_values", "update_actor", "update_critic", "train_supervised",
-       "broadcast_weights", "save_checkpoint", "load_checkpoint")
-MODEL_OPS = ("compute_log_probs", "compute_values", "update_actor", "update_critic", "train_supervised")
+OPS = ("init_run", "compute_log_probs", "compute_candidate_log_probs", "compute_values", "update_actor",
+       "update_critic", "train_supervised", "broadcast_weights", "save_checkpoint", "load_checkpoint")
+MODEL_OPS = ("compute_log_probs", "compute_candidate_log_probs", "compute_values", "update_actor", "update_critic",
+             "train_supervised")
 STOP = "stop"
 
 
@@ -239,6 +240,21 @@ class RankWorker:
         with self._policy(roles, role) as model:
             return batched_logprobs(model, sequences(tensors, routed=role == "actor"), pad_id=roles.pad_id,
                                     temperature=temperature or settings.temperature, micro=micro, ranks=self.ranks)
+
+    def compute_candidate_log_probs(self, tensors, role: str,
+                                    temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As ``compute_log_probs``, and the logprob of each of ``tensors["candidate_ids"]`` [T, m] at its response
+        token's position (the weight check's: the rollouts' top-k there): ([T], [T, m]) on rank 0, None on the
+        others."""
+        roles = self._roles()
+        settings = roles.settings
+        micro = settings.actor_log_probs if role == "actor" else settings.ref_log_probs
+        with self._policy(roles, role) as model:
+            scored = batched_candidate_logprobs(
+                model, sequences(tensors, routed=role == "actor"), candidate_ids=tensors["candidate_ids"],
+                pad_id=roles.pad_id,
+                temperature=temperature or settings.temperature, micro=micro, ranks=self.ranks)
+        return None if scored is None else (scored[:, 0], scored[:, 1:])
 
     @staticmethod
     def _policy(roles: Roles, role: str) -> contextlib.AbstractContextManager[torch.nn.Module]:

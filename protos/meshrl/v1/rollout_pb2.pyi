@@ -62,10 +62,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class ComputeLogProbsRequest(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "top_k")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorChunk]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ...) -> None: ...
+    top_k: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class ComputeLogProbsResponse(_message.Message):
     __slots__ = ("chunks", "weight_version")

@@ -102,7 +102,7 @@ class RolloutServicer:
         the trainer's). Taken at once, beside the Generate calls in flight (not
         after them); a swap in progress holds it back. The request streams the
         sequences; the response streams logprobs [T] float32, one per response
-        token.
+        token, and where asked the top-k next tokens at each of their positions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -113,7 +113,10 @@ class TrainerServicer:
         Request chunks: prompt_ids, prompt_lens, response_ids, response_lens
         (the four sequence tensors), and loss_mask [T] bool where the batch has
         one (see BatchRequest). Response chunks: logprobs [T] float32, of every
-        response token.
+        response token. A request may also carry candidate_ids [T, m] int64: m
+        token ids at each response token's position (the weight check's: the
+        rollouts' top-k there); the response then carries candidate_logprobs
+        [T, m] float32, the logprob of each as the next token at that position.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

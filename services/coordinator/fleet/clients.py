@@ -58,6 +58,17 @@ class Generated:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RolloutScores:
+    """A rollout's scores of given sequences (the weight check's probe), under the weights it serves."""
+
+    version: int  # of those weights
+    logprobs: torch.Tensor  # [T] float32: each response token's, temperature 1
+    top_ids: torch.Tensor | None = None  # [T, k] int64: the k most likely next tokens at each response token's
+    # position, most likely first, where asked for
+    top_logprobs: torch.Tensor | None = None  # [T, k] float32: their logprobs
+
+
+@dataclass(frozen=True, kw_only=True)
 class Received:
     """A rollout's side of one weight sync."""
 
@@ -192,27 +203,34 @@ class RolloutClient:
         return Received(version=reply.version, transfer_s=reply.transfer_s, pause_s=reply.pause_s,
                         memory=dict(reply.memory))
 
-    async def compute_log_probs(self, batch: SequenceBatch, timeout: float) -> tuple[int, torch.Tensor]:
-        """The weight version it serves and the logprobs [T] (temperature 1) of the batch's response tokens under
-        it."""
+    async def compute_log_probs(self, batch: SequenceBatch, timeout: float, *, top_k: int = 0) -> RolloutScores:
+        """The weight version it serves, the logprobs [T] (temperature 1) of the batch's response tokens under it,
+        and with ``top_k`` the top_k most likely next tokens at each of their positions."""
         tensors = sequence_tensors(batch)
         tensors.pop("loss_mask", None)
         tensors.pop("routed_experts", None)
 
         def requests():
-            for chunks in batch_to_chunks(tensors):
-                yield rollout_pb2.ComputeLogProbsRequest(chunks=chunks)
+            for index, chunks in enumerate(batch_to_chunks(tensors)):
+                yield rollout_pb2.ComputeLogProbsRequest(chunks=chunks, top_k=top_k if index == 0 else 0)
 
         assembler, version = BatchAssembler(), -1
         async with self._conn.slot():
             async for reply in self._stub.ComputeLogProbs(requests(), timeout=timeout):
                 assembler.add(reply.chunks)
                 version = reply.weight_version
-        logprobs = assembler.result(required=("logprobs",))["logprobs"]
+        answer = assembler.result(required=("logprobs",) + (("top_ids", "top_logprobs") if top_k else ()))
+        logprobs = answer["logprobs"]
         if logprobs.shape != batch.response_ids.shape:
             raise ValueError(f"rollout {self.address} returned {logprobs.numel()} logprobs for "
                              f"{batch.response_ids.numel()} response tokens")
-        return version, logprobs
+        if not top_k:
+            return RolloutScores(version=version, logprobs=logprobs)
+        top_ids, top_logprobs = answer["top_ids"], answer["top_logprobs"]
+        if top_ids.dim() != 2 or top_ids.shape[0] != logprobs.numel() or top_ids.shape != top_logprobs.shape:
+            raise ValueError(f"rollout {self.address} returned top-k tokens of shape {list(top_ids.shape)} and "
+                             f"logprobs {list(top_logprobs.shape)} for {logprobs.numel()} response tokens")
+        return RolloutScores(version=version, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
 
     async def sleep(self, timeout: float) -> None:
         """Free the engine's GPU memory for a trainer on the same GPU; Generate is refused until wake_up."""
@@ -265,6 +283,19 @@ class TrainerClient:
         ``temperature`` (0: the run's)."""
         return await self._stream_out(self._stub.ComputeLogProbs, sequence_tensors(batch), step=step, role=role,
                                       name="logprobs", timeout=timeout, temperature=temperature)
+
+    async def compute_candidate_log_probs(self, batch: SequenceBatch, candidate_ids: torch.Tensor, *, timeout: float,
+                                          temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The actor's logprobs [T] of the response tokens and [T, m] of ``candidate_ids`` [T, m] at each response
+        token's position, at ``temperature`` (0: the run's)."""
+        tensors = {**sequence_tensors(batch), "candidate_ids": candidate_ids}
+        assembler = BatchAssembler()
+        async with self._conn.slot():
+            async for reply in self._stub.ComputeLogProbs(batch_requests(tensors, 0, "actor", temperature),
+                                                          timeout=timeout):
+                assembler.add(reply.chunks)
+        answer = assembler.result(required=("logprobs", "candidate_logprobs"))
+        return answer["logprobs"], answer["candidate_logprobs"]
 
     async def compute_values(self, batch: SequenceBatch, step: int, timeout: float) -> torch.Tensor:
         return await self._stream_out(self._stub.ComputeValues, sequence_tensors(batch), step=step, role="",

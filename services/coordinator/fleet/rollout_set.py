@@ -25,7 +25,8 @@ weights, and no trainer state is lost when a rollout goes:
 - After each sync every member scores the run's weight probe (``WeightProbe``; from the first batch trained on,
   where actor_rollout_ref.rollout.weight_check is on). A member over its tolerance is sent the weights once
   more; over it again, it leaves the run with an event naming the version, its probe's mean and max
-  |delta logprob| and the tolerance, and is not taken in again until its process is another (restarted). When
+  |delta logprob| and top-k KL and the tolerance, and is not taken in again until its process is another
+  (restarted). When
   that leaves no rollout, the run fails (``WeightCheckFailed``) rather than waiting: the trainer or the tolerance
   is then as likely at fault as every rollout.
 - With no rollout left the run waits (state ``waiting``) until one answers, then
@@ -200,7 +201,8 @@ class RolloutSet:
                 raise WeightCheckFailed(
                     f"no rollout passed the weight check after the sync of version {version}: rollout "
                     f"{again[0].address}: {again[0].described()}; if the rollouts are sound, widen "
-                    "actor_rollout_ref.rollout.weight_check.tolerance_mean / tolerance_max (or set enable=false)")
+                    "actor_rollout_ref.rollout.weight_check.tolerance_mean / tolerance_max / tolerance_topk_kl (or "
+                    "set enable=false)")
 
     async def _check_weights(self, version: int, only: set[str] | None = None) -> list[ProbeResult]:
         """The members (or those of ``only``) score the probe; the sync's metrics take the figures of those that
@@ -213,13 +215,16 @@ class RolloutSet:
         self.probe_s += time.perf_counter() - started
         for result in results:
             log.info("weight_probe", address=result.address, version=version, diff_mean=result.diff.mean,
-                     diff_max=result.diff.max, tolerance_mean=result.tolerance.mean,
-                     tolerance_max=result.tolerance.max, passed=result.passed, error=result.error,
+                     diff_max=result.diff.max, topk_kl_mean=result.kl.mean, topk_kl_max=result.kl.max,
+                     tolerance_mean=result.tolerance.mean, tolerance_max=result.tolerance.max,
+                     tolerance_topk_kl=result.tolerance.topk_kl, passed=result.passed, error=result.error,
                      seconds=round(result.seconds, 4))
         for result in results:
             if result.passed:
-                for name, value in (("mean", result.diff.mean), ("max", result.diff.max)):
-                    key = f"weights/probe_logprob_diff_{name}"
+                for key, value in (("weights/probe_logprob_diff_mean", result.diff.mean),
+                                   ("weights/probe_logprob_diff_max", result.diff.max),
+                                   ("weights/probe_topk_kl_mean", result.kl.mean),
+                                   ("weights/probe_topk_kl_max", result.kl.max)):
                     self.probe_metrics[key] = max(self.probe_metrics.get(key, 0.0), value)
         return [r for r in results if not r.passed]
 

@@ -5,22 +5,28 @@ with them.
   with a response: the training prompt and the model's own continuation. Drawn once, kept for every later sync,
   and in each checkpoint (``state``, ``restore``), so a resumed run checks with the same probe.
 - After each sync every rollout scores the probe (``RolloutClient.compute_log_probs``: each response token's logprob
-  given what comes before it, at temperature 1, under the weights it now serves, and their version) and the
-  actor's logprobs of the same tokens and version, computed once per version at temperature 1, are the reference
-  (``WeightProbe.check``). The rollouts of a sync and the actor are asked at once, concurrently; a rollout takes
-  the call beside the generation it may have in flight (generating ahead), not after it (the hf engine between two
-  token steps, vLLM beside its running requests), so the check costs a few forwards of the probe, whatever the
-  staleness or the batch size (bench/weight_probe_cost.py).
+  given what comes before it, at temperature 1, under the weights it now serves, and their version, and at each of
+  those positions its top_k most likely next tokens with their logprobs: its whole next-token distribution, as far
+  as it matters). The rollouts of a sync are asked at once, concurrently; a rollout takes the call beside the
+  generation it may have in flight (generating ahead), not after it (the hf engine between two token steps, vLLM
+  beside its running requests). Then the actor, holding the same version, scores the same tokens and, at each
+  position, every id in the rollouts' top-k there, in one call at temperature 1 (``WeightProbe.check``). So the
+  check costs a few forwards of the probe, whatever the staleness or the batch size (bench/weight_probe_cost.py).
 - A rollout passes where the mean and the largest |rollout - trainer logprob| over the probe's response tokens
-  (``algos.logprob_diff``) are within the tolerance of its engine and dtype (``tolerance_for``: the run's
-  actor_rollout_ref.rollout.weight_check keys, else ``MEASURED``). What a rollout that fails meets is the rollout
-  set's to decide (``RolloutSet.sync``: the weights once more, then out of the run).
+  (``algos.logprob_diff``) are within the tolerance of its engine and dtype, and so is the mean over those
+  positions of KL(rollout || trainer) over the rollout's top-k tokens and the rest of the vocabulary as one bucket
+  (``algos.topk_kl``: a lower bound of the whole vocabulary's KL, from the top-k alone). The tolerances are
+  ``tolerance_for``'s: the run's actor_rollout_ref.rollout.weight_check keys, else ``MEASURED``. The sampled
+  tokens' logprobs alone miss a rollout whose distribution moved where the probe's tokens are not; the KL sees
+  every likely token. What a rollout that fails meets is the rollout set's to decide (``RolloutSet.sync``: the
+  weights once more, then out of the run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,7 +35,7 @@ import torch
 
 from services import algos
 from services.common.sequences import SequenceBatch, split_ragged
-from services.coordinator.fleet.clients import RolloutClient, TrainerClient
+from services.coordinator.fleet.clients import RolloutClient, RolloutScores, TrainerClient
 from services.coordinator.settings import WeightCheckSettings
 from services.coordinator.waiting import describe
 
@@ -39,10 +45,12 @@ class WeightCheckFailed(RuntimeError):
 
 
 class Tolerance(NamedTuple):
-    """The most a rollout's probe logprobs may differ from the trainer's: their mean |delta| and any one token's."""
+    """The most a rollout's probe may differ from the trainer's: the mean |delta logprob| of its tokens, any one
+    token's, and the mean top-k KL of its next-token distributions (``algos.topk_kl``)."""
 
     mean: float
     max: float
+    topk_kl: float
 
 
 # Tolerances by (rollout engine, model dtype). Measured on CPU (hf against the CPU trainer, the local default's
@@ -50,8 +58,12 @@ class Tolerance(NamedTuple):
 # (both sides the same CPU kernels) mean 1.2e-7 to 1.6e-7, max 2.9e-7 to 4.4e-7. The float32 tolerance leaves
 # about 55 times room on the mean and 100 on the max; a shift of 0.5 on the final norm shows mean 0.05, max 0.14
 # (tests/integration/test_weight_probe.py).
+KL_HF_FP32 = 1e-6
+KL_BF16 = 0.05
+KL_FP16 = 0.005
+KL_VLLM_FP32 = 1e-3
 MEASURED: dict[tuple[str, str], Tolerance] = {
-    ("hf", "float32"): Tolerance(mean=1e-5, max=1e-4),
+    ("hf", "float32"): Tolerance(mean=1e-5, max=1e-4, topk_kl=KL_HF_FP32),
     # bf16 on a GPU: set from the rollout/trainer |delta logprob| measured on an H200 (bench/results/
     # gpu-tests-2026-12-05-b.md): a dense random-init 0.5B with a LoRA adapter, 0.012 mean on its samples; a
     # random-init Qwen3-MoE, 0.067 mean and 0.30 max on one step's samples, and single tokens up to 11 where a
@@ -59,23 +71,25 @@ MEASURED: dict[tuple[str, str], Tolerance] = {
     # MoE's, and the max only catches the absurd: a probe of 4 sequences may hold a flipped token, and a healthy
     # rollout must never be dropped for it. The probe itself on vLLM bf16 (dense random-init 0.5B, 4 syncs, H200,
     # bench/results/gpu-tests-2026-12-05-c.md): mean 0.0090 to 0.0095, max 0.031 to 0.043.
-    ("hf", "bfloat16"): Tolerance(mean=0.25, max=16.0),
-    ("hf", "float16"): Tolerance(mean=0.25, max=16.0),
-    ("vllm", "bfloat16"): Tolerance(mean=0.25, max=16.0),
-    ("vllm", "float16"): Tolerance(mean=0.02, max=0.5),
+    ("hf", "bfloat16"): Tolerance(mean=0.25, max=16.0, topk_kl=KL_BF16),
+    ("hf", "float16"): Tolerance(mean=0.25, max=16.0, topk_kl=KL_BF16),
+    ("vllm", "bfloat16"): Tolerance(mean=0.25, max=16.0, topk_kl=KL_BF16),
+    ("vllm", "float16"): Tolerance(mean=0.02, max=0.5, topk_kl=KL_FP16),
     # vLLM fp32 on an H200 against the trainer's fp32 (the 128-wide chat model of examples/gpu_tools.yaml, 100
     # syncs, bench/results/gpu-tests-2026-12-05-c.md): mean 7.9e-4 to 1.4e-3, max 0.0092 to 0.041 (GPU kernels
     # differ from the trainer's in summation order); the first tolerance here, 1e-3 and 1e-2, failed a healthy
     # rollout at its first sync. About 7 times room on the mean and 6 on the max.
-    ("vllm", "float32"): Tolerance(mean=1e-2, max=0.25),
+    ("vllm", "float32"): Tolerance(mean=1e-2, max=0.25, topk_kl=KL_VLLM_FP32),
 }
 
 
 def tolerance_for(engine: str, dtype: str, settings: WeightCheckSettings) -> Tolerance:
-    """A rollout's tolerance: the run's tolerance_mean and tolerance_max where set, else the figures ``MEASURED`` for
-    its engine and the model's dtype (an engine or dtype without one: bf16 vLLM's, the widest)."""
+    """A rollout's tolerance: the run's tolerance_mean, tolerance_max and tolerance_topk_kl where set, else the
+    figures ``MEASURED`` for its engine and the model's dtype (an engine or dtype without one: bf16 vLLM's, the
+    widest)."""
     measured = MEASURED.get((engine, dtype), MEASURED[("vllm", "bfloat16")])
-    return Tolerance(mean=settings.tolerance_mean or measured.mean, max=settings.tolerance_max or measured.max)
+    return Tolerance(mean=settings.tolerance_mean or measured.mean, max=settings.tolerance_max or measured.max,
+                     topk_kl=settings.tolerance_topk_kl or measured.topk_kl)
 
 
 def draw_probe(batch: SequenceBatch, group_ids: torch.Tensor, size: int) -> SequenceBatch | None:
@@ -95,36 +109,43 @@ def draw_probe(batch: SequenceBatch, group_ids: torch.Tensor, size: int) -> Sequ
                          response_ids=chosen.response_ids, response_lens=chosen.response_lens)
 
 
-@dataclass(frozen=True)
+UNSCORED = algos.LogprobDiff(math.inf, math.inf)
+UNCOMPARED = algos.DistributionDiff(math.inf, math.inf)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProbeResult:
     """One rollout's probe after a sync."""
 
     address: str
     version: int  # of the weights it was to serve
     diff: algos.LogprobDiff  # its logprobs against the trainer's (infinite where it could not score)
+    kl: algos.DistributionDiff  # its top-k next-token distributions against the trainer's (``algos.topk_kl``)
     tolerance: Tolerance
     error: str = ""  # why it could not score the probe, if it could not
     seconds: float = 0.0  # from asking the rollout to its answer (or failure)
 
     @property
     def passed(self) -> bool:
-        return self.diff.mean <= self.tolerance.mean and self.diff.max <= self.tolerance.max
+        return (self.diff.mean <= self.tolerance.mean and self.diff.max <= self.tolerance.max
+                and self.kl.mean <= self.tolerance.topk_kl)
 
     def described(self) -> str:
-        """For an event: the version and, against the tolerance, the mean and max |delta logprob|."""
+        """For an event: the version and, against the tolerance, the mean and max |delta logprob| and top-k KL."""
         if self.error:
             return f"it could not score the weight probe of version {self.version} ({self.error[:300]})"
         return (f"its weight probe of version {self.version}: mean |delta logprob| {self.diff.mean:.3g}, max "
-                f"{self.diff.max:.3g}; tolerance {self.tolerance.mean:.3g} mean, {self.tolerance.max:.3g} max")
+                f"{self.diff.max:.3g}; tolerance {self.tolerance.mean:.3g} mean, {self.tolerance.max:.3g} max; "
+                f"top-k KL mean {self.kl.mean:.3g}, max {self.kl.max:.3g}; tolerance {self.tolerance.topk_kl:.3g} "
+                "mean")
 
 
 class WeightProbe:
-    """The probe of one run attempt and the actor's logprobs of it, one version at a time."""
+    """The probe of one run attempt, scored by the rollouts and the actor after each sync."""
 
     def __init__(self, settings: WeightCheckSettings, dtype: str, actor: TrainerClient, timeout_s: float):
         self.settings, self.dtype, self.actor, self.timeout_s = settings, dtype, actor, timeout_s
         self.sequences: SequenceBatch | None = None  # None until drawn
-        self._expected: tuple[int, torch.Tensor] | None = None  # the actor's logprobs of the probe, and their version
 
     def draw(self, batch: SequenceBatch, group_ids: torch.Tensor) -> None:
         """Draw the probe from ``batch`` (``group_ids``: each sample's prompt) unless it is drawn."""
@@ -148,44 +169,55 @@ class WeightProbe:
     async def check(self, members: list[RolloutClient], engines: dict[str, str],
                     version: int) -> list[ProbeResult]:
         """Each member's probe against the actor's, the actor holding ``version`` (``engines``: each member's
-        engine, by address, for its tolerance); none before the probe is drawn."""
+        engine, by address, for its tolerance); none before the probe is drawn. The members are asked at once,
+        then the actor once, for the tokens of every member's top-k."""
         if self.sequences is None or not members:
             return []
-        scoring = asyncio.gather(*(self._scored(member, self.sequences) for member in members))
-        expected, answers = await asyncio.gather(self._actor_logprobs(self.sequences, version), scoring)
-        return [dataclasses.replace(
-                    self._result(member.address, version, answer, expected,
-                                 tolerance_for(engines.get(member.address, ""), self.dtype, self.settings)),
-                    seconds=seconds)
-                for member, (answer, seconds) in zip(members, answers)]
+        answers = await asyncio.gather(*(self._scored(member, self.sequences) for member in members))
+        scored = {index: answer for index, (answer, _) in enumerate(answers)
+                  if isinstance(answer, RolloutScores) and answer.version == version}
+        expected = dict(zip(scored, await self._actor_scores(self.sequences, list(scored.values())))) if scored else {}
+        results = []
+        for index, (member, (answer, seconds)) in enumerate(zip(members, answers)):
+            tolerance = tolerance_for(engines.get(member.address, ""), self.dtype, self.settings)
+            result = ProbeResult(address=member.address, version=version, diff=UNSCORED, kl=UNCOMPARED,
+                                 tolerance=tolerance, seconds=seconds)
+            if isinstance(answer, BaseException):
+                result = dataclasses.replace(result, error=describe(answer))
+            elif answer.version != version:
+                result = dataclasses.replace(result, error=f"it serves weight version {answer.version}")
+            else:
+                trainer_logprobs, trainer_at_top = expected[index]
+                result = dataclasses.replace(
+                    result, diff=algos.logprob_diff(answer.logprobs, trainer_logprobs),
+                    kl=algos.distribution_diff(algos.topk_kl(top_of(answer)[1], trainer_at_top)))
+            results.append(result)
+        return results
 
-    async def _actor_logprobs(self, sequences: SequenceBatch, version: int) -> torch.Tensor:
-        """The actor's logprobs of the probe at temperature 1, computed once per version."""
-        if self._expected is None or self._expected[0] != version:
-            logprobs = await self.actor.compute_log_probs(sequences, step=0, timeout=self.timeout_s, temperature=1.0)
-            self._expected = version, logprobs
-        return self._expected[1]
+    async def _actor_scores(self, sequences: SequenceBatch,
+                            scored: list[RolloutScores]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The actor's logprobs of the probe's tokens and, for each of ``scored``, of its top-k ids at each position
+        ([T], [T, k] each), at temperature 1, in one call."""
+        candidates = torch.cat([top_of(answer)[0] for answer in scored], dim=1)
+        logprobs, at_candidates = await self.actor.compute_candidate_log_probs(
+            sequences, candidates, timeout=self.timeout_s, temperature=1.0)
+        widths = [top_of(answer)[0].shape[1] for answer in scored]
+        return [(logprobs, part) for part in torch.split(at_candidates, widths, dim=1)]
 
     async def _scored(self, member: RolloutClient,
-                      sequences: SequenceBatch) -> tuple[tuple[int, torch.Tensor] | BaseException, float]:
-        """A member's version and logprobs of the probe, or what it failed with (the actor's are computed beside),
-        and the seconds it took."""
+                      sequences: SequenceBatch) -> tuple[RolloutScores | BaseException, float]:
+        """A member's scores of the probe, or what it failed with, and the seconds it took."""
         started = time.perf_counter()
         try:
-            answer: tuple[int, torch.Tensor] | BaseException = await member.compute_log_probs(sequences, self.timeout_s)
+            answer: RolloutScores | BaseException = await member.compute_log_probs(
+                sequences, self.timeout_s, top_k=self.settings.top_k)
         except Exception as error:  # noqa: BLE001 - it fails the member's check, naming the error
             answer = error
         return answer, time.perf_counter() - started
 
-    @staticmethod
-    def _result(address: str, version: int, answer: tuple[int, torch.Tensor] | BaseException, expected: torch.Tensor,
-                tolerance: Tolerance) -> ProbeResult:
-        if isinstance(answer, BaseException):
-            return ProbeResult(address=address, version=version, diff=algos.LogprobDiff(float("inf"), float("inf")),
-                               tolerance=tolerance, error=describe(answer))
-        served, logprobs = answer
-        if served != version:
-            return ProbeResult(address=address, version=version, diff=algos.LogprobDiff(float("inf"), float("inf")),
-                               tolerance=tolerance, error=f"it serves weight version {served}")
-        return ProbeResult(address=address, version=version, diff=algos.logprob_diff(logprobs, expected),
-                           tolerance=tolerance)
+
+def top_of(answer: RolloutScores) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rollout's top-k ids and logprobs of the probe ([T, k] each; it was asked for them)."""
+    if answer.top_ids is None or answer.top_logprobs is None:
+        raise ValueError("the rollout returned no top-k tokens for the weight probe")
+    return answer.top_ids, answer.top_logprobs

@@ -11,7 +11,7 @@ import pydantic
 from pydantic import AfterValidator, Field, PositiveInt
 
 from services.common.config import Section
-from services.common.limits import MIN_TEMPERATURE, check_temperature
+from services.common.limits import MAX_PROBE_TOP_K, MIN_TEMPERATURE, check_temperature
 from services.run.sections.lora import LoadFormat
 from services.run.tool_calls import check_format
 
@@ -119,6 +119,12 @@ class WeightCheckConfig(Section):
     tolerance_max: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Largest |rollout - trainer logprob| of any one probe token; null = the figure measured for its engine and
     dtype."""
+    top_k: int = Field(20, ge=1, le=MAX_PROBE_TOP_K)
+    """The next-token distributions at the probe's positions are compared over the rollout's top_k most likely
+    tokens there and the rest of the vocabulary as one bucket (at most 20: vLLM's max_logprobs)."""
+    tolerance_topk_kl: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Largest mean over the probe's positions of KL(rollout || trainer) over those buckets a rollout may show;
+    null = the figure measured for its engine and dtype (docs/architecture/weight-sync.md)."""
     mismatch_kl_warning: float | None = Field(0.1, gt=0, allow_inf_nan=False)
     """A step whose training/rollout_mismatch_kl (the trainer's probabilities of the sampled tokens against the
     rollouts') is over this is reported, with or without the probe, and the run goes on; null: never. Healthy runs

@@ -1,18 +1,23 @@
 """CPU tests of services/coordinator/fleet/weight_probe.py: which samples make the probe, the tolerance a rollout
-is held to, when a probe passes, and that the rollouts of a sync and the actor are asked at once."""
+is held to, when a probe passes, and that the rollouts of a sync are asked at once, then the actor once for the
+tokens of all their top-k."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 
+import pytest
 import torch
 
-from services.algos import LogprobDiff
+from services.algos import DistributionDiff, LogprobDiff
 from services.common.sequences import SequenceBatch
+from services.coordinator.fleet.clients import RolloutScores
 from services.coordinator.settings import WeightCheckSettings
-from services.coordinator.fleet.weight_probe import MEASURED, ProbeResult, Tolerance, WeightProbe, draw_probe, tolerance_for
+from services.coordinator.fleet.weight_probe import (MEASURED, ProbeResult, Tolerance, WeightProbe, draw_probe,
+                                                     tolerance_for)
 
 DEFAULTS = WeightCheckSettings(sequences=4, tolerance_mean=None, tolerance_max=None)
 
@@ -52,23 +57,28 @@ def test_a_rollout_is_held_to_the_run_s_tolerances_else_those_measured_for_its_e
     assert tolerance_for("vllm", "bfloat16", DEFAULTS) == MEASURED[("vllm", "bfloat16")]
     assert tolerance_for("other", "float32", DEFAULTS) == MEASURED[("vllm", "bfloat16")]  # unknown: the widest
     set_mean = WeightCheckSettings(sequences=4, tolerance_mean=0.125, tolerance_max=None)
-    assert tolerance_for("hf", "float32", set_mean) == Tolerance(0.125, MEASURED[("hf", "float32")].max)
-    both = WeightCheckSettings(sequences=4, tolerance_mean=0.125, tolerance_max=2.0)
-    assert tolerance_for("vllm", "bfloat16", both) == Tolerance(0.125, 2.0)
+    hf = MEASURED[("hf", "float32")]
+    assert tolerance_for("hf", "float32", set_mean) == Tolerance(0.125, hf.max, hf.topk_kl)
+    every = WeightCheckSettings(sequences=4, tolerance_mean=0.125, tolerance_max=2.0, tolerance_topk_kl=0.5)
+    assert tolerance_for("vllm", "bfloat16", every) == Tolerance(0.125, 2.0, 0.5)
 
 
-def test_a_probe_passes_only_with_its_mean_and_its_max_within_the_tolerance():
-    tolerance = Tolerance(mean=0.01, max=0.1)
+def test_a_probe_passes_only_with_its_mean_its_max_and_its_top_k_kl_within_the_tolerance():
+    tolerance = Tolerance(mean=0.01, max=0.1, topk_kl=0.001)
 
-    def result(mean: float, largest: float) -> ProbeResult:
-        return ProbeResult(address="r:1", version=3, diff=LogprobDiff(mean, largest), tolerance=tolerance)
+    def result(mean: float, largest: float, kl: float = 0.0) -> ProbeResult:
+        return ProbeResult(address="r:1", version=3, diff=LogprobDiff(mean, largest), kl=DistributionDiff(kl, 5 * kl),
+                           tolerance=tolerance)
 
-    assert result(0.01, 0.1).passed  # on the bounds
+    assert result(0.01, 0.1, 0.001).passed  # on the bounds
     assert not result(0.011, 0.05).passed and not result(0.005, 0.11).passed
+    assert not result(0.005, 0.05, 0.0011).passed  # the sampled tokens within, the distributions not
     assert not result(math.inf, math.inf).passed
-    assert result(0.02, 0.5).described() == ("its weight probe of version 3: mean |delta logprob| 0.02, max 0.5; "
-                                             "tolerance 0.01 mean, 0.1 max")
-    refused = ProbeResult(address="r:1", version=3, diff=LogprobDiff(math.inf, math.inf), tolerance=tolerance,
+    assert result(0.02, 0.5, 0.002).described() == (
+        "its weight probe of version 3: mean |delta logprob| 0.02, max 0.5; tolerance 0.01 mean, 0.1 max; "
+        "top-k KL mean 0.002, max 0.01; tolerance 0.001 mean")
+    refused = ProbeResult(address="r:1", version=3, diff=LogprobDiff(math.inf, math.inf),
+                          kl=DistributionDiff(math.inf, math.inf), tolerance=tolerance,
                           error="it serves weight version 2")
     assert not refused.passed and "could not score the weight probe of version 3" in refused.described()
 
@@ -87,43 +97,80 @@ def test_a_checkpoint_keeps_the_probe_and_a_resumed_run_checks_with_the_same_one
     assert resumed.sequences.prompt_ids.tolist() == [1, 2, 3]
 
 
-class Everyone:
-    """Stands in for the rollouts and the actor (their scoring is tested on real services): each answers only once
-    every one of them has been asked, so a check that asked them one after another would wait for ever."""
-
-    def __init__(self, count: int):
-        self.count, self.asked, self.all_asked = count, [], asyncio.Event()
-
-    async def answer(self, name: str, tokens: int) -> torch.Tensor:
-        self.asked.append(name)
-        if len(self.asked) == self.count:
-            self.all_asked.set()
-        await asyncio.wait_for(self.all_asked.wait(), timeout=30)
-        return torch.full((tokens,), -0.5)
-
-
 class AskedRollout:
-    def __init__(self, address: str, everyone: Everyone):
-        self.address, self.everyone = address, everyone
+    """A rollout that answers only once every rollout of the check has been asked (their scoring is tested on real
+    services), so a check that asked them one after another would wait for ever. Its top-2 at every position:
+    ids (offset, offset + 1) with probabilities 0.5 and 0.25."""
 
-    async def compute_log_probs(self, batch: SequenceBatch, timeout: float):
-        return 3, await self.everyone.answer(self.address, batch.num_response_tokens)
+    def __init__(self, address: str, everyone: asyncio.Event, asked: list[str], count: int, offset: int):
+        self.address, self.everyone, self.asked, self.count, self.offset = address, everyone, asked, count, offset
+
+    async def compute_log_probs(self, batch: SequenceBatch, timeout: float, *, top_k: int = 0) -> RolloutScores:
+        self.asked.append(self.address)
+        if len(self.asked) == self.count:
+            self.everyone.set()
+        await asyncio.wait_for(self.everyone.wait(), timeout=30)
+        tokens = batch.num_response_tokens
+        return RolloutScores(version=3, logprobs=torch.full((tokens,), -0.5),
+                             top_ids=torch.tensor([[self.offset, self.offset + 1]] * tokens),
+                             top_logprobs=torch.tensor([[0.5, 0.25]] * tokens).log())
 
 
 class AskedActor:
-    def __init__(self, everyone: Everyone):
-        self.everyone = everyone
+    """The actor: the logprob of each token -0.5; of candidate id i, log(0.5) for even i, log(0.125) for odd."""
 
-    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float, temperature: float = 0.0):
-        return await self.everyone.answer("actor", batch.num_response_tokens)
+    def __init__(self, asked: list[str]):
+        self.asked, self.candidates = asked, []
+
+    async def compute_candidate_log_probs(self, batch: SequenceBatch, candidate_ids: torch.Tensor, *,
+                                          timeout: float, temperature: float = 0.0):
+        self.asked.append("actor")
+        self.candidates.append((candidate_ids, temperature))
+        at = torch.where(candidate_ids % 2 == 0, torch.tensor(0.5), torch.tensor(0.125)).log()
+        return torch.full((batch.num_response_tokens,), -0.5), at
 
 
-def test_the_rollouts_of_a_sync_and_the_actor_are_asked_at_once():
-    everyone = Everyone(count=4)
-    probe = WeightProbe(DEFAULTS, "float32", actor=AskedActor(everyone), timeout_s=30.0)
+def test_the_rollouts_are_asked_at_once_then_the_actor_once_for_the_tokens_of_all_their_top_k():
+    asked: list[str] = []
+    everyone = asyncio.Event()
+    actor = AskedActor(asked)
+    probe = WeightProbe(DEFAULTS, "float32", actor=actor, timeout_s=30.0)
     probe.draw(batch_of([[1, 2], [3]], [[4, 5, 6], [7]]), torch.tensor([0, 1]))
-    rollouts = [AskedRollout(f"r:{i}", everyone) for i in range(3)]
+    rollouts = [AskedRollout(f"r:{i}", everyone, asked, count=3, offset=10 * i) for i in range(3)]
     results = asyncio.run(probe.check(rollouts, {"r:0": "hf", "r:1": "hf", "r:2": "hf"}, version=3))
-    assert sorted(everyone.asked) == ["actor", "r:0", "r:1", "r:2"]
-    assert [r.address for r in results] == ["r:0", "r:1", "r:2"] and all(r.passed for r in results)
+    assert sorted(asked[:3]) == ["r:0", "r:1", "r:2"] and asked[3:] == ["actor"]
+    [(candidates, temperature)] = actor.candidates
+    assert temperature == 1.0
+    assert candidates.tolist() == [[0, 1, 10, 11, 20, 21]] * 4  # each rollout's top-2 at each of the 4 tokens
+    assert [r.address for r in results] == ["r:0", "r:1", "r:2"]
     assert all(r.diff == LogprobDiff(0.0, 0.0) and r.seconds > 0 for r in results)
+    # rollout p = (0.5, 0.25 | tail 0.25), actor q = (0.5, 0.125 | tail 0.375), by hand:
+    # 0.25 ln 2 + 0.25 ln(2/3) = 0.25 ln(4/3)
+    for result in results:
+        assert result.kl.mean == pytest.approx(0.25 * math.log(4 / 3)) and result.kl.max == result.kl.mean
+    assert all(not r.passed for r in results)  # 0.072, far over the fp32 tolerance
+
+
+def test_a_rollout_that_fails_or_serves_another_version_is_not_compared_and_fails():
+    asked: list[str] = []
+    everyone = asyncio.Event()
+    actor = AskedActor(asked)
+    probe = WeightProbe(DEFAULTS, "float32", actor=actor, timeout_s=30.0)
+    probe.draw(batch_of([[1, 2]], [[4, 5]]), torch.tensor([0]))
+
+    class Stale(AskedRollout):
+        async def compute_log_probs(self, batch, timeout, *, top_k=0):
+            return dataclasses.replace(await super().compute_log_probs(batch, timeout, top_k=top_k), version=2)
+
+    class Broken(AskedRollout):
+        async def compute_log_probs(self, batch, timeout, *, top_k=0):
+            await super().compute_log_probs(batch, timeout, top_k=top_k)
+            raise ValueError("no top-k")
+
+    rollouts = [AskedRollout("r:0", everyone, asked, 3, 0), Stale("r:1", everyone, asked, 3, 10),
+                Broken("r:2", everyone, asked, 3, 20)]
+    honest, stale, broken = asyncio.run(probe.check(rollouts, {}, version=3))
+    assert actor.candidates[0][0].tolist() == [[0, 1]] * 2  # the honest rollout's alone
+    assert honest.kl.mean == pytest.approx(0.25 * math.log(4 / 3)) and not honest.error
+    assert stale.error == "it serves weight version 2" and stale.kl.mean == math.inf and not stale.passed
+    assert "no top-k" in broken.error and not broken.passed
