@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from services.coordctl.local import ONE_OF_EACH, ServiceSpec
 from services.coordctl.tiny_model import build_tiny_model
+from services.coordinator.fleet.weight_probe import MEASURED
 from tests.integration.test_grpo_run import logprobs_both_ways, run_config, run_to_end
 from tests.integration.test_model_out import transformers_logprobs
 
@@ -22,6 +24,7 @@ STEPS = 5
 # hf engine's load_weights, tried once) gave max 8e-5 at step 2 and 1.1e-4 at step 3. The bound sits ~80x above
 # the first and ~100x below the second.
 PROBS_DIFF_MAX = 1e-6
+HF_FP32 = MEASURED[("hf", "float32")]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,7 @@ def test_grpo_on_a_mixture_of_experts_syncs_every_expert(make_cluster, moe_model
         steps[-1]["perf/total_num_tokens"] / steps[-1]["timing_s/step"] / 2)
     for step in steps[2:]:
         assert step["training/rollout_probs_diff_max"] < PROBS_DIFF_MAX, (step["step"], step)
+    check_probe_figures(steps)
 
     # the rollout serves the last version, its logprobs the trainer's; the weights moved from the initial ones
     # (so a rollout left on stale experts would have shown above)
@@ -84,6 +88,7 @@ def test_routing_replay_routes_the_trainer_by_the_rollouts_experts_and_a_corrupt
         # rounding of each other
         assert 0.99 <= row["training/routing_agreement"] <= 1.0, row
         assert row["training/rollout_mismatch_kl"] < 1e-6, row
+    check_probe_figures(rows)
 
     corrupt = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout", settings=(
         "corrupt_weight_after_sync=model.layers.0.mlp.experts.1.up_proj.weight",)), ServiceSpec("reward"))
@@ -92,3 +97,16 @@ def test_routing_replay_routes_the_trainer_by_the_rollouts_experts_and_a_corrupt
         actor_rollout_ref__actor__router_replay__mode="R3")))
     assert final.state == "failed"
     assert "no rollout passed the weight check after the sync of version 1" in final.error
+    print("\n" + final.error)
+    kl = re.search(r"top-k KL mean (\S+), max (\S+)", final.error)
+    assert kl and float(kl.group(1)) > HF_FP32.topk_kl, final.error  # the distributions show the expert too
+
+
+def check_probe_figures(rows: list[dict]) -> None:
+    """Every sync's weight probe within the hf fp32 tolerance, its top-k KL too; the figures printed."""
+    for row in rows:
+        assert row["weights/probe_logprob_diff_mean"] <= HF_FP32.mean, row
+        assert -1e-12 <= row["weights/probe_topk_kl_mean"] <= HF_FP32.topk_kl, row
+        print(f"step {row['step']}: probe mean |delta logprob| {row['weights/probe_logprob_diff_mean']:.2e}, max "
+              f"{row['weights/probe_logprob_diff_max']:.2e}; top-k KL mean {row['weights/probe_topk_kl_mean']:.2e}, "
+              f"max {row['weights/probe_topk_kl_max']:.2e}")

@@ -1,7 +1,7 @@
 """The weight check after every sync on real services: a rollout that computes with weights other than the
 trainer's (one tensor shifted after the bytes arrived and passed their checksums: the rollout service's
 corrupt_weight_after_sync) is caught, sent the weights again, then dropped with an event naming the version, its
-probe's mean and max |delta logprob| and the tolerance, while the run goes on with an honest one; an honest run,
+probe's mean and max |delta logprob| and top-k KL and the tolerance, while the run goes on with an honest one; an honest run,
 LoRA and generating a step ahead, passes every check with its figures in the step's metrics."""
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ def check_passed_every_sync(rows: dict[int, dict[str, float]]) -> None:
     for step, metrics in rows.items():
         assert 0 <= metrics["weights/probe_logprob_diff_mean"] <= HF_FP32.mean, (step, metrics)
         assert 0 <= metrics["weights/probe_logprob_diff_max"] <= HF_FP32.max, (step, metrics)
+        assert -1e-12 <= metrics["weights/probe_topk_kl_mean"] <= HF_FP32.topk_kl, (step, metrics)
+        assert metrics["weights/probe_topk_kl_max"] >= metrics["weights/probe_topk_kl_mean"], (step, metrics)
+        print(f"step {step}: probe mean |delta logprob| {metrics['weights/probe_logprob_diff_mean']:.2e}, max "
+              f"{metrics['weights/probe_logprob_diff_max']:.2e}; top-k KL mean "
+              f"{metrics['weights/probe_topk_kl_mean']:.2e}, max {metrics['weights/probe_topk_kl_max']:.2e}")
         assert 0 < metrics["timing_s/weight_probe"] < metrics["timing_s/update_weights"], (step, metrics)
 
 
@@ -68,11 +73,13 @@ def test_a_rollout_computing_with_wrong_weights_is_caught_sent_them_again_then_d
     assert caught[0].endswith("sending version 1 again")
     left = next(m for m in messages if m.startswith(f"rollout {wrong} left the run"))
     figures = re.search(r"it failed the weight check twice; its weight probe of version 1: mean \|delta logprob\| "
-                        r"(\S+), max (\S+); tolerance (\S+) mean, (\S+) max\)", left)
+                        r"(\S+), max (\S+); tolerance (\S+) mean, (\S+) max; top-k KL mean (\S+), max (\S+); "
+                        r"tolerance (\S+) mean\)", left)
     assert figures, left
-    mean, largest, tolerance_mean, tolerance_max = map(float, figures.groups())
-    assert (tolerance_mean, tolerance_max) == (HF_FP32.mean, HF_FP32.max)
+    mean, largest, tolerance_mean, tolerance_max, kl_mean, kl_max, tolerance_kl = map(float, figures.groups())
+    assert (tolerance_mean, tolerance_max, tolerance_kl) == HF_FP32
     assert mean > tolerance_mean and largest > tolerance_max and largest >= mean
+    assert kl_mean > tolerance_kl and kl_max >= kl_mean  # the distributions show it too
     assert len(caught) == 1 and f"its work goes to {honest}" in left
     assert not any(m.startswith(f"rollout {honest} left") for m in messages)
     print("\n" + caught[0] + "\n" + left)
@@ -136,5 +143,6 @@ def test_a_run_whose_only_rollout_fails_the_check_fails_naming_the_figures_and_t
         tiny_model, reverse_data, trainer__total_training_steps=3)))
     assert final.state == "failed"
     assert "no rollout passed the weight check after the sync of version 1" in final.error
-    assert "mean |delta logprob|" in final.error and "weight_check.tolerance_mean" in final.error
+    assert "mean |delta logprob|" in final.error and "top-k KL mean" in final.error
+    assert "weight_check.tolerance_mean" in final.error and "tolerance_topk_kl" in final.error
     assert any("left the run (it failed the weight check twice" in m for m in messages)

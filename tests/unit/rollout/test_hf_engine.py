@@ -301,6 +301,27 @@ def test_compute_log_probs_are_the_sampled_tokens_logprobs_at_temperature_one_wh
         torch.testing.assert_close(torch.tensor(alone), torch.tensor(scored), atol=1e-5, rtol=0)
 
 
+def test_the_probe_s_top_k_are_the_most_likely_next_tokens_of_a_plain_forward(tiny, prompts):
+    """score(top_k=5): at each response position the 5 most likely tokens of the unpadded forward's log-softmax,
+    most likely first, flat over the responses of a right-padded batch; a top_k past the vocabulary gives it all."""
+    model, _ = tiny
+    responses = [[3, 4, 5], [6], [7, 8]]
+    logprobs, top = _engine(tiny, batch_size=4).score(prompts, responses, top_k=5)
+    assert logprobs == _engine(tiny, batch_size=1).compute_log_probs(prompts, responses)
+    assert top.ids.shape == top.logprobs.shape == (6, 5) and top.ids.dtype == torch.int64
+    want = []
+    for prompt, response in zip(prompts, responses):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float()
+        want.append(torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(response) - 1], -1))
+    full = torch.cat(want)
+    torch.testing.assert_close(top.logprobs, full.gather(-1, top.ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(top.logprobs, full.topk(5, dim=-1).values, atol=1e-5, rtol=0)
+    assert (top.logprobs[:, :-1] >= top.logprobs[:, 1:]).all()
+    _, whole = _engine(tiny, batch_size=4).score(prompts[:1], responses[:1], top_k=10 ** 6)
+    assert whole.ids.shape == (3, model.config.vocab_size)
+
+
 def test_shift_weight_changes_the_logprobs_and_refuses_a_name_the_model_lacks(tmp_path, prompts):
     folder = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, seed=0)
     model, tokenizer = load_causal_lm(folder), load_tokenizer(folder)

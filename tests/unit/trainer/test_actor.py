@@ -13,8 +13,10 @@ from services.common.sequences import SequenceBatch
 from services.coordctl.tiny_model import build_tiny_model
 from services.run.models import load_causal_lm
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
-from services.trainer.forward import response_logprobs
+from services.trainer.batching import MicroBatching
+from services.trainer.forward import batched_candidate_logprobs, response_logprobs
 from services.trainer.optim import OptimSettings, chunks
+from services.trainer.ranks import Ranks
 
 OPTIM = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 10)
 WARM_START = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 1)
@@ -245,3 +247,29 @@ def test_tool_tokens_give_their_logits_no_gradient(model_path):
         _, entropy = response_logprobs(actor.model, batch, 0, actor_settings.temperature, True,
                                        device=torch.device("cpu"))
     assert stats["actor/entropy"] == pytest.approx(float(entropy[mask].mean()), rel=1e-12)
+
+
+@pytest.mark.parametrize("micro", [MicroBatching(6), MicroBatching(2, remove_padding=True)])
+def test_candidate_logprobs_are_the_plain_forward_s_log_softmax_at_the_given_ids(model_path, micro):
+    """The weight check's trainer side: at each response position, the logprob of the token itself (as the
+    logprob pass gives it) and of each candidate id, from one unpadded forward's log-softmax; in micro-batches of
+    two rows, packed, the rows' candidates still land on their own positions."""
+    actor, batch, _ = tiny_case(model_path)
+    generator = torch.Generator().manual_seed(2)
+    candidates = torch.randint(0, actor.model.config.vocab_size, (batch.num_response_tokens, 3), generator=generator)
+    scored = batched_candidate_logprobs(actor.model, batch, candidate_ids=candidates, pad_id=0, temperature=1.0,
+                                        micro=micro, ranks=Ranks.single("cpu"))
+    assert scored.shape == (batch.num_response_tokens, 4)
+    own = actor.compute_log_probs(batch, 1.0, MicroBatching(6))
+    torch.testing.assert_close(scored[:, 0], own, atol=1e-9, rtol=0)
+    want, start = [], 0
+    for row in range(len(batch)):
+        prompt = batch.prompt_ids[batch.prompt_lens[:row].sum():batch.prompt_lens[:row + 1].sum()].tolist()
+        length = int(batch.response_lens[row])
+        response = batch.response_ids[start:start + length].tolist()
+        with torch.no_grad():
+            logits = actor.model(input_ids=torch.tensor([prompt + response])).logits[0]
+        want.append(torch.log_softmax(logits[len(prompt) - 1:len(prompt) + length - 1], -1)
+                    .gather(-1, candidates[start:start + length]))
+        start += length
+    torch.testing.assert_close(scored[:, 1:], torch.cat(want), atol=1e-9, rtol=0)
