@@ -135,6 +135,7 @@ class RolloutSetSettings:
     lora_rank: int  # a LoRA run's largest adapter rank (its syncs bring adapters); 0: full weights (or merged ones)
     adapter_versions: int  # adapter versions a LoRA rollout keeps loaded (max_staleness + 1); 0 without LoRA
     weight_check: WeightCheckSettings | None = None  # None: no check of the weights after a sync
+    routed_experts: bool = False  # the rollouts record each token's routed experts (routing replay)
 
 
 def loop_settings(config: RunConfig) -> LoopSettings:
@@ -216,7 +217,7 @@ def rollout_set_settings(config: RunConfig) -> RolloutSetSettings:
         bucket_bytes=trainer.weight_sync_bucket_mb << 20,
         partial_rollout=config.actor_rollout_ref.rollout.partial_rollout,
         lora_rank=lora_rank, adapter_versions=trainer.async_.max_staleness + 1 if lora_rank else 0,
-        weight_check=weight_check_settings(config),
+        weight_check=weight_check_settings(config), routed_experts=config.records_routes,
     )
 
 

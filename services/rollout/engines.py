@@ -233,12 +233,14 @@ class HFRolloutEngine:
 
 
 async def load_engine(config: RolloutServiceConfig, model_path: str, dtype: str, allow_pickle: bool = False,
-                      lora: AdapterServing | None = None) -> Engine:
+                      lora: AdapterServing | None = None, routed_experts: bool = False) -> Engine:
     """The engine the service is configured for, with the run's model loaded (from safetensors unless
-    ``allow_pickle``); for a LoRA run (``lora``) a vLLM engine starts with LoRA enabled (the hf engine needs
-    nothing: it merges each adapter into its weights)."""
+    ``allow_pickle``); for a LoRA run (``lora``) a vLLM engine starts with LoRA enabled, for a run that records
+    routed experts (``routed_experts``) with their capture (the hf engine needs neither: it merges each adapter
+    into its weights, and records routes through hooks when a call asks)."""
     if config.engine == "vllm":
         from services.rollout.vllm_engine import VLLMEngine
 
-        return await VLLMEngine.create(model_path, dtype, config=config, allow_pickle=allow_pickle, lora=lora)
+        return await VLLMEngine.create(model_path, dtype, config=config, allow_pickle=allow_pickle, lora=lora,
+                                       routed_experts=routed_experts)
     return await asyncio.to_thread(HFRolloutEngine, model_path, dtype, config=config, allow_pickle=allow_pickle)

@@ -111,7 +111,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self.engine = None
         try:
             engine = await load_engine(self.config, request.model_path, dtype=dtype, allow_pickle=request.allow_pickle,
-                                       lora=lora)
+                                       lora=lora, routed_experts=request.return_routed_experts)
         except (OSError, ValueError, KeyError) as error:  # what transformers and vLLM raise for a folder they refuse
             raise ValueError(f"model_path {request.model_path}: the model cannot be loaded "
                              f"({type(error).__name__}: {error})") from None

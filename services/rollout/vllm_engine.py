@@ -56,7 +56,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from services.run.models import load_tokenizer
 from services.rollout.config import CORRUPTION, RolloutServiceConfig
@@ -75,8 +75,9 @@ POLL_S = 0.002  # how often a sync asks the workers whether the weights have arr
 
 class VLLMEngine:
     def __init__(self, llm, vocab_size: int, eos_id: int | None, config: RolloutServiceConfig, gpus: tuple[str, ...],
-                 lora: AdapterServing | None = None):
+                 lora: AdapterServing | None = None, routes: RouteLayout | None = None):
         self.llm = llm
+        self.routes = routes  # where vLLM's captured routes are the MoE layers' (None: it captures none)
         self.gate = SwapGate()
         self.weight_version = 0
         self.damaged: str | None = None  # why the model is not one whole version (a swap failed partway)
@@ -92,8 +93,10 @@ class VLLMEngine:
         self.adapter_calls: collections.Counter[int] = collections.Counter()
 
     @classmethod
-    async def create(cls, model_path: str, dtype: str, config: RolloutServiceConfig,
-                     allow_pickle: bool = False, lora: AdapterServing | None = None) -> VLLMEngine:
+    async def create(cls, model_path: str, dtype: str, config: RolloutServiceConfig, allow_pickle: bool = False,
+                     lora: AdapterServing | None = None, routed_experts: bool = False) -> VLLMEngine:
+        """vLLM started on the model; with ``routed_experts`` it captures each token's experts (vLLM's
+        enable_return_routed_experts), which a mixture of experts needs for routing replay."""
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         settings = dict(
             model=model_path, dtype=dtype, skip_tokenizer_init=True, seed=0,
@@ -103,7 +106,7 @@ class VLLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching, logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION, load_format="auto" if allow_pickle else "safetensors",
-            **(lora_engine_args(lora) if lora else {}),
+            enable_return_routed_experts=routed_experts, **(lora_engine_args(lora) if lora else {}),
         )
         llm = await asyncio.to_thread(start_engine, settings)
         tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
@@ -112,16 +115,23 @@ class VLLMEngine:
         if config.batched_seeded_sampling:
             await llm.collective_rpc("meshrl_batched_seeded_sampling")
         gpus = tuple(await llm.collective_rpc("meshrl_gpu"))
-        return cls(llm, vocab_size=vocab_size, eos_id=tokenizer.eos_token_id, config=config, gpus=gpus, lora=lora)
+        routes = None
+        if routed_experts:
+            [moe_layers, *_] = await llm.collective_rpc("meshrl_moe_layers")
+            routes = route_layout(moe_layers, llm.vllm_config.model_config.hf_text_config)
+        return cls(llm, vocab_size=vocab_size, eos_id=tokenizer.eos_token_id, config=config, gpus=gpus, lora=lora,
+                   routes=routes)
 
     async def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
                        seed_indices: Sequence[int]) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if sampling.routed_experts:  # vLLM 0.20.1 returns them with enable_return_routed_experts: not wired yet
-            raise ValueError("params.return_routed_experts: this rollout's engine (vllm) does not record routed "
-                             "experts yet; routing replay runs on the hf engine")
+        routes = self.routes if sampling.routed_experts else None
+        if sampling.routed_experts and routes is None:
+            raise ValueError("params.return_routed_experts: this vLLM rollout was loaded without routed experts "
+                             "(InitRun's return_routed_experts: the run's actor.router_replay.mode R3 or "
+                             "rollout.enable_rollout_routing_replay)")
         stops = sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set()))
 
         async def one(index: int, prompt: list[int], first_version: int, request_id: str,
@@ -137,7 +147,8 @@ class VLLMEngine:
                 final = output
             # a keep swap of full weights may have come between its tokens; an adapter serves it to the end
             versions = (first_version, first_version if adapter else self.weight_version)
-            return [completion_of(c, stops, *versions) for c in sorted(final.outputs, key=lambda c: c.index)]
+            return [completion_of(c, stops, *versions, prompt_len=len(prompt), routes=routes)
+                    for c in sorted(final.outputs, key=lambda c: c.index)]
 
         async def attempt(call: GenerationCall) -> list[list[Completion]]:
             if self.damaged:
@@ -407,14 +418,53 @@ def worker_stages(applied: list[tuple[int, dict[str, float]]]) -> dict[str, floa
     return {f"worker_{stage}": max(seconds[stage] for _, seconds in applied) for stage in applied[0][1]}
 
 
-def completion_of(output, stops: list[int], first_version: int, last_version: int) -> Completion:
-    """Our Completion from a vLLM CompletionOutput: token ids, the sampled tokens' logprobs, the finish; its
-    tokens came from weight versions ``first_version`` to ``last_version``."""
+def completion_of(output, stops: list[int], first_version: int, last_version: int, *, prompt_len: int,
+                  routes: RouteLayout | None = None) -> Completion:
+    """Our Completion from a vLLM CompletionOutput: token ids, the sampled tokens' logprobs, the finish, and with
+    ``routes`` the experts its tokens were routed to (``routes_of``); its tokens came from weight versions
+    ``first_version`` to ``last_version``."""
     tokens = list(output.token_ids)
     logprobs = [output.logprobs[i][token].logprob for i, token in enumerate(tokens)]
     finished_by_stop = output.finish_reason == "stop" or (tokens and tokens[-1] in stops)
+    routed = None if routes is None else routes_of(output.routed_experts, routes, fed=prompt_len + len(tokens) - 1)
     return Completion(token_ids=tokens, logprobs=logprobs, finish_reason="stop" if finished_by_stop else "length",
-                      first_version=first_version, last_version=last_version)
+                      first_version=first_version, last_version=last_version, routed_experts=routed)
+
+
+class RouteLayout(NamedTuple):
+    """Where a model's routes are in what vLLM captures, and how they travel."""
+
+    moe_layers: tuple[int, ...]  # the decoder layers with experts, in order: vLLM's capture has a row per decoder
+    # layer (zeros at those without experts)
+    dtype: torch.dtype  # ``routing.route_dtype`` of its expert count
+
+
+def route_layout(moe_layers: list[int], hf_config: Any) -> RouteLayout:
+    """The layout of a model whose decoder layers ``moe_layers`` hold experts (the workers' fused-MoE layers),
+    ``hf_config`` (vLLM's hf_text_config) naming how many (num_experts, or Mixtral's num_local_experts)."""
+    from services.run.routing import route_dtype
+
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if not moe_layers or not experts:
+        raise ValueError("routed experts were asked for, but the model has no mixture-of-experts layers")
+    return RouteLayout(moe_layers=tuple(sorted(moe_layers)), dtype=route_dtype(int(experts)))
+
+
+def routes_of(captured: Any, layout: RouteLayout, fed: int) -> torch.Tensor:
+    """The routes of a response as they travel (``routing``): [fed, MoE layers, k] small ints, from vLLM's
+    CompletionOutput.routed_experts ([prompt + response tokens - 1, decoder layers, k] int32 numpy: every token
+    but the last, the prompt's included, as the sample feeds them to the model). ``fed``: the tokens the response
+    fed the model (prompt + response - 1); vLLM's capture must cover exactly those."""
+    import torch
+
+    if captured is None:
+        raise RuntimeError("vLLM returned no routed experts for a response (was it started with "
+                           "enable_return_routed_experts?)")
+    routes = torch.as_tensor(captured)
+    if routes.dim() != 3 or routes.shape[0] != fed or routes.shape[1] <= max(layout.moe_layers):
+        raise RuntimeError(f"vLLM returned routed experts of shape {list(routes.shape)} for a response that fed "
+                           f"{fed} tokens through decoder layers {list(layout.moe_layers)}")
+    return routes[:, list(layout.moe_layers)].to(layout.dtype)
 
 
 def prompt_logprobs_of(prompt_logprobs: list, token_ids: list[int], first: int) -> list[float]:

@@ -66,6 +66,13 @@ class MeshrlWorkerExtension:
         """Sample every seeded row of a step in one kernel (``seeded_sampling``) instead of one per row."""
         use_batched_seeded_sampling()
 
+    def meshrl_moe_layers(self) -> list[int]:
+        """The decoder layers whose MLP is a fused-MoE layer, by index (vLLM's routed-experts capture has a row per
+        decoder layer; these are the rows it fills)."""
+        from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+
+        return sorted({module.layer_id for module in self.model_runner.model.modules() if isinstance(module, FusedMoE)})
+
     def meshrl_memory(self) -> dict[str, float]:
         """verl's memory metrics of this worker since the previous call."""
         return memory_metrics(self.device)

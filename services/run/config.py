@@ -118,9 +118,6 @@ class RunConfig(Section):
             raise ValueError("actor_rollout_ref.actor.router_replay.mode R3 (or rollout.enable_rollout_routing_replay) "
                              "with rollout.multi_turn.enable: a multi-turn trajectory does not carry routed experts "
                              "yet; turn one of them off")
-        if self.records_routes and rollout.name == "vllm":
-            raise ValueError("actor_rollout_ref.actor.router_replay.mode R3 (or rollout.enable_rollout_routing_replay) "
-                             "needs hf rollouts (rollout.name hf): the vLLM engine does not return routed experts yet")
         return self
 
     @pydantic.model_validator(mode="after")

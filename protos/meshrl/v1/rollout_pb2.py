@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/rollout.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\x8a\x01\n\x12RolloutInitRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x14\n\x0c\x61llow_pickle\x18\x04 \x01(\x08\x12\x11\n\tlora_rank\x18\x05 \x01(\r\x12\x18\n\x10\x61\x64\x61pter_versions\x18\x06 \x01(\r\"\xc7\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x13\n\x0b\x66irst_index\x18\x06 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x14\n\x0cseed_indices\x18\x08 \x03(\x03\x12\x1d\n\x15return_routed_experts\x18\t \x01(\x08\"d\n\x0fGenerateRequest\x12)\n\x06params\x18\x01 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12&\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\"R\n\x10GenerateResponse\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"O\n\x16\x43omputeLogProbsRequest\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\x12\r\n\x05top_k\x18\x02 \x01(\r\"Y\n\x17\x43omputeLogProbsResponse\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"q\n\x15ReceiveWeightsRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x19\n\x11restart_in_flight\x18\x03 \x01(\x08\x12\x16\n\x0ekeep_in_flight\x18\x04 \x01(\x08\x32\xb9\x04\n\x07Rollout\x12@\n\x07InitRun\x12\x1d.meshrl.v1.RolloutInitRequest\x1a\x16.meshrl.v1.ServiceInfo\x12G\n\x08Generate\x12\x1a.meshrl.v1.GenerateRequest\x1a\x1b.meshrl.v1.GenerateResponse(\x01\x30\x01\x12\\\n\x0f\x43omputeLogProbs\x12!.meshrl.v1.ComputeLogProbsRequest\x1a\".meshrl.v1.ComputeLogProbsResponse(\x01\x30\x01\x12L\n\x0bJoinChannel\x12\x1d.meshrl.v1.JoinChannelRequest\x1a\x1e.meshrl.v1.JoinChannelResponse\x12L\n\x0eReceiveWeights\x12 .meshrl.v1.ReceiveWeightsRequest\x1a\x18.meshrl.v1.WeightVersion\x12\x37\n\x05Sleep\x12\x16.meshrl.v1.InfoRequest\x1a\x16.meshrl.v1.ServiceInfo\x12\x38\n\x06WakeUp\x12\x16.meshrl.v1.InfoRequest\x1a\x16.meshrl.v1.ServiceInfo\x12\x36\n\x04Info\x12\x16.meshrl.v1.InfoRequest\x1a\x16.meshrl.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/rollout.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\xa9\x01\n\x12RolloutInitRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x14\n\x0c\x61llow_pickle\x18\x04 \x01(\x08\x12\x11\n\tlora_rank\x18\x05 \x01(\r\x12\x18\n\x10\x61\x64\x61pter_versions\x18\x06 \x01(\r\x12\x1d\n\x15return_routed_experts\x18\x07 \x01(\x08\"\xc7\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x13\n\x0b\x66irst_index\x18\x06 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x14\n\x0cseed_indices\x18\x08 \x03(\x03\x12\x1d\n\x15return_routed_experts\x18\t \x01(\x08\"d\n\x0fGenerateRequest\x12)\n\x06params\x18\x01 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12&\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\"R\n\x10GenerateResponse\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"O\n\x16\x43omputeLogProbsRequest\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\x12\r\n\x05top_k\x18\x02 \x01(\r\"Y\n\x17\x43omputeLogProbsResponse\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"q\n\x15ReceiveWeightsRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x19\n\x11restart_in_flight\x18\x03 \x01(\x08\x12\x16\n\x0ekeep_in_flight\x18\x04 \x01(\x08\x32\xb9\x04\n\x07Rollout\x12@\n\x07InitRun\x12\x1d.meshrl.v1.RolloutInitRequest\x1a\x16.meshrl.v1.ServiceInfo\x12G\n\x08Generate\x12\x1a.meshrl.v1.GenerateRequest\x1a\x1b.meshrl.v1.GenerateResponse(\x01\x30\x01\x12\\\n\x0f\x43omputeLogProbs\x12!.meshrl.v1.ComputeLogProbsRequest\x1a\".meshrl.v1.ComputeLogProbsResponse(\x01\x30\x01\x12L\n\x0bJoinChannel\x12\x1d.meshrl.v1.JoinChannelRequest\x1a\x1e.meshrl.v1.JoinChannelResponse\x12L\n\x0eReceiveWeights\x12 .meshrl.v1.ReceiveWeightsRequest\x1a\x18.meshrl.v1.WeightVersion\x12\x37\n\x05Sleep\x12\x16.meshrl.v1.InfoRequest\x1a\x16.meshrl.v1.ServiceInfo\x12\x38\n\x06WakeUp\x12\x16.meshrl.v1.InfoRequest\x1a\x16.meshrl.v1.ServiceInfo\x12\x36\n\x04Info\x12\x16.meshrl.v1.InfoRequest\x1a\x16.meshrl.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshrl.v1.rollout_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ROLLOUTINITREQUEST']._serialized_start=63
-  _globals['_ROLLOUTINITREQUEST']._serialized_end=201
-  _globals['_SAMPLINGPARAMS']._serialized_start=204
-  _globals['_SAMPLINGPARAMS']._serialized_end=403
-  _globals['_GENERATEREQUEST']._serialized_start=405
-  _globals['_GENERATEREQUEST']._serialized_end=505
-  _globals['_GENERATERESPONSE']._serialized_start=507
-  _globals['_GENERATERESPONSE']._serialized_end=589
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=591
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=670
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=672
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=761
-  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_start=763
-  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_end=876
-  _globals['_ROLLOUT']._serialized_start=879
-  _globals['_ROLLOUT']._serialized_end=1448
+  _globals['_ROLLOUTINITREQUEST']._serialized_end=232
+  _globals['_SAMPLINGPARAMS']._serialized_start=235
+  _globals['_SAMPLINGPARAMS']._serialized_end=434
+  _globals['_GENERATEREQUEST']._serialized_start=436
+  _globals['_GENERATEREQUEST']._serialized_end=536
+  _globals['_GENERATERESPONSE']._serialized_start=538
+  _globals['_GENERATERESPONSE']._serialized_end=620
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=622
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=701
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=703
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=792
+  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_start=794
+  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_end=907
+  _globals['_ROLLOUT']._serialized_start=910
+  _globals['_ROLLOUT']._serialized_end=1479
 # @@protoc_insertion_point(module_scope)

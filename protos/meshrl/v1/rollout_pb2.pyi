@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RolloutInitRequest(_message.Message):
-    __slots__ = ("run_id", "model_path", "dtype", "allow_pickle", "lora_rank", "adapter_versions")
+    __slots__ = ("run_id", "model_path", "dtype", "allow_pickle", "lora_rank", "adapter_versions", "return_routed_experts")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PICKLE_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model_path: str
     dtype: str
     allow_pickle: bool
     lora_rank: int
     adapter_versions: int
-    def __init__(self, run_id: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., allow_pickle: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., adapter_versions: _Optional[int] = ...) -> None: ...
+    return_routed_experts: bool
+    def __init__(self, run_id: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., allow_pickle: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., adapter_versions: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "max_new_tokens", "seed", "first_index", "stop_token_ids", "seed_indices", "return_routed_experts")

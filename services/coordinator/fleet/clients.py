@@ -136,13 +136,15 @@ class RolloutClient:
         self._stub = rollout_pb2_grpc.RolloutStub(self._conn.channel)
 
     async def init_run(self, run_id: str, model_path: str, dtype: str, timeout: float,
-                       allow_pickle: bool = False, *, lora_rank: int = 0, adapter_versions: int = 0) -> int:
+                       allow_pickle: bool = False, *, lora_rank: int = 0, adapter_versions: int = 0,
+                       routed_experts: bool = False) -> int:
         """Load the run's model (for a LoRA run's adapters up to ``lora_rank``, ``adapter_versions`` of them
-        loaded at once); returns how many ranks the engine takes in a weight channel."""
+        loaded at once; with ``routed_experts``, ready to return each token's experts); returns how many ranks
+        the engine takes in a weight channel."""
         async with self._conn.slot():
             info = await self._stub.InitRun(rollout_pb2.RolloutInitRequest(
                 run_id=run_id, model_path=model_path, dtype=dtype, allow_pickle=allow_pickle, lora_rank=lora_rank,
-                adapter_versions=adapter_versions), timeout=timeout)
+                adapter_versions=adapter_versions, return_routed_experts=routed_experts), timeout=timeout)
         return int(info.details.get("channel_ranks", "1"))
 
     async def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int, first_index: int,

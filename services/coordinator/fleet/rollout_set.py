@@ -329,7 +329,8 @@ class RolloutSet:
         loaded = await asyncio.gather(*(c.init_run(self.run_id, settings.model_path, dtype=settings.dtype,
                                                    timeout=settings.rpc_timeout_s, allow_pickle=settings.allow_pickle,
                                                    lora_rank=settings.lora_rank,
-                                                   adapter_versions=settings.adapter_versions)
+                                                   adapter_versions=settings.adapter_versions,
+                                                   routed_experts=settings.routed_experts)
                                         for c in loading), return_exceptions=True)
         admitted = []
         for client, info in found.values():

@@ -1,0 +1,53 @@
+"""CPU test of how the vLLM engine turns a CompletionOutput's routed_experts (vLLM 0.20.1's capture: int32 numpy
+[prompt + response tokens - 1, decoder layers, top-k], zeros at layers without experts) into the routes a sample
+carries, as the hf engine records them (services/rollout/vllm_engine.py; tests/gpu/test_moe_vllm.py runs it on
+vLLM)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from services.rollout.vllm_engine import completion_of, route_layout, routes_of
+
+
+def test_routes_keep_the_moe_layers_rows_of_every_fed_token_as_small_integers():
+    # 3 decoder layers, the middle one dense (its row never filled: zeros), top-2 of 300 experts: int16
+    layout = route_layout([2, 0], SimpleNamespace(num_experts=300))
+    assert layout.moe_layers == (0, 2) and layout.dtype == torch.int16
+    captured = np.arange(4 * 3 * 2, dtype=np.int32).reshape(4, 3, 2)
+    captured[:, 1] = 0
+    routes = routes_of(captured, layout, fed=4)
+    assert routes.dtype == torch.int16 and routes.shape == (4, 2, 2)
+    assert routes[:, 0].tolist() == captured[:, 0].tolist() and routes[:, 1].tolist() == captured[:, 2].tolist()
+    assert route_layout([1], SimpleNamespace(num_local_experts=8)).dtype == torch.uint8  # Mixtral's key
+
+
+def test_a_capture_that_does_not_cover_the_fed_tokens_or_a_dense_model_is_refused():
+    layout = route_layout([0, 1], SimpleNamespace(num_experts=8))
+    with pytest.raises(RuntimeError, match=r"shape \[5, 2, 2\] for a response that fed 4 tokens"):
+        routes_of(np.zeros((5, 2, 2), dtype=np.int32), layout, fed=4)
+    with pytest.raises(RuntimeError, match="enable_return_routed_experts"):
+        routes_of(None, layout, fed=4)
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        route_layout([], SimpleNamespace(num_experts=8))
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        route_layout([0], SimpleNamespace())
+
+
+def test_a_completion_carries_the_routes_of_its_prompt_and_every_sampled_token_but_the_last():
+    # prompt of 3 tokens, 2 sampled: vLLM's request had 5 tokens and captured 4 (its last never went through)
+    layout = route_layout([0, 1], SimpleNamespace(num_experts=8))
+    captured = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 8
+    output = SimpleNamespace(token_ids=[11, 12], logprobs=[{11: SimpleNamespace(logprob=-0.5)},
+                                                           {12: SimpleNamespace(logprob=-1.0)}],
+                             finish_reason="length", routed_experts=captured)
+    completion = completion_of(output, stops=[2], first_version=3, last_version=3, prompt_len=3, routes=layout)
+    assert completion.routed_experts.dtype == torch.uint8
+    assert completion.routed_experts.tolist() == captured.tolist()
+    assert completion.logprobs == [-0.5, -1.0] and completion.finish_reason == "length"
+    plain = completion_of(output, stops=[2], first_version=3, last_version=3, prompt_len=3)
+    assert plain.routed_experts is None
