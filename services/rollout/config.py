@@ -27,6 +27,10 @@ class RolloutServiceConfig(StreamingServeConfig):
     """vLLM without CUDA graphs: starts in about 23 s instead of 70 s, generates slower."""
     enable_sleep_mode: bool = False
     """Allow Sleep/WakeUp (a trainer and this rollout sharing one GPU)."""
+    moe_backend: Literal["auto", "triton", "flashinfer_cutlass"] = "auto"
+    """vLLM's fused-MoE kernel for a bf16/fp16 mixture of experts (its moe_backend): auto (vLLM 0.20 picks
+    FlashInfer's CUTLASS kernel where it runs, e.g. on an H100, else Triton) or one of the two, whose expert
+    layouts differ (each expert's gate and up rows swapped in CUTLASS's)."""
     colocated: bool | None = None
     """Whether this rollout shares its device with the run's actor trainer, so that it sleeps while the trainer
     works (with actor_rollout_ref.rollout.free_cache_engine) and takes the weights on a channel of its own.

@@ -106,7 +106,8 @@ class VLLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching, logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION, load_format="auto" if allow_pickle else "safetensors",
-            enable_return_routed_experts=routed_experts, **(lora_engine_args(lora) if lora else {}),
+            enable_return_routed_experts=routed_experts, moe_backend=config.moe_backend,
+            **(lora_engine_args(lora) if lora else {}),
         )
         llm = await asyncio.to_thread(start_engine, settings)
         tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
@@ -373,6 +374,13 @@ class VLLMEngine:
         """Each worker's checksum of each of its parameters (tests compare them with the trainer's)."""
         return await self.llm.collective_rpc("meshrl_weight_checksums")
 
+    async def expert_checksums(self) -> list[dict[str, ExpertChecksums]]:
+        """Each worker's checksums of the experts each fused-MoE layer computes with, read from the kernel's own
+        tensors, by layer (tests compare them with the trainer's: ``expected_expert_checksums``)."""
+        workers = await self.llm.collective_rpc("meshrl_expert_checksums")
+        return [{layer: ExpertChecksums(kernel, list(w13), list(w2)) for layer, (kernel, w13, w2) in held.items()}
+                for held in workers]
+
     async def memory(self) -> dict[str, float]:
         workers = await self.llm.collective_rpc("meshrl_memory", timeout=30)
         return {key: max(worker[key] for worker in workers) for key in workers[0]}
@@ -493,6 +501,45 @@ def top_tokens_of(prompt_logprobs: list, first: int, k: int) -> TopTokens:
 async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, timeout_s: float) -> None:
     """The workers receive one plain broadcast of ``nbytes`` (the reference the sync benchmark compares to)."""
     await engine.llm.collective_rpc("meshrl_receive_raw", timeout=timeout_s + 10, args=(channel_id, nbytes, timeout_s))
+
+
+class ExpertChecksums(NamedTuple):
+    """One fused-MoE layer's experts as vLLM computes with them: the kernel it runs and each expert's checksum
+    (``weight_sync.tensor_checksum``) of its w13_weight (gate and up projections) and of its w2_weight (down)."""
+
+    kernel: str  # vLLM's UnquantizedMoeBackend name: TRITON, FLASHINFER_CUTLASS, ...
+    w13: list[int]
+    w2: list[int]
+
+
+KERNEL_W13_ORDER = {"TRITON": ("gate", "up"), "BATCHED_TRITON": ("gate", "up"), "FLASHINFER_CUTLASS": ("up", "gate")}
+"""Each expert's w13 rows in vLLM 0.20's bf16 fused-MoE kernels (``convert_to_unquantized_kernel_format``):
+the checkpoint's gate then up, except FlashInfer's CUTLASS kernel, which keeps up then gate. Its w2 is the
+checkpoint's down projection in every one of them."""
+
+
+def kernel_expert_layout(gate_up: torch.Tensor, down: torch.Tensor,
+                         kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's experts as transformers holds them (gate_up_proj [E, 2I, H]: gate rows then up rows; down_proj
+    [E, H, I]) in the layout of vLLM ``kernel`` (tensor parallel size 1): its w13_weight and w2_weight."""
+    import torch
+
+    if kernel not in KERNEL_W13_ORDER:
+        raise ValueError(f"no known expert layout for vLLM's fused-MoE kernel {kernel} (known: "
+                         f"{sorted(KERNEL_W13_ORDER)})")
+    gate, up = gate_up.chunk(2, dim=1)
+    rows = {"gate": gate, "up": up}
+    return torch.cat([rows[part] for part in KERNEL_W13_ORDER[kernel]], dim=1), down
+
+
+def expected_expert_checksums(named: dict[str, torch.Tensor], layer: str, kernel: str) -> ExpertChecksums:
+    """The checksums vLLM's fused-MoE layer ``layer`` (``<...>.mlp.experts``) must show under ``kernel`` when it
+    holds the transformers tensors ``named`` (``<layer>.gate_up_proj``, ``<layer>.down_proj``)."""
+    from services.common.weight_sync import tensor_checksum
+
+    w13, w2 = kernel_expert_layout(named[f"{layer}.gate_up_proj"], named[f"{layer}.down_proj"], kernel)
+    return ExpertChecksums(kernel=kernel, w13=[tensor_checksum(expert) for expert in w13],
+                           w2=[tensor_checksum(expert) for expert in w2])
 
 
 def vllm_layout(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

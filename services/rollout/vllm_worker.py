@@ -217,6 +217,21 @@ class MeshrlWorkerExtension:
         """Checksum of each of the model's parameters as this worker holds them (its TP shard)."""
         return {name: tensor_checksum(p.detach()) for name, p in self.model_runner.model.named_parameters()}
 
+    def meshrl_expert_checksums(self) -> dict[str, tuple[str, list[int], list[int]]]:
+        """Each fused-MoE layer's kernel (vLLM's UnquantizedMoeBackend name) and the checksum of each expert's
+        w13_weight and w2_weight as this worker computes with them (its TP shard, in the kernel's layout), by the
+        layer's name (``<...>.mlp.experts``): ``vllm_engine.ExpertChecksums``."""
+        from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+
+        checksums = {}
+        for name, module in self.model_runner.model.named_modules():
+            if isinstance(module, FusedMoE):
+                backend = getattr(module.quant_method, "unquantized_backend", None)
+                kernel = backend.name if backend is not None else type(module.quant_method).__name__
+                checksums[name] = (kernel, [tensor_checksum(expert) for expert in module.w13_weight.detach()],
+                                   [tensor_checksum(expert) for expert in module.w2_weight.detach()])
+        return checksums
+
     def meshrl_receive_raw(self, channel_id: str, nbytes: int, timeout_s: float) -> int:
         """Receive one plain broadcast of ``nbytes`` (the wire-speed reference of the benchmarks)."""
         channel = self._meshrl_channel(channel_id, timeout_s)

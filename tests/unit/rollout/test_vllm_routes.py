@@ -51,3 +51,24 @@ def test_a_completion_carries_the_routes_of_its_prompt_and_every_sampled_token_b
     assert completion.logprobs == [-0.5, -1.0] and completion.finish_reason == "length"
     plain = completion_of(output, stops=[2], first_version=3, last_version=3, prompt_len=3)
     assert plain.routed_experts is None
+
+
+def test_the_experts_in_each_fused_moe_kernel_s_layout():
+    """2 experts of I=2 rows, H=3: Triton keeps the checkpoint's gate then up rows, FlashInfer's CUTLASS up then
+    gate; the down projection as it is in both; checksums of each expert in that layout."""
+    from services.common.weight_sync import tensor_checksum
+    from services.rollout.vllm_engine import expected_expert_checksums, kernel_expert_layout
+
+    gate_up = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
+    down = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)
+    w13, w2 = kernel_expert_layout(gate_up, down, "TRITON")
+    assert torch.equal(w13, gate_up) and torch.equal(w2, down)
+    w13, _ = kernel_expert_layout(gate_up, down, "FLASHINFER_CUTLASS")
+    assert w13[1].tolist() == gate_up[1, 2:].tolist() + gate_up[1, :2].tolist()  # expert 1: up rows, then gate
+    with pytest.raises(ValueError, match="FLASHINFER_TRTLLM"):
+        kernel_expert_layout(gate_up, down, "FLASHINFER_TRTLLM")
+    named = {"model.layers.0.mlp.experts.gate_up_proj": gate_up, "model.layers.0.mlp.experts.down_proj": down}
+    held = expected_expert_checksums(named, "model.layers.0.mlp.experts", "FLASHINFER_CUTLASS")
+    assert held.kernel == "FLASHINFER_CUTLASS" and held.w2 == [tensor_checksum(down[0]), tensor_checksum(down[1])]
+    assert held.w13[0] == tensor_checksum(torch.cat([gate_up[0, 2:], gate_up[0, :2]]))
+    assert held.w13 != expected_expert_checksums(named, "model.layers.0.mlp.experts", "TRITON").w13
