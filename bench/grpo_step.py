@@ -156,7 +156,8 @@ def summary(result: dict) -> dict:
             "memory": {**memory, **result.get("memory", {})}}
 
 
-CHECKS = ("training/rollout_mismatch_kl", "weights/probe_logprob_diff_mean", "weights/probe_logprob_diff_max")
+CHECKS = ("training/rollout_mismatch_kl", "weights/probe_logprob_diff_mean", "weights/probe_logprob_diff_max",
+          "weights/probe_topk_kl_mean", "weights/probe_topk_kl_max")
 
 
 def meshrl_steps(rows: list[dict]) -> list[dict]:

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.algo_registry import ADV_ESTIMATORS
+from services.run.checks import is_mixture_of_experts
 from services.run.config import RunConfig
 from services.run.lora import served_lora_rank
 
@@ -117,6 +118,7 @@ class WeightCheckSettings:
     tolerance_max: float | None
     top_k: int = 20  # next tokens at each probe position whose distributions are compared
     tolerance_topk_kl: float | None = None
+    mixture_of_experts: bool = False  # the model routes tokens to experts: its top-k KL has a tolerance of its own
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,7 +229,8 @@ def weight_check_settings(config: RunConfig) -> WeightCheckSettings | None:
         return None
     return WeightCheckSettings(sequences=check.probe_sequences, tolerance_mean=check.tolerance_mean,
                                tolerance_max=check.tolerance_max, top_k=check.top_k,
-                               tolerance_topk_kl=check.tolerance_topk_kl)
+                               tolerance_topk_kl=check.tolerance_topk_kl,
+                               mixture_of_experts=is_mixture_of_experts(config.actor_rollout_ref.model.path))
 
 
 def check_algorithms_registered(config: RunConfig, trainer_losses: Mapping[str, Sequence[str]]) -> None:

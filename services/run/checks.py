@@ -64,6 +64,20 @@ def check_model_folder(path: str, key: str) -> dict[str, Any]:
     return config
 
 
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""The config.json keys under which model families name their experts per layer (Qwen-MoE, Mixtral, DeepSeek)."""
+
+
+def is_mixture_of_experts(path: str) -> bool:
+    """Whether the model folder's config.json names experts (False where it cannot be read: ``check_model_folder``
+    refuses such a folder before a run starts)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return any(isinstance(config.get(key), int) and config[key] > 0 for key in EXPERT_COUNT_KEYS)
+
+
 def check_loggers_installed(loggers: Sequence[str]) -> None:
     """Every experiment logger of trainer.logger can be written from this Python (the coordinator's, or coordctl's
     for --local); ValueError naming the key, the loggers missing and what installs them otherwise."""

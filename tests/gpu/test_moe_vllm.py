@@ -31,7 +31,7 @@ from services.common.gloo_channel import prepare_gloo_rendezvous
 from services.common.sequences import NO_ROUTE, SequenceBatch
 from services.common.weight_sync import WeightSender
 from services.coordinator.fleet.clients import RolloutClient
-from services.coordinator.fleet.weight_probe import MEASURED
+from services.coordinator.fleet.weight_probe import MOE_TOPK_KL
 from services.coordinator.settings import Sampling
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.sampling import SamplingSettings
@@ -195,7 +195,7 @@ def test_vllm_computes_with_the_trainers_experts_in_its_kernels_layout_after_eve
         assert sync.experts == sync.total > 0, sync.mismatched
         assert sync.agreement > 0.5
         assert sync.replayed.mean <= sync.own.mean + 1e-3  # the routes replayed leave the arithmetic alone
-        assert sync.kl.mean <= MEASURED[("vllm", "bfloat16")].topk_kl
+        assert sync.kl.mean <= MOE_TOPK_KL["bfloat16"]
 
 
 @dataclass(frozen=True)

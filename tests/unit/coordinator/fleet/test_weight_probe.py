@@ -16,8 +16,9 @@ from services.algos import DistributionDiff, LogprobDiff
 from services.common.sequences import SequenceBatch
 from services.coordinator.fleet.clients import RolloutScores
 from services.coordinator.settings import WeightCheckSettings
-from services.coordinator.fleet.weight_probe import (MEASURED, ProbeResult, Tolerance, WeightProbe, draw_probe,
-                                                     tolerance_for)
+from services.coordinator.fleet.weight_probe import (MEASURED, MOE_TOPK_KL, ProbeResult, Tolerance, WeightProbe,
+                                                     draw_probe, tolerance_for)
+from services.run.checks import is_mixture_of_experts
 
 DEFAULTS = WeightCheckSettings(sequences=4, tolerance_mean=None, tolerance_max=None)
 
@@ -61,6 +62,22 @@ def test_a_rollout_is_held_to_the_run_s_tolerances_else_those_measured_for_its_e
     assert tolerance_for("hf", "float32", set_mean) == Tolerance(0.125, hf.max, hf.topk_kl)
     every = WeightCheckSettings(sequences=4, tolerance_mean=0.125, tolerance_max=2.0, tolerance_topk_kl=0.5)
     assert tolerance_for("vllm", "bfloat16", every) == Tolerance(0.125, 2.0, 0.5)
+
+
+def test_a_mixture_of_experts_in_bf16_has_a_top_k_kl_tolerance_of_its_own(tmp_path):
+    """Each engine routes the probe by its own routers, and a flipped expert moves a token's distribution."""
+    moe = WeightCheckSettings(sequences=4, tolerance_mean=None, tolerance_max=None, mixture_of_experts=True)
+    dense = tolerance_for("vllm", "bfloat16", DEFAULTS)
+    assert tolerance_for("vllm", "bfloat16", moe) == dense._replace(topk_kl=MOE_TOPK_KL["bfloat16"])
+    assert MOE_TOPK_KL["bfloat16"] > dense.topk_kl
+    assert tolerance_for("hf", "float32", moe) == MEASURED[("hf", "float32")]  # fp32: none flip on one CPU
+    set_kl = WeightCheckSettings(sequences=4, tolerance_mean=None, tolerance_max=None, tolerance_topk_kl=0.5,
+                                 mixture_of_experts=True)
+    assert tolerance_for("vllm", "bfloat16", set_kl).topk_kl == 0.5
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
+    assert is_mixture_of_experts(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_experts": 0}))
+    assert not is_mixture_of_experts(str(tmp_path)) and not is_mixture_of_experts(str(tmp_path / "missing"))
 
 
 def test_a_probe_passes_only_with_its_mean_its_max_and_its_top_k_kl_within_the_tolerance():

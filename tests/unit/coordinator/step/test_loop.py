@@ -22,8 +22,8 @@ from services.common.config import validate
 from services.run.config import RunConfig
 from services.common.sequences import SequenceBatch, split_ragged
 from services.coordctl.tiny_model import build_char_tokenizer
-from services.coordinator.fleet.clients import (Generated, Received, RewardSample, RolloutInfo, ScoredSample, SyncResult,
-                                         TrainerPlacement)
+from services.coordinator.fleet.clients import (Generated, Received, RewardSample, RolloutInfo, RolloutScores,
+                                                ScoredSample, SyncResult, TrainerPlacement)
 from services.run.data import Prompt
 from services.coordinator.step import checkpointer
 from services.coordinator.step.loop import PPOLoop, Trainers, mismatch_warning
@@ -63,6 +63,10 @@ class FakeTrainer:
 
     async def compute_log_probs(self, batch: SequenceBatch, step, timeout, role="actor", temperature=0.0):
         return torch.full((batch.num_response_tokens,), -0.5)
+
+    async def compute_candidate_log_probs(self, batch: SequenceBatch, candidate_ids, *, timeout, temperature=0.0):
+        """The weight check's: the tokens' logprobs and each candidate's, the rollout's (log 0.5 each)."""
+        return torch.full((batch.num_response_tokens,), -0.5), torch.full(candidate_ids.shape, math.log(0.5))
 
     async def update_actor(self, batch, old_logprobs, advantages, ref_logprobs, step, timeout, rollout_logprobs=None):
         self.version += 1
@@ -114,7 +118,8 @@ class FakeRollout:
     async def info(self, timeout=30.0):
         return RolloutInfo(run_id=self.run_id, weight_version=self.version, channel_ranks=1)
 
-    async def init_run(self, run_id, model_path, dtype, timeout, allow_pickle=False, lora_rank=0, adapter_versions=0):
+    async def init_run(self, run_id, model_path, dtype, timeout, allow_pickle=False, lora_rank=0, adapter_versions=0,
+                       routed_experts=False):
         self.run_id = run_id
         return 1
 
@@ -145,9 +150,12 @@ class FakeRollout:
                                                                                              version),
                          last_weight_versions=torch.full((len(responses),), self.version))
 
-    async def compute_log_probs(self, batch: SequenceBatch, timeout):
-        """The weight check's probe: the trainer's logprobs, -0.5 a token (it serves the trainer's weights)."""
-        return self.version, torch.full((batch.num_response_tokens,), -0.5)
+    async def compute_log_probs(self, batch: SequenceBatch, timeout, *, top_k=0):
+        """The weight check's probe: the trainer's logprobs, -0.5 a token, and a top-k of two tokens at log 0.5
+        each (it serves the trainer's weights)."""
+        tokens = batch.num_response_tokens
+        return RolloutScores(version=self.version, logprobs=torch.full((tokens,), -0.5),
+                             top_ids=torch.tensor([[3, 4]] * tokens), top_logprobs=torch.full((tokens, 2), math.log(0.5)))
 
     async def close(self):
         pass
@@ -266,6 +274,7 @@ def test_a_grpo_step_trains_on_hand_worked_advantages_and_every_rollout_serves_t
     assert all(metrics[s]["training/off_policy/staleness/max"] == 0.0 for s in (1, 2, 3))
     # every sync's weight check passed: the rollout's probe logprobs are the trainer's
     assert all(metrics[s]["weights/probe_logprob_diff_max"] == 0.0 for s in (1, 2, 3))
+    assert all(metrics[s]["weights/probe_topk_kl_max"] == 0.0 for s in (1, 2, 3))
     assert all(0 < metrics[s]["timing_s/weight_probe"] <= metrics[s]["timing_s/update_weights"] for s in (1, 2, 3))
     assert metrics[1]["critic/score/mean"] == pytest.approx(sum(RIGHT_PER_PROMPT.values()) / (4 * N))
     assert mesh.rollouts["rollout:1"].version == 3
