@@ -155,7 +155,8 @@ class Gateway:
             raise RequestError(404, f"the model {body.model!r} does not exist here; this endpoint serves "
                                     f"{self.model!r} (GET /v1/models)", code="model_not_found", param="model")
         recording = episode.recording
-        plan = await asyncio.to_thread(recording.plan, self.tokenizer, body.messages, body.tools)
+        async with episode.recording_lock:  # the plan sees every call of the episode answered before it, recorded
+            plan = await asyncio.to_thread(recording.plan, self.tokenizer, body.messages, body.tools)
         room = plan.base.room
         if body.n > TURN_SEEDS - episode.seeds_used:
             raise RequestError(400, f"the episode has used its {TURN_SEEDS} completions", code="n_too_large",
@@ -163,7 +164,7 @@ class Gateway:
         first_seed = episode.index * TURN_SEEDS + episode.seeds_used
         episode.seeds_used += body.n
         sampled = await self._sample(episode, plan, body, min(body.max_tokens or room, room), first_seed)
-        choices = await asyncio.to_thread(self._decode, sampled, body)
+        choices = self._decode(sampled, body)  # microseconds: the completion's ids, decoded once
         tool_names = frozenset(str(t["function"]["name"]) for t in body.tools)
         call_id = f"call_{uuid.uuid4().hex[:16]}"
         messages = [assistant_message(choice.text, tool_names=tool_names, parse_tools=body.parse_tools,
@@ -171,15 +172,16 @@ class Gateway:
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if episode.closed:
             raise RequestError(401, "the episode ended while this call ran", code="invalid_api_key")
-        response, delivered = await respond(request, body, completion_id=completion_id, model=self.model,
-                                            messages=messages, choices=choices, prompt_ids=plan.base.ids)
-        if not delivered or episode.closed:
-            log.info("gateway_call_not_recorded", run_id=self.run_id, episode=episode.index,
-                     why="episode ended" if delivered else "client went away")
-            return response
-        kept = [s.tokens._replace(ids=c.token_ids, logprobs=c.logprobs) for s, c in zip(sampled, choices)]
-        await asyncio.to_thread(recording.record, plan, [(tokens, s.last_version) for tokens, s in zip(kept, sampled)],
-                                self.tokenizer, messages)
+        async with episode.recording_lock:  # answered and recorded before another call of the episode plans
+            response, delivered = await respond(request, body, completion_id=completion_id, model=self.model,
+                                                messages=messages, choices=choices, prompt_ids=plan.base.ids)
+            if not delivered or episode.closed:
+                log.info("gateway_call_not_recorded", run_id=self.run_id, episode=episode.index,
+                         why="episode ended" if delivered else "client went away")
+                return response
+            kept = [s.tokens._replace(ids=c.token_ids, logprobs=c.logprobs) for s, c in zip(sampled, choices)]
+            recording.record(plan, [(tokens, s.last_version) for tokens, s in zip(kept, sampled)], self.tokenizer,
+                             messages)
         episode.rollouts.extend(s.replica.address for s in sampled)
         return response
 
@@ -203,8 +205,8 @@ class Gateway:
         return list(sampled)
 
     def _decode(self, sampled: list[Sampled], body: ChatRequest) -> list[Choice]:
-        return [decode_choice(self.tokenizer, s.tokens.ids, s.tokens.logprobs, s.truncated, body.stop)
-                for s in sampled]
+        return [decode_choice(self.tokenizer, s.tokens.ids, s.tokens.logprobs, s.truncated, body.stop,
+                              token_texts=body.logprobs) for s in sampled]
 
 
 def run_gateway(run_id: str, settings: AgentSettings, tokenizer: Any) -> Gateway:
@@ -215,9 +217,10 @@ def run_gateway(run_id: str, settings: AgentSettings, tokenizer: Any) -> Gateway
 
 
 def decode_choice(tokenizer: Any, ids: tuple[int, ...], logprobs: tuple[float, ...], truncated: bool,
-                  stop: tuple[str, ...]) -> Choice:
+                  stop: tuple[str, ...], *, token_texts: bool = True) -> Choice:
     """A completion decoded; where it holds a stop string, its ids cut after the token that completes the first
-    one and its text before it (the tokens past it are not returned and do not train)."""
+    one and its text before it (the tokens past it are not returned and do not train). ``token_texts``: each
+    token's text too (the logprobs' ``token``; empty otherwise)."""
     text = tokenizer.decode(list(ids), skip_special_tokens=True)
     found = [(text.find(s), s) for s in stop if s in text]
     if found:
@@ -226,7 +229,7 @@ def decode_choice(tokenizer: Any, ids: tuple[int, ...], logprobs: tuple[float, .
         ids, logprobs, text, reason = ids[:kept], logprobs[:kept], text[:at], "stop"
     else:
         reason = "length" if truncated else "stop"
-    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in ids)
+    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in ids) if token_texts else ()
     return Choice(text=text, token_ids=tuple(ids), tokens=tokens, logprobs=tuple(logprobs), finish_reason=reason)
 
 

@@ -194,7 +194,7 @@ class Choice(NamedTuple):
 
     text: str  # what the model wrote, special tokens skipped, cut before a stop string
     token_ids: tuple[int, ...]
-    tokens: tuple[str, ...]  # each sampled token as text (the logprobs' ``token``)
+    tokens: tuple[str, ...]  # each sampled token as text (the logprobs' ``token``; empty where none were asked)
     logprobs: tuple[float, ...]
     finish_reason: str  # stop or length (tool_calls where calls are parsed out)
 
