@@ -155,9 +155,11 @@ class Gateway:
             raise RequestError(404, f"the model {body.model!r} does not exist here; this endpoint serves "
                                     f"{self.model!r} (GET /v1/models)", code="model_not_found", param="model")
         recording = episode.recording
+        tools = body.tools if body.tool_choice.offered else ()
         async with episode.recording_lock:  # the plan sees every call of the episode answered before it, recorded
-            plan = await asyncio.to_thread(recording.plan, self.tokenizer, body.messages, body.tools)
-        room = plan.base.room
+            plan = await asyncio.to_thread(recording.plan, self.tokenizer, body.messages, tools,
+                                           opening=body.tool_choice.opening)
+        room = plan.room
         if body.n > TURN_SEEDS - episode.seeds_used:
             raise RequestError(400, f"the episode has used its {TURN_SEEDS} completions", code="n_too_large",
                                param="n")
@@ -167,14 +169,15 @@ class Gateway:
         choices = self._decode(sampled, body)  # microseconds: the completion's ids, decoded once
         tool_names = frozenset(str(t["function"]["name"]) for t in body.tools)
         call_id = f"call_{uuid.uuid4().hex[:16]}"
-        messages = [assistant_message(choice.text, tool_names=tool_names, parse_tools=body.parse_tools,
-                                      call_id=f"{call_id}_{j}") for j, choice in enumerate(choices)]
+        messages = [assistant_message(body.tool_choice.opening + choice.text, tool_names=tool_names,
+                                      parse_tools=body.tool_choice.offered, call_id=f"{call_id}_{j}")
+                    for j, choice in enumerate(choices)]
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if episode.closed:
             raise RequestError(401, "the episode ended while this call ran", code="invalid_api_key")
         async with episode.recording_lock:  # answered and recorded before another call of the episode plans
             response, delivered = await respond(request, body, completion_id=completion_id, model=self.model,
-                                                messages=messages, choices=choices, prompt_ids=plan.base.ids)
+                                                messages=messages, choices=choices, prompt_ids=plan.prompt_ids)
             if not delivered or episode.closed:
                 log.info("gateway_call_not_recorded", run_id=self.run_id, episode=episode.index,
                          why="episode ended" if delivered else "client went away")
@@ -196,7 +199,7 @@ class Gateway:
                                top_p=own.top_p if body.top_p is None else body.top_p)
         try:
             sampled = await asyncio.gather(*(
-                dispatcher.sample(list(plan.base.ids), max_tokens, first_seed + j, episode.replica, sampling=sampling)
+                dispatcher.sample(list(plan.prompt_ids), max_tokens, first_seed + j, episode.replica, sampling=sampling)
                 for j in range(body.n)))
         except Unavailable as error:
             raise RequestError(503, f"the rollouts could not sample this call: {error}", kind="server_error",
