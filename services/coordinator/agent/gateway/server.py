@@ -27,6 +27,7 @@ import asyncio
 import json
 import secrets
 import uuid
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable
 
@@ -65,12 +66,18 @@ class Gateway:
     def __init__(self, *, run_id: str, tokenizer: Any, settings: GatewaySettings):
         self.run_id, self.model, self.tokenizer, self.settings = run_id, run_id, tokenizer, settings
         self.episodes: dict[str, GatewayEpisode] = {}
+        self.not_recorded: Counter = Counter()  # why (client went away, episode ended) -> calls sampled, not recorded
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     @property
     def started(self) -> bool:
         return self._runner is not None
+
+    @property
+    def connections(self) -> int:
+        """HTTP connections open to it now."""
+        return len(self._runner.server.connections) if self._runner is not None and self._runner.server else 0
 
     async def start(self) -> str:
         """Serve; the base URL an agent is given (http://host:port/v1)."""
@@ -179,8 +186,9 @@ class Gateway:
             response, delivered = await respond(request, body, completion_id=completion_id, model=self.model,
                                                 messages=messages, choices=choices, prompt_ids=plan.prompt_ids)
             if not delivered or episode.closed:
-                log.info("gateway_call_not_recorded", run_id=self.run_id, episode=episode.index,
-                         why="episode ended" if delivered else "client went away")
+                why = "episode ended" if delivered else "client went away"
+                self.not_recorded[why] += 1
+                log.info("gateway_call_not_recorded", run_id=self.run_id, episode=episode.index, why=why)
                 return response
             kept = [s.tokens._replace(ids=c.token_ids, logprobs=c.logprobs) for s, c in zip(sampled, choices)]
             recording.record(plan, [(tokens, s.last_version) for tokens, s in zip(kept, sampled)], self.tokenizer,
