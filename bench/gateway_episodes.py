@@ -9,7 +9,8 @@ per episode: every call the agent got an answer to (HTTP 200) is recorded exactl
 and its model tokens equal the answers' completion tokens), and no call failed; and at the end nothing is left
 open: no episode key, no turn waiting or being sampled, no HTTP connection.
 
-Prints the episodes, the calls, their wall time and the calls' p50/p90 latency, and last whether every check held.
+Prints the episodes, the calls, their wall time, the Generate calls they were batched into and the calls' p50/p90
+latency, and last whether every check held.
 
     python bench/gateway_episodes.py [--episodes 256]
 """
@@ -56,6 +57,7 @@ class Report:
     episodes: list[EpisodeCheck]
     seconds: float
     left_open: dict[str, int]  # what was still open at the end, by kind (all 0 where nothing was)
+    generate_calls: int  # the Generate calls that sampled the episodes' calls
 
     @property
     def calls(self) -> int:
@@ -171,7 +173,8 @@ async def _episodes(gateway: Any, dispatcher: Any, episodes: int, run_id: str) -
     left_open = {"episode keys": len(gateway.episodes), "turns unanswered": dispatcher.unanswered,
                  "turns waiting": sum(len(w) for w in dispatcher.waiting.values()),
                  "calls in flight": sum(dispatcher.in_flight.values()), "HTTP connections": gateway.connections}
-    return Report(episodes=list(checks), seconds=seconds, left_open=left_open)
+    return Report(episodes=list(checks), seconds=seconds, left_open=left_open,
+                  generate_calls=sum(dispatcher.calls.values()))
 
 
 def main() -> None:
@@ -198,7 +201,8 @@ def main() -> None:
     latencies = [s * 1000 for e in report.episodes for s in e.seconds]
     exact = sum(e.exact for e in report.episodes)
     print(f"episodes at once: {len(report.episodes)}, calls answered: {report.calls}, "
-          f"wall {report.seconds:.1f} s ({report.calls / report.seconds:.1f} calls/s)")
+          f"wall {report.seconds:.1f} s ({report.calls / report.seconds:.1f} calls/s), in {report.generate_calls} "
+          f"Generate calls (batched by the dispatcher)")
     print(f"call latency under that load: p50 {statistics.median(latencies):.0f} ms, "
           f"p90 {sorted(latencies)[int(0.9 * len(latencies))]:.0f} ms")
     failures = [f for e in report.episodes for f in e.failed]

@@ -62,6 +62,7 @@ def test_32_episodes_of_the_cpu_agent_example_at_once_are_each_recorded_exactly_
     assert all(e.answered >= 1 for e in report.episodes)
     assert [(e.answered, e.recorded_calls, e.completion_tokens, e.recorded_model_tokens)
             for e in report.episodes if not e.exact] == []  # each answered call recorded once, token for token
+    assert report.generate_calls < report.calls  # concurrent episodes' calls still go to the rollout together
     assert report.left_open == {"episode keys": 0, "turns unanswered": 0, "turns waiting": 0, "calls in flight": 0,
                                 "HTTP connections": 0}
 

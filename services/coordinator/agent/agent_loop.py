@@ -183,6 +183,7 @@ class TurnDispatcher:
         self.waiting: dict[RolloutClient, list[_TurnRequest]] = {}
         self.in_flight: Counter = Counter()  # replica -> its calls now
         self.turns: Counter = Counter()  # replica address -> turns it sampled
+        self.calls: Counter = Counter()  # replica address -> Generate calls that sampled them
         self.tokens: Counter = Counter()  # replica address -> tokens it sampled
         self._tasks: set[asyncio.Task] = set()
         self._refreshing = asyncio.Lock()  # one wait for the rollouts at a time, whichever turn found none
@@ -266,6 +267,7 @@ class TurnDispatcher:
         finally:
             self.in_flight[replica] -= 1
             self._pump(replica)
+        self.calls[replica.address] += 1
         ids = torch.split(generated.response_ids, generated.response_lens.tolist())
         logprobs = torch.split(generated.logprobs, generated.response_lens.tolist())
         for row, request in enumerate(batch):

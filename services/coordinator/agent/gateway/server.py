@@ -18,7 +18,9 @@ back. Errors are OpenAI's error objects: 400 for a malformed body or field (``in
 A completion is recorded (recorder.py) once its answer is written whole to the client: a call
 whose client went away first (a stream it cut) is not recorded, so nothing the agent never saw trains, and a
 client's retry of it is recorded once, as the call it is. A call still running when its episode ends is answered
-401 and not recorded.
+401 and not recorded. A call's plan (what it extends), and a call's answer with its record, each hold the
+episode's lock: a call sees every call of its episode answered before it recorded. A streamed call's chunks are
+written once its completion is sampled (``Generate`` answers with whole completions).
 """
 
 from __future__ import annotations
