@@ -1,19 +1,22 @@
 """The gateway's overhead per call over a direct Generate, on loopback.
 
-A rollout service process (the hf engine, the tiny chat model) started by LocalCluster; in this process, the
-three ways to sample the same completion of the same prompt, interleaved call by call so that they meet the same
-load:
+A rollout service process (the hf engine, the tiny chat model) started by LocalCluster; in this process, four ways
+to sample the same completion of the same prompt, interleaved call by call so that they meet the same load:
 
 - direct: ``RolloutClient.generate`` of the prompt's ids (one gRPC Generate);
-- dispatcher: a turn of the agent loop's ``TurnDispatcher`` (what a multi-turn run samples with: its
-  ``GATHER_S`` window, in which turns of other trajectories may join the call, included);
-- gateway: ``chat.completions.create`` with the ``openai`` client over HTTP on loopback to a run's gateway
-  (``services/coordinator/agent/gateway/``): the request parsed, the messages rendered by the chat template, the turn
-  through the same ``TurnDispatcher``, the answer decoded and written, the call recorded. Every 8 calls a new
-  episode (key) begins, as agents' episodes make a few calls each.
+- dispatcher: a turn of the agent loop's ``TurnDispatcher`` (what a multi-turn run samples with; a lone
+  trajectory's turn goes at once, with no gathering window to wait out);
+- endpoint: ``POST /v1/chat/completions`` over HTTP on loopback to a run's gateway
+  (``services/coordinator/agent/gateway/``) from a lean HTTP client (aiohttp): the request parsed, the messages
+  rendered by the chat template, the turn through the same ``TurnDispatcher``, the answer decoded and written,
+  the call recorded. What the endpoint adds;
+- openai client: the same call through ``openai.AsyncOpenAI`` (``chat.completions.create``): what a user's agent
+  sees, the ``openai`` package's own time (httpx, pydantic; about 2 ms a call here) included.
 
-Prints p50 and p90 of each (ms), the gateway's overhead over the dispatcher's turn (what the gateway adds to the
-agent loop's own path), and last its p50 overhead over a direct Generate.
+Every 8 calls a new episode (key) begins, as agents' episodes make a few calls each.
+
+Prints p50 and p90 of each (ms), the openai client's overhead over a direct Generate, and last the endpoint's p50
+overhead over a direct Generate (each difference taken call by call, the same call's direct Generate).
 
     python bench/gateway_overhead.py [--calls N] [--max-tokens K]
 """
@@ -38,6 +41,7 @@ def percentile(values: list[float], share: float) -> float:
 
 
 async def measure(model: Path, state: Path, calls: int, max_tokens: int) -> dict[str, list[float]]:
+    import aiohttp
     import openai
     from transformers import AutoTokenizer
 
@@ -65,12 +69,14 @@ async def measure(model: Path, state: Path, calls: int, max_tokens: int) -> dict
         sampling = Sampling(n=1, temperature=1.0, top_p=1.0, max_new_tokens=max_tokens, stop_token_ids=())
         rollout_set = SimpleNamespace(pool=ReplicaPool("rollout", [rollout]))  # the run's rollouts: this one
         dispatcher = TurnDispatcher(rollout_set, sampling, seed=0, oldest=0, timeout_s=60,  # type: ignore[arg-type]
-                                    calls_in_flight=1)
+                                    calls_in_flight=1, trajectories=1)
         gateway = Gateway(run_id="bench", tokenizer=tokenizer, settings=GatewaySettings(
             host="127.0.0.1", port=0, max_n=8, budget=Budget(max_prompt_length=256, max_response_length=64)))
         await gateway.start()
-        seconds: dict[str, list[float]] = {"direct": [], "dispatcher": [], "gateway": []}
+        seconds: dict[str, list[float]] = {"direct": [], "dispatcher": [], "endpoint": [], "openai client": []}
+        session = aiohttp.ClientSession()
         client = None
+        request = {"model": "bench", "messages": messages, "max_tokens": max_tokens}
         for call in range(WARM_UP + calls):
             if call % CALLS_PER_EPISODE == 0:
                 if client is not None:
@@ -84,11 +90,20 @@ async def measure(model: Path, state: Path, calls: int, max_tokens: int) -> dict
             await dispatcher.sample(ids, max_tokens, call, None)
             turn = time.perf_counter() - started
             started = time.perf_counter()
+            async with session.post(f"{access.url}/chat/completions", json=request,
+                                    headers={"Authorization": f"Bearer {access.key}"}) as response:
+                answer = await response.json()
+            endpoint = time.perf_counter() - started
+            if response.status != 200:
+                raise RuntimeError(f"the gateway answered {response.status}: {answer}")
+            started = time.perf_counter()
             await client.chat.completions.create(model="bench", messages=messages, max_tokens=max_tokens)
             through = time.perf_counter() - started
             if call >= WARM_UP:
-                for name, value in (("direct", direct), ("dispatcher", turn), ("gateway", through)):
+                for name, value in (("direct", direct), ("dispatcher", turn), ("endpoint", endpoint),
+                                    ("openai client", through)):
                     seconds[name].append(value * 1000)
+        await session.close()
         if client is not None:
             await client.close()
         await dispatcher.close()
@@ -110,13 +125,13 @@ def main() -> None:
         model = build_tiny_model(Path(tmp) / "tiny-chat", hidden_size=32, num_layers=1, num_heads=2, seed=0, chat=True)
         ms = asyncio.run(measure(model, Path(tmp) / "state", args.calls, args.max_tokens))
     for name, values in ms.items():
-        print(f"{name:>10}: p50 {statistics.median(values):7.2f} ms  p90 {percentile(values, 0.9):7.2f} ms "
+        print(f"{name:>13}: p50 {statistics.median(values):7.2f} ms  p90 {percentile(values, 0.9):7.2f} ms "
               f"({len(values)} calls, {args.max_tokens} token each)")
-    over_turn = statistics.median(g - d for g, d in zip(ms["gateway"], ms["dispatcher"]))
-    print(f"gateway over the dispatcher's turn (same call): p50 {over_turn:.2f} ms")
-    over_direct = statistics.median(g - d for g, d in zip(ms["gateway"], ms["direct"]))
-    print(f"gateway overhead per call over a direct Generate (same call), p50: {over_direct:.2f} ms")
-
+    over_client = statistics.median(o - d for o, d in zip(ms["openai client"], ms["direct"]))
+    print(f"through the openai client (its own time included), over a direct Generate (same call), p50: "
+          f"{over_client:.2f} ms")
+    over_direct = statistics.median(e - d for e, d in zip(ms["endpoint"], ms["direct"]))
+    print(f"gateway endpoint overhead per call over a direct Generate (same call), p50: {over_direct:.2f} ms")
 
 if __name__ == "__main__":
     main()

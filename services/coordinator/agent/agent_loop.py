@@ -11,10 +11,13 @@ Choices:
 - Turns are sampled through ``TurnDispatcher``: the turns waiting for a replica go to it as one Generate call
   (one prompt each, n = 1, each seeded from its trajectory and turn index, so a trajectory samples the same
   whichever replica or call its turns land in); a later turn goes to the replica of the turn before it while
-  that one serves the run (its prefix cache holds the conversation). An hf engine runs one call at a time, so
-  each replica gets one call in flight (the turns that become ready meanwhile make the next); a vLLM engine
-  batches inside, so its calls go at once. A call that fails is sent again to another replica, from the same
-  prefix; one sampled from weights older than the batch allows is sampled again.
+  that one serves the run (its prefix cache holds the conversation). A replica's first waiting turn waits up to
+  ``GATHER_S`` for others to join its call, less where nobody can: once every trajectory still running has a
+  turn waiting or being sampled, the call goes (a lone trajectory's turn, a lone gateway episode's call, goes at
+  once). An hf engine runs one call at a time, so each replica gets one call in flight (the turns that become
+  ready meanwhile make the next); a vLLM engine batches inside, so its calls go at once. A call that fails is
+  sent again to another replica, from the same prefix; one sampled from weights older than the batch allows is
+  sampled again.
 - A trajectory whose env replica fails (killed, unreachable) starts again from its prompt on another, counted
   (``agent/episodes_restarted``): the episode's state is lost with the replica, so its turns would not follow.
 - A trajectory whose episode an env replica refuses because every worker is busy (other runs share the service)
@@ -57,7 +60,8 @@ from services.run.data import Prompt
 TURN_SEEDS = 1 << 12  # seed indices each trajectory reserves: turn t of trajectory k is seeded k * TURN_SEEDS + t
 EPISODE_ATTEMPTS = 3  # a trajectory started again after its env replica failed, before the batch fails
 TURN_ATTEMPTS = 4  # a turn sent again after its Generate call failed, before the batch fails
-GATHER_S = 0.005  # how long a replica's first waiting turn waits for others to join its call
+GATHER_S = 0.005  # how long a replica's first waiting turn waits for others to join its call (at most: the wait
+# ends once every trajectory still running has a turn waiting or being sampled)
 MAX_TURNS_PER_CALL = 256
 
 
@@ -169,12 +173,17 @@ class TurnDispatcher:
     """Gathers the waiting turns of a batch's trajectories into Generate calls, per rollout replica."""
 
     def __init__(self, rollout_set: RolloutSet, sampling: Sampling, seed: int, oldest: int, timeout_s: float,
-                 *, calls_in_flight: int):
+                 *, calls_in_flight: int, trajectories: int):
+        """``trajectories``: how many of the batch's trajectories may send turns (each says ``trajectory_ended``
+        when it has ended)."""
         self.rollout_set, self.sampling, self.seed, self.oldest = rollout_set, sampling, seed, oldest
         self.timeout_s, self.calls_in_flight = timeout_s, calls_in_flight
+        self.running = trajectories  # trajectories that may still send a turn
+        self.unanswered = 0  # turns waiting or being sampled
         self.waiting: dict[RolloutClient, list[_TurnRequest]] = {}
         self.in_flight: Counter = Counter()  # replica -> its calls now
         self.turns: Counter = Counter()  # replica address -> turns it sampled
+        self.calls: Counter = Counter()  # replica address -> Generate calls that sampled them
         self.tokens: Counter = Counter()  # replica address -> tokens it sampled
         self._tasks: set[asyncio.Task] = set()
         self._refreshing = asyncio.Lock()  # one wait for the rollouts at a time, whichever turn found none
@@ -186,8 +195,25 @@ class TurnDispatcher:
         otherwise; turns of one Generate call share them)."""
         request = _TurnRequest(ids=list(ids), room=room, seed_index=seed_index,
                                future=asyncio.get_running_loop().create_future(), tried=set(), sampling=sampling)
-        await self._queue(request, prefer)
-        return await request.future
+        self.unanswered += 1
+        try:
+            await self._queue(request, prefer)
+            self._go_if_complete()
+            return await request.future
+        finally:
+            self.unanswered -= 1
+
+    def trajectory_ended(self) -> None:
+        """One trajectory will send no more turns: the turns waiting no longer wait for it."""
+        self.running -= 1
+        self._go_if_complete()
+
+    def _go_if_complete(self) -> None:
+        """Send the waiting turns now where every trajectory still running has a turn waiting or being sampled: no
+        other turn can join their calls (a lone turn goes at once; so does the last of a batch's to arrive)."""
+        if self.unanswered >= self.running:
+            for replica in list(self.waiting):
+                self._pump(replica)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -241,6 +267,7 @@ class TurnDispatcher:
         finally:
             self.in_flight[replica] -= 1
             self._pump(replica)
+        self.calls[replica.address] += 1
         ids = torch.split(generated.response_ids, generated.response_lens.tolist())
         logprobs = torch.split(generated.logprobs, generated.response_lens.tolist())
         for row, request in enumerate(batch):
@@ -264,6 +291,7 @@ class TurnDispatcher:
                         f"a turn failed on {request.attempts} attempts, last on {replica.address}: {error}"))
                 continue
             await self._queue(request, prefer=None)
+        self._go_if_complete()
 
 
 class AgentGateway(Protocol):
@@ -306,7 +334,8 @@ class AgentLoop:
         versions >= ``oldest``, their episodes on the env replicas the run has as the batch (``what``: "step 5")
         begins."""
         dispatcher = TurnDispatcher(self.rollout_set, sampling, seed, oldest, timeout_s,
-                                    calls_in_flight=self.settings.calls_in_flight)
+                                    calls_in_flight=self.settings.calls_in_flight,
+                                    trajectories=len(prompts) * sampling.n)
         try:
             async with self.env_set.batch(what) as fleet:
                 tools = fleet.tools(self.settings.environment)
@@ -328,6 +357,14 @@ class AgentLoop:
                          fleet: EnvFleet) -> tuple[tuple[Trajectory, ...], AgentTrace]:
         """One trajectory on a replica of its batch's ``fleet``, started again from its prompt where its env replica
         fails."""
+        try:
+            return await self._trajectory_attempts(prompt, index, tools, dispatcher, fleet)
+        finally:
+            dispatcher.trajectory_ended()
+
+    async def _trajectory_attempts(self, prompt: Prompt, index: int, tools: tuple[dict, ...],
+                                   dispatcher: TurnDispatcher,
+                                   fleet: EnvFleet) -> tuple[tuple[Trajectory, ...], AgentTrace]:
         busy_waits = 0  # of the episodes that failed
         gateway = self.gateway if fleet.runs_agent(self.settings.environment) else None
         for restarts in range(EPISODE_ATTEMPTS):

@@ -15,6 +15,7 @@ and what the gateway recorded becomes the trajectory's samples.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,8 @@ class GatewayEpisode:
     replica: RolloutClient | None = None  # the replica of its last call (its prefix cache holds the conversation)
     rollouts: list[str] = field(default_factory=list)  # the replica of each completion recorded
     closed: bool = False
+    recording_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a call's plan, and a call's answer and
+    # its record: the next call of the episode plans from what was answered before it
 
 
 def agent_samples(recorded: GatewayEpisode, tokenizer: Any, prompt: Prompt,

@@ -9,7 +9,9 @@ that leaf extended: its prompt is the leaf's ids plus the replies' ids as ``turn
 never re-rendered. A call that extends no leaf (the agent rewrote or dropped earlier turns, started afresh, or
 the template cannot extend: ``CannotExtend``) starts a new segment whose prompt is its conversation rendered
 fresh. Every leaf left at the episode's end is one training sample: its prompt, then the model's sampled
-tokens (loss mask 1, their rollout logprobs and weight versions) and the replies' (mask 0). With ``n`` > 1 the
+tokens (loss mask 1, their rollout logprobs and weight versions) and the replies' (mask 0); a call whose
+``tool_choice`` forces the turn's opening (wire.ToolChoice) has the opening's ids before the sampled ones, fed to
+the model and untrained (mask 0), and its turn, opening and all, is what a later call extends. With ``n`` > 1 the
 choices the agent did not go on with are leaves too: the policy sampled them and they are trained with the
 episode's score.
 
@@ -26,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
 from services.coordinator.agent.gateway.wire import RequestError, hermes_text, message_text
-from services.coordinator.agent.turns import (CannotExtend, Message, OverBudget, SampledTokens, Trajectory, extend,
-                                        render_prompt, render_reply, without_stop)
+from services.coordinator.agent.turns import (CannotExtend, Message, OverBudget, ReplyTokens, SampledTokens,
+                                              Trajectory, extend, render_prompt, render_reply, without_stop)
 
 
 class Budget(NamedTuple):
@@ -41,19 +43,32 @@ class Leaf:
 
     trajectory: Trajectory  # its sample: ending with the completion's sampled ids
     messages: tuple[Message, ...]  # the conversation it answered, in the template's form
-    sampled_ids: tuple[int, ...]
+    turn_ids: tuple[int, ...]  # the model's turn: its opening (if the call forced one) and the ids it sampled
     text: str  # the completion as the template renders it back (special tokens kept, its stop token off)
     tools: tuple[dict, ...]
     last_version: int  # the weights that sampled its last token
 
 
 class Plan(NamedTuple):
-    """How one call's completions are recorded: each extends ``base``, whose ids are the call's prompt."""
+    """How one call's completions are recorded: each extends ``base`` (its ids: the call's conversation) and
+    ``opening``."""
 
     base: Trajectory
     messages: tuple[Message, ...]  # the call's conversation, in the template's form
     tools: tuple[dict, ...]
     extends: Leaf | None  # None: the call starts a new segment
+    opening: tuple[int, ...] = ()  # the ids the model's turn is made to begin with (wire.ToolChoice), fed to it
+    # after the conversation: in the sample, untrained
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        """What the model samples after."""
+        return self.base.ids + self.opening
+
+    @property
+    def room(self) -> int:
+        """The most tokens the model may sample."""
+        return self.base.room - len(self.opening)
 
 
 @dataclass
@@ -67,16 +82,27 @@ class EpisodeRecording:
     returned: dict[str, str] = field(default_factory=dict)  # tool-call id, or "content:" + content -> leaf text
     final_text: str = ""  # the latest call's first completion, as returned: what the reward service scores
 
-    def plan(self, tokenizer: Any, messages: Sequence[dict], tools: tuple[dict, ...]) -> Plan:
-        """The prompt of a call with ``messages`` (OpenAI's form) and ``tools``; RequestError where it is over the
-        budget. Renders with the tokenizer: call it off the event loop."""
+    def plan(self, tokenizer: Any, messages: Sequence[dict], tools: tuple[dict, ...], *, opening: str = "") -> Plan:
+        """The prompt of a call with ``messages`` (OpenAI's form) and ``tools``, its model's turn made to begin
+        with ``opening``; RequestError where it is over the budget. Renders with the tokenizer: call it off the
+        event loop."""
+        plan = self._conversation_plan(tokenizer, messages, tools)
+        if not opening:
+            return plan
+        plan = plan._replace(opening=tuple(tokenizer.encode(opening, add_special_tokens=False)))
+        if plan.room < 1:
+            raise over_context(f"the call's opening ({opening!r}, {len(plan.opening)} tokens) leaves no room of the "
+                               f"{plan.base.room} left of the episode's response")
+        return plan
+
+    def _conversation_plan(self, tokenizer: Any, messages: Sequence[dict], tools: tuple[dict, ...]) -> Plan:
         conversation = self.template_messages(messages)
         kwargs = {"tools": list(tools)} if tools else {}
         for leaf in reversed(self.leaves):
             replies = following(leaf, conversation, tools)
             if replies is None:
                 continue
-            reply = render_reply(tokenizer, messages=leaf.messages, sampled_ids=leaf.sampled_ids, replies=replies,
+            reply = render_reply(tokenizer, messages=leaf.messages, sampled_ids=leaf.turn_ids, replies=replies,
                                  room=leaf.trajectory.room, max_reply_tokens=leaf.trajectory.room + 1,
                                  truncate_side="left", template_kwargs=kwargs)
             if isinstance(reply, CannotExtend):
@@ -110,10 +136,13 @@ class EpisodeRecording:
             self.segments += 1
         elif plan.extends in self.leaves:
             self.leaves.remove(plan.extends)
+        base = extend(plan.base, ReplyTokens(ids=plan.opening, truncated=False, messages=())) if plan.opening \
+            else plan.base
         for (tokens, last_version), message in zip(completions, returned):
-            text = without_stop(tokenizer, tokenizer.decode(list(tokens.ids), skip_special_tokens=False))
-            self.leaves.append(Leaf(trajectory=extend(plan.base, tokens), messages=plan.messages,
-                                    sampled_ids=tokens.ids, text=text, tools=plan.tools, last_version=last_version))
+            turn_ids = plan.opening + tokens.ids
+            text = without_stop(tokenizer, tokenizer.decode(list(turn_ids), skip_special_tokens=False))
+            self.leaves.append(Leaf(trajectory=extend(base, tokens), messages=plan.messages, turn_ids=turn_ids,
+                                    text=text, tools=plan.tools, last_version=last_version))
             for call in message.get("tool_calls") or []:
                 self.returned[call["id"]] = text
             if not message.get("tool_calls"):

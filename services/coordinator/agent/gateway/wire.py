@@ -7,9 +7,15 @@ What is accepted: ``model``, ``messages``, ``tools``, ``tool_choice``, ``n``, ``
 sampled ids in the answer). Other fields OpenAI defines are ignored, as OpenAI ignores what it does not use for a
 model; a field of the wrong type is refused naming it.
 
-``tool_choice``: ``auto``, ``required`` and a named function are accepted and do not constrain sampling (the
-tokens that train must be the ones the policy chose freely); ``none`` returns the model's text as content, its
-tool calls unparsed.
+``tool_choice`` (``ToolChoice``): ``auto`` (the default) offers the tools (the chat template renders them into the
+prompt) and parses the model's Hermes calls into ``tool_calls``; ``none`` offers none (the prompt is rendered
+without them) and returns the model's text as content; ``required`` and a named function (``{"type": "function",
+"function": {"name": ...}}``) are constrained by the turn's opening: the model's turn is made to begin with a
+call's ``<tool_call>`` (required), or with a call of that function up to its arguments (named), fed to the
+model as prompt tokens (in the sample, untrained) and the model samples the rest freely. What it samples is
+still the policy's choice: a call it leaves malformed comes back as content, as any malformed call does.
+``required`` or a named function without ``tools``, or a name that is not one of them, is refused (400,
+``param: tool_choice``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any, NamedTuple
 from services.run.tool_calls import ParseError, ToolCall, parse_tool_calls
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API allows
+TOOL_CALL_OPEN = "<tool_call>"  # a Hermes call's opening, as ``hermes_text`` writes calls
 
 
 class RequestError(Exception):
@@ -42,6 +49,14 @@ def error_body(message: str, *, kind: str, code: str | None = None, param: str |
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class ToolChoice(NamedTuple):
+    """What a request's ``tool_choice`` asks of its completion."""
+
+    offered: bool  # the tools go into the prompt and the model's calls are parsed (False: tool_choice none)
+    opening: str  # the text the model's turn is made to begin with ("": none; required: a call's opening;
+    # a named function: its call up to the arguments)
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     """One checked ``POST /v1/chat/completions`` body."""
@@ -49,7 +64,7 @@ class ChatRequest:
     model: str
     messages: tuple[dict, ...]  # as sent
     tools: tuple[dict, ...]  # OpenAI function schemas, rendered into the prompt by the chat template
-    parse_tools: bool  # False where tool_choice is none
+    tool_choice: ToolChoice
     n: int
     temperature: float | None  # None: the run's
     top_p: float | None
@@ -88,7 +103,8 @@ def chat_request(body: bytes, max_n: int) -> ChatRequest:
         raise RequestError(400, "top_logprobs is not served: the gateway returns each sampled token's logprob "
                                 "(logprobs: true), not the alternatives", param="top_logprobs")
     stream_options = _field(data, "stream_options", dict, default={})
-    return ChatRequest(model=model, messages=messages, tools=tools, parse_tools=_parse_tools(data.get("tool_choice")),
+    return ChatRequest(model=model, messages=messages, tools=tools, tool_choice=_tool_choice(data.get("tool_choice"),
+                                                                                           tools),
                        n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                        logprobs=bool(_field(data, "logprobs", bool, default=False)), stop=_stop(data.get("stop")),
                        stream=bool(_field(data, "stream", bool, default=False)),
@@ -142,15 +158,25 @@ def _tools(value: Any) -> tuple[dict, ...]:
     return tuple(value)
 
 
-def _parse_tools(tool_choice: Any) -> bool:
-    if tool_choice is None or tool_choice in ("auto", "required"):
-        return True
-    if tool_choice == "none":
-        return False
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        return True
-    raise RequestError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", ...}',
-                       param="tool_choice")
+def _tool_choice(value: Any, tools: tuple[dict, ...]) -> ToolChoice:
+    names = [str(tool["function"]["name"]) for tool in tools]
+    if value is None or value == "auto":
+        return ToolChoice(offered=True, opening="")
+    if value == "none":
+        return ToolChoice(offered=False, opening="")
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    if value != "required" and not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+        raise RequestError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                '"function": {"name": ...}}', param="tool_choice")
+    if not tools:
+        raise RequestError(400, "tool_choice asks for a tool call, but the request has no tools", param="tool_choice")
+    if function is None:
+        return ToolChoice(offered=True, opening=TOOL_CALL_OPEN)
+    if function["name"] not in names:
+        raise RequestError(400, f"tool_choice names the function {function['name']!r}, which is not one of the "
+                                f"request's tools ({', '.join(names)})", param="tool_choice")
+    return ToolChoice(offered=True, opening=TOOL_CALL_OPEN + '{"name": ' + json.dumps(function["name"])
+                      + ', "arguments": ')
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -184,7 +210,7 @@ def hermes_text(content: str, tool_calls: list) -> str:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except ValueError:
             pass  # rendered as the string it is
-        blocks.append("<tool_call>" + json.dumps({"name": function.get("name", ""), "arguments": arguments})
+        blocks.append(TOOL_CALL_OPEN + json.dumps({"name": function.get("name", ""), "arguments": arguments})
                       + "</tool_call>")
     return content + "".join(blocks)
 
@@ -194,7 +220,7 @@ class Choice(NamedTuple):
 
     text: str  # what the model wrote, special tokens skipped, cut before a stop string
     token_ids: tuple[int, ...]
-    tokens: tuple[str, ...]  # each sampled token as text (the logprobs' ``token``)
+    tokens: tuple[str, ...]  # each sampled token as text (the logprobs' ``token``; empty where none were asked)
     logprobs: tuple[float, ...]
     finish_reason: str  # stop or length (tool_calls where calls are parsed out)
 
@@ -202,7 +228,7 @@ class Choice(NamedTuple):
 def assistant_message(text: str, *, tool_names: frozenset[str], parse_tools: bool, call_id: str) -> dict:
     """The assistant message of a completion: its Hermes tool calls as OpenAI's ``tool_calls`` (ids
     ``{call_id}_{k}``) where every block parses, else the whole text as content."""
-    if parse_tools and "<tool_call>" in text:
+    if parse_tools and TOOL_CALL_OPEN in text:
         parsed = parse_tool_calls(text, tool_names=tool_names, max_parallel_calls=64, max_call_bytes=1 << 20)
         calls = [c for c in parsed.calls if isinstance(c, ToolCall)]
         if calls and not any(isinstance(c, ParseError) for c in parsed.calls):

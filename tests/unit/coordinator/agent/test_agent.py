@@ -63,7 +63,8 @@ def sample_all(dispatcher: TurnDispatcher, turns: list[tuple[int, int, object]])
 
 def test_turns_waiting_together_go_as_one_call_each_seeded_from_its_own_index():
     replica = Replica("a")
-    dispatcher = TurnDispatcher(Rollouts(replica), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1)
+    dispatcher = TurnDispatcher(Rollouts(replica), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1,
+                                trajectories=3)
     sampled = sample_all(dispatcher, [(4, 7, None), (4, 3, None), (4, 12, None)])
     assert replica.calls == [(3, [7, 3, 12], 4)]
     assert [s.tokens.ids for s in sampled] == [(7, 7, 7), (3, 3, 3), (12, 12, 12)]
@@ -72,7 +73,8 @@ def test_turns_waiting_together_go_as_one_call_each_seeded_from_its_own_index():
 
 def test_a_turn_is_cut_to_its_room_when_the_call_ran_to_a_longer_one():
     replica = Replica("a", length=4)
-    dispatcher = TurnDispatcher(Rollouts(replica), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1)
+    dispatcher = TurnDispatcher(Rollouts(replica), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1,
+                                trajectories=2)
     short, long = sample_all(dispatcher, [(2, 1, None), (6, 2, None)])
     assert replica.calls == [(2, [1, 2], 6)]  # the call asks for the longest room
     assert short.tokens.ids == (1, 1) and short.tokens.logprobs == (-1.0, -1.0) and short.truncated
@@ -82,7 +84,7 @@ def test_a_turn_is_cut_to_its_room_when_the_call_ran_to_a_longer_one():
 def test_a_later_turn_goes_to_the_replica_of_the_turn_before():
     a, b = Replica("a"), Replica("b")
     dispatcher = TurnDispatcher(Rollouts(a, b), SAMPLING, seed=1, oldest=0, timeout_s=5,
-                                calls_in_flight=1)
+                                calls_in_flight=1, trajectories=3)
     sampled = sample_all(dispatcher, [(4, 1, b), (4, 2, b), (4, 3, a)])
     assert [s.replica.address for s in sampled] == ["b", "b", "a"]
     assert b.calls == [(2, [1, 2], 4)] and a.calls == [(1, [3], 4)]
@@ -91,7 +93,7 @@ def test_a_later_turn_goes_to_the_replica_of_the_turn_before():
 def test_turns_of_a_failing_replica_are_sampled_again_on_another_with_the_same_seeds():
     down, up = Replica("down", failures=5), Replica("up")
     dispatcher = TurnDispatcher(Rollouts(down, up), SAMPLING, seed=1, oldest=0, timeout_s=5,
-                                calls_in_flight=1)
+                                calls_in_flight=1, trajectories=2)
     sampled = sample_all(dispatcher, [(4, 8, down), (4, 9, down)])
     assert down.calls == [(2, [8, 9], 4)]
     assert up.calls == [(2, [8, 9], 4)]
@@ -101,16 +103,54 @@ def test_turns_of_a_failing_replica_are_sampled_again_on_another_with_the_same_s
 def test_a_turn_sampled_from_weights_older_than_the_batch_allows_is_sampled_again_elsewhere():
     old, new = Replica("old", version=2), Replica("new", version=4)
     dispatcher = TurnDispatcher(Rollouts(old, new), SAMPLING, seed=1, oldest=3, timeout_s=5,
-                                calls_in_flight=1)
+                                calls_in_flight=1, trajectories=1)
     [turn] = sample_all(dispatcher, [(4, 1, old)])
     assert turn.replica is new and turn.tokens.weight_version == 4
 
 
 def test_a_turn_that_fails_everywhere_fails_its_trajectory_naming_the_replica():
     dispatcher = TurnDispatcher(Rollouts(Replica("a", failures=99)), SAMPLING, seed=1, oldest=0, timeout_s=5,
-                                calls_in_flight=1)
+                                calls_in_flight=1, trajectories=1)
     with pytest.raises(Unavailable, match="a turn failed on 4 attempts, last on a"):
         sample_all(dispatcher, [(4, 1, None)])
+
+
+@pytest.fixture
+def long_window(monkeypatch):
+    """A gathering window of a minute: a call that waited it out would run past the tests' timeouts."""
+    monkeypatch.setattr("services.coordinator.agent.agent_loop.GATHER_S", 60.0)
+
+
+def test_a_lone_trajectorys_turn_goes_at_once_without_waiting_for_the_window(long_window):
+    replica = Replica("a")
+    dispatcher = TurnDispatcher(Rollouts(replica), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1,
+                                trajectories=1)
+
+    async def run():
+        try:
+            return await asyncio.wait_for(dispatcher.sample([1, 2], 4, 7, None), timeout=20)
+        finally:
+            await dispatcher.close()
+    assert asyncio.run(run()).tokens.ids == (7, 7, 7)
+    assert replica.calls == [(1, [7], 4)]
+
+
+def test_turns_wait_for_the_trajectories_still_running_and_go_together_once_the_last_has_ended(long_window):
+    replica = Replica("a")
+    dispatcher = TurnDispatcher(Rollouts(replica), SAMPLING, seed=1, oldest=0, timeout_s=5, calls_in_flight=1,
+                                trajectories=3)
+
+    async def run():
+        try:
+            turns = [asyncio.ensure_future(dispatcher.sample([1, 2], 4, index, None)) for index in (5, 6)]
+            await asyncio.sleep(0.05)
+            assert replica.calls == []  # the third trajectory may still send a turn: they wait for it
+            dispatcher.trajectory_ended()  # it will not
+            return await asyncio.wait_for(asyncio.gather(*turns), timeout=20)
+        finally:
+            await dispatcher.close()
+    assert [s.tokens.ids for s in asyncio.run(run())] == [(5, 5, 5), (6, 6, 6)]
+    assert replica.calls == [(2, [5, 6], 4)]
 
 
 def test_tool_calls_are_counted_by_tool_and_outcome():

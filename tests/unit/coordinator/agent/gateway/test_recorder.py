@@ -113,3 +113,36 @@ def test_calls_over_the_budget_are_refused_as_over_the_context(tokenizer):
     with pytest.raises(RequestError) as refused:
         recording.plan(tokenizer, [user, returned, long_reply], ())
     assert refused.value.code == "context_length_exceeded"
+
+
+def test_a_forced_opening_is_fed_untrained_before_the_sampled_ids_and_a_later_call_extends_the_whole_turn(
+        tokenizer):
+    recording = EpisodeRecording(Budget(max_prompt_length=64, max_response_length=96))
+    user = {"role": "user", "content": "code of QX?"}
+    opening = '<tool_call>{"name": "lookup", "arguments": '  # tool_choice naming lookup
+    plan = recording.plan(tokenizer, [user], (LOOKUP,), opening=opening)
+    opening_ids = tuple(tokenizer.encode(opening, add_special_tokens=False))
+    assert plan.opening == opening_ids
+    assert plan.prompt_ids == render_prompt(tokenizer, [user], {"tools": [LOOKUP]}) + opening_ids
+    assert plan.room == 96 - len(opening_ids)
+    rest = sampled(tokenizer, '{"key": "QX"}}</tool_call>')
+    [returned] = [assistant_message(opening + '{"key": "QX"}}</tool_call>', tool_names=frozenset({"lookup"}),
+                                    parse_tools=True, call_id="call_a")]
+    recording.record(plan, [(rest, 3)], tokenizer, [returned])
+    [leaf] = recording.leaves
+    assert leaf.trajectory.response_ids == opening_ids + rest.ids
+    assert leaf.trajectory.loss_mask == (0,) * len(opening_ids) + (1,) * len(rest.ids)  # only the sampled train
+    assert leaf.trajectory.logprobs == (0.0,) * len(opening_ids) + rest.logprobs
+
+    tool = {"role": "tool", "tool_call_id": returned["tool_calls"][0]["id"], "content": "0423"}
+    follow = recording.plan(tokenizer, [user, returned, tool], (LOOKUP,))
+    assert follow.extends is leaf  # the turn, opening and all, extended token-exactly
+    assert follow.base.ids[:len(leaf.trajectory.ids)] == plan.prompt_ids + rest.ids
+
+
+def test_an_opening_that_leaves_no_room_is_refused_as_over_the_context(tokenizer):
+    recording = EpisodeRecording(Budget(max_prompt_length=64, max_response_length=8))
+    with pytest.raises(RequestError) as refused:
+        recording.plan(tokenizer, [{"role": "user", "content": "hi"}], (LOOKUP,),
+                       opening='<tool_call>{"name": "lookup", "arguments": ')
+    assert refused.value.code == "context_length_exceeded"

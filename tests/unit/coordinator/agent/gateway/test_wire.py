@@ -9,7 +9,8 @@ import pytest
 
 from services.coordctl.tiny_model import build_chat_tokenizer
 from services.coordinator.agent.gateway.server import decode_choice
-from services.coordinator.agent.gateway.wire import RequestError, assistant_message, chat_request, stream_chunks
+from services.coordinator.agent.gateway.wire import (RequestError, ToolChoice, assistant_message, chat_request,
+                                                     hermes_text, stream_chunks)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -25,7 +26,8 @@ def test_a_request_is_read_with_openai_names_and_defaults():
                                        "max_completion_tokens": 7, "stop": "\n", "stream": True,
                                        "stream_options": {"include_usage": True}, "tool_choice": "none"}).encode(), 4)
     assert (request.n, request.temperature, request.top_p, request.max_tokens) == (2, 0.5, None, 7)
-    assert (request.stop, request.stream, request.include_usage, request.parse_tools) == (("\n",), True, True, False)
+    assert (request.stop, request.stream, request.include_usage) == (("\n",), True, True)
+    assert request.tool_choice == ToolChoice(offered=False, opening="")
 
 
 def test_bad_requests_are_refused_naming_what_is_wrong():
@@ -41,6 +43,33 @@ def test_bad_requests_are_refused_naming_what_is_wrong():
     assert refused({"model": "m", "messages": MESSAGES, "top_logprobs": 3}).param == "top_logprobs"
     body = refused({"model": "m", "messages": MESSAGES, "n": 0}).body()
     assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+
+
+def tool_choice(value, tools=(LOOKUP,)) -> ToolChoice:
+    return chat_request(json.dumps({"model": "m", "messages": MESSAGES, "tools": list(tools),
+                                    "tool_choice": value}).encode(), 8).tool_choice
+
+
+def test_tool_choice_offers_the_tools_or_not_and_forces_the_opening_of_a_call_where_one_is_required():
+    assert tool_choice("auto") == tool_choice(None) == ToolChoice(offered=True, opening="")
+    assert tool_choice("none") == ToolChoice(offered=False, opening="")
+    assert tool_choice("required") == ToolChoice(offered=True, opening="<tool_call>")
+    named = tool_choice({"type": "function", "function": {"name": "lookup"}})
+    assert named == ToolChoice(offered=True, opening='<tool_call>{"name": "lookup", "arguments": ')
+    # the opening is how hermes_text writes a call of the function, up to its arguments
+    assert hermes_text("", [{"function": {"name": "lookup", "arguments": "{}"}}]).startswith(named.opening)
+
+
+def test_tool_choice_that_cannot_be_met_is_refused_naming_it():
+    for value, tools, says in (("required", (), "no tools"), ({"type": "function", "function": {"name": "x"}},
+                                                              (LOOKUP,), "'x'"),
+                               ("sometimes", (LOOKUP,), "must be"), ({"type": "function"}, (LOOKUP,), "must be")):
+        with pytest.raises(RequestError) as refused:
+            tool_choice(value, tools)
+        assert (refused.value.status, refused.value.param) == (400, "tool_choice") and says in str(refused.value)
 
 
 def test_hermes_tool_calls_come_back_as_openai_tool_calls_and_malformed_ones_as_text():
