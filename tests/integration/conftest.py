@@ -20,7 +20,8 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def local_cache(tmp_path_factory) -> Path:
     """A MESHRL_CACHE for the tests' --local runs: the first builds the tiny model and synthetic data it names
-    there, the later ones find them, as a user's second run does (the quick start's own test starts from none)."""
+    there, the later ones find them, as a user's second run does (the quick start's own test starts from
+    none)."""
     return tmp_path_factory.mktemp("meshrl-cache")
 
 

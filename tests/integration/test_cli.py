@@ -76,9 +76,28 @@ def run_row_and_events(state_dir: Path) -> tuple[tuple, list[tuple]]:
     return row, db.execute("SELECT kind, step, message FROM events ORDER BY id").fetchall()
 
 
-def test_ctrl_c_with_the_pipe_closed_stops_at_a_step_boundary_and_loses_nothing(tmp_path, local_cache):
+@pytest.fixture
+def stopped_afterwards():
+    """Takes each coordctl process a test starts and stops it after the test, whatever the outcome (its pipe
+    closed, then Ctrl-C, then kill), so that a test that fails part-way leaves no run going under the next."""
+    started: list[subprocess.Popen] = []
+    yield started.append
+    for process in started:
+        if process.poll() is None:
+            process.stdout.close()
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def test_ctrl_c_with_the_pipe_closed_stops_at_a_step_boundary_and_loses_nothing(tmp_path, local_cache,
+                                                                               stopped_afterwards):
     state_dir = tmp_path / "state"
     process = start_local(state_dir, local_cache)
+    stopped_afterwards(process)
     wait_for_step(state_dir, 3, process)
     process.stdout.close()  # the tee that Ctrl-C killed
     process.send_signal(signal.SIGINT)  # and Ctrl-C itself
@@ -93,9 +112,10 @@ def test_ctrl_c_with_the_pipe_closed_stops_at_a_step_boundary_and_loses_nothing(
     assert not list(state_dir.glob("runs/*/checkpoints/*.tmp"))
 
 
-def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path, local_cache):
+def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path, local_cache, stopped_afterwards):
     state_dir = tmp_path / "state"
     process = start_local(state_dir, local_cache, "trainer.save_freq=2")
+    stopped_afterwards(process)
     wait_for_step(state_dir, 5, process)
     process.send_signal(signal.SIGINT)
     said = said_until(process, "stopping the run at its next step boundary")  # the first Ctrl-C was taken
@@ -109,6 +129,7 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path, loc
     resumed = subprocess.Popen([*COORDCTL, "resume", "--local", "--state-dir", str(state_dir), run_id],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                env=terminal_env(MESHRL_CACHE=str(local_cache)))
+    stopped_afterwards(resumed)
     wait_for_step(state_dir, step + 2, resumed)
     resumed.send_signal(signal.SIGINT)
     output = resumed.communicate(timeout=120)[0].decode()

@@ -25,8 +25,8 @@ from tests.integration.test_cli import coordctl, start_local, terminal_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
-SMALL_RUN = ("data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-             "local.synthetic_task.rows=400")
+SMALL_RUN = ("data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "local.synthetic_task.rows=400")
 
 
 def fetch(url: str, token_file: Path | None = None) -> str:
