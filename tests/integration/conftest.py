@@ -18,6 +18,14 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def local_cache(tmp_path_factory) -> Path:
+    """A MESHRL_CACHE for the tests' --local runs: the first builds the tiny model and synthetic data it names
+    there, the later ones find them, as a user's second run does (the quick start's own test starts from
+    none)."""
+    return tmp_path_factory.mktemp("meshrl-cache")
+
+
+@pytest.fixture(scope="session")
 def reverse_data(tmp_path_factory) -> Path:
     return write_jsonl(reverse_task_rows(64, 2, 4, seed=3), tmp_path_factory.mktemp("data") / "reverse.jsonl")
 

@@ -27,8 +27,8 @@ def step_rows(state_dir: Path, run_id: str) -> dict[int, dict[str, float]]:
                 db.execute("SELECT step, metrics_json FROM steps WHERE run_id = ?", (run_id,))}
 
 
-def test_one_step_off_keeps_staleness_within_one_and_learns(tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
+def test_one_step_off_keeps_staleness_within_one_and_learns(tmp_path, monkeypatch, local_cache):
+    monkeypatch.setenv("MESHRL_CACHE", str(local_cache))
     cluster = LocalCluster(tmp_path / "state")
     runs = {}
     try:

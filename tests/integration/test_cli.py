@@ -44,9 +44,11 @@ def terminal_env(**changes: str) -> dict[str, str]:
 
 
 def start_local(state_dir: Path, cache: Path, *overrides: str) -> subprocess.Popen:
-    """coordctl start-run --local writing into a pipe, as `... | tee log` does."""
+    """coordctl start-run --local writing into a pipe, as `... | tee log` does; straight to its RL steps (no warm
+    start: what these tests look at is the RL loop's)."""
     return subprocess.Popen([*COORDCTL, "start-run", "--local", "trainer.total_training_steps=400",
-                             "trainer.test_freq=-1", "--state-dir", str(state_dir), *overrides],
+                             "trainer.test_freq=-1", "actor_rollout_ref.actor.warm_start.steps=0",
+                             "--state-dir", str(state_dir), *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=terminal_env(MESHRL_CACHE=str(cache)))
 
 
@@ -74,9 +76,28 @@ def run_row_and_events(state_dir: Path) -> tuple[tuple, list[tuple]]:
     return row, db.execute("SELECT kind, step, message FROM events ORDER BY id").fetchall()
 
 
-def test_ctrl_c_with_the_pipe_closed_stops_at_a_step_boundary_and_loses_nothing(tmp_path):
+@pytest.fixture
+def stopped_afterwards():
+    """Takes each coordctl process a test starts and stops it after the test, whatever the outcome (its pipe
+    closed, then Ctrl-C, then kill), so that a test that fails part-way leaves no run going under the next."""
+    started: list[subprocess.Popen] = []
+    yield started.append
+    for process in started:
+        if process.poll() is None:
+            process.stdout.close()
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def test_ctrl_c_with_the_pipe_closed_stops_at_a_step_boundary_and_loses_nothing(tmp_path, local_cache,
+                                                                               stopped_afterwards):
     state_dir = tmp_path / "state"
-    process = start_local(state_dir, tmp_path / "cache")
+    process = start_local(state_dir, local_cache)
+    stopped_afterwards(process)
     wait_for_step(state_dir, 3, process)
     process.stdout.close()  # the tee that Ctrl-C killed
     process.send_signal(signal.SIGINT)  # and Ctrl-C itself
@@ -91,9 +112,10 @@ def test_ctrl_c_with_the_pipe_closed_stops_at_a_step_boundary_and_loses_nothing(
     assert not list(state_dir.glob("runs/*/checkpoints/*.tmp"))
 
 
-def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path):
+def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path, local_cache, stopped_afterwards):
     state_dir = tmp_path / "state"
-    process = start_local(state_dir, tmp_path / "cache", "trainer.save_freq=2")
+    process = start_local(state_dir, local_cache, "trainer.save_freq=2")
+    stopped_afterwards(process)
     wait_for_step(state_dir, 5, process)
     process.send_signal(signal.SIGINT)
     said = said_until(process, "stopping the run at its next step boundary")  # the first Ctrl-C was taken
@@ -106,7 +128,8 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path):
     assert state in ("stopped", "interrupted") and not [m for _, _, m in events if "recovery" in m]
     resumed = subprocess.Popen([*COORDCTL, "resume", "--local", "--state-dir", str(state_dir), run_id],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
+                               env=terminal_env(MESHRL_CACHE=str(local_cache)))
+    stopped_afterwards(resumed)
     wait_for_step(state_dir, step + 2, resumed)
     resumed.send_signal(signal.SIGINT)
     output = resumed.communicate(timeout=120)[0].decode()
@@ -122,7 +145,8 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_resume_redoes(tmp_path):
     assert tensorboard_scalars(run_dir / "tensorboard")["critic/score/mean"] == pytest.approx(rewards, rel=1e-6)
 
 
-def test_ctrl_c_in_a_warm_start_stops_at_its_next_step_and_resume_goes_on_from_there_from_any_folder(tmp_path):
+def test_ctrl_c_in_a_warm_start_stops_at_its_next_step_and_resume_goes_on_from_there_from_any_folder(
+        tmp_path, local_cache):
     """Ctrl-C during the warm start lands at its next step boundary, not after the whole warm start: a checkpoint
     of step 0 keeps what it taught and where it was, and resume --local goes on with its next step, then RL, with
     the services the run was started with: here an env service for its tool, which the default services lack. All
@@ -134,7 +158,7 @@ def test_ctrl_c_in_a_warm_start_stops_at_its_next_step_and_resume_goes_on_from_t
              "local.lookup_task.rows=500"]
     process = subprocess.Popen([*COORDCTL, "start-run", "--local", str(repository / "examples" / "local_tools.yaml"),
                                 *small, "--state-dir", str(state_dir)], cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
+                               stderr=subprocess.STDOUT, env=terminal_env(MESHRL_CACHE=str(local_cache)))
     said = ""
     try:
         said = said_until(process, "warm start 60/300")
@@ -153,7 +177,7 @@ def test_ctrl_c_in_a_warm_start_stops_at_its_next_step_and_resume_goes_on_from_t
 
     resumed = subprocess.Popen([*COORDCTL, "resume", "--local", "--state-dir", str(state_dir), run_id],
                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
+                               env=terminal_env(MESHRL_CACHE=str(local_cache)))
     try:
         wait_for_step(state_dir, 1, resumed, timeout_s=240)  # the warm start's steps left, then step 1
     finally:  # stopped as a person stops it, whatever happened (its local services stop with it)
@@ -173,7 +197,7 @@ def test_ctrl_c_in_a_warm_start_stops_at_its_next_step_and_resume_goes_on_from_t
     evaluated = subprocess.run([*COORDCTL, "eval", str(exported), "--local", "--data", held_out, "--out",
                                 str(tmp_path / "eval.jsonl"), "--state-dir", str(tmp_path / "eval")], cwd=tmp_path,
                                capture_output=True, text=True, timeout=300,
-                               env=terminal_env(MESHRL_CACHE=str(tmp_path / "cache")))
+                               env=terminal_env(MESHRL_CACHE=str(local_cache)))
     assert evaluated.returncode == 0, evaluated.stdout[-2000:] + evaluated.stderr[-2000:]
     assert "env replicas of group default" in evaluated.stdout and "meshrl/lookup: acc/mean@1" in evaluated.stdout
     [metrics] = [json.loads(line) for path in (tmp_path / "eval").glob("runs/*/metrics.jsonl")
@@ -191,9 +215,9 @@ def read_until(process: subprocess.Popen, text: str) -> str:
     return "".join(lines)
 
 
-def test_another_terminal_sees_the_local_run_and_what_it_waits_for(tmp_path):
+def test_another_terminal_sees_the_local_run_and_what_it_waits_for(tmp_path, local_cache):
     state_dir = tmp_path / "state"
-    process = start_local(state_dir, tmp_path / "cache")
+    process = start_local(state_dir, local_cache)
     try:
         said = read_until(process, "from another terminal")
         coordinator = re.search(r"coordinator at (\S+);", said).group(1)

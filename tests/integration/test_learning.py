@@ -84,8 +84,8 @@ def assert_learned(scores: list[float]) -> None:
     assert last > first + 0.1 and last > 0.75, f"reward did not rise clearly: {first:.3f} -> {last:.3f}"
 
 
-def test_ppo_with_gae_and_grpo_learn(cluster_for_both_runs, tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
+def test_ppo_with_gae_and_grpo_learn(cluster_for_both_runs, monkeypatch, local_cache):
+    monkeypatch.setenv("MESHRL_CACHE", str(local_cache))
     cluster = cluster_for_both_runs
     ppo, _ = resolve_config([str(EXAMPLES / "local_ppo.yaml"), f"trainer.total_training_steps={STEPS}",
                           "placement.critic=critics", "actor_rollout_ref.actor.use_kl_loss=true"], local=True)

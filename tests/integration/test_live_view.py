@@ -55,10 +55,10 @@ def frame_after(pane: Pane, step: int, timeout_s: float = 120) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory):
+def local_run(tmp_path_factory, local_cache):
     """A --local run going (400 steps, stopped after the module): its state folder, coordinator and id."""
     folder = tmp_path_factory.mktemp("live")
-    process = start_local(folder / "state", folder / "cache", "actor_rollout_ref.actor.warm_start.steps=0")
+    process = start_local(folder / "state", local_cache)
     try:
         said = read_until(process, "from another terminal")
         coordinator = re.search(r"coordinator at (\S+);", said).group(1)

@@ -25,7 +25,7 @@ from tests.integration.test_cli import coordctl, start_local, terminal_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
-SMALL_RUN = ("actor_rollout_ref.actor.warm_start.steps=0", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+SMALL_RUN = ("data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
              "actor_rollout_ref.actor.ppo_mini_batch_size=8", "local.synthetic_task.rows=400")
 
 
@@ -58,12 +58,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory):
+def local_run(tmp_path_factory, local_cache):
     """A --local run going on, and a Prometheus server scraping it from the start (None without Debian's
     package): the coordinator's address, the targets file coordctl printed, Prometheus's address. Stopped after
     the module, the run with two Ctrl-C (at once: nothing of it is looked at after)."""
     folder = tmp_path_factory.mktemp("metrics")
-    process = start_local(folder / "state", folder / "cache", *SMALL_RUN)
+    process = start_local(folder / "state", local_cache, *SMALL_RUN)
     prometheus = None
     try:
         said = ""
