@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 
 from services import algos
-from services.coordctl.tiny_model import build_random_model
+from services.coordctl.tiny_model import SMALL_QWEN3_MOE, build_random_model
 from services.rollout.hf_engine import HFEngine
 from services.rollout.sampling import SamplingSettings
 from services.run.models import load_causal_lm
 from services.run.routing import RouteRecorder, replaying
-from tests.gpu.test_moe_vllm import MOE_SHAPE
 
 EXPERT_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
 
@@ -81,18 +80,19 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=20)
     args = parser.parse_args()
-    dense_shape = {key: value for key, value in MOE_SHAPE.items() if key not in EXPERT_KEYS}
+    dense_shape = {key: value for key, value in SMALL_QWEN3_MOE.items() if key not in EXPERT_KEYS}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
-            for name, shape in (("dense", dense_shape), ("moe", MOE_SHAPE)):
+            for name, shape in (("dense", dense_shape), ("moe", SMALL_QWEN3_MOE)):
                 folder = build_random_model(Path(tmp) / f"{name}-{seed}", shape, "float32", seed=seed)
                 trainer = load_causal_lm(str(folder), "float32").eval()
                 rollout = load_causal_lm(str(folder), "bfloat16").eval()
                 prompts, responses = sequences(trainer, args.sequences, seed)
                 for replay in ((False, True) if name == "moe" else (False,)):
                     label = f"{name} seed {seed}" + (" replayed routes" if replay else " own routes" * (name == "moe"))
-                    print(f"{label:<28} {compare(trainer, rollout, prompts=prompts, responses=responses, top_k=args.top_k, replay=replay)}",
-                          flush=True)
+                    figures = compare(trainer, rollout, prompts=prompts, responses=responses, top_k=args.top_k,
+                                      replay=replay)
+                    print(f"{label:<28} {figures}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,12 @@ CHAT_ALPHABET = ALPHABET + "{}[]\"'_<>;|\n"
 CHAT_SPECIAL_TOKENS = ("<pad>", "<|im_end|>", "<unk>", "<|im_start|>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 """Single tokens of the chat variant that decoding keeps (as Qwen2.5's are): the tool-call parser reads them."""
+# A small random Qwen3-MoE (the GPU MoE tests' and bench/probe_kl.py's): 8 experts of 1024, 2 a token, 4 layers 512
+# wide (head_dim 64): sizes vLLM's fused-MoE kernels take as they are.
+SMALL_QWEN3_MOE = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=1024, norm_topk_prob=True, vocab_size=2048, initializer_range=0.1,
+                       tie_word_embeddings=False, max_position_embeddings=512)
 
 # ChatML as Qwen2.5 renders it, tools in one line ("Tools: lookup(key) other(a,b)") instead of their JSON schemas;
 # consecutive tool replies share one user turn, each in its own <tool_response> block, as Qwen2.5's do.

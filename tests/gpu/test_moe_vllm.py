@@ -43,22 +43,17 @@ from services.trainer.forward import candidate_logprobs
 from services.coordctl.control import CoordinatorClient
 from services.coordctl.local import LocalCluster, ServiceSpec
 from services.coordctl.synthetic import reverse_task_rows, write_jsonl
-from services.coordctl.tiny_model import build_random_model
+from services.coordctl.tiny_model import SMALL_QWEN3_MOE, build_random_model
 from tests.gpu.conftest import cuda_trainer, needs, vllm_rollout
 from tests.gpu.test_gpu_grpo import run
 from tests.integration.test_grpo_run import logprobs_both_ways
 
 STEPS = 5
-# 8 experts of 1024, 2 a token, 4 layers 512 wide (head_dim 64): sizes vLLM's fused-MoE kernels take as they are
-MOE_SHAPE = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
-                 norm_topk_prob=True, vocab_size=2048, initializer_range=0.1, tie_word_embeddings=False,
-                 max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory) -> Path:
-    return build_random_model(tmp_path_factory.mktemp("moe") / "qwen3-moe-random", MOE_SHAPE, "bfloat16", seed=0)
+    return build_random_model(tmp_path_factory.mktemp("moe") / "qwen3-moe-random", SMALL_QWEN3_MOE, "bfloat16", seed=0)
 
 
 def run_config(model: Path, data: Path, replay: str = "disabled") -> str:
@@ -158,10 +153,10 @@ def test_routing_replay_on_vllm_routes_the_trainer_by_the_rollouts_experts(qwen3
         assert 0.5 < row["training/routing_agreement"] <= 1.0, row
     routes = generated.routed_experts
     fed = len(prompt) * 4 + int(generated.response_lens.sum()) - 4  # each response's prompt + response - 1
-    assert routes.dtype == torch.uint8 and tuple(routes.shape) == (fed, MOE_SHAPE["num_hidden_layers"],
-                                                                   MOE_SHAPE["num_experts_per_tok"])
-    assert int(routes.max()) < MOE_SHAPE["num_experts"]
-    assert all(len(set(token.tolist())) == MOE_SHAPE["num_experts_per_tok"] for token in routes[:, 0])
+    assert routes.dtype == torch.uint8 and tuple(routes.shape) == (fed, SMALL_QWEN3_MOE["num_hidden_layers"],
+                                                                   SMALL_QWEN3_MOE["num_experts_per_tok"])
+    assert int(routes.max()) < SMALL_QWEN3_MOE["num_experts"]
+    assert all(len(set(token.tolist())) == SMALL_QWEN3_MOE["num_experts_per_tok"] for token in routes[:, 0])
 
 
 async def generate_with_routes(rollout_address: str, prompt: list[int]):
