@@ -119,27 +119,28 @@ def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[s
 
 def task_files(local: LocalConfig, cache: Path) -> tuple[Path, Path | None]:
     """The training and held-out files of the local task (None: no held-out rows), built if missing."""
-    task: TaskConfig
+    task: TaskConfig  # the chosen task's; each closure below reads its own task's config, typed as such
     if local.task == "lookup":
-        task = local.lookup_task
-        name = f"lookup-k{task.key_letters}-s{task.seed}-h{task.held_out_share:g}"
+        lookup = task = local.lookup_task
+        name = f"lookup-k{lookup.key_letters}-s{lookup.seed}-h{lookup.held_out_share:g}"
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return lookup_task_rows(count, task.key_letters, seed, split, task.held_out_share)
+            return lookup_task_rows(count, lookup.key_letters, seed, split, lookup.held_out_share)
     elif local.task == "arithmetic":
-        task = local.arithmetic_task
-        name = f"arithmetic-s{task.min_steps}-{task.max_steps}-n{task.largest}-s{task.seed}-h{task.held_out_share:g}"
+        arithmetic = task = local.arithmetic_task
+        name = (f"arithmetic-s{arithmetic.min_steps}-{arithmetic.max_steps}-n{arithmetic.largest}-s{arithmetic.seed}"
+                f"-h{arithmetic.held_out_share:g}")
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return arithmetic_task_rows(count, task.min_steps, task.max_steps, task.largest, seed, split=split,
-                                        held_out_share=task.held_out_share)
+            return arithmetic_task_rows(count, arithmetic.min_steps, arithmetic.max_steps, arithmetic.largest, seed,
+                                        split=split, held_out_share=arithmetic.held_out_share)
     else:
-        task = local.synthetic_task
-        name = f"reverse-d{task.min_digits}-{task.max_digits}-s{task.seed}-h{task.held_out_share:g}"
+        reverse = task = local.synthetic_task
+        name = f"reverse-d{reverse.min_digits}-{reverse.max_digits}-s{reverse.seed}-h{reverse.held_out_share:g}"
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return reverse_task_rows(count, task.min_digits, task.max_digits, seed, split,
-                                     held_out_share=task.held_out_share)
+            return reverse_task_rows(count, reverse.min_digits, reverse.max_digits, seed, split,
+                                     held_out_share=reverse.held_out_share)
     train = cache / "data" / f"{name}-train{task.rows}.jsonl"
     test = cache / "data" / f"{name}-test{task.val_rows}.jsonl"
     if not train.exists():

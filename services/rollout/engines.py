@@ -27,7 +27,7 @@ import torch
 from services.common.adapters import is_adapter
 from services.common.channel import ChannelTable, gpu_uuid
 from services.common.memory import memory_metrics
-from services.run.models import load_causal_lm, load_tokenizer
+from services.run.models import load_causal_lm, load_tokenizer, moved
 from services.common.weight_sync import StagedWeights, WeightReceiver
 from services.rollout.config import CORRUPTION, RolloutServiceConfig
 from services.rollout.hf_engine import HFEngine, WeightsNotLoaded
@@ -93,7 +93,7 @@ class HFRolloutEngine:
 
     def __init__(self, model_path: str, dtype: str, config: RolloutServiceConfig, allow_pickle: bool = False):
         tokenizer = load_tokenizer(model_path)
-        model = load_causal_lm(model_path, dtype, allow_pickle).to(config.device)
+        model = moved(load_causal_lm(model_path, dtype, allow_pickle), config.device)
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.engine = HFEngine(model, pad_id=pad, eos_ids=(eos,), batch_size=config.batch_size)

@@ -28,7 +28,7 @@ code knows about adapters.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -38,6 +38,9 @@ from services.common.adapters import adapter_pairs, merged_weight
 from services.run.experts import per_expert_tensors
 from services.run.routing import RouteRecorder
 from services.rollout.sampling import Completion, SamplingSettings, hash_seed
+
+if TYPE_CHECKING:
+    from services.run.models import HFModel
 
 
 def version_0() -> int:
@@ -74,14 +77,14 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings,
     return chosen, algos.token_logprobs(logits, chosen, sampling.temperature)
 
 
-def cache_argument(model: torch.nn.Module) -> str:
+def cache_argument(model: HFModel) -> str:
     """The name under which ``model.forward`` takes its KV cache: ``cache``, or ``past_key_values`` in
     transformers versions without it."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class HFEngine:
-    def __init__(self, model: torch.nn.Module, pad_id: int, eos_ids: tuple[int, ...], batch_size: int):
+    def __init__(self, model: HFModel, pad_id: int, eos_ids: tuple[int, ...], batch_size: int):
         self.model = model.eval()
         self.pad_id = pad_id
         self.eos_ids = eos_ids

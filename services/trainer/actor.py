@@ -25,7 +25,7 @@ import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from services.trainer.forward import batched_logprobs, gather_tokens, response_l
 from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
 from services.trainer.optim import Optimizer, OptimSettings, mean_metrics, shuffled_mini_batches
 from services.trainer.ranks import Ranks
+
+if TYPE_CHECKING:
+    from services.run.models import HFModel
 
 ROUTES_GIVEN, ROUTES_AGREED = "routing/given", "routing/agreed"
 """A micro-batch's counts of token-layer routes replayed and agreed with (``routing.RouteTally``), summed over the
@@ -125,7 +128,7 @@ class UpdateInputs:
 
 
 class Actor:
-    def __init__(self, model: torch.nn.Module, optim: OptimSettings, warm_start: OptimSettings, pad_id: int, seed: int,
+    def __init__(self, model: HFModel, optim: OptimSettings, warm_start: OptimSettings, pad_id: int, seed: int,
                  *, ranks: Ranks | None = None, merge_adapters: bool = False, trains_base: bool = False):
         """``warm_start``: the settings of the warm start's own optimizer and schedule (one scheduler step per
         supervised step). ``ranks``: where the (placed, maybe sharded) model trains; None = one rank, on the
@@ -175,24 +178,25 @@ class Actor:
         scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length, mask)
         stats: dict[str, float] = {}
         plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, settings.micro)
-        mismatch = inputs.old_logprobs is None and inputs.rollout_logprobs is not None  # reported from this pass
+        # without old logprobs, the rollout's are compared with this pass's own (the mismatch metrics)
+        mismatch_with = inputs.rollout_logprobs if inputs.old_logprobs is None else None
         own_logprobs = []  # then the real micro-batches' logprobs
         for micro, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
             weight = self.ranks.grad_scale if real else 0.0
             micro_stats, logprobs = self._micro_batch_loss(batch, micro, inputs, settings, scale, weight=weight)
             for key, value in micro_stats.items():
                 stats[key] = stats.get(key, 0.0) + (value if real else 0.0)
-            if real and mismatch:
+            if real and mismatch_with is not None:
                 own_logprobs.append(logprobs.cpu())
         stats = self.ranks.sum_metrics(stats)
         routes_given = stats.pop(ROUTES_GIVEN, 0.0)
         routes_agreed = stats.pop(ROUTES_AGREED, 0.0)
         if routes_given:
             stats["training/routing_agreement"] = routes_agreed / routes_given
-        if mismatch:
+        if mismatch_with is not None:
             old_logprobs = gather_tokens(batch, plan, own_logprobs, self.ranks)  # this one step's rows: the batch
             if old_logprobs is not None:  # rank 0
-                stats |= algos.mismatch_metrics(inputs.rollout_logprobs, old_logprobs, batch.response_lens,
+                stats |= algos.mismatch_metrics(mismatch_with, old_logprobs, batch.response_lens,
                                                 batch.loss_mask)
         stats["actor/grad_norm"] = self.optimizer.step()
         return stats
@@ -212,15 +216,19 @@ class Actor:
             remove_padding=settings.remove_padding, chunk_tokens=settings.logprob_chunk_tokens,
             entropy_grad=settings.entropy_coeff != 0,  # else a metric only
             replay_routes=settings.replay_routes, tally=tally)
+        assert entropy is not None  # asked for (with_entropy)
         lengths = part.response_lens
         if inputs.old_logprobs is None:  # one optimizer step: the weights are still pi_old's
             old_logprobs = logprobs.detach()
         else:
             old_logprobs = inputs.old_logprobs[tokens].to(device)
-        tis = algos.rollout_is_weights(
-            old_logprobs=old_logprobs, rollout_logprobs=inputs.rollout_logprobs[tokens].to(device), lengths=lengths,
-            level=settings.rollout_is, mode=settings.rollout_is_mode, threshold=settings.rollout_is_threshold,
-            mask=mask) if settings.rollout_is else None
+        tis = None
+        if settings.rollout_is:
+            assert inputs.rollout_logprobs is not None  # check_inputs refuses an update without them
+            tis = algos.rollout_is_weights(
+                old_logprobs=old_logprobs, rollout_logprobs=inputs.rollout_logprobs[tokens].to(device),
+                lengths=lengths, level=settings.rollout_is, mode=settings.rollout_is_mode,
+                threshold=settings.rollout_is_threshold, mask=mask)
         pg = POLICY_LOSSES.get(settings.loss_mode).fn(
             PolicyLossInputs(logprobs=logprobs, old_logprobs=old_logprobs,
                              advantages=inputs.advantages[tokens].to(device), lengths=lengths, mask=mask,
@@ -235,6 +243,7 @@ class Actor:
             stats["rollout_corr/rollout_is_mean"] = float(tis.weights.sum()) / max(scale.num_tokens, 1)
             stats["rollout_corr/rollout_is_ratio_fraction_high"] = float(tis.exceeded.sum()) / max(scale.num_tokens, 1)
         if settings.use_kl_loss:
+            assert inputs.ref_logprobs is not None  # check_inputs refuses an update without them
             kl = algos.kl_penalty(logprobs, inputs.ref_logprobs[tokens].to(device), settings.kl_loss_type)
             kl_loss = algos.aggregate(kl, lengths, settings.loss_agg_mode, scale, mask)
             loss = loss + settings.kl_loss_coef * kl_loss
@@ -293,7 +302,7 @@ class Actor:
                 parameter.requires_grad_(was[name])
 
     @contextmanager
-    def base_policy(self) -> Iterator[torch.nn.Module]:
+    def base_policy(self) -> Iterator[HFModel]:
         """The actor's base model, its adapters switched off for the passes inside the ``with`` (LoRA only): the
         reference policy, without a second copy of the model.
 
@@ -301,6 +310,7 @@ class Actor:
         no part in it), because FSDP2 settles its mixed-precision dtypes at a model's first forward from the
         parameters that train then, and a first forward with none leaves the gradients in the compute dtype for
         good (pytorch/pytorch#186998): the reference pass may be the first."""
+        assert is_lora(self.model), "only a LoRA actor has a base policy (its adapters switched off)"
         trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         with self.model.disable_adapter():
             for parameter in trained:

@@ -36,11 +36,14 @@ results as the model's output.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from services import algos
+
+if TYPE_CHECKING:
+    from services.run.models import HFModel
 
 # what some architectures do to the logits after the output layer: their logits are not the head's alone
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -124,7 +127,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return logprobs, entropy if with_entropy else None
 
 
-def chunkable(model: torch.nn.Module) -> bool:
+def chunkable(model: HFModel) -> bool:
     """Whether the model's logits are its output layer's alone: a plain linear layer with nothing applied after
     it (no soft-capping or scaling, which some architectures add)."""
     config = getattr(model, "config", None)
@@ -133,7 +136,7 @@ def chunkable(model: torch.nn.Module) -> bool:
 
 
 @contextmanager
-def head_replaced(model: torch.nn.Module, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
+def head_replaced(model: HFModel, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
                   chunk_tokens: int, *, with_entropy: bool, entropy_grad: bool = True) -> Iterator[None]:
     """For the forward passes inside the ``with``, the model's output is, instead of its logits, the logprobs of
     ``targets`` [T] (and the entropies) at the hidden states' ``positions`` ([rows, L] bool, row-major order):

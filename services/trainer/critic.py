@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from services.trainer.forward import batched_values, response_values
 from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_flops
 from services.trainer.optim import Optimizer, OptimSettings, mean_metrics, shuffled_mini_batches
 from services.trainer.ranks import Ranks
+
+if TYPE_CHECKING:
+    from services.run.models import HFModel
 
 
 @dataclass(frozen=True)
@@ -39,12 +43,12 @@ class CriticSettings:
 
 
 class Critic:
-    def __init__(self, model: torch.nn.Module, optim: OptimSettings, pad_id: int, seed: int,
+    def __init__(self, model: HFModel, optim: OptimSettings, pad_id: int, seed: int,
                  ranks: Ranks | None = None):
         self.model = model
         self.ranks = ranks or Ranks.single(next(model.parameters()).device)
         self.pad_id = pad_id
-        self.shape = ModelShape.of(model.config, model.config.num_labels)
+        self.shape = ModelShape.of(model.config, 1)  # a value model's head: one output (load_value_model)
         self.peak_flops = device_peak_flops(self.ranks.device)  # None: no MFU here
         self.optimizer = Optimizer(model.parameters(), optim)
         self.shuffle = torch.Generator().manual_seed(seed + 1)

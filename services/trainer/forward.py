@@ -8,6 +8,9 @@ Logprobs and
 entropies come from the logits upcast to fp32 (``algos.token_logprobs``),
 whatever dtype the model computes in. With ``chunk_tokens`` they are computed
 from the final hidden states of the response positions alone, that many
+
+if TYPE_CHECKING:
+    from services.run.models import HFModel
 tokens' logits at a time (``chunked_head``); without it, from the whole
 micro-batch's logits.
 """
@@ -15,7 +18,7 @@ micro-batch's logits.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -28,12 +31,15 @@ from services.trainer.chunked_head import chunkable, head_replaced
 from services.trainer.ranks import Ranks
 from services.trainer.varlen_attention import varlen_kwargs
 
+if TYPE_CHECKING:
+    from services.run.models import HFModel
+
 
 def model_inputs(batch: SequenceBatch, pad_id: int, remove_padding: bool, device: torch.device) -> Padded:
     return (batch.packed() if remove_padding else batch.padded(pad_id)).to(device)
 
 
-def run_model(model: torch.nn.Module, inputs: Padded, replay_routes: bool = False,
+def run_model(model: HFModel, inputs: Padded, replay_routes: bool = False,
               tally: RouteTally | None = None) -> torch.Tensor:
     """The model's output scores (logits, or a value head's) at every position, [rows, L, ...]; every pass of
     the trainer's goes through here (a LoRA model's in ``adapter_autocast``). Where the inputs carry routed
@@ -47,7 +53,7 @@ def run_model(model: torch.nn.Module, inputs: Padded, replay_routes: bool = Fals
                      position_ids=inputs.position_ids, use_cache=False, **packed).logits
 
 
-def response_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,
+def response_logprobs(model: HFModel, batch: SequenceBatch, pad_id: int, temperature: float,
                       with_entropy: bool, *, device: torch.device, remove_padding: bool = False,
                       chunk_tokens: int = 0, entropy_grad: bool = True, replay_routes: bool = False,
                       tally: RouteTally | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,7 +75,7 @@ def response_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int,
     return logprobs, entropy
 
 
-def response_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, device: torch.device,
+def response_values(model: HFModel, batch: SequenceBatch, pad_id: int, device: torch.device,
                     remove_padding: bool = False) -> torch.Tensor:
     """The value head's output at the position before each response token, flat [T] fp32."""
     inputs = model_inputs(batch, pad_id, remove_padding, device)
@@ -109,7 +115,7 @@ def gather_tokens(batch: SequenceBatch, plan: list[list[torch.Tensor]], mine: li
     return values
 
 
-def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, temperature: float,
+def batched_logprobs(model: HFModel, batch: SequenceBatch, pad_id: int, temperature: float,
                      micro: MicroBatching, *, ranks: Ranks) -> torch.Tensor | None:
     """Logprobs of every response token without gradients: flat [T] on rank 0 (CPU), None on the others."""
     model.eval()
@@ -119,7 +125,7 @@ def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, 
                                                     replay_routes=micro.replay_routes)[0], batch, micro, ranks)
 
 
-def batched_values(model: torch.nn.Module, batch: SequenceBatch, pad_id: int, micro: MicroBatching,
+def batched_values(model: HFModel, batch: SequenceBatch, pad_id: int, micro: MicroBatching,
                    ranks: Ranks) -> torch.Tensor | None:
     """Values before every response token without gradients: flat [T] on rank 0 (CPU), None on the others."""
     model.eval()

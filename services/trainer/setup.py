@@ -7,6 +7,8 @@ Each rank builds the same roles from the same seeds, then places them
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from services.run.lora import output_layer_name, with_lora
@@ -22,6 +24,9 @@ from services.trainer.ranks import Ranks
 from services.trainer.settings import packs
 from services.trainer.sharding import Sharding, place
 from services.trainer.varlen_attention import VARLEN, register
+
+if TYPE_CHECKING:
+    from services.run.models import HFModel
 
 ROLES = ("actor", "critic", "ref")
 
@@ -83,10 +88,9 @@ def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
     """The actor model named by the run config, placed on the ranks, with its optimizer; seeded from ``seed``."""
     model_config, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
     torch.manual_seed(seed)
-    model = load_causal_lm(model_config.path, weights_dtype(model_config.dtype, actor.fsdp_config),
-                           model_config.allow_pickle, attention(packs(model_config.use_remove_padding, ranks.device)))
-    if model_config.lora_rank:
-        model = with_lora(model, model_config)
+    base = load_causal_lm(model_config.path, weights_dtype(model_config.dtype, actor.fsdp_config),
+                          model_config.allow_pickle, attention(packs(model_config.use_remove_padding, ranks.device)))
+    model = with_lora(base, model_config) if model_config.lora_rank else base
     model = place(model, ranks, actor_sharding(config, ranks.world_size), model_config.enable_gradient_checkpointing)
     optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.steps,
                            actor.fsdp_config.optimizer_offload)
@@ -99,11 +103,10 @@ def build_critic(config: RunConfig, seed: int, ranks: Ranks) -> Critic:
     critic = config.critic
     path = critic.model.path or config.actor_rollout_ref.model.path
     torch.manual_seed(seed + 1)
-    model = load_value_model(path, weights_dtype(config.actor_rollout_ref.model.dtype, critic.model.fsdp_config),
-                             config.actor_rollout_ref.model.allow_pickle,
-                             attention(packs(critic.model.use_remove_padding, ranks.device)))
-    if critic.model.lora_rank:
-        model = with_lora(model, critic.model, modules_to_save=[output_layer_name(model)])
+    base = load_value_model(path, weights_dtype(config.actor_rollout_ref.model.dtype, critic.model.fsdp_config),
+                            config.actor_rollout_ref.model.allow_pickle,
+                            attention(packs(critic.model.use_remove_padding, ranks.device)))
+    model = with_lora(base, critic.model, modules_to_save=[output_layer_name(base)]) if critic.model.lora_rank else base
     model = place(model, ranks, critic_sharding(config, ranks.world_size), critic.model.enable_gradient_checkpointing)
     optim = optim_settings(critic.optim, critic.grad_clip, config.trainer.steps,
                            critic.model.fsdp_config.optimizer_offload)
@@ -116,7 +119,7 @@ def reference_is_actor_base(config: RunConfig, roles: list[str]) -> bool:
     return bool(config.actor_rollout_ref.model.lora_rank) and "actor" in roles and "ref" in roles
 
 
-def build_reference(config: RunConfig, ranks: Ranks) -> torch.nn.Module:
+def build_reference(config: RunConfig, ranks: Ranks) -> HFModel:
     """The frozen reference policy: the actor's initial model, never updated, held as actor_rollout_ref.ref's
     fsdp_config says (the actor's when null); under mixed precision its weights are kept in the compute dtype,
     which is all it is ever used in."""
@@ -124,8 +127,8 @@ def build_reference(config: RunConfig, ranks: Ranks) -> torch.nn.Module:
     fsdp = actor_rollout_ref.ref.fsdp_config or actor_rollout_ref.actor.fsdp_config
     dtype = fsdp.mixed_precision.param_dtype if fsdp.mixed_precision is not None else actor_rollout_ref.model.dtype
     sharding = sharding_of(actor_rollout_ref.actor.strategy, fsdp, ranks.world_size, "actor_rollout_ref.ref")
-    model = load_causal_lm(actor_rollout_ref.model.path, dtype, actor_rollout_ref.model.allow_pickle,
-                           attention(packs(actor_rollout_ref.model.use_remove_padding, ranks.device)))
-    model = place(model, ranks, sharding, False)
+    model = place(load_causal_lm(actor_rollout_ref.model.path, dtype, actor_rollout_ref.model.allow_pickle,
+                                 attention(packs(actor_rollout_ref.model.use_remove_padding, ranks.device))),
+                  ranks, sharding, False)
     model.eval().requires_grad_(False)
     return model

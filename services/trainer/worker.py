@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 import torch
@@ -51,6 +51,9 @@ from services.trainer.setup import (ROLES, build_actor, build_critic, build_refe
                                     reference_is_actor_base)
 from services.trainer.telemetry import release_cached_memory, step_memory_metrics
 
+if TYPE_CHECKING:
+    from services.run.models import HFModel
+
 log = structlog.get_logger()
 SEQUENCE_KEYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
 OPS = ("init_run", "compute_log_probs", "compute_values", "update_actor", "update_critic", "train_supervised",
@@ -67,7 +70,7 @@ class Roles:
     settings: RunSettings
     actor: Actor | None
     critic: Critic | None
-    reference: torch.nn.Module | None  # None also where the reference is the actor's base (reference_is_base)
+    reference: HFModel | None  # None also where the reference is the actor's base (reference_is_base)
     pad_id: int
     reference_is_base: bool = False  # the reference is the LoRA actor's base, its adapters switched off
 
@@ -80,7 +83,7 @@ class Roles:
         """Parameters (elements) each hosted role holds, and those it trains (``<role>_trainable``); a reference
         that is the actor's base holds none of its own."""
         counts = {}
-        models: tuple[tuple[str, torch.nn.Module | None], ...] = (
+        models: tuple[tuple[str, HFModel | None], ...] = (
             ("actor", self.actor.model if self.actor else None), ("critic", self.critic.model if self.critic else None),
             ("ref", self.reference))
         for name, model in models:
@@ -241,7 +244,7 @@ class RankWorker:
                                     temperature=temperature or settings.temperature, micro=micro, ranks=self.ranks)
 
     @staticmethod
-    def _policy(roles: Roles, role: str) -> contextlib.AbstractContextManager[torch.nn.Module]:
+    def _policy(roles: Roles, role: str) -> contextlib.AbstractContextManager[HFModel]:
         if role == "actor":
             return contextlib.nullcontext(roles.need("actor").model)
         if roles.reference_is_base:
