@@ -136,7 +136,8 @@ class ReplicaPool(Generic[Replica]):
             try:
                 return await running[1], replica
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # (in a task) the batch is being cancelled
+                task = asyncio.current_task()  # this coroutine's (it runs in a task)
+                if task is not None and task.cancelling():  # the batch is being cancelled
                     raise
                 last_error = Unavailable(f"{self.kind} {getattr(replica, 'address', replica)} was dropped")
             except Exception as error:  # decided by is_retryable

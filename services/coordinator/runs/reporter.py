@@ -79,7 +79,8 @@ class RunReporter:
         """Into <samples_dir>/<step>.jsonl (verl's file), replacing the one of an earlier attempt at the step; whole
         or not at all for a reader (written aside, then renamed). Written on a worker thread; one the disk refuses
         is held with the run's records, and written again with them once it takes them."""
-        path = self.samples_dir / f"{step}.jsonl"  # type: ignore[operator]  # asked only with a samples_dir
+        assert self.samples_dir is not None, "samples are asked for only with a samples_dir (keep_samples)"
+        path = self.samples_dir / f"{step}.jsonl"
         text = await asyncio.to_thread(lambda: "".join(json.dumps(record) + "\n" for record in records))
 
         def write() -> None:

@@ -94,12 +94,18 @@ class RunSupervisor:
     async def swap_reward(self, target: ServiceTarget) -> list[str]:
         """Have the attempt in progress (``attempting``) probe ``target``'s reward services and switch to them at
         its next step boundary (``PPOLoop.swap_reward``)."""
-        return await self.loop.swap_reward(target)  # type: ignore[union-attr]  # asked only while attempting()
+        return await self._attempt().swap_reward(target)
 
     async def swap_env(self, target: ServiceTarget) -> list[str]:
         """Have the attempt in progress (``attempting``) probe ``target``'s env services and switch to them at its
         next step boundary (``PPOLoop.swap_env``)."""
-        return await self.loop.swap_env(target)  # type: ignore[union-attr]  # asked only while attempting()
+        return await self._attempt().swap_env(target)
+
+    def _attempt(self) -> PPOLoop:
+        """The loop of the attempt in progress; FailedPrecondition when none is (``attempting``)."""
+        if self.loop is None:
+            raise FailedPrecondition(f"run {self.run_id} has no attempt in progress")
+        return self.loop
 
     async def execute(self, resume: Checkpoint | None = None) -> None:
         """Drive the run to its end. When a service goes away mid-run (a retryable failure), the run waits

@@ -95,10 +95,13 @@ class Validations:
 
     def start(self, step: int) -> None:
         """Validate the weights the rollouts serve now, after step ``step``, on the rollouts, while the loop goes
-        on (the next weight sync waits for it: ``finish``)."""
+        on (the next weight sync waits for it: ``finish``); only for a run that validates (its settings given)."""
+        settings = self.settings
+        assert settings is not None, "validation starts only for a run with held-out prompts"
+
         async def run_and_report() -> None:
             validated = await run_validation(
-                settings=self.settings,  # type: ignore[arg-type]  # started only for a run with held-out prompts
+                settings=settings,
                 prompts=self.prompts, rollout_set=self.rollout_set,
                 reward_set=self.reward_set, agent=self.agent, tokenizer=self.tokenizer, notices=self.notices,
                 timeout_s=self.timeout_s,
