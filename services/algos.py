@@ -51,10 +51,8 @@ from typing import NamedTuple
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-ROLLOUT_IS_LEVELS = ("token", "sequence")
-ROLLOUT_IS_MODES = ("truncate", "mask")
+from services.algo_names import KL_ESTIMATORS, LOSS_AGG_MODES, ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
+
 WHITEN_EPS = 1e-8
 
 
