@@ -277,7 +277,8 @@ def measure(args) -> dict:
         grad_norm = side.update(old_logprobs, advantages)["actor/grad_norm"]  # the initial weights' gradient
         timings = {job: timed(work, device, args.warmup, args.repeats)
                    for job, work in jobs(side, old_logprobs, advantages).items()}
-        timings["update"]["mfu"] = mfu(flops, timings["update"]["seconds"], peak_flops, 1) if peak_flops else None
+        timings["update"]["mfu"] = mfu(flops, timings["update"]["seconds"], peak_flops,
+                                       world_size=1) if peak_flops else None
         results[name] = {"logprob_max_diff": float((first[name] - old_logprobs).abs().max()),
                          "first_grad_norm": grad_norm, **timings}
     profiles = {f"{name} {job}": profiled(work, device) for name in ("meshrl", "reference")

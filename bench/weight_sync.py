@@ -147,7 +147,7 @@ async def logprob_gap(engine: VLLMEngine, model, model_path: Path) -> tuple[floa
     prompt_ids, prompt_lens = join_ragged([torch.tensor(p) for p, _ in flat], torch.int64)
     response_ids, response_lens = join_ragged([torch.tensor(c.token_ids) for _, c in flat], torch.int64)
     batch = SequenceBatch(prompt_ids, prompt_lens, response_ids, response_lens)
-    trainer = batched_logprobs(model, batch, tokenizer.pad_token_id, 1.0, MicroBatching(32),
+    trainer = batched_logprobs(model, batch, tokenizer.pad_token_id, temperature=1.0, micro=MicroBatching(32),
                                ranks=Ranks.single(next(model.parameters()).device))
     rollout = torch.tensor([lp for _, c in flat for lp in c.logprobs])
     gap = (rollout - trainer).abs()

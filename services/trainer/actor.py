@@ -128,8 +128,8 @@ class UpdateInputs:
 
 
 class Actor:
-    def __init__(self, model: HFModel, optim: OptimSettings, warm_start: OptimSettings, pad_id: int, seed: int,
-                 *, ranks: Ranks | None = None, merge_adapters: bool = False, trains_base: bool = False):
+    def __init__(self, model: HFModel, optim: OptimSettings, warm_start: OptimSettings, *, pad_id: int, seed: int,
+                 ranks: Ranks | None = None, merge_adapters: bool = False, trains_base: bool = False):
         """``warm_start``: the settings of the warm start's own optimizer and schedule (one scheduler step per
         supervised step). ``ranks``: where the (placed, maybe sharded) model trains; None = one rank, on the
         model's device. ``merge_adapters`` (a LoRA model): syncs send the adapted layers' merged weights
@@ -149,7 +149,7 @@ class Actor:
 
     def compute_log_probs(self, batch: SequenceBatch, temperature: float, micro: MicroBatching) -> torch.Tensor | None:
         """Logprob of every response token under the current weights, flat [T] on rank 0 (None on the others)."""
-        return batched_logprobs(self.model, batch, self.pad_id, temperature, micro, ranks=self.ranks)
+        return batched_logprobs(self.model, batch, self.pad_id, temperature=temperature, micro=micro, ranks=self.ranks)
 
     def update(self, batch: SequenceBatch, inputs: UpdateInputs, settings: ActorSettings) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; verl-named metrics averaged over mini-batches, and the update's
@@ -161,29 +161,31 @@ class Actor:
         self.model.train()
         started = time.perf_counter()
         with self.optimizer.resident():
-            reports = [self._update_mini_batch(batch, rows, inputs, settings) for rows in
-                       shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
+            reports = [self._update_mini_batch(batch, rows, inputs, settings=settings) for rows in
+                       shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs,
+                                             generator=self.shuffle)]
         seconds = time.perf_counter() - started  # each optimizer step waited for its gradient norm
         lr = self.optimizer.lr  # the rate this update ran at, as verl logs it
         self.optimizer.advance_schedule()
         metrics = {**mean_metrics(reports), "actor/lr": lr}
         if self.peak_flops is not None:
             flops = settings.epochs * training_flops(self.shape, batch.sequence_lens.tolist())
-            metrics["perf/mfu/actor"] = mfu(flops, seconds, self.peak_flops, self.ranks.world_size)
+            metrics["perf/mfu/actor"] = mfu(flops, seconds, self.peak_flops, world_size=self.ranks.world_size)
         return metrics
 
     def _update_mini_batch(self, batch: SequenceBatch, rows: torch.Tensor, inputs: UpdateInputs,
-                           settings: ActorSettings) -> dict[str, float]:
+                           *, settings: ActorSettings) -> dict[str, float]:
         mask = None if batch.loss_mask is None else batch.loss_mask[batch.token_index(rows)]
         scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length, mask)
         stats: dict[str, float] = {}
-        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, settings.micro)
+        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, micro=settings.micro)
         # without old logprobs, the rollout's are compared with this pass's own (the mismatch metrics)
         mismatch_with = inputs.rollout_logprobs if inputs.old_logprobs is None else None
         own_logprobs = []  # then the real micro-batches' logprobs
         for micro, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
             weight = self.ranks.grad_scale if real else 0.0
-            micro_stats, logprobs = self._micro_batch_loss(batch, micro, inputs, settings, scale, weight=weight)
+            micro_stats, logprobs = self._micro_batch_loss(batch, micro, inputs, settings=settings, scale=scale,
+                                                           weight=weight)
             for key, value in micro_stats.items():
                 stats[key] = stats.get(key, 0.0) + (value if real else 0.0)
             if real and mismatch_with is not None:
@@ -194,15 +196,15 @@ class Actor:
         if routes_given:
             stats["training/routing_agreement"] = routes_agreed / routes_given
         if mismatch_with is not None:
-            old_logprobs = gather_tokens(batch, plan, own_logprobs, self.ranks)  # this one step's rows: the batch
+            old_logprobs = gather_tokens(batch, plan, own_logprobs, ranks=self.ranks)  # this one step's rows: the batch
             if old_logprobs is not None:  # rank 0
                 stats |= algos.mismatch_metrics(mismatch_with, old_logprobs, batch.response_lens,
                                                 batch.loss_mask)
         stats["actor/grad_norm"] = self.optimizer.step()
         return stats
 
-    def _micro_batch_loss(self, batch, micro, inputs: UpdateInputs, settings: ActorSettings,
-                          scale: algos.LossScale, *, weight: float = 1.0) -> tuple[dict[str, float], torch.Tensor]:
+    def _micro_batch_loss(self, batch, micro, inputs: UpdateInputs, *, settings: ActorSettings,
+                          scale: algos.LossScale, weight: float = 1.0) -> tuple[dict[str, float], torch.Tensor]:
         """Backpropagate ``weight`` x one micro-batch's share of the mini-batch loss; return its share of the
         metrics, and its logprobs, detached (pi_old where ``inputs`` has no old logprobs). Only the tokens of the
         batch's loss mask, where it has one, carry loss (``algos``)."""
@@ -257,12 +259,12 @@ class Actor:
         self.model.train()
         num_tokens = int(batch.trained().sum())
         rows = torch.arange(len(batch))
-        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, micro)
+        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, micro=micro)
         total = 0.0
         with self.warm_start_trainable(), self.warm_start.resident():
             for part, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
                 chosen = batch.select(part)
-                logprobs, _ = response_logprobs(self.model, chosen, self.pad_id, 1.0, False,
+                logprobs, _ = response_logprobs(self.model, chosen, self.pad_id, temperature=1.0, with_entropy=False,
                                                 device=self.ranks.device, remove_padding=micro.remove_padding,
                                                 chunk_tokens=micro.chunk_tokens)
                 mask = None if chosen.loss_mask is None else chosen.loss_mask.to(logprobs.device)

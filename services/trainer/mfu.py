@@ -80,6 +80,6 @@ def device_peak_flops(device: torch.device) -> float | None:
     return peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
-def mfu(flops: float, seconds: float, peak: float, world_size: int) -> float:
+def mfu(flops: float, seconds: float, peak: float, *, world_size: int) -> float:
     """The share of ``world_size`` GPUs' peak that ``flops`` done in ``seconds`` are."""
     return flops / (seconds * peak * world_size)

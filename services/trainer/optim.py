@@ -90,7 +90,7 @@ def chunks(rows: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 
 
 def shuffled_mini_batches(num_rows: int, mini_batch_size: int, epochs: int,
-                          generator: torch.Generator) -> Iterator[torch.Tensor]:
+                          *, generator: torch.Generator) -> Iterator[torch.Tensor]:
     """Row indices of each mini-batch: every epoch a fresh shuffle cut into mini-batches."""
     for _ in range(epochs):
         yield from chunks(torch.randperm(num_rows, generator=generator), mini_batch_size)

@@ -40,7 +40,7 @@ def attention(packed: bool) -> str | None:
     return VARLEN
 
 
-def optim_settings(optim: OptimConfig, grad_clip: float, total_steps: int, offload: bool) -> OptimSettings:
+def optim_settings(optim: OptimConfig, grad_clip: float, total_steps: int, *, offload: bool) -> OptimSettings:
     return OptimSettings(optim.lr, optim.weight_decay, optim.betas, grad_clip, optim.lr_warmup_steps,
                          optim.warmup_style, optim.min_lr_ratio, total_steps, offload)
 
@@ -58,7 +58,7 @@ def pad_id_of(model_path: str) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def sharding_of(strategy: str, fsdp: FSDPConfig, world_size: int, role: str) -> Sharding:
+def sharding_of(strategy: str, fsdp: FSDPConfig, world_size: int, *, role: str) -> Sharding:
     """How one model is held on a trainer of ``world_size`` ranks (``strategy`` auto resolved, see its docstring)."""
     if strategy == "none" and world_size > 1:
         raise ValueError(f"{role}.strategy=none: this trainer runs {world_size} ranks, which would each train a "
@@ -72,11 +72,11 @@ def sharding_of(strategy: str, fsdp: FSDPConfig, world_size: int, role: str) -> 
 
 def actor_sharding(config: RunConfig, world_size: int) -> Sharding:
     actor = config.actor_rollout_ref.actor
-    return sharding_of(actor.strategy, actor.fsdp_config, world_size, "actor_rollout_ref.actor")
+    return sharding_of(actor.strategy, actor.fsdp_config, world_size, role="actor_rollout_ref.actor")
 
 
 def critic_sharding(config: RunConfig, world_size: int) -> Sharding:
-    return sharding_of(config.critic.strategy, config.critic.model.fsdp_config, world_size, "critic")
+    return sharding_of(config.critic.strategy, config.critic.model.fsdp_config, world_size, role="critic")
 
 
 def weights_dtype(dtype: str, fsdp: FSDPConfig) -> str:
@@ -91,10 +91,11 @@ def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
     base = load_causal_lm(model_config.path, weights_dtype(model_config.dtype, actor.fsdp_config),
                           model_config.allow_pickle, attention(packs(model_config.use_remove_padding, ranks.device)))
     model = with_lora(base, model_config) if model_config.lora_rank else base
-    model = place(model, ranks, actor_sharding(config, ranks.world_size), model_config.enable_gradient_checkpointing)
+    model = place(model, ranks, actor_sharding(config, ranks.world_size),
+                  gradient_checkpointing=model_config.enable_gradient_checkpointing)
     optim = optim_settings(actor.optim, actor.grad_clip, config.trainer.steps,
-                           actor.fsdp_config.optimizer_offload)
-    return Actor(model, optim, warm_start_settings(actor), pad_id_of(model_config.path), seed, ranks=ranks,
+                           offload=actor.fsdp_config.optimizer_offload)
+    return Actor(model, optim, warm_start_settings(actor), pad_id=pad_id_of(model_config.path), seed=seed, ranks=ranks,
                  merge_adapters=model_config.lora.merge, trains_base=config.warm_start_trains_base)
 
 
@@ -107,10 +108,11 @@ def build_critic(config: RunConfig, seed: int, ranks: Ranks) -> Critic:
                             config.actor_rollout_ref.model.allow_pickle,
                             attention(packs(critic.model.use_remove_padding, ranks.device)))
     model = with_lora(base, critic.model, modules_to_save=[output_layer_name(base)]) if critic.model.lora_rank else base
-    model = place(model, ranks, critic_sharding(config, ranks.world_size), critic.model.enable_gradient_checkpointing)
+    model = place(model, ranks, critic_sharding(config, ranks.world_size),
+                  gradient_checkpointing=critic.model.enable_gradient_checkpointing)
     optim = optim_settings(critic.optim, critic.grad_clip, config.trainer.steps,
-                           critic.model.fsdp_config.optimizer_offload)
-    return Critic(model, optim, pad_id_of(path), seed, ranks)
+                           offload=critic.model.fsdp_config.optimizer_offload)
+    return Critic(model, optim, pad_id_of(path), seed=seed, ranks=ranks)
 
 
 def reference_is_actor_base(config: RunConfig, roles: list[str]) -> bool:
@@ -126,9 +128,9 @@ def build_reference(config: RunConfig, ranks: Ranks) -> HFModel:
     actor_rollout_ref = config.actor_rollout_ref
     fsdp = actor_rollout_ref.ref.fsdp_config or actor_rollout_ref.actor.fsdp_config
     dtype = fsdp.mixed_precision.param_dtype if fsdp.mixed_precision is not None else actor_rollout_ref.model.dtype
-    sharding = sharding_of(actor_rollout_ref.actor.strategy, fsdp, ranks.world_size, "actor_rollout_ref.ref")
+    sharding = sharding_of(actor_rollout_ref.actor.strategy, fsdp, ranks.world_size, role="actor_rollout_ref.ref")
     model = place(load_causal_lm(actor_rollout_ref.model.path, dtype, actor_rollout_ref.model.allow_pickle,
                                  attention(packs(actor_rollout_ref.model.use_remove_padding, ranks.device))),
-                  ranks, sharding, False)
+                  ranks, sharding, gradient_checkpointing=False)
     model.eval().requires_grad_(False)
     return model

@@ -54,7 +54,7 @@ def decoder_layers(model: HFModel) -> list[torch.nn.Module]:
     return layers
 
 
-def place(model: HFModel, ranks: Ranks, sharding: Sharding, gradient_checkpointing: bool) -> HFModel:
+def place(model: HFModel, ranks: Ranks, sharding: Sharding, *, gradient_checkpointing: bool) -> HFModel:
     """Put ``model`` (loaded whole on the CPU) where it trains: on this rank's device, or sharded over the ranks
     (each rank then keeps its own shard of its own copy: every rank must have loaded the same weights)."""
     if gradient_checkpointing:

@@ -135,7 +135,7 @@ def parse_run_config(run_config_yaml: str) -> RunConfig:
     return validate(RunConfig, request_yaml(run_config_yaml, "run_config_yaml"), "run_config_yaml")
 
 
-def build_roles(run_id: str, config: RunConfig, roles: list[str], seed: int, ranks: Ranks) -> Roles:
+def build_roles(run_id: str, config: RunConfig, roles: list[str], *, seed: int, ranks: Ranks) -> Roles:
     """The roles asked for; with a LoRA actor here, the reference is its base (no second copy is loaded)."""
     check_roles(roles)
     base = reference_is_actor_base(config, roles)
@@ -210,8 +210,8 @@ class RankWorker:
 
     # ------------------------------------------------------------ ops
 
-    def init_run(self, tensors, run_id: str, run_config_yaml: str, roles: list[str], seed: int,
-                 *, config: RunConfig | None = None) -> Roles:
+    def init_run(self, tensors, run_id: str, run_config_yaml: str, *, roles: list[str], seed: int,
+                 config: RunConfig | None = None) -> Roles:
         """Build the run's roles and settings (the servicer checked what can be checked without loading weights).
         ``config``: rank 0's, which its servicer parsed; the other ranks parse ``run_config_yaml``. On one CPU
         rank the roles are built beside the run held now, which stays if they fail to load; on a GPU the run held
@@ -223,7 +223,7 @@ class RankWorker:
         if not beside:
             self.roles = None
         try:
-            built = build_roles(run_id, config, roles, seed, self.ranks)
+            built = build_roles(run_id, config, roles, seed=seed, ranks=self.ranks)
         except torch.OutOfMemoryError:
             raise
         except (OSError, ValueError, KeyError, RuntimeError) as error:  # what transformers raises for bad weights
@@ -290,7 +290,7 @@ class RankWorker:
     def save_checkpoint(self, tensors, path: str, key: bytes = b"") -> Saved:
         """The roles' state into ``path``, with the weight version, which ``load_checkpoint`` restores; ``key``
         (rank 0's alone: it writes the manifest) signs its manifest."""
-        saved = checkpoint.save(self._roles(), Path(path), self.weight_version, self.ranks, key)
+        saved = checkpoint.save(self._roles(), Path(path), self.weight_version, ranks=self.ranks, key=key)
         return Saved(saved, self.weight_version)
 
     def load_checkpoint(self, tensors, path: str) -> int:

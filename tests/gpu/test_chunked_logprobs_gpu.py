@@ -37,7 +37,8 @@ def forward_backward(model, batch: SequenceBatch, chunk_tokens: int) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    logprobs, entropy = response_logprobs(model, batch, 0, 0.9, True, device=device, remove_padding=False,
+    logprobs, entropy = response_logprobs(model, batch, 0, temperature=0.9, with_entropy=True, device=device,
+                                          remove_padding=False,
                                           chunk_tokens=chunk_tokens)
     (-logprobs.mean() - 0.01 * entropy.mean()).backward()
     torch.cuda.synchronize()

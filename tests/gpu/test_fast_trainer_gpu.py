@@ -47,7 +47,8 @@ def synthetic(vocab_size: int) -> SequenceBatch:
 
 
 def forward_backward(model, batch: SequenceBatch, packed: bool) -> torch.Tensor:
-    logprobs, entropy = response_logprobs(model, batch, 0, 1.0, True, device=CUDA, remove_padding=packed,
+    logprobs, entropy = response_logprobs(model, batch, 0, temperature=1.0, with_entropy=True, device=CUDA,
+                                          remove_padding=packed,
                                           chunk_tokens=ModelConfig().logprob_chunk_tokens)
     (-logprobs.mean() - 0.01 * entropy.mean()).backward()
     return logprobs.detach().float().cpu()
@@ -111,7 +112,7 @@ def test_packed_varlen_attention_matches_padded_and_is_faster(qwen_05b):
              (("fused", {"fused": True}), ("foreach", {"foreach": True}), ("for-loop", {"foreach": False}))}
     peak = device_peak_flops(CUDA)
     flops = training_flops(ModelShape.of(varlen.config, varlen.config.vocab_size), batch.sequence_lens.tolist())
-    figure = mfu(flops, rows["packed (varlen)"][0], peak, 1) if peak else None
+    figure = mfu(flops, rows["packed (varlen)"][0], peak, world_size=1) if peak else None
 
     print(f"\n{SEQUENCES} sequences, {int(batch.sequence_lens.sum())} tokens ({int(batch.sequence_lens.max())} "
           f"longest); logprob gap max {gap.max():.4f} mean {gap.mean():.5f}; gradient cosines {cosines}")
@@ -135,7 +136,7 @@ def test_packed_varlen_attention_matches_padded_and_is_faster(qwen_05b):
 def test_fused_adamw_steps_fsdp2_shards(qwen_05b):
     """The trainer's Optimizer on FSDP2 DTensor parameters (one rank) takes the fused kernel and steps them."""
     model = place(load_causal_lm(str(qwen_05b), "float32", attn_implementation=attention(True)),
-                  Ranks.single(CUDA), Sharding(fsdp=True, param_dtype=torch.bfloat16), False)
+                  Ranks.single(CUDA), Sharding(fsdp=True, param_dtype=torch.bfloat16), gradient_checkpointing=False)
     optimizer = Optimizer(model.parameters(), OptimSettings(1e-4, 0.0, (0.9, 0.999), 1.0, 0, "constant", 0.0, 1,
                                                             offload=True))
     assert optimizer.adamw.defaults["fused"] and type(optimizer.params[0]).__name__ == "DTensor"

@@ -53,7 +53,7 @@ def accumulate(model_path, inputs: UpdateInputs | None, actor_settings: ActorSet
     scale = algos.LossScale.of(batch.response_lens, 7)
     actor.model.train()
     for part in chunks(torch.arange(len(batch)), actor_settings.micro_batch_size):
-        actor._micro_batch_loss(batch, part, inputs or case_inputs, actor_settings, scale)
+        actor._micro_batch_loss(batch, part, inputs or case_inputs, settings=actor_settings, scale=scale)
     return [p.grad.clone() for p in actor.model.parameters()]
 
 
@@ -161,7 +161,8 @@ def test_the_warm_start_trains_only_the_tokens_the_loss_mask_keeps(model_path):
     masked = replace(batch, loss_mask=mask)
 
     reference = load_causal_lm(model_path).double()
-    logprobs, _ = response_logprobs(reference, masked, 0, 1.0, False, device=torch.device("cpu"))
+    logprobs, _ = response_logprobs(reference, masked, 0, temperature=1.0, with_entropy=False,
+                                    device=torch.device("cpu"))
     hand_loss = -logprobs[mask].sum() / mask.sum()
     hand_loss.backward()
     hand_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
@@ -235,13 +236,13 @@ def test_tool_tokens_give_their_logits_no_gradient(model_path):
 
     head = actor.model.get_output_embeddings().register_forward_hook(keep)
     actor.model.train()
-    stats, _ = actor._micro_batch_loss(tools, torch.arange(len(batch)), inputs, actor_settings,
-                                       algos.LossScale.of(batch.response_lens, 7, mask))
+    stats, _ = actor._micro_batch_loss(tools, torch.arange(len(batch)), inputs, settings=actor_settings,
+                                       scale=algos.LossScale.of(batch.response_lens, 7, mask))
     head.remove()
     grad = logits[0].grad[:, :-1][batch.padded().response_mask]  # [T, V], aligned with the response tokens
     assert torch.equal(grad[~mask], torch.zeros_like(grad[~mask]))
     assert (grad[mask].abs().sum(-1) > 0).all()
     with torch.no_grad():
-        _, entropy = response_logprobs(actor.model, batch, 0, actor_settings.temperature, True,
+        _, entropy = response_logprobs(actor.model, batch, 0, temperature=actor_settings.temperature, with_entropy=True,
                                        device=torch.device("cpu"))
     assert stats["actor/entropy"] == pytest.approx(float(entropy[mask].mean()), rel=1e-12)

@@ -27,9 +27,10 @@ def model_path(tmp_path_factory):
 def update(model_path, returns: torch.Tensor, loss_mask: torch.Tensor | None) -> tuple[dict, list[torch.Tensor]]:
     torch.manual_seed(3)  # the value head's initialisation
     critic = Critic(load_value_model(model_path).double(), OPTIM, pad_id=0, seed=0)
-    batch = replace(SequenceBatch.of_lists([[5, 6], [7], [8, 9, 10]], [[11, 12, 13], [14, 15], [16, 17, 18]]), loss_mask=loss_mask)
+    batch = replace(SequenceBatch.of_lists([[5, 6], [7], [8, 9, 10]], [[11, 12, 13], [14, 15], [16, 17, 18]]),
+                    loss_mask=loss_mask)
     old_values = torch.linspace(-0.5, 0.5, 8, dtype=torch.float64)
-    metrics = critic.update(batch, old_values, returns, SETTINGS)
+    metrics = critic.update(batch, old_values, returns, settings=SETTINGS)
     return metrics, [p.detach().clone() for p in critic.model.parameters()]
 
 

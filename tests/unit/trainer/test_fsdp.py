@@ -76,7 +76,7 @@ def case():
 def actor(model_path: Path, ranks=None, sharding: Sharding | None = None, checkpointing: bool = False) -> Actor:
     model = load_causal_lm(model_path).double()
     if ranks is not None:
-        model = place(model, ranks, sharding, checkpointing)
+        model = place(model, ranks, sharding, gradient_checkpointing=checkpointing)
     return Actor(model, OPTIM, OPTIM, pad_id=0, seed=SEED, ranks=ranks)
 
 
@@ -84,7 +84,7 @@ def critic(model_path: Path, ranks=None) -> Critic:
     torch.manual_seed(3)  # the value head's initialisation
     model = load_value_model(model_path).double()
     if ranks is not None:
-        model = place(model, ranks, Sharding(fsdp=True), False)
+        model = place(model, ranks, Sharding(fsdp=True), gradient_checkpointing=False)
     return Critic(model, OPTIM, pad_id=0, seed=SEED, ranks=ranks)
 
 
@@ -95,7 +95,8 @@ def critic_case(model_path: Path, ranks=None) -> tuple[torch.Tensor | None, tupl
     values = values_critic.compute_values(batch, LOG_PROB_PASS)
     returns = torch.randn(batch.num_response_tokens, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     old_values = torch.zeros_like(returns)
-    metrics = values_critic.update(batch, old_values, returns, CriticSettings(4, 2, 2, 0.5, 1.0, "token-mean", 20))
+    metrics = values_critic.update(batch, old_values, returns, settings=CriticSettings(4, 2, 2, 0.5, 1.0, "token-mean",
+                                                                                       20))
     return values, (metrics, full_weights(values_critic.model))
 
 
@@ -122,7 +123,7 @@ def two_rank_job(rank: int, port: int, model_path: Path, out: Path) -> None:
                                      replace(settings(MODES[0]), mini_batch_size=len(batch), epochs=1))
     results["critic"] = critic_case(model_path, ranks)
     roles = SimpleNamespace(actor=sharded, critic=None, run_id="run-a")
-    checkpoint.save(roles, out / "checkpoint", 7, ranks, CHECKPOINT_KEY)
+    checkpoint.save(roles, out / "checkpoint", 7, ranks=ranks, key=CHECKPOINT_KEY)
     sharded.update(batch, inputs, settings(MODES[-1]))  # move away from the saved weights
     results["loaded_version"] = checkpoint.load(roles, out / "checkpoint")
     results["loaded"] = full_weights(sharded.model)
@@ -168,8 +169,8 @@ def assert_same_update(got, expected) -> None:
 def test_the_long_sequence_leaves_one_rank_with_fewer_micro_batches():
     """Precondition of the tests below: some mini-batch needs stand-ins (on the rank with the long sequence)."""
     batch, _ = case()
-    plans = [micro_batch_plan(batch.sequence_lens, rows, 2, MicroBatching(2))
-             for rows in shuffled_mini_batches(len(batch), 4, 2, torch.Generator().manual_seed(SEED))]
+    plans = [micro_batch_plan(batch.sequence_lens, rows, 2, micro=MicroBatching(2))
+             for rows in shuffled_mini_batches(len(batch), 4, 2, generator=torch.Generator().manual_seed(SEED))]
     assert any(len(part) == 0 for plan in plans for batches in plan for part in batches)
 
 
@@ -213,8 +214,9 @@ def test_token_budget_micro_batches_give_the_fixed_size_update(model_path, remov
     batch, _ = case()
     budget = 30  # the longest sequence has 26 tokens; a micro-batch holds one to four sequences
     micro = MicroBatching(2, budget, remove_padding)
-    micro_sizes = {len(part) for rows in shuffled_mini_batches(len(batch), 4, 2, torch.Generator().manual_seed(SEED))
-                   for part in micro_batch_plan(batch.sequence_lens, rows, 1, micro)[0]}
+    micro_sizes = {len(part) for rows in shuffled_mini_batches(len(batch), 4, 2,
+                                                               generator=torch.Generator().manual_seed(SEED))
+                   for part in micro_batch_plan(batch.sequence_lens, rows, 1, micro=micro)[0]}
     assert len(micro_sizes) > 1  # the budget, not a count, cut them
     expected = one_rank(model_path, "token-mean")
     assert_same_update(one_rank(model_path, "token-mean", max_tokens=budget, remove_padding=remove_padding), expected)

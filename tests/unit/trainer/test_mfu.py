@@ -18,7 +18,7 @@ def test_training_flops_of_a_small_shape_by_hand():
     # sequences of 3 and 5 tokens: 6 x 328 x 8 = 15744; attention 12 x 2 x 2 x 2 x (9 + 25) = 3264
     assert training_flops(SHAPE, [3, 5]) == 15744 + 3264
     # on 2 GPUs of 1000 FLOPS each for 2 s
-    assert mfu(19008, 2.0, 1000.0, 2) == pytest.approx(4.752)
+    assert mfu(19008, 2.0, 1000.0, world_size=2) == pytest.approx(4.752)
 
 
 def test_the_shape_of_qwen25_05b_from_its_config():

@@ -122,7 +122,7 @@ def test_a_refused_part_is_tried_again_alone_backing_off_and_the_last_checkpoint
 def test_only_the_newest_checkpoints_stay_and_the_one_just_saved_is_never_removed(tmp_path):
     mesh = Saving(tmp_path, {}, keep=2)
     mesh.trainers = {FolderTrainer("trainer:1", mesh.store): ["actor", "critic"]}
-    mesh.save(1, 2, 3, 4)
+    mesh.save(1, 2, 3, ranks=4)
     assert mesh.recorded() == [3, 4] and mesh.on_disk() == ["step_000003", "step_000004"]
     assert [m for m in mesh.events() if "removed" in m] == [
         f"checkpoint of step {step} removed from {mesh.folder}/step_{step:06d} (the run keeps its 2 newest)"
