@@ -69,7 +69,8 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     config = validate(RunConfig, yaml.safe_load(config_path.read_text()))
     model_path, data, rollout = config.actor_rollout_ref.model.path, config.data, config.actor_rollout_ref.rollout
     tokenizer = load_tokenizer(model_path)
-    prompts, _ = load_prompts(data.train_files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length)
+    prompts, _ = load_prompts(data.train_files, data.prompt_key, data.reward_fn_key, tokenizer=tokenizer,
+                              max_len=data.max_prompt_length)
     actor = build_actor(config, config.trainer.seed, Ranks.single("cpu"))
     engine = HFEngine(load_causal_lm(model_path), actor.pad_id, (tokenizer.eos_token_id,), 256)
     sampler = PromptSampler(len(prompts), data.train_batch_size, True, config.trainer.seed)

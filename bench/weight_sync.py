@@ -93,7 +93,8 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
     try:
         unique_id, channel_id = new_unique_id(), "bench-weights"
         join = asyncio.create_task(engine.join_channel(channel_id, "nccl", unique_id, 1, 2, TIMEOUT_S))
-        channel = await asyncio.to_thread(NcclChannel, channel_id, unique_id, 0, 2, TIMEOUT_S, "cuda:0")
+        channel = await asyncio.to_thread(NcclChannel, channel_id, unique_id, 0, world_size=2, timeout_s=TIMEOUT_S,
+                                            device="cuda:0")
         await join
         stage("channel joined")
         sync_s, raw_s, timings, total, buckets = [], [], [], 0, 0
@@ -106,8 +107,8 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
             started = time.perf_counter()
             receiving = asyncio.create_task(engine.receive_weights(channel_id, TIMEOUT_S))
             sender = StageTimer()
-            total, buckets = await asyncio.to_thread(weight_sender.send, channel, named, version, bucket_bytes, None,
-                                                     sender)
+            total, buckets = await asyncio.to_thread(weight_sender.send, channel, named, version,
+                                                     bucket_bytes=bucket_bytes, timer=sender)
             swap = await receiving
             assert swap.version == version
             sync_s.append(time.perf_counter() - started)

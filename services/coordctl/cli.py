@@ -444,7 +444,7 @@ def plot(
     out = out or run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
     for name, keys in wanted.items():
-        written = plot_metrics(steps, keys, out / file_name(name), f"{run_dir.name}: {name}")
+        written = plot_metrics(steps, keys, out / file_name(name), title=f"{run_dir.name}: {name}")
         typer.echo(f"wrote {written}  ({', '.join(keys)})")
 
 

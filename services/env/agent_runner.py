@@ -105,7 +105,7 @@ def failed(outcome: str, error: str) -> StepResult:
 async def run_function(ref: str, row: dict, variables: dict[str, str]) -> float | None:
     import openai
 
-    function = load_named(ref, "agent", "function", callable)
+    function = load_named(ref, "agent", "function", accept=callable)
     os.environ.update(variables)
     async with openai.AsyncOpenAI(base_url=variables["OPENAI_BASE_URL"], api_key=variables["OPENAI_API_KEY"]) as client:
         return as_reward(await function(client, row))

@@ -34,7 +34,7 @@ log = structlog.get_logger()
 def row_from_json(text: str, limit: int) -> dict:
     """The Reset's row: a JSON object of at most ``limit`` characters (ResourceExhausted past it), nested at most
     MAX_NESTING deep (ValueError otherwise)."""
-    check_at_most("row_json characters", len(text), limit, "max_message_chars")
+    check_at_most("row_json characters", len(text), limit, setting="max_message_chars")
     return json_object(text or "{}", "row_json")
 
 
@@ -97,7 +97,8 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
 
     async def Step(self, request, context):
         content = request.message.content
-        check_at_most("message.content characters", len(content), self.config.max_message_chars, "max_message_chars")
+        check_at_most("message.content characters", len(content), self.config.max_message_chars,
+                      setting="max_message_chars")
         message = Message(request.message.role or "assistant", content)
         result = await self._in_thread(self.episodes.step, request.episode_id, message)
         telemetry.count_step(result)

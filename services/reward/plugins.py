@@ -31,7 +31,7 @@ from services.common.plugins import load_named
 
 def load_function(ref: str) -> Callable:
     """The function named by ``path/to/file.py:name`` or ``package.module:name``; ValueError if it cannot be had."""
-    return load_named(ref, "reward function", "function", callable)
+    return load_named(ref, "reward function", "function", accept=callable)
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,7 @@ class Scorer:
                 results[(index, position)] = FunctionScore(score=nothing.score, acc=nothing.acc, pred=nothing.pred)
                 continue
             runs = [self._sandbox_runs.submit(run_in_sandbox, task.program, self.sandbox_limits, case.stdin,
-                                              task.files) for case in task.cases]
+                                              files=task.files) for case in task.cases]
             queued[(index, position)] = (component, task, runs)
         for key, (component, task, runs) in queued.items():
             try:

@@ -109,7 +109,8 @@ def load_run_data(config: RunConfig) -> RunData:
                          "template, and a multi-turn run renders its turns and the tools' replies with it")
 
     def load(files: list[str]) -> tuple[list[Prompt], int]:
-        return load_prompts(files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length,
+        return load_prompts(files, data.prompt_key, data.reward_fn_key, tokenizer=tokenizer,
+                            max_len=data.max_prompt_length,
                             overlong=overlong_rule(config))
 
     prompts, dropped = load(data.train_files) if not config.trainer.val_only else ([], 0)

@@ -145,7 +145,7 @@ def meta_model(model_path: str, value_model: bool = False) -> Any:
         return kind.from_config(config)  # type: ignore[no-untyped-call]
 
 
-def check_lora(keys: LoraKeys, model_path: str, section: str, value_model: bool = False) -> None:
+def check_lora(keys: LoraKeys, model_path: str, section: str, *, value_model: bool = False) -> None:
     """A run's LoRA keys for the model in ``model_path``, checked without loading its weights; nothing to check
     with lora_rank 0."""
     if not keys.lora_rank:

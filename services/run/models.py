@@ -79,7 +79,7 @@ def load_tokenizer(path: str | Path) -> Any:
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool = False,
-                   attn_implementation: str | None = None) -> PreTrainedModel:
+                   *, attn_implementation: str | None = None) -> PreTrainedModel:
     """A causal LM from a local Hugging Face folder, in the given dtype, on CPU; from safetensors unless
     ``allow_pickle``; attention as ``attn_implementation`` names it (None: transformers' default)."""
     import torch
@@ -97,7 +97,7 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool 
 
 
 def load_value_model(path: str | Path, dtype: str = "float32", allow_pickle: bool = False,
-                     attn_implementation: str | None = None) -> PreTrainedModel:
+                     *, attn_implementation: str | None = None) -> PreTrainedModel:
     """A causal LM's body with a one-output token head (a value per position), from a local folder.
 
     The head is freshly initialised when the folder holds a plain causal LM. Dropout in the head is off,
@@ -145,11 +145,11 @@ def safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
     header.pop("__metadata__", None)
     data_bytes = size - 8 - length
     for name, entry in header.items():
-        check_tensor_entry(file, name, entry, data_bytes)
+        check_tensor_entry(file, name, entry, data_bytes=data_bytes)
     return header
 
 
-def check_tensor_entry(file: Path, name: str, entry: Any, data_bytes: int) -> None:
+def check_tensor_entry(file: Path, name: str, entry: Any, *, data_bytes: int) -> None:
     """One header entry's dtype is known, its offsets span its shape's bytes, and they lie within the file."""
     try:
         dtype, shape, (start, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]

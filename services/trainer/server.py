@@ -262,8 +262,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def JoinChannel(self, request, context):
         if request.rank != 0:
             raise ValueError(f"the trainer is the channel's root and joins as rank 0, not {request.rank}")
-        await self.channels.join(request.channel_id, request.backend, request.rendezvous, request.rank,
-                                 request.world_size, timeout_s=check_wait("timeout_s", request.timeout_s))
+        await self.channels.join(request.channel_id, request.backend, request.rendezvous, rank=request.rank,
+                                 world_size=request.world_size, timeout_s=check_wait("timeout_s", request.timeout_s))
         log.info("channel_joined", channel_id=request.channel_id, rank=request.rank, world_size=request.world_size)
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 

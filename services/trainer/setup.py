@@ -89,7 +89,8 @@ def build_actor(config: RunConfig, seed: int, ranks: Ranks) -> Actor:
     model_config, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
     torch.manual_seed(seed)
     base = load_causal_lm(model_config.path, weights_dtype(model_config.dtype, actor.fsdp_config),
-                          model_config.allow_pickle, attention(packs(model_config.use_remove_padding, ranks.device)))
+                          model_config.allow_pickle,
+                          attn_implementation=attention(packs(model_config.use_remove_padding, ranks.device)))
     model = with_lora(base, model_config) if model_config.lora_rank else base
     model = place(model, ranks, actor_sharding(config, ranks.world_size),
                   gradient_checkpointing=model_config.enable_gradient_checkpointing)
@@ -106,7 +107,7 @@ def build_critic(config: RunConfig, seed: int, ranks: Ranks) -> Critic:
     torch.manual_seed(seed + 1)
     base = load_value_model(path, weights_dtype(config.actor_rollout_ref.model.dtype, critic.model.fsdp_config),
                             config.actor_rollout_ref.model.allow_pickle,
-                            attention(packs(critic.model.use_remove_padding, ranks.device)))
+                            attn_implementation=attention(packs(critic.model.use_remove_padding, ranks.device)))
     model = with_lora(base, critic.model, modules_to_save=[output_layer_name(base)]) if critic.model.lora_rank else base
     model = place(model, ranks, critic_sharding(config, ranks.world_size),
                   gradient_checkpointing=critic.model.enable_gradient_checkpointing)
@@ -130,7 +131,8 @@ def build_reference(config: RunConfig, ranks: Ranks) -> HFModel:
     dtype = fsdp.mixed_precision.param_dtype if fsdp.mixed_precision is not None else actor_rollout_ref.model.dtype
     sharding = sharding_of(actor_rollout_ref.actor.strategy, fsdp, ranks.world_size, role="actor_rollout_ref.ref")
     model = place(load_causal_lm(actor_rollout_ref.model.path, dtype, actor_rollout_ref.model.allow_pickle,
-                                 attention(packs(actor_rollout_ref.model.use_remove_padding, ranks.device))),
+                                 attn_implementation=attention(packs(actor_rollout_ref.model.use_remove_padding,
+                                                                     ranks.device))),
                   ranks, sharding, gradient_checkpointing=False)
     model.eval().requires_grad_(False)
     return model

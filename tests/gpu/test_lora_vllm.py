@@ -122,7 +122,8 @@ async def adapters_on_vllm(model: Path) -> None:
         torch.cuda.synchronize()
         started = time.perf_counter()
         receiving = asyncio.create_task(engine.receive_weights(CHANNEL, TIMEOUT_S))
-        sent_bytes, _ = await asyncio.to_thread(sender.send, channel, actor.named_weights(), version, 64 << 20)
+        sent_bytes, _ = await asyncio.to_thread(sender.send, channel, actor.named_weights(), version,
+                                                bucket_bytes=64 << 20)
         swap = await receiving
         took = time.perf_counter() - started
         assert swap.version == engine.weight_version == version

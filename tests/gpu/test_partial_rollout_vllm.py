@@ -65,7 +65,7 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
         sender = channel if broadcasts is None else BreaksOff(channel, broadcasts)
         receiving = asyncio.create_task(rollout.receive_weights(channel_id, 5))
         try:
-            sent = await asyncio.to_thread(WeightSender().send, sender, named, version, 64 << 20)
+            sent = await asyncio.to_thread(WeightSender().send, sender, named, version, bucket_bytes=64 << 20)
         except ConnectionError as error:
             sent = error
         try:
@@ -92,7 +92,8 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
 
 
 @needs(2)
-def test_vllm_rollout_restarts_or_finishes_calls_in_flight_and_refuses_to_generate_after_a_broken_sync(qwen_05b, tmp_path):
+def test_vllm_rollout_restarts_or_finishes_calls_in_flight_and_refuses_to_generate_after_a_broken_sync(qwen_05b,
+                                                                                                       tmp_path):
     cluster = LocalCluster(tmp_path / "state", (
         vllm_rollout(1, 0.3),))
     try:

@@ -78,7 +78,8 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
 
     async def generate() -> Generated:
         return await rollout.generate(PROMPTS, Sampling(n=N, temperature=TEMPERATURE, top_p=1.0,
-                                                        max_new_tokens=tokens, stop_token_ids=()), seed=5, first_index=3,
+                                                        max_new_tokens=tokens, stop_token_ids=()), seed=5,
+                                      first_index=3,
                                       timeout=TIMEOUT_S)
 
     async def generate_long() -> Generated:
@@ -95,7 +96,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         change(named, seed=version)
         then(named)
         receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, partial_rollout))
-        await asyncio.to_thread(sender.send, channel, named, version, 1 << 20)
+        await asyncio.to_thread(sender.send, channel, named, version, bucket_bytes=1 << 20)
         assert not in_flight_call.done()  # the whole broadcast has gone out while the call was still sampling
         received = await receiving
         assert received.version == version
@@ -131,7 +132,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         under the new version, keeping its tokens; that version's logits are all 0, so each token it samples
         has logprob -log(V)."""
         receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, "keep"))
-        await asyncio.to_thread(sender.send, channel, named, version, 1 << 20)
+        await asyncio.to_thread(sender.send, channel, named, version, bucket_bytes=1 << 20)
         assert (await receiving).version == version
         whole = await generate_long()
         served = int(whole.weight_versions[0])
@@ -195,7 +196,8 @@ def test_a_swap_that_fails_part_way_leaves_the_hf_rollout_refusing_to_generate_u
 
         async def sync(weights, version) -> Received | grpc.aio.AioRpcError:
             receiving = asyncio.create_task(rollout.receive_weights("weights", TIMEOUT_S))
-            await asyncio.to_thread(sender.send, channel, weights, version, 1 << 10)  # about a tensor a bucket
+            await asyncio.to_thread(sender.send, channel, weights, version,
+                                    bucket_bytes=1 << 10)  # about a tensor a bucket
             try:
                 return await receiving
             except grpc.aio.AioRpcError as error:

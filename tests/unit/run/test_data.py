@@ -48,7 +48,7 @@ def write_parquet(path: Path, rows: list[dict]) -> Path:
 
 
 def load(tokenizer, *paths: Path, max_len: int = MAX_LEN) -> list[Prompt]:
-    return load_prompts([str(p) for p in paths], "prompt", "data_source", tokenizer, max_len)[0]
+    return load_prompts([str(p) for p in paths], "prompt", "data_source", tokenizer=tokenizer, max_len=max_len)[0]
 
 
 def ids(tokenizer, text: str) -> list[int]:
@@ -79,7 +79,8 @@ def test_load_prompts_from_jsonl(tmp_path, tokenizer):
 
 
 def test_load_prompts_from_parquet(tmp_path, tokenizer):
-    rows = [row("12", extra_info={"split": "train", "index": 0}), row("9876", extra_info={"split": "train", "index": 1})]
+    rows = [row("12", extra_info={"split": "train", "index": 0}), row("9876", extra_info={"split": "train",
+                                                                                          "index": 1})]
     prompts = load(tokenizer, write_parquet(tmp_path / "train.parquet", rows))
     assert prompts == [
         Prompt(ids(tokenizer, "12="), "meshrl/reverse", "21", {"split": "train", "index": 0},
