@@ -53,16 +53,16 @@ class AgentEpisode:
         return []
 
     def step(self, message: dict) -> StepResult:
-        return run_agent(self.config, self.row, self.access, self.relay)
+        return run_agent(self.config, self.row, self.access, relay=self.relay)
 
 
-def run_agent(config: EnvironmentConfig, row: dict, access: dict, relay: Relay) -> StepResult:
+def run_agent(config: EnvironmentConfig, row: dict, access: dict, *, relay: Relay) -> StepResult:
     """Run the episode's agent to its end (see the module's docstring); ``access``: the gateway's episode key and
     model name."""
-    return asyncio.run(_run(config, row, access, relay))
+    return asyncio.run(_run(config, row, access, relay=relay))
 
 
-async def _run(config: EnvironmentConfig, row: dict, access: dict, relay: Relay) -> StepResult:
+async def _run(config: EnvironmentConfig, row: dict, access: dict, *, relay: Relay) -> StepResult:
     from aiohttp import web
 
     lock = asyncio.Lock()

@@ -115,7 +115,7 @@ class ToolEnvironment:
     """An environment whose step runs the tool calls of the model's message, one tool message per call."""
 
     def __init__(self, tools: list[ToolConfig], limits: ToolLimits, report: Report = lambda kind, value: None,
-                 code_runner: CodeRunner | None = None):
+                 *, code_runner: CodeRunner | None = None):
         self.tools = tools
         self.limits = limits
         self.report = report

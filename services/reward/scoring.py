@@ -131,7 +131,7 @@ class Scorer:
         batch at once, and each pool of worker processes (the rules', a user function's) its part of it."""
         model_scores = self._reward_model_scores(samples)
         judged = {**self._worker_results(samples), **self._code_results(samples)}
-        return [self._score_one(index, sample, model_scores, judged) for index, sample in enumerate(samples)]
+        return [self._score_one(index, sample, model_scores, judged=judged) for index, sample in enumerate(samples)]
 
     def _worker_results(self, samples: list[Sample]) -> dict[tuple[int, int], FunctionScore | Exception]:
         """(sample index, component position) -> what the workers said, for each component that is a rule or a
@@ -226,10 +226,11 @@ class Scorer:
             scores.update({(path, i): v for i, v in zip(indices, values)})
         return scores
 
-    def _score_one(self, index: int, sample: Sample, model_scores, judged) -> SampleResult:
+    def _score_one(self, index: int, sample: Sample, model_scores, *, judged) -> SampleResult:
         started = time.perf_counter()
         try:
-            parts = [(component, self._component_score(component, index, position, model_scores, judged))
+            parts = [(component, self._component_score(component, index, position, model_scores=model_scores,
+                                                       judged=judged))
                      for position, component in enumerate(self.components_for(sample.data_source))]
             acc = next((part.acc for _, part in parts if part.acc is not None), None)
             pred = next((part.pred for _, part in parts if part.pred), "")
@@ -241,7 +242,7 @@ class Scorer:
             return SampleResult(0.0, False, f"{type(error).__name__}: {error}", time.perf_counter() - started,
                                 timed_out=isinstance(error, TimeoutError))
 
-    def _component_score(self, component: ComponentConfig, index: int, position: int, model_scores,
+    def _component_score(self, component: ComponentConfig, index: int, position: int, *, model_scores,
                          judged) -> ComponentScore:
         if component.reward_model:
             value = model_scores[(component.reward_model, index)]

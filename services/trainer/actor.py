@@ -199,7 +199,7 @@ class Actor:
             old_logprobs = gather_tokens(batch, plan, own_logprobs, ranks=self.ranks)  # this one step's rows: the batch
             if old_logprobs is not None:  # rank 0
                 stats |= algos.mismatch_metrics(mismatch_with, old_logprobs, batch.response_lens,
-                                                batch.loss_mask)
+                                                mask=batch.loss_mask)
         stats["actor/grad_norm"] = self.optimizer.step()
         return stats
 
@@ -236,7 +236,7 @@ class Actor:
                              advantages=inputs.advantages[tokens].to(device), lengths=lengths, mask=mask,
                              is_weights=None if tis is None else tis.weights),
             policy_loss_params(settings, scale))
-        entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale, mask)
+        entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale=scale, mask=mask)
         loss = pg.loss - settings.entropy_coeff * entropy_loss
         stats = {"actor/pg_loss": float(pg.loss.detach()), **pg.metrics, "actor/entropy": float(entropy_loss.detach())}
         if tally.given:  # counts, summed over micro-batches and ranks (the agreement: ``_update_mini_batch``)
@@ -247,7 +247,7 @@ class Actor:
         if settings.use_kl_loss:
             assert inputs.ref_logprobs is not None  # check_inputs refuses an update without them
             kl = algos.kl_penalty(logprobs, inputs.ref_logprobs[tokens].to(device), settings.kl_loss_type)
-            kl_loss = algos.aggregate(kl, lengths, settings.loss_agg_mode, scale, mask)
+            kl_loss = algos.aggregate(kl, lengths, settings.loss_agg_mode, scale=scale, mask=mask)
             loss = loss + settings.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = float(kl_loss.detach())
         (weight * loss).backward()

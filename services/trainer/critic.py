@@ -89,7 +89,8 @@ class Critic:
                                      remove_padding=settings.remove_padding)
             part_mask = None if part.loss_mask is None else part.loss_mask.to(device)
             result = algos.value_loss(values, old_values[tokens].to(device), returns[tokens].to(device),
-                                      part.response_lens, settings.cliprange_value, mode=settings.loss_agg_mode,
+                                      lengths=part.response_lens, cliprange_value=settings.cliprange_value,
+                                      mode=settings.loss_agg_mode,
                                       scale=scale, mask=part_mask)
             ((self.ranks.grad_scale if real else 0.0) * settings.vf_coef * result.loss).backward()
             if real:

@@ -37,7 +37,8 @@ class Optimizer:
         self.adamw = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay,
                                        betas=settings.betas, fused=fusable(self.params) or None)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.adamw, lambda step: algos.lr_factor(
-            step, settings.warmup_steps, settings.total_steps, settings.warmup_style, settings.min_lr_ratio))
+            step, settings.warmup_steps, settings.total_steps, style=settings.warmup_style,
+            min_lr_ratio=settings.min_lr_ratio))
 
     def step(self) -> float:
         """Clip the gradients, step, zero them; returns the gradient norm before clipping.

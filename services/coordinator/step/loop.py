@@ -316,7 +316,8 @@ class PPOLoop:
         control = self.settings.kl_in_reward
         if control is not None and control.adaptive:
             self.kl_coef = algos.adaptive_kl_coef(self.kl_coef, estimate.metrics["actor/reward_kl_penalty"],
-                                                  len(rollouts.last_rows), control.target_kl, control.horizon)
+                                                  len(rollouts.last_rows), target=control.target_kl,
+                                                  horizon=control.horizon)
         return estimate
 
     async def keep_samples(self, step: int, rollouts: Rollouts, served: int, estimate: Estimate) -> None:
@@ -451,7 +452,7 @@ def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollou
         if evaluated.old_logprobs is None or evaluated.ref_logprobs is None:  # the settings ask for both then
             raise ValueError("algorithm.use_kl_in_reward needs the actor's old logprobs and the reference's")
         kl = algos.kl_penalty(evaluated.old_logprobs, evaluated.ref_logprobs, kl_in_reward.estimator)
-        rewards = algos.token_rewards(trajectories.scores, lengths, kl, kl_coef, mask)
+        rewards = algos.token_rewards(trajectories.scores, lengths, kl, kl_coef=kl_coef, mask=mask)
         metrics = {"actor/reward_kl_penalty": algos.mean_sequence_kl(kl, lengths, mask),
                    "actor/reward_kl_penalty_coeff": kl_coef}
     inputs = EstimatorInputs(rewards=rewards, lengths=lengths, group_ids=trajectories.group_ids, mask=mask,

@@ -40,7 +40,7 @@ def data_metrics(
         **summary("prompt_length", prompt_lens),
     }
     if old_logprobs is not None:
-        metrics.update(mismatch_metrics(rollout_logprobs, old_logprobs, response_lens, loss_mask))
+        metrics.update(mismatch_metrics(rollout_logprobs, old_logprobs, response_lens, mask=loss_mask))
     if values is not None:
         metrics.update(summary("critic/values", values))
         metrics["critic/vf_explained_var"] = algos.explained_variance(returns, values)

@@ -142,7 +142,7 @@ def test_the_warm_start_follows_its_own_schedule(model_path):
     actor = Actor(load_causal_lm(model_path).double(), replace(OPTIM, warmup_steps=4), warm, pad_id=0, seed=0)
     micro = settings("token-mean", 6).micro
     logged = [actor.train_supervised(batch, micro)["warm_start/lr"] for _ in range(6)]
-    expected = [1e-3 * algos.lr_factor(step, 2, 6, "cosine", 0.1) for step in range(6)]
+    expected = [1e-3 * algos.lr_factor(step, 2, 6, style="cosine", min_lr_ratio=0.1) for step in range(6)]
     assert logged == pytest.approx(expected)
     assert logged[:2] == pytest.approx([5e-4, 1e-3])
     assert logged[2] > logged[3] > logged[4] > logged[5] > 1e-4
