@@ -72,7 +72,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     prompts, _ = load_prompts(data.train_files, data.prompt_key, data.reward_fn_key, tokenizer=tokenizer,
                               max_len=data.max_prompt_length)
     actor = build_actor(config, config.trainer.seed, Ranks.single("cpu"))
-    engine = HFEngine(load_causal_lm(model_path), actor.pad_id, (tokenizer.eos_token_id,), 256)
+    engine = HFEngine(load_causal_lm(model_path), actor.pad_id, (tokenizer.eos_token_id,), batch_size=256)
     sampler = PromptSampler(len(prompts), data.train_batch_size, True, config.trainer.seed)
     times = []
     for step in range(steps):

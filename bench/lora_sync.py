@@ -59,7 +59,7 @@ async def measure(actor, model: Path, syncs: int, name: str) -> tuple[int, list[
     engine = HFRolloutEngine(str(model), "float32", RolloutServiceConfig())
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 60)
     trainer_side = asyncio.create_task(asyncio.to_thread(GlooChannel, name, rendezvous, 0, world_size=2, timeout_s=60))
-    await engine.join_channel(name, "gloo", rendezvous, 1, 2, 60.0)
+    await engine.join_channel(name, "gloo", rendezvous, rank=1, world_size=2, timeout_s=60.0)
     channel = await trainer_side
     sender, seconds, total = WeightSender(), [], 0
     for version in range(1, syncs + 2):

@@ -92,7 +92,8 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
     engine = await start_engine(model_path, "1")
     try:
         unique_id, channel_id = new_unique_id(), "bench-weights"
-        join = asyncio.create_task(engine.join_channel(channel_id, "nccl", unique_id, 1, 2, TIMEOUT_S))
+        join = asyncio.create_task(engine.join_channel(channel_id, "nccl", unique_id, rank=1, world_size=2,
+                                                       timeout_s=TIMEOUT_S))
         channel = await asyncio.to_thread(NcclChannel, channel_id, unique_id, 0, world_size=2, timeout_s=TIMEOUT_S,
                                             device="cuda:0")
         await join
@@ -116,7 +117,7 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
                                                              **{f"sender_{k}": v for k, v in sender.seconds.items()}}))
             buffer = torch.empty(total, dtype=torch.uint8, device="cuda:0")
             started = time.perf_counter()
-            receiving = asyncio.create_task(receive_raw(engine, channel_id, total, TIMEOUT_S))
+            receiving = asyncio.create_task(receive_raw(engine, channel_id, total, timeout_s=TIMEOUT_S))
             await asyncio.to_thread(channel.broadcast, buffer)
             await receiving
             raw_s.append(time.perf_counter() - started)

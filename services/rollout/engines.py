@@ -56,7 +56,7 @@ class Engine(Protocol):
         before it, under the weights served now, and their version (the weight check's probe: never during a
         swap, and taken at once, beside the Generate calls in flight rather than after them)."""
 
-    async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
+    async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, *, rank: int, world_size: int,
                            timeout_s: float) -> None:
         """Join a weight channel; this engine's workers take ranks rank .. rank + channel_ranks - 1."""
 
@@ -91,7 +91,7 @@ class HFRolloutEngine:
 
     channel_ranks = 1
 
-    def __init__(self, model_path: str, dtype: str, config: RolloutServiceConfig, allow_pickle: bool = False):
+    def __init__(self, model_path: str, dtype: str, config: RolloutServiceConfig, *, allow_pickle: bool = False):
         tokenizer = load_tokenizer(model_path)
         model = moved(load_causal_lm(model_path, dtype, allow_pickle), config.device)
         eos = tokenizer.eos_token_id
@@ -176,7 +176,7 @@ class HFRolloutEngine:
                 await asyncio.to_thread(staging.wait, None)
         self.channels.close_all()
 
-    async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s):
+    async def join_channel(self, channel_id, backend, rendezvous, *, rank, world_size, timeout_s):
         """Leave the channels joined before, then join this one."""
         await self._leave_channels()
         await self.channels.join(channel_id, backend, rendezvous=rendezvous, rank=rank, world_size=world_size,
@@ -230,7 +230,7 @@ class HFRolloutEngine:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-async def load_engine(config: RolloutServiceConfig, model_path: str, dtype: str, allow_pickle: bool = False,
+async def load_engine(config: RolloutServiceConfig, model_path: str, dtype: str, *, allow_pickle: bool = False,
                       lora: AdapterServing | None = None) -> Engine:
     """The engine the service is configured for, with the run's model loaded (from safetensors unless
     ``allow_pickle``); for a LoRA run (``lora``) a vLLM engine starts with LoRA enabled (the hf engine needs

@@ -74,7 +74,7 @@ POLL_S = 0.002  # how often a sync asks the workers whether the weights have arr
 
 
 class VLLMEngine:
-    def __init__(self, llm, vocab_size: int, eos_id: int | None, config: RolloutServiceConfig, gpus: tuple[str, ...],
+    def __init__(self, llm, vocab_size: int, eos_id: int | None, *, config: RolloutServiceConfig, gpus: tuple[str, ...],
                  lora: AdapterServing | None = None):
         self.llm = llm
         self.gate = SwapGate()
@@ -93,7 +93,7 @@ class VLLMEngine:
 
     @classmethod
     async def create(cls, model_path: str, dtype: str, config: RolloutServiceConfig,
-                     allow_pickle: bool = False, lora: AdapterServing | None = None) -> VLLMEngine:
+                     *, allow_pickle: bool = False, lora: AdapterServing | None = None) -> VLLMEngine:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         settings = dict(
             model=model_path, dtype=dtype, skip_tokenizer_init=True, seed=0,
@@ -124,7 +124,7 @@ class VLLMEngine:
                              "experts yet; routing replay runs on the hf engine")
         stops = sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set()))
 
-        async def one(index: int, prompt: list[int], first_version: int, request_id: str,
+        async def one(index: int, prompt: list[int], first_version: int, *, request_id: str,
                       adapter: LoadedAdapter | None) -> list[Completion]:
             params = SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -136,8 +136,9 @@ class VLLMEngine:
                                                   lora_request=lora_request_of(adapter)):
                 final = output
             # a keep swap of full weights may have come between its tokens; an adapter serves it to the end
-            versions = (first_version, first_version if adapter else self.weight_version)
-            return [completion_of(c, stops, *versions) for c in sorted(final.outputs, key=lambda c: c.index)]
+            last_version = first_version if adapter else self.weight_version
+            return [completion_of(c, stops, first_version, last_version=last_version)
+                    for c in sorted(final.outputs, key=lambda c: c.index)]
 
         async def attempt(call: GenerationCall) -> list[list[Completion]]:
             if self.damaged:
@@ -183,7 +184,7 @@ class VLLMEngine:
                                 output_kind=RequestOutputKind.FINAL_ONLY)
 
         async def one(prompt: list[int], response: list[int], request_id: str,
-                      adapter: LoadedAdapter | None) -> list[float]:
+                      *, adapter: LoadedAdapter | None) -> list[float]:
             final: Any = None
             async for output in self.llm.generate({"prompt_token_ids": prompt + response}, params,
                                                   request_id=request_id, lora_request=lora_request_of(adapter)):
@@ -199,7 +200,7 @@ class VLLMEngine:
             with self._using(adapter):
                 try:
                     return ScoredResponses(version=version, logprobs=list(await call.unless_interrupted(
-                        asyncio.gather(*(one(p, r, rid, adapter)
+                        asyncio.gather(*(one(p, r, rid, adapter=adapter)
                                          for p, r, rid in zip(prompts, responses, request_ids))))))
                 except BaseException:
                     await self.llm.abort(request_ids)
@@ -207,7 +208,7 @@ class VLLMEngine:
 
         return await self.gate.run(attempt)
 
-    async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s) -> None:
+    async def join_channel(self, channel_id, backend, rendezvous, *, rank, world_size, timeout_s) -> None:
         if backend not in ("nccl", "cuda_ipc"):
             raise ValueError(f"the vllm engine joins nccl or cuda_ipc channels, not {backend!r}")
         await self.llm.collective_rpc("meshrl_join_channel", timeout=timeout_s + 10,
@@ -327,7 +328,7 @@ class VLLMEngine:
                           stages=stages)
 
     async def _swapped_in(self, method: str, args: tuple, timeout_s: float,
-                          clear_prefix_cache: bool) -> list[tuple[int, dict]]:
+                          *, clear_prefix_cache: bool) -> list[tuple[int, dict]]:
         """Call the workers' method that swaps weights in (generation is held back) and, alongside it, clear the
         prefix cache if asked (the engine core runs the two one after the other, so it costs no round trip;
         nothing is scheduled in between); the new version is then served. Returns each worker's (version,
@@ -400,7 +401,7 @@ def worker_stages(applied: list[tuple[int, dict[str, float]]]) -> dict[str, floa
     return {f"worker_{stage}": max(seconds[stage] for _, seconds in applied) for stage in applied[0][1]}
 
 
-def completion_of(output, stops: list[int], first_version: int, last_version: int) -> Completion:
+def completion_of(output, stops: list[int], first_version: int, *, last_version: int) -> Completion:
     """Our Completion from a vLLM CompletionOutput: token ids, the sampled tokens' logprobs, the finish; its
     tokens came from weight versions ``first_version`` to ``last_version``."""
     tokens = list(output.token_ids)
@@ -416,7 +417,7 @@ def prompt_logprobs_of(prompt_logprobs: list, token_ids: list[int], first: int) 
     return [prompt_logprobs[i][token_ids[i]].logprob for i in range(first, len(token_ids))]
 
 
-async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, timeout_s: float) -> None:
+async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, *, timeout_s: float) -> None:
     """The workers receive one plain broadcast of ``nbytes`` (the reference the sync benchmark compares to)."""
     await engine.llm.collective_rpc("meshrl_receive_raw", timeout=timeout_s + 10, args=(channel_id, nbytes, timeout_s))
 

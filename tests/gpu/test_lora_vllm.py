@@ -107,7 +107,8 @@ async def adapters_on_vllm(model: Path) -> None:
     config = RolloutServiceConfig(engine="vllm", enforce_eager=True, gpu_memory_utilization=0.3)
     engine = await VLLMEngine.create(str(model), "bfloat16", config, lora=AdapterServing(rank=RANK, versions=2))
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", TIMEOUT_S)
-    joining = asyncio.create_task(engine.join_channel(CHANNEL, "cuda_ipc", rendezvous, 1, 2, TIMEOUT_S))
+    joining = asyncio.create_task(engine.join_channel(CHANNEL, "cuda_ipc", rendezvous, rank=1, world_size=2,
+                                                      timeout_s=TIMEOUT_S))
     channel = await asyncio.to_thread(open_weight_channel, CHANNEL, "cuda_ipc", rendezvous=rendezvous, rank=0,
                                       world_size=2, timeout_s=TIMEOUT_S, device="cuda:0")
     await joining
