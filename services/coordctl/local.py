@@ -106,7 +106,8 @@ def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[s
                              "vocabulary and template)")
         folder = cache / "models" / tiny_model_name(tiny)
         if not (folder / "config.json").exists():
-            build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed, chat=tiny.chat,
+            build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, num_heads=tiny.num_heads, seed=tiny.seed,
+                             chat=tiny.chat,
                              num_experts=tiny.num_experts, experts_per_token=tiny.experts_per_token)
         overrides.append(f"actor_rollout_ref.model.path={folder}")
     if not config.data.train_files:
@@ -125,21 +126,22 @@ def task_files(local: LocalConfig, cache: Path) -> tuple[Path, Path | None]:
         name = f"lookup-k{lookup.key_letters}-s{lookup.seed}-h{lookup.held_out_share:g}"
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return lookup_task_rows(count, lookup.key_letters, seed, split, lookup.held_out_share)
+            return lookup_task_rows(count, lookup.key_letters, seed, split=split, held_out_share=lookup.held_out_share)
     elif local.task == "arithmetic":
         arithmetic = task = local.arithmetic_task
         name = (f"arithmetic-s{arithmetic.min_steps}-{arithmetic.max_steps}-n{arithmetic.largest}-s{arithmetic.seed}"
                 f"-h{arithmetic.held_out_share:g}")
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return arithmetic_task_rows(count, arithmetic.min_steps, arithmetic.max_steps, arithmetic.largest, seed,
+            return arithmetic_task_rows(count, arithmetic.min_steps, arithmetic.max_steps, largest=arithmetic.largest,
+                                        seed=seed,
                                         split=split, held_out_share=arithmetic.held_out_share)
     else:
         reverse = task = local.synthetic_task
         name = f"reverse-d{reverse.min_digits}-{reverse.max_digits}-s{reverse.seed}-h{reverse.held_out_share:g}"
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return reverse_task_rows(count, reverse.min_digits, reverse.max_digits, seed, split,
+            return reverse_task_rows(count, reverse.min_digits, reverse.max_digits, seed=seed, split=split,
                                      held_out_share=reverse.held_out_share)
     train = cache / "data" / f"{name}-train{task.rows}.jsonl"
     test = cache / "data" / f"{name}-test{task.val_rows}.jsonl"
@@ -156,7 +158,7 @@ class LocalCluster:
     """The four services as subprocesses: ``start`` them, ``stop`` them."""
 
     def __init__(self, state_dir: Path, services: tuple[ServiceSpec, ...] = ONE_OF_EACH, log_level: str = "info",
-                 coordinator_settings: tuple[str, ...] = ()):
+                 *, coordinator_settings: tuple[str, ...] = ()):
         """``services``: each service to start besides the coordinator; ``coordinator_settings``: its extra
         key=value settings."""
         self.services = services
@@ -175,7 +177,7 @@ class LocalCluster:
             self.own_token_file = os.environ["MESHRL_TOKEN_FILE"] = str(write_token(state_dir / "token"))
             cluster_token.cache_clear()
 
-    def command(self, name: str, kind: str, settings: tuple[str, ...], ranks: int) -> list[str]:
+    def command(self, name: str, kind: str, settings: tuple[str, ...], *, ranks: int) -> list[str]:
         """The command line that starts service ``name`` (bound to loopback)."""
         launcher = (["-m", "services.coordctl.torchrun", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1
                     else [])
@@ -191,7 +193,7 @@ class LocalCluster:
         self.unread_ports[name] = kind
         log = (self.log_dir / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
-            self.command(name, kind, ("metrics_port=0", f"ports_file={ports_file}", *settings), ranks),
+            self.command(name, kind, ("metrics_port=0", f"ports_file={ports_file}", *settings), ranks=ranks),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **CHILD_ENV, "MESHRL_PARENT_PID": str(os.getpid()), **dict(env)},
             start_new_session=True,  # a terminal's Ctrl-C reaches coordctl only, which stops the run first

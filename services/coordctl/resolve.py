@@ -286,7 +286,7 @@ def start_notices(config: RunConfig, services: tuple | None) -> list[str]:
     return [*config.notices(), *unregistered_algorithms(config, services), *([short] if short else [])]
 
 
-def plan(config: RunConfig, data: RunData | None, services: tuple | None, coordinator: str,
+def plan(config: RunConfig, data: RunData | None, services: tuple | None, *, coordinator: str,
          notices: list[str]) -> str:
     """What start-run would do, for --dry-run: the resolved config, what was read, the ``notices``, and where it
     would run."""

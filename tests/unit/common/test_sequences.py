@@ -125,7 +125,7 @@ def test_packed_forward_equals_the_padded_one(tmp_path):
     from services.run.models import load_causal_lm
     from services.coordctl.tiny_model import build_tiny_model
 
-    model = load_causal_lm(build_tiny_model(tmp_path / "tiny", 32, 2, 2, seed=0)).double().eval()
+    model = load_causal_lm(build_tiny_model(tmp_path / "tiny", 32, 2, num_heads=2, seed=0)).double().eval()
     batch = _batch([[5, 6, 7], [8], [9, 10, 11, 12]], [[13, 14], [15, 16, 17, 18], [19]])
     with torch.no_grad():
         padded, packed = batch.padded(0), batch.packed()
