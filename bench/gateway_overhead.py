@@ -58,7 +58,7 @@ async def measure(model: Path, state: Path, calls: int, max_tokens: int) -> dict
         [service] = await control.list_services()
         await control.close()
         rollout = RolloutClient(service.address)
-        await rollout.init_run("bench", str(model), "float32", 300)
+        await rollout.init_run("bench", str(model), "float32", timeout=300)
         tokenizer = AutoTokenizer.from_pretrained(model)
         messages = [{"role": "user", "content": "code of QX?"}]
         ids = list(render_prompt(tokenizer, messages, {}))
@@ -81,7 +81,7 @@ async def measure(model: Path, state: Path, calls: int, max_tokens: int) -> dict
             await rollout.generate([ids], sampling, seed=0, first_index=call, timeout=60)
             direct = time.perf_counter() - started
             started = time.perf_counter()
-            await dispatcher.sample(ids, max_tokens, call, None)
+            await dispatcher.sample(ids, max_tokens, call, prefer=None)
             turn = time.perf_counter() - started
             started = time.perf_counter()
             await client.chat.completions.create(model="bench", messages=messages, max_tokens=max_tokens)

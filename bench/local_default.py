@@ -73,7 +73,7 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
                               max_len=data.max_prompt_length)
     actor = build_actor(config, config.trainer.seed, Ranks.single("cpu"))
     engine = HFEngine(load_causal_lm(model_path), actor.pad_id, (tokenizer.eos_token_id,), batch_size=256)
-    sampler = PromptSampler(len(prompts), data.train_batch_size, True, config.trainer.seed)
+    sampler = PromptSampler(len(prompts), data.train_batch_size, True, seed=config.trainer.seed)
     times = []
     for step in range(steps):
         started = time.perf_counter()

@@ -58,7 +58,7 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
     async def sync(channel_id: str, version: int, broadcasts: int | None) -> tuple:
         """(what the trainer's WeightSender.send returned or raised, what the rollout's ReceiveWeights did)."""
         unique_id = new_unique_id()
-        joining = asyncio.create_task(rollout.join_channel(channel_id, "nccl", unique_id, 1, 2, 60))
+        joining = asyncio.create_task(rollout.join_channel(channel_id, "nccl", unique_id, rank=1, world_size=2, timeout=60))
         channel = await asyncio.to_thread(open_weight_channel, channel_id, "nccl", rendezvous=unique_id, rank=0,
                                           world_size=2, timeout_s=60, device="cuda:0")
         await joining

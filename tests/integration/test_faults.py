@@ -110,8 +110,8 @@ def test_rollout_stopped_during_a_weight_broadcast_is_named_and_the_run_goes_on_
             # after step 3 cannot finish on it; it is stopped as the actor's update of step 3 ends, so the
             # sync goes on the wire with a member that does not take it (it would land after the transfer if
             # stopped once the sync has begun: its receive runs beside the engine)
-            hold = asyncio.ensure_future(busy.generate([[5, 6, 7]] * 16, Sampling(n=16, temperature=1.0, top_p=1.0,
-                                                                                  max_new_tokens=16, stop_token_ids=()), 0, 0, 120))
+            busy_sampling = Sampling(n=16, temperature=1.0, top_p=1.0, max_new_tokens=16, stop_token_ids=())
+            hold = asyncio.ensure_future(busy.generate([[5, 6, 7]] * 16, busy_sampling, 0, first_index=0, timeout=120))
             await LogTail(cluster, "trainer").wait_for("actor_updated", stop_at)
             os.kill(pid, signal.SIGSTOP)
             async for update in client.watch(started.run_id):

@@ -152,7 +152,7 @@ async def update_actor_calls(coordinator: str, config_yaml: str, rollout_logprob
         results = []
         for make in rollout_logprobs_of:
             try:
-                metrics, _ = await trainer.update_actor(batch, old, advantages, None, step=1, timeout=60,
+                metrics, _ = await trainer.update_actor(batch, old, advantages, ref_logprobs=None, step=1, timeout=60,
                                                         rollout_logprobs=make(old))
                 results.append(metrics)
             except grpc.aio.AioRpcError as error:

@@ -147,7 +147,8 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
 
     try:
         await rollout.init_run("partial-rollout", model_path, dtype, timeout=TIMEOUT_S)
-        joining = asyncio.create_task(rollout.join_channel(channel_id, backend, rendezvous, 1, 2, timeout=TIMEOUT_S))
+        joining = asyncio.create_task(rollout.join_channel(channel_id, backend, rendezvous, rank=1, world_size=2,
+                                                          timeout=TIMEOUT_S))
         channel = await asyncio.to_thread(open_weight_channel, channel_id, backend, rendezvous=rendezvous, rank=0,
                                           world_size=2, timeout_s=TIMEOUT_S, device=device)
         await joining
@@ -213,7 +214,8 @@ def test_a_swap_that_fails_part_way_leaves_the_hf_rollout_refusing_to_generate_u
 
         try:
             await rollout.init_run("damaged", str(tiny_model), "float32", timeout=TIMEOUT_S)
-            joining = asyncio.create_task(rollout.join_channel("weights", "gloo", rendezvous, 1, 2, timeout=TIMEOUT_S))
+            joining = asyncio.create_task(rollout.join_channel("weights", "gloo", rendezvous, rank=1, world_size=2,
+                                                              timeout=TIMEOUT_S))
             channel = await asyncio.to_thread(open_weight_channel, "weights", "gloo", rendezvous=rendezvous, rank=0,
                                               world_size=2, timeout_s=TIMEOUT_S, device="cpu")
             await joining

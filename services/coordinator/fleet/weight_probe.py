@@ -121,7 +121,7 @@ class ProbeResult:
 class WeightProbe:
     """The probe of one run attempt and the actor's logprobs of it, one version at a time."""
 
-    def __init__(self, settings: WeightCheckSettings, dtype: str, actor: TrainerClient, timeout_s: float):
+    def __init__(self, settings: WeightCheckSettings, dtype: str, actor: TrainerClient, *, timeout_s: float):
         self.settings, self.dtype, self.actor, self.timeout_s = settings, dtype, actor, timeout_s
         self.sequences: SequenceBatch | None = None  # None until drawn
         self._expected: tuple[int, torch.Tensor] | None = None  # the actor's logprobs of the probe, and their version
@@ -154,8 +154,8 @@ class WeightProbe:
         scoring = asyncio.gather(*(self._scored(member, self.sequences) for member in members))
         expected, answers = await asyncio.gather(self._actor_logprobs(self.sequences, version), scoring)
         return [dataclasses.replace(
-                    self._result(member.address, version, answer, expected,
-                                 tolerance_for(engines.get(member.address, ""), self.dtype, self.settings)),
+                    self._result(member.address, version, answer, expected=expected,
+                                 tolerance=tolerance_for(engines.get(member.address, ""), self.dtype, self.settings)),
                     seconds=seconds)
                 for member, (answer, seconds) in zip(members, answers)]
 
@@ -178,7 +178,7 @@ class WeightProbe:
         return answer, time.perf_counter() - started
 
     @staticmethod
-    def _result(address: str, version: int, answer: tuple[int, torch.Tensor] | BaseException, expected: torch.Tensor,
+    def _result(address: str, version: int, answer: tuple[int, torch.Tensor] | BaseException, *, expected: torch.Tensor,
                 tolerance: Tolerance) -> ProbeResult:
         if isinstance(answer, BaseException):
             return ProbeResult(address=address, version=version, diff=algos.LogprobDiff(float("inf"), float("inf")),

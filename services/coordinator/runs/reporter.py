@@ -39,7 +39,8 @@ class RunReporter:
     async def open_loggers(self, config: RunConfig, first_step: int) -> None:
         names = RunNames(run_id=self.run_id, project=config.trainer.project_name,
                          experiment=config.trainer.experiment_name, config=config.model_dump(mode="json"))
-        self.loggers = await asyncio.to_thread(open_loggers, config.trainer.logger, self.run_dir, names, first_step)
+        self.loggers = await asyncio.to_thread(open_loggers, config.trainer.logger, self.run_dir, names,
+                                               first_step=first_step)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.loggers.close)
@@ -53,7 +54,7 @@ class RunReporter:
         self.records.notify()
         await self.records.settle(self.run_id)
 
-    def checkpoint(self, step: int, path: str, loop_state: dict, keep: int | None) -> None:
+    def checkpoint(self, step: int, path: str, loop_state: dict, *, keep: int | None) -> None:
         self.records.checkpoint(self.run_id, step=step, path=path, loop_state=loop_state)
         self.log(f"checkpoint of step {step} saved in {path}", kind="checkpoint")
         if keep is not None:

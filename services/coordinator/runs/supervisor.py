@@ -196,7 +196,7 @@ class RunSupervisor:
             await reporter.open_loggers(config, resume.step + 1 if resume else 0)
             addresses = {client.address for client in trainers.roles()} if trainers else set()
             loop = asyncio.ensure_future(ppo.run(resume))
-            watchdog = asyncio.ensure_future(self.watch_members(addresses, rollout_set, reward_set, env_set))
+            watchdog = asyncio.ensure_future(self.watch_members(addresses, rollout_set, reward_set, env_set=env_set))
             await asyncio.wait({loop, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if not loop.done():
                 loop.cancel()
@@ -215,7 +215,7 @@ class RunSupervisor:
                                  *([ppo.agent.close()] if ppo.agent is not None else []))
 
     async def watch_members(self, trainers: set[str], rollout_set: RolloutSet, reward_set: RewardSet,
-                            env_set: EnvSet | None = None) -> bool:
+                            *, env_set: EnvSet | None = None) -> bool:
         """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer
         up from the run's rollout set, and a reward service that is registered but silent from its reward set
         (one a swap named by address may be one that does not register). Silence while the coordinator itself

@@ -91,7 +91,8 @@ class WarmStart:
         run's tools (rendered into its trajectories' prompts as the agent loop renders them), () for a
         single-turn run."""
         steps = self.settings.warm_start_steps
-        sampler = PromptSampler(len(self.prompts), self.settings.warm_start_batch_size, True, self.settings.seed + 1)
+        sampler = PromptSampler(len(self.prompts), self.settings.warm_start_batch_size, True,
+                                seed=self.settings.seed + 1)
         self.progress = resume or self.progress
         sampler.epoch, sampler.position = self.progress.epoch, self.progress.position
         started = time.monotonic()

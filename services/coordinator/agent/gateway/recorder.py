@@ -103,7 +103,7 @@ class EpisodeRecording:
         return room
 
     def record(self, plan: Plan, completions: Sequence[tuple[SampledTokens, int]], tokenizer: Any,
-               returned: Sequence[dict]) -> None:
+               *, returned: Sequence[dict]) -> None:
         """The call's completions (sampled tokens, last weight version), each a leaf, in place of the leaf the call
         extended; ``returned``: the assistant message returned for each."""
         if plan.extends is None:

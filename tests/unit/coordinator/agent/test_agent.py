@@ -55,7 +55,7 @@ class Rollouts:
 def sample_all(dispatcher: TurnDispatcher, turns: list[tuple[int, int, object]]):
     async def run():
         try:
-            return await asyncio.gather(*(dispatcher.sample([1, 2], room, index, prefer) for room, index, prefer in turns))
+            return await asyncio.gather(*(dispatcher.sample([1, 2], room, index, prefer=prefer) for room, index, prefer in turns))
         finally:
             await dispatcher.close()
     return asyncio.run(run())
@@ -116,10 +116,11 @@ def test_a_turn_that_fails_everywhere_fails_its_trajectory_naming_the_replica():
 def test_tool_calls_are_counted_by_tool_and_outcome():
     calls, errors, timeouts = Counter(), Counter(), Counter()
     count_calls({"calls": [{"tool": "lookup", "outcome": "ok"}, {"tool": "lookup", "outcome": "error"},
-                           {"tool": "", "outcome": "error"}]}, calls, errors, timeouts)
-    count_calls({"error": "tool hangs timed out after 2 s", "timed_out": True, "tool": "hangs"}, calls, errors, timeouts)
-    count_calls({"error": "the environment raised", "timed_out": False, "tool": ""}, calls, errors, timeouts)
-    count_calls({"calls": []}, calls, errors, timeouts)  # a final answer: no call
+                           {"tool": "", "outcome": "error"}]}, calls, errors, timeouts=timeouts)
+    count_calls({"error": "tool hangs timed out after 2 s", "timed_out": True, "tool": "hangs"}, calls, errors,
+                timeouts=timeouts)
+    count_calls({"error": "the environment raised", "timed_out": False, "tool": ""}, calls, errors, timeouts=timeouts)
+    count_calls({"calls": []}, calls, errors, timeouts=timeouts)  # a final answer: no call
     assert calls == {"lookup": 2, "(unparsed)": 1, "hangs": 1, "(environment)": 1}
     assert errors == {"lookup": 1, "(unparsed)": 1, "(environment)": 1}
     assert timeouts == {"hangs": 1}

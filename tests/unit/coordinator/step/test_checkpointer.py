@@ -60,7 +60,7 @@ class Saving:
 
     def __init__(self, tmp_path: Path, trainers: dict, keep: int | None = None):
         self.store = RunStore(tmp_path / "meshrl.db")
-        self.store.create_run(RUN, "it", "", str(tmp_path / "runs" / RUN), 10)
+        self.store.create_run(RUN, "it", "", run_dir=str(tmp_path / "runs" / RUN), total_steps=10)
         self.folder = tmp_path / "runs" / RUN / "checkpoints"
         self.trainers, self.keep = trainers, keep
 
@@ -69,8 +69,9 @@ class Saving:
             records = RunRecords(self.store)
             records.open(RUN)
             reporter = RunReporter(records=records, run_id=RUN, run_dir=self.folder.parent, samples_dir=None)
-            sampler = PromptSampler(8, 4, False, 0)
-            reward_set = RewardSet(ServiceTarget("group", "default"), lambda target: [], reporter, lambda: False, 1.0)
+            sampler = PromptSampler(8, 4, False, seed=0)
+            reward_set = RewardSet(ServiceTarget("group", "default"), lambda target: [], reporter,
+                                   should_stop=lambda: False, timeout_s=1.0)
             saving = Checkpointer(run_id=RUN, roles=self.trainers, actor=next(iter(self.trainers)), sampler=sampler,
                                   reward_set=reward_set, env_set=None, notices=reporter, should_stop=lambda: False,
                                   folder=self.folder, keep=self.keep, timeout_s=1.0)
@@ -122,7 +123,7 @@ def test_a_refused_part_is_tried_again_alone_backing_off_and_the_last_checkpoint
 def test_only_the_newest_checkpoints_stay_and_the_one_just_saved_is_never_removed(tmp_path):
     mesh = Saving(tmp_path, {}, keep=2)
     mesh.trainers = {FolderTrainer("trainer:1", mesh.store): ["actor", "critic"]}
-    mesh.save(1, 2, 3, ranks=4)
+    mesh.save(1, 2, 3, 4)
     assert mesh.recorded() == [3, 4] and mesh.on_disk() == ["step_000003", "step_000004"]
     assert [m for m in mesh.events() if "removed" in m] == [
         f"checkpoint of step {step} removed from {mesh.folder}/step_{step:06d} (the run keeps its 2 newest)"

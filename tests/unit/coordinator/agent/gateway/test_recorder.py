@@ -32,7 +32,7 @@ def answer(recording: EpisodeRecording, tokenizer, plan, texts: list[str], call_
     """Record ``texts`` as the call's completions; the assistant messages the gateway returns for them."""
     messages = [assistant_message(text, tool_names=frozenset({"lookup"}), parse_tools=True, call_id=f"{call_id}_{j}")
                 for j, text in enumerate(texts)]
-    recording.record(plan, [(sampled(tokenizer, text), 3) for text in texts], tokenizer, messages)
+    recording.record(plan, [(sampled(tokenizer, text), 3) for text in texts], tokenizer, returned=messages)
     return messages
 
 
