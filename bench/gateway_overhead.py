@@ -51,7 +51,7 @@ async def measure(model: Path, state: Path, calls: int, max_tokens: int) -> dict
     from services.coordinator.settings import Sampling
     from services.coordinator.agent.turns import render_prompt
 
-    cluster = LocalCluster(state, (ServiceSpec("rollout"),))
+    cluster = LocalCluster(state, (ServiceSpec(kind="rollout"),))
     try:
         await cluster.start(timeout_s=180)
         control = CoordinatorClient(cluster.coordinator)

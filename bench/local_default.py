@@ -78,16 +78,18 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     for step in range(steps):
         started = time.perf_counter()
         chosen = [prompts[i] for i in sampler.next_batch()]
-        sampling = SamplingSettings(rollout.n, rollout.temperature, rollout.top_p, data.max_response_length, step, ())
+        sampling = SamplingSettings(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
+                                    max_new_tokens=data.max_response_length, seed=step, stop_token_ids=())
         completions = engine.generate([p.token_ids for p in chosen], sampling)
         responses = [c.token_ids for group in completions for c in group]
         scores = torch.tensor([score_sample(p.data_source, tokenizer.decode(c.token_ids, skip_special_tokens=True),
                                             p.ground_truth) for p, group in zip(chosen, completions) for c in group])
         batch = SequenceBatch.of_lists([p.token_ids for p in chosen for _ in range(rollout.n)], responses)
-        old = actor.compute_log_probs(batch, rollout.temperature, MicroBatching(256))
+        old = actor.compute_log_probs(batch, rollout.temperature, MicroBatching(size=256))
         groups = torch.arange(len(chosen)).repeat_interleave(rollout.n)
         advantages = algos.expand_per_token(estimators.grpo_advantages(scores, groups), batch.response_lens)
-        actor.update(batch, UpdateInputs(old, advantages, None), actor_settings(config, torch.device("cpu")))
+        actor.update(batch, UpdateInputs(old_logprobs=old, advantages=advantages, ref_logprobs=None),
+                     actor_settings(config, torch.device("cpu")))
         engine.load_weights(actor.named_weights())
         times.append(time.perf_counter() - started)
     return sum(times[1:]) / len(times[1:])

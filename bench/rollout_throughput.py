@@ -93,7 +93,8 @@ async def through_service(model: str, prompts: list[list[int]], n: int, max_new_
 
     settings = ("engine=vllm", "batched_seeded_sampling=true",
                 *(f"{key}={str(value).lower()}" for key, value in engine.items()))
-    cluster = LocalCluster(state, (ServiceSpec("rollout", settings=settings, env=(("CUDA_VISIBLE_DEVICES", "0"),)),))
+    cluster = LocalCluster(state, (ServiceSpec(kind="rollout", settings=settings, env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+                                   ))
     try:
         await cluster.start(timeout_s=180)
         control = CoordinatorClient(cluster.coordinator)

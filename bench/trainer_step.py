@@ -99,8 +99,9 @@ def random_batch(shape: Shape, vocab_size: int) -> tuple[SequenceBatch, torch.Te
     prompts = torch.randint(vocab_size, (count * shape.prompt_tokens,), generator=generator)
     responses = torch.randint(vocab_size, (count * shape.response_tokens,), generator=generator)
     advantages = torch.randn(count, generator=generator).repeat_interleave(shape.response_tokens)
-    batch = SequenceBatch(prompts, torch.full((count,), shape.prompt_tokens), responses,
-                          torch.full((count,), shape.response_tokens))
+    batch = SequenceBatch(prompt_ids=prompts, prompt_lens=torch.full((count,), shape.prompt_tokens),
+                          response_ids=responses,
+                          response_lens=torch.full((count,), shape.response_tokens))
     return batch, advantages
 
 

@@ -143,13 +143,16 @@ async def logprob_gap(engine: VLLMEngine, model, model_path: Path) -> tuple[floa
     """Mean and max |logp_vllm - logp_trainer| over the tokens vLLM sampled (temperature 1)."""
     tokenizer = load_tokenizer(model_path)
     prompts = [tokenizer(f"{i * 7919 % 100000}=", add_special_tokens=False)["input_ids"] for i in range(32)]
-    completions = await asyncio.wait_for(engine.generate(prompts, SamplingSettings(4, 1.0, 1.0, 64, 1234, ()), 0), 60)
+    completions = await asyncio.wait_for(engine.generate(prompts, SamplingSettings(n=4, temperature=1.0, top_p=1.0,
+                                                                                   max_new_tokens=64, seed=1234,
+                                                                                   stop_token_ids=()), 0), 60)
     stage("generated")
     flat = [(p, c) for p, group in zip(prompts, completions) for c in group]
     prompt_ids, prompt_lens = join_ragged([torch.tensor(p) for p, _ in flat], torch.int64)
     response_ids, response_lens = join_ragged([torch.tensor(c.token_ids) for _, c in flat], torch.int64)
-    batch = SequenceBatch(prompt_ids, prompt_lens, response_ids, response_lens)
-    trainer = batched_logprobs(model, batch, tokenizer.pad_token_id, temperature=1.0, micro=MicroBatching(32),
+    batch = SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens, response_ids=response_ids,
+                          response_lens=response_lens)
+    trainer = batched_logprobs(model, batch, tokenizer.pad_token_id, temperature=1.0, micro=MicroBatching(size=32),
                                ranks=Ranks.single(next(model.parameters()).device))
     rollout = torch.tensor([lp for _, c in flat for lp in c.logprobs])
     gap = (rollout - trainer).abs()

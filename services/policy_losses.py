@@ -79,8 +79,9 @@ def policy_loss(
         clipfrac = algos.masked((clipped > unclipped).float(), mask).sum() / tokens
         clipfrac_lower = algos.masked(capped.float(), mask).sum() / tokens
         approx_kl = algos.masked(-log_ratio, mask).sum() / tokens
-    return PolicyLoss(algos.aggregate(per_token, lengths, mode, scale=scale, mask=mask), clipfrac, clipfrac_lower,
-                      approx_kl)
+    return PolicyLoss(loss=algos.aggregate(per_token, lengths, mode, scale=scale, mask=mask), clipfrac=clipfrac,
+                      clipfrac_lower=clipfrac_lower,
+                      approx_kl=approx_kl)
 
 
 

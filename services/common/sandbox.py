@@ -98,7 +98,7 @@ class SandboxUnavailable(RuntimeError):
     which); the code was not run."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SandboxLimits:
     """What one call may use. Defaults fit a code-contest answer or a tool call."""
 
@@ -126,7 +126,7 @@ DEFAULT_LIMITS = SandboxLimits()
 """The limits of a call that names none."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SandboxResult:
     """What one call of ``run_in_sandbox`` saw."""
 

@@ -73,7 +73,7 @@ class TokenRefused(Exception):
     """The coordinator refused this process's cluster token (missing or wrong): the service cannot take part."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Endpoint:
     """Where a service listens and whom it reports to."""
 

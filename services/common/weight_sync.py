@@ -54,7 +54,7 @@ class MadeWhenSent(Protocol):
 Sendable = torch.Tensor | MadeWhenSent  # what a weight sync sends under a name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Entry:
     name: str
     dtype: str

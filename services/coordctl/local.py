@@ -44,7 +44,7 @@ from services.coordctl.control import CoordinatorClient
 from services.coordctl.synthetic import arithmetic_task_rows, lookup_task_rows, reverse_task_rows, write_jsonl
 from services.coordctl.tiny_model import build_tiny_model
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServiceSpec:
     """One service process to start: its kind, group, extra key=value settings and environment."""
 
@@ -55,7 +55,7 @@ class ServiceSpec:
     ranks: int = 1  # more than one: started under torchrun with this many ranks (a trainer)
 
 
-ONE_OF_EACH = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"))
+ONE_OF_EACH = (ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="reward"))
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
              "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 SERVICES_FILE = "services.json"  # in a --local state_dir: the services started there, which resume --local restarts
@@ -81,8 +81,8 @@ def saved_services(state_dir: Path) -> tuple[ServiceSpec, ...] | None:
     if not path.exists():
         return None
     try:
-        return tuple(ServiceSpec(row["kind"], row["group"], tuple(row["settings"]),
-                                 tuple((name, value) for name, value in row["env"]), row["ranks"])
+        return tuple(ServiceSpec(kind=row["kind"], group=row["group"], settings=tuple(row["settings"]),
+                                 env=tuple((name, value) for name, value in row["env"]), ranks=row["ranks"])
                      for row in json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path} does not list the services of a --local run: {error!r}") from None

@@ -178,7 +178,7 @@ def local_services(local: LocalConfig, config: RunConfig) -> tuple:
                 if (kind == "rollout" and rollout.name == "vllm" and value is not None
                         and not any(s.startswith(f"{key}=") for s in settings)):
                     settings.append(f"{key}={value}")
-            specs.append(ServiceSpec(kind, settings=tuple(settings), env=tuple(sorted(launch.env.items()))))
+            specs.append(ServiceSpec(kind=kind, settings=tuple(settings), env=tuple(sorted(launch.env.items()))))
     return tuple(specs)
 
 

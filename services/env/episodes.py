@@ -82,7 +82,7 @@ class Gateway(NamedTuple):
         return {"key": self.key, "model": self.model}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Episode:
     env_name: str
     row: dict
@@ -156,7 +156,8 @@ class Episodes:
             if episode_id in self._open:
                 self._idle.put(worker)
                 raise FailedPrecondition(f"episode {episode_id!r} is open already")
-            episode = self._open[episode_id] = Episode(env_name, row, worker, max_parallel_calls, gateway)
+            episode = self._open[episode_id] = Episode(env_name=env_name, row=row, worker=worker,
+                                                       max_parallel_calls=max_parallel_calls, gateway=gateway)
         with episode.lock:
             if worker.process.exit_code is not None:  # it died while idle
                 episode.worker = self._replace(worker)

@@ -41,7 +41,7 @@ from services.reward.plugins import FunctionScore, FunctionWorkers
 from services.reward.reward_model import RewardModel
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sample:
     """One response to score."""
 
@@ -52,7 +52,7 @@ class Sample:
     prompt: str  # decoded: what a reward model reads before the response
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SampleResult:
     score: float
     valid: bool
@@ -64,7 +64,7 @@ class SampleResult:
     timed_out: bool = False  # some component ran out of time on it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ComponentScore:
     """One component's part of a sample's score."""
 
@@ -236,10 +236,12 @@ class Scorer:
             pred = next((part.pred for _, part in parts if part.pred), "")
             components = tuple((component.name, component.weight, part.value) for component, part in parts)
             seconds = time.perf_counter() - started + sum(part.seconds for _, part in parts)
-            return SampleResult(sum(weight * value for _, weight, value in components), True, "", seconds, acc, pred,
-                                components, any(part.timed_out for _, part in parts))
+            return SampleResult(score=sum(weight * value for _, weight, value in components), valid=True, error="",
+                                seconds=seconds, acc=acc, pred=pred,
+                                components=components, timed_out=any(part.timed_out for _, part in parts))
         except Exception as error:  # noqa: BLE001 - one bad sample must not fail the batch
-            return SampleResult(0.0, False, f"{type(error).__name__}: {error}", time.perf_counter() - started,
+            return SampleResult(score=0.0, valid=False, error=f"{type(error).__name__}: {error}",
+                                seconds=time.perf_counter() - started,
                                 timed_out=isinstance(error, TimeoutError))
 
     def _component_score(self, component: ComponentConfig, index: int, position: int, *, model_scores,
@@ -248,14 +250,15 @@ class Scorer:
             value = model_scores[(component.reward_model, index)]
             if isinstance(value, Exception):
                 raise value
-            return ComponentScore(value)
+            return ComponentScore(value=value)
         result = judged[(index, position)]
         if component.rule and isinstance(result, TimeoutError):
             acc = False if component.rule in rules.ANSWERS else None  # a rule of form says nothing of answers
-            return ComponentScore(rules.FAILURE_SCORE, acc, timed_out=True, seconds=self.config.sample_timeout_s)
+            return ComponentScore(value=rules.FAILURE_SCORE, acc=acc, timed_out=True,
+                                  seconds=self.config.sample_timeout_s)
         if isinstance(result, Exception):
             raise result
-        return ComponentScore(result.score, result.acc, result.pred, seconds=result.seconds)
+        return ComponentScore(value=result.score, acc=result.acc, pred=result.pred, seconds=result.seconds)
 
     def close(self) -> None:
         for workers in [*self.functions.values(), self.rules]:

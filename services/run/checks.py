@@ -30,7 +30,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
                 "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunData:
     """The model's tokenizer, the training and the held-out prompts of a run."""
 
@@ -117,7 +117,7 @@ def load_run_data(config: RunConfig) -> RunData:
     val_prompts = load(data.val_files)[0] if data.val_files else []
     if not config.trainer.val_only:
         check_batch_sizes(config, len(prompts))
-    return RunData(tokenizer, prompts, val_prompts, dropped)
+    return RunData(tokenizer=tokenizer, prompts=prompts, val_prompts=val_prompts, dropped=dropped)
 
 
 def check_run_lora(config: RunConfig) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prompt:
     token_ids: list[int]
     data_source: str
@@ -136,8 +136,9 @@ def prompt_of(row: dict[str, Any], token_ids: list[int], source_key: str, *, max
             return None
         token_ids = truncate(token_ids, max_len, overlong)
     extra = row.get("extra_info") or {}
-    return Prompt(list(token_ids), str(row[source_key]), str(row["reward_model"]["ground_truth"]), dict(extra),
-                  chat_messages(row[prompt_key]))
+    return Prompt(token_ids=list(token_ids), data_source=str(row[source_key]),
+                  ground_truth=str(row["reward_model"]["ground_truth"]), extra_info=dict(extra),
+                  messages=chat_messages(row[prompt_key]))
 
 
 def truncate(token_ids: list[int], max_len: int, side: str) -> list[int]:

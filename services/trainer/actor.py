@@ -50,7 +50,7 @@ ROUTES_GIVEN, ROUTES_AGREED = "routing/given", "routing/agreed"
 mini-batch into training/routing_agreement."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ActorSettings:
     mini_batch_size: int  # sequences per optimizer step
     micro_batch_size: int  # sequences per forward/backward
@@ -81,7 +81,8 @@ class ActorSettings:
 
     @property
     def micro(self) -> MicroBatching:
-        return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding, self.logprob_chunk_tokens,
+        return MicroBatching(size=self.micro_batch_size, max_tokens=self.max_token_len,
+                             remove_padding=self.remove_padding, chunk_tokens=self.logprob_chunk_tokens,
                              replay_routes=self.replay_routes)
 
     def one_optimizer_step(self, num_rows: int) -> bool:
@@ -112,7 +113,7 @@ def policy_loss_params(settings: ActorSettings, scale: algos.LossScale) -> Polic
         kl_cov_ratio=settings.kl_cov_ratio, ppo_kl_coef=settings.ppo_kl_coef)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UpdateInputs:
     """Token-aligned tensors an actor update needs besides the sequences, flat [T]."""
 

@@ -27,7 +27,7 @@ import torch
 from services.trainer.optim import chunks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MicroBatching:
     """How a rank cuts its rows into forward passes."""
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from services.run.models import HFModel
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CriticSettings:
     mini_batch_size: int  # sequences per optimizer step
     micro_batch_size: int
@@ -39,7 +39,8 @@ class CriticSettings:
 
     @property
     def micro(self) -> MicroBatching:
-        return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding)
+        return MicroBatching(size=self.micro_batch_size, max_tokens=self.max_token_len,
+                             remove_padding=self.remove_padding)
 
 
 class Critic:

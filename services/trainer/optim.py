@@ -17,7 +17,7 @@ import torch
 from services import algos
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimSettings:
     lr: float
     weight_decay: float

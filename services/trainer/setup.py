@@ -41,16 +41,19 @@ def attention(packed: bool) -> str | None:
 
 
 def optim_settings(optim: OptimConfig, grad_clip: float, total_steps: int, *, offload: bool) -> OptimSettings:
-    return OptimSettings(optim.lr, optim.weight_decay, optim.betas, grad_clip, optim.lr_warmup_steps,
-                         optim.warmup_style, optim.min_lr_ratio, total_steps, offload)
+    return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas, grad_clip=grad_clip,
+                         warmup_steps=optim.lr_warmup_steps, warmup_style=optim.warmup_style,
+                         min_lr_ratio=optim.min_lr_ratio, total_steps=total_steps, offload=offload)
 
 
 def warm_start_settings(actor: ActorConfig) -> OptimSettings:
     """The warm start's own AdamW: its lr and schedule over its steps, the actor's betas and grad_clip, no weight
     decay."""
     warm = actor.warm_start
-    return OptimSettings(warm.lr, 0.0, actor.optim.betas, actor.grad_clip, warm.lr_warmup_steps,
-                         warm.warmup_style, warm.min_lr_ratio, warm.steps, actor.fsdp_config.optimizer_offload)
+    return OptimSettings(lr=warm.lr, weight_decay=0.0, betas=actor.optim.betas, grad_clip=actor.grad_clip,
+                         warmup_steps=warm.lr_warmup_steps, warmup_style=warm.warmup_style,
+                         min_lr_ratio=warm.min_lr_ratio, total_steps=warm.steps,
+                         offload=actor.fsdp_config.optimizer_offload)
 
 
 def pad_id_of(model_path: str) -> int:
@@ -66,8 +69,9 @@ def sharding_of(strategy: str, fsdp: FSDPConfig, world_size: int, *, role: str) 
     if strategy == "none" or (strategy == "auto" and world_size == 1 and not fsdp.needs_fsdp):
         return Sharding(fsdp=False)
     mixed = fsdp.mixed_precision
-    return Sharding(True, getattr(torch, mixed.param_dtype) if mixed else None,
-                    getattr(torch, mixed.reduce_dtype) if mixed else None, fsdp.param_offload)
+    return Sharding(fsdp=True, param_dtype=getattr(torch, mixed.param_dtype) if mixed else None,
+                    reduce_dtype=getattr(torch, mixed.reduce_dtype) if mixed else None,
+                    param_offload=fsdp.param_offload)
 
 
 def actor_sharding(config: RunConfig, world_size: int) -> Sharding:

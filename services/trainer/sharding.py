@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from services.run.models import HFModel
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sharding:
     fsdp: bool  # shard with FSDP2 (otherwise the whole model on this rank's device)
     param_dtype: torch.dtype | None = None  # mixed precision: compute dtype (None: the weights' own)

@@ -62,7 +62,7 @@ MODEL_OPS = ("compute_log_probs", "compute_values", "update_actor", "update_crit
 STOP = "stop"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Roles:
     """What this trainer hosts for the current run."""
 
@@ -257,8 +257,9 @@ class RankWorker:
 
     def update_actor(self, tensors) -> Updated:
         roles = self._roles()
-        inputs = UpdateInputs(tensors.get("old_logprobs"), tensors["advantages"], tensors.get("ref_logprobs"),
-                              tensors.get("rollout_logprobs"))
+        inputs = UpdateInputs(old_logprobs=tensors.get("old_logprobs"), advantages=tensors["advantages"],
+                              ref_logprobs=tensors.get("ref_logprobs"),
+                              rollout_logprobs=tensors.get("rollout_logprobs"))
         metrics = roles.need("actor").update(sequences(tensors, routed=True), inputs, roles.settings.actor)
         self.weight_version += 1
         return Updated({**metrics, **step_memory_metrics(self.ranks.device)}, self.weight_version)

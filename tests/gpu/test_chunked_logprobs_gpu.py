@@ -25,10 +25,10 @@ CHECKED = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "
 
 def synthetic(vocab_size: int) -> SequenceBatch:
     generator = torch.Generator().manual_seed(0)
-    return SequenceBatch(torch.randint(3, vocab_size, (SEQUENCES * PROMPT,), generator=generator),
-                         torch.full((SEQUENCES,), PROMPT),
-                         torch.randint(3, vocab_size, (SEQUENCES * RESPONSE,), generator=generator),
-                         torch.full((SEQUENCES,), RESPONSE))
+    return SequenceBatch(prompt_ids=torch.randint(3, vocab_size, (SEQUENCES * PROMPT,), generator=generator),
+                         prompt_lens=torch.full((SEQUENCES,), PROMPT),
+                         response_ids=torch.randint(3, vocab_size, (SEQUENCES * RESPONSE,), generator=generator),
+                         response_lens=torch.full((SEQUENCES,), RESPONSE))
 
 
 def forward_backward(model, batch: SequenceBatch, chunk_tokens: int) -> dict:

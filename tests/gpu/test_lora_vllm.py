@@ -217,7 +217,7 @@ def test_a_lora_grpo_run_on_vllm_samples_from_the_trainers_adapters(qwen_05b, tm
         },
         "trainer": {"total_training_steps": 3, "experiment_name": "gpu-lora-vllm"},
     })
-    cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3), ServiceSpec("reward")))
+    cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3), ServiceSpec(kind="reward")))
     try:
         asyncio.run(cluster.start(timeout_s=180))
         final, version = asyncio.run(run(cluster, config))

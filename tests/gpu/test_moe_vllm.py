@@ -67,7 +67,7 @@ def largest_log_ratio(row: dict) -> float:
 def test_moe_syncs_keep_the_vllm_rollout_on_the_trainers_weights(qwen3_moe, tmp_path):
     """Trainer and a vLLM rollout (no CUDA graphs) on GPU 0, the weights over CUDA IPC."""
     data = write_jsonl(reverse_task_rows(256, 2, 6, seed=3), tmp_path / "reverse.jsonl")
-    cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3), ServiceSpec("reward")))
+    cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3), ServiceSpec(kind="reward")))
     try:
         asyncio.run(cluster.start(timeout_s=180))
         final, version = asyncio.run(run(cluster, run_config(qwen3_moe, data)))

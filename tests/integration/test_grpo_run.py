@@ -217,8 +217,9 @@ def test_every_device_generates_the_rollout_beside_the_trainer_asleep_while_it_w
     at the next step would refuse its Generate and fail the run) and the other never does; the weights reach
     each over a gloo channel of its own, so both end serving version 3 (the one apart sampling with the trainer's
     logprobs)."""
-    services = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout", settings=("colocated=false",)),
-                ServiceSpec("reward"))
+    services = (ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="rollout",
+                                                                                      settings=("colocated=false",)),
+                ServiceSpec(kind="reward"))
     cluster = LocalCluster(tmp_path / "state", services)
     asyncio.run(cluster.start(timeout_s=120))
     try:

@@ -169,7 +169,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
 
 
 def test_a_sync_restarts_finishes_or_keeps_the_generate_call_in_flight(tmp_path, tiny_model):
-    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("rollout", settings=("batch_size=1",)),))
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec(kind="rollout", settings=("batch_size=1",)),))
     try:
         asyncio.run(cluster.start(timeout_s=120))
         kept = asyncio.run(scenario(cluster, str(tiny_model)))
@@ -185,7 +185,7 @@ def test_a_swap_that_fails_part_way_leaves_the_hf_rollout_refusing_to_generate_u
     the new weights went in: the rollout is damaged, as a vLLM rollout is, and refuses Generate with
     UNAVAILABLE, which sends the call elsewhere), or in the first bucket (nothing went in: it serves its last
     whole version as before). A whole sync after either makes it generate again."""
-    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("rollout"),))
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec(kind="rollout"),))
 
     async def go():
         rollout = RolloutClient(service_address(cluster, "rollout"))

@@ -30,7 +30,8 @@ BUSY = Sampling(n=128, temperature=1.0, top_p=1.0, max_new_tokens=64, stop_token
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     local = LocalCluster(tmp_path_factory.mktemp("stalls") / "state",
-                         (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"), ServiceSpec("reward")))
+                         (ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="reward"),
+                          ServiceSpec(kind="reward")))
     asyncio.run(local.start(timeout_s=120))
     yield local
     local.stop()

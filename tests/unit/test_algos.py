@@ -1141,7 +1141,9 @@ def test_lr_factor_warmup_first_updates_by_hand():
     # constant gradient of 1, AdamW's bias-corrected moments are m = v = 1 at every step, so each step moves the
     # weight by -lr_k / (1 + 1e-8): -2.5e-4, -5e-4, -7.5e-4 (no weight decay).
     weight = torch.nn.Parameter(torch.zeros(1, dtype=F64))
-    optimizer = Optimizer([weight], OptimSettings(1e-3, 0.0, (0.9, 0.999), 1.0, 4, "constant", 0.0, 100))
+    optimizer = Optimizer([weight], OptimSettings(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0,
+                                                  warmup_steps=4, warmup_style="constant", min_lr_ratio=0.0,
+                                                  total_steps=100))
     moves = []
     for _ in range(3):
         before = weight.item()

@@ -251,7 +251,8 @@ class TurnDispatcher:
             self.turns[replica.address] += 1
             self.tokens[replica.address] += kept
             if not request.future.done():
-                request.future.set_result(Sampled(tokens, int(generated.last_versions[row]), truncated, replica))
+                request.future.set_result(Sampled(tokens=tokens, last_version=int(generated.last_versions[row]),
+                                                  truncated=truncated, replica=replica))
 
     async def _failed(self, replica: RolloutClient, batch: list[_TurnRequest], error: Exception) -> None:
         retryable = is_retryable(error) or isinstance(error, Unavailable)

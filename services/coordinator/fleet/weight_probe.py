@@ -95,7 +95,7 @@ def draw_probe(batch: SequenceBatch, group_ids: torch.Tensor, size: int) -> Sequ
                          response_ids=chosen.response_ids, response_lens=chosen.response_lens)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProbeResult:
     """One rollout's probe after a sync."""
 

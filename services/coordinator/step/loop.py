@@ -462,7 +462,8 @@ def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollou
                              values=evaluated.values, baselines=trajectories.baselines)
     advantages = compute_advantages(estimator.name, inputs,
                                     EstimatorParams(estimator.gamma, estimator.lam, estimator.norm_by_std))
-    return Estimate(rewards, advantages.advantages, advantages.returns, {**metrics, **advantages.metrics})
+    return Estimate(rewards=rewards, advantages=advantages.advantages, returns=advantages.returns, metrics={**metrics,
+                                                                                                            **advantages.metrics})
 
 
 def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, *, updates: Updates,

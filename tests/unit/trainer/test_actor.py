@@ -16,8 +16,10 @@ from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.forward import response_logprobs
 from services.trainer.optim import OptimSettings, chunks
 
-OPTIM = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 10)
-WARM_START = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 1)
+OPTIM = OptimSettings(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), grad_clip=1.0, warmup_steps=0,
+                      warmup_style="constant", min_lr_ratio=0.0, total_steps=10)
+WARM_START = OptimSettings(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), grad_clip=1.0, warmup_steps=0,
+                           warmup_style="constant", min_lr_ratio=0.0, total_steps=1)
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +42,9 @@ def tiny_case(model_path) -> tuple[Actor, SequenceBatch, UpdateInputs]:
     responses = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in (7, 1, 4, 6, 3, 5)]
     batch = SequenceBatch.of_lists(prompts, responses)
     tokens = batch.num_response_tokens
-    inputs = UpdateInputs(torch.randn(tokens, generator=generator, dtype=torch.float64) - 4,
-                          torch.randn(tokens, generator=generator, dtype=torch.float64),
-                          torch.randn(tokens, generator=generator, dtype=torch.float64) - 4)
+    inputs = UpdateInputs(old_logprobs=torch.randn(tokens, generator=generator, dtype=torch.float64) - 4,
+                          advantages=torch.randn(tokens, generator=generator, dtype=torch.float64),
+                          ref_logprobs=torch.randn(tokens, generator=generator, dtype=torch.float64) - 4)
     return actor, batch, inputs
 
 

@@ -14,7 +14,8 @@ from services.run.models import load_value_model
 from services.trainer.critic import Critic, CriticSettings
 from services.trainer.optim import OptimSettings
 
-OPTIM = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 10)
+OPTIM = OptimSettings(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), grad_clip=1.0, warmup_steps=0,
+                      warmup_style="constant", min_lr_ratio=0.0, total_steps=10)
 SETTINGS = CriticSettings(mini_batch_size=3, micro_batch_size=2, epochs=1, cliprange_value=0.5, vf_coef=1.0,
                           loss_agg_mode="seq-mean-token-mean", max_response_length=8)
 

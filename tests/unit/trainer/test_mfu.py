@@ -25,7 +25,8 @@ def test_the_shape_of_qwen25_05b_from_its_config():
     config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936)
     shape = ModelShape.of(config, config.vocab_size)
-    assert shape == ModelShape(896, 24, 14, 2, 64, 4864, 151936)
+    assert shape == ModelShape(hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64, intermediate=4864,
+                               outputs=151936)
     # 24 x (896 x 64 x 32 + 3 x 896 x 4864) + 896 x 151936: 0.358B in the layers, 0.136B in the output layer
     assert matmul_weights(shape) == 24 * (1835008 + 13074432) + 136134656
 

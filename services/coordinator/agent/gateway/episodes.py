@@ -30,7 +30,7 @@ from services.run.tool_calls import parse_tool_calls
 OUTCOMES = ("ok", "raised", "timed_out")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GatewayEpisode:
     """One open episode: its calls' turns go through ``dispatcher``, its completions into ``recording``."""
 

@@ -35,7 +35,7 @@ class Budget(NamedTuple):
     max_response_length: int  # of each sample's response tokens, the model's and the replies'
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Leaf:
     """A completion the gateway returned that no later call has extended (yet)."""
 
@@ -56,7 +56,7 @@ class Plan(NamedTuple):
     extends: Leaf | None  # None: the call starts a new segment
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EpisodeRecording:
     """What one episode's calls sampled, as leaves (``samples``), and its counts."""
 

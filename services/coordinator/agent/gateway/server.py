@@ -51,7 +51,7 @@ MAX_BODY_BYTES = 16 << 20  # a request body past it is refused (413)
 KEY_PREFIX = "meshrl-episode"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GatewaySettings:
     host: str  # the address it binds
     port: int  # 0: one the system picks
@@ -100,7 +100,7 @@ class Gateway:
         ``close``."""
         key = f"{KEY_PREFIX}-{self.run_id}-{secrets.token_urlsafe(24)}"
         self.episodes[key] = GatewayEpisode(key=key, index=index, dispatcher=dispatcher,
-                                            recording=EpisodeRecording(self.settings.budget))
+                                            recording=EpisodeRecording(budget=self.settings.budget))
         return GatewayAccess(url=self.url, key=key, model=self.model)
 
     def close_episode(self, key: str) -> GatewayEpisode:

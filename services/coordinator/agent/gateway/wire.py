@@ -42,7 +42,7 @@ def error_body(message: str, *, kind: str, code: str | None = None, param: str |
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatRequest:
     """One checked ``POST /v1/chat/completions`` body."""
 

@@ -39,8 +39,9 @@ RIGHT_PER_PROMPT = {"12": 2, "345": 1, "67": 4, "890": 0}  # of the N responses 
 
 
 def prompt(digits: str) -> Prompt:
-    return Prompt(TOKENIZER(f"{digits}=", add_special_tokens=False)["input_ids"], "meshrl/reverse", digits[::-1],
-                  {"digits": digits})
+    return Prompt(token_ids=TOKENIZER(f"{digits}=", add_special_tokens=False)["input_ids"],
+                  data_source="meshrl/reverse", ground_truth=digits[::-1],
+                  extra_info={"digits": digits})
 
 
 PROMPTS = [prompt(digits) for digits in RIGHT_PER_PROMPT]

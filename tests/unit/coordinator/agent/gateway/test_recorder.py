@@ -37,7 +37,7 @@ def answer(recording: EpisodeRecording, tokenizer, plan, texts: list[str], call_
 
 
 def test_a_call_that_goes_on_from_a_completion_extends_it_token_exactly(tokenizer):
-    recording = EpisodeRecording(Budget(max_prompt_length=64, max_response_length=96))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=64, max_response_length=96))
     user = {"role": "user", "content": "code of QX?"}
     first = recording.plan(tokenizer, [user], (LOOKUP,))
     assert first.extends is None
@@ -70,7 +70,7 @@ def test_a_call_that_goes_on_from_a_completion_extends_it_token_exactly(tokenize
 
 
 def test_a_call_that_rewrites_the_history_starts_a_new_segment(tokenizer):
-    recording = EpisodeRecording(Budget(max_prompt_length=64, max_response_length=96))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=64, max_response_length=96))
     user = {"role": "user", "content": "code of QX?"}
     [returned] = answer(recording, tokenizer, recording.plan(tokenizer, [user], (LOOKUP,)), [CALL_TEXT], "call_a")
     summary = {"role": "user", "content": "code of QX? lookup says 0423"}  # the agent dropped the call and reply
@@ -88,7 +88,7 @@ def test_a_call_that_rewrites_the_history_starts_a_new_segment(tokenizer):
 
 
 def test_each_choice_of_a_call_is_a_sample_and_the_one_the_agent_goes_on_with_is_extended(tokenizer):
-    recording = EpisodeRecording(Budget(max_prompt_length=64, max_response_length=96))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=64, max_response_length=96))
     user = {"role": "user", "content": "code of QX?"}
     choices = answer(recording, tokenizer, recording.plan(tokenizer, [user], (LOOKUP,)), ["1111", "2222"], "call_a")
     assert [c["content"] for c in choices] == ["1111", "2222"]
@@ -100,13 +100,13 @@ def test_each_choice_of_a_call_is_a_sample_and_the_one_the_agent_goes_on_with_is
 
 
 def test_calls_over_the_budget_are_refused_as_over_the_context(tokenizer):
-    recording = EpisodeRecording(Budget(max_prompt_length=16, max_response_length=32))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=16, max_response_length=32))
     with pytest.raises(RequestError) as refused:
         recording.plan(tokenizer, [{"role": "user", "content": "code of QX?"}], (LOOKUP,))
     assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded")
     assert "data.max_prompt_length=16" in str(refused.value)
 
-    recording = EpisodeRecording(Budget(max_prompt_length=40, max_response_length=30))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=40, max_response_length=30))
     user = {"role": "user", "content": "code of QX?"}
     [returned] = answer(recording, tokenizer, recording.plan(tokenizer, [user], ()), ["QX"], "call_a")
     long_reply = {"role": "user", "content": "x" * 40}  # more than the response has left: never cut, refused
