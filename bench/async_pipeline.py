@@ -69,10 +69,10 @@ def run_gpu(state_dir: Path, steps: int, eager: bool, overrides: list[str]) -> d
         }, overrides)
 
     services = (
-        ServiceSpec("trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-        ServiceSpec("rollout", settings=("engine=vllm", f"enforce_eager={str(eager).lower()}",
+        ServiceSpec(kind="trainer", settings=("device=cuda",), env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+        ServiceSpec(kind="rollout", settings=("engine=vllm", f"enforce_eager={str(eager).lower()}",
                                          "gpu_memory_utilization=0.6"), env=(("CUDA_VISIBLE_DEVICES", "1"),)),
-        ServiceSpec("reward"),
+        ServiceSpec(kind="reward"),
     )
     cluster = LocalCluster(state_dir / "state", services)
 

@@ -44,8 +44,8 @@ from services.coordctl.tiny_model import build_tiny_model
 
 KINDS = ("coordinator", "trainer", "rollout", "reward")
 FAULTS = ("kill", "stop")
-ROLLOUT = ServiceSpec("rollout", settings=("batch_size=1",))  # one sequence at a time: steps of ~0.3 s, not 0.05
-SERVICES = (ServiceSpec("trainer"), ROLLOUT, ROLLOUT, ServiceSpec("reward"), ServiceSpec("reward"))
+ROLLOUT = ServiceSpec(kind="rollout", settings=("batch_size=1",))  # one sequence at a time: steps of ~0.3 s, not 0.05
+SERVICES = (ServiceSpec(kind="trainer"), ROLLOUT, ROLLOUT, ServiceSpec(kind="reward"), ServiceSpec(kind="reward"))
 ENDED = ("finished", "stopped", "failed")
 RUN_LIMIT_S = 900.0  # a run that has not ended by then counts as not completed
 
@@ -107,7 +107,7 @@ def kill_and_replace(cluster: LocalCluster, kind: str, name: str) -> None:
         cluster.start_coordinator()
         return
     names = (f"{kind}-again-{i}" for i in itertools.count())
-    spec = ROLLOUT if kind == "rollout" else ServiceSpec(kind)
+    spec = ROLLOUT if kind == "rollout" else ServiceSpec(kind=kind)
     cluster.add_service(spec, next(n for n in names if not (cluster.log_dir / f"{n}.log").exists()))
 
 

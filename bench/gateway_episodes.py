@@ -97,7 +97,7 @@ async def serving(rollout_address: str, model: Path, *, trajectories: int, run_i
     from services.coordinator.settings import Sampling
 
     rollout = RolloutClient(rollout_address)
-    await rollout.init_run(run_id, str(model), "float32", 300)
+    await rollout.init_run(run_id, str(model), "float32", timeout=300)
     tokenizer = AutoTokenizer.from_pretrained(model)
     sampling = Sampling(n=1, temperature=1.0, top_p=1.0, max_new_tokens=BUDGET[1],
                         stop_token_ids=(tokenizer.eos_token_id,))
@@ -186,7 +186,7 @@ def main() -> None:
     async def measure(tmp: Path) -> Report:
         from services.coordctl.control import CoordinatorClient
 
-        cluster = LocalCluster(tmp / "state", (ServiceSpec("rollout"),))
+        cluster = LocalCluster(tmp / "state", (ServiceSpec(kind="rollout"),))
         try:
             await cluster.start(timeout_s=180)
             control = CoordinatorClient(cluster.coordinator)

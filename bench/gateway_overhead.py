@@ -55,14 +55,14 @@ async def measure(model: Path, state: Path, calls: int, max_tokens: int) -> dict
     from services.coordinator.settings import Sampling
     from services.coordinator.agent.turns import render_prompt
 
-    cluster = LocalCluster(state, (ServiceSpec("rollout"),))
+    cluster = LocalCluster(state, (ServiceSpec(kind="rollout"),))
     try:
         await cluster.start(timeout_s=180)
         control = CoordinatorClient(cluster.coordinator)
         [service] = await control.list_services()
         await control.close()
         rollout = RolloutClient(service.address)
-        await rollout.init_run("bench", str(model), "float32", 300)
+        await rollout.init_run("bench", str(model), "float32", timeout=300)
         tokenizer = AutoTokenizer.from_pretrained(model)
         messages = [{"role": "user", "content": "code of QX?"}]
         ids = list(render_prompt(tokenizer, messages, {}))
@@ -87,7 +87,7 @@ async def measure(model: Path, state: Path, calls: int, max_tokens: int) -> dict
             await rollout.generate([ids], sampling, seed=0, first_index=call, timeout=60)
             direct = time.perf_counter() - started
             started = time.perf_counter()
-            await dispatcher.sample(ids, max_tokens, call, None)
+            await dispatcher.sample(ids, max_tokens, call, prefer=None)
             turn = time.perf_counter() - started
             started = time.perf_counter()
             async with session.post(f"{access.url}/chat/completions", json=request,

@@ -448,12 +448,12 @@ def meshrl_services(layout: str, rollout_settings: tuple[str, ...] = ()) -> tupl
         return (("CUDA_VISIBLE_DEVICES", str(gpu)),)
 
     vllm = ("engine=vllm", f"gpu_memory_utilization={VLLM_SHARE}", *rollout_settings)
-    asleep = ServiceSpec("rollout", settings=(*vllm, "enable_sleep_mode=true"), env=on(0))
-    rollouts = {"colocated": (ServiceSpec("rollout", settings=vllm, env=on(0)),),
+    asleep = ServiceSpec(kind="rollout", settings=(*vllm, "enable_sleep_mode=true"), env=on(0))
+    rollouts = {"colocated": (ServiceSpec(kind="rollout", settings=vllm, env=on(0)),),
                 "colocated-sleep": (asleep,),
-                "split": (ServiceSpec("rollout", settings=vllm, env=on(1)),),
-                "every-gpu": (asleep, ServiceSpec("rollout", settings=vllm, env=on(1)))}[layout]
-    return (ServiceSpec("trainer", settings=("device=cuda",), env=on(0)), *rollouts, ServiceSpec("reward"))
+                "split": (ServiceSpec(kind="rollout", settings=vllm, env=on(1)),),
+                "every-gpu": (asleep, ServiceSpec(kind="rollout", settings=vllm, env=on(1)))}[layout]
+    return (ServiceSpec(kind="trainer", settings=("device=cuda",), env=on(0)), *rollouts, ServiceSpec(kind="reward"))
 
 
 def unavailable(name: str, gpus: int) -> str | None:

@@ -69,24 +69,27 @@ def in_process_step_seconds(config_path: Path, steps: int) -> float:
     config = validate(RunConfig, yaml.safe_load(config_path.read_text()))
     model_path, data, rollout = config.actor_rollout_ref.model.path, config.data, config.actor_rollout_ref.rollout
     tokenizer = load_tokenizer(model_path)
-    prompts, _ = load_prompts(data.train_files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length)
+    prompts, _ = load_prompts(data.train_files, data.prompt_key, data.reward_fn_key, tokenizer=tokenizer,
+                              max_len=data.max_prompt_length)
     actor = build_actor(config, config.trainer.seed, Ranks.single("cpu"))
-    engine = HFEngine(load_causal_lm(model_path), actor.pad_id, (tokenizer.eos_token_id,), 256)
-    sampler = PromptSampler(len(prompts), data.train_batch_size, True, config.trainer.seed)
+    engine = HFEngine(load_causal_lm(model_path), actor.pad_id, (tokenizer.eos_token_id,), batch_size=256)
+    sampler = PromptSampler(len(prompts), data.train_batch_size, True, seed=config.trainer.seed)
     times = []
     for step in range(steps):
         started = time.perf_counter()
         chosen = [prompts[i] for i in sampler.next_batch()]
-        sampling = SamplingSettings(rollout.n, rollout.temperature, rollout.top_p, data.max_response_length, step, ())
+        sampling = SamplingSettings(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
+                                    max_new_tokens=data.max_response_length, seed=step, stop_token_ids=())
         completions = engine.generate([p.token_ids for p in chosen], sampling)
         responses = [c.token_ids for group in completions for c in group]
         scores = torch.tensor([score_sample(p.data_source, tokenizer.decode(c.token_ids, skip_special_tokens=True),
                                             p.ground_truth) for p, group in zip(chosen, completions) for c in group])
         batch = SequenceBatch.of_lists([p.token_ids for p in chosen for _ in range(rollout.n)], responses)
-        old = actor.compute_log_probs(batch, rollout.temperature, MicroBatching(256))
+        old = actor.compute_log_probs(batch, rollout.temperature, MicroBatching(size=256))
         groups = torch.arange(len(chosen)).repeat_interleave(rollout.n)
         advantages = algos.expand_per_token(estimators.grpo_advantages(scores, groups), batch.response_lens)
-        actor.update(batch, UpdateInputs(old, advantages, None), actor_settings(config, torch.device("cpu")))
+        actor.update(batch, UpdateInputs(old_logprobs=old, advantages=advantages, ref_logprobs=None),
+                     actor_settings(config, torch.device("cpu")))
         engine.load_weights(actor.named_weights())
         times.append(time.perf_counter() - started)
     return sum(times[1:]) / len(times[1:])

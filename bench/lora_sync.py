@@ -58,15 +58,16 @@ async def measure(actor, model: Path, syncs: int, name: str) -> tuple[int, list[
     """Bytes per sync and the seconds of each sync, from the send's start to the engine serving the version."""
     engine = HFRolloutEngine(str(model), "float32", RolloutServiceConfig())
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 60)
-    trainer_side = asyncio.create_task(asyncio.to_thread(GlooChannel, name, rendezvous, 0, 2, 60))
-    await engine.join_channel(name, "gloo", rendezvous, 1, 2, 60.0)
+    trainer_side = asyncio.create_task(asyncio.to_thread(GlooChannel, name, rendezvous, 0, world_size=2, timeout_s=60))
+    await engine.join_channel(name, "gloo", rendezvous, rank=1, world_size=2, timeout_s=60.0)
     channel = await trainer_side
     sender, seconds, total = WeightSender(), [], 0
     for version in range(1, syncs + 2):
         change(actor)
         named = actor.named_weights()
         started = time.perf_counter()
-        sending = asyncio.create_task(asyncio.to_thread(sender.send, channel, named, version, BUCKET_BYTES))
+        sending = asyncio.create_task(asyncio.to_thread(sender.send, channel, named, version,
+                                                        bucket_bytes=BUCKET_BYTES))
         swap = await engine.receive_weights(name, 60.0)
         total, _ = await sending
         if version > 1:  # the first carries the manifest and makes the buffers

@@ -36,7 +36,7 @@ def gsm8k_batch(count: int, seed: int = 0) -> list[RewardSample]:
 
 async def through_service(samples, shard: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(Path(tmp), (ServiceSpec("reward", settings=("score_threads=1",)),))
+        cluster = LocalCluster(Path(tmp), (ServiceSpec(kind="reward", settings=("score_threads=1",)),))
         try:
             await cluster.start()
             control = CoordinatorClient(cluster.coordinator)

@@ -93,19 +93,21 @@ async def through_service(model: str, prompts: list[list[int]], n: int, max_new_
 
     settings = ("engine=vllm", "batched_seeded_sampling=true",
                 *(f"{key}={str(value).lower()}" for key, value in engine.items()))
-    cluster = LocalCluster(state, (ServiceSpec("rollout", settings=settings, env=(("CUDA_VISIBLE_DEVICES", "0"),)),))
+    cluster = LocalCluster(state, (ServiceSpec(kind="rollout", settings=settings, env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+                                   ))
     try:
         await cluster.start(timeout_s=180)
         control = CoordinatorClient(cluster.coordinator)
         [service] = await control.list_services()
         await control.close()
         rollout = RolloutClient(service.address)
-        await rollout.init_run("bench", model, "bfloat16", 300)
+        await rollout.init_run("bench", model, "bfloat16", timeout=300)
 
         async def run(batch: list[list[int]]) -> tuple[int, float]:
             started = time.perf_counter()
             out = await rollout.generate(batch, Sampling(n=n, temperature=1.0, top_p=1.0,
-                                                         max_new_tokens=max_new_tokens, stop_token_ids=()), SEED, 0, 600)
+                                                         max_new_tokens=max_new_tokens, stop_token_ids=()), SEED,
+                                         first_index=0, timeout=600)
             return int(out.response_lens.sum()), time.perf_counter() - started
 
         await run(prompts[:8])

@@ -99,8 +99,9 @@ def random_batch(shape: Shape, vocab_size: int) -> tuple[SequenceBatch, torch.Te
     prompts = torch.randint(vocab_size, (count * shape.prompt_tokens,), generator=generator)
     responses = torch.randint(vocab_size, (count * shape.response_tokens,), generator=generator)
     advantages = torch.randn(count, generator=generator).repeat_interleave(shape.response_tokens)
-    batch = SequenceBatch(prompts, torch.full((count,), shape.prompt_tokens), responses,
-                          torch.full((count,), shape.response_tokens))
+    batch = SequenceBatch(prompt_ids=prompts, prompt_lens=torch.full((count,), shape.prompt_tokens),
+                          response_ids=responses,
+                          response_lens=torch.full((count,), shape.response_tokens))
     return batch, advantages
 
 
@@ -277,7 +278,8 @@ def measure(args) -> dict:
         grad_norm = side.update(old_logprobs, advantages)["actor/grad_norm"]  # the initial weights' gradient
         timings = {job: timed(work, device, args.warmup, args.repeats)
                    for job, work in jobs(side, old_logprobs, advantages).items()}
-        timings["update"]["mfu"] = mfu(flops, timings["update"]["seconds"], peak_flops, 1) if peak_flops else None
+        timings["update"]["mfu"] = mfu(flops, timings["update"]["seconds"], peak_flops,
+                                       world_size=1) if peak_flops else None
         results[name] = {"logprob_max_diff": float((first[name] - old_logprobs).abs().max()),
                          "first_grad_norm": grad_norm, **timings}
     profiles = {f"{name} {job}": profiled(work, device) for name in ("meshrl", "reference")

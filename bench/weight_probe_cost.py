@@ -137,8 +137,9 @@ def main() -> None:
 
     meshes = {"local": ("local default", ONE_OF_EACH),
               "batch1": (f"{args.rollouts} x batch_size=1", (
-                  ServiceSpec("trainer"), *[ServiceSpec("rollout", settings=("batch_size=1",))] * args.rollouts,
-                  ServiceSpec("reward")))}
+                  ServiceSpec(kind="trainer"), *[ServiceSpec(kind="rollout", settings=("batch_size=1",
+                                                                                       ))] * args.rollouts,
+                  ServiceSpec(kind="reward")))}
     ratios = []
     with tempfile.TemporaryDirectory() as folder:
         for key in args.meshes:

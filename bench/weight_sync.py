@@ -92,8 +92,10 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
     engine = await start_engine(model_path, "1")
     try:
         unique_id, channel_id = new_unique_id(), "bench-weights"
-        join = asyncio.create_task(engine.join_channel(channel_id, "nccl", unique_id, 1, 2, TIMEOUT_S))
-        channel = await asyncio.to_thread(NcclChannel, channel_id, unique_id, 0, 2, TIMEOUT_S, "cuda:0")
+        join = asyncio.create_task(engine.join_channel(channel_id, "nccl", unique_id, rank=1, world_size=2,
+                                                       timeout_s=TIMEOUT_S))
+        channel = await asyncio.to_thread(NcclChannel, channel_id, unique_id, 0, world_size=2, timeout_s=TIMEOUT_S,
+                                            device="cuda:0")
         await join
         stage("channel joined")
         sync_s, raw_s, timings, total, buckets = [], [], [], 0, 0
@@ -106,8 +108,8 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
             started = time.perf_counter()
             receiving = asyncio.create_task(engine.receive_weights(channel_id, TIMEOUT_S))
             sender = StageTimer()
-            total, buckets = await asyncio.to_thread(weight_sender.send, channel, named, version, bucket_bytes, None,
-                                                     sender)
+            total, buckets = await asyncio.to_thread(weight_sender.send, channel, named, version,
+                                                     bucket_bytes=bucket_bytes, timer=sender)
             swap = await receiving
             assert swap.version == version
             sync_s.append(time.perf_counter() - started)
@@ -115,7 +117,7 @@ async def measure(model_path: Path, repeats: int = 3, bucket_bytes: int = BUCKET
                                                              **{f"sender_{k}": v for k, v in sender.seconds.items()}}))
             buffer = torch.empty(total, dtype=torch.uint8, device="cuda:0")
             started = time.perf_counter()
-            receiving = asyncio.create_task(receive_raw(engine, channel_id, total, TIMEOUT_S))
+            receiving = asyncio.create_task(receive_raw(engine, channel_id, total, timeout_s=TIMEOUT_S))
             await asyncio.to_thread(channel.broadcast, buffer)
             await receiving
             raw_s.append(time.perf_counter() - started)
@@ -141,13 +143,16 @@ async def logprob_gap(engine: VLLMEngine, model, model_path: Path) -> tuple[floa
     """Mean and max |logp_vllm - logp_trainer| over the tokens vLLM sampled (temperature 1)."""
     tokenizer = load_tokenizer(model_path)
     prompts = [tokenizer(f"{i * 7919 % 100000}=", add_special_tokens=False)["input_ids"] for i in range(32)]
-    completions = await asyncio.wait_for(engine.generate(prompts, SamplingSettings(4, 1.0, 1.0, 64, 1234, ()), 0), 60)
+    completions = await asyncio.wait_for(engine.generate(prompts, SamplingSettings(n=4, temperature=1.0, top_p=1.0,
+                                                                                   max_new_tokens=64, seed=1234,
+                                                                                   stop_token_ids=()), 0), 60)
     stage("generated")
     flat = [(p, c) for p, group in zip(prompts, completions) for c in group]
     prompt_ids, prompt_lens = join_ragged([torch.tensor(p) for p, _ in flat], torch.int64)
     response_ids, response_lens = join_ragged([torch.tensor(c.token_ids) for _, c in flat], torch.int64)
-    batch = SequenceBatch(prompt_ids, prompt_lens, response_ids, response_lens)
-    trainer = batched_logprobs(model, batch, tokenizer.pad_token_id, 1.0, MicroBatching(32),
+    batch = SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens, response_ids=response_ids,
+                          response_lens=response_lens)
+    trainer = batched_logprobs(model, batch, tokenizer.pad_token_id, temperature=1.0, micro=MicroBatching(size=32),
                                ranks=Ranks.single(next(model.parameters()).device))
     rollout = torch.tensor([lp for _, c in flat for lp in c.logprobs])
     gap = (rollout - trainer).abs()

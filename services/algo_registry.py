@@ -23,7 +23,8 @@ from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
-from services.algos import LOSS_AGG_MODES, Advantages, LossScale
+from services.algo_names import LOSS_AGG_MODES
+from services.algos import Advantages, LossScale
 
 
 

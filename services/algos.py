@@ -51,10 +51,8 @@ from typing import NamedTuple
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-ROLLOUT_IS_LEVELS = ("token", "sequence")
-ROLLOUT_IS_MODES = ("truncate", "mask")
+from services.algo_names import KL_ESTIMATORS, LOSS_AGG_MODES, ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
+
 WHITEN_EPS = 1e-8
 
 
@@ -129,7 +127,7 @@ def last_trained_index(lengths: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 
 
 def token_rewards(scores: torch.Tensor, lengths: torch.Tensor, kl: torch.Tensor | None = None,
-                  kl_coef: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
+                  *, kl_coef: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Score on each response's last token, minus kl_coef * kl on every token. [B], [B], [T] -> [T].
 
     With a loss ``mask`` [T]: on each response's last model token (``last_trained_index``), the KL penalty on
@@ -142,7 +140,7 @@ def token_rewards(scores: torch.Tensor, lengths: torch.Tensor, kl: torch.Tensor 
     return rewards
 
 
-def adaptive_kl_coef(coef: float, current_kl: float, n_steps: int, target: float, horizon: int) -> float:
+def adaptive_kl_coef(coef: float, current_kl: float, n_steps: int, *, target: float, horizon: int) -> float:
     """The adaptive KL controller's next coefficient (Ziegler et al.): proportional error clipped to +-0.2."""
     error = min(max(current_kl / target - 1.0, -0.2), 0.2)
     return coef * (1.0 + error * n_steps / horizon)
@@ -177,7 +175,7 @@ class LossScale(NamedTuple):
         return cls(tokens, len(lengths), max_response_length)
 
 
-def aggregate(per_token: torch.Tensor, lengths: torch.Tensor, mode: str, scale: LossScale,
+def aggregate(per_token: torch.Tensor, lengths: torch.Tensor, mode: str, *, scale: LossScale,
               mask: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce per-token losses [T] of sequences with ``lengths`` [B] to a scalar, verl's way.
 
@@ -205,7 +203,7 @@ def aggregate(per_token: torch.Tensor, lengths: torch.Tensor, mode: str, scale: 
 
 
 def rollout_log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, lengths: torch.Tensor,
-                      level: str, mask: torch.Tensor | None = None) -> torch.Tensor:
+                      *, level: str, mask: torch.Tensor | None = None) -> torch.Tensor:
     """log(pi_old / pi_rollout), detached and clamped to +-20. [T], [T], [B] -> [T] (token) or [B] (sequence).
 
     token: old_logp_t - rollout_logp_t (0 where the loss ``mask`` is False); sequence: the sum of those over
@@ -225,7 +223,7 @@ class RolloutISWeights(NamedTuple):
 
 
 def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, lengths: torch.Tensor,
-                       level: str, mode: str, *, threshold: float,
+                       *, level: str, mode: str, threshold: float,
                        mask: torch.Tensor | None = None) -> RolloutISWeights:
     """Importance weights pi_old / pi_rollout of the rollout/trainer mismatch. [T], [T], [B] -> [T].
 
@@ -236,7 +234,7 @@ def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     """
     if mode not in ROLLOUT_IS_MODES:
         raise ValueError(f"unknown rollout_is mode {mode!r}; expected one of {ROLLOUT_IS_MODES}")
-    ratio = torch.exp(rollout_log_ratio(old_logprobs, rollout_logprobs, lengths, level, mask))
+    ratio = torch.exp(rollout_log_ratio(old_logprobs, rollout_logprobs, lengths, level=level, mask=mask))
     if level == "sequence":
         ratio = expand_per_token(ratio, lengths.to(ratio.device))
     exceeded = ratio > threshold
@@ -254,8 +252,8 @@ class ValueLoss(NamedTuple):
     clipfrac: torch.Tensor  # share of tokens where the clipped error was the larger (critic/vf_clipfrac)
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, lengths: torch.Tensor,
-               cliprange_value: float, *, mode: str, scale: LossScale, mask: torch.Tensor | None = None) -> ValueLoss:
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, lengths: torch.Tensor,
+               cliprange_value: float, mode: str, scale: LossScale, mask: torch.Tensor | None = None) -> ValueLoss:
     """Clipped value loss: 0.5 * agg(max((V - R)^2, (clip(V, V_old +- c) - R)^2)). Token tensors [T]; with a
     loss ``mask`` [T], over its tokens only."""
     clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
@@ -264,7 +262,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     per_token = torch.maximum(unclipped_error, clipped_error)
     with torch.no_grad():
         clipfrac = masked((clipped_error > unclipped_error).float(), mask).sum() / max(scale.num_tokens, 1)
-    return ValueLoss(0.5 * aggregate(per_token, lengths, mode, scale, mask), clipfrac)
+    return ValueLoss(0.5 * aggregate(per_token, lengths, mode, scale=scale, mask=mask), clipfrac)
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
@@ -371,7 +369,7 @@ def sequence_nll(logprobs: torch.Tensor, num_tokens: int | None = None,
 # ---------------------------------------------------------------- optimisation
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, style: str, min_lr_ratio: float) -> float:
+def lr_factor(step: int, warmup_steps: int, total_steps: int, *, style: str, min_lr_ratio: float) -> float:
     """Multiplier of the peak learning rate after ``step`` scheduler steps (0-based).
 
     Linear warmup over ``warmup_steps`` = W, then constant, or a cosine decay to
@@ -438,7 +436,7 @@ def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def mismatch_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                     response_lens: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+                     response_lens: torch.Tensor, *, mask: torch.Tensor | None = None) -> dict[str, float]:
     """How far the trainer's policy (old logprobs) is from the rollout engine's on the same tokens. [T], [T], [B].
 
     verl's training/rollout_probs_diff_{mean,max,std} (|p_rollout - p_old|, unbiased std) and
@@ -448,12 +446,12 @@ def mismatch_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     (non-empty) response, before any truncation, whether or not algorithm.rollout_correction is on.
     With a loss ``mask`` [T] they describe its tokens only (a response's ratio: over its trained tokens).
     """
-    seq_ratio = rollout_log_ratio(old_logprobs, rollout_logprobs, response_lens, "sequence", mask).exp()
+    seq_ratio = rollout_log_ratio(old_logprobs, rollout_logprobs, response_lens, level="sequence", mask=mask).exp()
     if mask is not None:
         rollout_logprobs, old_logprobs = rollout_logprobs[mask], old_logprobs[mask]
     rollout_probs, old_probs = rollout_logprobs.exp(), old_logprobs.exp()
     probs_diff = (rollout_probs - old_probs).abs()
-    token_ratio = rollout_log_ratio(old_logprobs, rollout_logprobs, response_lens, "token").exp()
+    token_ratio = rollout_log_ratio(old_logprobs, rollout_logprobs, response_lens, level="token").exp()
     kl = kl_penalty(rollout_logprobs, old_logprobs, "k3")
     return {
         "training/rollout_probs_diff_mean": float(probs_diff.mean()) if probs_diff.numel() else 0.0,

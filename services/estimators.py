@@ -101,8 +101,8 @@ def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     return sums[inverse], counts[inverse], std[inverse]
 
 
-def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamma: float, lam: float,
-                   *, mask: torch.Tensor | None = None) -> algos.Advantages:
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, *, gamma: float, lam: float,
+                   mask: torch.Tensor | None = None) -> algos.Advantages:
     """Generalised advantage estimation, per sequence, then advantages whitened over the batch.
 
     rewards, values: [T]; delta_t = r_t + gamma V_{t+1} - V_t (V after the last token is 0),
@@ -133,7 +133,7 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.T
 
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+                    *, eps: float = 1e-6) -> torch.Tensor:
     """Group-normalised advantage of each sequence (GRPO). [B], [B] -> [B].
 
     (score - group mean) / (group std + eps), or without the division when
@@ -155,7 +155,7 @@ def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tens
 
 
 def discounted_returns(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float,
-                       mask: torch.Tensor | None = None) -> torch.Tensor:
+                       *, mask: torch.Tensor | None = None) -> torch.Tensor:
     """G_t = r_t + gamma G_{t+1} within each sequence, in float64 on padded rows (see ``gae``). [T], [B] -> [T].
 
     With a loss ``mask`` [T], G_{t+1} is the next model token's and masked tokens get 0 (as ``gae``)."""
@@ -171,15 +171,15 @@ def discounted_returns(rewards: torch.Tensor, lengths: torch.Tensor, gamma: floa
 
 
 def reinforce_plus_plus_advantages(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float,
-                                   mask: torch.Tensor | None = None) -> algos.Advantages:
+                                   *, mask: torch.Tensor | None = None) -> algos.Advantages:
     """REINFORCE++: discounted returns, whitened over the batch (its model tokens), are the advantages.
     [T] -> [T]."""
-    returns = discounted_returns(rewards, lengths, gamma, mask)
+    returns = discounted_returns(rewards, lengths, gamma, mask=mask)
     return algos.Advantages(algos.whiten(returns, mask), returns)
 
 
 def reinforce_plus_plus_baseline_advantages(scores: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
-                                            mask: torch.Tensor | None = None) -> algos.Advantages:
+                                            *, mask: torch.Tensor | None = None) -> algos.Advantages:
     """REINFORCE++ with the group mean as baseline, on every token, whitened over the batch. [B] -> [T].
 
     The returns are the whitened advantages too, as verl returns them (``(scores, scores)``). With a loss
@@ -200,7 +200,8 @@ def reinforce_plus_plus_baseline_advantages(scores: torch.Tensor, group_ids: tor
 def gae(inputs: EstimatorInputs, params: EstimatorParams) -> algos.Advantages:
     if inputs.values is None:
         raise ValueError("the gae estimator needs values from a critic")
-    return gae_advantages(inputs.rewards, inputs.values, inputs.lengths, params.gamma, params.lam, mask=inputs.mask)
+    return gae_advantages(inputs.rewards, inputs.values, inputs.lengths, gamma=params.gamma, lam=params.lam,
+                          mask=inputs.mask)
 
 
 @register_adv_est("grpo")
@@ -215,12 +216,13 @@ def rloo(inputs: EstimatorInputs, params: EstimatorParams) -> algos.Advantages:
 
 @register_adv_est("reinforce_plus_plus")
 def reinforce_plus_plus(inputs: EstimatorInputs, params: EstimatorParams) -> algos.Advantages:
-    return reinforce_plus_plus_advantages(inputs.rewards, inputs.lengths, params.gamma, inputs.mask)
+    return reinforce_plus_plus_advantages(inputs.rewards, inputs.lengths, params.gamma, mask=inputs.mask)
 
 
 @register_adv_est("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(inputs: EstimatorInputs, params: EstimatorParams) -> algos.Advantages:
-    return reinforce_plus_plus_baseline_advantages(scores_of(inputs), inputs.group_ids, inputs.lengths, inputs.mask)
+    return reinforce_plus_plus_baseline_advantages(scores_of(inputs), inputs.group_ids, inputs.lengths,
+                                                   mask=inputs.mask)
 
 
 # ---------------------------------------------------------------- opo, gpg, grpo_passk, remax

@@ -50,7 +50,7 @@ class PolicyLoss(NamedTuple):
 
 
 def policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, lengths: torch.Tensor, *,
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *, lengths: torch.Tensor,
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, mode: str, scale: algos.LossScale,
     is_weights: torch.Tensor | None = None, mask: torch.Tensor | None = None,
 ) -> PolicyLoss:
@@ -79,7 +79,9 @@ def policy_loss(
         clipfrac = algos.masked((clipped > unclipped).float(), mask).sum() / tokens
         clipfrac_lower = algos.masked(capped.float(), mask).sum() / tokens
         approx_kl = algos.masked(-log_ratio, mask).sum() / tokens
-    return PolicyLoss(algos.aggregate(per_token, lengths, mode, scale, mask), clipfrac, clipfrac_lower, approx_kl)
+    return PolicyLoss(loss=algos.aggregate(per_token, lengths, mode, scale=scale, mask=mask), clipfrac=clipfrac,
+                      clipfrac_lower=clipfrac_lower,
+                      approx_kl=approx_kl)
 
 
 
@@ -102,7 +104,7 @@ def weighted(per_token: torch.Tensor, inputs: PolicyLossInputs) -> torch.Tensor:
 
 
 def ppo_metrics(inputs: PolicyLossInputs, params: PolicyLossParams, clipped: torch.Tensor,
-                clipped_lower: torch.Tensor | None, approx_kl: torch.Tensor) -> dict[str, float]:
+                *, clipped_lower: torch.Tensor | None, approx_kl: torch.Tensor) -> dict[str, float]:
     """verl's actor/pg_clipfrac, actor/pg_clipfrac_lower (0 where the loss has no lower clip) and actor/ppo_kl."""
     zero = torch.zeros_like(approx_kl)
     return {"actor/pg_clipfrac": token_share(clipped.to(approx_kl.dtype), inputs, params),
@@ -144,8 +146,9 @@ def gspo(inputs: PolicyLossInputs, params: PolicyLossParams) -> PolicyLossOutput
     unclipped = -inputs.advantages * ratio
     clipped = -inputs.advantages * torch.clamp(ratio, 1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
     per_token = weighted(torch.maximum(unclipped, clipped), inputs)
-    loss = algos.aggregate(per_token, lengths, params.loss_agg_mode, params.scale, inputs.mask)
-    return PolicyLossOutput(loss, ppo_metrics(inputs, params, clipped > unclipped, None, -log_ratio.detach()))
+    loss = algos.aggregate(per_token, lengths, params.loss_agg_mode, scale=params.scale, mask=inputs.mask)
+    return PolicyLossOutput(loss, ppo_metrics(inputs, params, clipped > unclipped, clipped_lower=None,
+                                              approx_kl=-log_ratio.detach()))
 
 
 @register_policy_loss("cispo", loss_agg_mode="token-mean")
@@ -154,8 +157,9 @@ def cispo(inputs: PolicyLossInputs, params: PolicyLossParams) -> PolicyLossOutpu
     ratio = torch.exp(log_ratio).detach()
     weight = torch.clamp(ratio, 1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
     per_token = weighted(-weight * inputs.advantages * inputs.logprobs, inputs)
-    loss = algos.aggregate(per_token, inputs.lengths, params.loss_agg_mode, params.scale, inputs.mask)
-    return PolicyLossOutput(loss, ppo_metrics(inputs, params, ratio != weight, None, -log_ratio.detach()))
+    loss = algos.aggregate(per_token, inputs.lengths, params.loss_agg_mode, scale=params.scale, mask=inputs.mask)
+    return PolicyLossOutput(loss, ppo_metrics(inputs, params, ratio != weight, clipped_lower=None,
+                                              approx_kl=-log_ratio.detach()))
 
 
 @register_policy_loss("geo_mean", loss_agg_mode="seq-mean-token-mean")
@@ -175,7 +179,8 @@ def geo_mean(inputs: PolicyLossInputs, params: PolicyLossParams) -> PolicyLossOu
     loss = per_sequence.sum() / max(params.scale.num_sequences, 1)
     out_of_range = log_ratio != bounded
     return PolicyLossOutput(loss, ppo_metrics(inputs, params, out_of_range & (advantages > 0),
-                                              out_of_range & (advantages < 0), -log_ratio.detach()))
+                                              clipped_lower=out_of_range & (advantages < 0),
+                                              approx_kl=-log_ratio.detach()))
 
 
 @register_policy_loss("clip_cov", loss_agg_mode="token-mean")
@@ -194,8 +199,9 @@ def clip_cov(inputs: PolicyLossInputs, params: PolicyLossParams) -> PolicyLossOu
     detached = torch.zeros_like(keep).index_fill_(0, chosen, True)
     per_token = weighted(torch.where(detached, torch.zeros_like(unclipped), torch.maximum(unclipped, clipped)),
                          inputs)
-    loss = algos.aggregate(per_token, inputs.lengths, params.loss_agg_mode, params.scale, inputs.mask)
-    return PolicyLossOutput(loss, ppo_metrics(inputs, params, detached, None, -log_ratio.detach()))
+    loss = algos.aggregate(per_token, inputs.lengths, params.loss_agg_mode, scale=params.scale, mask=inputs.mask)
+    return PolicyLossOutput(loss, ppo_metrics(inputs, params, detached, clipped_lower=None,
+                                              approx_kl=-log_ratio.detach()))
 
 
 @register_policy_loss("kl_cov", loss_agg_mode="token-mean")
@@ -211,16 +217,17 @@ def kl_cov(inputs: PolicyLossInputs, params: PolicyLossParams) -> PolicyLossOutp
         largest = torch.topk(centred_covariance(inputs)[positions], min(wanted, len(positions))).indices
         penalised[positions[largest]] = True
     per_token = torch.where(penalised, surrogate + params.ppo_kl_coef * log_ratio.abs(), surrogate)
-    loss = algos.aggregate(weighted(per_token, inputs), inputs.lengths, params.loss_agg_mode, params.scale,
-                           inputs.mask)
-    return PolicyLossOutput(loss, ppo_metrics(inputs, params, torch.zeros_like(keep), None,
-                                              log_ratio.detach().abs()))
+    loss = algos.aggregate(weighted(per_token, inputs), inputs.lengths, params.loss_agg_mode, scale=params.scale,
+                           mask=inputs.mask)
+    return PolicyLossOutput(loss, ppo_metrics(inputs, params, torch.zeros_like(keep), clipped_lower=None,
+                                              approx_kl=log_ratio.detach().abs()))
 
 
 @register_policy_loss("gpg", loss_agg_mode="token-mean")
 def gpg(inputs: PolicyLossInputs, params: PolicyLossParams) -> PolicyLossOutput:
     per_token = weighted(-inputs.advantages * inputs.logprobs, inputs)
-    loss = algos.aggregate(per_token, inputs.lengths, params.loss_agg_mode, params.scale, inputs.mask)
+    loss = algos.aggregate(per_token, inputs.lengths, params.loss_agg_mode, scale=params.scale, mask=inputs.mask)
     log_ratio = (inputs.logprobs - inputs.old_logprobs).detach()
-    return PolicyLossOutput(loss, ppo_metrics(inputs, params, torch.zeros_like(log_ratio, dtype=torch.bool), None,
-                                              -log_ratio))
+    return PolicyLossOutput(loss, ppo_metrics(inputs, params, torch.zeros_like(log_ratio, dtype=torch.bool),
+                                              clipped_lower=None,
+                                              approx_kl=-log_ratio))

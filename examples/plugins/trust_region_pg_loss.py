@@ -20,7 +20,7 @@ def trust_region_pg(inputs: PolicyLossInputs, params: PolicyLossParams) -> Polic
     per_token = torch.where(past, torch.zeros_like(ratio), -advantages * inputs.logprobs)
     if inputs.is_weights is not None:  # rollout correction, when the run turns it on
         per_token = per_token * inputs.is_weights
-    loss = algos.aggregate(per_token, inputs.lengths, params.loss_agg_mode, params.scale, inputs.mask)
+    loss = algos.aggregate(per_token, inputs.lengths, params.loss_agg_mode, scale=params.scale, mask=inputs.mask)
     tokens = max(params.scale.num_tokens, 1)  # metrics are this micro-batch's share of the mini-batch's mean
     return PolicyLossOutput(loss, {
         "actor/pg_clipfrac": float(algos.masked(past.double(), inputs.mask).sum()) / tokens,

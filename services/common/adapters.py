@@ -51,7 +51,7 @@ def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch
     return (base.float() + b.float() @ a.float()).to(base.dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MergedWeight:
     """A LoRA layer's weight with its adapter merged in, W_base + scale * B @ A in W_base's dtype, made only when
     the weight channel sends it (``full_tensor``): the base and the factors are gathered then (DTensor shards, on

@@ -60,8 +60,8 @@ class TensorChannel(Protocol):
         """Leave the group and release its resources (abandoning it first, so it never waits on a transfer)."""
 
 
-def open_weight_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
-                        *, timeout_s: float, device: str) -> TensorChannel:
+def open_weight_channel(channel_id: str, backend: str, rendezvous: bytes, *, rank: int, world_size: int,
+                        timeout_s: float, device: str) -> TensorChannel:
     """Join a channel (blocking until every member has joined or the deadline passes).
 
     gloo works on any device (tensors on CPU); nccl needs ``device`` to be a CUDA device, and every member a
@@ -77,8 +77,8 @@ def open_weight_channel(channel_id: str, backend: str, rendezvous: bytes, rank: 
                            f"({error})") from error
 
 
-def _open_weight_channel(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
-                         *, timeout_s: float, device: str) -> TensorChannel:
+def _open_weight_channel(channel_id: str, backend: str, rendezvous: bytes, *, rank: int, world_size: int,
+                         timeout_s: float, device: str) -> TensorChannel:
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     if backend == "gloo":
@@ -110,8 +110,8 @@ class ChannelTable:
         self.device = device
         self._channels: dict[str, TensorChannel] = {}
 
-    async def join(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
-                   *, timeout_s: float) -> None:
+    async def join(self, channel_id: str, backend: str, rendezvous: bytes, *, rank: int, world_size: int,
+                   timeout_s: float) -> None:
         """Join (blocks, on a thread of its own, until every member has joined or the deadline passes)."""
         channel = await asyncio.to_thread(open_weight_channel, channel_id, backend, rendezvous=rendezvous, rank=rank,
                                           world_size=world_size, timeout_s=timeout_s, device=self.device)

@@ -80,14 +80,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = override.lstrip("+").partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {override!r} must look like key.path=value (or +key.path=value, ~key.path)")
-        config = set_key(config, key.strip(), raw.strip(), override)
+        config = set_key(config, key.strip(), raw.strip(), override=override)
     try:
         return cast(dict[str, Any], OmegaConf.to_container(config, resolve=True))  # a DictConfig's container
     except OmegaConfBaseException as error:
         raise ConfigError(f"{getattr(error, 'full_key', None) or '(a value)'}: {first_line(error)}") from None
 
 
-def set_key(config: DictConfig, key: str, raw: str, override: str) -> DictConfig:
+def set_key(config: DictConfig, key: str, raw: str, *, override: str) -> DictConfig:
     """``config`` with ``key`` set to ``raw`` read as YAML (empty: the empty string); a key through a value that
     is not a section is refused."""
     node = config

@@ -127,7 +127,7 @@ POKE_TAG = (1 << 31) - 1  # a point-to-point tag that no transfer uses: nothing 
 class GlooChannel:
     """A torch.distributed gloo group of its own (not the process's default group)."""
 
-    def __init__(self, channel_id: str, rendezvous: bytes, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, channel_id: str, rendezvous: bytes, rank: int, *, world_size: int, timeout_s: float):
         host, port, secret = parse_rendezvous(rendezvous)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")

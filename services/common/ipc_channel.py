@@ -30,8 +30,8 @@ HANDLE_BYTES = 1024  # the JSON of one shared tensor, space-padded
 
 
 class CudaIpcChannel:
-    def __init__(self, channel_id: str, rendezvous: bytes, rank: int, world_size: int, timeout_s: float,
-                 *, device: torch.device | str):
+    def __init__(self, channel_id: str, rendezvous: bytes, rank: int, *, world_size: int, timeout_s: float,
+                 device: torch.device | str):
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"channel backend cuda_ipc needs a CUDA device, this service runs on {device!r}")

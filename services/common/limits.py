@@ -62,7 +62,7 @@ def check_temperature(field: str, temperature: float) -> float:
     return temperature
 
 
-def check_at_most(field: str, value: int, limit: int, setting: str) -> int:
+def check_at_most(field: str, value: int, limit: int, *, setting: str) -> int:
     """``value`` if it is within ``limit``; ResourceExhausted naming the ``setting`` that raises the limit."""
     if value > limit:
         raise ResourceExhausted(f"{field} = {value} is over this service's limit of {limit} (setting {setting})")

@@ -36,8 +36,8 @@ def new_unique_id() -> bytes:
 
 
 class NcclChannel:
-    def __init__(self, channel_id: str, unique_id: bytes, rank: int, world_size: int, timeout_s: float,
-                 *, device: torch.device | str):
+    def __init__(self, channel_id: str, unique_id: bytes, rank: int, *, world_size: int, timeout_s: float,
+                 device: torch.device | str):
         from cupy.cuda import nccl
 
         if len(unique_id) != 128:

@@ -32,7 +32,7 @@ def import_target(target: str, what: str, ref: str | None = None) -> ModuleType:
                          f"{error}") from None
 
 
-def load_named(ref: str, what: str, kind: str, accept: Callable[[Any], bool]) -> Any:
+def load_named(ref: str, what: str, kind: str, *, accept: Callable[[Any], bool]) -> Any:
     """The object ``ref`` names, which ``accept`` must take; ValueError naming ``what`` (e.g. "reward function")
     and saying what is wrong otherwise: ``ref`` is not ``target:name``, the target fails to import, or it has no
     such ``kind`` (function, class)."""

@@ -98,7 +98,7 @@ class SandboxUnavailable(RuntimeError):
     which); the code was not run."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SandboxLimits:
     """What one call may use. Defaults fit a code-contest answer or a tool call."""
 
@@ -126,7 +126,7 @@ DEFAULT_LIMITS = SandboxLimits()
 """The limits of a call that names none."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SandboxResult:
     """What one call of ``run_in_sandbox`` saw."""
 
@@ -164,7 +164,7 @@ def check_sandbox() -> str | None:
 
 
 def run_in_sandbox(code: str, limits: SandboxLimits = DEFAULT_LIMITS, stdin: str = "",
-                   files: dict[str, str] | None = None) -> SandboxResult:
+                   *, files: dict[str, str] | None = None) -> SandboxResult:
     """Run ``code`` as ``main.py`` with ``files`` (relative path -> text) beside it in /tmp, ``stdin`` as input.
 
     Raises ValueError for a file path that is absolute, leaves /tmp or names the program, or files larger than the
@@ -181,7 +181,7 @@ def run_in_sandbox(code: str, limits: SandboxLimits = DEFAULT_LIMITS, stdin: str
         started = time.monotonic()
         process, sandbox_init = _start(_command(limits, fds), uid, fds)
         try:
-            return _watch(process, sandbox_init, limits, stdin, started)
+            return _watch(process, sandbox_init, limits, stdin=stdin, started=started)
         finally:
             if sandbox_init is not None:
                 os.close(sandbox_init)
@@ -245,7 +245,7 @@ def _command(limits: SandboxLimits, fds: dict[str, int]) -> list[str]:
     return [PRLIMIT, *rlimits, "--", BWRAP, *sandbox]
 
 
-def _watch(process: subprocess.Popen, sandbox_init: int | None, limits: SandboxLimits, stdin: str,
+def _watch(process: subprocess.Popen, sandbox_init: int | None, limits: SandboxLimits, *, stdin: str,
            started: float) -> SandboxResult:
     """Feed stdin, read both streams under the cap, kill the sandbox at the wall limit or the cap, classify."""
     overflow = threading.Event()

@@ -11,7 +11,7 @@ This is the form batches travel in, between every service.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,7 +44,7 @@ def ragged_select(flat: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor)
     return flat[ragged_index(lengths, rows)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Padded:
     """A view of a SequenceBatch for a causal LM forward pass: rows right-padded (``padded``), or all
     sequences packed into one row without padding (``packed``)."""
@@ -59,16 +59,20 @@ class Padded:
     # none was recorded (padding, each sequence's last token); None: the batch carries none
 
     def to(self, device: torch.device | str) -> Padded:
-        return Padded(*(None if t is None else t.to(device) for t in (  # type: ignore[arg-type,call-arg]  # mypy cannot match a starred generator to the fields
-            self.input_ids, self.attention_mask, self.response_mask, self.position_ids, self.cu_seqlens)),
-            self.max_seqlen, self.routed_experts)
+        """The tensors the forward pass takes, on ``device``; the routed experts stay where they are."""
+        def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device)
+
+        return replace(self, input_ids=self.input_ids.to(device), attention_mask=moved(self.attention_mask),
+                       response_mask=self.response_mask.to(device), position_ids=moved(self.position_ids),
+                       cu_seqlens=moved(self.cu_seqlens))
 
     def gather_response(self, per_position: torch.Tensor) -> torch.Tensor:
         """[B, L-1] values at predicting positions -> flat [T] aligned with response_ids."""
         return per_position[self.response_mask]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SequenceBatch:
     prompt_ids: torch.Tensor  # [P] int64
     prompt_lens: torch.Tensor  # [B] int64
@@ -119,7 +123,8 @@ class SequenceBatch:
         prompt_ids, prompt_lens = join_ragged(prompts, torch.int64)
         response_ids, response_lens = join_ragged(responses, torch.int64)
         loss_mask = None if loss_masks is None else join_ragged(loss_masks, torch.bool)[0]
-        return SequenceBatch(prompt_ids, prompt_lens, response_ids, response_lens, loss_mask)
+        return SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens, response_ids=response_ids,
+                             response_lens=response_lens, loss_mask=loss_mask)
 
     @staticmethod
     def concat(batches: list[SequenceBatch]) -> SequenceBatch:
@@ -159,7 +164,8 @@ class SequenceBatch:
             routes = torch.full((len(self), width, *self.routed_experts.shape[1:]), NO_ROUTE, dtype=torch.int64)
             for row, piece in enumerate(self.position_routes()):
                 routes[row, : len(piece)] = piece
-        return Padded(input_ids, attention_mask, response_mask, routed_experts=routes)
+        return Padded(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+                      routed_experts=routes)
 
     def packed(self) -> Padded:
         """All sequences in one row, no padding, position ids restarting at 0 for each sequence, and the
@@ -181,5 +187,6 @@ class SequenceBatch:
             start += length
         starts = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
         routes = None if self.routed_experts is None else torch.cat(self.position_routes())[None]
-        return Padded(input_ids[None], None, response_mask[None], position_ids[None], starts, max(lengths, default=0),
-                      routes)
+        return Padded(input_ids=input_ids[None], attention_mask=None, response_mask=response_mask[None],
+                      position_ids=position_ids[None], cu_seqlens=starts, max_seqlen=max(lengths, default=0),
+                      routed_experts=routes)

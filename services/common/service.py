@@ -73,7 +73,7 @@ class TokenRefused(Exception):
     """The coordinator refused this process's cluster token (missing or wrong): the service cannot take part."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Endpoint:
     """Where a service listens and whom it reports to."""
 
@@ -106,7 +106,7 @@ def identity_for(endpoint: Endpoint, port: int) -> common_pb2.ServiceIdentity:
 
 
 async def keep_registered(identity: common_pb2.ServiceIdentity, coordinator: str, stop: asyncio.Event,
-                          weight_version: Callable[[], int | None]) -> None:
+                          *, weight_version: Callable[[], int | None]) -> None:
     """Register, then heartbeat until ``stop``; re-register when forgotten or after an outage. Each Register and
     Heartbeat carries ``weight_version()``, the version the service holds then (None: none).
 

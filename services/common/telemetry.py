@@ -120,7 +120,7 @@ class MetricsServer:
     callers presenting ``token`` (None: any), over ``tls`` (an SSL context that demands a client certificate;
     None: plain HTTP). ``weight_version`` is read at each scrape (on that thread), so it must not block."""
 
-    def __init__(self, host: str, port: int, weight_version: Callable[[], int | None], token: str | None = None,
+    def __init__(self, host: str, port: int, weight_version: Callable[[], int | None], *, token: str | None = None,
                  tls: ssl.SSLContext | None = None):
         app = make_wsgi_app(REGISTRY)
         try:

@@ -54,7 +54,7 @@ class MadeWhenSent(Protocol):
 Sendable = torch.Tensor | MadeWhenSent  # what a weight sync sends under a name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Entry:
     name: str
     dtype: str
@@ -215,8 +215,8 @@ class WeightSender:
 
     @torch.no_grad()
     def send(
-        self, channel: TensorChannel, named: list[tuple[str, Sendable]], version: int, bucket_bytes: int,
-        dtype: torch.dtype | None = None, *, timer: StageTimer | None = None,
+        self, channel: TensorChannel, named: list[tuple[str, Sendable]], version: int, *, bucket_bytes: int,
+        dtype: torch.dtype | None = None, timer: StageTimer | None = None,
     ) -> tuple[int, int]:
         """Broadcast the tensors from rank 0, as ``dtype`` if given; returns (bytes, buckets). ``timer``, if
         given, gets the time spent on each stage: manifest, pack (gather, copy), transfer (waiting).
@@ -272,7 +272,7 @@ class WeightReceiver:
         self._received: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # channel -> its BucketBuffers
 
     def receive(self, channel: TensorChannel, load: Callable[[list[tuple[str, torch.Tensor]]], None],
-                timer: StageTimer | None = None, keep_buffers: bool = False) -> int:
+                timer: StageTimer | None = None, *, keep_buffers: bool = False) -> int:
         """Receive one broadcast, ``load`` each bucket and verify each bucket's checksum; returns the weight
         version. ``timer``, if given, gets the time spent on each stage: manifest, transfer (waiting for
         buckets), verify, load.

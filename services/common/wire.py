@@ -56,7 +56,8 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
-def tensor_from_bytes(data: bytes | bytearray, dtype_name: str, shape: list[int], name: str = "tensor") -> torch.Tensor:
+def tensor_from_bytes(data: bytes | bytearray, dtype_name: str, shape: list[int], *,
+                      name: str = "tensor") -> torch.Tensor:
     dtype = check_shape(name, dtype_name, shape)
     expected = math.prod(shape) * dtype.itemsize
     if expected != len(data):
@@ -73,7 +74,7 @@ def tensor_to_pb(tensor: torch.Tensor) -> common_pb2.Tensor:
 
 
 def tensor_from_pb(message: common_pb2.Tensor, name: str = "tensor") -> torch.Tensor:
-    return tensor_from_bytes(message.data, message.dtype, list(message.shape), name)
+    return tensor_from_bytes(message.data, message.dtype, list(message.shape), name=name)
 
 
 def batch_to_chunks(batch: dict[str, torch.Tensor],
@@ -173,5 +174,5 @@ class BatchAssembler:
         for name, (dtype_name, shape, total) in self._meta.items():
             if len(self._buffers[name]) != total:
                 raise ValueError(f"{name}: got {len(self._buffers[name])} of {total} bytes")
-            batch[name] = tensor_from_bytes(self._buffers[name], dtype_name, list(shape), name)
+            batch[name] = tensor_from_bytes(self._buffers[name], dtype_name, list(shape), name=name)
         return batch

@@ -83,7 +83,7 @@ def make_ca(days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
 
 
 def make_host_cert(host: HostNames, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate,
-                   days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+                   *, days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A key and a certificate signed by the CA, good as a TLS server and as a TLS client."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -138,7 +138,7 @@ def write_cluster_certs(out_dir: Path, hosts: list[HostNames], days: int) -> lis
     _write_new(out_dir / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
     _write_new(out_dir / "ca-key.pem", _key_pem(ca_key), 0o600)
     for host in hosts:
-        key, cert = make_host_cert(host, ca_key, ca_cert, days)
+        key, cert = make_host_cert(host, ca_key, ca_cert, days=days)
         _write_new(out_dir / f"{host.name}.pem", cert.public_bytes(serialization.Encoding.PEM), 0o644)
         _write_new(out_dir / f"{host.name}-key.pem", _key_pem(key), 0o600)
     return targets

@@ -127,7 +127,7 @@ def follow_run(begin, coordinator: str, services: tuple | None, state_dir: Path 
     require_valid_security_settings()
     try:
         if services is not None:
-            return asyncio.run(run_local(begin, state_dir.resolve(), services, said))  # type: ignore[union-attr]  # --local sets both
+            return asyncio.run(run_local(begin, state_dir.resolve(), services, said=said))  # type: ignore[union-attr]  # --local sets both
         return asyncio.run(begin_and_follow(coordinator, begin, detach, stop_on_interrupt=False, said=said))
     except grpc.aio.AioRpcError as error:
         raise fail(refused(error, None if services is not None else coordinator), 1)
@@ -141,7 +141,7 @@ def drive(begin, coordinator: str, services: tuple | None, state_dir: Path | Non
     if detach:
         return
     print_summary(final, read_metrics(final.run_dir), time.monotonic() - started,
-                  state_dir if services is not None else None)
+                  state_dir=state_dir if services is not None else None)
     if final.state != "finished":
         raise typer.Exit(1)
 
@@ -192,7 +192,7 @@ def start_run(
     except (ConfigError, ValueError) as error:
         raise fail(f"bad config: {error}")
     if dry_run:
-        typer.echo(plan(config, data, services, coordinator, notices))
+        typer.echo(plan(config, data, services, coordinator=coordinator, notices=notices))
         return
     for notice in notices:
         typer.echo(f"note: {notice}")
@@ -224,7 +224,8 @@ def init(
     defaults = default_config()
     local = validate(LocalConfig, defaults.pop("local"), "local")
     tiny = local.tiny_model
-    model = build_tiny_model(folder / "model", tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed,
+    model = build_tiny_model(folder / "model", tiny.hidden_size, tiny.num_layers, num_heads=tiny.num_heads,
+                             seed=tiny.seed,
                              num_experts=tiny.num_experts, experts_per_token=tiny.experts_per_token)
     train, test = task_files(local, folder)
     config = validate(RunConfig, apply_overrides(defaults, [
@@ -305,7 +306,7 @@ def watch(run_id: str, coordinator: str = COORDINATOR) -> None:
     from services.coordctl.live import watch_run
 
     async def follow_it(client: CoordinatorClient) -> RunStatus:
-        await watch_run(client, run_id, sys.stdout, sys.stdout.isatty())
+        await watch_run(client, run_id, sys.stdout, live=sys.stdout.isatty())
         return await client.get_run(run_id)
 
     try:
@@ -350,7 +351,7 @@ def export_model(
 
     run_dir = find_run_dir(run, state_dir, coordinator)
     try:
-        exported_step, folder = export(run_dir, out_dir, step, role, adapter)
+        exported_step, folder = export(run_dir, out_dir, step, role=role, adapter=adapter)
     except (ValueError, FileNotFoundError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2)
@@ -444,7 +445,7 @@ def plot(
     out = out or run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
     for name, keys in wanted.items():
-        written = plot_metrics(steps, keys, out / file_name(name), f"{run_dir.name}: {name}")
+        written = plot_metrics(steps, keys, out / file_name(name), title=f"{run_dir.name}: {name}")
         typer.echo(f"wrote {written}  ({', '.join(keys)})")
 
 
@@ -629,7 +630,7 @@ def data_convert(
     try:
         if fmt not in Format.__members__:
             raise ValueError(f"FORMAT must be one of {list(Format.__members__)}, got {fmt!r}")
-        rows = convert_file(input_path, Format(fmt), split, data_source, instruction)
+        rows = convert_file(input_path, Format(fmt), split, data_source=data_source, instruction=instruction)
         write_parquet(rows, Format(fmt), output)
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)

@@ -13,7 +13,7 @@ from services.common.rpc import open_channel
 TIMEOUT_S = 120.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunStatus:
     run_id: str
     name: str
@@ -26,7 +26,7 @@ class RunStatus:
     last_event_id: int  # watch(after_event_id=this) follows on from here (StartRun, ResumeRun: what they began)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunUpdate:
     kind: str  # step, state or log
     step: int
@@ -35,7 +35,7 @@ class RunUpdate:
     metrics: dict[str, float]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServiceEntry:
     kind: str
     address: str

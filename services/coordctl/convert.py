@@ -80,7 +80,7 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def convert_row(raw: Any, fmt: Format, index: int, split: str, data_source: str, *, instruction: str) -> dict:
+def convert_row(raw: Any, fmt: Format, index: int, *, split: str, data_source: str, instruction: str) -> dict:
     """One raw JSONL row as a verl row; ValueError names what is wrong with it."""
     if not isinstance(raw, dict):
         raise ValueError(f"a row must be a JSON object, not {type(raw).__name__}")
@@ -110,7 +110,7 @@ def convert_row(raw: Any, fmt: Format, index: int, split: str, data_source: str,
     }
 
 
-def convert_file(path: Path, fmt: Format, split: str = "train", data_source: str | None = None,
+def convert_file(path: Path, fmt: Format, split: str = "train", *, data_source: str | None = None,
                  instruction: str | None = None) -> list[dict]:
     """Every row of a JSONL file as verl rows (blank lines count as lines but are skipped).
 
@@ -131,7 +131,7 @@ def convert_file(path: Path, fmt: Format, split: str = "train", data_source: str
                 raw = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"not valid JSON ({error.msg})") from None
-            rows.append(convert_row(raw, fmt, len(rows), split, data_source, instruction=instruction))
+            rows.append(convert_row(raw, fmt, len(rows), split=split, data_source=data_source, instruction=instruction))
         except ValueError as error:
             raise ValueError(f"{path} line {number}: {error}") from None
     if not rows:

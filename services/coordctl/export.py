@@ -141,7 +141,7 @@ def read_role_state(folder: Path, role: str) -> dict:
     return request[role]["model"]
 
 
-def export(run_dir: Path, out_dir: Path, step: int | None = None, role: str = "actor",
+def export(run_dir: Path, out_dir: Path, step: int | None = None, *, role: str = "actor",
            adapter: bool = False) -> tuple[int, Path]:
     """Write the ``role``'s weights of ``step`` (None: the last checkpoint) as a Hugging Face folder into
     ``out_dir``, in the run's actor_rollout_ref.model.dtype (a LoRA run's adapters merged into its base); or,

@@ -127,7 +127,7 @@ class Progress:
 
 
 async def follow(client: CoordinatorClient, run: RunStatus, after_event_id: int = 0,
-                 progress: Progress | None = None, said: Collection[str] = ()) -> RunStatus:
+                 *, progress: Progress | None = None, said: Collection[str] = ()) -> RunStatus:
     """Show the run's progress (step, reward, step time) from its events after ``after_event_id`` until it ends;
     return its final status. ``progress`` gets the last checkpoint seen. A log event whose words are in ``said``
     (the notes start-run printed before the run began, which the run records as its first events) is not shown
@@ -150,8 +150,8 @@ async def follow(client: CoordinatorClient, run: RunStatus, after_event_id: int 
 
 
 async def begin_and_follow(coordinator: str, begin: Callable[[CoordinatorClient], Awaitable[RunStatus]],
-                           detach: bool, stop_on_interrupt: bool, resume_hint: str = "",
-                           *, said: Collection[str] = ()) -> RunStatus:
+                           detach: bool, *, stop_on_interrupt: bool, resume_hint: str = "",
+                           said: Collection[str] = ()) -> RunStatus:
     """Start (or resume) a run with ``begin(client)`` and follow it. Ctrl-C, SIGTERM or a closed output: with
     ``stop_on_interrupt`` the run stops at its next step boundary (a second signal stops following at once,
     saying what ``resume_hint`` will redo); otherwise coordctl detaches. ``said``: as ``follow``'s."""
@@ -163,7 +163,7 @@ async def begin_and_follow(coordinator: str, begin: Callable[[CoordinatorClient]
             if detach:
                 return run
             progress = Progress()
-            watching = asyncio.ensure_future(follow(client, run, run.last_event_id, progress, said))
+            watching = asyncio.ensure_future(follow(client, run, run.last_event_id, progress=progress, said=said))
             if await interrupts.until(watching, 1):
                 return watching.result()
             if not stop_on_interrupt:
@@ -186,7 +186,7 @@ async def begin_and_follow(coordinator: str, begin: Callable[[CoordinatorClient]
         await client.close()
 
 
-async def run_local(begin, state_dir: Path, services: tuple, said: Collection[str] = ()) -> RunStatus:
+async def run_local(begin, state_dir: Path, services: tuple, *, said: Collection[str] = ()) -> RunStatus:
     """Start the coordinator and ``services`` (ServiceSpecs) on ``state_dir``, begin the run there and follow it
     (``said``: as ``follow``'s); stop them all after (the coordinator first, so that no service it still watches
     is seen to go)."""
@@ -216,7 +216,7 @@ def how_to_reach(coordinator: str, targets_file: Path) -> str:
             f"{targets_file}")
 
 
-def print_summary(run: RunStatus, lines: list[dict], seconds: float, state_dir: Path | None) -> None:
+def print_summary(run: RunStatus, lines: list[dict], seconds: float, *, state_dir: Path | None) -> None:
     """What the run did, from its metrics.jsonl ``lines``: reward over the steps, validation before and after,
     and the files it left (those that are there)."""
     typer.echo("")

@@ -68,7 +68,7 @@ def services_up(entries: list[ServiceEntry]) -> dict[str, tuple[int, int]]:
     return dict(sorted(counts.items()))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunView:
     """What the watch has seen of a run: its state, each step's metrics (validations merged in), the services
     up, the last events."""
@@ -116,7 +116,7 @@ class RunView:
         return all(up == known for up, known in self.services.values())
 
 
-def render(view: RunView, width: int, height: int, colour: bool) -> list[str]:
+def render(view: RunView, width: int, height: int, *, colour: bool) -> list[str]:
     """The view as the lines of one block for a terminal of ``width`` x ``height``: each line cut to the width,
     the table holding the last steps that fit; ANSI colours when ``colour``."""
     def paint(code: str, line: str) -> str:
@@ -156,10 +156,10 @@ class Block:
         self.drawn = lines
 
 
-async def watch_run(client: CoordinatorClient, run_id: str, out: TextIO, live: bool) -> None:
+async def watch_run(client: CoordinatorClient, run_id: str, out: TextIO, *, live: bool) -> None:
     """Follow the run until it ends: a live block on ``out`` when ``live`` (a terminal), else plain lines."""
     run = await client.get_run(run_id)
-    view = RunView(run.run_id, run.state, run.step, run.total_steps)
+    view = RunView(run_id=run.run_id, state=run.state, step=run.step, total_steps=run.total_steps)
 
     told = 0  # piped: the lines written
 

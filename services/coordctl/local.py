@@ -44,7 +44,7 @@ from services.coordctl.control import CoordinatorClient
 from services.coordctl.synthetic import arithmetic_task_rows, lookup_task_rows, reverse_task_rows, write_jsonl
 from services.coordctl.tiny_model import build_tiny_model
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServiceSpec:
     """One service process to start: its kind, group, extra key=value settings and environment."""
 
@@ -55,7 +55,7 @@ class ServiceSpec:
     ranks: int = 1  # more than one: started under torchrun with this many ranks (a trainer)
 
 
-ONE_OF_EACH = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"))
+ONE_OF_EACH = (ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="reward"))
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
              "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 SERVICES_FILE = "services.json"  # in a --local state_dir: the services started there, which resume --local restarts
@@ -81,8 +81,8 @@ def saved_services(state_dir: Path) -> tuple[ServiceSpec, ...] | None:
     if not path.exists():
         return None
     try:
-        return tuple(ServiceSpec(row["kind"], row["group"], tuple(row["settings"]),
-                                 tuple((name, value) for name, value in row["env"]), row["ranks"])
+        return tuple(ServiceSpec(kind=row["kind"], group=row["group"], settings=tuple(row["settings"]),
+                                 env=tuple((name, value) for name, value in row["env"]), ranks=row["ranks"])
                      for row in json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path} does not list the services of a --local run: {error!r}") from None
@@ -106,7 +106,8 @@ def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[s
                              "vocabulary and template)")
         folder = cache / "models" / tiny_model_name(tiny)
         if not (folder / "config.json").exists():
-            build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.seed, chat=tiny.chat,
+            build_tiny_model(folder, tiny.hidden_size, tiny.num_layers, num_heads=tiny.num_heads, seed=tiny.seed,
+                             chat=tiny.chat,
                              num_experts=tiny.num_experts, experts_per_token=tiny.experts_per_token)
         overrides.append(f"actor_rollout_ref.model.path={folder}")
     if not config.data.train_files:
@@ -119,27 +120,29 @@ def prepare_assets(config: RunConfig, local: LocalConfig, cache: Path) -> list[s
 
 def task_files(local: LocalConfig, cache: Path) -> tuple[Path, Path | None]:
     """The training and held-out files of the local task (None: no held-out rows), built if missing."""
-    task: TaskConfig
+    task: TaskConfig  # the chosen task's; each closure below reads its own task's config, typed as such
     if local.task == "lookup":
-        task = local.lookup_task
-        name = f"lookup-k{task.key_letters}-s{task.seed}-h{task.held_out_share:g}"
+        lookup = task = local.lookup_task
+        name = f"lookup-k{lookup.key_letters}-s{lookup.seed}-h{lookup.held_out_share:g}"
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return lookup_task_rows(count, task.key_letters, seed, split, task.held_out_share)
+            return lookup_task_rows(count, lookup.key_letters, seed, split=split, held_out_share=lookup.held_out_share)
     elif local.task == "arithmetic":
-        task = local.arithmetic_task
-        name = f"arithmetic-s{task.min_steps}-{task.max_steps}-n{task.largest}-s{task.seed}-h{task.held_out_share:g}"
+        arithmetic = task = local.arithmetic_task
+        name = (f"arithmetic-s{arithmetic.min_steps}-{arithmetic.max_steps}-n{arithmetic.largest}-s{arithmetic.seed}"
+                f"-h{arithmetic.held_out_share:g}")
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return arithmetic_task_rows(count, task.min_steps, task.max_steps, task.largest, seed, split=split,
-                                        held_out_share=task.held_out_share)
+            return arithmetic_task_rows(count, arithmetic.min_steps, arithmetic.max_steps, largest=arithmetic.largest,
+                                        seed=seed,
+                                        split=split, held_out_share=arithmetic.held_out_share)
     else:
-        task = local.synthetic_task
-        name = f"reverse-d{task.min_digits}-{task.max_digits}-s{task.seed}-h{task.held_out_share:g}"
+        reverse = task = local.synthetic_task
+        name = f"reverse-d{reverse.min_digits}-{reverse.max_digits}-s{reverse.seed}-h{reverse.held_out_share:g}"
 
         def rows(count: int, seed: int, split: str) -> list[dict]:
-            return reverse_task_rows(count, task.min_digits, task.max_digits, seed, split,
-                                     held_out_share=task.held_out_share)
+            return reverse_task_rows(count, reverse.min_digits, reverse.max_digits, seed=seed, split=split,
+                                     held_out_share=reverse.held_out_share)
     train = cache / "data" / f"{name}-train{task.rows}.jsonl"
     test = cache / "data" / f"{name}-test{task.val_rows}.jsonl"
     if not train.exists():
@@ -155,7 +158,7 @@ class LocalCluster:
     """The four services as subprocesses: ``start`` them, ``stop`` them."""
 
     def __init__(self, state_dir: Path, services: tuple[ServiceSpec, ...] = ONE_OF_EACH, log_level: str = "info",
-                 coordinator_settings: tuple[str, ...] = ()):
+                 *, coordinator_settings: tuple[str, ...] = ()):
         """``services``: each service to start besides the coordinator; ``coordinator_settings``: its extra
         key=value settings."""
         self.services = services
@@ -174,7 +177,7 @@ class LocalCluster:
             self.own_token_file = os.environ["MESHRL_TOKEN_FILE"] = str(write_token(state_dir / "token"))
             cluster_token.cache_clear()
 
-    def command(self, name: str, kind: str, settings: tuple[str, ...], ranks: int) -> list[str]:
+    def command(self, name: str, kind: str, settings: tuple[str, ...], *, ranks: int) -> list[str]:
         """The command line that starts service ``name`` (bound to loopback)."""
         launcher = (["-m", "services.coordctl.torchrun", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1
                     else [])
@@ -190,7 +193,7 @@ class LocalCluster:
         self.unread_ports[name] = kind
         log = (self.log_dir / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
-            self.command(name, kind, ("metrics_port=0", f"ports_file={ports_file}", *settings), ranks),
+            self.command(name, kind, ("metrics_port=0", f"ports_file={ports_file}", *settings), ranks=ranks),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **CHILD_ENV, "MESHRL_PARENT_PID": str(os.getpid()), **dict(env)},
             start_new_session=True,  # a terminal's Ctrl-C reaches coordctl only, which stops the run first

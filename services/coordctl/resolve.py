@@ -178,7 +178,7 @@ def local_services(local: LocalConfig, config: RunConfig) -> tuple:
                 if (kind == "rollout" and rollout.name == "vllm" and value is not None
                         and not any(s.startswith(f"{key}=") for s in settings)):
                     settings.append(f"{key}={value}")
-            specs.append(ServiceSpec(kind, settings=tuple(settings), env=tuple(sorted(launch.env.items()))))
+            specs.append(ServiceSpec(kind=kind, settings=tuple(settings), env=tuple(sorted(launch.env.items()))))
     return tuple(specs)
 
 
@@ -286,7 +286,7 @@ def start_notices(config: RunConfig, services: tuple | None) -> list[str]:
     return [*config.notices(), *unregistered_algorithms(config, services), *([short] if short else [])]
 
 
-def plan(config: RunConfig, data: RunData | None, services: tuple | None, coordinator: str,
+def plan(config: RunConfig, data: RunData | None, services: tuple | None, *, coordinator: str,
          notices: list[str]) -> str:
     """What start-run would do, for --dry-run: the resolved config, what was read, the ``notices``, and where it
     would run."""

@@ -40,8 +40,8 @@ def in_split(key: str, split: str, share: float) -> bool:
     return share <= 0 or held_out(key, share) == (split == "test")
 
 
-def reverse_task_rows(count: int, min_digits: int, max_digits: int, seed: int, split: str = "train",
-                      *, held_out_share: float = 0.0) -> list[dict]:
+def reverse_task_rows(count: int, min_digits: int, max_digits: int, *, seed: int, split: str = "train",
+                      held_out_share: float = 0.0) -> list[dict]:
     """``count`` prompts "<digits>=" whose expected response is the digits reversed. With ``held_out_share``,
     the train split draws only strings outside the held-out share and the test split only strings in it."""
     if split == "test" and held_out_share <= 0:
@@ -91,7 +91,7 @@ def arithmetic_problem(rng: random.Random, steps: int, largest: int) -> tuple[st
     return question, " ".join(lines) + f" #### {value}", value, tuple(key)
 
 
-def arithmetic_task_rows(count: int, min_steps: int, max_steps: int, largest: int, seed: int, *, split: str = "train",
+def arithmetic_task_rows(count: int, min_steps: int, max_steps: int, *, largest: int, seed: int, split: str = "train",
                          held_out_share: float = 0.0) -> list[dict]:
     """``count`` word problems of ``min_steps`` to ``max_steps`` operations in verl's GSM8K schema: the ground
     truth is the number, extra_info.answer the worked solution that a warm start teaches. With
@@ -125,7 +125,7 @@ def lookup_call(key: str) -> str:
     return f"<tool_call>{call}</tool_call>"
 
 
-def lookup_task_rows(count: int, key_letters: int, seed: int, split: str = "train",
+def lookup_task_rows(count: int, key_letters: int, seed: int, *, split: str = "train",
                      held_out_share: float = 0.0) -> list[dict]:
     """``count`` prompts "code of KEY?" (KEY: ``key_letters`` capital letters) whose answer is ``lookup_code(KEY)``,
     which only the lookup tool knows. ``extra_info.turns`` is the worked trajectory after the prompt, as chat

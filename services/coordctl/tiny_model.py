@@ -122,7 +122,7 @@ QWEN25_SHAPES = {
 }
 
 
-def moe_shape(hidden_size: int, num_heads: int, num_experts: int, experts_per_token: int) -> dict[str, int | bool]:
+def moe_shape(hidden_size: int, num_heads: int, num_experts: int, *, experts_per_token: int) -> dict[str, int | bool]:
     """What a Qwen3-MoE config adds to a shape: ``num_experts`` experts in every layer's MLP, ``experts_per_token``
     of them for each token, each ``4 * hidden_size / experts_per_token`` wide (so a token's MLP is as wide as the
     dense model's), the chosen experts' weights normalised to sum to 1 (as in Qwen3-30B-A3B)."""
@@ -131,19 +131,19 @@ def moe_shape(hidden_size: int, num_heads: int, num_experts: int, experts_per_to
                 head_dim=hidden_size // num_heads, norm_topk_prob=True)
 
 
-def build_tiny_model(folder: Path, hidden_size: int, num_layers: int, num_heads: int, seed: int,
-                     *, chat: bool = False, num_experts: int = 0, experts_per_token: int = 2) -> Path:
+def build_tiny_model(folder: Path, hidden_size: int, num_layers: int, *, num_heads: int, seed: int,
+                     chat: bool = False, num_experts: int = 0, experts_per_token: int = 2) -> Path:
     """Write a tiny random-init model and its tokenizer (the chat variant's with ``chat``) into ``folder``
     (atomically); return it. Qwen2 (dense), or Qwen3-MoE with ``num_experts`` > 0 (``moe_shape``)."""
     shape: dict[str, int | float] = dict(
         hidden_size=hidden_size, intermediate_size=hidden_size * 4, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_heads, max_position_embeddings=256)
     if num_experts:
-        shape.update(moe_shape(hidden_size, num_heads, num_experts, experts_per_token))
+        shape.update(moe_shape(hidden_size, num_heads, num_experts, experts_per_token=experts_per_token))
     if chat:  # a conversation with tools is longer; its answers are copied from far back (a tool reply, the key
         # asked), which weights drawn at Qwen2's 0.02 take ~1000 warm-start steps to learn and at 0.1 ~100
         shape.update(max_position_embeddings=1024, initializer_range=0.1)
-    return build_random_model(folder, shape, "float32", seed, chat)
+    return build_random_model(folder, shape, "float32", seed=seed, chat=chat)
 
 
 def architecture(shape: dict):
@@ -157,7 +157,7 @@ def architecture(shape: dict):
     return Qwen2Config, Qwen2ForCausalLM
 
 
-def build_random_model(folder: Path, shape: dict, dtype: str, seed: int, chat: bool = False) -> Path:
+def build_random_model(folder: Path, shape: dict, dtype: str, *, seed: int, chat: bool = False) -> Path:
     """Write a random-init model of the given shape (``architecture``: Qwen2, or Qwen3-MoE when it names experts),
     with the character tokenizer (the chat variant's with ``chat``), into ``folder``.
 
@@ -191,7 +191,7 @@ def build_random_model(folder: Path, shape: dict, dtype: str, seed: int, chat: b
     return folder
 
 
-def build_tiny_reward_model(folder: Path, hidden_size: int, num_layers: int, seed: int) -> Path:
+def build_tiny_reward_model(folder: Path, hidden_size: int, num_layers: int, *, seed: int) -> Path:
     """Write a tiny random-init Qwen2 sequence classifier (one output: a reward model) with the tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification

@@ -115,8 +115,8 @@ class RunStore:
             self._db.close()
             raise DamagedRunDB(damaged_message(path, problems[0]))
 
-    def create_run(self, run_id: str, name: str, config_yaml: str, run_dir: str, total_steps: int,
-                   *, notices: tuple[str, ...] = ()) -> None:
+    def create_run(self, run_id: str, name: str, config_yaml: str, *, run_dir: str, total_steps: int,
+                   notices: tuple[str, ...] = ()) -> None:
         """A new run (state pending) with ``notices`` as its first events, in one transaction: all of it, or
         nothing when the disk refuses the write."""
         now = time.time()
@@ -133,7 +133,7 @@ class RunStore:
     def set_state(self, run_id: str, state: str, error: str = "") -> Event:
         self._db.execute("UPDATE runs SET state = ?, error = ?, updated_at = ? WHERE run_id = ?",
                          (state, error, time.time(), run_id))
-        return self.add_event(run_id, "state", self.get_run(run_id).step, state, error, metrics={})
+        return self.add_event(run_id, "state", self.get_run(run_id).step, state=state, message=error, metrics={})
 
     def record_step(self, run_id: str, step: int, metrics: dict[str, float]) -> Event:
         now = time.time()
@@ -142,7 +142,7 @@ class RunStore:
             self._db.execute("INSERT OR REPLACE INTO steps (run_id, step, time, metrics_json) VALUES (?, ?, ?, ?)",
                              (run_id, step, now, json.dumps(metrics)))
             self._db.execute("UPDATE runs SET step = ?, updated_at = ? WHERE run_id = ?", (step, now, run_id))
-        return self.add_event(run_id, "step", step, "", "", metrics=metrics)
+        return self.add_event(run_id, "step", step, state="", message="", metrics=metrics)
 
     def record_validation(self, run_id: str, step: int, metrics: dict[str, float]) -> None:
         """Add a validation's metrics to the record of step ``step`` (step 0: before training), which may not
@@ -155,8 +155,8 @@ class RunStore:
             self._db.execute("INSERT OR REPLACE INTO steps (run_id, step, time, metrics_json) VALUES (?, ?, ?, ?)",
                              (run_id, step, time.time(), json.dumps(merged)))
 
-    def add_event(self, run_id: str, kind: str, step: int, state: str, message: str,
-                  *, metrics: dict[str, float]) -> Event:
+    def add_event(self, run_id: str, kind: str, step: int, *, state: str, message: str,
+                  metrics: dict[str, float]) -> Event:
         now = time.time()
         cursor = self._db.execute(
             "INSERT INTO events (run_id, time, kind, step, state, message, metrics_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -210,7 +210,7 @@ class RunStore:
                       metrics=json.loads(metrics_json))
                 for event_id, run, at, kind, step, state, message, metrics_json in rows]
 
-    def add_checkpoint(self, run_id: str, step: int, path: str, loop_state: dict) -> None:
+    def add_checkpoint(self, run_id: str, step: int, path: str, *, loop_state: dict) -> None:
         """Record a checkpoint whose trainer folders are complete (the last write of a checkpoint)."""
         self._db.execute("INSERT OR REPLACE INTO checkpoints (run_id, step, path, loop_state_json, time)"
                          " VALUES (?, ?, ?, ?, ?)", (run_id, step, path, json.dumps(loop_state), time.time()))

@@ -30,7 +30,7 @@ class Notices(Protocol):
 
 
 async def wait_for(look: Callable[[], Awaitable[Found]], notices: Notices, should_stop: Callable[[], bool],
-                   reason: str) -> Found:
+                   *, reason: str) -> Found:
     """``await look()`` until it finds something; meanwhile the run waits (state waiting, for ``reason``).
     RunStopped if the run is stopped meanwhile."""
     waiting = False
@@ -63,8 +63,8 @@ async def pause(seconds: float, should_stop: Callable[[], bool], reason: str) ->
 
 
 async def retry_while(attempt: Callable[[], Awaitable[Found]], refusal: Callable[[Exception], str | None],
-                      waiting: Callable[[str | None], None], should_stop: Callable[[], bool],
-                      first_s: float, *, most_s: float) -> Found:
+                      waiting: Callable[[str | None], None], *, should_stop: Callable[[], bool],
+                      first_s: float, most_s: float) -> Found:
     """``await attempt()`` until it succeeds. While it fails with an error that ``refusal`` gives a reason for,
     the run waits (``waiting(reason)``, then ``waiting(None)``) and tries again, backing off: ``first_s`` after
     the first failure, twice as long after each further one, never over ``most_s``. Any other error is raised,

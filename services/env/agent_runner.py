@@ -53,16 +53,16 @@ class AgentEpisode:
         return []
 
     def step(self, message: dict) -> StepResult:
-        return run_agent(self.config, self.row, self.access, self.relay)
+        return run_agent(self.config, self.row, self.access, relay=self.relay)
 
 
-def run_agent(config: EnvironmentConfig, row: dict, access: dict, relay: Relay) -> StepResult:
+def run_agent(config: EnvironmentConfig, row: dict, access: dict, *, relay: Relay) -> StepResult:
     """Run the episode's agent to its end (see the module's docstring); ``access``: the gateway's episode key and
     model name."""
-    return asyncio.run(_run(config, row, access, relay))
+    return asyncio.run(_run(config, row, access, relay=relay))
 
 
-async def _run(config: EnvironmentConfig, row: dict, access: dict, relay: Relay) -> StepResult:
+async def _run(config: EnvironmentConfig, row: dict, access: dict, *, relay: Relay) -> StepResult:
     from aiohttp import web
 
     lock = asyncio.Lock()
@@ -105,7 +105,7 @@ def failed(outcome: str, error: str) -> StepResult:
 async def run_function(ref: str, row: dict, variables: dict[str, str]) -> float | None:
     import openai
 
-    function = load_named(ref, "agent", "function", callable)
+    function = load_named(ref, "agent", "function", accept=callable)
     os.environ.update(variables)
     async with openai.AsyncOpenAI(base_url=variables["OPENAI_BASE_URL"], api_key=variables["OPENAI_API_KEY"]) as client:
         return as_reward(await function(client, row))

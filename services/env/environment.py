@@ -38,7 +38,7 @@ class Message(NamedTuple):
     name: str = ""  # a tool reply's tool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepResult:
     """What one step gave back."""
 
@@ -95,7 +95,7 @@ def as_step_result(value: Any) -> StepResult:
     if not isinstance(value.done, bool) or not isinstance(value.info, dict):
         raise ValueError("returned done that is not a bool or info that is not a dict")
     json.dumps(value.info)  # TypeError (INVALID data) if it cannot travel
-    return StepResult(as_messages(value.messages), float(reward), value.done, value.info)
+    return StepResult(messages=as_messages(value.messages), reward=float(reward), done=value.done, info=value.info)
 
 
 class ToolLimits(NamedTuple):
@@ -115,7 +115,7 @@ class ToolEnvironment:
     """An environment whose step runs the tool calls of the model's message, one tool message per call."""
 
     def __init__(self, tools: list[ToolConfig], limits: ToolLimits, report: Report = lambda kind, value: None,
-                 code_runner: CodeRunner | None = None):
+                 *, code_runner: CodeRunner | None = None):
         self.tools = tools
         self.limits = limits
         self.report = report

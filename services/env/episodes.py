@@ -58,7 +58,7 @@ backs off from it): episodes hold their workers for whole trajectories, so one i
 class CallFailed(Exception):
     """A call the worker could not answer: it timed out, or the worker died or reported an error."""
 
-    def __init__(self, message: str, replies: list[Message], tool: str, timed_out: bool, worker_died: bool = False):
+    def __init__(self, message: str, replies: list[Message], tool: str, *, timed_out: bool, worker_died: bool = False):
         super().__init__(message)
         self.replies, self.tool, self.timed_out, self.worker_died = replies, tool, timed_out, worker_died
 
@@ -82,7 +82,7 @@ class Gateway(NamedTuple):
         return {"key": self.key, "model": self.model}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Episode:
     env_name: str
     row: dict
@@ -133,7 +133,7 @@ class Episodes:
     def open_count(self) -> int:
         return len(self._open)
 
-    def reset(self, episode_id: str, env_name: str, row: dict, max_parallel_calls: int = 0,
+    def reset(self, episode_id: str, env_name: str, row: dict, *, max_parallel_calls: int = 0,
               gateway: Gateway | None = None) -> list[Message]:
         """Open the episode on an idle worker: the environment's first messages; ``max_parallel_calls`` (> 0)
         lowers the service's bound on the tool calls run per step for this episode; ``gateway``: where an agent
@@ -156,7 +156,8 @@ class Episodes:
             if episode_id in self._open:
                 self._idle.put(worker)
                 raise FailedPrecondition(f"episode {episode_id!r} is open already")
-            episode = self._open[episode_id] = Episode(env_name, row, worker, max_parallel_calls, gateway)
+            episode = self._open[episode_id] = Episode(env_name=env_name, row=row, worker=worker,
+                                                       max_parallel_calls=max_parallel_calls, gateway=gateway)
         with episode.lock:
             if worker.process.exit_code is not None:  # it died while idle
                 episode.worker = self._replace(worker)
@@ -259,7 +260,8 @@ class Episodes:
                     raise TimeoutError(f"{what} did not return within {wait_s:.1f} s (its worker was replaced)")
                 kind, value = decode(worker.connection.recv_bytes(MAX_ANSWER_BYTES), command[0])
                 calls, code_runs = calls + (kind == "calling"), code_runs + (kind == "run_code")
-                check_reports(calls, len(replies) + (kind == "reply"), code_runs, self.config.max_parallel_calls)
+                check_reports(calls, len(replies) + (kind == "reply"), code_runs,
+                              max_parallel_calls=self.config.max_parallel_calls)
                 if kind == "calling":
                     tool = value
                 elif kind == "reply":
@@ -330,7 +332,7 @@ def relay(gateway: Gateway, request: dict, deadline: float) -> dict:
             "param": None, "code": "gateway_unreachable"}})}
 
 
-def check_reports(calls: int, replies: int, code_runs: int, max_parallel_calls: int) -> None:
+def check_reports(calls: int, replies: int, code_runs: int, *, max_parallel_calls: int) -> None:
     """ValueError (the worker is replaced) where a worker has reported more than one step can make: at most
     max_parallel_calls tool calls, a reply for each and one for the calls past them, a code run for each call.
     Without it, code in a worker could hold its service's thread for good, reporting calls that never end."""

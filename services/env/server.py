@@ -12,7 +12,7 @@ import asyncio
 import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Callable, ParamSpec, TypeVar
 
 import structlog
 
@@ -29,12 +29,14 @@ from services.env.tools import check_tools, environment_tools
 from services.env.worker_sandbox import hosts_user_code
 
 log = structlog.get_logger()
+Args = ParamSpec("Args")
+Result = TypeVar("Result")
 
 
 def row_from_json(text: str, limit: int) -> dict:
     """The Reset's row: a JSON object of at most ``limit`` characters (ResourceExhausted past it), nested at most
     MAX_NESTING deep (ValueError otherwise)."""
-    check_at_most("row_json characters", len(text), limit, "max_message_chars")
+    check_at_most("row_json characters", len(text), limit, setting="max_message_chars")
     return json_object(text or "{}", "row_json")
 
 
@@ -80,8 +82,9 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         # while its step runs), besides a few for the quick ones
         self.threads = ThreadPoolExecutor(max_workers=2 * config.workers + 4, thread_name_prefix="episodes")
 
-    async def _in_thread(self, function: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.threads, functools.partial(function, *args))
+    async def _in_thread(self, function: Callable[Args, Result], *args: Args.args, **kwargs: Args.kwargs) -> Result:
+        return await asyncio.get_running_loop().run_in_executor(self.threads,
+                                                                functools.partial(function, *args, **kwargs))
 
     async def Reset(self, request, context):
         if not request.episode_id:
@@ -89,7 +92,7 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
         row = await asyncio.to_thread(row_from_json, request.row_json, self.config.max_message_chars)  # off the loop
         gateway = Gateway(request.gateway_url, request.episode_key, request.model) if request.gateway_url else None
         messages = await self._in_thread(self.episodes.reset, request.episode_id, request.env_name, row,
-                                         max(0, request.max_parallel_calls), gateway)
+                                         max_parallel_calls=max(0, request.max_parallel_calls), gateway=gateway)
         telemetry.EPISODES.inc()
         telemetry.OPEN_EPISODES.set(self.episodes.open_count)
         return env_pb2.ResetResponse(messages=[message_to_pb(m) for m in messages],
@@ -97,7 +100,8 @@ class EnvServicer(env_pb2_grpc.EnvServicer):
 
     async def Step(self, request, context):
         content = request.message.content
-        check_at_most("message.content characters", len(content), self.config.max_message_chars, "max_message_chars")
+        check_at_most("message.content characters", len(content), self.config.max_message_chars,
+                      setting="max_message_chars")
         message = Message(request.message.role or "assistant", content)
         result = await self._in_thread(self.episodes.step, request.episode_id, message)
         telemetry.count_step(result)

@@ -108,7 +108,7 @@ BUILTINS: dict[str, type] = {
 def load_class(ref: str, what: str) -> type:
     """The class named by ``path/to/file.py:Class`` or ``package.module:Class``; ValueError naming ``what`` and
     the error if it cannot be had."""
-    return load_named(ref, what, "class", lambda found: isinstance(found, type))
+    return load_named(ref, what, "class", accept=lambda found: isinstance(found, type))
 
 
 def tool_class(tool: ToolConfig) -> type:

@@ -68,7 +68,7 @@ def build(name: str, environment: EnvironmentConfig, limits: ToolLimits, *, repo
         return AgentEpisode(environment, access, relay)
     if environment.environment is not None:
         return load_class(environment.environment, f"environment {name}")(**environment.options)
-    return ToolEnvironment(environment.tools, limits, report, run)
+    return ToolEnvironment(environment.tools, limits, report, code_runner=run)
 
 
 def contain(config: EnvServiceConfig, sandboxed: bool) -> None:

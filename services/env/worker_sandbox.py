@@ -193,7 +193,7 @@ def worker_command(fd: int, sandboxed: bool) -> list[str]:
 class WorkerProcess:
     """One started worker: its process (bwrap's, when sandboxed), and what ends it whole."""
 
-    def __init__(self, process: subprocess.Popen, sandbox_init: int | None, uid: ExitStack | None, uid_number: int):
+    def __init__(self, process: subprocess.Popen, sandbox_init: int | None, uid: ExitStack | None, *, uid_number: int):
         self.process, self._sandbox_init, self._uid, self._uid_number = process, sandbox_init, uid, uid_number
 
     @property
@@ -232,7 +232,7 @@ def start_worker(config: EnvServiceConfig, fd: int, paths: list[str] | None) -> 
         variables = {name: value for name, value in os.environ.items() if name not in CREDENTIAL_VARIABLES}
         process = subprocess.Popen(worker_command(fd, sandboxed=False), pass_fds=(fd,), env=variables,
                                    start_new_session=True)
-        return WorkerProcess(process, None, None, 0)
+        return WorkerProcess(process, None, None, uid_number=0)
     held = ExitStack()
     uid = held.enter_context(pool_uid(WORKER_UID_BASE, WORKER_UID_SLOTS))
     info_read, info_write = os.pipe()
@@ -251,4 +251,4 @@ def start_worker(config: EnvServiceConfig, fd: int, paths: list[str] | None) -> 
     sandbox_init = None
     with contextlib.suppress(ProcessLookupError):
         sandbox_init = os.pidfd_open(pid) if pid is not None else None
-    return WorkerProcess(process, sandbox_init, held, uid)
+    return WorkerProcess(process, sandbox_init, held, uid_number=uid)

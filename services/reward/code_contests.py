@@ -81,7 +81,7 @@ class ContestCase:
     expected: Any  # the text it must print, or (call-based) the value the function must return
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CodeTask:
     """What running one response on its test cases takes: the program, its files, and the cases to run."""
 

@@ -31,10 +31,10 @@ from services.common.plugins import load_named
 
 def load_function(ref: str) -> Callable:
     """The function named by ``path/to/file.py:name`` or ``package.module:name``; ValueError if it cannot be had."""
-    return load_named(ref, "reward function", "function", callable)
+    return load_named(ref, "reward function", "function", accept=callable)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FunctionScore:
     """What a user's function (or a rule) said of one sample."""
 
@@ -59,7 +59,7 @@ def as_score(value: Any) -> FunctionScore:
                 raise ValueError(f"returned acc {acc!r}, not a bool")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"returned {value!r}, not a finite number or a dict with a numeric 'score'")
-    return FunctionScore(float(value), acc, pred)
+    return FunctionScore(score=float(value), acc=acc, pred=pred)
 
 
 WORKER_START_TIMEOUT_S = 120.0

@@ -62,7 +62,7 @@ def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | Non
 
 
 def gsm8k_score(
-    solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0, score: float = 1.0
+    solution_str: str, ground_truth: str, method: str = "strict", *, format_score: float = 0.0, score: float = 1.0
 ) -> float:
     answer = extract_gsm8k_answer(solution_str, method)
     if answer is None:
@@ -236,7 +236,7 @@ def exact_match_score(solution_str: str, ground_truth: str) -> float:
 
 
 def format_score(
-    solution_str: str, ground_truth: str, pattern: str = r"#### -?[0-9.,]+\s*$", max_chars: int = 2000
+    solution_str: str, ground_truth: str, pattern: str = r"#### -?[0-9.,]+\s*$", *, max_chars: int = 2000
 ) -> float:
     """1.0 if the response is at most max_chars long and ``re.search(pattern, DOTALL)`` finds it, else 0.0.
 
@@ -292,10 +292,11 @@ FAILURE_SCORE = 0.0
 """What every rule gives a response whose answer it cannot accept: none found, or none read in time."""
 
 
-def judge(rule: str, options: dict, solution_str: str, ground_truth: str) -> dict:
+def judge(rule: str, options: dict, solution_str: str, ground_truth: str) -> dict:  # noqa: PLR0917 - see below
     """What ``rule`` (with its ``options``) says of one response: ``{"score": ...}``, and for a rule that judges
     answers, whether the answer is right (its full marks) and the answer read, as ``acc`` and ``pred`` ("" for
-    none). The reward service calls this in its worker processes, under its per-sample timeout."""
+    none). The reward service calls this in its worker processes, under its per-sample timeout, with its four
+    arguments by position, as it calls a user's reward function (``plugins``)."""
     score = SCORERS[rule](solution_str, ground_truth, **options)
     if rule not in ANSWERS:  # a rule of form, not of answers
         return {"score": score}

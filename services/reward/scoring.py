@@ -41,7 +41,7 @@ from services.reward.plugins import FunctionScore, FunctionWorkers
 from services.reward.reward_model import RewardModel
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sample:
     """One response to score."""
 
@@ -52,7 +52,7 @@ class Sample:
     prompt: str  # decoded: what a reward model reads before the response
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SampleResult:
     score: float
     valid: bool
@@ -64,7 +64,7 @@ class SampleResult:
     timed_out: bool = False  # some component ran out of time on it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ComponentScore:
     """One component's part of a sample's score."""
 
@@ -131,7 +131,7 @@ class Scorer:
         batch at once, and each pool of worker processes (the rules', a user function's) its part of it."""
         model_scores = self._reward_model_scores(samples)
         judged = {**self._worker_results(samples), **self._code_results(samples)}
-        return [self._score_one(index, sample, model_scores, judged) for index, sample in enumerate(samples)]
+        return [self._score_one(index, sample, model_scores, judged=judged) for index, sample in enumerate(samples)]
 
     def _worker_results(self, samples: list[Sample]) -> dict[tuple[int, int], FunctionScore | Exception]:
         """(sample index, component position) -> what the workers said, for each component that is a rule or a
@@ -177,7 +177,7 @@ class Scorer:
                 results[(index, position)] = FunctionScore(score=nothing.score, acc=nothing.acc, pred=nothing.pred)
                 continue
             runs = [self._sandbox_runs.submit(run_in_sandbox, task.program, self.sandbox_limits, case.stdin,
-                                              task.files) for case in task.cases]
+                                              files=task.files) for case in task.cases]
             queued[(index, position)] = (component, task, runs)
         for key, (component, task, runs) in queued.items():
             try:
@@ -226,35 +226,39 @@ class Scorer:
             scores.update({(path, i): v for i, v in zip(indices, values)})
         return scores
 
-    def _score_one(self, index: int, sample: Sample, model_scores, judged) -> SampleResult:
+    def _score_one(self, index: int, sample: Sample, model_scores, *, judged) -> SampleResult:
         started = time.perf_counter()
         try:
-            parts = [(component, self._component_score(component, index, position, model_scores, judged))
+            parts = [(component, self._component_score(component, index, position, model_scores=model_scores,
+                                                       judged=judged))
                      for position, component in enumerate(self.components_for(sample.data_source))]
             acc = next((part.acc for _, part in parts if part.acc is not None), None)
             pred = next((part.pred for _, part in parts if part.pred), "")
             components = tuple((component.name, component.weight, part.value) for component, part in parts)
             seconds = time.perf_counter() - started + sum(part.seconds for _, part in parts)
-            return SampleResult(sum(weight * value for _, weight, value in components), True, "", seconds, acc, pred,
-                                components, any(part.timed_out for _, part in parts))
+            return SampleResult(score=sum(weight * value for _, weight, value in components), valid=True, error="",
+                                seconds=seconds, acc=acc, pred=pred,
+                                components=components, timed_out=any(part.timed_out for _, part in parts))
         except Exception as error:  # noqa: BLE001 - one bad sample must not fail the batch
-            return SampleResult(0.0, False, f"{type(error).__name__}: {error}", time.perf_counter() - started,
+            return SampleResult(score=0.0, valid=False, error=f"{type(error).__name__}: {error}",
+                                seconds=time.perf_counter() - started,
                                 timed_out=isinstance(error, TimeoutError))
 
-    def _component_score(self, component: ComponentConfig, index: int, position: int, model_scores,
+    def _component_score(self, component: ComponentConfig, index: int, position: int, *, model_scores,
                          judged) -> ComponentScore:
         if component.reward_model:
             value = model_scores[(component.reward_model, index)]
             if isinstance(value, Exception):
                 raise value
-            return ComponentScore(value)
+            return ComponentScore(value=value)
         result = judged[(index, position)]
         if component.rule and isinstance(result, TimeoutError):
             acc = False if component.rule in rules.ANSWERS else None  # a rule of form says nothing of answers
-            return ComponentScore(rules.FAILURE_SCORE, acc, timed_out=True, seconds=self.config.sample_timeout_s)
+            return ComponentScore(value=rules.FAILURE_SCORE, acc=acc, timed_out=True,
+                                  seconds=self.config.sample_timeout_s)
         if isinstance(result, Exception):
             raise result
-        return ComponentScore(result.score, result.acc, result.pred, seconds=result.seconds)
+        return ComponentScore(value=result.score, acc=result.acc, pred=result.pred, seconds=result.seconds)
 
     def close(self) -> None:
         for workers in [*self.functions.values(), self.rules]:

@@ -29,7 +29,8 @@ def extra_info_of(sample: reward_pb2.Sample, index: int) -> dict:
 
 def sample_from_pb(sample: reward_pb2.Sample, index: int) -> Sample:
     """The scorer's sample from samples[index] of a ScoreRequest."""
-    return Sample(sample.data_source, sample.response, sample.ground_truth, extra_info_of(sample, index), sample.prompt)
+    return Sample(data_source=sample.data_source, response=sample.response, ground_truth=sample.ground_truth,
+                  extra_info=extra_info_of(sample, index), prompt=sample.prompt)
 
 
 def samples_from_pb(samples) -> list[Sample]:

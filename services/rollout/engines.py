@@ -27,7 +27,7 @@ import torch
 from services.common.adapters import is_adapter
 from services.common.channel import ChannelTable, gpu_uuid
 from services.common.memory import memory_metrics
-from services.run.models import load_causal_lm, load_tokenizer
+from services.run.models import load_causal_lm, load_tokenizer, moved
 from services.common.weight_sync import StagedWeights, WeightReceiver
 from services.rollout.config import CORRUPTION, RolloutServiceConfig
 from services.rollout.hf_engine import HFEngine, WeightsNotLoaded
@@ -58,7 +58,7 @@ class Engine(Protocol):
         weights served now, and their version (the weight check's probe: never during a swap, and taken at once,
         beside the Generate calls in flight rather than after them)."""
 
-    async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
+    async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, *, rank: int, world_size: int,
                            timeout_s: float) -> None:
         """Join a weight channel; this engine's workers take ranks rank .. rank + channel_ranks - 1."""
 
@@ -93,9 +93,9 @@ class HFRolloutEngine:
 
     channel_ranks = 1
 
-    def __init__(self, model_path: str, dtype: str, config: RolloutServiceConfig, allow_pickle: bool = False):
+    def __init__(self, model_path: str, dtype: str, config: RolloutServiceConfig, *, allow_pickle: bool = False):
         tokenizer = load_tokenizer(model_path)
-        model = load_causal_lm(model_path, dtype, allow_pickle).to(config.device)
+        model = moved(load_causal_lm(model_path, dtype, allow_pickle), config.device)
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.engine = HFEngine(model, pad_id=pad, eos_ids=(eos,), batch_size=config.batch_size)
@@ -178,7 +178,7 @@ class HFRolloutEngine:
                 await asyncio.to_thread(staging.wait, None)
         self.channels.close_all()
 
-    async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s):
+    async def join_channel(self, channel_id, backend, rendezvous, *, rank, world_size, timeout_s):
         """Leave the channels joined before, then join this one."""
         await self._leave_channels()
         await self.channels.join(channel_id, backend, rendezvous=rendezvous, rank=rank, world_size=world_size,
@@ -232,7 +232,7 @@ class HFRolloutEngine:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-async def load_engine(config: RolloutServiceConfig, model_path: str, dtype: str, allow_pickle: bool = False,
+async def load_engine(config: RolloutServiceConfig, model_path: str, dtype: str, *, allow_pickle: bool = False,
                       lora: AdapterServing | None = None, routed_experts: bool = False) -> Engine:
     """The engine the service is configured for, with the run's model loaded (from safetensors unless
     ``allow_pickle``); for a LoRA run (``lora``) a vLLM engine starts with LoRA enabled, for a run that records

@@ -28,7 +28,7 @@ code knows about adapters.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -38,6 +38,9 @@ from services.common.adapters import adapter_pairs, merged_weight
 from services.run.experts import per_expert_tensors
 from services.run.routing import RouteRecorder
 from services.rollout.sampling import Completion, SamplingSettings, TopTokens, hash_seed, joined
+
+if TYPE_CHECKING:
+    from services.run.models import HFModel
 
 
 def version_0() -> int:
@@ -74,14 +77,14 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings,
     return chosen, algos.token_logprobs(logits, chosen, sampling.temperature)
 
 
-def cache_argument(model: torch.nn.Module) -> str:
+def cache_argument(model: HFModel) -> str:
     """The name under which ``model.forward`` takes its KV cache: ``cache``, or ``past_key_values`` in
     transformers versions without it."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class HFEngine:
-    def __init__(self, model: torch.nn.Module, pad_id: int, eos_ids: tuple[int, ...], batch_size: int):
+    def __init__(self, model: HFModel, pad_id: int, eos_ids: tuple[int, ...], *, batch_size: int):
         self.model = model.eval()
         self.pad_id = pad_id
         self.eos_ids = eos_ids
@@ -90,7 +93,7 @@ class HFEngine:
         self.base_weights: dict[str, torch.Tensor] = {}  # the base of each layer a LoRA adapter adapts (load_adapter)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seed_indices: Sequence[int] | None = None,
-                 before_step: Callable[[], int] = version_0) -> list[list[Completion]]:
+                 *, before_step: Callable[[], int] = version_0) -> list[list[Completion]]:
         """``sampling.n`` completions for each prompt; prompt i seeds from ``seed_indices[i]`` (default: i).
 
         ``before_step`` is called before every token step and returns the weight version the step runs under
@@ -111,7 +114,7 @@ class HFEngine:
 
     def _generate_rows(
         self, prompts: list[list[int]], generators: list[torch.Generator], sampling: SamplingSettings,
-        before_step: Callable[[], int] = version_0,
+        *, before_step: Callable[[], int] = version_0,
     ) -> list[Completion]:
         recorder = RouteRecorder(self.model) if sampling.routed_experts else None
         try:
@@ -124,7 +127,7 @@ class HFEngine:
     @torch.no_grad()
     def _sample_rows(
         self, prompts: list[list[int]], generators: list[torch.Generator], sampling: SamplingSettings,
-        before_step: Callable[[], int], recorder: RouteRecorder | None,
+        *, before_step: Callable[[], int], recorder: RouteRecorder | None,
     ) -> list[Completion]:
         """Sample ``prompts`` together, a row each, left-padded; with a ``recorder``, each row's routes of the
         tokens it fed the model: its prompt's, then each sampled token's but the last (never fed)."""

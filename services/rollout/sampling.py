@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
     n: int
     temperature: float
@@ -37,7 +37,7 @@ class SamplingSettings:
     routed_experts: bool = False  # also record the experts each token was routed to (routing replay)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Completion:
     token_ids: list[int]
     logprobs: list[float]

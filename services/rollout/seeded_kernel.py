@@ -6,8 +6,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def exponential_rows(q_ptr, q_stride, rows_ptr, seeds_ptr, steps_ptr, vocab_size, KEY_MULTIPLIER: tl.constexpr,
+@triton.jit  # launched as kernel[grid](...), every argument by position
+def exponential_rows(q_ptr, q_stride, rows_ptr, seeds_ptr, steps_ptr, vocab_size, KEY_MULTIPLIER: tl.constexpr,  # noqa: PLR0917
                      SMALLEST_NOISE: tl.constexpr, BLOCK: tl.constexpr):
     """Row rows[i] of q gets Exp(1) noise from Philox keyed by seeds[i] * KEY_MULTIPLIER + steps[i], one value a
     column; a program fills BLOCK columns of one row."""

@@ -252,7 +252,7 @@ def prompt_lists(prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, vocab_size
     return token_lists(prompt_ids, prompt_lens, vocab_size, names=("prompt_ids", "prompt_lens"))
 
 
-def token_lists(ids: torch.Tensor, lens: torch.Tensor, vocab_size: int, names: tuple[str, str]) -> list[list[int]]:
+def token_lists(ids: torch.Tensor, lens: torch.Tensor, vocab_size: int, *, names: tuple[str, str]) -> list[list[int]]:
     """Ragged token ids (``names``: of the ids and the lengths tensors, for the errors) as lists, once they are
     int64, each length is positive and they sum to the ids, and every id is in the vocabulary (ValueError)."""
     ids_name, lens_name = names

@@ -38,7 +38,7 @@ Result = TypeVar("Result")
 PartialRollout = Literal["finish", "restart", "keep"]  # what a swap does with the Generate calls in flight (see above)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WeightSwap:
     """One weight sync as a rollout engine saw it."""
 

@@ -74,8 +74,8 @@ POLL_S = 0.002  # how often a sync asks the workers whether the weights have arr
 
 
 class VLLMEngine:
-    def __init__(self, llm, vocab_size: int, eos_id: int | None, config: RolloutServiceConfig, gpus: tuple[str, ...],
-                 lora: AdapterServing | None = None, routes: RouteLayout | None = None):
+    def __init__(self, llm, vocab_size: int, eos_id: int | None, *, config: RolloutServiceConfig,
+                 gpus: tuple[str, ...], lora: AdapterServing | None = None, routes: RouteLayout | None = None):
         self.llm = llm
         self.routes = routes  # where vLLM's captured routes are the MoE layers' (None: it captures none)
         self.gate = SwapGate()
@@ -93,7 +93,7 @@ class VLLMEngine:
         self.adapter_calls: collections.Counter[int] = collections.Counter()
 
     @classmethod
-    async def create(cls, model_path: str, dtype: str, config: RolloutServiceConfig, allow_pickle: bool = False,
+    async def create(cls, model_path: str, dtype: str, config: RolloutServiceConfig, *, allow_pickle: bool = False,
                      lora: AdapterServing | None = None, routed_experts: bool = False) -> VLLMEngine:
         """vLLM started on the model; with ``routed_experts`` it captures each token's experts (vLLM's
         enable_return_routed_experts), which a mixture of experts needs for routing replay."""
@@ -135,7 +135,7 @@ class VLLMEngine:
                              "rollout.enable_rollout_routing_replay)")
         stops = sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set()))
 
-        async def one(index: int, prompt: list[int], first_version: int, request_id: str,
+        async def one(index: int, prompt: list[int], first_version: int, *, request_id: str,
                       adapter: LoadedAdapter | None) -> list[Completion]:
             params = SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -147,8 +147,9 @@ class VLLMEngine:
                                                   lora_request=lora_request_of(adapter)):
                 final = output
             # a keep swap of full weights may have come between its tokens; an adapter serves it to the end
-            versions = (first_version, first_version if adapter else self.weight_version)
-            return [completion_of(c, stops, *versions, prompt_len=len(prompt), routes=routes)
+            last_version = first_version if adapter else self.weight_version
+            return [completion_of(c, stops, first_version, last_version=last_version, prompt_len=len(prompt),
+                                  routes=routes)
                     for c in sorted(final.outputs, key=lambda c: c.index)]
 
         async def attempt(call: GenerationCall) -> list[list[Completion]]:
@@ -198,7 +199,7 @@ class VLLMEngine:
                                 output_kind=RequestOutputKind.FINAL_ONLY)
 
         async def one(prompt: list[int], response: list[int], request_id: str,
-                      adapter: LoadedAdapter | None) -> tuple[list[float], TopTokens | None]:
+                      *, adapter: LoadedAdapter | None) -> tuple[list[float], TopTokens | None]:
             final: Any = None
             async for output in self.llm.generate({"prompt_token_ids": prompt + response}, params,
                                                   request_id=request_id, lora_request=lora_request_of(adapter)):
@@ -215,7 +216,7 @@ class VLLMEngine:
             with self._using(adapter):
                 try:
                     scored = list(await call.unless_interrupted(
-                        asyncio.gather(*(one(p, r, rid, adapter)
+                        asyncio.gather(*(one(p, r, rid, adapter=adapter)
                                          for p, r, rid in zip(prompts, responses, request_ids)))))
                 except BaseException:
                     await self.llm.abort(request_ids)
@@ -226,7 +227,7 @@ class VLLMEngine:
 
         return await self.gate.run(attempt)
 
-    async def join_channel(self, channel_id, backend, rendezvous, rank, world_size, timeout_s) -> None:
+    async def join_channel(self, channel_id, backend, rendezvous, *, rank, world_size, timeout_s) -> None:
         if backend not in ("nccl", "cuda_ipc"):
             raise ValueError(f"the vllm engine joins nccl or cuda_ipc channels, not {backend!r}")
         await self.llm.collective_rpc("meshrl_join_channel", timeout=timeout_s + 10,
@@ -346,7 +347,7 @@ class VLLMEngine:
                           stages=stages)
 
     async def _swapped_in(self, method: str, args: tuple, timeout_s: float,
-                          clear_prefix_cache: bool) -> list[tuple[int, dict]]:
+                          *, clear_prefix_cache: bool) -> list[tuple[int, dict]]:
         """Call the workers' method that swaps weights in (generation is held back) and, alongside it, clear the
         prefix cache if asked (the engine core runs the two one after the other, so it costs no round trip;
         nothing is scheduled in between); the new version is then served. Returns each worker's (version,
@@ -426,7 +427,7 @@ def worker_stages(applied: list[tuple[int, dict[str, float]]]) -> dict[str, floa
     return {f"worker_{stage}": max(seconds[stage] for _, seconds in applied) for stage in applied[0][1]}
 
 
-def completion_of(output, stops: list[int], first_version: int, last_version: int, *, prompt_len: int,
+def completion_of(output, stops: list[int], first_version: int, *, last_version: int, prompt_len: int,
                   routes: RouteLayout | None = None) -> Completion:
     """Our Completion from a vLLM CompletionOutput: token ids, the sampled tokens' logprobs, the finish, and with
     ``routes`` the experts its tokens were routed to (``routes_of``); its tokens came from weight versions
@@ -498,7 +499,7 @@ def top_tokens_of(prompt_logprobs: list, first: int, k: int) -> TopTokens:
                      logprobs=torch.tensor(logprobs, dtype=torch.float32).reshape(-1, k))
 
 
-async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, timeout_s: float) -> None:
+async def receive_raw(engine: VLLMEngine, channel_id: str, nbytes: int, *, timeout_s: float) -> None:
     """The workers receive one plain broadcast of ``nbytes`` (the reference the sync benchmark compares to)."""
     await engine.llm.collective_rpc("meshrl_receive_raw", timeout=timeout_s + 10, args=(channel_id, nbytes, timeout_s))
 

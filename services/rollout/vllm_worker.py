@@ -77,7 +77,8 @@ class MeshrlWorkerExtension:
         """verl's memory metrics of this worker since the previous call."""
         return memory_metrics(self.device)
 
-    def meshrl_join_channel(self, channel_id: str, backend: str, rendezvous: bytes, first_rank: int,
+    # called by vLLM's collective_rpc with its arguments by position (args=)
+    def meshrl_join_channel(self, channel_id: str, backend: str, rendezvous: bytes, first_rank: int,  # noqa: PLR0917
                             world_size: int, timeout_s: float) -> int:
         """Leave the channels joined before, then join this one as rank first_rank + this worker's
         tensor-parallel rank; returns that rank."""
@@ -135,7 +136,7 @@ class MeshrlWorkerExtension:
             raise ValueError("a vLLM rollout serving a LoRA run received full weights, not an adapter")
         manager = self.model_runner.lora_manager  # vLLM's LRUCacheWorkerLoRAManager
         adapters = manager._adapter_manager  # its LoRAModelManager, which holds the loaded adapters
-        adapter = in_memory_adapter(adapter_id, named, manager, adapters, self.device)
+        adapter = in_memory_adapter(adapter_id, named, manager, adapters=adapters, device=self.device)
         for old in set(adapters.list_adapters()) - set(keep_ids):
             adapters.remove_adapter(old)
         adapters.add_adapter(adapter)
@@ -241,7 +242,7 @@ class MeshrlWorkerExtension:
         return nbytes
 
 
-def in_memory_adapter(adapter_id: int, named: list[tuple[str, torch.Tensor]], manager: Any, adapters: Any,
+def in_memory_adapter(adapter_id: int, named: list[tuple[str, torch.Tensor]], manager: Any, *, adapters: Any,
                       device: torch.device) -> Any:
     """vLLM's LoRAModel of a received adapter, built as its folder loader builds one (``_load_adapter``), from
     the tensors (copied: the receiver reuses its buffers) and a PEFT config made for them, on this worker's GPU;

@@ -30,7 +30,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
                 "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunData:
     """The model's tokenizer, the training and the held-out prompts of a run."""
 
@@ -123,14 +123,15 @@ def load_run_data(config: RunConfig) -> RunData:
                          "template, and a multi-turn run renders its turns and the tools' replies with it")
 
     def load(files: list[str]) -> tuple[list[Prompt], int]:
-        return load_prompts(files, data.prompt_key, data.reward_fn_key, tokenizer, data.max_prompt_length,
+        return load_prompts(files, data.prompt_key, data.reward_fn_key, tokenizer=tokenizer,
+                            max_len=data.max_prompt_length,
                             overlong=overlong_rule(config))
 
     prompts, dropped = load(data.train_files) if not config.trainer.val_only else ([], 0)
     val_prompts = load(data.val_files)[0] if data.val_files else []
     if not config.trainer.val_only:
         check_batch_sizes(config, len(prompts))
-    return RunData(tokenizer, prompts, val_prompts, dropped)
+    return RunData(tokenizer=tokenizer, prompts=prompts, val_prompts=val_prompts, dropped=dropped)
 
 
 def check_run_lora(config: RunConfig) -> None:

@@ -18,9 +18,13 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from services.run.sections.lora import ActorLoraKeys, LoraKeys
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -28,7 +32,7 @@ ADAPTER = "default"  # PEFT's name of a model's one adapter
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before the wrapped model's module names
 
 
-def is_lora(model: Any) -> bool:
+def is_lora(model: object) -> TypeGuard[PeftModel]:
     """Whether ``model`` trains LoRA adapters on a frozen base (a PEFT model, which can switch them off)."""
     return hasattr(model, "disable_adapter")
 
@@ -141,7 +145,7 @@ def meta_model(model_path: str, value_model: bool = False) -> Any:
         return kind.from_config(config)  # type: ignore[no-untyped-call]
 
 
-def check_lora(keys: LoraKeys, model_path: str, section: str, value_model: bool = False) -> None:
+def check_lora(keys: LoraKeys, model_path: str, section: str, *, value_model: bool = False) -> None:
     """A run's LoRA keys for the model in ``model_path``, checked without loading its weights; nothing to check
     with lora_rank 0."""
     if not keys.lora_rank:
@@ -163,7 +167,7 @@ def peft_config(keys: LoraKeys, modules_to_save: list[str] | None = None) -> Any
                       modules_to_save=modules_to_save)
 
 
-def with_lora(model: Any, keys: LoraKeys, modules_to_save: list[str] | None = None) -> Any:
+def with_lora(model: PreTrainedModel, keys: LoraKeys, modules_to_save: list[str] | None = None) -> PeftModel:
     """``model`` wrapped by PEFT: fresh adapters as the keys say (B zero: the model computes as before), or the
     adapter of ``lora_adapter_path``, trainable; only the adapters (and ``modules_to_save``, whole) train.
 

@@ -13,13 +13,24 @@ import json
 import math
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    HFModel: TypeAlias = PreTrainedModel | PeftModel
+    """A model as the trainer and the hf engine hold it: a Hugging Face model as loaded (``load_causal_lm``,
+    ``load_value_model``), or one with LoRA adapters, wrapped by PEFT (``lora.with_lora``)."""
 
 SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                           "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 MAX_HEADER_BYTES = 100 << 20
 """The longest header the safetensors library itself reads."""
+
+ModuleT = TypeVar("ModuleT", bound="torch.nn.Module")
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
@@ -68,7 +79,7 @@ def load_tokenizer(path: str | Path) -> Any:
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool = False,
-                   attn_implementation: str | None = None) -> Any:
+                   *, attn_implementation: str | None = None) -> PreTrainedModel:
     """A causal LM from a local Hugging Face folder, in the given dtype, on CPU; from safetensors unless
     ``allow_pickle``; attention as ``attn_implementation`` names it (None: transformers' default)."""
     import torch
@@ -79,13 +90,14 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", allow_pickle: bool 
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"no config.json in model folder {folder}")
     refuse_pickled_weights(folder, allow_pickle, "model folder")
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
-                                                use_safetensors=None if allow_pickle else True,
-                                                attn_implementation=attn_implementation)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=getattr(torch, dtype), use_safetensors=None if allow_pickle else True,
+        attn_implementation=attn_implementation)
+    return model
 
 
 def load_value_model(path: str | Path, dtype: str = "float32", allow_pickle: bool = False,
-                     attn_implementation: str | None = None) -> Any:
+                     *, attn_implementation: str | None = None) -> PreTrainedModel:
     """A causal LM's body with a one-output token head (a value per position), from a local folder.
 
     The head is freshly initialised when the folder holds a plain causal LM. Dropout in the head is off,
@@ -101,9 +113,19 @@ def load_value_model(path: str | Path, dtype: str = "float32", allow_pickle: boo
     config = AutoConfig.from_pretrained(folder, num_labels=1)
     config.classifier_dropout = 0.0
     refuse_pickled_weights(folder, allow_pickle, "model folder")
-    return AutoModelForTokenClassification.from_pretrained(folder, config=config, dtype=getattr(torch, dtype),
-                                                           use_safetensors=None if allow_pickle else True,
-                                                           attn_implementation=attn_implementation)
+    model: PreTrainedModel = AutoModelForTokenClassification.from_pretrained(
+        folder, config=config, dtype=getattr(torch, dtype), use_safetensors=None if allow_pickle else True,
+        attn_implementation=attn_implementation)
+    return model
+
+
+def moved(model: ModuleT, device: torch.device | str) -> ModuleT:
+    """``model``, its weights moved to ``device`` (in place, as ``Module.to`` moves them). Called through
+    ``torch.nn.Module``'s type: transformers wraps its models' ``to`` in ``functools.wraps``, whose type mypy
+    cannot call on an instance."""
+    module: torch.nn.Module = model
+    module.to(device)
+    return model
 
 
 def safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
@@ -123,11 +145,11 @@ def safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
     header.pop("__metadata__", None)
     data_bytes = size - 8 - length
     for name, entry in header.items():
-        check_tensor_entry(file, name, entry, data_bytes)
+        check_tensor_entry(file, name, entry, data_bytes=data_bytes)
     return header
 
 
-def check_tensor_entry(file: Path, name: str, entry: Any, data_bytes: int) -> None:
+def check_tensor_entry(file: Path, name: str, entry: Any, *, data_bytes: int) -> None:
     """One header entry's dtype is known, its offsets span its shape's bytes, and they lie within the file."""
     try:
         dtype, shape, (start, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]

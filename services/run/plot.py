@@ -82,11 +82,11 @@ trajectory."""
 def plot_run(steps: Steps, folder: Path, title: str) -> list[Path]:
     """A run's plots in its folder: reward.png, and agent.png for a multi-turn run; those drawn."""
     drawn = [plot_reward(steps, folder / "reward.png", title),
-             plot_metrics(steps, AGENT_CURVES, folder / "agent.png", f"{title}: turns and tool calls")]
+             plot_metrics(steps, AGENT_CURVES, folder / "agent.png", title=f"{title}: turns and tool calls")]
     return [path for path in drawn if path is not None]
 
 
-def plot_metrics(steps: Steps, keys: list[str], path: Path, title: str) -> Path | None:
+def plot_metrics(steps: Steps, keys: list[str], path: Path, *, title: str) -> Path | None:
     """Each of ``keys`` over the steps that have it, one line each (with markers where a metric has few points,
     as validations do); None when none of them has a value."""
     curves = {key: curve(steps, key) for key in keys}

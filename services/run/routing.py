@@ -89,7 +89,7 @@ class RouteTally:
 
 
 def replayed_choice(router_logits: torch.Tensor, own: torch.Tensor, given: torch.Tensor,
-                    renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    *, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts to use and their weights. [N, E], [N, k], [N, k] (``NO_ROUTE`` rows: the router's own) ->
     [N, k] int64, [N, k] in the logits' dtype.
 
@@ -113,7 +113,7 @@ def agreeing_routes(own: torch.Tensor, given: torch.Tensor) -> tuple[int, int]:
 
 @contextmanager
 def replaying(model: torch.nn.Module, routes: torch.Tensor, replay: bool = True,
-              tally: RouteTally | None = None) -> Iterator[None]:
+              *, tally: RouteTally | None = None) -> Iterator[None]:
     """Inside, every forward pass of ``model`` routes its N = rows x positions tokens by ``routes`` [N, layers, k]
     (``NO_ROUTE`` rows: by the router); with ``replay`` false the router chooses but is compared with them.
     ``tally`` counts the routes given and those the router agreed with, layer by layer, in every pass (a pass
@@ -142,7 +142,7 @@ def replaying(model: torch.nn.Module, routes: torch.Tensor, replay: bool = True,
                 tally.given += given_count
             if not replay:
                 return None
-            chosen, weights = replayed_choice(router_logits, own, given, bool(module.norm_topk_prob))
+            chosen, weights = replayed_choice(router_logits, own, given, renormalise=bool(module.norm_topk_prob))
             return router_logits, weights, chosen
         return swap
 

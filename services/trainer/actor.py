@@ -25,7 +25,7 @@ import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,12 +42,15 @@ from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_fl
 from services.trainer.optim import Optimizer, OptimSettings, mean_metrics, shuffled_mini_batches
 from services.trainer.ranks import Ranks
 
+if TYPE_CHECKING:
+    from services.run.models import HFModel
+
 ROUTES_GIVEN, ROUTES_AGREED = "routing/given", "routing/agreed"
 """A micro-batch's counts of token-layer routes replayed and agreed with (``routing.RouteTally``), summed over the
 mini-batch into training/routing_agreement."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ActorSettings:
     mini_batch_size: int  # sequences per optimizer step
     micro_batch_size: int  # sequences per forward/backward
@@ -78,7 +81,8 @@ class ActorSettings:
 
     @property
     def micro(self) -> MicroBatching:
-        return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding, self.logprob_chunk_tokens,
+        return MicroBatching(size=self.micro_batch_size, max_tokens=self.max_token_len,
+                             remove_padding=self.remove_padding, chunk_tokens=self.logprob_chunk_tokens,
                              replay_routes=self.replay_routes)
 
     def one_optimizer_step(self, num_rows: int) -> bool:
@@ -109,7 +113,7 @@ def policy_loss_params(settings: ActorSettings, scale: algos.LossScale) -> Polic
         kl_cov_ratio=settings.kl_cov_ratio, ppo_kl_coef=settings.ppo_kl_coef)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UpdateInputs:
     """Token-aligned tensors an actor update needs besides the sequences, flat [T]."""
 
@@ -125,8 +129,8 @@ class UpdateInputs:
 
 
 class Actor:
-    def __init__(self, model: torch.nn.Module, optim: OptimSettings, warm_start: OptimSettings, pad_id: int, seed: int,
-                 *, ranks: Ranks | None = None, merge_adapters: bool = False, trains_base: bool = False):
+    def __init__(self, model: HFModel, optim: OptimSettings, warm_start: OptimSettings, *, pad_id: int, seed: int,
+                 ranks: Ranks | None = None, merge_adapters: bool = False, trains_base: bool = False):
         """``warm_start``: the settings of the warm start's own optimizer and schedule (one scheduler step per
         supervised step). ``ranks``: where the (placed, maybe sharded) model trains; None = one rank, on the
         model's device. ``merge_adapters`` (a LoRA model): syncs send the adapted layers' merged weights
@@ -146,7 +150,7 @@ class Actor:
 
     def compute_log_probs(self, batch: SequenceBatch, temperature: float, micro: MicroBatching) -> torch.Tensor | None:
         """Logprob of every response token under the current weights, flat [T] on rank 0 (None on the others)."""
-        return batched_logprobs(self.model, batch, self.pad_id, temperature, micro, ranks=self.ranks)
+        return batched_logprobs(self.model, batch, self.pad_id, temperature=temperature, micro=micro, ranks=self.ranks)
 
     def update(self, batch: SequenceBatch, inputs: UpdateInputs, settings: ActorSettings) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; verl-named metrics averaged over mini-batches, and the update's
@@ -158,47 +162,50 @@ class Actor:
         self.model.train()
         started = time.perf_counter()
         with self.optimizer.resident():
-            reports = [self._update_mini_batch(batch, rows, inputs, settings) for rows in
-                       shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
+            reports = [self._update_mini_batch(batch, rows, inputs, settings=settings) for rows in
+                       shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs,
+                                             generator=self.shuffle)]
         seconds = time.perf_counter() - started  # each optimizer step waited for its gradient norm
         lr = self.optimizer.lr  # the rate this update ran at, as verl logs it
         self.optimizer.advance_schedule()
         metrics = {**mean_metrics(reports), "actor/lr": lr}
         if self.peak_flops is not None:
             flops = settings.epochs * training_flops(self.shape, batch.sequence_lens.tolist())
-            metrics["perf/mfu/actor"] = mfu(flops, seconds, self.peak_flops, self.ranks.world_size)
+            metrics["perf/mfu/actor"] = mfu(flops, seconds, self.peak_flops, world_size=self.ranks.world_size)
         return metrics
 
     def _update_mini_batch(self, batch: SequenceBatch, rows: torch.Tensor, inputs: UpdateInputs,
-                           settings: ActorSettings) -> dict[str, float]:
+                           *, settings: ActorSettings) -> dict[str, float]:
         mask = None if batch.loss_mask is None else batch.loss_mask[batch.token_index(rows)]
         scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length, mask)
         stats: dict[str, float] = {}
-        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, settings.micro)
-        mismatch = inputs.old_logprobs is None and inputs.rollout_logprobs is not None  # reported from this pass
+        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, micro=settings.micro)
+        # without old logprobs, the rollout's are compared with this pass's own (the mismatch metrics)
+        mismatch_with = inputs.rollout_logprobs if inputs.old_logprobs is None else None
         own_logprobs = []  # then the real micro-batches' logprobs
         for micro, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
             weight = self.ranks.grad_scale if real else 0.0
-            micro_stats, logprobs = self._micro_batch_loss(batch, micro, inputs, settings, scale, weight=weight)
+            micro_stats, logprobs = self._micro_batch_loss(batch, micro, inputs, settings=settings, scale=scale,
+                                                           weight=weight)
             for key, value in micro_stats.items():
                 stats[key] = stats.get(key, 0.0) + (value if real else 0.0)
-            if real and mismatch:
+            if real and mismatch_with is not None:
                 own_logprobs.append(logprobs.cpu())
         stats = self.ranks.sum_metrics(stats)
         routes_given = stats.pop(ROUTES_GIVEN, 0.0)
         routes_agreed = stats.pop(ROUTES_AGREED, 0.0)
         if routes_given:
             stats["training/routing_agreement"] = routes_agreed / routes_given
-        if mismatch:
-            old_logprobs = gather_tokens(batch, plan, own_logprobs, self.ranks)  # this one step's rows: the batch
+        if mismatch_with is not None:
+            old_logprobs = gather_tokens(batch, plan, own_logprobs, ranks=self.ranks)  # this one step's rows: the batch
             if old_logprobs is not None:  # rank 0
-                stats |= algos.mismatch_metrics(inputs.rollout_logprobs, old_logprobs, batch.response_lens,
-                                                batch.loss_mask)
+                stats |= algos.mismatch_metrics(mismatch_with, old_logprobs, batch.response_lens,
+                                                mask=batch.loss_mask)
         stats["actor/grad_norm"] = self.optimizer.step()
         return stats
 
-    def _micro_batch_loss(self, batch, micro, inputs: UpdateInputs, settings: ActorSettings,
-                          scale: algos.LossScale, *, weight: float = 1.0) -> tuple[dict[str, float], torch.Tensor]:
+    def _micro_batch_loss(self, batch, micro, inputs: UpdateInputs, *, settings: ActorSettings,
+                          scale: algos.LossScale, weight: float = 1.0) -> tuple[dict[str, float], torch.Tensor]:
         """Backpropagate ``weight`` x one micro-batch's share of the mini-batch loss; return its share of the
         metrics, and its logprobs, detached (pi_old where ``inputs`` has no old logprobs). Only the tokens of the
         batch's loss mask, where it has one, carry loss (``algos``)."""
@@ -212,21 +219,25 @@ class Actor:
             remove_padding=settings.remove_padding, chunk_tokens=settings.logprob_chunk_tokens,
             entropy_grad=settings.entropy_coeff != 0,  # else a metric only
             replay_routes=settings.replay_routes, tally=tally)
+        assert entropy is not None  # asked for (with_entropy)
         lengths = part.response_lens
         if inputs.old_logprobs is None:  # one optimizer step: the weights are still pi_old's
             old_logprobs = logprobs.detach()
         else:
             old_logprobs = inputs.old_logprobs[tokens].to(device)
-        tis = algos.rollout_is_weights(
-            old_logprobs=old_logprobs, rollout_logprobs=inputs.rollout_logprobs[tokens].to(device), lengths=lengths,
-            level=settings.rollout_is, mode=settings.rollout_is_mode, threshold=settings.rollout_is_threshold,
-            mask=mask) if settings.rollout_is else None
+        tis = None
+        if settings.rollout_is:
+            assert inputs.rollout_logprobs is not None  # check_inputs refuses an update without them
+            tis = algos.rollout_is_weights(
+                old_logprobs=old_logprobs, rollout_logprobs=inputs.rollout_logprobs[tokens].to(device),
+                lengths=lengths, level=settings.rollout_is, mode=settings.rollout_is_mode,
+                threshold=settings.rollout_is_threshold, mask=mask)
         pg = POLICY_LOSSES.get(settings.loss_mode).fn(
             PolicyLossInputs(logprobs=logprobs, old_logprobs=old_logprobs,
                              advantages=inputs.advantages[tokens].to(device), lengths=lengths, mask=mask,
                              is_weights=None if tis is None else tis.weights),
             policy_loss_params(settings, scale))
-        entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale, mask)
+        entropy_loss = algos.aggregate(entropy, lengths, settings.loss_agg_mode, scale=scale, mask=mask)
         loss = pg.loss - settings.entropy_coeff * entropy_loss
         stats = {"actor/pg_loss": float(pg.loss.detach()), **pg.metrics, "actor/entropy": float(entropy_loss.detach())}
         if tally.given:  # counts, summed over micro-batches and ranks (the agreement: ``_update_mini_batch``)
@@ -235,8 +246,9 @@ class Actor:
             stats["rollout_corr/rollout_is_mean"] = float(tis.weights.sum()) / max(scale.num_tokens, 1)
             stats["rollout_corr/rollout_is_ratio_fraction_high"] = float(tis.exceeded.sum()) / max(scale.num_tokens, 1)
         if settings.use_kl_loss:
+            assert inputs.ref_logprobs is not None  # check_inputs refuses an update without them
             kl = algos.kl_penalty(logprobs, inputs.ref_logprobs[tokens].to(device), settings.kl_loss_type)
-            kl_loss = algos.aggregate(kl, lengths, settings.loss_agg_mode, scale, mask)
+            kl_loss = algos.aggregate(kl, lengths, settings.loss_agg_mode, scale=scale, mask=mask)
             loss = loss + settings.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = float(kl_loss.detach())
         (weight * loss).backward()
@@ -248,12 +260,12 @@ class Actor:
         self.model.train()
         num_tokens = int(batch.trained().sum())
         rows = torch.arange(len(batch))
-        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, micro)
+        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, micro=micro)
         total = 0.0
         with self.warm_start_trainable(), self.warm_start.resident():
             for part, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
                 chosen = batch.select(part)
-                logprobs, _ = response_logprobs(self.model, chosen, self.pad_id, 1.0, False,
+                logprobs, _ = response_logprobs(self.model, chosen, self.pad_id, temperature=1.0, with_entropy=False,
                                                 device=self.ranks.device, remove_padding=micro.remove_padding,
                                                 chunk_tokens=micro.chunk_tokens)
                 mask = None if chosen.loss_mask is None else chosen.loss_mask.to(logprobs.device)
@@ -293,7 +305,7 @@ class Actor:
                 parameter.requires_grad_(was[name])
 
     @contextmanager
-    def base_policy(self) -> Iterator[torch.nn.Module]:
+    def base_policy(self) -> Iterator[HFModel]:
         """The actor's base model, its adapters switched off for the passes inside the ``with`` (LoRA only): the
         reference policy, without a second copy of the model.
 
@@ -301,6 +313,7 @@ class Actor:
         no part in it), because FSDP2 settles its mixed-precision dtypes at a model's first forward from the
         parameters that train then, and a first forward with none leaves the gradients in the compute dtype for
         good (pytorch/pytorch#186998): the reference pass may be the first."""
+        assert is_lora(self.model), "only a LoRA actor has a base policy (its adapters switched off)"
         trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         with self.model.disable_adapter():
             for parameter in trained:

@@ -27,7 +27,7 @@ import torch
 from services.trainer.optim import chunks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MicroBatching:
     """How a rank cuts its rows into forward passes."""
 
@@ -54,7 +54,7 @@ def balanced_shares(lengths: torch.Tensor, rows: torch.Tensor, world_size: int) 
 
 
 def by_token_budget(lengths: torch.Tensor, rows: torch.Tensor, max_tokens: int,
-                    remove_padding: bool) -> list[torch.Tensor]:
+                    *, remove_padding: bool) -> list[torch.Tensor]:
     """Rows longest first, greedily into micro-batches whose cost stays within ``max_tokens``."""
     batches: list[list[int]] = []
     current: list[int] = []
@@ -74,14 +74,14 @@ def by_token_budget(lengths: torch.Tensor, rows: torch.Tensor, max_tokens: int,
 
 
 def micro_batch_plan(lengths: torch.Tensor, rows: torch.Tensor, world_size: int,
-                     micro: MicroBatching) -> list[list[torch.Tensor]]:
+                     *, micro: MicroBatching) -> list[list[torch.Tensor]]:
     """Each rank's micro-batches (row indices) of ``rows``; every rank gets as many, a missing one is empty."""
     per_rank = []
     for share in balanced_shares(lengths, rows, world_size):
         if micro.max_tokens is None:
             per_rank.append(list(chunks(share, micro.size)))
         else:
-            per_rank.append(by_token_budget(lengths, share, micro.max_tokens, micro.remove_padding))
+            per_rank.append(by_token_budget(lengths, share, micro.max_tokens, remove_padding=micro.remove_padding))
     count = max(len(batches) for batches in per_rank)
     empty = torch.zeros(0, dtype=torch.int64)
     return [batches + [empty] * (count - len(batches)) for batches in per_rank]

@@ -134,7 +134,7 @@ def staging_owner(staging: Path) -> str | None:
         return None
 
 
-def save(roles, path: Path, weight_version: int, ranks: Ranks, key: bytes) -> int:
+def save(roles, path: Path, weight_version: int, *, ranks: Ranks, key: bytes) -> int:
     """Write the roles' state into ``path`` atomically; returns the bytes written (0 on ranks other than 0).
     ``check_replaceable`` has passed."""
     staging = staging_of(path)

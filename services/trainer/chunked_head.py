@@ -36,18 +36,21 @@ results as the model's output.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from services import algos
+
+if TYPE_CHECKING:
+    from services.run.models import HFModel
 
 # what some architectures do to the logits after the output layer: their logits are not the head's alone
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 temperature: float) -> torch.Tensor:
+                 *, temperature: float) -> torch.Tensor:
     """The output layer's logits, upcast to at least fp32 and temperature-scaled (a fresh tensor). [N, H] -> [N, V]"""
     logits = algos.upcast(torch.nn.functional.linear(hidden, weight, bias))
     return logits if temperature == 1.0 else logits.div_(temperature)
@@ -66,7 +69,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         logsumexp = torch.empty(len(hidden), dtype=dtype, device=hidden.device)
         for start in range(0, len(hidden), chunk_tokens):
             end = start + chunk_tokens
-            logits = chunk_logits(hidden[start:end], weight, bias, temperature)
+            logits = chunk_logits(hidden[start:end], weight, bias, temperature=temperature)
             lse = logsumexp[start:end] = torch.logsumexp(logits, dim=-1)
             logprobs[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - lse
             if with_entropy:
@@ -88,7 +91,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, len(hidden), ctx.chunk_tokens):
             end = start + ctx.chunk_tokens
             chunk, lse = hidden[start:end], logsumexp[start:end, None]
-            logits = chunk_logits(chunk, weight, bias, ctx.temperature)
+            logits = chunk_logits(chunk, weight, bias, temperature=ctx.temperature)
             probs = (logits - lse).exp_()
             grad_logprob = (grad_logprobs[start:end, None] if grad_logprobs is not None
                             else torch.zeros_like(lse))
@@ -111,8 +114,8 @@ class ChunkedLogprobs(torch.autograd.Function):
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None)
 
 
-def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                     temperature: float, *, chunk_tokens: int, with_entropy: bool,
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, targets: torch.Tensor,
+                     temperature: float, chunk_tokens: int, with_entropy: bool,
                      entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each target and (``with_entropy``) each position's entropy, from hidden states [N, H] through
     the output layer ``weight`` [V, H] (+ ``bias`` [V]), at most ``chunk_tokens`` tokens' logits at once. Without
@@ -124,7 +127,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return logprobs, entropy if with_entropy else None
 
 
-def chunkable(model: torch.nn.Module) -> bool:
+def chunkable(model: HFModel) -> bool:
     """Whether the model's logits are its output layer's alone: a plain linear layer with nothing applied after
     it (no soft-capping or scaling, which some architectures add)."""
     config = getattr(model, "config", None)
@@ -133,15 +136,16 @@ def chunkable(model: torch.nn.Module) -> bool:
 
 
 @contextmanager
-def head_replaced(model: torch.nn.Module, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
-                  chunk_tokens: int, *, with_entropy: bool, entropy_grad: bool = True) -> Iterator[None]:
+def head_replaced(model: HFModel, positions: torch.Tensor, targets: torch.Tensor, *, temperature: float,
+                  chunk_tokens: int, with_entropy: bool, entropy_grad: bool = True) -> Iterator[None]:
     """For the forward passes inside the ``with``, the model's output is, instead of its logits, the logprobs of
     ``targets`` [T] (and the entropies) at the hidden states' ``positions`` ([rows, L] bool, row-major order):
     [T, 2] logprob and entropy (entropy 0 unless ``with_entropy``)."""
     head = model.get_output_embeddings()
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        logprobs, entropy = chunked_logprobs(hidden[positions], head.weight, head.bias, targets, temperature,
+        logprobs, entropy = chunked_logprobs(hidden[positions], head.weight, head.bias, targets=targets,
+                                             temperature=temperature,
                                              chunk_tokens=chunk_tokens, with_entropy=with_entropy,
                                              entropy_grad=entropy_grad)
         return torch.stack([logprobs, entropy if entropy is not None else torch.zeros_like(logprobs)], dim=-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,8 +21,11 @@ from services.trainer.mfu import ModelShape, device_peak_flops, mfu, training_fl
 from services.trainer.optim import Optimizer, OptimSettings, mean_metrics, shuffled_mini_batches
 from services.trainer.ranks import Ranks
 
+if TYPE_CHECKING:
+    from services.run.models import HFModel
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class CriticSettings:
     mini_batch_size: int  # sequences per optimizer step
     micro_batch_size: int
@@ -35,55 +39,59 @@ class CriticSettings:
 
     @property
     def micro(self) -> MicroBatching:
-        return MicroBatching(self.micro_batch_size, self.max_token_len, self.remove_padding)
+        return MicroBatching(size=self.micro_batch_size, max_tokens=self.max_token_len,
+                             remove_padding=self.remove_padding)
 
 
 class Critic:
-    def __init__(self, model: torch.nn.Module, optim: OptimSettings, pad_id: int, seed: int,
+    def __init__(self, model: HFModel, optim: OptimSettings, pad_id: int, *, seed: int,
                  ranks: Ranks | None = None):
         self.model = model
         self.ranks = ranks or Ranks.single(next(model.parameters()).device)
         self.pad_id = pad_id
-        self.shape = ModelShape.of(model.config, model.config.num_labels)
+        self.shape = ModelShape.of(model.config, 1)  # a value model's head: one output (load_value_model)
         self.peak_flops = device_peak_flops(self.ranks.device)  # None: no MFU here
         self.optimizer = Optimizer(model.parameters(), optim)
         self.shuffle = torch.Generator().manual_seed(seed + 1)
 
     def compute_values(self, batch: SequenceBatch, micro: MicroBatching) -> torch.Tensor | None:
         """V(s_t) before each response token, flat [T] on rank 0 (None on the others)."""
-        return batched_values(self.model, batch, self.pad_id, micro, self.ranks)
+        return batched_values(self.model, batch, self.pad_id, micro=micro, ranks=self.ranks)
 
     def update(self, batch: SequenceBatch, old_values: torch.Tensor, returns: torch.Tensor,
-               settings: CriticSettings) -> dict[str, float]:
+               *, settings: CriticSettings) -> dict[str, float]:
         """Clipped value-loss epochs over shuffled mini-batches; verl-named metrics, and perf/mfu/critic as the
         actor's."""
         self.model.train()
         started = time.perf_counter()
         with self.optimizer.resident():
-            reports = [self._update_mini_batch(batch, rows, old_values, returns, settings) for rows in
-                       shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs, self.shuffle)]
+            reports = [self._update_mini_batch(batch, rows, old_values, returns=returns, settings=settings) for rows in
+                       shuffled_mini_batches(len(batch), settings.mini_batch_size, settings.epochs,
+                                             generator=self.shuffle)]
         seconds = time.perf_counter() - started
         lr = self.optimizer.lr  # the rate this update ran at, as verl logs it
         self.optimizer.advance_schedule()
         metrics = {**mean_metrics(reports), "critic/lr": lr}
         if self.peak_flops is not None:
             flops = settings.epochs * training_flops(self.shape, batch.sequence_lens.tolist())
-            metrics["perf/mfu/critic"] = mfu(flops, seconds, self.peak_flops, self.ranks.world_size)
+            metrics["perf/mfu/critic"] = mfu(flops, seconds, self.peak_flops, world_size=self.ranks.world_size)
         return metrics
 
-    def _update_mini_batch(self, batch, rows, old_values, returns, settings: CriticSettings) -> dict[str, float]:
+    def _update_mini_batch(self, batch, rows, old_values, *, returns, settings: CriticSettings) -> dict[str, float]:
         mask = None if batch.loss_mask is None else batch.loss_mask[batch.token_index(rows)]
         scale = algos.LossScale.of(batch.response_lens[rows], settings.max_response_length, mask)
         device = self.ranks.device
         stats = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
-        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, settings.micro)
+        plan = micro_batch_plan(batch.sequence_lens, rows, self.ranks.world_size, micro=settings.micro)
         for micro, real in with_stand_ins(plan[self.ranks.rank], batch.sequence_lens, rows):
             part = batch.select(micro)
             tokens = batch.token_index(micro)
-            values = response_values(self.model, part, self.pad_id, device, settings.remove_padding)
+            values = response_values(self.model, part, self.pad_id, device=device,
+                                     remove_padding=settings.remove_padding)
             part_mask = None if part.loss_mask is None else part.loss_mask.to(device)
             result = algos.value_loss(values, old_values[tokens].to(device), returns[tokens].to(device),
-                                      part.response_lens, settings.cliprange_value, mode=settings.loss_agg_mode,
+                                      lengths=part.response_lens, cliprange_value=settings.cliprange_value,
+                                      mode=settings.loss_agg_mode,
                                       scale=scale, mask=part_mask)
             ((self.ranks.grad_scale if real else 0.0) * settings.vf_coef * result.loss).backward()
             if real:

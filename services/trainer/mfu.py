@@ -35,7 +35,7 @@ PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
 """Dense bf16 FLOPS of one GPU, by a word of its CUDA device name (NVIDIA's data sheets, SXM parts)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """What a decoder-only transformer's FLOPs depend on."""
 
@@ -51,9 +51,9 @@ class ModelShape:
     def of(cls, config, outputs: int) -> ModelShape:
         """From a Hugging Face model config (Qwen2, Llama and their like)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-                   config.num_key_value_heads or config.num_attention_heads, head_dim, config.intermediate_size,
-                   outputs)
+        return cls(hidden=config.hidden_size, layers=config.num_hidden_layers, heads=config.num_attention_heads,
+                   kv_heads=config.num_key_value_heads or config.num_attention_heads, head_dim=head_dim,
+                   intermediate=config.intermediate_size, outputs=outputs)
 
 
 def matmul_weights(shape: ModelShape) -> int:
@@ -80,6 +80,6 @@ def device_peak_flops(device: torch.device) -> float | None:
     return peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
-def mfu(flops: float, seconds: float, peak: float, world_size: int) -> float:
+def mfu(flops: float, seconds: float, peak: float, *, world_size: int) -> float:
     """The share of ``world_size`` GPUs' peak that ``flops`` done in ``seconds`` are."""
     return flops / (seconds * peak * world_size)

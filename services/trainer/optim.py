@@ -17,7 +17,7 @@ import torch
 from services import algos
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimSettings:
     lr: float
     weight_decay: float
@@ -37,7 +37,8 @@ class Optimizer:
         self.adamw = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay,
                                        betas=settings.betas, fused=fusable(self.params) or None)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.adamw, lambda step: algos.lr_factor(
-            step, settings.warmup_steps, settings.total_steps, settings.warmup_style, settings.min_lr_ratio))
+            step, settings.warmup_steps, settings.total_steps, style=settings.warmup_style,
+            min_lr_ratio=settings.min_lr_ratio))
 
     def step(self) -> float:
         """Clip the gradients, step, zero them; returns the gradient norm before clipping.
@@ -90,7 +91,7 @@ def chunks(rows: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 
 
 def shuffled_mini_batches(num_rows: int, mini_batch_size: int, epochs: int,
-                          generator: torch.Generator) -> Iterator[torch.Tensor]:
+                          *, generator: torch.Generator) -> Iterator[torch.Tensor]:
     """Row indices of each mini-batch: every epoch a fresh shuffle cut into mini-batches."""
     for _ in range(epochs):
         yield from chunks(torch.randperm(num_rows, generator=generator), mini_batch_size)

@@ -38,7 +38,7 @@ log = structlog.get_logger()
 IDLE_WAIT = datetime.timedelta(days=365)  # "no deadline" for the wait between commands
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Ranks:
     """This process's place among the trainer's ranks."""
 
@@ -51,7 +51,7 @@ class Ranks:
     @classmethod
     def single(cls, device: str | torch.device) -> Ranks:
         """One rank on its own, no process group."""
-        return cls(0, 1, torch.device(device))
+        return cls(rank=0, world_size=1, device=torch.device(device))
 
     @property
     def grad_scale(self) -> float:
@@ -134,7 +134,7 @@ def join(device: str, timeout_s: float) -> Ranks:
     commands = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
     cpu = dist.new_group(backend="gloo", timeout=deadline)
     log.info("ranks_joined", rank=rank, world_size=world_size, device=str(this), backend=backend)
-    return Ranks(rank, world_size, this, commands, cpu)
+    return Ranks(rank=rank, world_size=world_size, device=this, commands=commands, cpu=cpu)
 
 
 def fatal(event: str, **fields) -> None:

@@ -18,6 +18,7 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -42,6 +43,9 @@ from services.trainer.config import TrainerServiceConfig
 from services.trainer.ranks import join
 from services.trainer.setup import actor_sharding, critic_sharding, pad_id_of
 from services.trainer.worker import SEQUENCE_KEYS, Roles, RankWorker, check_roles, parse_run_config
+
+if TYPE_CHECKING:
+    from services.run.models import HFModel
 
 log = structlog.get_logger()
 
@@ -102,7 +106,7 @@ def check_token_tensors(batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -
             raise ValueError(f"{key} holds NaN or infinite values")
 
 
-def check_vocab(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def check_vocab(batch: dict[str, torch.Tensor], model: HFModel) -> dict[str, torch.Tensor]:
     """The batch's four sequence tensors (and its loss mask, where it has one), once their token ids are known to
     be in the model's vocabulary."""
     vocab_size = model.config.vocab_size
@@ -113,7 +117,7 @@ def check_vocab(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[
     return {key: batch[key] for key in (*SEQUENCE_KEYS, "loss_mask", "routed_experts") if key in batch}
 
 
-def check_candidate_ids(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> torch.Tensor:
+def check_candidate_ids(batch: dict[str, torch.Tensor], model: HFModel) -> torch.Tensor:
     """A request's candidate_ids, once they are int64 [T, m], a row per response token, and in the vocabulary."""
     ids = batch["candidate_ids"]
     tokens = batch["response_ids"].numel()
@@ -127,7 +131,7 @@ def check_candidate_ids(batch: dict[str, torch.Tensor], model: torch.nn.Module) 
 
 
 def actor_update_tensors(batch: dict[str, torch.Tensor], settings: ActorSettings,
-                         model: torch.nn.Module) -> dict[str, torch.Tensor]:
+                         model: HFModel) -> dict[str, torch.Tensor]:
     """The tensors of an actor update, once they are known to be what ``settings`` need
     (``ActorSettings.check_inputs``) and each is sound (ref_logprobs, needed for the KL loss only, is dropped
     without it)."""
@@ -276,8 +280,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def JoinChannel(self, request, context):
         if request.rank != 0:
             raise ValueError(f"the trainer is the channel's root and joins as rank 0, not {request.rank}")
-        await self.channels.join(request.channel_id, request.backend, request.rendezvous, request.rank,
-                                 request.world_size, timeout_s=check_wait("timeout_s", request.timeout_s))
+        await self.channels.join(request.channel_id, request.backend, request.rendezvous, rank=request.rank,
+                                 world_size=request.world_size, timeout_s=check_wait("timeout_s", request.timeout_s))
         log.info("channel_joined", channel_id=request.channel_id, rank=request.rank, world_size=request.world_size)
         return common_pb2.JoinChannelResponse(channel_id=request.channel_id)
 

@@ -18,7 +18,7 @@ from services.trainer.batching import MicroBatching
 from services.trainer.critic import CriticSettings
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """What the trainer's ops do for the run loaded, on this rank's device."""
 
@@ -63,10 +63,10 @@ def log_prob_micro(config: RunConfig, device: torch.device, role: str = "actor")
         dynamic = ref.log_prob_use_dynamic_bsz if ref.log_prob_use_dynamic_bsz is not None else dynamic
         budget = ref.log_prob_max_token_len_per_gpu or budget
     dynamic = actor.use_dynamic_bsz if dynamic is None else dynamic
-    return MicroBatching(size or actor.ppo_micro_batch_size_per_gpu,
-                         (budget or actor.ppo_max_token_len_per_gpu) if dynamic else None,
-                         packs(actor_rollout_ref.model.use_remove_padding, device),
-                         actor_rollout_ref.model.logprob_chunk_tokens,
+    return MicroBatching(size=size or actor.ppo_micro_batch_size_per_gpu,
+                         max_tokens=(budget or actor.ppo_max_token_len_per_gpu) if dynamic else None,
+                         remove_padding=packs(actor_rollout_ref.model.use_remove_padding, device),
+                         chunk_tokens=actor_rollout_ref.model.logprob_chunk_tokens,
                          replay_routes=role == "actor" and actor.router_replay.mode == "R3")
 
 
@@ -74,8 +74,9 @@ def values_micro(config: RunConfig, device: torch.device) -> MicroBatching:
     """Micro-batches of the critic's value passes on ``device``."""
     critic = config.critic
     budget = critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
-    return MicroBatching(critic.ppo_micro_batch_size_per_gpu, budget if critic.use_dynamic_bsz else None,
-                         packs(critic.model.use_remove_padding, device))
+    return MicroBatching(size=critic.ppo_micro_batch_size_per_gpu,
+                         max_tokens=budget if critic.use_dynamic_bsz else None,
+                         remove_padding=packs(critic.model.use_remove_padding, device))
 
 
 def actor_settings(config: RunConfig, device: torch.device) -> ActorSettings:

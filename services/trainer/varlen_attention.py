@@ -38,7 +38,7 @@ def varlen_kwargs(starts: torch.Tensor, longest: int) -> dict:
     return {"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": longest, "max_length_k": longest}
 
 
-def causal_per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor,
+def causal_per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, starts: torch.Tensor,
                         scale: float | None) -> torch.Tensor:
     """SDPA on each sequence's slice. query [Hq, N, D], key and value [Hkv, N, D] -> [N, Hq, D]."""
     bounds = starts.tolist()
@@ -48,8 +48,8 @@ def causal_per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return torch.cat(pieces, dim=1).transpose(0, 1)
 
 
-def causal_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, longest: int,
-                 *, scale: float | None) -> torch.Tensor:
+def causal_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, starts: torch.Tensor, longest: int,
+                 scale: float | None) -> torch.Tensor:
     """The flash kernel's variable-length causal attention.
 
     query [N, Hq, D], key and value [N, Hkv, D] -> [N, Hq, D]."""
@@ -58,9 +58,10 @@ def causal_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, st
     return output
 
 
-def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, *, dropout: float = 0.0, scaling: float | None = None,
-                     **kwargs) -> tuple[torch.Tensor, None]:
+# transformers calls an attention function with five positional arguments: module, query, key, value, mask
+def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,  # noqa: PLR0917
+                     value: torch.Tensor, attention_mask: torch.Tensor | None, *, dropout: float = 0.0,
+                     scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention function: query [1, Hq, N, D], key and value [1, Hkv, N, D] of one packed row ->
     ([1, N, Hq, D], no weights). The bounds come from ``varlen_kwargs``; ValueError without them."""
     starts = kwargs.get("cu_seq_lens_q")
@@ -72,10 +73,10 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                          f"dropout {dropout}, sliding_window {kwargs.get('sliding_window')}")
     starts = starts.to(query.device)
     if query.is_cuda and query.dtype in FLASH_DTYPES:
-        output = causal_flash(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), starts,
-                              int(kwargs["max_length_q"]), scale=scaling)
+        output = causal_flash(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), starts=starts,
+                              longest=int(kwargs["max_length_q"]), scale=scaling)
     else:
-        output = causal_per_sequence(query[0], key[0], value[0], starts, scaling)
+        output = causal_per_sequence(query[0], key[0], value[0], starts=starts, scale=scaling)
     return output[None], None
 
 

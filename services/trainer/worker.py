@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 import torch
@@ -51,6 +51,9 @@ from services.trainer.setup import (ROLES, build_actor, build_critic, build_refe
                                     reference_is_actor_base)
 from services.trainer.telemetry import release_cached_memory, step_memory_metrics
 
+if TYPE_CHECKING:
+    from services.run.models import HFModel
+
 log = structlog.get_logger()
 SEQUENCE_KEYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
 OPS = ("init_run", "compute_log_probs", "compute_candidate_log_probs", "compute_values", "update_actor",
@@ -60,7 +63,7 @@ MODEL_OPS = ("compute_log_probs", "compute_candidate_log_probs", "compute_values
 STOP = "stop"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Roles:
     """What this trainer hosts for the current run."""
 
@@ -68,7 +71,7 @@ class Roles:
     settings: RunSettings
     actor: Actor | None
     critic: Critic | None
-    reference: torch.nn.Module | None  # None also where the reference is the actor's base (reference_is_base)
+    reference: HFModel | None  # None also where the reference is the actor's base (reference_is_base)
     pad_id: int
     reference_is_base: bool = False  # the reference is the LoRA actor's base, its adapters switched off
 
@@ -81,7 +84,7 @@ class Roles:
         """Parameters (elements) each hosted role holds, and those it trains (``<role>_trainable``); a reference
         that is the actor's base holds none of its own."""
         counts = {}
-        models: tuple[tuple[str, torch.nn.Module | None], ...] = (
+        models: tuple[tuple[str, HFModel | None], ...] = (
             ("actor", self.actor.model if self.actor else None), ("critic", self.critic.model if self.critic else None),
             ("ref", self.reference))
         for name, model in models:
@@ -133,7 +136,7 @@ def parse_run_config(run_config_yaml: str) -> RunConfig:
     return validate(RunConfig, request_yaml(run_config_yaml, "run_config_yaml"), "run_config_yaml")
 
 
-def build_roles(run_id: str, config: RunConfig, roles: list[str], seed: int, ranks: Ranks) -> Roles:
+def build_roles(run_id: str, config: RunConfig, roles: list[str], *, seed: int, ranks: Ranks) -> Roles:
     """The roles asked for; with a LoRA actor here, the reference is its base (no second copy is loaded)."""
     check_roles(roles)
     base = reference_is_actor_base(config, roles)
@@ -208,8 +211,8 @@ class RankWorker:
 
     # ------------------------------------------------------------ ops
 
-    def init_run(self, tensors, run_id: str, run_config_yaml: str, roles: list[str], seed: int,
-                 *, config: RunConfig | None = None) -> Roles:
+    def init_run(self, tensors, run_id: str, run_config_yaml: str, *, roles: list[str], seed: int,
+                 config: RunConfig | None = None) -> Roles:
         """Build the run's roles and settings (the servicer checked what can be checked without loading weights).
         ``config``: rank 0's, which its servicer parsed; the other ranks parse ``run_config_yaml``. On one CPU
         rank the roles are built beside the run held now, which stays if they fail to load; on a GPU the run held
@@ -221,7 +224,7 @@ class RankWorker:
         if not beside:
             self.roles = None
         try:
-            built = build_roles(run_id, config, roles, seed, self.ranks)
+            built = build_roles(run_id, config, roles, seed=seed, ranks=self.ranks)
         except torch.OutOfMemoryError:
             raise
         except (OSError, ValueError, KeyError, RuntimeError) as error:  # what transformers raises for bad weights
@@ -257,7 +260,7 @@ class RankWorker:
         return None if scored is None else (scored[:, 0], scored[:, 1:])
 
     @staticmethod
-    def _policy(roles: Roles, role: str) -> contextlib.AbstractContextManager[torch.nn.Module]:
+    def _policy(roles: Roles, role: str) -> contextlib.AbstractContextManager[HFModel]:
         if role == "actor":
             return contextlib.nullcontext(roles.need("actor").model)
         if roles.reference_is_base:
@@ -270,8 +273,9 @@ class RankWorker:
 
     def update_actor(self, tensors) -> Updated:
         roles = self._roles()
-        inputs = UpdateInputs(tensors.get("old_logprobs"), tensors["advantages"], tensors.get("ref_logprobs"),
-                              tensors.get("rollout_logprobs"))
+        inputs = UpdateInputs(old_logprobs=tensors.get("old_logprobs"), advantages=tensors["advantages"],
+                              ref_logprobs=tensors.get("ref_logprobs"),
+                              rollout_logprobs=tensors.get("rollout_logprobs"))
         metrics = roles.need("actor").update(sequences(tensors, routed=True), inputs, roles.settings.actor)
         self.weight_version += 1
         return Updated({**metrics, **step_memory_metrics(self.ranks.device)}, self.weight_version)
@@ -303,7 +307,7 @@ class RankWorker:
     def save_checkpoint(self, tensors, path: str, key: bytes = b"") -> Saved:
         """The roles' state into ``path``, with the weight version, which ``load_checkpoint`` restores; ``key``
         (rank 0's alone: it writes the manifest) signs its manifest."""
-        saved = checkpoint.save(self._roles(), Path(path), self.weight_version, self.ranks, key)
+        saved = checkpoint.save(self._roles(), Path(path), self.weight_version, ranks=self.ranks, key=key)
         return Saved(saved, self.weight_version)
 
     def load_checkpoint(self, tensors, path: str) -> int:

@@ -29,14 +29,14 @@ def on_gpu(gpu: int) -> tuple[tuple[str, str], ...]:
 
 
 def cuda_trainer(gpu: int = 0) -> ServiceSpec:
-    return ServiceSpec("trainer", settings=("device=cuda",), env=on_gpu(gpu))
+    return ServiceSpec(kind="trainer", settings=("device=cuda",), env=on_gpu(gpu))
 
 
 def vllm_rollout(gpu: int, memory_share: float, *settings: str) -> ServiceSpec:
     """A vLLM rollout on GPU ``gpu`` taking ``memory_share`` of it, started without CUDA graphs (about 23 s
     instead of 70)."""
     settings = ("engine=vllm", "enforce_eager=true", f"gpu_memory_utilization={memory_share}", *settings)
-    return ServiceSpec("rollout", settings=settings, env=on_gpu(gpu))
+    return ServiceSpec(kind="rollout", settings=settings, env=on_gpu(gpu))
 
 
 @pytest.fixture(scope="session")

@@ -57,8 +57,8 @@ def test_a_multi_turn_run_on_vllm_with_prefix_caching(tmp_path):
         "trainer": {"total_training_steps": 4, "experiment_name": "gpu-agent", "rollout_data_dir": "samples",
                     "async_": {"max_staleness": 1}},
     })
-    services = (cuda_trainer(0), vllm_rollout(0, 0.4, "enable_prefix_caching=true"), ServiceSpec("reward"),
-                ServiceSpec("env", settings=("--config", str(env_config))))
+    services = (cuda_trainer(0), vllm_rollout(0, 0.4, "enable_prefix_caching=true"), ServiceSpec(kind="reward"),
+                ServiceSpec(kind="env", settings=("--config", str(env_config))))
     cluster = LocalCluster(tmp_path / "state", services)
     try:
         asyncio.run(cluster.start(timeout_s=240))

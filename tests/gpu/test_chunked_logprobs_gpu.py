@@ -25,10 +25,10 @@ CHECKED = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "
 
 def synthetic(vocab_size: int) -> SequenceBatch:
     generator = torch.Generator().manual_seed(0)
-    return SequenceBatch(torch.randint(3, vocab_size, (SEQUENCES * PROMPT,), generator=generator),
-                         torch.full((SEQUENCES,), PROMPT),
-                         torch.randint(3, vocab_size, (SEQUENCES * RESPONSE,), generator=generator),
-                         torch.full((SEQUENCES,), RESPONSE))
+    return SequenceBatch(prompt_ids=torch.randint(3, vocab_size, (SEQUENCES * PROMPT,), generator=generator),
+                         prompt_lens=torch.full((SEQUENCES,), PROMPT),
+                         response_ids=torch.randint(3, vocab_size, (SEQUENCES * RESPONSE,), generator=generator),
+                         response_lens=torch.full((SEQUENCES,), RESPONSE))
 
 
 def forward_backward(model, batch: SequenceBatch, chunk_tokens: int) -> dict:
@@ -37,7 +37,8 @@ def forward_backward(model, batch: SequenceBatch, chunk_tokens: int) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    logprobs, entropy = response_logprobs(model, batch, 0, 0.9, True, device=device, remove_padding=False,
+    logprobs, entropy = response_logprobs(model, batch, 0, temperature=0.9, with_entropy=True, device=device,
+                                          remove_padding=False,
                                           chunk_tokens=chunk_tokens)
     (-logprobs.mean() - 0.01 * entropy.mean()).backward()
     torch.cuda.synchronize()

@@ -41,13 +41,15 @@ CUDA = torch.device("cuda")
 def synthetic(vocab_size: int) -> SequenceBatch:
     generator = torch.Generator().manual_seed(0)
     response_lens = torch.randint(128, 385, (SEQUENCES,), generator=generator)
-    return SequenceBatch(torch.randint(3, vocab_size, (SEQUENCES * PROMPT,), generator=generator),
-                         torch.full((SEQUENCES,), PROMPT),
-                         torch.randint(3, vocab_size, (int(response_lens.sum()),), generator=generator), response_lens)
+    return SequenceBatch(prompt_ids=torch.randint(3, vocab_size, (SEQUENCES * PROMPT,), generator=generator),
+                         prompt_lens=torch.full((SEQUENCES,), PROMPT),
+                         response_ids=torch.randint(3, vocab_size, (int(response_lens.sum()),), generator=generator),
+                         response_lens=response_lens)
 
 
 def forward_backward(model, batch: SequenceBatch, packed: bool) -> torch.Tensor:
-    logprobs, entropy = response_logprobs(model, batch, 0, 1.0, True, device=CUDA, remove_padding=packed,
+    logprobs, entropy = response_logprobs(model, batch, 0, temperature=1.0, with_entropy=True, device=CUDA,
+                                          remove_padding=packed,
                                           chunk_tokens=ModelConfig().logprob_chunk_tokens)
     (-logprobs.mean() - 0.01 * entropy.mean()).backward()
     return logprobs.detach().float().cpu()
@@ -111,7 +113,7 @@ def test_packed_varlen_attention_matches_padded_and_is_faster(qwen_05b):
              (("fused", {"fused": True}), ("foreach", {"foreach": True}), ("for-loop", {"foreach": False}))}
     peak = device_peak_flops(CUDA)
     flops = training_flops(ModelShape.of(varlen.config, varlen.config.vocab_size), batch.sequence_lens.tolist())
-    figure = mfu(flops, rows["packed (varlen)"][0], peak, 1) if peak else None
+    figure = mfu(flops, rows["packed (varlen)"][0], peak, world_size=1) if peak else None
 
     print(f"\n{SEQUENCES} sequences, {int(batch.sequence_lens.sum())} tokens ({int(batch.sequence_lens.max())} "
           f"longest); logprob gap max {gap.max():.4f} mean {gap.mean():.5f}; gradient cosines {cosines}")
@@ -135,8 +137,10 @@ def test_packed_varlen_attention_matches_padded_and_is_faster(qwen_05b):
 def test_fused_adamw_steps_fsdp2_shards(qwen_05b):
     """The trainer's Optimizer on FSDP2 DTensor parameters (one rank) takes the fused kernel and steps them."""
     model = place(load_causal_lm(str(qwen_05b), "float32", attn_implementation=attention(True)),
-                  Ranks.single(CUDA), Sharding(fsdp=True, param_dtype=torch.bfloat16), False)
-    optimizer = Optimizer(model.parameters(), OptimSettings(1e-4, 0.0, (0.9, 0.999), 1.0, 0, "constant", 0.0, 1,
+                  Ranks.single(CUDA), Sharding(fsdp=True, param_dtype=torch.bfloat16), gradient_checkpointing=False)
+    optimizer = Optimizer(model.parameters(), OptimSettings(lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999),
+                                                            grad_clip=1.0, warmup_steps=0, warmup_style="constant",
+                                                            min_lr_ratio=0.0, total_steps=1,
                                                             offload=True))
     assert optimizer.adamw.defaults["fused"] and type(optimizer.params[0]).__name__ == "DTensor"
     before = optimizer.params[5].full_tensor().clone()
@@ -154,11 +158,14 @@ def test_the_actor_update_reports_its_mfu(qwen_05b):
     """Two mini-batches of 32 packed sequences, micro-batches cut by a 16k-token budget: perf/mfu/actor is there
     and plausible (a share of the H200's peak, not more than all of it)."""
     model = load_causal_lm(str(qwen_05b), "bfloat16", attn_implementation=attention(True)).to(CUDA)
-    optim = OptimSettings(1e-6, 0.0, (0.9, 0.999), 1.0, 0, "constant", 0.0, 10)
+    optim = OptimSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, warmup_steps=0,
+                          warmup_style="constant", min_lr_ratio=0.0, total_steps=10)
     actor = Actor(model, optim, optim, pad_id=0, seed=0)
     batch = synthetic(model.config.vocab_size)
-    old_logprobs = actor.compute_log_probs(batch, 1.0, MicroBatching(64, 16384, True, 1024))
-    inputs = UpdateInputs(old_logprobs, torch.randn(batch.num_response_tokens), None)
+    old_logprobs = actor.compute_log_probs(batch, 1.0, MicroBatching(size=64, max_tokens=16384, remove_padding=True,
+                                                                     chunk_tokens=1024))
+    inputs = UpdateInputs(old_logprobs=old_logprobs, advantages=torch.randn(batch.num_response_tokens),
+                          ref_logprobs=None)
     settings = ActorSettings(mini_batch_size=32, micro_batch_size=32, epochs=1, clip_ratio_low=0.2,
                              clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0,
                              use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl", temperature=1.0,

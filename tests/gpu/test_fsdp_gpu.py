@@ -36,13 +36,14 @@ from services.trainer.sharding import Sharding, place
 from tests.gpu.conftest import needs
 
 LR = 1e-5
-OPTIM = OptimSettings(LR, 0.0, (0.9, 0.999), 1.0, 0, "constant", 0.0, 10)
+OPTIM = OptimSettings(lr=LR, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, warmup_steps=0,
+                      warmup_style="constant", min_lr_ratio=0.0, total_steps=10)
 SEQUENCES, BUDGET = 64, 8192
 SETTINGS = ActorSettings(mini_batch_size=SEQUENCES, micro_batch_size=8, epochs=1, clip_ratio_low=0.2,
                          clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0,
                          use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl", temperature=1.0,
                          max_response_length=768, max_token_len=BUDGET)
-LOG_PROB_PASS = MicroBatching(SEQUENCES, max_tokens=2 * BUDGET)
+LOG_PROB_PASS = MicroBatching(size=SEQUENCES, max_tokens=2 * BUDGET)
 RUNS = (("1 rank", 1, False), ("2 ranks", 2, False), ("2 ranks, param offload", 2, True))
 UPDATES = 4
 
@@ -57,7 +58,8 @@ def synthetic(vocab_size: int) -> tuple[SequenceBatch, torch.Tensor, torch.Tenso
     def ids(count: torch.Tensor) -> torch.Tensor:
         return torch.randint(3, vocab_size, (int(count),), generator=generator)
 
-    batch = SequenceBatch(ids(prompt_lens.sum()), prompt_lens, ids(response_lens.sum()), response_lens)
+    batch = SequenceBatch(prompt_ids=ids(prompt_lens.sum()), prompt_lens=prompt_lens,
+                          response_ids=ids(response_lens.sum()), response_lens=response_lens)
     tokens = batch.num_response_tokens
     return batch, torch.randn(tokens, generator=generator), 0.05 * torch.randn(tokens, generator=generator)
 
@@ -88,7 +90,7 @@ def job(rank: int, world_size: int, port: int, model_path: Path, offload: bool, 
     old = logprobs if rank == 0 else torch.zeros(batch.num_response_tokens)
     if world_size > 1:  # the old logprobs, gathered on rank 0, as the trainer's relay hands them to every rank
         torch.distributed.broadcast(old, src=0, group=ranks.cpu)
-    inputs = UpdateInputs(old + noise, advantages, None)
+    inputs = UpdateInputs(old_logprobs=old + noise, advantages=advantages, ref_logprobs=None)
     metrics, first_seconds = timed(lambda: actor.update(batch, inputs, SETTINGS))
     weights = full_weights(actor.model)
     seconds = [timed(lambda: actor.update(batch, inputs, SETTINGS))[1] for _ in range(UPDATES - 1)]

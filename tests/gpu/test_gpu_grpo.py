@@ -86,7 +86,7 @@ def test_three_grpo_steps_on_two_gpus(qwen_05b, tmp_path):
     services = (
         cuda_trainer(),
         vllm_rollout(1, 0.5),
-        ServiceSpec("reward"),
+        ServiceSpec(kind="reward"),
     )
     three_steps(tmp_path, qwen_05b, services, colocated=False)
 
@@ -96,7 +96,7 @@ def test_three_grpo_steps_colocated_on_one_gpu(qwen_05b, tmp_path):
     services = (
         cuda_trainer(),
         vllm_rollout(0, 0.3, "enable_sleep_mode=true"),
-        ServiceSpec("reward"),
+        ServiceSpec(kind="reward"),
     )
     rows, _ = three_steps(tmp_path, qwen_05b, services, colocated=True)
     # the weights the rollout woke up with and then received are the trainer's: sampled tokens' probabilities agree
@@ -112,7 +112,7 @@ def test_prompts_split_by_the_rollouts_measured_speeds_on_three_gpus(qwen_05b, t
         cuda_trainer(),
         vllm_rollout(1, 0.5),
         vllm_rollout(2, 0.5, "max_num_seqs=16"),
-        ServiceSpec("reward"),
+        ServiceSpec(kind="reward"),
     )
     rows, cluster = three_steps(tmp_path, qwen_05b, services, colocated=False)
     fast, capped = service_address(cluster, "rollout-1"), service_address(cluster, "rollout-2")
@@ -134,7 +134,7 @@ def test_every_gpu_generates_the_rollout_beside_the_trainer_asleep_while_it_trai
         cuda_trainer(),
         vllm_rollout(0, 0.3, "enable_sleep_mode=true"),
         vllm_rollout(1, 0.5),
-        ServiceSpec("reward"),
+        ServiceSpec(kind="reward"),
     )
     rows, cluster = three_steps(tmp_path, qwen_05b, services, colocated=True)
     beside, apart = service_address(cluster, "rollout-1"), service_address(cluster, "rollout-2")
@@ -161,7 +161,7 @@ def test_a_colocated_rollout_that_cannot_wake_fails_the_run_naming_the_cause(qwe
     services = (
         cuda_trainer(),
         vllm_rollout(0, 0.3, "enable_sleep_mode=true"),
-        ServiceSpec("reward"),
+        ServiceSpec(kind="reward"),
     )
     cluster = LocalCluster(tmp_path / "state", services)
     try:

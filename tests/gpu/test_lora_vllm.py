@@ -107,7 +107,8 @@ async def adapters_on_vllm(model: Path) -> None:
     config = RolloutServiceConfig(engine="vllm", enforce_eager=True, gpu_memory_utilization=0.3)
     engine = await VLLMEngine.create(str(model), "bfloat16", config, lora=AdapterServing(rank=RANK, versions=2))
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", TIMEOUT_S)
-    joining = asyncio.create_task(engine.join_channel(CHANNEL, "cuda_ipc", rendezvous, 1, 2, TIMEOUT_S))
+    joining = asyncio.create_task(engine.join_channel(CHANNEL, "cuda_ipc", rendezvous, rank=1, world_size=2,
+                                                      timeout_s=TIMEOUT_S))
     channel = await asyncio.to_thread(open_weight_channel, CHANNEL, "cuda_ipc", rendezvous=rendezvous, rank=0,
                                       world_size=2, timeout_s=TIMEOUT_S, device="cuda:0")
     await joining
@@ -122,7 +123,8 @@ async def adapters_on_vllm(model: Path) -> None:
         torch.cuda.synchronize()
         started = time.perf_counter()
         receiving = asyncio.create_task(engine.receive_weights(CHANNEL, TIMEOUT_S))
-        sent_bytes, _ = await asyncio.to_thread(sender.send, channel, actor.named_weights(), version, 64 << 20)
+        sent_bytes, _ = await asyncio.to_thread(sender.send, channel, actor.named_weights(), version,
+                                                bucket_bytes=64 << 20)
         swap = await receiving
         took = time.perf_counter() - started
         assert swap.version == engine.weight_version == version
@@ -215,7 +217,7 @@ def test_a_lora_grpo_run_on_vllm_samples_from_the_trainers_adapters(qwen_05b, tm
         },
         "trainer": {"total_training_steps": 3, "experiment_name": "gpu-lora-vllm"},
     })
-    cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3), ServiceSpec("reward")))
+    cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3), ServiceSpec(kind="reward")))
     try:
         asyncio.run(cluster.start(timeout_s=180))
         final, version = asyncio.run(run(cluster, config))

@@ -94,7 +94,7 @@ def largest_log_ratio(row: dict) -> float:
 def test_moe_syncs_keep_the_vllm_rollout_on_the_trainers_weights(qwen3_moe, tmp_path):
     """Trainer and a vLLM rollout (no CUDA graphs) on GPU 0, the weights over CUDA IPC."""
     data = write_jsonl(reverse_task_rows(256, 2, 6, seed=3), tmp_path / "reverse.jsonl")
-    cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3), ServiceSpec("reward")))
+    cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3), ServiceSpec(kind="reward")))
     try:
         asyncio.run(cluster.start(timeout_s=180))
         final, version = asyncio.run(run(cluster, run_config(qwen3_moe, data)))
@@ -135,7 +135,7 @@ def test_routing_replay_on_vllm_routes_the_trainer_by_the_rollouts_experts(qwen3
     (enable_return_routed_experts), they travel with the sample and the trainer's passes route by them; every step
     reports the routing agreement, and the rollout's routes have the shape of the tokens it fed."""
     data = write_jsonl(reverse_task_rows(256, 2, 6, seed=3), tmp_path / "reverse.jsonl")
-    cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3), ServiceSpec("reward")))
+    cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3), ServiceSpec(kind="reward")))
     try:
         asyncio.run(cluster.start(timeout_s=180))
         final, version = asyncio.run(run(cluster, run_config(qwen3_moe, data, replay="R3")))
@@ -215,7 +215,7 @@ async def experts_after_syncs(model_path: Path, kernel: str, syncs: int) -> list
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 120)
     channel = None
     try:
-        joining = asyncio.create_task(engine.join_channel("experts", "cuda_ipc", rendezvous, 1, 2, 120))
+        joining = asyncio.create_task(engine.join_channel("experts", "cuda_ipc", rendezvous, rank=1, world_size=2, timeout_s=120))
         channel = await asyncio.to_thread(open_weight_channel, "experts", "cuda_ipc", rendezvous=rendezvous, rank=0,
                                           world_size=2, timeout_s=120, device="cuda:0")
         await joining
@@ -226,7 +226,7 @@ async def experts_after_syncs(model_path: Path, kernel: str, syncs: int) -> list
                     tensor.add_(torch.randn(tensor.shape, generator=generator, device="cuda:0",
                                             dtype=torch.float32).to(tensor.dtype) * 0.01)
             receiving = asyncio.create_task(engine.receive_weights("experts", 120))
-            await asyncio.to_thread(sender.send, channel, named, version, 256 << 20)
+            await asyncio.to_thread(sender.send, channel, named, version, bucket_bytes=256 << 20)
             assert (await receiving).version == version
             results.append(await compare_sync(engine, trainer, dict(named)))
         return results

@@ -34,7 +34,7 @@ def member(rank: int, unique_ids: list[bytes], results) -> None:
     device = f"cuda:{rank}"
     outcome: dict = {}
     try:
-        first = NcclChannel("nccl-first", unique_ids[0], rank, 2, DEADLINE_S, device=device)
+        first = NcclChannel("nccl-first", unique_ids[0], rank, world_size=2, timeout_s=DEADLINE_S, device=device)
         tensor = torch.arange(1 << 20, device=device, dtype=torch.int32) if rank == 0 else \
             torch.zeros(1 << 20, device=device, dtype=torch.int32)
         first.broadcast(tensor)
@@ -45,7 +45,7 @@ def member(rank: int, unique_ids: list[bytes], results) -> None:
         else:
             first.abandon()
 
-        second = NcclChannel("nccl-second", unique_ids[1], rank, 2, DEADLINE_S, device=device)
+        second = NcclChannel("nccl-second", unique_ids[1], rank, world_size=2, timeout_s=DEADLINE_S, device=device)
         payload = torch.full((64 << 20,), 7 + rank, device=device, dtype=torch.uint8)
         second.broadcast(payload)
         outcome["second_whole"] = bool((payload == 7).all())

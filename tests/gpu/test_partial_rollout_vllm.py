@@ -58,14 +58,14 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
     async def sync(channel_id: str, version: int, broadcasts: int | None) -> tuple:
         """(what the trainer's WeightSender.send returned or raised, what the rollout's ReceiveWeights did)."""
         unique_id = new_unique_id()
-        joining = asyncio.create_task(rollout.join_channel(channel_id, "nccl", unique_id, 1, 2, 60))
+        joining = asyncio.create_task(rollout.join_channel(channel_id, "nccl", unique_id, rank=1, world_size=2, timeout=60))
         channel = await asyncio.to_thread(open_weight_channel, channel_id, "nccl", rendezvous=unique_id, rank=0,
                                           world_size=2, timeout_s=60, device="cuda:0")
         await joining
         sender = channel if broadcasts is None else BreaksOff(channel, broadcasts)
         receiving = asyncio.create_task(rollout.receive_weights(channel_id, 5))
         try:
-            sent = await asyncio.to_thread(WeightSender().send, sender, named, version, 64 << 20)
+            sent = await asyncio.to_thread(WeightSender().send, sender, named, version, bucket_bytes=64 << 20)
         except ConnectionError as error:
             sent = error
         try:
@@ -92,7 +92,8 @@ async def a_sync_breaks_off(cluster: LocalCluster, model_path: str) -> None:
 
 
 @needs(2)
-def test_vllm_rollout_restarts_or_finishes_calls_in_flight_and_refuses_to_generate_after_a_broken_sync(qwen_05b, tmp_path):
+def test_vllm_rollout_restarts_or_finishes_calls_in_flight_and_refuses_to_generate_after_a_broken_sync(qwen_05b,
+                                                                                                       tmp_path):
     cluster = LocalCluster(tmp_path / "state", (
         vllm_rollout(1, 0.3),))
     try:

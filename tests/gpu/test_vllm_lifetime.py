@@ -42,7 +42,7 @@ def vllm_rollout(tmp_path, qwen_05b):
     async def init() -> None:
         client = RolloutClient(rollout.address)
         try:
-            await client.init_run("lifetime", str(qwen_05b), "bfloat16", 300)
+            await client.init_run("lifetime", str(qwen_05b), "bfloat16", timeout=300)
         finally:
             await client.close()
 
@@ -57,11 +57,11 @@ def test_a_generate_abandoned_by_its_client_is_aborted_in_the_vllm_engine(vllm_r
         client = RolloutClient(vllm_rollout.address)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as gone:
-                await client.generate(BUSY_PROMPTS, BUSY, 0, 0, timeout=2.0)
+                await client.generate(BUSY_PROMPTS, BUSY, 0, first_index=0, timeout=2.0)
             assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             started = time.monotonic()
             generated = await client.generate([[5, 6, 7]], Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8,
-                                                                    stop_token_ids=()), 0, 0, timeout=120)
+                                                                    stop_token_ids=()), 0, first_index=0, timeout=120)
             assert len(generated.response_lens) == 2
             return time.monotonic() - started
         finally:

@@ -57,7 +57,7 @@ def test_a_vllm_rollout_with_wrong_weights_is_caught_resynced_and_dropped_beside
         cuda_trainer(),
         vllm_rollout(0, 0.25),
         vllm_rollout(0, 0.25, f"corrupt_weight_after_sync={CORRUPTED}"),
-        ServiceSpec("reward"),
+        ServiceSpec(kind="reward"),
     ))
     try:
         asyncio.run(cluster.start(timeout_s=240))
@@ -88,7 +88,7 @@ def test_a_colocated_vllm_rollout_passes_the_check_after_every_sync(qwen_05b, tm
     wake-up); the printed seconds are what it costs there."""
     data = write_jsonl(reverse_task_rows(256, 2, 6, seed=3), tmp_path / "reverse.jsonl")
     cluster = LocalCluster(tmp_path / "state", (cuda_trainer(), vllm_rollout(0, 0.3, "enable_sleep_mode=true"),
-                                                ServiceSpec("reward")))
+                                                ServiceSpec(kind="reward")))
     try:
         asyncio.run(cluster.start(timeout_s=240))
         final, messages = asyncio.run(run_with_messages(cluster.coordinator, run_config(qwen_05b, data, steps=4,

@@ -141,9 +141,9 @@ class HostCluster(LocalCluster):
     def coordinator_host(self) -> str:
         return self.hosts.address(self.placement["coordinator"])
 
-    def command(self, name: str, kind: str, settings: tuple[str, ...], ranks: int) -> list[str]:
+    def command(self, name: str, kind: str, settings: tuple[str, ...], *, ranks: int) -> list[str]:
         host = self.placement[name]
         tls = [f"MESHRL_TLS_CERT={self.certs / f'{host}.pem'}", f"MESHRL_TLS_KEY={self.certs / f'{host}-key.pem'}",
                f"MESHRL_TLS_CA={self.certs / 'ca.pem'}"]
-        return self.hosts.command(host, ["env", *tls, *super().command(name, kind, settings, ranks),
+        return self.hosts.command(host, ["env", *tls, *super().command(name, kind, settings, ranks=ranks),
                                          f"host={self.hosts.address(host)}"])

@@ -56,7 +56,7 @@ def env_service(root: Path, environment: str, folder: Path, workers: int) -> Ser
     config.write_text(yaml.safe_dump({
         "environments": {"countdown": {"environment": f"{USER_ENV}:{environment}", "options": {"folder": str(folder)}}},
         "workers": workers, "call_timeout_s": 2 * WAIT_S, "sandbox": False}))
-    return ServiceSpec("env", settings=("--config", str(config)))
+    return ServiceSpec(kind="env", settings=("--config", str(config)))
 
 
 async def wait_until(condition, what: str) -> None:
@@ -132,7 +132,8 @@ def test_an_env_service_killed_mid_episode_its_episodes_start_again_on_the_other
     folder = tmp_path / "stall"
     folder.mkdir()
     env = env_service(tmp_path, "StallsOnce", folder, workers=PROMPTS * N // 2)
-    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"), env, env)
+    cluster = make_cluster(ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="reward"), env,
+                           env)
     killed: dict[str, str] = {}
 
     async def kill_the_stalled_env() -> None:
@@ -164,8 +165,8 @@ def test_a_rollout_killed_mid_trajectory_its_next_turns_are_sampled_on_the_other
     folder = tmp_path / "hold"
     (folder / "held").mkdir(parents=True)
     env = env_service(tmp_path, "HeldAfterFirstTurn", folder, workers=PROMPTS * N)
-    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout"),
-                            ServiceSpec("reward"), env)
+    cluster = make_cluster(ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="rollout"),
+                            ServiceSpec(kind="reward"), env)
     rollouts = [name for name in cluster.processes if name.startswith("rollout")]
     killed: dict[str, str] = {}
 
@@ -202,8 +203,9 @@ def test_two_runs_on_an_env_service_too_small_for_both_wait_for_its_workers_and_
     folder = tmp_path / "hold"
     (folder / "held").mkdir(parents=True)
     env = env_service(tmp_path, "HeldAfterFirstTurn", folder, workers=PROMPTS * N)
-    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("trainer", "b"),
-                           ServiceSpec("rollout", "b"), ServiceSpec("reward"), env)
+    cluster = make_cluster(ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="trainer",
+                                                                                                 group="b"),
+                           ServiceSpec(kind="rollout", group="b"), ServiceSpec(kind="reward"), env)
     [env_name] = [name for name in cluster.processes if name.startswith("env")]
     config_a = fault_config(cluster, chat_model, reverse_data, "samples-a", trainer__experiment_name="a",
                             trainer__total_training_steps=1)
@@ -272,7 +274,7 @@ def hostile_env(tmp_path_factory):
     if SANDBOX is not None:
         pytest.skip(f"this host cannot sandbox env workers: {SANDBOX}")
     root = tmp_path_factory.mktemp("hostile")
-    cluster = LocalCluster(root / "state", (ServiceSpec("env", settings=("--config", str(hostile_config(root)))),))
+    cluster = LocalCluster(root / "state", (ServiceSpec(kind="env", settings=("--config", str(hostile_config(root)))),))
     asyncio.run(cluster.start(timeout_s=90))
     yield cluster
     cluster.stop()
@@ -431,7 +433,7 @@ def test_a_tool_and_its_code_see_nothing_of_a_token_given_as_a_variable(tmp_path
     monkeypatch.delenv("MESHRL_TOKEN_FILE", raising=False)
     monkeypatch.setenv("MESHRL_TOKEN", token)
     cluster_token.cache_clear()
-    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("env", settings=("--config",
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec(kind="env", settings=("--config",
                                                                              str(hostile_config(tmp_path)))),))
     try:
         asyncio.run(cluster.start(timeout_s=90))
@@ -498,7 +500,7 @@ def test_what_a_tool_started_ends_when_its_env_service_is_killed(tmp_path):
     workers (bwrap's --die-with-parent: the sandbox's pid 1 goes, and its pid namespace with it)."""
     if SANDBOX is not None:
         pytest.skip(f"this host cannot sandbox env workers: {SANDBOX}")
-    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("env", settings=("--config",
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec(kind="env", settings=("--config",
                                                                              str(hostile_config(tmp_path)))),))
     name = f"orphan-{uuid.uuid4().hex[:12]}"
     try:

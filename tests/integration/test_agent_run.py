@@ -37,8 +37,8 @@ def agent_cluster(tmp_path_factory):
     for group, environments in env_configs.items():
         workers = {"default": 16, "b": 8, "c": 1}[group]
         (root / f"env-{group}.yaml").write_text(yaml.safe_dump({"environments": environments, "workers": workers}))
-    services = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"),
-                *(ServiceSpec("env", group, settings=("--config", str(root / f"env-{group}.yaml")))
+    services = (ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="reward"),
+                *(ServiceSpec(kind="env", group=group, settings=("--config", str(root / f"env-{group}.yaml")))
                   for group in env_configs))
     cluster = LocalCluster(root / "state", services)
     asyncio.run(cluster.start(timeout_s=120))

@@ -42,7 +42,7 @@ def code_cluster(tmp_path_factory):
                "my_code": [{"function": f"{EXAMPLE}:score"}]}
     config = reward_config(root, "reward", scorers, function_workers=1, sample_timeout_s=10,
                            sandbox={"wall_s": 3, "cpu_s": 1, "memory_mb": 256, "processes": 8, "concurrent_runs": 2})
-    cluster = LocalCluster(root / "state", (ServiceSpec("reward", settings=("--config", config)),))
+    cluster = LocalCluster(root / "state", (ServiceSpec(kind="reward", settings=("--config", config)),))
     asyncio.run(cluster.start(timeout_s=60))
     yield cluster
     cluster.stop()
@@ -123,7 +123,7 @@ def test_a_judged_program_sees_nothing_of_a_token_given_as_a_variable(tmp_path, 
     monkeypatch.setenv("MESHRL_TOKEN", token)
     cluster_token.cache_clear()
     config = reward_config(tmp_path, "reward", {"apps": [{"rule": "apps"}]}, sandbox={"wall_s": 10})
-    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("reward", settings=("--config", config)),))
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec(kind="reward", settings=("--config", config)),))
     try:
         asyncio.run(cluster.start(timeout_s=60))
         assert cluster.own_token_file is None, "the services run with the variable's token"

@@ -210,7 +210,7 @@ def test_a_damaged_run_db_stops_the_coordinator_naming_the_file_and_what_to_do(t
     """Its header overwritten (tests/unit/coordinator/test_store.py: truncated too)."""
     db_path = tmp_path / "meshrl.db"
     store = RunStore(db_path)
-    store.create_run("r1", "it", "", str(tmp_path / "runs" / "r1"), 10)
+    store.create_run("r1", "it", "", run_dir=str(tmp_path / "runs" / "r1"), total_steps=10)
     store.close()
     with db_path.open("r+b") as db:
         db.write(b"\xff" * 100)

@@ -66,7 +66,7 @@ def env_cluster(tmp_path_factory):
     config = root / "env.yaml"
     config.write_text(yaml.safe_dump({"environments": environments, "workers": 3, "call_timeout_s": 2.0,
                                       "sandbox": SANDBOXED}))  # users' classes run unsandboxed only where asked
-    cluster = LocalCluster(root / "state", (ServiceSpec("env", settings=("--config", str(config))),))
+    cluster = LocalCluster(root / "state", (ServiceSpec(kind="env", settings=("--config", str(config))),))
     asyncio.run(cluster.start(timeout_s=90))
     yield cluster
     cluster.stop()

@@ -93,8 +93,8 @@ def check_nothing_lost(cluster: LocalCluster, final: RunStatus, steps: int,
 def test_rollout_stopped_during_a_weight_broadcast_is_named_and_the_run_goes_on_without_it(
         make_cluster, tiny_model, reverse_data):
     steps, stop_at, deadline = 20, 3, 60  # the steps after it leave it the time to come back, even on a busy machine
-    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"),
-                           ServiceSpec("rollout", settings=("batch_size=1",)), ServiceSpec("reward"))
+    cluster = make_cluster(ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"),
+                           ServiceSpec(kind="rollout", settings=("batch_size=1",)), ServiceSpec(kind="reward"))
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps,
                         trainer__channel_timeout_s=deadline)
     stalled = service_address(cluster, "rollout-2")
@@ -110,8 +110,8 @@ def test_rollout_stopped_during_a_weight_broadcast_is_named_and_the_run_goes_on_
             # after step 3 cannot finish on it; it is stopped as the actor's update of step 3 ends, so the
             # sync goes on the wire with a member that does not take it (it would land after the transfer if
             # stopped once the sync has begun: its receive runs beside the engine)
-            hold = asyncio.ensure_future(busy.generate([[5, 6, 7]] * 16, Sampling(n=16, temperature=1.0, top_p=1.0,
-                                                                                  max_new_tokens=16, stop_token_ids=()), 0, 0, 120))
+            busy_sampling = Sampling(n=16, temperature=1.0, top_p=1.0, max_new_tokens=16, stop_token_ids=())
+            hold = asyncio.ensure_future(busy.generate([[5, 6, 7]] * 16, busy_sampling, 0, first_index=0, timeout=120))
             await LogTail(cluster, "trainer").wait_for("actor_updated", stop_at)
             os.kill(pid, signal.SIGSTOP)
             async for update in client.watch(started.run_id):
@@ -237,7 +237,7 @@ def test_rollout_killed_mid_step_its_share_is_redone_and_a_restarted_one_is_take
             victim = cluster.processes.pop(killed_name)
             victim.kill()
             victim.wait()
-            cluster.add_service(ServiceSpec("rollout"), "rollout-again")
+            cluster.add_service(ServiceSpec(kind="rollout"), "rollout-again")
             messages.extend([u.message async for u in client.watch(started.run_id)])
             final = await client.get_run(started.run_id)
         finally:
@@ -305,7 +305,7 @@ def test_every_reward_replica_killed_the_run_waits_for_one_and_goes_on_where_it_
             while (state := (await client.get_run(started.run_id)).state) != "waiting" and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             states.append(state)
-            cluster.add_service(ServiceSpec("reward"), "reward-again")
+            cluster.add_service(ServiceSpec(kind="reward"), "reward-again")
             messages.extend([u.message async for u in client.watch(started.run_id)])
             return await client.get_run(started.run_id)
         finally:

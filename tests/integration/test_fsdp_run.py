@@ -18,8 +18,8 @@ from tests.integration.test_model_out import coordctl, transformers_logprobs
 
 @pytest.fixture
 def two_rank_cluster(tmp_path):
-    local = LocalCluster(tmp_path / "state", (ServiceSpec("trainer", ranks=2), ServiceSpec("rollout"),
-                                              ServiceSpec("reward")))
+    local = LocalCluster(tmp_path / "state", (ServiceSpec(kind="trainer", ranks=2), ServiceSpec(kind="rollout"),
+                                              ServiceSpec(kind="reward")))
     asyncio.run(local.start(timeout_s=120))
     yield local
     local.stop()

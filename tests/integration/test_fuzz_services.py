@@ -66,9 +66,9 @@ def loaded(tmp_path_factory, tiny_model, reverse_data):
     """The cluster, with a run finished on it so that the trainer and rollout hold a model."""
     from services.coordctl.local import LocalCluster, ServiceSpec
 
-    services = (ServiceSpec("trainer", settings=(f"request_stream_timeout_s={STREAM_TIMEOUT_S}",)),
-                ServiceSpec("rollout", settings=(f"response_write_timeout_s={WRITE_TIMEOUT_S}",)),
-                ServiceSpec("reward"))
+    services = (ServiceSpec(kind="trainer", settings=(f"request_stream_timeout_s={STREAM_TIMEOUT_S}",)),
+                ServiceSpec(kind="rollout", settings=(f"response_write_timeout_s={WRITE_TIMEOUT_S}",)),
+                ServiceSpec(kind="reward"))
     cluster = LocalCluster(tmp_path_factory.mktemp("fuzz") / "state", services)
     asyncio.run(cluster.start(timeout_s=120))
 

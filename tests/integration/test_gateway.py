@@ -34,9 +34,9 @@ def gateway_cluster(tmp_path_factory):
     (root / "env-plain.yaml").write_text(yaml.safe_dump({"environments": environments, "workers": 8,
                                                           "sandbox": False}))
     log = root / "agents.jsonl"
-    services = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"),
-                ServiceSpec("env", "default", settings=("--config", str(root / "env-default.yaml"))),
-                ServiceSpec("env", "plain", settings=("--config", str(root / "env-plain.yaml")),
+    services = (ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="reward"),
+                ServiceSpec(kind="env", group="default", settings=("--config", str(root / "env-default.yaml"))),
+                ServiceSpec(kind="env", group="plain", settings=("--config", str(root / "env-plain.yaml")),
                             env=(("MESHRL_AGENT_LOG", str(log)),)))
     cluster = LocalCluster(root / "state", services)
     asyncio.run(cluster.start(timeout_s=180))

@@ -31,7 +31,7 @@ MESSAGES = [{"role": "user", "content": "code of QX?"}]
 def rollout(tmp_path_factory) -> tuple[str, Path]:
     """A rollout service process (its coordinator beside it) and the example's model: (address, model folder)."""
     root = tmp_path_factory.mktemp("gateway-endpoint")
-    cluster = LocalCluster(root / "state", (ServiceSpec("rollout"),))
+    cluster = LocalCluster(root / "state", (ServiceSpec(kind="rollout"),))
 
     async def address() -> str:
         await cluster.start(timeout_s=180)
@@ -57,7 +57,7 @@ async def eventually(holds, what: str, timeout_s: float = 60.0) -> None:
 
 def test_32_episodes_of_the_cpu_agent_example_at_once_are_each_recorded_exactly_once_and_nothing_is_left_open(
         rollout):
-    report = asyncio.run(episodes_at_once(*rollout, 32))
+    report = asyncio.run(episodes_at_once(*rollout, episodes=32))
     assert [e.failed for e in report.episodes if e.failed] == []
     assert all(e.answered >= 1 for e in report.episodes)
     assert [(e.answered, e.recorded_calls, e.completion_tokens, e.recorded_model_tokens)

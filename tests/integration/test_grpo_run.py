@@ -83,7 +83,8 @@ def test_bad_config_and_bad_data_are_refused_before_anything_starts(cluster, tin
         finally:
             await client.close()
 
-    error, runs = asyncio.run(start(run_config(tiny_model, reverse_data, actor_rollout_ref__actor__ppo_mini_batch_size=3)))
+    error, runs = asyncio.run(start(run_config(tiny_model, reverse_data,
+                                               actor_rollout_ref__actor__ppo_mini_batch_size=3)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "actor_rollout_ref.actor.ppo_mini_batch_size" in error.details()
 
@@ -144,13 +145,14 @@ async def update_actor_calls(coordinator: str, config_yaml: str, rollout_logprob
     trainer = TrainerClient(address)
     try:
         await trainer.init_run("rc", config_yaml, ["actor"], seed=0, timeout=120)
-        batch = replace(SequenceBatch.of_lists([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14, 15]]), loss_mask=loss_mask)
+        batch = replace(SequenceBatch.of_lists([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14, 15]]),
+                        loss_mask=loss_mask)
         old = await trainer.compute_log_probs(batch, step=1, timeout=60)
         advantages = torch.tensor([1.0, 1.0, -1.0, 0.5, 0.5, 0.5, -0.5, -0.5])
         results = []
         for make in rollout_logprobs_of:
             try:
-                metrics, _ = await trainer.update_actor(batch, old, advantages, None, step=1, timeout=60,
+                metrics, _ = await trainer.update_actor(batch, old, advantages, ref_logprobs=None, step=1, timeout=60,
                                                         rollout_logprobs=make(old))
                 results.append(metrics)
             except grpc.aio.AioRpcError as error:
@@ -215,8 +217,9 @@ def test_every_device_generates_the_rollout_beside_the_trainer_asleep_while_it_w
     at the next step would refuse its Generate and fail the run) and the other never does; the weights reach
     each over a gloo channel of its own, so both end serving version 3 (the one apart sampling with the trainer's
     logprobs)."""
-    services = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout", settings=("colocated=false",)),
-                ServiceSpec("reward"))
+    services = (ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="rollout",
+                                                                                      settings=("colocated=false",)),
+                ServiceSpec(kind="reward"))
     cluster = LocalCluster(tmp_path / "state", services)
     asyncio.run(cluster.start(timeout_s=120))
     try:
@@ -295,7 +298,7 @@ async def run_with_absent_rollout(coordinator: str, config_yaml: str):
                                           address=f"127.0.0.1:{port}", group="absent", protocol_version=1,
                                           pid=os.getpid(), hostname="localhost", gpu="cpu")
     stop = asyncio.Event()
-    registered = asyncio.create_task(keep_registered(identity, coordinator, stop, lambda: None))
+    registered = asyncio.create_task(keep_registered(identity, coordinator, stop, weight_version=lambda: None))
     client = CoordinatorClient(coordinator)
     try:
         while identity.address not in [s.address for s in await client.list_services() if s.state == "up"]:

@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"no hosts to run on
 HOSTS = ("node1", "node2", "node3", "node4")  # as docs/operations/by-hand.md names them
 PLACEMENT = {"coordinator": "node1", "reward": "node1", "trainer": "node2", "rollout-1": "node3", "rollout-2": "node4"}
 BY_HAND = Path(__file__).resolve().parents[2] / "docs" / "operations" / "by-hand.md"
-SERVICES = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("rollout"), ServiceSpec("reward"))
+SERVICES = (ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="rollout"),
+            ServiceSpec(kind="reward"))
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +159,8 @@ def test_a_grpo_run_across_four_hosts_with_token_and_mtls(make_cluster, tiny_mod
 
 def test_a_rollout_host_cut_off_mid_run_is_left_out_then_taken_back_in_synced(make_cluster, tiny_model, reverse_data):
     steps, cut_at = 24, 3
-    one_at_a_time = ServiceSpec("rollout", settings=("batch_size=1",))  # the cut lands inside its share of a step
-    cluster = make_cluster(ServiceSpec("trainer"), one_at_a_time, one_at_a_time, ServiceSpec("reward"))
+    one_at_a_time = ServiceSpec(kind="rollout", settings=("batch_size=1",))  # the cut lands inside its share of a step
+    cluster = make_cluster(ServiceSpec(kind="trainer"), one_at_a_time, one_at_a_time, ServiceSpec(kind="reward"))
     cut = addresses(cluster)["rollout-2"]
     config = run_config(tiny_model, reverse_data, trainer__total_training_steps=steps, data__max_response_length=16)
 

@@ -29,8 +29,9 @@ STEPS = 40
 @pytest.fixture
 def cluster_for_both_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")  # the coordinator's W&B writes its run folder only
-    services = (ServiceSpec("trainer"), ServiceSpec("trainer", "critics"), ServiceSpec("rollout"),
-                ServiceSpec("reward"), ServiceSpec("trainer", "grpo"), ServiceSpec("rollout", "grpo"))
+    services = (ServiceSpec(kind="trainer"), ServiceSpec(kind="trainer", group="critics"), ServiceSpec(kind="rollout"),
+                ServiceSpec(kind="reward"), ServiceSpec(kind="trainer", group="grpo"), ServiceSpec(kind="rollout",
+                                                                                                   group="grpo"))
     local = LocalCluster(tmp_path / "state", services)
     asyncio.run(local.start(timeout_s=120))
     yield local

@@ -90,8 +90,8 @@ def test_routing_replay_routes_the_trainer_by_the_rollouts_experts_and_a_corrupt
         assert row["training/rollout_mismatch_kl"] < 1e-6, row
     check_probe_figures(rows)
 
-    corrupt = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout", settings=(
-        "corrupt_weight_after_sync=model.layers.0.mlp.experts.1.up_proj.weight",)), ServiceSpec("reward"))
+    corrupt = make_cluster(ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout", settings=(
+        "corrupt_weight_after_sync=model.layers.0.mlp.experts.1.up_proj.weight",)), ServiceSpec(kind="reward"))
     final, _, _ = asyncio.run(run_to_end(corrupt.coordinator, run_config(
         moe_model, reverse_data, trainer__total_training_steps=steps,
         actor_rollout_ref__actor__router_replay__mode="R3")))

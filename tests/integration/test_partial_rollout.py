@@ -78,7 +78,8 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
 
     async def generate() -> Generated:
         return await rollout.generate(PROMPTS, Sampling(n=N, temperature=TEMPERATURE, top_p=1.0,
-                                                        max_new_tokens=tokens, stop_token_ids=()), seed=5, first_index=3,
+                                                        max_new_tokens=tokens, stop_token_ids=()), seed=5,
+                                      first_index=3,
                                       timeout=TIMEOUT_S)
 
     async def generate_long() -> Generated:
@@ -95,7 +96,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         change(named, seed=version)
         then(named)
         receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, partial_rollout))
-        await asyncio.to_thread(sender.send, channel, named, version, 1 << 20)
+        await asyncio.to_thread(sender.send, channel, named, version, bucket_bytes=1 << 20)
         assert not in_flight_call.done()  # the whole broadcast has gone out while the call was still sampling
         received = await receiving
         assert received.version == version
@@ -131,7 +132,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
         under the new version, keeping its tokens; that version's logits are all 0, so each token it samples
         has logprob -log(V)."""
         receiving = asyncio.create_task(rollout.receive_weights(channel_id, TIMEOUT_S, "keep"))
-        await asyncio.to_thread(sender.send, channel, named, version, 1 << 20)
+        await asyncio.to_thread(sender.send, channel, named, version, bucket_bytes=1 << 20)
         assert (await receiving).version == version
         whole = await generate_long()
         served = int(whole.weight_versions[0])
@@ -146,7 +147,8 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
 
     try:
         await rollout.init_run("partial-rollout", model_path, dtype, timeout=TIMEOUT_S)
-        joining = asyncio.create_task(rollout.join_channel(channel_id, backend, rendezvous, 1, 2, timeout=TIMEOUT_S))
+        joining = asyncio.create_task(rollout.join_channel(channel_id, backend, rendezvous, rank=1, world_size=2,
+                                                          timeout=TIMEOUT_S))
         channel = await asyncio.to_thread(open_weight_channel, channel_id, backend, rendezvous=rendezvous, rank=0,
                                           world_size=2, timeout_s=TIMEOUT_S, device=device)
         await joining
@@ -167,7 +169,7 @@ async def scenario(cluster: LocalCluster, model_path: str, dtype: str = "float32
 
 
 def test_a_sync_restarts_finishes_or_keeps_the_generate_call_in_flight(tmp_path, tiny_model):
-    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("rollout", settings=("batch_size=1",)),))
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec(kind="rollout", settings=("batch_size=1",)),))
     try:
         asyncio.run(cluster.start(timeout_s=120))
         kept = asyncio.run(scenario(cluster, str(tiny_model)))
@@ -183,7 +185,7 @@ def test_a_swap_that_fails_part_way_leaves_the_hf_rollout_refusing_to_generate_u
     the new weights went in: the rollout is damaged, as a vLLM rollout is, and refuses Generate with
     UNAVAILABLE, which sends the call elsewhere), or in the first bucket (nothing went in: it serves its last
     whole version as before). A whole sync after either makes it generate again."""
-    cluster = LocalCluster(tmp_path / "state", (ServiceSpec("rollout"),))
+    cluster = LocalCluster(tmp_path / "state", (ServiceSpec(kind="rollout"),))
 
     async def go():
         rollout = RolloutClient(service_address(cluster, "rollout"))
@@ -195,7 +197,8 @@ def test_a_swap_that_fails_part_way_leaves_the_hf_rollout_refusing_to_generate_u
 
         async def sync(weights, version) -> Received | grpc.aio.AioRpcError:
             receiving = asyncio.create_task(rollout.receive_weights("weights", TIMEOUT_S))
-            await asyncio.to_thread(sender.send, channel, weights, version, 1 << 10)  # about a tensor a bucket
+            await asyncio.to_thread(sender.send, channel, weights, version,
+                                    bucket_bytes=1 << 10)  # about a tensor a bucket
             try:
                 return await receiving
             except grpc.aio.AioRpcError as error:
@@ -211,7 +214,8 @@ def test_a_swap_that_fails_part_way_leaves_the_hf_rollout_refusing_to_generate_u
 
         try:
             await rollout.init_run("damaged", str(tiny_model), "float32", timeout=TIMEOUT_S)
-            joining = asyncio.create_task(rollout.join_channel("weights", "gloo", rendezvous, 1, 2, timeout=TIMEOUT_S))
+            joining = asyncio.create_task(rollout.join_channel("weights", "gloo", rendezvous, rank=1, world_size=2,
+                                                              timeout=TIMEOUT_S))
             channel = await asyncio.to_thread(open_weight_channel, "weights", "gloo", rendezvous=rendezvous, rank=0,
                                               world_size=2, timeout_s=TIMEOUT_S, device="cpu")
             await joining

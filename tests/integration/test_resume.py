@@ -117,7 +117,7 @@ def test_trainer_killed_mid_run_the_run_waits_then_goes_on_and_loses_nothing(clu
                 if update.kind == "state":
                     states.append(update.state)
                     if update.state == "waiting":
-                        cluster.add_service(ServiceSpec("trainer"), "trainer-again")
+                        cluster.add_service(ServiceSpec(kind="trainer"), "trainer-again")
             return await client.get_run(started.run_id)
         finally:
             await client.close()

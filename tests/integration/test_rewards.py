@@ -50,7 +50,7 @@ def reward_cluster(tmp_path_factory):
     scorers["math_and_form"] = [{"rule": "lighteval/MATH", "weight": 0.8},
                                 {"rule": "format", "options": {"pattern": "boxed"}, "weight": 0.2}]
     config = reward_config(root, "reward", scorers, sample_timeout_s=1.0, function_workers=2)
-    cluster = LocalCluster(root / "state", (ServiceSpec("reward", settings=("--config", config)),))
+    cluster = LocalCluster(root / "state", (ServiceSpec(kind="reward", settings=("--config", config)),))
     asyncio.run(cluster.start(timeout_s=60))
     yield cluster
     cluster.stop()
@@ -159,8 +159,9 @@ def test_a_plugin_that_fails_to_import_is_refused_at_start(tmp_path):
 def two_groups(tmp_path):
     """Trainer, rollout, two reward replicas in group a (partial credit), one in group b (exact match)."""
     exact = reward_config(tmp_path, "exact", {"meshrl/reverse": [{"rule": "exact_match"}]})
-    services = (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward", "a"), ServiceSpec("reward", "a"),
-                ServiceSpec("reward", "b", settings=("--config", exact)))
+    services = (ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="reward", group="a"),
+                ServiceSpec(kind="reward", group="a"),
+                ServiceSpec(kind="reward", group="b", settings=("--config", exact)))
     cluster = LocalCluster(tmp_path / "state", services)
     asyncio.run(cluster.start(timeout_s=120))
     yield cluster

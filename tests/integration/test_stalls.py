@@ -30,7 +30,8 @@ BUSY = Sampling(n=128, temperature=1.0, top_p=1.0, max_new_tokens=64, stop_token
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     local = LocalCluster(tmp_path_factory.mktemp("stalls") / "state",
-                         (ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"), ServiceSpec("reward")))
+                         (ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="reward"),
+                          ServiceSpec(kind="reward")))
     asyncio.run(local.start(timeout_s=120))
     yield local
     local.stop()
@@ -41,13 +42,13 @@ def test_a_generate_abandoned_by_its_client_stops_taking_the_engine(cluster, tin
         addresses = {s.kind: s.address for s in await cluster_services(cluster)}
         rollout = RolloutClient(addresses["rollout"])
         try:
-            await rollout.init_run("abandoned", str(tiny_model), "float32", 60)
+            await rollout.init_run("abandoned", str(tiny_model), "float32", timeout=60)
             with pytest.raises(grpc.aio.AioRpcError) as gone:
-                await rollout.generate(BUSY_PROMPTS, BUSY, 0, 0, timeout=1.0)  # its deadline passes
+                await rollout.generate(BUSY_PROMPTS, BUSY, 0, first_index=0, timeout=1.0)  # its deadline passes
             assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             started = time.monotonic()
             small = Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, stop_token_ids=())
-            generated = await rollout.generate([[5, 6, 7]], small, 0, 0, timeout=60)
+            generated = await rollout.generate([[5, 6, 7]], small, 0, first_index=0, timeout=60)
             assert len(generated.response_lens) == 2
             return time.monotonic() - started
         finally:

@@ -51,7 +51,7 @@ def tls_cluster(tmp_path_factory, certs):
         env.setenv("MESHRL_TLS_CA", str(certs / "ca.pem"))
         cluster_token.cache_clear()
         cluster_tls.cache_clear()
-        cluster = LocalCluster(tmp_path_factory.mktemp("tls") / "state", (ServiceSpec("reward"),))
+        cluster = LocalCluster(tmp_path_factory.mktemp("tls") / "state", (ServiceSpec(kind="reward"),))
         try:
             asyncio.run(cluster.start(timeout_s=120))
             yield cluster

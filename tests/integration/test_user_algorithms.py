@@ -23,8 +23,8 @@ ESTIMATOR, LOSS = PLUGINS / "range_norm_estimator.py", PLUGINS / "trust_region_p
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Coordinator (with the example estimator), trainer (with the example loss), rollout and reward."""
-    services = (ServiceSpec("trainer", settings=(f"policy_loss_modules=[{LOSS}]",)), ServiceSpec("rollout"),
-                ServiceSpec("reward"))
+    services = (ServiceSpec(kind="trainer", settings=(f"policy_loss_modules=[{LOSS}]",)), ServiceSpec(kind="rollout"),
+                ServiceSpec(kind="reward"))
     local = LocalCluster(tmp_path_factory.mktemp("cluster") / "state", services,
                          coordinator_settings=(f"adv_estimator_modules=[{ESTIMATOR}]",))
     asyncio.run(local.start(timeout_s=120))

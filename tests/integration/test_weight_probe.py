@@ -58,9 +58,9 @@ def check_passed_every_sync(rows: dict[int, dict[str, float]]) -> None:
 def test_a_rollout_computing_with_wrong_weights_is_caught_sent_them_again_then_dropped(
         make_cluster, tiny_model, reverse_data):
     steps = 4
-    cluster = make_cluster(ServiceSpec("trainer"), ServiceSpec("rollout"),
-                           ServiceSpec("rollout", settings=("corrupt_weight_after_sync=model.norm.weight",)),
-                           ServiceSpec("reward"))
+    cluster = make_cluster(ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"),
+                           ServiceSpec(kind="rollout", settings=("corrupt_weight_after_sync=model.norm.weight",)),
+                           ServiceSpec(kind="reward"))
     honest, wrong = service_address(cluster, "rollout-1"), service_address(cluster, "rollout-2")
     final, messages = asyncio.run(run_with_messages(cluster.coordinator, run_config(
         tiny_model, reverse_data, trainer__total_training_steps=steps)))
@@ -136,9 +136,9 @@ def test_the_check_can_be_turned_off(cluster, tiny_model, reverse_data):
 def test_a_run_whose_only_rollout_fails_the_check_fails_naming_the_figures_and_the_keys(
         make_cluster, tiny_model, reverse_data):
     """Not a run waiting for ever for a rollout to pass (the trainer, or the tolerance, is as likely at fault)."""
-    cluster = make_cluster(ServiceSpec("trainer"),
-                           ServiceSpec("rollout", settings=("corrupt_weight_after_sync=model.norm.weight",)),
-                           ServiceSpec("reward"))
+    cluster = make_cluster(ServiceSpec(kind="trainer"),
+                           ServiceSpec(kind="rollout", settings=("corrupt_weight_after_sync=model.norm.weight",)),
+                           ServiceSpec(kind="reward"))
     final, messages = asyncio.run(run_with_messages(cluster.coordinator, run_config(
         tiny_model, reverse_data, trainer__total_training_steps=3)))
     assert final.state == "failed"

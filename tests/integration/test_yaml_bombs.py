@@ -39,7 +39,7 @@ BOMBS = {
 
 
 def start(root: Path) -> LocalCluster:
-    cluster = LocalCluster(root / "state", (ServiceSpec("trainer", settings=(f"grace_s={TRAINER_GRACE_S}",)),),
+    cluster = LocalCluster(root / "state", (ServiceSpec(kind="trainer", settings=(f"grace_s={TRAINER_GRACE_S}",)),),
                            coordinator_settings=(f"grace_s={COORDINATOR_GRACE_S}",))
     asyncio.run(cluster.start(timeout_s=120))
     return cluster

@@ -308,15 +308,15 @@ def test_kl_penalty_unknown_estimator_raises():
 
 def test_adaptive_kl_coef_by_hand():
     # kl 0.11, target 0.1: error 0.1 (inside the clip) -> 0.1 * (1 + 0.1 * 256 / 10000) = 0.100256
-    assert algos.adaptive_kl_coef(0.1, 0.11, 256, 0.1, 10000) == pytest.approx(0.100256, abs=1e-12)
+    assert algos.adaptive_kl_coef(0.1, 0.11, 256, target=0.1, horizon=10000) == pytest.approx(0.100256, abs=1e-12)
     # kl 1.0: error 9 -> clipped to +0.2 -> 0.1 * (1 + 0.2 * 256 / 10000) = 0.100512
-    assert algos.adaptive_kl_coef(0.1, 1.0, 256, 0.1, 10000) == pytest.approx(0.100512, abs=1e-12)
+    assert algos.adaptive_kl_coef(0.1, 1.0, 256, target=0.1, horizon=10000) == pytest.approx(0.100512, abs=1e-12)
     # kl 0: error -1 -> clipped to -0.2 -> 0.1 * (1 - 0.00512) = 0.099488
-    assert algos.adaptive_kl_coef(0.1, 0.0, 256, 0.1, 10000) == pytest.approx(0.099488, abs=1e-12)
+    assert algos.adaptive_kl_coef(0.1, 0.0, 256, target=0.1, horizon=10000) == pytest.approx(0.099488, abs=1e-12)
     # kl 0.09: error -0.1 -> 2.0 * (1 - 0.1 * 500 / 1000) = 1.9
-    assert algos.adaptive_kl_coef(2.0, 0.09, 500, 0.1, 1000) == pytest.approx(1.9, abs=1e-12)
+    assert algos.adaptive_kl_coef(2.0, 0.09, 500, target=0.1, horizon=1000) == pytest.approx(1.9, abs=1e-12)
     # on target: unchanged
-    assert algos.adaptive_kl_coef(0.3, 0.05, 64, 0.05, 100) == pytest.approx(0.3, abs=1e-15)
+    assert algos.adaptive_kl_coef(0.3, 0.05, 64, target=0.05, horizon=100) == pytest.approx(0.3, abs=1e-15)
 
 
 # ---------------------------------------------------------------------------
@@ -330,7 +330,9 @@ def test_gae_by_hand_gamma_1_lam_1():
     # seq 3, t=0: delta = 2 - 1 = 1, A = 1
     # returns = A + V = [1.0, 1.0, 2.0]
     # whiten [0.5, 0.75, 1]: mean 0.75, deviations [-.25, 0, .25], unbiased var .125 / 2 = .0625
-    out = estimators.gae_advantages(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0.5, 0.25, 1.0]), torch.tensor([2, 0, 1]), 1.0, 1.0)
+    out = estimators.gae_advantages(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0.5, 0.25, 1.0]), torch.tensor([2, 0,
+                                                                                                                 1]),
+                                    gamma=1.0, lam=1.0)
     s = math.sqrt(0.0625 + 1e-8)
     _close(out.returns, [1.0, 1.0, 2.0])
     _close(out.advantages, [-0.25 / s, 0.0, 0.25 / s], atol=1e-5)
@@ -344,7 +346,7 @@ def test_gae_by_hand_gamma_09_lam_08():
     # seq 2, t=0: delta = 2 - 0.5 = 1.5,                  A = 1.5
     # returns = A + V = [0.66816, 0.828, 1.0, 2.0]
     out = estimators.gae_advantages(torch.tensor([0.0, 0.0, 1.0, 2.0]), torch.tensor([0.5, 0.4, 0.6, 0.5]), torch.tensor([3, 1]),
-                    0.9, 0.8)
+                    gamma=0.9, lam=0.8)
     raw = [0.16816, 0.428, 0.4, 1.5]
     _close(out.returns, [0.66816, 0.828, 1.0, 2.0])
     # whitened over all four tokens: mean 0.62404, unbiased var from statistics.variance
@@ -365,7 +367,8 @@ def test_gae_random_against_padded_reference(gamma, lam):
         r_pad, mask = _padded(rewards, lengths, width)
         v_pad, _ = _padded(values, lengths, width)
         exp_adv, exp_ret = _ref_gae(r_pad, v_pad, mask, gamma, lam)
-        out = estimators.gae_advantages(_t(rewards, torch.float32), _t(values, torch.float32), torch.tensor(lengths), gamma, lam)
+        out = estimators.gae_advantages(_t(rewards, torch.float32), _t(values, torch.float32), torch.tensor(lengths),
+                                        gamma=gamma, lam=lam)
         _close(out.returns, _flat(exp_ret, lengths), atol=1e-5, rtol=1e-5)
         _close(out.advantages, _flat(exp_adv, lengths), atol=1e-5, rtol=1e-5)
 
@@ -416,7 +419,7 @@ def _random_ragged_cases(seed: int):
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8), (0.99, 0.95)])
 def test_gae_equals_loop_reference_on_ragged_batches(gamma, lam):
     for lengths, rewards, values in _random_ragged_cases(11):
-        got = estimators.gae_advantages(rewards, values, lengths, gamma, lam)
+        got = estimators.gae_advantages(rewards, values, lengths, gamma=gamma, lam=lam)
         expected = gae_reference(rewards, values, lengths, gamma, lam)
         assert got.advantages.dtype == got.returns.dtype == torch.float32
         assert got.returns.shape == (int(lengths.sum()),)
@@ -631,13 +634,13 @@ def test_aggregate_by_hand():
         "seq-mean-token-sum-norm": 21 / 3 / 4,  # by the 3 sequences and the constant 4 (verl >= 0.7.1)
     }
     for mode, value in expected.items():
-        assert algos.aggregate(per_token, lengths, mode, scale).item() == pytest.approx(value, abs=1e-12), mode
+        assert algos.aggregate(per_token, lengths, mode, scale=scale).item() == pytest.approx(value, abs=1e-12), mode
     # a micro-batch of a bigger mini-batch (12 tokens, 6 sequences) divides by the mini-batch's counts
     big = algos.LossScale(12, 6, 4)
-    assert algos.aggregate(per_token, lengths, "token-mean", big).item() == pytest.approx(21 / 12)
-    assert algos.aggregate(per_token, lengths, "seq-mean-token-sum", big).item() == pytest.approx(21 / 6)
-    assert algos.aggregate(per_token, lengths, "seq-mean-token-mean", big).item() == pytest.approx(8.5 / 6)
-    assert algos.aggregate(per_token, lengths, "seq-mean-token-sum-norm", big).item() == pytest.approx(21 / 6 / 4)
+    assert algos.aggregate(per_token, lengths, "token-mean", scale=big).item() == pytest.approx(21 / 12)
+    assert algos.aggregate(per_token, lengths, "seq-mean-token-sum", scale=big).item() == pytest.approx(21 / 6)
+    assert algos.aggregate(per_token, lengths, "seq-mean-token-mean", scale=big).item() == pytest.approx(8.5 / 6)
+    assert algos.aggregate(per_token, lengths, "seq-mean-token-sum-norm", scale=big).item() == pytest.approx(21 / 6 / 4)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -647,13 +650,14 @@ def test_aggregate_random_against_agg_loss(mode):
         lengths = _ragged_lengths(rng, 7, 5, 1)
         loss = rng.normal(size=sum(lengths))
         padded, mask = _padded(loss, lengths, width)
-        got = algos.aggregate(_t(loss), torch.tensor(lengths), mode, algos.LossScale.of(torch.tensor(lengths), width))
+        got = algos.aggregate(_t(loss), torch.tensor(lengths), mode, scale=algos.LossScale.of(torch.tensor(lengths),
+                                                                                              width))
         assert got.item() == pytest.approx(_ref_agg(padded, mask, mode), abs=1e-12)
 
 
 def test_aggregate_unknown_mode_raises():
     with pytest.raises(ValueError, match="'token-sum'"):
-        algos.aggregate(torch.ones(2), torch.tensor([2]), "token-sum", algos.LossScale(2, 1, 2))
+        algos.aggregate(torch.ones(2), torch.tensor([2]), "token-sum", scale=algos.LossScale(2, 1, 2))
 
 
 # ---------------------------------------------------------------------------
@@ -698,14 +702,16 @@ def test_policy_loss_by_hand(mode):
     new, old, adv, lengths = _policy_hand_case()
     scale = algos.LossScale.of(lengths, 6)
     with_c, without_c = HAND_EXPECTED[mode]
-    out = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+    out = policy_losses.policy_loss(new, old, adv, lengths=lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH,
+                                    clip_ratio_c=C,
                             mode=mode, scale=scale)
     assert isinstance(out, policy_losses.PolicyLoss)
     assert out.loss.item() == pytest.approx(with_c, abs=1e-12)
     assert out.clipfrac.item() == pytest.approx(3 / 8, abs=1e-7)
     assert out.clipfrac_lower.item() == pytest.approx(1 / 8, abs=1e-7)
     assert out.approx_kl.item() == pytest.approx(-math.log(12.065625) / 8, abs=1e-12)
-    off = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=None,
+    off = policy_losses.policy_loss(new, old, adv, lengths=lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH,
+                                    clip_ratio_c=None,
                             mode=mode, scale=scale)
     assert off.loss.item() == pytest.approx(without_c, abs=1e-12)
     assert off.clipfrac.item() == pytest.approx(3 / 8, abs=1e-7)
@@ -719,9 +725,11 @@ def test_policy_loss_clip_higher_differs_on_one_token():
     new, old, adv = new[6:7], old[6:7], adv[6:7]
     lengths = torch.tensor([1])
     scale = algos.LossScale.of(lengths, 1)
-    wide = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=C,
+    wide = policy_losses.policy_loss(new, old, adv, lengths=lengths, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                                     clip_ratio_c=C,
                              mode="token-mean", scale=scale)
-    narrow = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=C,
+    narrow = policy_losses.policy_loss(new, old, adv, lengths=lengths, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                                       clip_ratio_c=C,
                                mode="token-mean", scale=scale)
     assert wide.loss.item() == pytest.approx(-1.25) and wide.clipfrac.item() == 0.0
     assert narrow.loss.item() == pytest.approx(-1.2) and narrow.clipfrac.item() == 1.0
@@ -730,7 +738,8 @@ def test_policy_loss_clip_higher_differs_on_one_token():
 def test_policy_loss_gradient_by_hand():
     new, old, adv, lengths = _policy_hand_case()
     new = new.clone().requires_grad_(True)
-    out = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+    out = policy_losses.policy_loss(new, old, adv, lengths=lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH,
+                                    clip_ratio_c=C,
                             mode="token-mean", scale=algos.LossScale.of(lengths, 6))
     out.loss.backward()
     # d/d logp of -A * r / 8 is -A * r / 8 where the unclipped term is active; 0 where the clamp is
@@ -762,7 +771,7 @@ def test_policy_loss_random_against_padded_reference(mode, low, high, c):
         mask = _padded(new, lengths, width)[1]
         loss, clipfrac, lower, kl, grad = _ref_policy(*pads, mask, low, high, c, mode)
         logp = _t(new).requires_grad_(True)
-        out = policy_losses.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), clip_ratio_low=low,
+        out = policy_losses.policy_loss(logp, _t(old), _t(adv), lengths=torch.tensor(lengths), clip_ratio_low=low,
                                 clip_ratio_high=high, clip_ratio_c=c, mode=mode,
                                 scale=algos.LossScale.of(torch.tensor(lengths), width))
         out.loss.backward()
@@ -804,15 +813,15 @@ def _is_hand_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def test_rollout_log_ratio_by_hand():
     old, rollout, lengths = _is_hand_case()
-    _close(algos.rollout_log_ratio(old, rollout, lengths, "token"), np.log(IS_RATIOS), atol=1e-12)
+    _close(algos.rollout_log_ratio(old, rollout, lengths, level="token"), np.log(IS_RATIOS), atol=1e-12)
     # ln 1.5, 0 for the empty response, ln 3
-    _close(algos.rollout_log_ratio(old, rollout, lengths, "sequence"), np.log([1.5, 1.0, 3.0]), atol=1e-12)
+    _close(algos.rollout_log_ratio(old, rollout, lengths, level="sequence"), np.log([1.5, 1.0, 3.0]), atol=1e-12)
 
 
 @pytest.mark.parametrize("level,mode", list(IS_EXPECTED))
 def test_rollout_is_weights_by_hand(level, mode):
     old, rollout, lengths = _is_hand_case()
-    out = algos.rollout_is_weights(old, rollout, lengths, level, mode, threshold=2.0)
+    out = algos.rollout_is_weights(old, rollout, lengths, level=level, mode=mode, threshold=2.0)
     assert isinstance(out, algos.RolloutISWeights)
     weights, exceeded = IS_EXPECTED[level, mode]
     _close(out.weights, weights, atol=1e-12)
@@ -822,11 +831,12 @@ def test_rollout_is_weights_by_hand(level, mode):
 def test_rollout_is_weights_safety_bound_engages():
     # token 1: log-ratio -25 -> clamped to -20; response 2: 12 + 18 = 30 -> clamped to 20 before exp
     old, rollout, lengths = _t([-26.0, 11.0, 17.0]), _t([-1.0, -1.0, -1.0]), torch.tensor([1, 2])
-    _close(algos.rollout_log_ratio(old, rollout, lengths, "token"), [-20.0, 12.0, 18.0])
-    _close(algos.rollout_log_ratio(old, rollout, lengths, "sequence"), [-20.0, 20.0])
-    seq = algos.rollout_is_weights(old, rollout, lengths, "sequence", "truncate", threshold=5.0)
+    _close(algos.rollout_log_ratio(old, rollout, lengths, level="token"), [-20.0, 12.0, 18.0])
+    _close(algos.rollout_log_ratio(old, rollout, lengths, level="sequence"), [-20.0, 20.0])
+    seq = algos.rollout_is_weights(old, rollout, lengths, level="sequence", mode="truncate", threshold=5.0)
     _close(seq.weights, [math.exp(-20.0), 5.0, 5.0], atol=1e-15)
-    assert torch.isfinite(algos.rollout_is_weights(_t([500.0]), _t([-500.0]), torch.tensor([1]), "token", "mask",
+    assert torch.isfinite(algos.rollout_is_weights(_t([500.0]), _t([-500.0]), torch.tensor([1]), level="token",
+                                                   mode="mask",
                                                    threshold=2.0).weights).all()
 
 
@@ -834,7 +844,8 @@ def test_rollout_is_weights_equal_rollout_logprobs_are_one():
     old = _t([-0.3, -2.0, -1.1, -0.05, -4.0])
     for level in algos.ROLLOUT_IS_LEVELS:
         for mode in algos.ROLLOUT_IS_MODES:
-            out = algos.rollout_is_weights(old, old.clone(), torch.tensor([3, 0, 2]), level, mode, threshold=2.0)
+            out = algos.rollout_is_weights(old, old.clone(), torch.tensor([3, 0, 2]), level=level, mode=mode,
+                                           threshold=2.0)
             assert out.weights.tolist() == [1.0] * 5 and not out.exceeded.any()
 
 
@@ -842,7 +853,7 @@ def test_rollout_is_weights_are_detached():
     old = _t([-1.0, -2.0]).requires_grad_(True)
     rollout = _t([-1.5, -1.0]).requires_grad_(True)
     for level in algos.ROLLOUT_IS_LEVELS:
-        out = algos.rollout_is_weights(old, rollout, torch.tensor([2]), level, "truncate", threshold=2.0)
+        out = algos.rollout_is_weights(old, rollout, torch.tensor([2]), level=level, mode="truncate", threshold=2.0)
         assert not out.weights.requires_grad
 
 
@@ -850,7 +861,7 @@ def test_rollout_is_weights_are_detached():
 def test_rollout_is_weights_of_no_tokens_are_empty(lengths):
     empty = torch.zeros(0, dtype=F64)
     for level in algos.ROLLOUT_IS_LEVELS:
-        out = algos.rollout_is_weights(empty, empty, torch.tensor(lengths, dtype=torch.int64), level, "mask",
+        out = algos.rollout_is_weights(empty, empty, torch.tensor(lengths, dtype=torch.int64), level=level, mode="mask",
                                        threshold=2.0)
         assert out.weights.shape == (0,) and out.exceeded.shape == (0,)
 
@@ -858,9 +869,9 @@ def test_rollout_is_weights_of_no_tokens_are_empty(lengths):
 def test_rollout_is_weights_unknown_level_or_mode_raises():
     one, lengths = _t([0.0]), torch.tensor([1])
     with pytest.raises(ValueError, match="'geometric'"):
-        algos.rollout_is_weights(one, one, lengths, "geometric", "truncate", threshold=2.0)
+        algos.rollout_is_weights(one, one, lengths, level="geometric", mode="truncate", threshold=2.0)
     with pytest.raises(ValueError, match="'clip'"):
-        algos.rollout_is_weights(one, one, lengths, "token", "clip", threshold=2.0)
+        algos.rollout_is_weights(one, one, lengths, level="token", mode="clip", threshold=2.0)
 
 
 def _ref_is_weights(old: list[float], rollout: list[float], lengths: list[int], level: str, mode: str,
@@ -891,7 +902,8 @@ def test_rollout_is_weights_random_against_loop_reference(level, mode):
         old = rollout + rng.normal(0.0, 0.5, t)
         old[rng.choice(t, size=2, replace=False)] += 30.0  # beyond the safety bound
         weights, exceeded = _ref_is_weights(old.tolist(), rollout.tolist(), lengths, level, mode, threshold)
-        out = algos.rollout_is_weights(_t(old), _t(rollout), torch.tensor(lengths), level, mode, threshold=threshold)
+        out = algos.rollout_is_weights(_t(old), _t(rollout), torch.tensor(lengths), level=level, mode=mode,
+                                       threshold=threshold)
         _close(out.weights, weights, atol=1e-12, rtol=1e-12)
         assert out.exceeded.tolist() == exceeded
         assert 0 < sum(exceeded) < t  # the case does exercise the threshold
@@ -905,7 +917,8 @@ def test_policy_loss_with_is_weights_by_hand():
     new, old, adv, lengths = _policy_hand_case()
     new = new.clone().requires_grad_(True)
     weights = _t([2.0, 1.0, 0.5, 0.0, 1.0, 1.0, 1.0, 1.0])
-    out = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+    out = policy_losses.policy_loss(new, old, adv, lengths=lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH,
+                                    clip_ratio_c=C,
                             mode="token-mean", scale=algos.LossScale.of(lengths, 6), is_weights=weights)
     assert out.loss.item() == pytest.approx(-1.53 / 8, abs=1e-12)
     assert out.clipfrac.item() == pytest.approx(3 / 8, abs=1e-7)  # the statistics do not see the weights
@@ -920,7 +933,8 @@ def test_policy_loss_with_unit_is_weights_equals_without(mode):
     grads = []
     for weights in (None, torch.ones(8, dtype=F64)):
         logp = new.clone().requires_grad_(True)
-        out = policy_losses.policy_loss(logp, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+        out = policy_losses.policy_loss(logp, old, adv, lengths=lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH,
+                                        clip_ratio_c=C,
                                 mode=mode, scale=scale, is_weights=weights)
         out.loss.backward()
         grads.append((out.loss.item(), logp.grad))
@@ -931,7 +945,8 @@ def test_policy_loss_with_unit_is_weights_equals_without(mode):
 def test_policy_loss_all_masked_is_zero_with_zero_gradient():
     new, old, adv, lengths = _policy_hand_case()
     new = new.clone().requires_grad_(True)
-    out = policy_losses.policy_loss(new, old, adv, lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C,
+    out = policy_losses.policy_loss(new, old, adv, lengths=lengths, clip_ratio_low=LOW, clip_ratio_high=HIGH,
+                                    clip_ratio_c=C,
                             mode="token-mean", scale=algos.LossScale.of(lengths, 6),
                             is_weights=torch.zeros(8, dtype=F64))
     out.loss.backward()
@@ -954,7 +969,7 @@ def test_policy_loss_with_is_weights_random_against_padded_reference(mode):
     losses = np.where(pads[2] < 0, np.minimum(-pads[2] * C, losses), losses)
     _, _, _, _, grad = _ref_policy(*pads, mask, LOW, HIGH, C, mode)
     logp = _t(new).requires_grad_(True)
-    out = policy_losses.policy_loss(logp, _t(old), _t(adv), torch.tensor(lengths), clip_ratio_low=LOW,
+    out = policy_losses.policy_loss(logp, _t(old), _t(adv), lengths=torch.tensor(lengths), clip_ratio_low=LOW,
                             clip_ratio_high=HIGH, clip_ratio_c=C, mode=mode,
                             scale=algos.LossScale.of(torch.tensor(lengths), width), is_weights=_t(weights))
     out.loss.backward()
@@ -987,7 +1002,8 @@ VALUE_EXPECTED = {  # 0.5 * aggregate; max_response_length 4
 def test_value_loss_by_hand(mode):
     lengths = torch.tensor([2, 4])
     values, old_values, returns = (_t(x) for x in VALUE_CASE)
-    out = algos.value_loss(values, old_values, returns, lengths, 0.5, mode=mode, scale=algos.LossScale.of(lengths, 4))
+    out = algos.value_loss(values, old_values, returns, lengths=lengths, cliprange_value=0.5, mode=mode,
+                           scale=algos.LossScale.of(lengths, 4))
     assert isinstance(out, algos.ValueLoss)
     assert out.loss.item() == pytest.approx(VALUE_EXPECTED[mode], abs=1e-12)
     assert out.clipfrac.item() == pytest.approx(2 / 6, abs=1e-7)
@@ -1005,7 +1021,8 @@ def test_value_loss_random_against_padded_reference(mode):
         pads = [_padded(x, lengths, 8)[0] for x in (values, old_values, returns)]
         mask = _padded(values, lengths, 8)[1]
         loss, clipfrac = _ref_value(*pads, mask, 0.2, mode)
-        out = algos.value_loss(_t(values), _t(old_values), _t(returns), torch.tensor(lengths), 0.2, mode=mode,
+        out = algos.value_loss(_t(values), _t(old_values), _t(returns), lengths=torch.tensor(lengths),
+                               cliprange_value=0.2, mode=mode,
                                scale=algos.LossScale.of(torch.tensor(lengths), 8))
         assert out.loss.item() == pytest.approx(loss, abs=1e-10)
         assert out.clipfrac.item() == pytest.approx(clipfrac, abs=1e-6)
@@ -1054,14 +1071,15 @@ def test_policy_loss_micro_batches_sum_to_full_batch_loss_and_gradient(mode):
     scale = algos.LossScale.of(lens, width)
 
     full_lp = _t(new).requires_grad_(True)
-    full = policy_losses.policy_loss(full_lp, _t(old), _t(adv), lens, clip_ratio_low=LOW, clip_ratio_high=HIGH,
+    full = policy_losses.policy_loss(full_lp, _t(old), _t(adv), lengths=lens, clip_ratio_low=LOW, clip_ratio_high=HIGH,
                              clip_ratio_c=C, mode=mode, scale=scale)
     full.loss.backward()
     assert full.clipfrac.item() > 0 and full.clipfrac_lower.item() > 0  # the case does exercise both clips
 
     for bounds in MICRO_SPLITS:
         micro_lp = _t(new).requires_grad_(True)
-        parts = [policy_losses.policy_loss(micro_lp[tok], _t(old)[tok], _t(adv)[tok], lens[seq], clip_ratio_low=LOW,
+        parts = [policy_losses.policy_loss(micro_lp[tok], _t(old)[tok], _t(adv)[tok], lengths=lens[seq],
+                                           clip_ratio_low=LOW,
                                    clip_ratio_high=HIGH, clip_ratio_c=C, mode=mode, scale=scale)
                  for tok, seq in _micro_slices(lengths, bounds)]
         total = sum(p.loss for p in parts)
@@ -1085,13 +1103,15 @@ def test_value_loss_micro_batches_sum_to_full_batch_loss_and_gradient(mode):
     scale = algos.LossScale.of(lens, width)
 
     full_v = _t(values).requires_grad_(True)
-    full = algos.value_loss(full_v, _t(old_values), _t(returns), lens, 0.2, mode=mode, scale=scale)
+    full = algos.value_loss(full_v, _t(old_values), _t(returns), lengths=lens, cliprange_value=0.2, mode=mode,
+                            scale=scale)
     full.loss.backward()
     assert full.clipfrac.item() > 0
 
     for bounds in MICRO_SPLITS:
         micro_v = _t(values).requires_grad_(True)
-        parts = [algos.value_loss(micro_v[tok], _t(old_values)[tok], _t(returns)[tok], lens[seq], 0.2, mode=mode,
+        parts = [algos.value_loss(micro_v[tok], _t(old_values)[tok], _t(returns)[tok], lengths=lens[seq],
+                                  cliprange_value=0.2, mode=mode,
                                   scale=scale)
                  for tok, seq in _micro_slices(lengths, bounds)]
         total = sum(p.loss for p in parts)
@@ -1107,21 +1127,23 @@ def test_value_loss_micro_batches_sum_to_full_batch_loss_and_gradient(mode):
 
 def test_lr_factor_warmup_then_constant():
     # warmup 4: (step + 1) / 4 -> 0.25, 0.5, 0.75, 1.0; then 1.0 for good
-    got = [algos.lr_factor(s, 4, 100, "constant", 0.0) for s in range(8)]
+    got = [algos.lr_factor(s, 4, 100, style="constant", min_lr_ratio=0.0) for s in range(8)]
     assert got == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0])
-    assert algos.lr_factor(0, 0, 100, "constant", 0.0) == 1.0  # no warmup
+    assert algos.lr_factor(0, 0, 100, style="constant", min_lr_ratio=0.0) == 1.0  # no warmup
 
 
 def test_lr_factor_warmup_first_updates_by_hand():
     # W = 4: update k (scheduler step k - 1) runs at lr * k / 4 -> 1/4, 2/4, 3/4 for the first three updates;
     # verl's step / W would give 0, 1/4, 2/4 (its first update at lr 0), which meshrl does not do.
     for style in ("constant", "cosine"):
-        assert [algos.lr_factor(s, 4, 100, style, 0.0) for s in range(3)] == [0.25, 0.5, 0.75]
+        assert [algos.lr_factor(s, 4, 100, style=style, min_lr_ratio=0.0) for s in range(3)] == [0.25, 0.5, 0.75]
     # The trainer's Optimizer applies it that way (peak lr 1e-3, one optimizer step per update call). With a
     # constant gradient of 1, AdamW's bias-corrected moments are m = v = 1 at every step, so each step moves the
     # weight by -lr_k / (1 + 1e-8): -2.5e-4, -5e-4, -7.5e-4 (no weight decay).
     weight = torch.nn.Parameter(torch.zeros(1, dtype=F64))
-    optimizer = Optimizer([weight], OptimSettings(1e-3, 0.0, (0.9, 0.999), 1.0, 4, "constant", 0.0, 100))
+    optimizer = Optimizer([weight], OptimSettings(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0,
+                                                  warmup_steps=4, warmup_style="constant", min_lr_ratio=0.0,
+                                                  total_steps=100))
     moves = []
     for _ in range(3):
         before = weight.item()
@@ -1134,7 +1156,7 @@ def test_lr_factor_warmup_first_updates_by_hand():
 
 def test_lr_factor_cosine_by_hand():
     # warmup 4, total 14, min 0.1: the cosine spans steps 4..14 (10 steps)
-    f = [algos.lr_factor(s, 4, 14, "cosine", 0.1) for s in range(20)]
+    f = [algos.lr_factor(s, 4, 14, style="cosine", min_lr_ratio=0.1) for s in range(20)]
     assert f[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])  # same warmup ramp
     assert f[4] == pytest.approx(1.0)  # progress 0: 0.1 + 0.9 * 0.5 * (1 + cos 0) = 1
     assert f[9] == pytest.approx(0.55)  # progress 1/2: 0.1 + 0.9 * 0.5 * (1 + cos pi/2) = 0.55
@@ -1144,12 +1166,13 @@ def test_lr_factor_cosine_by_hand():
     assert f[19] == pytest.approx(0.1)  # and stays there
     assert all(a >= b for a, b in zip(f[4:], f[5:]))  # non-increasing after warmup
     # no warmup, min 0: step 0 -> 1, step 5 of 10 -> 0.5, step 10 -> 0
-    assert [algos.lr_factor(s, 0, 10, "cosine", 0.0) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
+    assert [algos.lr_factor(s, 0, 10, style="cosine", min_lr_ratio=0.0) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5,
+                                                                                                               0.0])
 
 
 def test_lr_factor_unknown_style_raises():
     with pytest.raises(ValueError, match="'linear'"):
-        algos.lr_factor(5, 0, 10, "linear", 0.0)
+        algos.lr_factor(5, 0, 10, style="linear", min_lr_ratio=0.0)
 
 
 def test_groups_with_signal_by_hand():

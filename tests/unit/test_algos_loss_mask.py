@@ -90,11 +90,12 @@ def masked_terms(data: dict[str, torch.Tensor], logits: torch.Tensor, mode: str)
     logprobs = algos.token_logprobs(logits, data["targets"])
     weights = algos.rollout_is_weights(data["old_logprobs"], data["rollout_logprobs"], LENGTHS, level="token",
                                        mode="truncate", threshold=2.0, mask=MASK)
-    pg = policy_losses.policy_loss(logprobs, data["old_logprobs"], data["advantages"], LENGTHS, clip_ratio_low=0.2,
+    pg = policy_losses.policy_loss(logprobs, data["old_logprobs"], data["advantages"], lengths=LENGTHS,
+                                   clip_ratio_low=0.2,
                            clip_ratio_high=0.28, clip_ratio_c=3.0, mode=mode, scale=scale,
                            is_weights=weights.weights, mask=MASK)
-    entropy = algos.aggregate(algos.token_entropy(logits), LENGTHS, mode, scale, MASK)
-    kl = algos.aggregate(algos.kl_penalty(logprobs, data["ref_logprobs"], "k3"), LENGTHS, mode, scale, MASK)
+    entropy = algos.aggregate(algos.token_entropy(logits), LENGTHS, mode, scale=scale, mask=MASK)
+    kl = algos.aggregate(algos.kl_penalty(logprobs, data["ref_logprobs"], "k3"), LENGTHS, mode, scale=scale, mask=MASK)
     return {"pg": pg.loss, "entropy": entropy, "kl": kl}
 
 
@@ -147,7 +148,8 @@ def test_value_loss_covers_the_model_tokens_only(mode):
     old_values = torch.randn(tokens, generator=generator, dtype=F64)
     returns = torch.randn(tokens, generator=generator, dtype=F64)
     scale = algos.LossScale.of(LENGTHS, MAX_RESPONSE_LENGTH, MASK)
-    result = algos.value_loss(values, old_values, returns, LENGTHS, 0.2, mode=mode, scale=scale, mask=MASK)
+    result = algos.value_loss(values, old_values, returns, lengths=LENGTHS, cliprange_value=0.2, mode=mode, scale=scale,
+                              mask=MASK)
     result.loss.backward()
     assert values.grad is not None
     assert torch.equal(values.grad[~MASK], torch.zeros(int((~MASK).sum()), dtype=F64))
@@ -167,7 +169,7 @@ def test_mismatch_metrics_describe_the_model_tokens_only():
     data = case()
     rollout = data["rollout_logprobs"].clone()
     rollout[~MASK] = data["old_logprobs"][~MASK] - 30.0
-    metrics = algos.mismatch_metrics(rollout, data["old_logprobs"], LENGTHS, MASK)
+    metrics = algos.mismatch_metrics(rollout, data["old_logprobs"], LENGTHS, mask=MASK)
     kept = algos.mismatch_metrics(rollout[MASK], data["old_logprobs"][MASK], torch.tensor([4, 3]))
     assert metrics == pytest.approx(kept, rel=1e-12)
 
@@ -181,7 +183,7 @@ def test_the_score_sits_on_the_last_model_token():
     rewards = algos.token_rewards(torch.tensor([2.0, 3.0]), LENGTHS, mask=tools_last)
     assert rewards.tolist() == [0, 0, 0, 0, 2.0, 0, 0, 0, 0, 3.0]
     kl = torch.ones(10)
-    penalised = algos.token_rewards(torch.tensor([2.0, 3.0]), LENGTHS, kl, 0.5, tools_last)
+    penalised = algos.token_rewards(torch.tensor([2.0, 3.0]), LENGTHS, kl, kl_coef=0.5, mask=tools_last)
     assert penalised.tolist() == [-0.5, -0.5, 0, 0, 1.5, 0, -0.5, 0, -0.5, 2.5]
 
 

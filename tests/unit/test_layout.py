@@ -4,8 +4,11 @@ Every ``import services...`` / ``from services... import`` in services/, at any 
 function-level import counts), is an edge. A room (coordinator, rollout, trainer, reward, env) imports only
 itself, ``services.run`` (what describes a run: its config, data, checks, model), ``services.common`` (plumbing)
 and the RL math (``services.algos``, pure functions, with the built-in estimators and losses and the registries
-that name them: ``services.estimators``, ``services.policy_losses``, ``services.algo_registry``); coordctl, the CLI, imports only itself, run, common and the registries' names (it
-starts the services as processes, by module name, and checks a run's algorithm names against the built-ins); run imports only itself and common; common and algos import no room.
+that name them: ``services.estimators``, ``services.policy_losses``, ``services.algo_registry``); coordctl, the
+CLI, imports only itself, run, common and the registries' names (it starts the services as processes, by module
+name, and checks a run's algorithm names against the built-ins); run imports only itself, common and the names
+of the math's built-in choices (``services.algo_names``, no torch: the config sections validate against them),
+which any room may import; common imports no room, algos only those names, and the names nothing.
 
 Inside the coordinator, the wings (sub-packages by what changes together) stand on each other in one order, top
 to bottom: the entry (``server``, ``__main__``), ``runs`` (a run's lifetime), ``step`` (one step of the loop),
@@ -25,8 +28,10 @@ import services
 ROOT = Path(services.__file__).parent
 ROOMS = ("coordinator", "rollout", "trainer", "reward", "env")
 ALGOS = ("algos", "algo_registry", "estimators", "policy_losses")  # the modules of the RL math
-ALLOWED = {**{room: {room, "run", "common", "algos"} for room in ROOMS}, "coordctl": {"coordctl", "run", "common", "algos"},
-           "run": {"run", "common"}, "common": {"common"}, "algos": {"algos"}}
+NAMES = "algo_names"  # the names of the math's built-in choices (services/algo_names.py), a room of its own
+ALLOWED = {**{room: {room, "run", "common", "algos", NAMES} for room in ROOMS},
+           "coordctl": {"coordctl", "run", "common", "algos", NAMES}, "run": {"run", "common", NAMES},
+           "common": {"common"}, "algos": {"algos", NAMES}, NAMES: {NAMES}}
 
 
 def module_name(path: Path) -> str:
@@ -85,7 +90,7 @@ def test_each_room_imports_only_itself_run_common_and_algos():
     crossings = sorted(f"{source} -> {target}" for source, targets in graph.items() for target in targets
                        if room(source) and room(target) not in ALLOWED[room(source)])
     assert crossings == []
-    assert {room(module) for module in graph} == {*ROOMS, "coordctl", "run", "common", "algos", ""}
+    assert {room(module) for module in graph} == {*ROOMS, "coordctl", "run", "common", "algos", NAMES, ""}
 
 
 def test_the_checks_see_a_circle_and_a_crossing():
@@ -93,7 +98,7 @@ def test_the_checks_see_a_circle_and_a_crossing():
              "services.common.c": set()}
     assert cycles(graph) == [["services.rollout.a", "services.rollout.b", "services.rollout.a"]]
     assert "rollout" not in ALLOWED["common"] and "coordinator" not in ALLOWED["coordctl"]
-    assert "run" not in ALLOWED["common"] and "trainer" not in ALLOWED["run"]
+    assert "run" not in ALLOWED["common"] and "trainer" not in ALLOWED["run"] and "algos" not in ALLOWED["run"]
 
 
 # ---------------------------------------------------------------- the coordinator's wings

@@ -172,8 +172,8 @@ class _TurnRequest:
 class TurnDispatcher:
     """Gathers the waiting turns of a batch's trajectories into Generate calls, per rollout replica."""
 
-    def __init__(self, rollout_set: RolloutSet, sampling: Sampling, seed: int, oldest: int, timeout_s: float,
-                 *, calls_in_flight: int, trajectories: int):
+    def __init__(self, rollout_set: RolloutSet, sampling: Sampling, seed: int, *, oldest: int, timeout_s: float,
+                 calls_in_flight: int, trajectories: int):
         """``trajectories``: how many of the batch's trajectories may send turns (each says ``trajectory_ended``
         when it has ended)."""
         self.rollout_set, self.sampling, self.seed, self.oldest = rollout_set, sampling, seed, oldest
@@ -188,7 +188,7 @@ class TurnDispatcher:
         self._tasks: set[asyncio.Task] = set()
         self._refreshing = asyncio.Lock()  # one wait for the rollouts at a time, whichever turn found none
 
-    async def sample(self, ids: list[int], room: int, seed_index: int, prefer: RolloutClient | None,
+    async def sample(self, ids: list[int], room: int, seed_index: int, *, prefer: RolloutClient | None,
                      sampling: Sampling | None = None) -> Sampled:
         """One turn after ``ids``: at most ``room`` tokens, seeded from ``seed_index``, sampled on ``prefer``
         where it still serves the run, with ``sampling``'s temperature and top_p where given (the batch's
@@ -278,7 +278,8 @@ class TurnDispatcher:
             self.turns[replica.address] += 1
             self.tokens[replica.address] += kept
             if not request.future.done():
-                request.future.set_result(Sampled(tokens, int(generated.last_versions[row]), truncated, replica))
+                request.future.set_result(Sampled(tokens=tokens, last_version=int(generated.last_versions[row]),
+                                                  truncated=truncated, replica=replica))
 
     async def _failed(self, replica: RolloutClient, batch: list[_TurnRequest], error: Exception) -> None:
         retryable = is_retryable(error) or isinstance(error, Unavailable)
@@ -327,13 +328,13 @@ class AgentLoop:
         if self.gateway is not None:
             await self.gateway.close()
 
-    async def run(self, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int, timeout_s: float,
-                  *, what: str) -> tuple[list[tuple[Trajectory, ...]], list[AgentTrace], TurnDispatcher]:
+    async def run(self, prompts: list[Prompt], sampling: Sampling, seed: int, *, oldest: int, timeout_s: float,
+                  what: str) -> tuple[list[tuple[Trajectory, ...]], list[AgentTrace], TurnDispatcher]:
         """``sampling.n`` trajectories per prompt (trajectory i*n+j is sample j of prompt i), each as its samples
         (one, or more where its template could not extend it), each of its model turns sampled from weight
         versions >= ``oldest``, their episodes on the env replicas the run has as the batch (``what``: "step 5")
         begins."""
-        dispatcher = TurnDispatcher(self.rollout_set, sampling, seed, oldest, timeout_s,
+        dispatcher = TurnDispatcher(self.rollout_set, sampling, seed, oldest=oldest, timeout_s=timeout_s,
                                     calls_in_flight=self.settings.calls_in_flight,
                                     trajectories=len(prompts) * sampling.n)
         try:
@@ -343,8 +344,9 @@ class AgentLoop:
                         and not self.gateway.started:
                     await self.gateway.start()
                 async with asyncio.TaskGroup() as group:  # one failing for good cancels the others (episodes close)
-                    tasks = [group.create_task(self.trajectory(prompt, index * sampling.n + j, tools, dispatcher,
-                                                               fleet))
+                    tasks = [group.create_task(self.trajectory(prompt, index * sampling.n + j, tools,
+                                                               dispatcher=dispatcher,
+                                                               fleet=fleet))
                              for index, prompt in enumerate(prompts) for j in range(sampling.n)]
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0] from None
@@ -353,16 +355,16 @@ class AgentLoop:
         results = [task.result() for task in tasks]
         return [t for t, _ in results], [trace for _, trace in results], dispatcher
 
-    async def trajectory(self, prompt: Prompt, index: int, tools: tuple[dict, ...], dispatcher: TurnDispatcher,
+    async def trajectory(self, prompt: Prompt, index: int, tools: tuple[dict, ...], *, dispatcher: TurnDispatcher,
                          fleet: EnvFleet) -> tuple[tuple[Trajectory, ...], AgentTrace]:
         """One trajectory on a replica of its batch's ``fleet``, started again from its prompt where its env replica
         fails."""
         try:
-            return await self._trajectory_attempts(prompt, index, tools, dispatcher, fleet)
+            return await self._trajectory_attempts(prompt, index, tools, dispatcher=dispatcher, fleet=fleet)
         finally:
             dispatcher.trajectory_ended()
 
-    async def _trajectory_attempts(self, prompt: Prompt, index: int, tools: tuple[dict, ...],
+    async def _trajectory_attempts(self, prompt: Prompt, index: int, tools: tuple[dict, ...], *,
                                    dispatcher: TurnDispatcher,
                                    fleet: EnvFleet) -> tuple[tuple[Trajectory, ...], AgentTrace]:
         busy_waits = 0  # of the episodes that failed
@@ -372,11 +374,11 @@ class AgentLoop:
             access = gateway.open(index, dispatcher) if gateway is not None else None
             try:
                 async with self.env_set.episode(episode_row(prompt), self.settings.environment,
-                                                self.settings.max_parallel_calls, fleet, access) as opened:
+                                                self.settings.max_parallel_calls, fleet=fleet, access=access) as opened:
                     if gateway is not None and access is not None:  # the user's agent drives it
                         samples, trace = await gateway.trajectory(access, prompt, opened)
                     else:
-                        samples, trace = await self.turns(prompt, index, tools, opened, dispatcher)
+                        samples, trace = await self.turns(prompt, index, tools, episode=opened, dispatcher=dispatcher)
                     return samples, replace(trace, restarts=restarts, env_busy_waits=busy_waits + opened.busy_waits)
             except EnvLost as error:
                 self.notices.log(f"trajectory {index}: its env replica failed ({error}); starting it again")
@@ -387,7 +389,7 @@ class AgentLoop:
                     gateway.forget(access.key)
         raise Unavailable(f"trajectory {index}: its episode failed on {EPISODE_ATTEMPTS} env replicas: {last}")
 
-    async def turns(self, prompt: Prompt, index: int, tools: tuple[dict, ...], episode: Episode,
+    async def turns(self, prompt: Prompt, index: int, tools: tuple[dict, ...], *, episode: Episode,
                     dispatcher: TurnDispatcher) -> tuple[tuple[Trajectory, ...], AgentTrace]:
         """The turns of one trajectory in ``episode``: its samples, in order, and what it did."""
         talk = await self.conversation(prompt, tools, episode)
@@ -405,7 +407,7 @@ class AgentLoop:
             if self.settings.max_user_turns is not None and talk.replies >= self.settings.max_user_turns:
                 ended = Ended.MAX_USER_TURNS
                 break
-            if not await self.append_replies(talk, step, sampled, episode):      # token-exact
+            if not await self.append_replies(talk, step, sampled, episode=episode):      # token-exact
                 ended = Ended.OVER_BUDGET
                 break
         return talk.samples(), talk.trace(ended, episode)
@@ -434,7 +436,7 @@ class AgentLoop:
         still serves the run) and appended to it."""
         started = time.monotonic()
         sampled = await dispatcher.sample(list(talk.trajectory.ids), talk.trajectory.room,
-                                          index * TURN_SEEDS + talk.model_turns, talk.replica)
+                                          index * TURN_SEEDS + talk.model_turns, prefer=talk.replica)
         talk.replica, talk.model_turns, talk.last_version = sampled.replica, talk.model_turns + 1, sampled.last_version
         talk.used.append(sampled.replica.address)
         talk.trajectory = extend(talk.trajectory, sampled.tokens)
@@ -448,10 +450,10 @@ class AgentLoop:
         """The episode's answer to the model's turn (its text as sampled, special tokens and all), counted."""
         step = await episode.step(self.tokenizer.decode(list(sampled.tokens.ids), skip_special_tokens=False))
         talk.env_reward += step.reward
-        count_calls(step.info, talk.calls, talk.errors, talk.timeouts)
+        count_calls(step.info, talk.calls, talk.errors, timeouts=talk.timeouts)
         return step
 
-    async def append_replies(self, talk: Conversation, step: EnvStep, sampled: Sampled, episode: Episode) -> bool:
+    async def append_replies(self, talk: Conversation, step: EnvStep, sampled: Sampled, *, episode: Episode) -> bool:
         """The step's replies appended token-exactly, or (where the template cannot extend the conversation) a new
         sample begun with them in its prompt; False where they do not fit what is left of the response."""
         settings = self.settings
@@ -463,7 +465,7 @@ class AgentLoop:
             return False
         if isinstance(reply, CannotExtend):
             following = await asyncio.to_thread(next_sample, self.tokenizer, talk.trajectory, reply.messages,
-                                                talk.template_kwargs)
+                                                template_kwargs=talk.template_kwargs)
             if isinstance(following, OverBudget):
                 return False
             talk.closed.append(talk.trajectory)
@@ -473,11 +475,11 @@ class AgentLoop:
             talk.trajectory, appended = extend(talk.trajectory, reply), len(reply.ids)
         talk.messages, talk.replies = reply.messages, talk.replies + 1
         talk.records.extend(reply_records(talk.messages[len(talk.messages) - len(step.messages):], appended,
-                                          episode.seconds / max(1, episode.steps), len(talk.closed)))
+                                          episode.seconds / max(1, episode.steps), sample=len(talk.closed)))
         return True
 
 
-def reply_records(replies: tuple[Message, ...], tokens: int, seconds: float, sample: int) -> list[TurnRecord]:
+def reply_records(replies: tuple[Message, ...], tokens: int, seconds: float, *, sample: int) -> list[TurnRecord]:
     """The records of one step's ``replies`` (as cut), the last one holding the ``tokens`` they were appended as
     (the template's tokens included; 0 where they open a new sample)."""
     records = [TurnRecord(role="reply", text=str(m.get("content", "")), tokens=0, trained=False, weight_version=None,
@@ -492,7 +494,7 @@ def episode_row(prompt: Prompt) -> dict:
             "reward_model": {"ground_truth": prompt.ground_truth}, "extra_info": prompt.extra_info}
 
 
-def count_calls(info: dict, calls: Counter, errors: Counter, timeouts: Counter) -> None:
+def count_calls(info: dict, calls: Counter, errors: Counter, *, timeouts: Counter) -> None:
     """Add one step's tool calls to the counts, by tool: its info's ``calls`` ([{tool, outcome}]), and the call
     that failed its worker (``error``, ``timed_out``, ``tool``: the env service's words)."""
     listed = info.get("calls")

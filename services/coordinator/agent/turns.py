@@ -151,15 +151,16 @@ def render_reply(tokenizer: Any, *, messages: Sequence[Message], sampled_ids: Se
         raise ValueError(f"truncate side {truncate_side!r} is not one of {', '.join(TRUNCATE_SIDES)}")
     sampled = tokenizer.decode(list(sampled_ids), skip_special_tokens=False)
     conversation = [*messages, {"role": "assistant", "content": without_stop(tokenizer, sampled)}]
-    cut = [truncate_text(tokenizer, str(reply.get("content", "")), max_reply_tokens, truncate_side)
+    cut = [truncate_text(tokenizer, str(reply.get("content", "")), max_reply_tokens, side=truncate_side)
            for reply in replies]
-    rendered = _bridge(tokenizer, conversation, sampled, _with_contents(replies, cut), template_kwargs)
+    rendered = _bridge(tokenizer, conversation, sampled, replies=_with_contents(replies, cut),
+                       template_kwargs=template_kwargs)
     if isinstance(rendered, CannotExtend):
         return rendered._replace(messages=(*conversation, *_with_contents(replies, cut)))
     if len(rendered) <= room:
         truncated = any(text is not None for text in cut)
         return _reply(rendered, conversation, _with_contents(replies, cut), truncated=truncated)
-    fitted = _fit_to_room(tokenizer, conversation, sampled, replies, rendered=rendered, cut=cut, room=room,
+    fitted = _fit_to_room(tokenizer, conversation, sampled, replies=replies, rendered=rendered, cut=cut, room=room,
                           truncate_side=truncate_side, template_kwargs=template_kwargs)
     if isinstance(fitted, CannotExtend):
         return fitted._replace(messages=(*conversation, *_with_contents(replies, cut)))
@@ -170,7 +171,7 @@ def render_reply(tokenizer: Any, *, messages: Sequence[Message], sampled_ids: Se
 
 
 def next_sample(tokenizer: Any, closed: Trajectory, messages: Sequence[Message],
-                template_kwargs: Mapping[str, Any]) -> Trajectory | OverBudget:
+                *, template_kwargs: Mapping[str, Any]) -> Trajectory | OverBudget:
     """The sample a trajectory goes on in where ``closed`` could not be extended: its prompt is the whole
     conversation ``messages`` (``CannotExtend.messages``: the replies included) rendered fresh with the generation
     prompt, as the template renders it now. Its response may take ``closed``'s room less what the conversation
@@ -184,7 +185,7 @@ def next_sample(tokenizer: Any, closed: Trajectory, messages: Sequence[Message],
     return Trajectory(prompt_ids=prompt_ids, max_response_length=closed.room - growth)
 
 
-def truncate_text(tokenizer: Any, text: str, max_tokens: int, side: str) -> str | None:
+def truncate_text(tokenizer: Any, text: str, max_tokens: int, *, side: str) -> str | None:
     """``text`` cut to at most ``max_tokens`` tokens with verl's marker, keeping the ``side`` named (left: the
     start, right: the end, middle: both ends); None when it already fits. The marker counts toward the bound
     (at least the marker is kept, so a bound below the marker's length is exceeded by the marker alone)."""
@@ -200,7 +201,7 @@ def truncate_text(tokenizer: Any, text: str, max_tokens: int, side: str) -> str 
     return before + kept_head + after + kept_tail if side == "middle" else before + kept_head + kept_tail + after
 
 
-def _fit_to_room(tokenizer: Any, conversation: list[Message], sampled: str, replies: Sequence[Message], *,
+def _fit_to_room(tokenizer: Any, conversation: list[Message], sampled: str, *, replies: Sequence[Message],
                  rendered: tuple[int, ...], cut: list[str | None], room: int, truncate_side: str,
                  template_kwargs: Mapping[str, Any]) -> tuple[tuple[int, ...], list[str]] | OverBudget | CannotExtend:
     """The replies cut further, evenly, so that their ids fit ``room``: the template's own ids (all but the
@@ -210,9 +211,10 @@ def _fit_to_room(tokenizer: Any, conversation: list[Message], sampled: str, repl
     share = (room - own) // max(1, len(replies))
     if share <= 0:
         return OverBudget(needed=own, room=room)
-    refit = [truncate_text(tokenizer, text, share, truncate_side) for text in contents]
+    refit = [truncate_text(tokenizer, text, share, side=truncate_side) for text in contents]
     contents = [text if fit is None else fit for text, fit in zip(contents, refit)]
-    ids = _bridge(tokenizer, conversation, sampled, _with_contents(replies, contents), template_kwargs)
+    ids = _bridge(tokenizer, conversation, sampled, replies=_with_contents(replies, contents),
+                  template_kwargs=template_kwargs)
     if isinstance(ids, CannotExtend):
         return ids
     if len(ids) > room:  # the markers are longer than the share, or the cut text tokenizes longer in place
@@ -220,7 +222,7 @@ def _fit_to_room(tokenizer: Any, conversation: list[Message], sampled: str, repl
     return ids, contents
 
 
-def _bridge(tokenizer: Any, conversation: list[Message], sampled: str, replies: list[Message],
+def _bridge(tokenizer: Any, conversation: list[Message], sampled: str, *, replies: list[Message],
             template_kwargs: Mapping[str, Any]) -> tuple[int, ...] | CannotExtend:
     """The ids after ``sampled`` that the template puts between the model's last turn and its next one.
 
@@ -246,7 +248,7 @@ def _bridge(tokenizer: Any, conversation: list[Message], sampled: str, replies: 
 
 
 def _reply(ids: tuple[int, ...], conversation: list[Message], replies: list[Message],
-           truncated: bool) -> ReplyTokens:
+           *, truncated: bool) -> ReplyTokens:
     return ReplyTokens(ids=ids, truncated=truncated, messages=(*conversation, *replies))
 
 
@@ -265,7 +267,7 @@ def _with_contents(replies: Sequence[Message], contents: Sequence[str | None]) -
 
 
 def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool,
-            template_kwargs: Mapping[str, Any]) -> str:
+            *, template_kwargs: Mapping[str, Any]) -> str:
     return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
                                          add_generation_prompt=generation_prompt, **template_kwargs)
 

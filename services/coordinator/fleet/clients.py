@@ -135,8 +135,8 @@ class RolloutClient:
         self._conn = Connection(address)
         self._stub = rollout_pb2_grpc.RolloutStub(self._conn.channel)
 
-    async def init_run(self, run_id: str, model_path: str, dtype: str, timeout: float,
-                       allow_pickle: bool = False, *, lora_rank: int = 0, adapter_versions: int = 0,
+    async def init_run(self, run_id: str, model_path: str, dtype: str, *, timeout: float,
+                       allow_pickle: bool = False, lora_rank: int = 0, adapter_versions: int = 0,
                        routed_experts: bool = False) -> int:
         """Load the run's model (for a LoRA run's adapters up to ``lora_rank``, ``adapter_versions`` of them
         loaded at once; with ``routed_experts``, ready to return each token's experts); returns how many ranks
@@ -147,8 +147,8 @@ class RolloutClient:
                 adapter_versions=adapter_versions, return_routed_experts=routed_experts), timeout=timeout)
         return int(info.details.get("channel_ranks", "1"))
 
-    async def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int, first_index: int,
-                       timeout: float, *, seed_indices: list[int] | None = None) -> Generated:
+    async def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int, *, first_index: int,
+                       timeout: float, seed_indices: list[int] | None = None) -> Generated:
         """``sampling.n`` responses per prompt, prompt i seeded from (``seed``, ``first_index`` + i), or from
         (``seed``, ``seed_indices[i]``) where they are given."""
         params = rollout_pb2.SamplingParams(
@@ -187,8 +187,8 @@ class RolloutClient:
                          truncated=out["truncated"], weight_versions=out["weight_versions"], last_weight_versions=last,
                          routed_experts=routes)
 
-    async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int,
-                           *, timeout: float) -> None:
+    async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, *, rank: int, world_size: int,
+                           timeout: float) -> None:
         async with self._conn.slot():
             request = join_request(channel_id, backend, rendezvous=rendezvous, rank=rank, world_size=world_size,
                                    timeout=timeout)
@@ -266,20 +266,20 @@ class TrainerClient:
         self._conn = Connection(address)
         self._stub = trainer_pb2_grpc.TrainerStub(self._conn.channel)
 
-    async def init_run(self, run_id: str, run_config_yaml: str, roles: list[str], seed: int, timeout: float) -> None:
+    async def init_run(self, run_id: str, run_config_yaml: str, roles: list[str], *, seed: int, timeout: float) -> None:
         async with self._conn.slot():
             await self._stub.InitRun(trainer_pb2.TrainerInitRequest(
                 run_id=run_id, run_config_yaml=run_config_yaml, roles=roles, seed=seed), timeout=timeout)
 
-    async def _stream_out(self, method, tensors: dict[str, torch.Tensor], step: int, role: str, name: str,
-                          *, timeout: float, temperature: float = 0.0) -> torch.Tensor:
+    async def _stream_out(self, method, tensors: dict[str, torch.Tensor], step: int, *, role: str, name: str,
+                          timeout: float, temperature: float = 0.0) -> torch.Tensor:
         assembler = BatchAssembler()
         async with self._conn.slot():
-            async for reply in method(batch_requests(tensors, step, role, temperature), timeout=timeout):
+            async for reply in method(batch_requests(tensors, step, role, temperature=temperature), timeout=timeout):
                 assembler.add(reply.chunks)
         return assembler.result(required=(name,))[name]
 
-    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float, role: str = "actor",
+    async def compute_log_probs(self, batch: SequenceBatch, step: int, timeout: float, *, role: str = "actor",
                                 temperature: float = 0.0) -> torch.Tensor:
         """Logprobs [T] of the response tokens under the actor (role actor) or the reference (role ref), at
         ``temperature`` (0: the run's)."""
@@ -293,7 +293,7 @@ class TrainerClient:
         tensors = {**sequence_tensors(batch), "candidate_ids": candidate_ids}
         assembler = BatchAssembler()
         async with self._conn.slot():
-            async for reply in self._stub.ComputeLogProbs(batch_requests(tensors, 0, "actor", temperature),
+            async for reply in self._stub.ComputeLogProbs(batch_requests(tensors, 0, "actor", temperature=temperature),
                                                           timeout=timeout):
                 assembler.add(reply.chunks)
         answer = assembler.result(required=("logprobs", "candidate_logprobs"))
@@ -303,13 +303,13 @@ class TrainerClient:
         return await self._stream_out(self._stub.ComputeValues, sequence_tensors(batch), step=step, role="",
                                       name="values", timeout=timeout)
 
-    async def _update(self, method, tensors: dict[str, torch.Tensor], step: int, timeout: float):
+    async def _update(self, method, tensors: dict[str, torch.Tensor], step: int, *, timeout: float):
         async with self._conn.slot():
             reply = await method(batch_requests(tensors, step), timeout=timeout)
         return dict(reply.metrics), reply.weight_version
 
     async def update_actor(self, batch: SequenceBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-                           ref_logprobs: torch.Tensor | None, step: int, *, timeout: float,
+                           *, ref_logprobs: torch.Tensor | None, step: int, timeout: float,
                            rollout_logprobs: torch.Tensor | None = None) -> tuple[dict[str, float], int]:
         """One PPO update; ``old_logprobs`` None: it is one optimizer step and takes its own; ``rollout_logprobs``
         [T] (the rollout engine's) are needed when rollout correction is on, or for the mismatch metrics without
@@ -323,7 +323,7 @@ class TrainerClient:
             tensors["rollout_logprobs"] = rollout_logprobs
         return await self._update(self._stub.UpdateActor, tensors, step=step, timeout=timeout)
 
-    async def update_critic(self, batch: SequenceBatch, values: torch.Tensor, returns: torch.Tensor, step: int,
+    async def update_critic(self, batch: SequenceBatch, values: torch.Tensor, returns: torch.Tensor, *, step: int,
                             timeout: float) -> dict[str, float]:
         tensors = {**sequence_tensors(batch), "values": values, "returns": returns}
         return (await self._update(self._stub.UpdateCritic, tensors, step=step, timeout=timeout))[0]
@@ -343,7 +343,7 @@ class TrainerClient:
             info = await self._stub.Info(common_pb2.InfoRequest(), timeout=timeout)
         return TrainerPlacement(gpu=info.details.get("gpu", ""), ranks=int(info.details.get("ranks", "1")))
 
-    async def prepare_channel(self, channel_id: str, backend: str, world_size: int, timeout: float,
+    async def prepare_channel(self, channel_id: str, backend: str, world_size: int, *, timeout: float,
                               keep_joined: bool = False) -> bytes:
         """The rendezvous of a new channel (the trainer closes its old ones first, after its model work in
         flight: the deadline must cover that; with ``keep_joined`` it keeps them, the new one formed beside)."""
@@ -354,7 +354,7 @@ class TrainerClient:
                 timeout=timeout)
         return reply.rendezvous
 
-    async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, world_size: int,
+    async def join_channel(self, channel_id: str, backend: str, rendezvous: bytes, *, world_size: int,
                            timeout: float) -> None:
         async with self._conn.slot():
             request = join_request(channel_id, backend, rendezvous=rendezvous, rank=0, world_size=world_size,
@@ -502,11 +502,11 @@ class EnvClient:
         await self._conn.close()
 
 
-def join_request(channel_id: str, backend: str, rendezvous: bytes, rank: int, world_size: int, *, timeout: float):
+def join_request(channel_id: str, backend: str, rendezvous: bytes, *, rank: int, world_size: int, timeout: float):
     return common_pb2.JoinChannelRequest(channel_id=channel_id, backend=backend, rank=rank, world_size=world_size,
                                          rendezvous=rendezvous, timeout_s=timeout)
 
 
-def batch_requests(tensors: dict[str, torch.Tensor], step: int, role: str = "", temperature: float = 0.0):
+def batch_requests(tensors: dict[str, torch.Tensor], step: int, role: str = "", *, temperature: float = 0.0):
     for chunks in batch_to_chunks(tensors):
         yield trainer_pb2.BatchRequest(step=step, chunks=chunks, role=role, temperature=temperature)

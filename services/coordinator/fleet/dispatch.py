@@ -85,7 +85,7 @@ class ReplicaPool(Generic[Replica]):
     (``split_by_speed``); without it the shards are equal."""
 
     def __init__(self, kind: str, replicas: Sequence[Replica], attempts: int = 3,
-                 speed: Callable[[Replica], float | None] = lambda replica: None):
+                 *, speed: Callable[[Replica], float | None] = lambda replica: None):
         if not replicas:
             raise Unavailable(f"no {kind} replica is up")
         self.kind, self.replicas, self.attempts, self.speed = kind, list(replicas), attempts, speed
@@ -122,7 +122,7 @@ class ReplicaPool(Generic[Replica]):
             for shard in shards:
                 shard.cancel()
 
-    async def _shard(self, index: int, lo: int, hi: int, call, failed: list[Replica]) -> tuple[Result, Replica]:
+    async def _shard(self, index: int, lo: int, hi: int, *, call, failed: list[Replica]) -> tuple[Result, Replica]:
         last_error: BaseException | None = None
         attempts = max(self.attempts, len(self.replicas))
         for attempt in range(attempts):
@@ -136,7 +136,8 @@ class ReplicaPool(Generic[Replica]):
             try:
                 return await running[1], replica
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # (in a task) the batch is being cancelled
+                task = asyncio.current_task()  # this coroutine's (it runs in a task)
+                if task is not None and task.cancelling():  # the batch is being cancelled
                     raise
                 last_error = Unavailable(f"{self.kind} {getattr(replica, 'address', replica)} was dropped")
             except Exception as error:  # decided by is_retryable
@@ -153,7 +154,7 @@ class ReplicaPool(Generic[Replica]):
 
 async def map_shards_recovering(
     pool: Callable[[], ReplicaPool[Replica]], count: int, call: Callable[[Replica, int, int], Awaitable[Result]],
-    attempts: int, recover: Callable[[Unavailable], Awaitable[None]],
+    *, attempts: int, recover: Callable[[Unavailable], Awaitable[None]],
 ) -> list[tuple[Result, Replica]]:
     """``pool().map_shards(count, call)``; when every replica fails it, ``await recover(failure)`` (which may put
     a new pool in place) and do the whole batch again, up to ``attempts`` times in all."""

@@ -193,7 +193,7 @@ def lost(replica: EnvReplica, error: grpc.aio.AioRpcError) -> Exception:
 
 class EnvSet:
     def __init__(self, target: ServiceTarget, find: Callable[[ServiceTarget], list[str]], notices: Notices,
-                 should_stop: Callable[[], bool], timeout_s: float, *, connect: Callable[[str], EnvClient] = EnvClient):
+                 *, should_stop: Callable[[], bool], timeout_s: float, connect: Callable[[str], EnvClient] = EnvClient):
         """``find(target)``: the addresses of the target's env services up now; ``timeout_s``: of each Reset and
         Step call (a tool call is bounded by the env service's own call_timeout_s, well within it); replicas that
         refuse the run for BUSY_BOUND_CALLS times as long (every worker busy) fail its batch."""
@@ -268,7 +268,7 @@ class EnvSet:
             return [r for r in fleet.replicas if r.address in up] + [r for r in described if r is not None]
 
         replicas = await wait_for(answering, self.notices, self.should_stop,
-                                  f"no env service of {fleet.target} answers; waiting for one")
+                                  reason=f"no env service of {fleet.target} answers; waiting for one")
         if {r.address for r in replicas} != {r.address for r in fleet.replicas}:
             self.notices.log(f"env replicas of {fleet.target}: {sorted(r.address for r in replicas)}", kind="env")
         gone = [r for r in fleet.replicas if r not in replicas and r.open == 0]
@@ -310,13 +310,14 @@ class EnvSet:
                 await close_clients(fleet)
 
     @contextlib.asynccontextmanager
-    async def episode(self, row: dict, environment: str, max_parallel_calls: int, fleet: EnvFleet,
+    async def episode(self, row: dict, environment: str, max_parallel_calls: int, *, fleet: EnvFleet,
                       access: GatewayAccess | None = None) -> AsyncIterator[Episode]:
         """An episode of ``environment`` on ``row`` (at most ``max_parallel_calls`` tool calls run per turn; an agent
         environment's agent calls the gateway as ``access`` says), on a replica of the batch's ``fleet``, open for
         the ``with`` body and closed after it."""
-        replica, episode_id, opening, busy_waits = await self._open(fleet, row, environment, max_parallel_calls,
-                                                                    access)
+        replica, episode_id, opening, busy_waits = await self._open(fleet, row, environment,
+                                                                    max_parallel_calls=max_parallel_calls,
+                                                                    access=access)
         try:
             yield Episode(replica=replica, episode_id=episode_id, opening=opening, timeout_s=self.timeout_s,
                           busy_waits=busy_waits)
@@ -330,7 +331,7 @@ class EnvSet:
         fleets = [self.fleet, *self._swapped_out, *([self._next] if self._next else [])]
         await asyncio.gather(*(close_clients(fleet) for fleet in fleets))
 
-    async def _open(self, fleet: EnvFleet, row: dict, environment: str, max_parallel_calls: int,
+    async def _open(self, fleet: EnvFleet, row: dict, environment: str, *, max_parallel_calls: int,
                     access: GatewayAccess | None) -> tuple[EnvReplica, str, list[Message], int]:
         """Reset an episode on a replica of ``fleet`` (``_take``), asked again where one refuses it because every
         worker is busy: the replica, the episode's id, its opening messages and the refusals it met. A failed

@@ -77,8 +77,8 @@ async def probe(client: RewardClient, samples: list[RewardSample]) -> None:
 
 class RewardSet:
     def __init__(self, target: ServiceTarget, find: Callable[[ServiceTarget], list[str]], notices: Notices,
-                 should_stop: Callable[[], bool], timeout_s: float,
-                 *, connect: Callable[[str], RewardClient] = RewardClient):
+                 *, should_stop: Callable[[], bool], timeout_s: float,
+                 connect: Callable[[str], RewardClient] = RewardClient):
         """``find(target)``: the addresses of the target's reward services up now; ``connect``: a client of the
         reward service at an address; ``timeout_s``: of each Score call."""
         self.target, self.find, self.connect = target, find, connect
@@ -127,7 +127,7 @@ class RewardSet:
             self._pools.add(replicas := ReplicaPool("reward", self.clients))
             return replicas
 
-        shards = await map_shards_recovering(pool, len(samples), call, SCORING_ATTEMPTS, wait)
+        shards = await map_shards_recovering(pool, len(samples), call, attempts=SCORING_ATTEMPTS, recover=wait)
         return Scored([score for (scores, _), _ in shards for score in scores],
                       [ScoredBy(service_id, replica.address) for (scores, service_id), replica in shards
                        for _ in scores])
@@ -177,8 +177,8 @@ class RewardSet:
             return [c.address for c, answer in zip(clients, answers) if not isinstance(answer, BaseException)]
 
         gone = "; ".join(f"{address} left the run: {reason}" for address, reason in self.left.items())
-        addresses = await wait_for(answering, self.notices, self.should_stop, f"no reward service of {self.target} "
-                                   f"answers{f' ({gone})' if gone else ''}; waiting for one to answer")
+        addresses = await wait_for(answering, self.notices, self.should_stop, reason=f"no reward service of "
+                                   f"{self.target} answers{f' ({gone})' if gone else ''}; waiting for one to answer")
         await self._use(self.clients, addresses, "to score the batch again")
 
     async def _use(self, clients: list[RewardClient], addresses: list[str], when: str) -> None:

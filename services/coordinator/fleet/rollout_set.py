@@ -70,7 +70,7 @@ SYNC_ATTEMPTS = 3  # sends of one version in a row that may fail before the atte
 
 class RolloutSet:
     def __init__(self, run_id: str, settings: RolloutSetSettings, actor: TrainerClient | None,
-                 find: Callable[[], list[str]], notices: Notices, *, should_stop: Callable[[], bool],
+                 *, find: Callable[[], list[str]], notices: Notices, should_stop: Callable[[], bool],
                  connect: Callable[[str], RolloutClient] = RolloutClient):
         """``actor``: None for a run without a trainer (it only validates: ``load``, never a channel); ``find``:
         the addresses of the placement's rollout group that are up now; ``connect``: a client of the rollout at
@@ -88,7 +88,7 @@ class RolloutSet:
         self.stale = True  # the channel lacks a member or has one too many: form a new one before a sync
         self.channels = WeightChannels(run_id, settings, actor, members=lambda: self.members)
         self._joined: set[str] = set()  # the rollouts of the last channel formed
-        self.probe = WeightProbe(settings.weight_check, settings.dtype, actor, settings.rpc_timeout_s) if (
+        self.probe = WeightProbe(settings.weight_check, settings.dtype, actor, timeout_s=settings.rpc_timeout_s) if (
             settings.weight_check is not None and actor is not None) else None
         self.probe_s = 0.0  # of the last sync: the weight check's seconds
         self.probe_metrics: dict[str, float] = {}  # of the last sync's weight check: the worst member's

@@ -150,7 +150,7 @@ class WeightChannels:
     """The channels a run's actor sends its weights into, to its rollout members."""
 
     def __init__(self, run_id: str, settings: RolloutSetSettings, actor: TrainerClient | None,
-                 members: Callable[[], list[RolloutClient]]):
+                 *, members: Callable[[], list[RolloutClient]]):
         """``members``: the run's rollout members now (one may leave while a formation or a send is on)."""
         self.settings, self.actor, self.members = settings, actor, members
         self.formed: dict[str, tuple[str, ...]] = {}  # the channels last formed: id -> its members' addresses
@@ -268,7 +268,7 @@ class WeightChannels:
                 f"not serving it: {', '.join(not_serving) or 'none'}"), []
 
     async def _join(self, channel_ids: list[str], plans: list[ChannelPlan], clients: list[RolloutClient],
-                    ranks: dict[str, int]) -> tuple[list[Any], list[RolloutClient | None]]:
+                    *, ranks: dict[str, int]) -> tuple[list[Any], list[RolloutClient | None]]:
         """The actor prepares the planned channels (the first replacing its old ones, the others beside it), then
         it and ``clients`` join them, all at once; what each join returned or raised, and who joined (None: the
         actor). Once one join fails the others are cancelled: they would only wait out the deadline for it."""

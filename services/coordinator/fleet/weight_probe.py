@@ -163,7 +163,7 @@ class ProbeResult:
 class WeightProbe:
     """The probe of one run attempt, scored by the rollouts and the actor after each sync."""
 
-    def __init__(self, settings: WeightCheckSettings, dtype: str, actor: TrainerClient, timeout_s: float):
+    def __init__(self, settings: WeightCheckSettings, dtype: str, actor: TrainerClient, *, timeout_s: float):
         self.settings, self.dtype, self.actor, self.timeout_s = settings, dtype, actor, timeout_s
         self.sequences: SequenceBatch | None = None  # None until drawn
 

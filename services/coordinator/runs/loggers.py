@@ -133,7 +133,7 @@ class Loggers:
                 log.warning("experiment_logger_not_closed", logger=name, error=str(error))
 
 
-def open_loggers(listed: Sequence[str], run_dir: Path, names: RunNames, first_step: int) -> Loggers:
+def open_loggers(listed: Sequence[str], run_dir: Path, names: RunNames, *, first_step: int) -> Loggers:
     """The loggers ``listed`` (trainer.logger) for an attempt whose first step is ``first_step`` (0: from the
     start, validation before training included); RuntimeError naming the one that could not start."""
     openers: dict[str, Callable[[], ExperimentLogger]] = {

@@ -105,7 +105,7 @@ class RunManager:
                 self.records.create(run_id, name=config.trainer.experiment_name, config_yaml=resolved,
                                     run_dir=run_dir, total_steps=config.trainer.steps,
                                     notices=[*config.notices(), *([f"{data.describe()}"] if data.dropped else [])])
-        self._drive(run_id, config, resolved, data, run_dir, resume=None)
+        self._drive(run_id, config, resolved, data=data, run_dir=run_dir, resume=None)
         log.info("run_started", run_id=run_id, run_dir=str(run_dir))
         return self.store.get_run(run_id), 0
 
@@ -174,14 +174,14 @@ class RunManager:
                 elif why:
                     self.records.event(run_id, "log", step=step, message=f"going on from the checkpoint of step "
                                        f"{step} {why} (with the run's own config)")
-            self._drive(run_id, config, row.config_yaml, data, run_dir, resume=checkpoint)
+            self._drive(run_id, config, row.config_yaml, data=data, run_dir=run_dir, resume=checkpoint)
         finally:
             self._resuming.discard(run_id)
         log.info("run_resumed", run_id=run_id, step=step)
         return self.store.get_run(run_id), mark
 
-    def _drive(self, run_id: str, config: RunConfig, config_yaml: str, data: RunData, run_dir: Path,
-               *, resume: Checkpoint | None) -> None:
+    def _drive(self, run_id: str, config: RunConfig, config_yaml: str, *, data: RunData, run_dir: Path,
+               resume: Checkpoint | None) -> None:
         """Start the task that drives the run, from ``resume`` (None: the start)."""
         supervisor = self._supervisors[run_id] = RunSupervisor(
             run_id=run_id, config=config, config_yaml=config_yaml, data=data, run_dir=run_dir, records=self.records,
@@ -220,7 +220,7 @@ class RunManager:
         """
         target = named_target(group, address)
         supervisor = self._running_supervisor(run_id)
-        return await self._swap(run_id, "reward", target, supervisor.swap_reward)
+        return await self._swap(run_id, "reward", target, swap=supervisor.swap_reward)
 
     async def set_env(self, run_id: str, group: str, address: str) -> RunRow:
         """Probe the named env services, then have the multi-turn run switch to them at its next step boundary.
@@ -235,7 +235,7 @@ class RunManager:
             raise FailedPrecondition(f"run {run_id} is not multi-turn (actor_rollout_ref.rollout.multi_turn.enable "
                                      f"is off): it has no env services to swap")
         supervisor = self._running_supervisor(run_id)
-        return await self._swap(run_id, "env", target, supervisor.swap_env)
+        return await self._swap(run_id, "env", target, swap=supervisor.swap_env)
 
     def _running_supervisor(self, run_id: str) -> RunSupervisor:
         """The supervisor of a run whose attempt is running now; FailedPrecondition naming its state otherwise."""
@@ -245,7 +245,7 @@ class RunManager:
         return supervisor
 
     async def _swap(self, run_id: str, kind: str, target: ServiceTarget,
-                    swap: Callable[[ServiceTarget], Awaitable[list[str]]]) -> RunRow:
+                    *, swap: Callable[[ServiceTarget], Awaitable[list[str]]]) -> RunRow:
         """``swap(target)`` for the run's ``kind`` (reward, env) services, its outcome recorded as an event of that
         kind; FailedPrecondition saying why if it fails."""
         step = self.get_run(run_id).step

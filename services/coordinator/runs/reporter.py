@@ -39,7 +39,8 @@ class RunReporter:
     async def open_loggers(self, config: RunConfig, first_step: int) -> None:
         names = RunNames(run_id=self.run_id, project=config.trainer.project_name,
                          experiment=config.trainer.experiment_name, config=config.model_dump(mode="json"))
-        self.loggers = await asyncio.to_thread(open_loggers, config.trainer.logger, self.run_dir, names, first_step)
+        self.loggers = await asyncio.to_thread(open_loggers, config.trainer.logger, self.run_dir, names,
+                                               first_step=first_step)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.loggers.close)
@@ -53,7 +54,7 @@ class RunReporter:
         self.records.notify()
         await self.records.settle(self.run_id)
 
-    def checkpoint(self, step: int, path: str, loop_state: dict, keep: int | None) -> None:
+    def checkpoint(self, step: int, path: str, loop_state: dict, *, keep: int | None) -> None:
         self.records.checkpoint(self.run_id, step=step, path=path, loop_state=loop_state)
         self.log(f"checkpoint of step {step} saved in {path}", kind="checkpoint")
         if keep is not None:
@@ -79,7 +80,8 @@ class RunReporter:
         """Into <samples_dir>/<step>.jsonl (verl's file), replacing the one of an earlier attempt at the step; whole
         or not at all for a reader (written aside, then renamed). Written on a worker thread; one the disk refuses
         is held with the run's records, and written again with them once it takes them."""
-        path = self.samples_dir / f"{step}.jsonl"  # type: ignore[operator]  # asked only with a samples_dir
+        assert self.samples_dir is not None, "samples are asked for only with a samples_dir (keep_samples)"
+        path = self.samples_dir / f"{step}.jsonl"
         text = await asyncio.to_thread(lambda: "".join(json.dumps(record) + "\n" for record in records))
 
         def write() -> None:

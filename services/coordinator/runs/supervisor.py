@@ -94,12 +94,18 @@ class RunSupervisor:
     async def swap_reward(self, target: ServiceTarget) -> list[str]:
         """Have the attempt in progress (``attempting``) probe ``target``'s reward services and switch to them at
         its next step boundary (``PPOLoop.swap_reward``)."""
-        return await self.loop.swap_reward(target)  # type: ignore[union-attr]  # asked only while attempting()
+        return await self._attempt().swap_reward(target)
 
     async def swap_env(self, target: ServiceTarget) -> list[str]:
         """Have the attempt in progress (``attempting``) probe ``target``'s env services and switch to them at its
         next step boundary (``PPOLoop.swap_env``)."""
-        return await self.loop.swap_env(target)  # type: ignore[union-attr]  # asked only while attempting()
+        return await self._attempt().swap_env(target)
+
+    def _attempt(self) -> PPOLoop:
+        """The loop of the attempt in progress; FailedPrecondition when none is (``attempting``)."""
+        if self.loop is None:
+            raise FailedPrecondition(f"run {self.run_id} has no attempt in progress")
+        return self.loop
 
     async def execute(self, resume: Checkpoint | None = None) -> None:
         """Drive the run to its end. When a service goes away mid-run (a retryable failure), the run waits
@@ -190,7 +196,7 @@ class RunSupervisor:
             await reporter.open_loggers(config, resume.step + 1 if resume else 0)
             addresses = {client.address for client in trainers.roles()} if trainers else set()
             loop = asyncio.ensure_future(ppo.run(resume))
-            watchdog = asyncio.ensure_future(self.watch_members(addresses, rollout_set, reward_set, env_set))
+            watchdog = asyncio.ensure_future(self.watch_members(addresses, rollout_set, reward_set, env_set=env_set))
             await asyncio.wait({loop, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if not loop.done():
                 loop.cancel()
@@ -209,7 +215,7 @@ class RunSupervisor:
                                  *([ppo.agent.close()] if ppo.agent is not None else []))
 
     async def watch_members(self, trainers: set[str], rollout_set: RolloutSet, reward_set: RewardSet,
-                            env_set: EnvSet | None = None) -> bool:
+                            *, env_set: EnvSet | None = None) -> bool:
         """Raise Unavailable once a trainer is no longer up in the registry; drop a rollout that is no longer
         up from the run's rollout set, and a reward service that is registered but silent from its reward set
         (one a swap named by address may be one that does not register). Silence while the coordinator itself

@@ -45,7 +45,7 @@ class CheckpointNotices(Protocol):
     def log(self, message: str, kind: str = "log") -> None:
         """Something a person watching the run should see."""
 
-    def checkpoint(self, step: int, path: str, loop_state: dict, keep: int | None) -> None:
+    def checkpoint(self, step: int, path: str, loop_state: dict, *, keep: int | None) -> None:
         """Every trainer has saved step ``step`` under ``path``; ``loop_state`` is the coordinator's part. Then
         only the ``keep`` newest checkpoints of the run stay (None: all)."""
 
@@ -131,8 +131,9 @@ class Checkpointer:
                 raise DiskRefused(failures[0][2])
 
         await retry_while(save_unsaved, lambda error: str(error) if isinstance(error, DiskRefused) else None,
-                          self.notices.disk_waiting, self.should_stop, SAVE_RETRY_FIRST_S, most_s=SAVE_RETRY_MOST_S)
-        self.notices.checkpoint(step, str(folder), self.loop_state(step, kl_coef, warm_start), self.keep)
+                          self.notices.disk_waiting, should_stop=self.should_stop, first_s=SAVE_RETRY_FIRST_S,
+                          most_s=SAVE_RETRY_MOST_S)
+        self.notices.checkpoint(step, str(folder), self.loop_state(step, kl_coef, warm_start), keep=self.keep)
         self.saved_step = step
         self.data_after = {later: state for later, state in self.data_after.items() if later > step}
 

@@ -191,8 +191,8 @@ class Scoring:
     by_service: dict[str, int]  # service id -> samples it scored
 
 
-async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int,
-                   *, timeout_s: float, notices: Notices, what: str) -> tuple[Rollouts, dict[str, int]]:
+async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampling, *, seed: int, oldest: int,
+                   timeout_s: float, notices: Notices, what: str) -> tuple[Rollouts, dict[str, int]]:
     """``sampling.n`` responses per prompt from weight versions >= ``oldest`` (not yet scored), and the samples
     each replica produced (by address); ``what`` names the batch in events."""
 
@@ -234,12 +234,13 @@ async def generate(rollouts: RolloutSet, prompts: list[Prompt], sampling: Sampli
     return produced, counts
 
 
-async def generate_trajectories(agent: AgentLoop, prompts: list[Prompt], sampling: Sampling, seed: int, oldest: int,
-                                *, timeout_s: float, what: str) -> tuple[Rollouts, dict[str, int], dict[str, float]]:
+async def generate_trajectories(agent: AgentLoop, prompts: list[Prompt], sampling: Sampling, *, seed: int, oldest: int,
+                                timeout_s: float, what: str) -> tuple[Rollouts, dict[str, int], dict[str, float]]:
     """``sampling.n`` trajectories per prompt, their model turns sampled from weight versions >= ``oldest`` (not
     yet scored); the turns each replica sampled (by address), and the trajectories' metrics. ``what`` names the
     batch ("step 5") in the event of an env swap's first batch."""
-    trajectories, traces, dispatcher = await agent.run(prompts, sampling, seed, oldest, timeout_s, what=what)
+    trajectories, traces, dispatcher = await agent.run(prompts, sampling, seed, oldest=oldest, timeout_s=timeout_s,
+                                                       what=what)
     samples = [sample for trajectory in trajectories for sample in trajectory]
     last = [k == len(trajectory) - 1 for trajectory in trajectories for k in range(len(trajectory))]
     sample_traces = [trace for trajectory, trace in zip(trajectories, traces) for _ in trajectory]
@@ -263,7 +264,7 @@ async def generate_trajectories(agent: AgentLoop, prompts: list[Prompt], samplin
     return produced, dict(dispatcher.turns), agent_metrics(traces, trajectories)
 
 
-async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, notices: Notices, what: str) -> Scoring:
+async def score(rewards: RewardSet, rollouts: Rollouts, tokenizer, *, notices: Notices, what: str) -> Scoring:
     """One score per response, spread over the reward replicas (an invalid sample scores 0, with an event);
     ``what`` names the batch in events."""
     samples = await asyncio.to_thread(reward_samples, rollouts, tokenizer)

@@ -159,7 +159,7 @@ class PPOLoop:
                                        agent=self.agent, tokenizer=tokenizer, notices=reporter, timeout_s=self.timeout)
         self.training: Training | None = None  # a run that only validates draws no batch, saves no checkpoint
         if trainers is not None:
-            sampler = PromptSampler(len(self.prompts), settings.batch_size, settings.shuffle, settings.seed)
+            sampler = PromptSampler(len(self.prompts), settings.batch_size, settings.shuffle, seed=settings.seed)
             self.training = Training(
                 trainers=trainers,
                 warm_start=WarmStart(settings=settings, actor=trainers.actor, prompts=warm_prompts,
@@ -211,8 +211,8 @@ class PPOLoop:
         if validation is not None and validation.before_train and checkpoints.saved_step == 0:
             validations.start(0)                                          # the starting weights
         await self.boundary(first)
-        pipeline = Pipeline(self.trained().producer.produce, checkpoints.data_state, first, last,
-                            settings.max_staleness)
+        pipeline = Pipeline(self.trained().producer.produce, checkpoints.data_state, first, last_step=last,
+                            max_staleness=settings.max_staleness)
         pipeline.start()
         try:
             for step in range(first, last + 1):
@@ -252,14 +252,14 @@ class PPOLoop:
             evaluated = await self.evaluate(rollouts, step, timer)                  # 2. what the update needs
             estimate = await self.estimate(rollouts, evaluated, timer)              # 3. rewards and advantages
             updates, _ = await asyncio.gather(
-                self.update(rollouts, evaluated, estimate, step, timer),            # 4. critic and actor updates
-                self.keep_samples(step, rollouts, served, estimate))                #    (and the samples' lineage)
+                self.update(rollouts, evaluated, estimate, step=step, timer=timer),  # 4. critic and actor updates
+                self.keep_samples(step, rollouts, served, estimate=estimate))       #    (and the samples' lineage)
         await self.sync_weights(updates, timer)                                     # 5. rollouts serve the new weights
         metrics = {**updates.metrics, **estimate.metrics, **produced.metrics, **staleness,
                    **self.rollout_set.probe_metrics, **timer.metrics(),
                    **{f"perf/rollout/{key}": value for key, value in self.rollout_set.memory.items()}}
-        return {**metrics, **batch_metrics(rollouts, evaluated, estimate, updates, step_s=metrics["timing_s/step"],
-                                            devices=self.rollout_set.devices)}
+        return {**metrics, **batch_metrics(rollouts, evaluated, estimate, updates=updates,
+                                           step_s=metrics["timing_s/step"], devices=self.rollout_set.devices)}
 
     # ------------------------------------------------------------------ the stages of a step
 
@@ -281,12 +281,12 @@ class PPOLoop:
         """Old logprobs (actor), reference logprobs and values (critic), concurrently."""
         batch = rollouts.batch
         one_sample_each = len(batch) == len(rollouts.last_rows)
-        return Evaluated(*await asyncio.gather(self.old_logprobs(batch, one_sample_each, step, timer),
+        return Evaluated(*await asyncio.gather(self.old_logprobs(batch, one_sample_each, step, timer=timer),
                                                self.ref_logprobs(batch, step, timer),
                                                self.values(batch, step, timer)))
 
     async def old_logprobs(self, batch: SequenceBatch, one_sample_each: bool, step: int,
-                           timer: StageTimer) -> torch.Tensor | None:
+                           *, timer: StageTimer) -> torch.Tensor | None:
         """None where the step's actor update is one optimizer step over the batch (recompute_old_logprobs off):
         it takes its own logprobs, detached, as pi_old. A step that does not update the actor (critic warmup)
         computes them, for the mismatch metrics; so does one whose trajectories went on in new samples
@@ -312,37 +312,40 @@ class PPOLoop:
     async def estimate(self, rollouts: Rollouts, evaluated: Evaluated, timer: StageTimer) -> Estimate:
         """Token rewards and advantages, on a worker thread; then the adaptive KL coefficient moves."""
         with timer("adv"):
-            estimate = await asyncio.to_thread(estimate_advantages, self.settings, self.kl_coef, rollouts, evaluated)
+            estimate = await asyncio.to_thread(estimate_advantages, self.settings, self.kl_coef, rollouts,
+                                               evaluated=evaluated)
         control = self.settings.kl_in_reward
         if control is not None and control.adaptive:
             self.kl_coef = algos.adaptive_kl_coef(self.kl_coef, estimate.metrics["actor/reward_kl_penalty"],
-                                                  len(rollouts.last_rows), control.target_kl, control.horizon)
+                                                  len(rollouts.last_rows), target=control.target_kl,
+                                                  horizon=control.horizon)
         return estimate
 
-    async def keep_samples(self, step: int, rollouts: Rollouts, served: int, estimate: Estimate) -> None:
+    async def keep_samples(self, step: int, rollouts: Rollouts, served: int, *, estimate: Estimate) -> None:
         """With trainer.rollout_data_dir: every response of the step with its lineage, to the reporter (made on a
         worker thread: the records are the size of the batch)."""
         if self.settings.keep_samples:
-            records = await asyncio.to_thread(step_records, step, rollouts, served, estimate.advantages)
+            records = await asyncio.to_thread(step_records, step, rollouts, served, advantages=estimate.advantages)
             await self.reporter.samples(step, records)
 
-    async def update(self, rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, step: int,
+    async def update(self, rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, *, step: int,
                      timer: StageTimer) -> Updates:
         """The critic's and the actor's updates, concurrently (the actor's from step critic_warmup + 1 on)."""
         critic_metrics, (actor_metrics, version) = await asyncio.gather(
-            self.update_critic(rollouts.batch, evaluated, estimate, step, timer),
-            self.update_actor(rollouts, evaluated, estimate, step, timer))
+            self.update_critic(rollouts.batch, evaluated, estimate, step=step, timer=timer),
+            self.update_actor(rollouts, evaluated, estimate, step=step, timer=timer))
         return Updates({**actor_metrics, **critic_metrics}, version)
 
-    async def update_critic(self, batch: SequenceBatch, evaluated: Evaluated, estimate: Estimate, step: int,
+    async def update_critic(self, batch: SequenceBatch, evaluated: Evaluated, estimate: Estimate, *, step: int,
                             timer: StageTimer) -> dict[str, float]:
         critic = self.trainers.critic
         if critic is None or evaluated.values is None:  # values come with a critic
             return {}
         with timer("update_critic"):
-            return await critic.update_critic(batch, evaluated.values, estimate.returns, step, self.timeout)
+            return await critic.update_critic(batch, evaluated.values, estimate.returns, step=step,
+                                             timeout=self.timeout)
 
-    async def update_actor(self, rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, step: int,
+    async def update_actor(self, rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, *, step: int,
                            timer: StageTimer) -> tuple[dict[str, float], int | None]:
         if step <= self.settings.critic_warmup:
             return {}, None
@@ -352,8 +355,8 @@ class PPOLoop:
         rollout_logprobs = rollouts.logprobs if needs_rollout else None
         with timer("update_actor"):
             return await self.trainers.actor.update_actor(
-                rollouts.batch, evaluated.old_logprobs, estimate.advantages, evaluated.ref_logprobs, step,
-                timeout=self.timeout, rollout_logprobs=rollout_logprobs)
+                rollouts.batch, evaluated.old_logprobs, estimate.advantages, ref_logprobs=evaluated.ref_logprobs,
+                step=step, timeout=self.timeout, rollout_logprobs=rollout_logprobs)
 
     async def sync_weights(self, updates: Updates, timer: StageTimer) -> None:
         """Every rollout serves the actor's new weights (nothing to send when only the critic was updated)."""
@@ -389,7 +392,7 @@ class PPOLoop:
         a warm start stopped part way), and sync; True if this went through (part of) the warm start."""
         await self.follow_envs()
         await asyncio.gather(
-            *(trainer.init_run(self.run_id, self.config_yaml, roles, self.settings.seed, self.timeout)
+            *(trainer.init_run(self.run_id, self.config_yaml, roles, seed=self.settings.seed, timeout=self.timeout)
               for trainer, roles in self.trainers.roles().items()),
             self.rollout_set.form(),
         )
@@ -435,7 +438,8 @@ class PPOLoop:
         return await self.env_set.swap(target, EnvProbe(settings.environment, row, settings.max_parallel_calls))
 
 
-def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollouts, evaluated: Evaluated) -> Estimate:
+def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollouts, *,
+                        evaluated: Evaluated) -> Estimate:
     """Scores on the last (model) tokens (minus ``kl_coef`` times the KL penalty when it goes into the reward), and
     the estimator's advantages and returns, on the model tokens of the batch's loss mask where it has one.
 
@@ -451,18 +455,19 @@ def estimate_advantages(settings: LoopSettings, kl_coef: float, rollouts: Rollou
         if evaluated.old_logprobs is None or evaluated.ref_logprobs is None:  # the settings ask for both then
             raise ValueError("algorithm.use_kl_in_reward needs the actor's old logprobs and the reference's")
         kl = algos.kl_penalty(evaluated.old_logprobs, evaluated.ref_logprobs, kl_in_reward.estimator)
-        rewards = algos.token_rewards(trajectories.scores, lengths, kl, kl_coef, mask)
+        rewards = algos.token_rewards(trajectories.scores, lengths, kl, kl_coef=kl_coef, mask=mask)
         metrics = {"actor/reward_kl_penalty": algos.mean_sequence_kl(kl, lengths, mask),
                    "actor/reward_kl_penalty_coeff": kl_coef}
     inputs = EstimatorInputs(rewards=rewards, lengths=lengths, group_ids=trajectories.group_ids, mask=mask,
                              values=evaluated.values, baselines=trajectories.baselines)
     advantages = compute_advantages(estimator.name, inputs,
                                     EstimatorParams(estimator.gamma, estimator.lam, estimator.norm_by_std))
-    return Estimate(rewards, advantages.advantages, advantages.returns, {**metrics, **advantages.metrics})
+    return Estimate(rewards=rewards, advantages=advantages.advantages, returns=advantages.returns, metrics={**metrics,
+                                                                                                            **advantages.metrics})
 
 
-def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, updates: Updates,
-                  step_s: float, *, devices: int) -> dict[str, float]:
+def batch_metrics(rollouts: Rollouts, evaluated: Evaluated, estimate: Estimate, *, updates: Updates,
+                  step_s: float, devices: int) -> dict[str, float]:
     """verl's data metrics of the step's batch (by trajectory: a multi-turn one's samples together), its tokens
     (every sample's) and their throughput per device (``devices``: those the run computes on), and the weight
     version trained."""

@@ -14,8 +14,8 @@ from services.algos import mismatch_metrics, summary
 
 
 def data_metrics(
-    scores: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
-    values: torch.Tensor | None, *, response_lens: torch.Tensor, prompt_lens: torch.Tensor, truncated: torch.Tensor,
+    scores: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor, *, returns: torch.Tensor,
+    values: torch.Tensor | None, response_lens: torch.Tensor, prompt_lens: torch.Tensor, truncated: torch.Tensor,
     rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, loss_mask: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """One step's data under verl's names.
@@ -40,7 +40,7 @@ def data_metrics(
         **summary("prompt_length", prompt_lens),
     }
     if old_logprobs is not None:
-        metrics.update(mismatch_metrics(rollout_logprobs, old_logprobs, response_lens, loss_mask))
+        metrics.update(mismatch_metrics(rollout_logprobs, old_logprobs, response_lens, mask=loss_mask))
     if values is not None:
         metrics.update(summary("critic/values", values))
         metrics["critic/vf_explained_var"] = algos.explained_variance(returns, values)
@@ -106,7 +106,7 @@ def worst_of_k(values: list[float], k: int) -> tuple[float, float]:
     return -mean, std
 
 
-def majority_of_k(values: list[float], preds: list[str], k: int, draws: int = 1000,
+def majority_of_k(values: list[float], preds: list[str], k: int, *, draws: int = 1000,
                   seed: int = 42) -> tuple[float, float]:
     """Mean and std, over ``draws`` seeded bootstrap draws of k of the responses (with replacement, as verl's),
     of the value of the majority answer: the answer most of the k read (a tie goes to the answer the prompt's

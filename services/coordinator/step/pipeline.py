@@ -36,7 +36,7 @@ class Ahead(Generic[Batch]):
 
 class Pipeline(Generic[Batch]):
     def __init__(self, produce: Callable[[int], Awaitable[Batch]], data_state: Callable[[], dict],
-                 first_step: int, last_step: int, max_staleness: int):
+                 first_step: int, *, last_step: int, max_staleness: int):
         """``produce(step)`` generates and scores a step's batch; ``data_state()`` is the sampler's state now.
         ``produce`` must draw its batch before it awaits anything, so that the state read after it returns is the
         state right after its batch (the next batch is only begun after it returns)."""

@@ -58,11 +58,11 @@ class Producer:
         timer, oldest = StageTimer(), self.rollout_set.served
         counts: dict[str, float] = {}
         if not self.settings.filter_groups:
-            rollouts = await self.generate_and_score(step, 0, timer, counts, oldest)
+            rollouts = await self.generate_and_score(step, 0, timer, counts=counts, oldest=oldest)
             return Produced(rollouts, counts, timer.seconds)
         wanted, kept = self.settings.batch_size, []
         for round_index in range(self.settings.max_gen_rounds):
-            rollouts = await self.generate_and_score(step, round_index, timer, counts, oldest)
+            rollouts = await self.generate_and_score(step, round_index, timer, counts=counts, oldest=oldest)
             signal = algos.groups_with_signal(rollouts.scores, rollouts.group_ids)
             kept.append(rollouts.keep_prompts(rollouts.prompts_where_every_sample(signal)))
             if sum(len(part.prompts) for part in kept) >= wanted:
@@ -72,7 +72,7 @@ class Producer:
         return Produced(merged, {**counts, "training/filter_groups/kept_prompts": float(len(merged.prompts)),
                                  "training/filter_groups/gen_rounds": float(round_index + 1)}, timer.seconds)
 
-    async def generate_and_score(self, step: int, round_index: int, timer: StageTimer, counts: dict[str, float],
+    async def generate_and_score(self, step: int, round_index: int, timer: StageTimer, *, counts: dict[str, float],
                                  oldest: int) -> Rollouts:
         """One round: the next batch's responses, sampled from weight versions >= ``oldest``, and their scores;
         ``counts`` gets the samples each replica produced, and each one's share and speed (of the rounds so far)."""
@@ -81,17 +81,19 @@ class Producer:
         with timer("gen"):
             if self.agent is None:
                 rollouts, by_rollout = await generation.generate(self.rollout_set, chosen, self.settings.sampling,
-                                                                 seed, oldest, timeout_s=self.timeout_s,
+                                                                 seed=seed, oldest=oldest, timeout_s=self.timeout_s,
                                                                  notices=self.notices, what=f"step {step}")
             else:
                 rollouts, by_rollout, trajectories = await generation.generate_trajectories(
-                    self.agent, chosen, self.settings.sampling, seed, oldest, timeout_s=self.timeout_s,
+                    self.agent, chosen, self.settings.sampling, seed=seed, oldest=oldest, timeout_s=self.timeout_s,
                     what=f"step {step}")
                 counts |= trajectories
         with timer("reward"):
-            scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, self.notices, f"step {step}")
+            scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, notices=self.notices,
+                                             what=f"step {step}")
         if self.settings.estimator.greedy_baseline:
-            rollouts = await self.with_greedy_baselines(scoring.rollouts, chosen, seed, oldest, step, timer=timer)
+            rollouts = await self.with_greedy_baselines(scoring.rollouts, chosen, seed, oldest=oldest, step=step,
+                                                        timer=timer)
         else:
             rollouts = scoring.rollouts
         for address, count in by_rollout.items():
@@ -102,17 +104,18 @@ class Producer:
         add_count(counts, "reward/timeouts", sum(s.timed_out for s in scoring.scores))
         return rollouts
 
-    async def with_greedy_baselines(self, rollouts: Rollouts, chosen: list[Prompt], seed: int, oldest: int, step: int,
-                                    *, timer: StageTimer) -> Rollouts:
+    async def with_greedy_baselines(self, rollouts: Rollouts, chosen: list[Prompt], seed: int, *, oldest: int,
+                                    step: int,
+                                    timer: StageTimer) -> Rollouts:
         """``rollouts`` with the score of one greedy response (temperature 0) to each prompt, from the same weights,
         as every response's baseline (remax; verl's timing_s/gen_max)."""
         greedy_sampling = dataclasses.replace(self.settings.sampling, n=1, temperature=0.0, top_p=1.0)
         with timer("gen_max"):
-            greedy, _ = await generation.generate(self.rollout_set, chosen, greedy_sampling, seed, oldest,
+            greedy, _ = await generation.generate(self.rollout_set, chosen, greedy_sampling, seed=seed, oldest=oldest,
                                                   timeout_s=self.timeout_s, notices=self.notices,
                                                   what=f"step {step} greedy baselines")
-            scored = await generation.score(self.reward_set, greedy, self.tokenizer, self.notices,
-                                            f"step {step} greedy baselines")
+            scored = await generation.score(self.reward_set, greedy, self.tokenizer, notices=self.notices,
+                                            what=f"step {step} greedy baselines")
         return dataclasses.replace(rollouts, baselines=scored.rollouts.scores[rollouts.group_ids])
 
 

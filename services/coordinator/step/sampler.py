@@ -12,7 +12,7 @@ class PromptSampler:
     and the epoch, so a run can be resumed from those two numbers.
     """
 
-    def __init__(self, size: int, batch_size: int, shuffle: bool, seed: int):
+    def __init__(self, size: int, batch_size: int, shuffle: bool, *, seed: int):
         if batch_size > size:
             raise ValueError(f"data.train_batch_size ({batch_size}) is larger than the dataset ({size} prompts)")
         self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed

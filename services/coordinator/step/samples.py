@@ -29,7 +29,7 @@ from services.coordinator.agent.agent_loop import AgentTrace
 from services.coordinator.step.generation import Rollouts
 
 
-def step_records(step: int, rollouts: Rollouts, served: int, advantages: torch.Tensor) -> list[dict]:
+def step_records(step: int, rollouts: Rollouts, served: int, *, advantages: torch.Tensor) -> list[dict]:
     """One record per response of a step's scored ``rollouts``, trained from weight version ``served``;
     ``advantages`` [T] over their response tokens."""
     lens, groups, trajectory_ids = rollouts.batch.response_lens, rollouts.group_ids, rollouts.trajectory_ids

@@ -54,14 +54,16 @@ async def run_validation(*, settings: ValidationSettings, prompts: list[Prompt],
     started = time.perf_counter()
     agent_metrics: dict[str, float] = {}
     if agent is None:
-        generated, _ = await generation.generate(rollout_set, prompts, settings.sampling, settings.seed, version,
+        generated, _ = await generation.generate(rollout_set, prompts, settings.sampling, seed=settings.seed,
+                                                 oldest=version,
                                                  timeout_s=timeout_s, notices=notices,
                                                  what=f"the validation of step {step}")
     else:
         generated, _, agent_metrics = await generation.generate_trajectories(
-            agent, prompts, settings.sampling, settings.seed, version, timeout_s=timeout_s,
+            agent, prompts, settings.sampling, seed=settings.seed, oldest=version, timeout_s=timeout_s,
             what=f"the validation of step {step}")
-    scoring = await generation.score(reward_set, generated, tokenizer, notices, f"the validation of step {step}")
+    scoring = await generation.score(reward_set, generated, tokenizer, notices=notices,
+                                     what=f"the validation of step {step}")
     metrics = await asyncio.to_thread(validation_metrics, prompt_results(scoring))
     metrics |= {"val/weight_version": float(version), "timing_s/testing": time.perf_counter() - started,
                 **{f"val/{name}": value for name, value in agent_metrics.items()}}
@@ -95,10 +97,13 @@ class Validations:
 
     def start(self, step: int) -> None:
         """Validate the weights the rollouts serve now, after step ``step``, on the rollouts, while the loop goes
-        on (the next weight sync waits for it: ``finish``)."""
+        on (the next weight sync waits for it: ``finish``); only for a run that validates (its settings given)."""
+        settings = self.settings
+        assert settings is not None, "validation starts only for a run with held-out prompts"
+
         async def run_and_report() -> None:
             validated = await run_validation(
-                settings=self.settings,  # type: ignore[arg-type]  # started only for a run with held-out prompts
+                settings=settings,
                 prompts=self.prompts, rollout_set=self.rollout_set,
                 reward_set=self.reward_set, agent=self.agent, tokenizer=self.tokenizer, notices=self.notices,
                 timeout_s=self.timeout_s,

@@ -91,7 +91,8 @@ class WarmStart:
         run's tools (rendered into its trajectories' prompts as the agent loop renders them), () for a
         single-turn run."""
         steps = self.settings.warm_start_steps
-        sampler = PromptSampler(len(self.prompts), self.settings.warm_start_batch_size, True, self.settings.seed + 1)
+        sampler = PromptSampler(len(self.prompts), self.settings.warm_start_batch_size, True,
+                                seed=self.settings.seed + 1)
         self.progress = resume or self.progress
         sampler.epoch, sampler.position = self.progress.epoch, self.progress.position
         started = time.monotonic()
@@ -183,6 +184,8 @@ def make_taught_batch(taught: list[Taught]) -> SequenceBatch:
     """The sequences as one batch; with a loss mask where any of them leaves a token untrained."""
     batch = SequenceBatch.of_lists([t.prompt_ids for t in taught], [t.response_ids for t in taught])
     mask = [kept for t in taught for kept in t.loss_mask]
-    return batch if all(mask) else SequenceBatch(batch.prompt_ids, batch.prompt_lens, batch.response_ids,
-                                                  batch.response_lens, torch.tensor(mask, dtype=torch.bool))
+    return batch if all(mask) else SequenceBatch(prompt_ids=batch.prompt_ids, prompt_lens=batch.prompt_lens,
+                                                 response_ids=batch.response_ids,
+                                                  response_lens=batch.response_lens, loss_mask=torch.tensor(mask,
+                                                                                                            dtype=torch.bool))
 

@@ -8,6 +8,7 @@ from typing import Literal
 import pydantic
 from pydantic import Field, PositiveFloat, PositiveInt
 
+from services.algo_names import KLEstimator, LossAggMode
 from services.common.config import Section
 from services.run.sections.fsdp import FSDPConfig
 from services.run.sections.optim import OptimConfig
@@ -115,8 +116,7 @@ class ActorConfig(Section):
     """PPO clip range above 1 (raise it for DAPO's clip-higher)."""
     clip_ratio_c: float | None = Field(3.0, gt=1)
     """Dual-clip bound for negative advantages (null disables dual-clip)."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] | None = None
+    loss_agg_mode: LossAggMode | None = None
     """How per-token losses (policy, entropy, KL) become one number; seq-mean-token-sum-norm is Dr. GRPO. null =
     the one the policy loss's paper prescribes: token-mean for vanilla, cispo, clip_cov, kl_cov and gpg,
     seq-mean-token-mean for gspo and geo_mean (whose policy term is always a mean over responses)."""
@@ -128,7 +128,7 @@ class ActorConfig(Section):
     kl_loss_coef: float = Field(0.001, ge=0)
     """With use_kl_loss: weight of the KL term added to the actor's loss, kl_loss_coef * the kl_loss_type
     estimate of KL(actor || reference) aggregated as the loss is (loss_agg_mode); logged as actor/kl_loss."""
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    kl_loss_type: KLEstimator = "low_var_kl"
     """KL estimator of the loss term."""
     grad_clip: PositiveFloat = 1.0
     """Max global gradient norm."""

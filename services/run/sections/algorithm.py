@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
+from services.algo_names import KLEstimator, RolloutISLevel, RolloutISMode
 from services.common.config import Section
 
 
@@ -45,10 +46,10 @@ class RolloutCorrectionConfig(Section):
     enable: Literal["auto"] | bool = "auto"
     """auto: on whenever trainer.async_.max_staleness > 0; true or false forces it (the rollout's logprobs
     then travel with every actor update)."""
-    rollout_is: Literal["token", "sequence"] = "token"
+    rollout_is: RolloutISLevel = "token"
     """Level of the weights: token = each token's own ratio; sequence = the product of a response's token
     ratios, the same for all its tokens."""
-    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    rollout_is_mode: RolloutISMode = "truncate"
     """What happens to a ratio above rollout_is_threshold: truncate = clamped to it (TIS); mask = set to 0,
     so the token (sequence level: the response) drops out of the policy gradient."""
     rollout_is_threshold: PositiveFloat = 2.0
@@ -69,7 +70,7 @@ class AlgorithmConfig(Section):
     """Divide by the group's std (GRPO) or only subtract its mean (Dr. GRPO)."""
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl.kl_coef * KL(old policy || reference) from every token's reward; needs a reference."""
-    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    kl_penalty: KLEstimator = "kl"
     """KL estimator of the reward penalty."""
     kl_ctrl: KLControlConfig = KLControlConfig()
     filter_groups: FilterGroupsConfig = FilterGroupsConfig()

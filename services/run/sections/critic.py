@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
+from services.algo_names import LossAggMode
 from services.common.config import Section
 from services.run.sections.fsdp import FSDPConfig
 from services.run.sections.lora import LoraKeys
@@ -46,8 +47,7 @@ class CriticConfig(Section):
     """Clip range of the new value around the old one."""
     vf_coef: float = Field(1.0, gt=0)
     """Weight of the value loss."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean")
+    loss_agg_mode: LossAggMode = "token-mean"
     """How the per-token clipped value losses become one number; the modes of the actor's loss_agg_mode."""
     grad_clip: PositiveFloat = 1.0
     """Max global gradient norm of the critic: larger gradients are scaled down to it before each optimizer

@@ -69,7 +69,7 @@ def test_keys_a_stranger_writes_into_the_store_are_passed_over_and_the_channel_f
     waits for a signed value."""
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     stranger = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=5))
-    run_ranks(2, lambda rank: GlooChannel("seen", rendezvous, rank, 2, timeout_s=10).close())
+    run_ranks(2, lambda rank: GlooChannel("seen", rendezvous, rank, world_size=2, timeout_s=10).close())
     keys = [key.replace("channel/seen/", "channel/weights/") for key in stranger.list_keys()]
     assert len(keys) == 2  # one per rank: each member's address
     for key in keys:
@@ -77,7 +77,7 @@ def test_keys_a_stranger_writes_into_the_store_are_passed_over_and_the_channel_f
 
     def rank_main(rank):
         time.sleep(0.5 * rank)
-        channel = GlooChannel("weights", rendezvous, rank, 2, timeout_s=10)
+        channel = GlooChannel("weights", rendezvous, rank, world_size=2, timeout_s=10)
         try:
             received = torch.full((4,), float(rank))
             channel.broadcast(received)
@@ -107,4 +107,4 @@ def test_a_value_overwritten_by_a_stranger_is_refused_naming_the_key():
 @pytest.mark.parametrize("rendezvous", [b"127.0.0.1:1", b"no-port secret", b"127.0.0.1:http secret"])
 def test_a_rendezvous_without_address_or_secret_is_refused_at_once(rendezvous):
     with pytest.raises(ValueError, match="gloo rendezvous must be 'host:port secret'"):
-        GlooChannel("x", rendezvous, 0, 2, timeout_s=1)
+        GlooChannel("x", rendezvous, 0, world_size=2, timeout_s=1)

@@ -32,9 +32,9 @@ def test_greedy_and_ordinary_temperatures_are_taken():
 
 
 def test_over_a_limit_names_the_field_the_limit_and_the_setting():
-    assert check_at_most("params.n", 1024, 1024, "max_n") == 1024
+    assert check_at_most("params.n", 1024, 1024, setting="max_n") == 1024
     with pytest.raises(ResourceExhausted, match=r"params.n = 1025 is over this service.s limit of 1024 .setting max_n"):
-        check_at_most("params.n", 1025, 1024, "max_n")
+        check_at_most("params.n", 1025, 1024, setting="max_n")
 
 
 def test_nesting_depth_counts_levels_of_lists_and_objects():

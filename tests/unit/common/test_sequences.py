@@ -10,7 +10,8 @@ from services.common.sequences import SequenceBatch, join_ragged, ragged_select,
 def _batch(prompts: list[list[int]], responses: list[list[int]]) -> SequenceBatch:
     prompt_ids, prompt_lens = join_ragged([torch.tensor(p, dtype=torch.int64) for p in prompts], torch.int64)
     response_ids, response_lens = join_ragged([torch.tensor(r, dtype=torch.int64) for r in responses], torch.int64)
-    return SequenceBatch(prompt_ids, prompt_lens, response_ids, response_lens)
+    return SequenceBatch(prompt_ids=prompt_ids, prompt_lens=prompt_lens, response_ids=response_ids,
+                         response_lens=response_lens)
 
 
 def _rows(flat: torch.Tensor, lengths: torch.Tensor) -> list[list[int]]:
@@ -57,14 +58,16 @@ def test_the_loss_mask_follows_the_rows_it_belongs_to():
     batch = _batch([[5, 6, 7], [8], [1, 2]], [[9, 10], [11, 12, 13], [3]])
     assert batch.loss_mask is None and batch.trained().tolist() == [True] * 6
     assert batch.select(torch.tensor([1])).loss_mask is None
-    tools = SequenceBatch(batch.prompt_ids, batch.prompt_lens, batch.response_ids, batch.response_lens,
+    tools = SequenceBatch(prompt_ids=batch.prompt_ids, prompt_lens=batch.prompt_lens, response_ids=batch.response_ids,
+                          response_lens=batch.response_lens,
                           loss_mask=torch.tensor([True, False, True, False, True, True]))
     assert tools.select(torch.tensor([2, 1])).loss_mask.tolist() == [True, True, False, True]
 
 
 def test_concat_has_a_loss_mask_where_any_part_has_one():
     plain = _batch([[5]], [[9, 10]])
-    tools = SequenceBatch(plain.prompt_ids, plain.prompt_lens, plain.response_ids, plain.response_lens,
+    tools = SequenceBatch(prompt_ids=plain.prompt_ids, prompt_lens=plain.prompt_lens, response_ids=plain.response_ids,
+                          response_lens=plain.response_lens,
                           loss_mask=torch.tensor([False, True]))
     assert SequenceBatch.concat([plain, plain]).loss_mask is None
     assert SequenceBatch.concat([plain, tools]).loss_mask.tolist() == [True, True, False, True]
@@ -125,7 +128,7 @@ def test_packed_forward_equals_the_padded_one(tmp_path):
     from services.run.models import load_causal_lm
     from services.coordctl.tiny_model import build_tiny_model
 
-    model = load_causal_lm(build_tiny_model(tmp_path / "tiny", 32, 2, 2, seed=0)).double().eval()
+    model = load_causal_lm(build_tiny_model(tmp_path / "tiny", 32, 2, num_heads=2, seed=0)).double().eval()
     batch = _batch([[5, 6, 7], [8], [9, 10, 11, 12]], [[13, 14], [15, 16, 17, 18], [19]])
     with torch.no_grad():
         padded, packed = batch.padded(0), batch.packed()

@@ -202,7 +202,7 @@ def test_weights_over_gloo_to_two_receivers_in_several_buckets():
     assert expected_buckets >= 4
 
     def rank_main(rank):
-        channel = GlooChannel("weights", rendezvous, rank, 3, timeout_s=10)
+        channel = GlooChannel("weights", rendezvous, rank, world_size=3, timeout_s=10)
         assert (channel.rank, channel.world_size) == (rank, 3)
         try:
             if rank == 0:
@@ -251,12 +251,13 @@ def test_the_manifest_crosses_a_channel_again_only_when_it_changes_and_kept_buff
     named = weights()
     changed = [(name, ~tensor if tensor.dtype == torch.bool else tensor + 1) for name, tensor in named]
     fewer = named[:2]
-    channels = run_ranks(2, lambda rank: GlooChannel("manifests", rendezvous, rank, 2, timeout_s=10))
+    channels = run_ranks(2, lambda rank: GlooChannel("manifests", rendezvous, rank, world_size=2, timeout_s=10))
     sender, sending, receiving = Recording(channels[0]), WeightSender(), WeightReceiver()
     for version, tensors in enumerate((named, changed, fewer, fewer), start=1):
         loaded: list[tuple[str, torch.Tensor]] = []
         outcomes = run_ranks(2, lambda rank: sending.send(sender, tensors, version, bucket_bytes=64) if rank == 0
-                             else receiving.receive(channels[1], lambda pairs: loaded.extend((n, t.clone()) for n, t in pairs),
+                             else receiving.receive(channels[1], lambda pairs: loaded.extend((n, t.clone()) for n,
+                                                                                             t in pairs),
                                                     keep_buffers=version > 1))  # buffers kept from the second on
         assert outcomes[1] == version
         assert [name for name, _ in loaded] == [name for name, _ in tensors]
@@ -298,7 +299,8 @@ def test_a_bucket_that_arrives_damaged_fails_the_receive_naming_it(keep_buffers)
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     named = weights()
     assert len(plan_buckets(named, 64)) >= 3
-    channels = run_ranks(2, lambda rank: GlooChannel(f"damaged-{keep_buffers}", rendezvous, rank, 2, timeout_s=10))
+    channels = run_ranks(2, lambda rank: GlooChannel(f"damaged-{keep_buffers}", rendezvous, rank, world_size=2,
+                                                     timeout_s=10))
     loaded: list[list[tuple[str, torch.Tensor]]] = []
     # broadcasts: header, manifest, then (bucket, checksum) per bucket: the 6th is bucket 2
     outcomes = run_ranks(2, lambda rank: WeightSender().send(channels[0], named, 3, bucket_bytes=64) if rank == 0 else
@@ -312,7 +314,7 @@ def test_a_bucket_that_arrives_damaged_fails_the_receive_naming_it(keep_buffers)
 def test_staged_weights_arrive_on_their_own_thread_while_the_caller_goes_on():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     named = weights()
-    channels = run_ranks(2, lambda rank: GlooChannel("staged", rendezvous, rank, 2, timeout_s=10))
+    channels = run_ranks(2, lambda rank: GlooChannel("staged", rendezvous, rank, world_size=2, timeout_s=10))
     staged = StagedWeights(channels[1], WeightReceiver())
     assert not staged.wait(0.2)  # nothing sent yet: the receiver is not blocked, it is told "not yet"
     sent = StageTimer()
@@ -330,7 +332,7 @@ def test_staged_weights_arrive_on_their_own_thread_while_the_caller_goes_on():
 
 def test_staged_weights_hand_back_the_transfer_error():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
-    channels = run_ranks(2, lambda rank: GlooChannel("staged-quiet", rendezvous, rank, 2, timeout_s=1))
+    channels = run_ranks(2, lambda rank: GlooChannel("staged-quiet", rendezvous, rank, world_size=2, timeout_s=1))
     staged = StagedWeights(channels[1], WeightReceiver())
     with pytest.raises(TimeoutError, match="did not finish within 1.0 s"):
         staged.wait(10)
@@ -340,7 +342,8 @@ def test_staged_weights_hand_back_the_transfer_error():
 def test_join_where_a_rank_never_comes_times_out():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     started = time.monotonic()
-    outcomes = run_ranks(2, lambda rank: GlooChannel("lonely", rendezvous, rank, 3, timeout_s=2))  # rank 2 never joins
+    outcomes = run_ranks(2, lambda rank: GlooChannel("lonely", rendezvous, rank, world_size=3,
+                                                     timeout_s=2))  # rank 2 never joins
     elapsed = time.monotonic() - started
     for rank in (0, 1):
         assert isinstance(outcomes[rank], TimeoutError), outcomes[rank]
@@ -351,7 +354,7 @@ def test_join_where_a_rank_never_comes_times_out():
 
 def test_receive_with_no_sender_times_out():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
-    channels = run_ranks(2, lambda rank: GlooChannel("quiet", rendezvous, rank, 2, timeout_s=1))
+    channels = run_ranks(2, lambda rank: GlooChannel("quiet", rendezvous, rank, world_size=2, timeout_s=1))
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"broadcast from rank 0 did not finish within 1.0 s"):
         WeightReceiver().receive(channels[1], lambda pairs: None)
@@ -366,7 +369,7 @@ def test_receive_with_no_sender_times_out():
 ])
 def test_bad_join_arguments_are_refused_at_once(rendezvous, rank, message):
     with pytest.raises(ValueError, match=message):
-        GlooChannel("x", rendezvous, rank, 3, timeout_s=1)
+        GlooChannel("x", rendezvous, rank, world_size=3, timeout_s=1)
 
 
 async def test_channel_table_joins_gets_and_replaces():
@@ -374,7 +377,7 @@ async def test_channel_table_joins_gets_and_replaces():
 
     async def join_both(channel_id):
         store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
-        await asyncio.gather(*(t.join(channel_id, "gloo", rendezvous, rank, 2, timeout_s=5) for rank,
+        await asyncio.gather(*(t.join(channel_id, "gloo", rendezvous, rank=rank, world_size=2, timeout_s=5) for rank,
                                t in enumerate(tables)))
         return store
 
@@ -398,21 +401,21 @@ def test_channel_table_get_unknown_raises_not_found():
 async def test_channel_table_refuses_other_backends_and_bad_timeouts():
     table = ChannelTable()  # on the CPU
     with pytest.raises(ValueError, match=r"channel backend nccl needs a CUDA device, this service runs on 'cpu'"):
-        await table.join("c", "nccl", b"127.0.0.1:1", 0, 2, timeout_s=5)
+        await table.join("c", "nccl", b"127.0.0.1:1", rank=0, world_size=2, timeout_s=5)
     with pytest.raises(ValueError, match=r"channel backend cuda_ipc needs a CUDA device, this service runs on 'cpu'"):
-        await table.join("c", "cuda_ipc", b"127.0.0.1:1", 0, 1, timeout_s=5)
+        await table.join("c", "cuda_ipc", b"127.0.0.1:1", rank=0, world_size=1, timeout_s=5)
     with pytest.raises(ValueError, match=r"channel backend must be gloo, nccl or cuda_ipc, got 'mpi'"):
-        await table.join("c", "mpi", b"127.0.0.1:1", 0, 2, timeout_s=5)
+        await table.join("c", "mpi", b"127.0.0.1:1", rank=0, world_size=2, timeout_s=5)
     with pytest.raises(ValueError, match=r"timeout_s must be positive"):
-        await table.join("c", "gloo", b"127.0.0.1:1", 0, 2, timeout_s=0)
+        await table.join("c", "gloo", b"127.0.0.1:1", rank=0, world_size=2, timeout_s=0)
 
 
 def test_a_member_that_died_fails_the_broadcast_at_once_naming_that():
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
     member = subprocess.Popen([sys.executable, "-c", (
         "import os, sys; from services.common.gloo_channel import GlooChannel; "
-        f"GlooChannel('gone', {rendezvous!r}, 1, 2, timeout_s=10); os._exit(0)")])
-    channel = GlooChannel("gone", rendezvous, 0, 2, timeout_s=30)
+        f"GlooChannel('gone', {rendezvous!r}, 1, world_size=2, timeout_s=10); os._exit(0)")])
+    channel = GlooChannel("gone", rendezvous, 0, world_size=2, timeout_s=30)
     member.wait(10)
     started = time.monotonic()
     with pytest.raises(ConnectionError, match="broadcast from rank 0 failed: a member is gone"):
@@ -429,7 +432,7 @@ def test_abandoning_a_channel_ends_a_broadcast_waiting_for_a_member_that_never_c
     deadline (30 s); abandoning (or closing) the sender's channel from another thread, as a trainer replacing the
     channel does, ends the broadcast there and at the members at once, not at the deadline."""
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
-    channels = run_ranks(3, lambda rank: GlooChannel("stalled", rendezvous, rank, 3, timeout_s=30))
+    channels = run_ranks(3, lambda rank: GlooChannel("stalled", rendezvous, rank, world_size=3, timeout_s=30))
     ended: dict[int, float] = {}
 
     def rank_main(rank):
@@ -474,14 +477,16 @@ def test_a_senders_channels_carrying_one_manifest_share_its_bucket_buffers():
     channels = {}
     for name in ("beside", "apart"):
         store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
-        channels[name] = store, run_ranks(2, lambda rank: GlooChannel(name, rendezvous, rank, 2, timeout_s=10))
+        channels[name] = store, run_ranks(2, lambda rank: GlooChannel(name, rendezvous, rank, world_size=2,
+                                                                      timeout_s=10))
     sending = WeightSender()
     for _, ranks in channels.values():
         sender, receiver = ranks[0], ranks[1]
         loaded: list[tuple[str, torch.Tensor]] = []
         outcomes = run_ranks(2, lambda rank: sending.send(sender, named, 7, bucket_bytes=64) if rank == 0
                              else WeightReceiver().receive(receiver,
-                                                           lambda pairs: loaded.extend((n, t.clone()) for n, t in pairs)))
+                                                           lambda pairs: loaded.extend((n, t.clone()) for n,
+                                                                                       t in pairs)))
         assert outcomes[1] == 7
         for (_, tensor), (_, want) in zip(loaded, named, strict=True):
             assert_same(tensor, want)

@@ -40,7 +40,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def load(path: Path) -> list:
-    return load_prompts([str(path)], "prompt", "data_source", build_char_tokenizer(), 4096)[0]
+    return load_prompts([str(path)], "prompt", "data_source", tokenizer=build_char_tokenizer(), max_len=4096)[0]
 
 
 # ---------------------------------------------------------------------------

@@ -14,11 +14,11 @@ STEP = {"critic/score/mean": 0.6125, "timing_s/step": 1.5, "timing_s/gen": 0.7, 
 
 
 def update(kind: str, step: int = 0, state: str = "", message: str = "", metrics: dict | None = None) -> RunUpdate:
-    return RunUpdate(kind, step, state, message, metrics or {})
+    return RunUpdate(kind=kind, step=step, state=state, message=message, metrics=metrics or {})
 
 
 def watched(steps: int) -> RunView:
-    view = RunView("run-1", "pending", 0, 200)
+    view = RunView(run_id="run-1", state="pending", step=0, total_steps=200)
     view.apply(update("state", state="running"))
     view.apply(update("validation", 0, message="validation of step 0: 0.371",
                       metrics={"val-core/r/acc/mean@1": 0.371, "val-core/r/reward/mean@1": 0.7}))
@@ -28,16 +28,19 @@ def watched(steps: int) -> RunView:
 
 
 def test_piped_each_event_is_a_line_and_a_step_says_its_reward_time_split_throughput_and_staleness():
-    view = RunView("run-1", "pending", 0, 200)
+    view = RunView(run_id="run-1", state="pending", step=0, total_steps=200)
     assert view.apply(update("state", state="running")) == "run running"
     assert view.apply(update("step", 3, metrics=STEP)) == (
         "step 3/200  reward 0.613  step_s 1.50  gen_s 0.70  score_s 0.02  logp_s 0.40  update_s 0.90  sync_s 0.05  "
         "tok/s/dev 1234  stale 1")  # logprobs and values run together: the longest counts
     assert view.apply(update("log", 3, message="checkpoint of step 3 saved")) == "checkpoint of step 3 saved"
     assert (view.state, view.step) == ("running", 3)
-    view.services = services_up([ServiceEntry("rollout", "a:1", "default", "up", 0.2, "r1"),
-                                 ServiceEntry("rollout", "a:2", "default", "down", 9.0, "r2"),
-                                 ServiceEntry("reward", "a:3", "default", "up", 0.1, "w1")])
+    view.services = services_up([ServiceEntry(kind="rollout", address="a:1", group="default", state="up",
+                                              last_seen_s=0.2, service_id="r1"),
+                                 ServiceEntry(kind="rollout", address="a:2", group="default", state="down",
+                                              last_seen_s=9.0, service_id="r2"),
+                                 ServiceEntry(kind="reward", address="a:3", group="default", state="up",
+                                              last_seen_s=0.1, service_id="w1")])
     assert view.services_line() == "services up  reward 1/1  rollout 1/2" and not view.all_up()
 
 

@@ -37,7 +37,7 @@ def test_names_and_patterns_choose_metrics_and_a_misspelt_one_is_named_with_the_
 
 def test_a_metric_is_drawn_over_the_steps_that_have_it(tmp_path):
     steps = steps_of(LINES)
-    drawn = plot_metrics(steps, ["critic/score/mean", "val-core/r/acc/mean@1"], tmp_path / "m.png", "run")
+    drawn = plot_metrics(steps, ["critic/score/mean", "val-core/r/acc/mean@1"], tmp_path / "m.png", title="run")
     assert drawn == tmp_path / "m.png" and drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert plot_metrics(steps, ["actor/pg_loss"], tmp_path / "none.png", "run") is None
+    assert plot_metrics(steps, ["actor/pg_loss"], tmp_path / "none.png", title="run") is None
     assert not (tmp_path / "none.png").exists()

@@ -26,12 +26,12 @@ def test_the_every_gpu_example_starts_a_rollout_beside_the_trainer_and_one_on_th
     config = validate(RunConfig, example)
     assert config.actor_rollout_ref.rollout.free_cache_engine and config.trainer.async_.max_staleness == 0
     assert local_services(local, config) == (
-        ServiceSpec("trainer", settings=("device=cuda",)),
-        ServiceSpec("rollout", settings=("engine=vllm", "enable_sleep_mode=true", "gpu_memory_utilization=0.25"),
+        ServiceSpec(kind="trainer", settings=("device=cuda",)),
+        ServiceSpec(kind="rollout", settings=("engine=vllm", "enable_sleep_mode=true", "gpu_memory_utilization=0.25"),
                     env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-        ServiceSpec("rollout", settings=("engine=vllm", "gpu_memory_utilization=0.8"),
+        ServiceSpec(kind="rollout", settings=("engine=vllm", "gpu_memory_utilization=0.8"),
                     env=(("CUDA_VISIBLE_DEVICES", "1"),)),
-        ServiceSpec("reward"),
+        ServiceSpec(kind="reward"),
     )
 
 
@@ -96,13 +96,13 @@ def test_the_local_tools_example_starts_an_env_service_hosting_its_tool_config(t
     assert config.actor_rollout_ref.rollout.multi_turn.enable and local.task == "lookup" and local.tiny_model.chat
     tool_config = EXAMPLES / "local_tools" / "tools.yaml"
     assert local_services(local, config) == (
-        ServiceSpec("trainer"), ServiceSpec("rollout"), ServiceSpec("reward"),
-        ServiceSpec("env", settings=(f"environments.tools.tool_config_path={tool_config}", "workers=32")))
+        ServiceSpec(kind="trainer"), ServiceSpec(kind="rollout"), ServiceSpec(kind="reward"),
+        ServiceSpec(kind="env", settings=(f"environments.tools.tool_config_path={tool_config}", "workers=32")))
     # an environment of another name, and the env service's own settings from local.services.env
     other = validate(RunConfig, {"actor_rollout_ref": {"rollout": {"multi_turn": {
         "enable": True, "tool_config_path": str(tool_config), "environment": "lookup"}}}})
     own = validate(LocalConfig, {"services": {"env": ["workers=2"]}}, "local")
-    assert local_services(own, other)[-1] == ServiceSpec("env", settings=(
+    assert local_services(own, other)[-1] == ServiceSpec(kind="env", settings=(
         f"environments.lookup.tool_config_path={tool_config}", "workers=2"))
     assert [spec.kind for spec in local_services(own, RunConfig())] == ["trainer", "rollout", "reward"]
 
@@ -231,9 +231,9 @@ def test_an_algorithm_no_local_service_can_register_is_refused_and_a_remote_ones
 def test_the_services_a_local_run_started_are_kept_for_its_resume_and_a_garbled_list_is_named(tmp_path):
     from services.coordctl.local import SERVICES_FILE, ServiceSpec, save_services, saved_services
 
-    started = (ServiceSpec("trainer", env=(("CUDA_VISIBLE_DEVICES", "0"),)),
-               ServiceSpec("rollout", settings=("engine=vllm", "enable_prefix_caching=true")),
-               ServiceSpec("env", group="tools", settings=("workers=64",)), ServiceSpec("trainer", ranks=2))
+    started = (ServiceSpec(kind="trainer", env=(("CUDA_VISIBLE_DEVICES", "0"),)),
+               ServiceSpec(kind="rollout", settings=("engine=vllm", "enable_prefix_caching=true")),
+               ServiceSpec(kind="env", group="tools", settings=("workers=64",)), ServiceSpec(kind="trainer", ranks=2))
     assert saved_services(tmp_path) is None  # a state_dir from before they were kept
     save_services(tmp_path, started)
     assert saved_services(tmp_path) == started

@@ -15,10 +15,14 @@ def test_columns_are_as_wide_as_their_widest_cell_and_numbers_align_right():
 
 def test_a_service_row_says_what_is_unknown_and_what_holds_no_weights():
     entries = [
-        ServiceEntry("trainer", "node2:7071", "default", "up", 0.44, "trainer-node2", "node2", "cuda:0 NVIDIA H200",
-                     "0.1.0", 0),
-        ServiceEntry("reward", "node1:7073", "default", "up", 1.06, "reward-node1", "node1", "cpu", "0.1.0", None),
-        ServiceEntry("rollout", "node1:7072", "fast", "down", 12.0, "rollout-node1"),  # too old to say
+        ServiceEntry(kind="trainer", address="node2:7071", group="default", state="up", last_seen_s=0.44,
+                     service_id="trainer-node2", hostname="node2", gpu="cuda:0 NVIDIA H200",
+                     meshrl_version="0.1.0", weight_version=0),
+        ServiceEntry(kind="reward", address="node1:7073", group="default", state="up", last_seen_s=1.06,
+                     service_id="reward-node1", hostname="node1", gpu="cpu", meshrl_version="0.1.0",
+                     weight_version=None),
+        ServiceEntry(kind="rollout", address="node1:7072", group="fast", state="down", last_seen_s=12.0,
+                     service_id="rollout-node1"),  # too old to say
     ]
     rows = service_rows(entries)
     assert rows == [  # by host, then kind

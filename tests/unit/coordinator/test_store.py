@@ -17,7 +17,7 @@ def db_path(tmp_path):
 
 def test_create_and_get_run(db_path):
     store = RunStore(db_path)
-    store.create_run("r1", "first", "data: {}\n", "/runs/r1", total_steps=10)
+    store.create_run("r1", "first", "data: {}\n", run_dir="/runs/r1", total_steps=10)
     run = store.get_run("r1")
     assert (run.run_id, run.name, run.state, run.config_yaml, run.run_dir, run.step, run.total_steps, run.error) == (
         "r1", "first", "pending", "data: {}\n", "/runs/r1", 0, 10, "")
@@ -28,7 +28,7 @@ def test_create_and_get_run(db_path):
 
 def test_set_state_emits_an_event(db_path):
     store = RunStore(db_path)
-    store.create_run("r1", "first", "", "/d", 10)
+    store.create_run("r1", "first", "", run_dir="/d", total_steps=10)
     store.record_step("r1", 3, {"loss": 0.5})
     event = store.set_state("r1", "failed", "trainer down")
     assert (event.run_id, event.kind, event.step, event.state, event.message, event.metrics) == (
@@ -43,14 +43,14 @@ def test_set_state_emits_an_event(db_path):
 
 def test_steps_metrics_and_events_in_order(db_path):
     store = RunStore(db_path)
-    store.create_run("r1", "first", "", "/d", 10)
-    store.create_run("r2", "second", "", "/d", 10)
+    store.create_run("r1", "first", "", run_dir="/d", total_steps=10)
+    store.create_run("r2", "second", "", run_dir="/d", total_steps=10)
     assert store.last_step_metrics("r1") == {} and store.step_metrics("r1") == []
     e1 = store.set_state("r1", "running")
     e2 = store.record_step("r1", 2, {"loss": 2.0})
     store.record_step("r2", 1, {"loss": 9.0})
     e3 = store.record_step("r1", 1, {"loss": 1.0, "score": 0.25})
-    e4 = store.add_event("r1", "log", 1, "", "hello", metrics={})
+    e4 = store.add_event("r1", "log", 1, state="", message="hello", metrics={})
     store.record_step("r1", 2, {"loss": 1.5})  # a redone step replaces the old metrics
 
     assert store.step_metrics("r1") == [(1, {"loss": 1.0, "score": 0.25}), (2, {"loss": 1.5})]
@@ -68,7 +68,7 @@ def test_steps_metrics_and_events_in_order(db_path):
 
 def test_data_survives_closing_and_reopening(db_path):
     store = RunStore(db_path)
-    store.create_run("r1", "first", "cfg", "/d", 10)
+    store.create_run("r1", "first", "cfg", run_dir="/d", total_steps=10)
     store.set_state("r1", "running")
     store.record_step("r1", 1, {"loss": 1.0})
     before = store.events_after("r1", 0)
@@ -78,7 +78,7 @@ def test_data_survives_closing_and_reopening(db_path):
     assert store.get_run("r1").state == "running" and store.get_run("r1").step == 1
     assert store.step_metrics("r1") == [(1, {"loss": 1.0})]
     assert store.events_after("r1", 0) == before
-    assert store.add_event("r1", "log", 1, "", "again", metrics={}).id > before[-1].id  # ids keep growing
+    assert store.add_event("r1", "log", 1, state="", message="again", metrics={}).id > before[-1].id  # ids keep growing
     assert [r.run_id for r in store.list_runs()] == ["r1"]
     store.close()
 
@@ -86,16 +86,16 @@ def test_data_survives_closing_and_reopening(db_path):
 def test_list_runs_in_creation_order(db_path):
     store = RunStore(db_path)
     for run_id in ("b", "a", "c"):
-        store.create_run(run_id, run_id, "", "/d", 1)
+        store.create_run(run_id, run_id, "", run_dir="/d", total_steps=1)
     assert [r.run_id for r in store.list_runs()] == ["b", "a", "c"]
     with pytest.raises(sqlite3.IntegrityError):  # run ids are unique
-        store.create_run("a", "again", "", "/d", 1)
+        store.create_run("a", "again", "", run_dir="/d", total_steps=1)
     store.close()
 
 
 def test_step_records_carry_the_time_of_each_steps_last_record(db_path):
     store = RunStore(db_path)
-    store.create_run("r1", "first", "", "/d", 10)
+    store.create_run("r1", "first", "", run_dir="/d", total_steps=10)
     store.record_step("r1", 1, {"loss": 1.0})
     store.record_validation("r1", 1, {"val-core/x": 0.5})
     [(step, at, metrics)] = store.step_records("r1")
@@ -106,9 +106,9 @@ def test_step_records_carry_the_time_of_each_steps_last_record(db_path):
 @pytest.mark.parametrize("damage", ["header", "truncated", "emptied"])
 def test_a_damaged_run_db_is_refused_naming_the_file_and_what_to_do(db_path, damage):
     store = RunStore(db_path)
-    store.create_run("r1", "first", "", "/d", 10)
+    store.create_run("r1", "first", "", run_dir="/d", total_steps=10)
     for index in range(500):
-        store.add_event("r1", "log", index, "", "x" * 100, metrics={})
+        store.add_event("r1", "log", index, state="", message="x" * 100, metrics={})
     store.close()
     (db_path.parent / "runs" / "r1").mkdir(parents=True)
     (db_path.parent / "runs" / "r1" / "config.yaml").write_text("data: {}\n")

@@ -58,15 +58,15 @@ def test_an_agent_command_gets_the_gateway_variables_and_its_printed_number_is_i
                                      "assert os.environ['OPENAI_BASE_URL'].startswith('http://127.0.0.1:')\n"
                                      "print('thinking')\n"
                                      "print(len(os.environ['OPENAI_API_KEY']) + row['bonus'])\n")
-    result = run_agent(config, {"bonus": 2}, {"key": "k" * 5, "model": "run-1"}, no_relay)
+    result = run_agent(config, {"bonus": 2}, {"key": "k" * 5, "model": "run-1"}, relay=no_relay)
     assert (result.reward, result.done, result.info) == (7.0, True, {"agent_outcome": "ok", "reward_returned": True})
 
 
 def test_an_agent_command_that_fails_or_hangs_is_an_outcome_not_an_error(tmp_path):
     access = {"key": "k", "model": "m"}
-    failed = run_agent(agent_command(tmp_path, "raise SystemExit(3)"), {}, access, no_relay)
+    failed = run_agent(agent_command(tmp_path, "raise SystemExit(3)"), {}, access, relay=no_relay)
     assert failed.info["agent_outcome"] == "raised" and "exited with 3" in failed.info["agent_error"]
-    unscored = run_agent(agent_command(tmp_path, "print('an answer, no number')"), {}, access, no_relay)
+    unscored = run_agent(agent_command(tmp_path, "print('an answer, no number')"), {}, access, relay=no_relay)
     assert unscored.info == {"agent_outcome": "ok", "reward_returned": False}
     hangs = agent_command(tmp_path, "import time\ntime.sleep(60)").model_copy(update={"agent_timeout_s": 0.5})
-    assert run_agent(hangs, {}, access, no_relay).info["agent_outcome"] == "timed_out"
+    assert run_agent(hangs, {}, access, relay=no_relay).info["agent_outcome"] == "timed_out"

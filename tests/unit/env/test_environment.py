@@ -54,7 +54,8 @@ def test_long_replies_are_cut():
 
 def test_what_a_user_environment_returns_is_checked():
     assert as_messages([{"role": "user", "content": "hi"}]) == [Message("user", "hi")]
-    assert as_step_result({"messages": [], "reward": 1, "done": True}) == StepResult([], 1.0, True, {})
+    assert as_step_result({"messages": [], "reward": 1, "done": True}) == StepResult(messages=[], reward=1.0, done=True,
+                                                                                     info={})
     for garbage in ("hi", [{"role": "robot", "content": "x"}], [{"role": "user"}]):
         with pytest.raises(ValueError, match="returned"):
             as_messages(garbage)

@@ -13,9 +13,9 @@ def count(tool: str, outcome: str) -> float:
 def test_calls_and_failed_steps_are_counted():
     before = (count("check", "ok"), count("", "error"), count("hangs", "timed_out"),
               telemetry.STEP_FAILURES._value.get())
-    telemetry.count_step(StepResult([], info={"calls": [{"tool": "check", "outcome": "ok"},
+    telemetry.count_step(StepResult(messages=[], info={"calls": [{"tool": "check", "outcome": "ok"},
                                                         {"tool": "", "outcome": "error"}]}))
-    telemetry.count_step(StepResult([], info={"error": "tool hangs did not return", "timed_out": True,
+    telemetry.count_step(StepResult(messages=[], info={"error": "tool hangs did not return", "timed_out": True,
                                               "tool": "hangs", "restarted": True}))
     after = (count("check", "ok"), count("", "error"), count("hangs", "timed_out"),
              telemetry.STEP_FAILURES._value.get())

@@ -80,7 +80,7 @@ def test_a_worker_is_not_told_the_services_own_settings(tmp_path: Path):
 
 
 def test_a_workers_answers_are_json_and_anything_else_is_refused():
-    step = StepResult([Message("tool", "1", "lookup")], reward=0.5, info={"calls": []})
+    step = StepResult(messages=[Message("tool", "1", "lookup")], reward=0.5, info={"calls": []})
     assert decode(encode("done", step), "step") == ("done", step)
     assert decode(encode("done", [Message("user", "hi")]), "reset") == ("done", [Message("user", "hi")])
     assert decode(encode("reply", Message("tool", "x", "t")), "step") == ("reply", Message("tool", "x", "t"))

@@ -127,6 +127,7 @@ def test_score_sample_unknown_data_source_names_it():
 
 
 def test_the_lookup_task_is_scored_by_exact_match_of_the_final_answer():
-    assert rules.judge("meshrl/lookup", {}, " 0423\n", "0423") == {"score": 1.0, "acc": True, "pred": "0423"}
-    assert rules.judge("meshrl/lookup", {}, "0428", "0423") == {"score": 0.0, "acc": False, "pred": "0428"}
+    assert rules.judge("meshrl/lookup", {}, " 0423\n", ground_truth="0423") == {"score": 1.0, "acc": True,
+                                                                                "pred": "0423"}
+    assert rules.judge("meshrl/lookup", {}, "0428", ground_truth="0423") == {"score": 0.0, "acc": False, "pred": "0428"}
     assert rules.score_sample("meshrl/lookup", "code 0423", "0423") == 0.0

@@ -263,8 +263,10 @@ def test_rule_options_reach_the_rule_and_unknown_options_are_refused():
         {"rule": "openai/gsm8k", "options": {"method": "flexible", "format_score": 0.1}}]}})
     scorer = Scorer(config)
     right, formatted_wrong, no_answer = scorer.score_batch([
-        Sample("openai/gsm8k", "so 42", "42", {}, ""), Sample("openai/gsm8k", "so 41", "42", {}, ""),
-        Sample("openai/gsm8k", "no idea", "42", {}, "")])
+        Sample(data_source="openai/gsm8k", response="so 42", ground_truth="42", extra_info={}, prompt=""),
+                                                            Sample(data_source="openai/gsm8k", response="so 41",
+                                                                   ground_truth="42", extra_info={}, prompt=""),
+        Sample(data_source="openai/gsm8k", response="no idea", ground_truth="42", extra_info={}, prompt="")])
     assert (right.score, formatted_wrong.score, no_answer.score) == (1.0, 0.1, 0.0)
     # the answer is read with the rule's own method (flexible: the last number), and only full marks are right
     assert [(r.pred, r.acc) for r in (right, formatted_wrong, no_answer)] == [("42", True), ("41", False), ("", False)]
@@ -285,14 +287,15 @@ def test_each_sample_carries_the_answer_read_and_whether_it_is_right():
     scorer = Scorer(validate(RewardServiceConfig, {"scorers": {"both": [
         {"rule": "format", "weight": 0.5}, {"rule": "openai/gsm8k", "weight": 0.5}]}}))
     results = scorer.score_batch([
-        Sample("openai/gsm8k", "3 + 4 = 7\n#### 7", "7", {}, ""),
-        Sample("openai/gsm8k", "#### 1,000", "7", {}, ""),
-        Sample("openai/gsm8k", "seven", "7", {}, ""),
-        Sample("meshrl/reverse", "321", "321", {}, ""),
-        Sample("meshrl/reverse", "3x1", "321", {}, ""),
-        Sample("math", r"so \boxed{\frac12}", r"\frac{1}{2}", {}, ""),
-        Sample("both", "#### 7\nthanks", "7", {}, ""),
-        Sample("nobody", "7", "7", {}, ""),
+        Sample(data_source="openai/gsm8k", response="3 + 4 = 7\n#### 7", ground_truth="7", extra_info={}, prompt=""),
+        Sample(data_source="openai/gsm8k", response="#### 1,000", ground_truth="7", extra_info={}, prompt=""),
+        Sample(data_source="openai/gsm8k", response="seven", ground_truth="7", extra_info={}, prompt=""),
+        Sample(data_source="meshrl/reverse", response="321", ground_truth="321", extra_info={}, prompt=""),
+        Sample(data_source="meshrl/reverse", response="3x1", ground_truth="321", extra_info={}, prompt=""),
+        Sample(data_source="math", response=r"so \boxed{\frac12}", ground_truth=r"\frac{1}{2}", extra_info={},
+               prompt=""),
+        Sample(data_source="both", response="#### 7\nthanks", ground_truth="7", extra_info={}, prompt=""),
+        Sample(data_source="nobody", response="7", ground_truth="7", extra_info={}, prompt=""),
     ])
     assert [(r.score, r.pred, r.acc) for r in results[:6]] == [
         (1.0, "7", True), (0.0, "1000", False), (0.0, "", False), (1.0, "321", True),

@@ -62,8 +62,8 @@ async def sync(engine: HFRolloutEngine, channel_id: str, send) -> object:
 
 async def joined(engine: HFRolloutEngine, name: str) -> GlooChannel:
     store, rendezvous = prepare_gloo_rendezvous("127.0.0.1", 10)
-    trainer_side = asyncio.create_task(asyncio.to_thread(GlooChannel, name, rendezvous, 0, 2, 10))
-    await engine.join_channel(name, "gloo", rendezvous, 1, 2, 10.0)
+    trainer_side = asyncio.create_task(asyncio.to_thread(GlooChannel, name, rendezvous, 0, world_size=2, timeout_s=10))
+    await engine.join_channel(name, "gloo", rendezvous, rank=1, world_size=2, timeout_s=10.0)
     channel = await trainer_side
     del store
     return channel

@@ -218,7 +218,9 @@ def test_temperature_zero_decodes_greedily_with_logprobs_at_temperature_one(tiny
     model, _ = tiny
     sampling = SamplingSettings(n=2, temperature=0.0, top_p=0.5, max_new_tokens=6, seed=5, stop_token_ids=())
     results = _engine(tiny, batch_size=4).generate(prompts, sampling)
-    other_seed = _engine(tiny, batch_size=1).generate(prompts, SamplingSettings(2, 0.0, 1.0, 6, 99, ()))
+    other_seed = _engine(tiny, batch_size=1).generate(prompts, SamplingSettings(n=2, temperature=0.0, top_p=1.0,
+                                                                                max_new_tokens=6, seed=99,
+                                                                                stop_token_ids=()))
     assert _as_tuples(results) == _as_tuples(other_seed)  # no randomness left
     for prompt, completions in zip(prompts, results):
         c = completions[0]

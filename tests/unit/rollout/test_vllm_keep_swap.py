@@ -45,7 +45,8 @@ class StandIn:
 
 
 def engine_with(llm: StandIn, prefix_caching: bool = False) -> VLLMEngine:
-    return VLLMEngine(llm, 100, 0, RolloutServiceConfig(engine="vllm", enable_prefix_caching=prefix_caching), ())
+    return VLLMEngine(llm, 100, 0, config=RolloutServiceConfig(engine="vllm", enable_prefix_caching=prefix_caching),
+                      gpus=())
 
 
 async def in_flight(engine: VLLMEngine, release: asyncio.Event) -> tuple[asyncio.Task, list[GenerationCall]]:

@@ -131,7 +131,7 @@ class StandIn:
 
 
 def lora_engine(llm: StandIn, versions: int = 2) -> VLLMEngine:
-    return VLLMEngine(llm, 100, 0, RolloutServiceConfig(engine="vllm", enable_prefix_caching=True), (),
+    return VLLMEngine(llm, 100, 0, config=RolloutServiceConfig(engine="vllm", enable_prefix_caching=True), gpus=(),
                       lora=AdapterServing(rank=8, versions=versions))
 
 

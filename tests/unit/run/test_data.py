@@ -48,7 +48,7 @@ def write_parquet(path: Path, rows: list[dict]) -> Path:
 
 
 def load(tokenizer, *paths: Path, max_len: int = MAX_LEN) -> list[Prompt]:
-    return load_prompts([str(p) for p in paths], "prompt", "data_source", tokenizer, max_len)[0]
+    return load_prompts([str(p) for p in paths], "prompt", "data_source", tokenizer=tokenizer, max_len=max_len)[0]
 
 
 def ids(tokenizer, text: str) -> list[int]:
@@ -71,21 +71,27 @@ def test_load_prompts_from_jsonl(tmp_path, tokenizer):
         {"data_source": "s", "prompt": "plain", "reward_model": {"ground_truth": 42}},  # string prompt, no extra_info
     ])
     prompts = load(tokenizer, path)
-    assert prompts[0] == Prompt(ids(tokenizer, "123="), "meshrl/reverse", "321", {"index": 0},
-                                ({"role": "user", "content": "123="},))
-    assert prompts[1] == Prompt(ids(tokenizer, "4567="), "other", "7654", {"index": 1},
-                                ({"role": "user", "content": "4567="},))
-    assert prompts[2] == Prompt(ids(tokenizer, "plain"), "s", "42", {}, ({"role": "user", "content": "plain"},))
+    assert prompts[0] == Prompt(token_ids=ids(tokenizer, "123="), data_source="meshrl/reverse", ground_truth="321",
+                                extra_info={"index": 0},
+                                messages=({"role": "user", "content": "123="},))
+    assert prompts[1] == Prompt(token_ids=ids(tokenizer, "4567="), data_source="other", ground_truth="7654",
+                                extra_info={"index": 1},
+                                messages=({"role": "user", "content": "4567="},))
+    assert prompts[2] == Prompt(token_ids=ids(tokenizer, "plain"), data_source="s", ground_truth="42", extra_info={},
+                                messages=({"role": "user", "content": "plain"},))
 
 
 def test_load_prompts_from_parquet(tmp_path, tokenizer):
-    rows = [row("12", extra_info={"split": "train", "index": 0}), row("9876", extra_info={"split": "train", "index": 1})]
+    rows = [row("12", extra_info={"split": "train", "index": 0}), row("9876", extra_info={"split": "train",
+                                                                                          "index": 1})]
     prompts = load(tokenizer, write_parquet(tmp_path / "train.parquet", rows))
     assert prompts == [
-        Prompt(ids(tokenizer, "12="), "meshrl/reverse", "21", {"split": "train", "index": 0},
-               ({"role": "user", "content": "12="},)),
-        Prompt(ids(tokenizer, "9876="), "meshrl/reverse", "6789", {"split": "train", "index": 1},
-               ({"role": "user", "content": "9876="},)),
+        Prompt(token_ids=ids(tokenizer, "12="), data_source="meshrl/reverse", ground_truth="21",
+               extra_info={"split": "train", "index": 0},
+               messages=({"role": "user", "content": "12="},)),
+        Prompt(token_ids=ids(tokenizer, "9876="), data_source="meshrl/reverse", ground_truth="6789",
+               extra_info={"split": "train", "index": 1},
+               messages=({"role": "user", "content": "9876="},)),
     ]
 
 

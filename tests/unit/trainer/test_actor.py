@@ -18,8 +18,10 @@ from services.trainer.forward import batched_candidate_logprobs, response_logpro
 from services.trainer.optim import OptimSettings, chunks
 from services.trainer.ranks import Ranks
 
-OPTIM = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 10)
-WARM_START = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 1)
+OPTIM = OptimSettings(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), grad_clip=1.0, warmup_steps=0,
+                      warmup_style="constant", min_lr_ratio=0.0, total_steps=10)
+WARM_START = OptimSettings(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), grad_clip=1.0, warmup_steps=0,
+                           warmup_style="constant", min_lr_ratio=0.0, total_steps=1)
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +44,9 @@ def tiny_case(model_path) -> tuple[Actor, SequenceBatch, UpdateInputs]:
     responses = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in (7, 1, 4, 6, 3, 5)]
     batch = SequenceBatch.of_lists(prompts, responses)
     tokens = batch.num_response_tokens
-    inputs = UpdateInputs(torch.randn(tokens, generator=generator, dtype=torch.float64) - 4,
-                          torch.randn(tokens, generator=generator, dtype=torch.float64),
-                          torch.randn(tokens, generator=generator, dtype=torch.float64) - 4)
+    inputs = UpdateInputs(old_logprobs=torch.randn(tokens, generator=generator, dtype=torch.float64) - 4,
+                          advantages=torch.randn(tokens, generator=generator, dtype=torch.float64),
+                          ref_logprobs=torch.randn(tokens, generator=generator, dtype=torch.float64) - 4)
     return actor, batch, inputs
 
 
@@ -55,7 +57,7 @@ def accumulate(model_path, inputs: UpdateInputs | None, actor_settings: ActorSet
     scale = algos.LossScale.of(batch.response_lens, 7)
     actor.model.train()
     for part in chunks(torch.arange(len(batch)), actor_settings.micro_batch_size):
-        actor._micro_batch_loss(batch, part, inputs or case_inputs, actor_settings, scale)
+        actor._micro_batch_loss(batch, part, inputs or case_inputs, settings=actor_settings, scale=scale)
     return [p.grad.clone() for p in actor.model.parameters()]
 
 
@@ -144,7 +146,7 @@ def test_the_warm_start_follows_its_own_schedule(model_path):
     actor = Actor(load_causal_lm(model_path).double(), replace(OPTIM, warmup_steps=4), warm, pad_id=0, seed=0)
     micro = settings("token-mean", 6).micro
     logged = [actor.train_supervised(batch, micro)["warm_start/lr"] for _ in range(6)]
-    expected = [1e-3 * algos.lr_factor(step, 2, 6, "cosine", 0.1) for step in range(6)]
+    expected = [1e-3 * algos.lr_factor(step, 2, 6, style="cosine", min_lr_ratio=0.1) for step in range(6)]
     assert logged == pytest.approx(expected)
     assert logged[:2] == pytest.approx([5e-4, 1e-3])
     assert logged[2] > logged[3] > logged[4] > logged[5] > 1e-4
@@ -163,7 +165,8 @@ def test_the_warm_start_trains_only_the_tokens_the_loss_mask_keeps(model_path):
     masked = replace(batch, loss_mask=mask)
 
     reference = load_causal_lm(model_path).double()
-    logprobs, _ = response_logprobs(reference, masked, 0, 1.0, False, device=torch.device("cpu"))
+    logprobs, _ = response_logprobs(reference, masked, 0, temperature=1.0, with_entropy=False,
+                                    device=torch.device("cpu"))
     hand_loss = -logprobs[mask].sum() / mask.sum()
     hand_loss.backward()
     hand_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
@@ -237,19 +240,19 @@ def test_tool_tokens_give_their_logits_no_gradient(model_path):
 
     head = actor.model.get_output_embeddings().register_forward_hook(keep)
     actor.model.train()
-    stats, _ = actor._micro_batch_loss(tools, torch.arange(len(batch)), inputs, actor_settings,
-                                       algos.LossScale.of(batch.response_lens, 7, mask))
+    stats, _ = actor._micro_batch_loss(tools, torch.arange(len(batch)), inputs, settings=actor_settings,
+                                       scale=algos.LossScale.of(batch.response_lens, 7, mask))
     head.remove()
     grad = logits[0].grad[:, :-1][batch.padded().response_mask]  # [T, V], aligned with the response tokens
     assert torch.equal(grad[~mask], torch.zeros_like(grad[~mask]))
     assert (grad[mask].abs().sum(-1) > 0).all()
     with torch.no_grad():
-        _, entropy = response_logprobs(actor.model, batch, 0, actor_settings.temperature, True,
+        _, entropy = response_logprobs(actor.model, batch, 0, temperature=actor_settings.temperature, with_entropy=True,
                                        device=torch.device("cpu"))
     assert stats["actor/entropy"] == pytest.approx(float(entropy[mask].mean()), rel=1e-12)
 
 
-@pytest.mark.parametrize("micro", [MicroBatching(6), MicroBatching(2, remove_padding=True)])
+@pytest.mark.parametrize("micro", [MicroBatching(size=6), MicroBatching(size=2, remove_padding=True)])
 def test_candidate_logprobs_are_the_plain_forward_s_log_softmax_at_the_given_ids(model_path, micro):
     """The weight check's trainer side: at each response position, the logprob of the token itself (as the
     logprob pass gives it) and of each candidate id, from one unpadded forward's log-softmax; in micro-batches of
@@ -260,7 +263,7 @@ def test_candidate_logprobs_are_the_plain_forward_s_log_softmax_at_the_given_ids
     scored = batched_candidate_logprobs(actor.model, batch, candidate_ids=candidates, pad_id=0, temperature=1.0,
                                         micro=micro, ranks=Ranks.single("cpu"))
     assert scored.shape == (batch.num_response_tokens, 4)
-    own = actor.compute_log_probs(batch, 1.0, MicroBatching(6))
+    own = actor.compute_log_probs(batch, 1.0, MicroBatching(size=6))
     torch.testing.assert_close(scored[:, 0], own, atol=1e-9, rtol=0)
     want, start = [], 0
     for row in range(len(batch)):

@@ -34,11 +34,11 @@ def test_token_budget_counts_what_the_forward_pass_holds():
 
 
 def test_every_rank_gets_as_many_micro_batches_and_stand_ins_fill_the_gaps():
-    plan = micro_batch_plan(LENGTHS, ROWS, 2, MicroBatching(size=2))
+    plan = micro_batch_plan(LENGTHS, ROWS, 2, micro=MicroBatching(size=2))
     assert [as_lists(batches) for batches in plan] == [[[1, 3], [4]], [[0, 2], []]]
     assert [(rows.tolist(), real) for rows, real in with_stand_ins(plan[1], LENGTHS, ROWS)] == [
         ([0, 2], True), ([1], False)]  # the stand-in is the shortest row
     # rank 0's rows 1, 3, 4 (1, 6, 3 tokens) packed within 9: [6, 3], [1]; rank 1's 0, 2 (5, 4): [5, 4]
-    budget = micro_batch_plan(LENGTHS, ROWS, 2, MicroBatching(size=2, max_tokens=9, remove_padding=True))
+    budget = micro_batch_plan(LENGTHS, ROWS, 2, micro=MicroBatching(size=2, max_tokens=9, remove_padding=True))
     assert [as_lists(batches) for batches in budget] == [[[3, 4], [1]], [[0, 2], []]]
-    assert micro_batch_plan(LENGTHS, ROWS[:0], 2, MicroBatching(size=2)) == [[], []]
+    assert micro_batch_plan(LENGTHS, ROWS[:0], 2, micro=MicroBatching(size=2)) == [[], []]

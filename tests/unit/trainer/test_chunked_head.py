@@ -22,7 +22,8 @@ CPU = torch.device("cpu")
 def weighted_loss(logprobs, entropy, generator):
     """A loss with arbitrary weights on every logprob and entropy, as the PPO loss has."""
     loss = (logprobs * torch.randn(logprobs.shape, generator=generator, dtype=F64)).sum()
-    return loss if entropy is None else loss + (entropy * torch.randn(entropy.shape, generator=generator, dtype=F64)).sum()
+    return loss if entropy is None else loss + (entropy * torch.randn(entropy.shape, generator=generator,
+                                                                      dtype=F64)).sum()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -37,7 +38,7 @@ def test_chunked_values_and_gradients_equal_the_whole_logits_formula(temperature
     targets = torch.randint(0, vocab, (tokens,), generator=generator)
     inputs = [hidden, weight] + ([bias] if with_bias else [])
 
-    logprobs, entropy = chunked_logprobs(hidden, weight, bias, targets, temperature, chunk_tokens=4,
+    logprobs, entropy = chunked_logprobs(hidden, weight, bias, targets=targets, temperature=temperature, chunk_tokens=4,
                                          with_entropy=with_entropy)
     got = torch.autograd.grad(weighted_loss(logprobs, entropy, torch.Generator().manual_seed(9)), inputs)
     logits = torch.nn.functional.linear(hidden, weight, bias)
@@ -61,7 +62,8 @@ def test_only_the_entropy_in_the_loss_gives_its_gradient():
     generator = torch.Generator().manual_seed(4)
     hidden = torch.randn(5, 3, generator=generator, dtype=F64, requires_grad=True)
     weight = torch.randn(7, 3, generator=generator, dtype=F64)
-    _, entropy = chunked_logprobs(hidden, weight, None, torch.zeros(5, dtype=torch.int64), 0.5, chunk_tokens=2,
+    _, entropy = chunked_logprobs(hidden, weight, None, targets=torch.zeros(5, dtype=torch.int64), temperature=0.5,
+                                  chunk_tokens=2,
                                   with_entropy=True)
     (got,) = torch.autograd.grad(entropy.sum(), [hidden])
     (expected,) = torch.autograd.grad(algos.token_entropy(hidden @ weight.T, 0.5).sum(), [hidden])
@@ -70,7 +72,8 @@ def test_only_the_entropy_in_the_loss_gives_its_gradient():
 
 def test_a_chunk_of_no_tokens_is_refused():
     with pytest.raises(ValueError, match="chunk_tokens"):
-        chunked_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), None, torch.zeros(2, dtype=torch.int64), 1.0,
+        chunked_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), None, targets=torch.zeros(2, dtype=torch.int64),
+                         temperature=1.0,
                          chunk_tokens=0, with_entropy=False)
 
 
@@ -91,7 +94,8 @@ def batch():
 
 def logprobs_and_gradients(model, chunk_tokens: int, remove_padding: bool):
     model.zero_grad()
-    logprobs, entropy = response_logprobs(model, batch(), 0, 0.8, True, device=CPU, remove_padding=remove_padding,
+    logprobs, entropy = response_logprobs(model, batch(), 0, temperature=0.8, with_entropy=True, device=CPU,
+                                          remove_padding=remove_padding,
                                           chunk_tokens=chunk_tokens)
     weighted_loss(logprobs, entropy, torch.Generator().manual_seed(2)).backward()
     return logprobs.detach(), entropy.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -128,7 +132,8 @@ def test_entropies_without_a_gradient_have_the_same_values_and_leave_the_logprob
     got = {}
     for entropy_grad in (True, False):
         model.zero_grad()
-        logprobs, entropy = response_logprobs(model, batch(), 0, 0.8, True, device=CPU, remove_padding=False,
+        logprobs, entropy = response_logprobs(model, batch(), 0, temperature=0.8, with_entropy=True, device=CPU,
+                                              remove_padding=False,
                                               chunk_tokens=chunk_tokens,
                                               entropy_grad=entropy_grad)
         reached = parameters_reached(entropy.sum(), model)

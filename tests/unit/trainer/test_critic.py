@@ -14,7 +14,8 @@ from services.run.models import load_value_model
 from services.trainer.critic import Critic, CriticSettings
 from services.trainer.optim import OptimSettings
 
-OPTIM = OptimSettings(1e-3, 0.0, (0.9, 0.99), 1.0, 0, "constant", 0.0, 10)
+OPTIM = OptimSettings(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), grad_clip=1.0, warmup_steps=0,
+                      warmup_style="constant", min_lr_ratio=0.0, total_steps=10)
 SETTINGS = CriticSettings(mini_batch_size=3, micro_batch_size=2, epochs=1, cliprange_value=0.5, vf_coef=1.0,
                           loss_agg_mode="seq-mean-token-mean", max_response_length=8)
 
@@ -27,9 +28,10 @@ def model_path(tmp_path_factory):
 def update(model_path, returns: torch.Tensor, loss_mask: torch.Tensor | None) -> tuple[dict, list[torch.Tensor]]:
     torch.manual_seed(3)  # the value head's initialisation
     critic = Critic(load_value_model(model_path).double(), OPTIM, pad_id=0, seed=0)
-    batch = replace(SequenceBatch.of_lists([[5, 6], [7], [8, 9, 10]], [[11, 12, 13], [14, 15], [16, 17, 18]]), loss_mask=loss_mask)
+    batch = replace(SequenceBatch.of_lists([[5, 6], [7], [8, 9, 10]], [[11, 12, 13], [14, 15], [16, 17, 18]]),
+                    loss_mask=loss_mask)
     old_values = torch.linspace(-0.5, 0.5, 8, dtype=torch.float64)
-    metrics = critic.update(batch, old_values, returns, SETTINGS)
+    metrics = critic.update(batch, old_values, returns, settings=SETTINGS)
     return metrics, [p.detach().clone() for p in critic.model.parameters()]
 
 

@@ -36,14 +36,15 @@ from services.trainer.optim import OptimSettings, shuffled_mini_batches
 from services.trainer.ranks import join
 from services.trainer.sharding import Sharding, place
 
-OPTIM = OptimSettings(1e-3, 0.01, (0.9, 0.99), 1.0, 0, "constant", 0.0, 10)
+OPTIM = OptimSettings(lr=1e-3, weight_decay=0.01, betas=(0.9, 0.99), grad_clip=1.0, warmup_steps=0,
+                      warmup_style="constant", min_lr_ratio=0.0, total_steps=10)
 SEED = 5
 CHECKPOINT_KEY = b"k" * 32  # the manifest's signing key (a trainer reads it from its checkpoint root)
 MODES = ("token-mean", "seq-mean-token-mean")
 PROMPTS = (2, 5, 3, 4, 1, 6, 2, 3)
 RESPONSES = (9, 1, 4, 20, 3, 5, 8, 2)  # one long response: the rank that takes it has fewer micro-batches
 CHUNK_TOKENS = 8  # logprobs from the hidden states, 8 tokens at a time
-LOG_PROB_PASS = MicroBatching(2, max_tokens=30, remove_padding=True, chunk_tokens=CHUNK_TOKENS)
+LOG_PROB_PASS = MicroBatching(size=2, max_tokens=30, remove_padding=True, chunk_tokens=CHUNK_TOKENS)
 COMMAND = {"ids": torch.arange(5), "half": torch.linspace(-2, 2, 6, dtype=torch.bfloat16).reshape(2, 3),
            "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5, dtype=torch.float64)}
 
@@ -67,16 +68,16 @@ def case():
     responses = [torch.randint(3, 70, (n,), generator=generator).tolist() for n in RESPONSES]
     batch = SequenceBatch.of_lists(prompts, responses)
     tokens = batch.num_response_tokens
-    inputs = UpdateInputs(torch.randn(tokens, generator=generator, dtype=torch.float64) - 4,
-                          torch.randn(tokens, generator=generator, dtype=torch.float64),
-                          torch.randn(tokens, generator=generator, dtype=torch.float64) - 4)
+    inputs = UpdateInputs(old_logprobs=torch.randn(tokens, generator=generator, dtype=torch.float64) - 4,
+                          advantages=torch.randn(tokens, generator=generator, dtype=torch.float64),
+                          ref_logprobs=torch.randn(tokens, generator=generator, dtype=torch.float64) - 4)
     return batch, inputs
 
 
 def actor(model_path: Path, ranks=None, sharding: Sharding | None = None, checkpointing: bool = False) -> Actor:
     model = load_causal_lm(model_path).double()
     if ranks is not None:
-        model = place(model, ranks, sharding, checkpointing)
+        model = place(model, ranks, sharding, gradient_checkpointing=checkpointing)
     return Actor(model, OPTIM, OPTIM, pad_id=0, seed=SEED, ranks=ranks)
 
 
@@ -84,7 +85,7 @@ def critic(model_path: Path, ranks=None) -> Critic:
     torch.manual_seed(3)  # the value head's initialisation
     model = load_value_model(model_path).double()
     if ranks is not None:
-        model = place(model, ranks, Sharding(fsdp=True), False)
+        model = place(model, ranks, Sharding(fsdp=True), gradient_checkpointing=False)
     return Critic(model, OPTIM, pad_id=0, seed=SEED, ranks=ranks)
 
 
@@ -95,7 +96,11 @@ def critic_case(model_path: Path, ranks=None) -> tuple[torch.Tensor | None, tupl
     values = values_critic.compute_values(batch, LOG_PROB_PASS)
     returns = torch.randn(batch.num_response_tokens, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     old_values = torch.zeros_like(returns)
-    metrics = values_critic.update(batch, old_values, returns, CriticSettings(4, 2, 2, 0.5, 1.0, "token-mean", 20))
+    metrics = values_critic.update(batch, old_values, returns, settings=CriticSettings(mini_batch_size=4,
+                                                                                       micro_batch_size=2, epochs=2,
+                                                                                       cliprange_value=0.5, vf_coef=1.0,
+                                                                                       loss_agg_mode="token-mean",
+                                                                                       max_response_length=20))
     return values, (metrics, full_weights(values_critic.model))
 
 
@@ -122,7 +127,7 @@ def two_rank_job(rank: int, port: int, model_path: Path, out: Path) -> None:
                                      replace(settings(MODES[0]), mini_batch_size=len(batch), epochs=1))
     results["critic"] = critic_case(model_path, ranks)
     roles = SimpleNamespace(actor=sharded, critic=None, run_id="run-a")
-    checkpoint.save(roles, out / "checkpoint", 7, ranks, CHECKPOINT_KEY)
+    checkpoint.save(roles, out / "checkpoint", 7, ranks=ranks, key=CHECKPOINT_KEY)
     sharded.update(batch, inputs, settings(MODES[-1]))  # move away from the saved weights
     results["loaded_version"] = checkpoint.load(roles, out / "checkpoint")
     results["loaded"] = full_weights(sharded.model)
@@ -168,8 +173,8 @@ def assert_same_update(got, expected) -> None:
 def test_the_long_sequence_leaves_one_rank_with_fewer_micro_batches():
     """Precondition of the tests below: some mini-batch needs stand-ins (on the rank with the long sequence)."""
     batch, _ = case()
-    plans = [micro_batch_plan(batch.sequence_lens, rows, 2, MicroBatching(2))
-             for rows in shuffled_mini_batches(len(batch), 4, 2, torch.Generator().manual_seed(SEED))]
+    plans = [micro_batch_plan(batch.sequence_lens, rows, 2, micro=MicroBatching(size=2))
+             for rows in shuffled_mini_batches(len(batch), 4, 2, generator=torch.Generator().manual_seed(SEED))]
     assert any(len(part) == 0 for plan in plans for batches in plan for part in batches)
 
 
@@ -186,7 +191,7 @@ def test_two_rank_update_equals_the_one_rank_update(two_ranks, model_path, mode)
 def test_logprobs_are_gathered_in_the_batch_order(two_ranks, model_path):
     (rank0, rank1), _ = two_ranks
     batch, _ = case()
-    expected = actor(model_path).compute_log_probs(batch, 0.9, MicroBatching(len(batch)))
+    expected = actor(model_path).compute_log_probs(batch, 0.9, MicroBatching(size=len(batch)))
     assert rank1["logprobs"] is None
     assert rank0["logprobs"].shape == (batch.num_response_tokens,)
     torch.testing.assert_close(rank0["logprobs"], expected, rtol=0, atol=2e-6)
@@ -195,7 +200,7 @@ def test_logprobs_are_gathered_in_the_batch_order(two_ranks, model_path):
 def test_one_step_on_its_own_logprobs_gathers_them_in_the_batch_order_for_the_mismatch(two_ranks, model_path):
     (rank0, _), _ = two_ranks
     batch, inputs = case()
-    passed = actor(model_path).compute_log_probs(batch, 0.9, MicroBatching(len(batch)))
+    passed = actor(model_path).compute_log_probs(batch, 0.9, MicroBatching(size=len(batch)))
     expected = algos.mismatch_metrics(inputs.old_logprobs, passed, batch.response_lens)
     assert {key: rank0["own"][key] for key in expected} == pytest.approx(expected, rel=1e-5, abs=1e-7)
 
@@ -212,9 +217,10 @@ def test_critic_on_two_ranks_equals_one(two_ranks, model_path):
 def test_token_budget_micro_batches_give_the_fixed_size_update(model_path, remove_padding):
     batch, _ = case()
     budget = 30  # the longest sequence has 26 tokens; a micro-batch holds one to four sequences
-    micro = MicroBatching(2, budget, remove_padding)
-    micro_sizes = {len(part) for rows in shuffled_mini_batches(len(batch), 4, 2, torch.Generator().manual_seed(SEED))
-                   for part in micro_batch_plan(batch.sequence_lens, rows, 1, micro)[0]}
+    micro = MicroBatching(size=2, max_tokens=budget, remove_padding=remove_padding)
+    micro_sizes = {len(part) for rows in shuffled_mini_batches(len(batch), 4, 2,
+                                                               generator=torch.Generator().manual_seed(SEED))
+                   for part in micro_batch_plan(batch.sequence_lens, rows, 1, micro=micro)[0]}
     assert len(micro_sizes) > 1  # the budget, not a count, cut them
     expected = one_rank(model_path, "token-mean")
     assert_same_update(one_rank(model_path, "token-mean", max_tokens=budget, remove_padding=remove_padding), expected)

@@ -81,7 +81,8 @@ def test_the_reference_is_the_base_model_with_no_second_copy(tiny):
     base = load_causal_lm(tiny)  # loaded independently, from the model folder
     from services.trainer.worker import sequences
 
-    want = batched_logprobs(base, sequences(SEQUENCES), worker.roles.pad_id, 1.0, worker.roles.settings.ref_log_probs,
+    want = batched_logprobs(base, sequences(SEQUENCES), worker.roles.pad_id, temperature=1.0,
+                            micro=worker.roles.settings.ref_log_probs,
                             ranks=worker.ranks)
     assert torch.allclose(worker.compute_log_probs(SEQUENCES, role="ref"), want, atol=1e-6)
     assert not torch.allclose(worker.compute_log_probs(SEQUENCES, role="actor"), want, atol=1e-4)
@@ -307,7 +308,8 @@ def test_a_bf16_lora_actor_keeps_no_more_for_backward_than_full_fine_tuning_and_
         tiny, roles=("actor",), dtype="bfloat16", lora_rank=rank, lora_alpha=8)
 
     def trainer_pass(worker: RankWorker):
-        return lambda model: response_logprobs(model, batch, worker.roles.pad_id, 1.0, True, device=torch.device("cpu"))
+        return lambda model: response_logprobs(model, batch, worker.roles.pad_id, temperature=1.0, with_entropy=True,
+                                               device=torch.device("cpu"))
 
     full_bytes = saved_for_backward_bytes(full.roles.actor.model, trainer_pass(full))
     lora_bytes = saved_for_backward_bytes(lora.roles.actor.model, trainer_pass(lora))
@@ -320,7 +322,7 @@ def test_a_bf16_lora_critic_keeps_no_more_for_backward_than_a_fully_trained_one_
     full, lora = critic_loaded(tiny, "bfloat16"), critic_loaded(tiny, "bfloat16", lora_rank=4)
 
     def trainer_pass(worker: RankWorker):
-        return lambda model: response_values(model, batch, worker.roles.pad_id, torch.device("cpu"))
+        return lambda model: response_values(model, batch, worker.roles.pad_id, device=torch.device("cpu"))
 
     full_bytes = saved_for_backward_bytes(full.roles.critic.model, trainer_pass(full))
     lora_bytes = saved_for_backward_bytes(lora.roles.critic.model, trainer_pass(lora))
@@ -354,8 +356,8 @@ def test_a_bf16_lora_actor_s_logprobs_are_those_of_its_merged_weights(tiny):
     from services.trainer.worker import sequences
 
     def logprobs(model):
-        return batched_logprobs(model, sequences(SEQUENCES), worker.roles.pad_id, 1.0,
-                                worker.roles.settings.actor_log_probs, ranks=worker.ranks)
+        return batched_logprobs(model, sequences(SEQUENCES), worker.roles.pad_id, temperature=1.0,
+                                micro=worker.roles.settings.actor_log_probs, ranks=worker.ranks)
 
     actor = worker.compute_log_probs(SEQUENCES, role="actor")
     assert (actor - logprobs(merged)).abs().max() < 0.02

@@ -16,8 +16,10 @@ def updated(device: str, offload: bool) -> tuple[list[torch.Tensor], Optimizer]:
     """Three update calls of two optimizer steps each on a small float64 model; its weights after them."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double().to(device)
-    optimizer = Optimizer(model.parameters(), OptimSettings(1e-2, 0.01, (0.9, 0.99), 1.0, 0, "constant", 0.0, 10,
-                                                            offload))
+    optimizer = Optimizer(model.parameters(), OptimSettings(lr=1e-2, weight_decay=0.01, betas=(0.9, 0.99),
+                                                            grad_clip=1.0, warmup_steps=0, warmup_style="constant",
+                                                            min_lr_ratio=0.0, total_steps=10,
+                                                            offload=offload))
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
         with optimizer.resident():

@@ -29,7 +29,8 @@ def round_trip(tensors: dict[str, torch.Tensor], extra: tuple[str, ...] = ()) ->
 
 
 def with_mask(batch: SequenceBatch, mask: list[bool]) -> SequenceBatch:
-    return SequenceBatch(batch.prompt_ids, batch.prompt_lens, batch.response_ids, batch.response_lens,
+    return SequenceBatch(prompt_ids=batch.prompt_ids, prompt_lens=batch.prompt_lens, response_ids=batch.response_ids,
+                         response_lens=batch.response_lens,
                          loss_mask=torch.tensor(mask))
 
 

@@ -28,7 +28,8 @@ def model_path(tmp_path_factory):
 
 def logprobs_and_gradients(model, batch, remove_padding: bool):
     model.zero_grad(set_to_none=True)
-    logprobs, entropy = response_logprobs(model, batch, 0, 0.8, True, device=CPU, remove_padding=remove_padding,
+    logprobs, entropy = response_logprobs(model, batch, 0, temperature=0.8, with_entropy=True, device=CPU,
+                                          remove_padding=remove_padding,
                                           chunk_tokens=ModelConfig().logprob_chunk_tokens)
     generator = torch.Generator().manual_seed(5)
     loss = (logprobs * torch.randn(logprobs.shape, generator=generator, dtype=torch.float64)).sum() + (
@@ -55,7 +56,8 @@ def test_packed_varlen_attention_gives_the_padded_logprobs_and_gradients(model_p
 def test_varlen_attention_refuses_padded_rows(model_path):
     varlen = load_causal_lm(model_path, attn_implementation=attention(True)).double()
     with pytest.raises(ValueError, match="one packed row with its cu_seq_lens_q"):
-        response_logprobs(varlen, SequenceBatch.of_lists([[5, 6], [7]], [[8], [9, 10]]), 0, 1.0, False, device=CPU,
+        response_logprobs(varlen, SequenceBatch.of_lists([[5, 6], [7]], [[8], [9, 10]]), 0, temperature=1.0,
+                          with_entropy=False, device=CPU,
                           remove_padding=False)
 
 

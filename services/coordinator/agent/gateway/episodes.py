@@ -31,7 +31,7 @@ from services.run.tool_calls import parse_tool_calls
 OUTCOMES = ("ok", "raised", "timed_out")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GatewayEpisode:
     """One open episode: its calls' turns go through ``dispatcher``, its completions into ``recording``."""
 
@@ -48,7 +48,7 @@ class GatewayEpisode:
 
 
 def agent_samples(recorded: GatewayEpisode, tokenizer: Any, prompt: Prompt,
-                  max_prompt_length: int) -> tuple[Trajectory, ...]:
+                  *, max_prompt_length: int) -> tuple[Trajectory, ...]:
     """The trajectory's samples: what its calls recorded, or the placeholder of an episode that made none."""
     return tuple(leaf.trajectory for leaf in recorded.recording.leaves) or (
         placeholder(tokenizer, prompt, max_prompt_length),)
@@ -79,7 +79,7 @@ def placeholder(tokenizer: Any, prompt: Prompt, max_prompt_length: int) -> Traje
                       logprobs=(0.0,), turns=(Turn(role="reply", start=0, end=1, weight_version=None),))
 
 
-def agent_trace(recorded: GatewayEpisode, step: EnvStep, outcome: str, episode: Episode,
+def agent_trace(recorded: GatewayEpisode, step: EnvStep, outcome: str, *, episode: Episode,
                 tokenizer: Any) -> AgentTrace:
     recording = recorded.recording
     records, calls = turn_records(recording, tokenizer)

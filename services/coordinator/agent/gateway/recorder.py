@@ -37,7 +37,7 @@ class Budget(NamedTuple):
     max_response_length: int  # of each sample's response tokens, the model's and the replies'
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Leaf:
     """A completion the gateway returned that no later call has extended (yet)."""
 
@@ -71,7 +71,7 @@ class Plan(NamedTuple):
         return self.base.room - len(self.opening)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EpisodeRecording:
     """What one episode's calls sampled, as leaves (``samples``), and its counts."""
 
@@ -129,7 +129,7 @@ class EpisodeRecording:
         return room
 
     def record(self, plan: Plan, completions: Sequence[tuple[SampledTokens, int]], tokenizer: Any,
-               returned: Sequence[dict]) -> None:
+               *, returned: Sequence[dict]) -> None:
         """The call's completions (sampled tokens, last weight version), each a leaf, in place of the leaf the call
         extended; ``returned``: the assistant message returned for each."""
         if plan.extends is None:

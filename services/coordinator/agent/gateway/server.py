@@ -60,7 +60,7 @@ PLAN_ON_LOOP_BYTES = 1024
 KEY_PREFIX = "meshrl-episode"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GatewaySettings:
     host: str  # the address it binds
     port: int  # 0: one the system picks
@@ -115,7 +115,7 @@ class Gateway:
         ``close``."""
         key = f"{KEY_PREFIX}-{self.run_id}-{secrets.token_urlsafe(24)}"
         self.episodes[key] = GatewayEpisode(key=key, index=index, dispatcher=dispatcher,
-                                            recording=EpisodeRecording(self.settings.budget))
+                                            recording=EpisodeRecording(budget=self.settings.budget))
         return GatewayAccess(url=self.url, key=key, model=self.model)
 
     def close_episode(self, key: str) -> GatewayEpisode:
@@ -136,8 +136,9 @@ class Gateway:
         if outcome != "ok":
             log.warning("agent_failed", run_id=self.run_id, episode=recorded.index, outcome=outcome,
                         error=str(step.info.get("agent_error") or step.info.get("error") or "")[:2000])
-        samples = agent_samples(recorded, self.tokenizer, prompt, self.settings.budget.max_prompt_length)
-        return samples, agent_trace(recorded, step, outcome, episode, self.tokenizer)
+        samples = agent_samples(recorded, self.tokenizer, prompt,
+                                max_prompt_length=self.settings.budget.max_prompt_length)
+        return samples, agent_trace(recorded, step, outcome, episode=episode, tokenizer=self.tokenizer)
 
     def forget(self, key: str) -> None:
         """End the episode of ``key`` if it is open, what it recorded dropped (its env replica failed)."""
@@ -181,7 +182,8 @@ class Gateway:
                                param="n")
         first_seed = episode.index * TURN_SEEDS + episode.seeds_used
         episode.seeds_used += body.n
-        sampled = await self._sample(episode, plan, body, min(body.max_tokens or room, room), first_seed)
+        sampled = await self._sample(episode, plan, body, max_tokens=min(body.max_tokens or room, room),
+                                     first_seed=first_seed)
         choices = self._decode(sampled, body)  # microseconds: the completion's ids, decoded once
         tool_names = frozenset(str(t["function"]["name"]) for t in body.tools)
         call_id = f"call_{uuid.uuid4().hex[:16]}"
@@ -201,11 +203,11 @@ class Gateway:
                 return response
             kept = [s.tokens._replace(ids=c.token_ids, logprobs=c.logprobs) for s, c in zip(sampled, choices)]
             recording.record(plan, [(tokens, s.last_version) for tokens, s in zip(kept, sampled)], self.tokenizer,
-                             messages)
+                             returned=messages)
         episode.rollouts.extend(s.replica.address for s in sampled)
         return response
 
-    async def _sample(self, episode: GatewayEpisode, plan: Plan, body: ChatRequest, max_tokens: int,
+    async def _sample(self, episode: GatewayEpisode, plan: Plan, body: ChatRequest, *, max_tokens: int,
                       first_seed: int) -> list[Sampled]:
         """``body.n`` completions of the plan's prompt through the episode's dispatcher; 503 if the rollouts fail."""
         dispatcher = episode.dispatcher
@@ -216,7 +218,8 @@ class Gateway:
                                top_p=own.top_p if body.top_p is None else body.top_p)
         try:
             sampled = await asyncio.gather(*(
-                dispatcher.sample(list(plan.prompt_ids), max_tokens, first_seed + j, episode.replica, sampling=sampling)
+                dispatcher.sample(list(plan.prompt_ids), max_tokens, first_seed + j, prefer=episode.replica,
+                                  sampling=sampling)
                 for j in range(body.n)))
         except Unavailable as error:
             raise RequestError(503, f"the rollouts could not sample this call: {error}", kind="server_error",
@@ -225,7 +228,7 @@ class Gateway:
         return list(sampled)
 
     def _decode(self, sampled: list[Sampled], body: ChatRequest) -> list[Choice]:
-        return [decode_choice(self.tokenizer, s.tokens.ids, s.tokens.logprobs, s.truncated, body.stop,
+        return [decode_choice(self.tokenizer, s.tokens.ids, s.tokens.logprobs, truncated=s.truncated, stop=body.stop,
                               token_texts=body.logprobs) for s in sampled]
 
 
@@ -236,8 +239,8 @@ def run_gateway(run_id: str, settings: AgentSettings, tokenizer: Any) -> Gateway
         budget=Budget(max_prompt_length=settings.max_prompt_length, max_response_length=settings.max_response_length)))
 
 
-def decode_choice(tokenizer: Any, ids: tuple[int, ...], logprobs: tuple[float, ...], truncated: bool,
-                  stop: tuple[str, ...], *, token_texts: bool = True) -> Choice:
+def decode_choice(tokenizer: Any, ids: tuple[int, ...], logprobs: tuple[float, ...], *, truncated: bool,
+                  stop: tuple[str, ...], token_texts: bool = True) -> Choice:
     """A completion decoded; where it holds a stop string, its ids cut after the token that completes the first
     one and its text before it (the tokens past it are not returned and do not train). ``token_texts``: each
     token's text too (the logprobs' ``token``; empty otherwise)."""

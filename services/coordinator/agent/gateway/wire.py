@@ -57,7 +57,7 @@ class ToolChoice(NamedTuple):
     # a named function: its call up to the arguments)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatRequest:
     """One checked ``POST /v1/chat/completions`` body."""
 
@@ -91,8 +91,8 @@ def chat_request(body: bytes, max_n: int) -> ChatRequest:
     if not 1 <= n <= max_n:
         raise RequestError(400, f"n must be between 1 and {max_n} (the gateway's max_n), got {n}", param="n",
                            code="n_too_large" if n > max_n else None)
-    temperature = _number(data, "temperature", 0.0, 2.0)
-    top_p = _number(data, "top_p", 0.0, 1.0)
+    temperature = _number(data, "temperature", 0.0, high=2.0)
+    top_p = _number(data, "top_p", 0.0, high=1.0)
     if top_p == 0.0:
         raise RequestError(400, "top_p must be above 0", param="top_p")
     max_tokens = _field(data, "max_completion_tokens", int) if data.get("max_completion_tokens") is not None else \
@@ -123,7 +123,7 @@ def _field(data: dict, name: str, kind: type, *, required: bool = False, default
     return value
 
 
-def _number(data: dict, name: str, low: float, high: float) -> float | None:
+def _number(data: dict, name: str, low: float, *, high: float) -> float | None:
     value = data.get(name)
     if value is None:
         return None
@@ -243,7 +243,7 @@ def completion(*, completion_id: str, model: str, messages: list[dict], choices:
                prompt_ids: tuple[int, ...], logprobs: bool, return_token_ids: bool) -> dict:
     """A ``chat.completion`` object; ``messages``: each choice's assistant message."""
     answer = {"id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-              "choices": [_choice(index, message, choice, logprobs, return_token_ids)
+              "choices": [_choice(index, message, choice, logprobs=logprobs, return_token_ids=return_token_ids)
                           for index, (message, choice) in enumerate(zip(messages, choices))],
               "usage": usage(prompt_ids, choices)}
     if return_token_ids:
@@ -255,7 +255,7 @@ def finish_reason(message: dict, choice: Choice) -> str:
     return "tool_calls" if message.get("tool_calls") else choice.finish_reason
 
 
-def _choice(index: int, message: dict, choice: Choice, logprobs: bool, return_token_ids: bool) -> dict:
+def _choice(index: int, message: dict, choice: Choice, *, logprobs: bool, return_token_ids: bool) -> dict:
     entry = {"index": index, "message": message, "logprobs": logprob_content(choice) if logprobs else None,
              "finish_reason": finish_reason(message, choice)}
     if return_token_ids:
@@ -280,7 +280,7 @@ def stream_chunks(*, completion_id: str, model: str, messages: list[dict], choic
     its logprobs), its tool calls, its finish reason; then, where asked, the usage."""
     created = int(time.time())
 
-    def chunk(index: int, delta: dict, reason: str | None = None, extra: dict | None = None) -> dict:
+    def chunk(index: int, delta: dict, reason: str | None = None, *, extra: dict | None = None) -> dict:
         return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason,
                              **(extra or {})}]}

@@ -55,7 +55,7 @@ class Rollouts:
 def sample_all(dispatcher: TurnDispatcher, turns: list[tuple[int, int, object]]):
     async def run():
         try:
-            return await asyncio.gather(*(dispatcher.sample([1, 2], room, index, prefer) for room, index, prefer in turns))
+            return await asyncio.gather(*(dispatcher.sample([1, 2], room, index, prefer=prefer) for room, index, prefer in turns))
         finally:
             await dispatcher.close()
     return asyncio.run(run())
@@ -128,7 +128,7 @@ def test_a_lone_trajectorys_turn_goes_at_once_without_waiting_for_the_window(lon
 
     async def run():
         try:
-            return await asyncio.wait_for(dispatcher.sample([1, 2], 4, 7, None), timeout=20)
+            return await asyncio.wait_for(dispatcher.sample([1, 2], 4, 7, prefer=None), timeout=20)
         finally:
             await dispatcher.close()
     assert asyncio.run(run()).tokens.ids == (7, 7, 7)
@@ -142,7 +142,7 @@ def test_turns_wait_for_the_trajectories_still_running_and_go_together_once_the_
 
     async def run():
         try:
-            turns = [asyncio.ensure_future(dispatcher.sample([1, 2], 4, index, None)) for index in (5, 6)]
+            turns = [asyncio.ensure_future(dispatcher.sample([1, 2], 4, index, prefer=None)) for index in (5, 6)]
             await asyncio.sleep(0.05)
             assert replica.calls == []  # the third trajectory may still send a turn: they wait for it
             dispatcher.trajectory_ended()  # it will not
@@ -156,10 +156,11 @@ def test_turns_wait_for_the_trajectories_still_running_and_go_together_once_the_
 def test_tool_calls_are_counted_by_tool_and_outcome():
     calls, errors, timeouts = Counter(), Counter(), Counter()
     count_calls({"calls": [{"tool": "lookup", "outcome": "ok"}, {"tool": "lookup", "outcome": "error"},
-                           {"tool": "", "outcome": "error"}]}, calls, errors, timeouts)
-    count_calls({"error": "tool hangs timed out after 2 s", "timed_out": True, "tool": "hangs"}, calls, errors, timeouts)
-    count_calls({"error": "the environment raised", "timed_out": False, "tool": ""}, calls, errors, timeouts)
-    count_calls({"calls": []}, calls, errors, timeouts)  # a final answer: no call
+                           {"tool": "", "outcome": "error"}]}, calls, errors, timeouts=timeouts)
+    count_calls({"error": "tool hangs timed out after 2 s", "timed_out": True, "tool": "hangs"}, calls, errors,
+                timeouts=timeouts)
+    count_calls({"error": "the environment raised", "timed_out": False, "tool": ""}, calls, errors, timeouts=timeouts)
+    count_calls({"calls": []}, calls, errors, timeouts=timeouts)  # a final answer: no call
     assert calls == {"lookup": 2, "(unparsed)": 1, "hangs": 1, "(environment)": 1}
     assert errors == {"lookup": 1, "(unparsed)": 1, "(environment)": 1}
     assert timeouts == {"hangs": 1}

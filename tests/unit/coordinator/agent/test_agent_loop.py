@@ -63,7 +63,7 @@ def test_a_reply_that_fills_the_response_ends_the_trajectory_without_asking_for_
     prompt = Prompt(token_ids=list(render_prompt(tokenizer, CONVERSATION, {})), data_source="d", ground_truth="",
                     extra_info={}, messages=CONVERSATION)
 
-    (trajectory,), trace = asyncio.run(loop.turns(prompt, 0, (), Episode(), rollout))
+    (trajectory,), trace = asyncio.run(loop.turns(prompt, 0, (), episode=Episode(), dispatcher=rollout))
 
     assert rollout.rooms == [length]
     assert trajectory.response_ids == turn_ids + reply_ids and trajectory.room == 0
@@ -117,7 +117,7 @@ def test_a_template_that_strips_thinking_starts_a_new_sample_from_the_conversati
     tokenizer, loop, prompt = thinking_loop(max_response_length=500)
     rollout = ScriptedRollout(tokenizer, [(THOUGHT + CALL_TURN, 1), (CALL_TURN, 2), ("It is 42.<|im_end|>", 2)])
 
-    samples, trace = asyncio.run(loop.turns(prompt, 0, (), ToolThenDone(), rollout))
+    samples, trace = asyncio.run(loop.turns(prompt, 0, (), episode=ToolThenDone(), dispatcher=rollout))
 
     first, second = samples
     turn1, turn2, turn3 = (encode(tokenizer, text) for text in (THOUGHT + CALL_TURN, CALL_TURN, "It is 42.<|im_end|>"))
@@ -154,7 +154,7 @@ def test_the_turn_limit_counts_the_model_turns_of_every_sample():
     tokenizer, loop, prompt = thinking_loop(max_response_length=500, max_assistant_turns=2)
     rollout = ScriptedRollout(tokenizer, [(THOUGHT + CALL_TURN, 1), (CALL_TURN, 1), ("never sampled", 1)])
 
-    samples, trace = asyncio.run(loop.turns(prompt, 0, (), ToolThenDone(), rollout))
+    samples, trace = asyncio.run(loop.turns(prompt, 0, (), episode=ToolThenDone(), dispatcher=rollout))
 
     assert len(samples) == 2 and len(rollout.calls) == 2 and trace.ended == "max_assistant_turns"
 
@@ -164,7 +164,7 @@ def test_a_conversation_that_outgrows_what_is_left_of_the_response_ends_over_bud
     tokenizer, loop, prompt = thinking_loop(max_response_length=len(turn) + 30)
     rollout = ScriptedRollout(tokenizer, [(THOUGHT + CALL_TURN, 1)])
 
-    samples, trace = asyncio.run(loop.turns(prompt, 0, (), ToolThenDone(), rollout))
+    samples, trace = asyncio.run(loop.turns(prompt, 0, (), episode=ToolThenDone(), dispatcher=rollout))
 
     # the fresh rendering grows the conversation by 30 tokens: exactly the room left, none for a turn
     assert len(samples) == 1 and trace.ended == "over_budget"

@@ -161,8 +161,8 @@ def test_a_template_that_rewrites_the_models_turn_cannot_be_extended():
 def test_truncation_keeps_the_side_verl_names_and_counts_the_marker(tokenizer, side, expected):
     text = string.ascii_lowercase
     limit = len(expected)
-    assert truncate_text(tokenizer, text, limit, side) == expected
-    assert truncate_text(tokenizer, text, 26, side) is None
+    assert truncate_text(tokenizer, text, limit, side=side) == expected
+    assert truncate_text(tokenizer, text, 26, side=side) is None
 
 
 def test_a_long_reply_is_cut_to_max_reply_tokens(tokenizer):

@@ -177,14 +177,14 @@ async def test_a_batch_every_replica_failed_is_done_again_after_each_recovery_un
                                              else FakeReplica("d")]))
 
     processed: list[int] = []
-    results = await map_shards_recovering(lambda: pools[-1], 4, make_call(processed), 3, recover)
+    results = await map_shards_recovering(lambda: pools[-1], 4, make_call(processed), attempts=3, recover=recover)
     assert [r.address for _, r in results] == ["d"]
     assert sorted(processed) == [0, 1, 2, 3]
     assert len(recovered) == 2 and all("is down" in failure for failure in recovered)
 
     pools[:] = [ReplicaPool("rollout", [FakeReplica("e", fail_with=ConnectionError)])]
     with pytest.raises(Unavailable, match=r"e is down"):
-        await map_shards_recovering(lambda: pools[0], 4, make_call([]), 2, recover)
+        await map_shards_recovering(lambda: pools[0], 4, make_call([]), attempts=2, recover=recover)
     assert len(recovered) == 3  # one recovery between the two attempts, none after the last
 
 

@@ -76,11 +76,12 @@ class Notices:
 def env_set(groups: dict[str, list[Env]], notices: Notices, timeout_s: float = 60.0) -> EnvSet:
     services = {env.address: env for group in groups.values() for env in group}
     find = lambda target: [env.address for env in groups.get(target.name, [])]  # noqa: E731 - the registry's view
-    return EnvSet(ServiceTarget("group", "a"), find, notices, lambda: False, timeout_s, connect=services.__getitem__)
+    return EnvSet(ServiceTarget("group", "a"), find, notices, should_stop=lambda: False, timeout_s=timeout_s,
+                  connect=services.__getitem__)
 
 
 async def open_episode(envs: EnvSet, fleet) -> str:
-    async with envs.episode({"prompt": []}, "countdown", 8, fleet) as episode:
+    async with envs.episode({"prompt": []}, "countdown", 8, fleet=fleet) as episode:
         return episode.replica.address
 
 
@@ -146,7 +147,7 @@ async def test_a_checkpoints_target_is_taken_up_at_the_next_refresh():
 
 async def opened(envs: EnvSet, fleet) -> tuple[str, int]:
     """Open an episode and close it: the replica it opened on, and the busy refusals it met first."""
-    async with envs.episode({"prompt": []}, "countdown", 8, fleet) as episode:
+    async with envs.episode({"prompt": []}, "countdown", 8, fleet=fleet) as episode:
         return episode.replica.address, episode.busy_waits
 
 
@@ -192,7 +193,7 @@ async def test_a_busy_replica_is_asked_again_at_once_where_an_episode_of_the_run
     envs = env_set({"a": [env]}, Notices())
     await envs.refresh()
     async with envs.batch("step 1") as fleet:
-        async with envs.episode({"prompt": []}, "countdown", 8, fleet):  # the run's own, on the last free worker
+        async with envs.episode({"prompt": []}, "countdown", 8, fleet=fleet):  # the run's own, on the last free worker
             opening = asyncio.ensure_future(opened(envs, fleet))
             await env.refused.wait()
         # its worker is free now: the refused episode takes it, without waiting out the hour

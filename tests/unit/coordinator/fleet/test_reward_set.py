@@ -40,7 +40,8 @@ class Notices:
 
 def reward_set(services: dict[str, Reward], notices: Notices) -> RewardSet:
     up = lambda target: [a for a, s in services.items() if not s.stopped]  # noqa: E731 - the registry's view
-    return RewardSet(ServiceTarget("group", "default"), up, notices, lambda: False, 60.0, connect=services.__getitem__)
+    return RewardSet(ServiceTarget("group", "default"), up, notices, should_stop=lambda: False, timeout_s=60.0,
+                     connect=services.__getitem__)
 
 
 async def test_a_replica_dropped_mid_batch_has_its_shard_scored_on_the_other():

@@ -16,7 +16,7 @@ NAMES = RunNames(run_id="grpo-20261201-120000-ab12", project="meshrl", experimen
 
 
 def write(run_dir, listed, first_step, steps, offset):
-    loggers = open_loggers(listed, run_dir, NAMES, first_step)
+    loggers = open_loggers(listed, run_dir, NAMES, first_step=first_step)
     for step in steps:
         loggers.log(step, {"critic/score/mean": step / 10 + offset, "val-core/task/acc/mean@4": offset})
     loggers.close()

@@ -60,7 +60,7 @@ class Saving:
 
     def __init__(self, tmp_path: Path, trainers: dict, keep: int | None = None):
         self.store = RunStore(tmp_path / "meshrl.db")
-        self.store.create_run(RUN, "it", "", str(tmp_path / "runs" / RUN), 10)
+        self.store.create_run(RUN, "it", "", run_dir=str(tmp_path / "runs" / RUN), total_steps=10)
         self.folder = tmp_path / "runs" / RUN / "checkpoints"
         self.trainers, self.keep = trainers, keep
 
@@ -69,8 +69,9 @@ class Saving:
             records = RunRecords(self.store)
             records.open(RUN)
             reporter = RunReporter(records=records, run_id=RUN, run_dir=self.folder.parent, samples_dir=None)
-            sampler = PromptSampler(8, 4, False, 0)
-            reward_set = RewardSet(ServiceTarget("group", "default"), lambda target: [], reporter, lambda: False, 1.0)
+            sampler = PromptSampler(8, 4, False, seed=0)
+            reward_set = RewardSet(ServiceTarget("group", "default"), lambda target: [], reporter,
+                                   should_stop=lambda: False, timeout_s=1.0)
             saving = Checkpointer(run_id=RUN, roles=self.trainers, actor=next(iter(self.trainers)), sampler=sampler,
                                   reward_set=reward_set, env_set=None, notices=reporter, should_stop=lambda: False,
                                   folder=self.folder, keep=self.keep, timeout_s=1.0)

@@ -39,8 +39,9 @@ RIGHT_PER_PROMPT = {"12": 2, "345": 1, "67": 4, "890": 0}  # of the N responses 
 
 
 def prompt(digits: str) -> Prompt:
-    return Prompt(TOKENIZER(f"{digits}=", add_special_tokens=False)["input_ids"], "meshrl/reverse", digits[::-1],
-                  {"digits": digits})
+    return Prompt(token_ids=TOKENIZER(f"{digits}=", add_special_tokens=False)["input_ids"],
+                  data_source="meshrl/reverse", ground_truth=digits[::-1],
+                  extra_info={"digits": digits})
 
 
 PROMPTS = [prompt(digits) for digits in RIGHT_PER_PROMPT]
@@ -224,10 +225,10 @@ class Mesh:
         stop = (lambda: len(self.reporter.steps) >= stop_after) if stop_after is not None else (lambda: False)
         if stop_after_taught is not None:  # a stop asked once the warm start has taught that many steps
             stop = lambda: len(self.trainer.taught) >= stop_after_taught  # noqa: E731
-        rollout_set = RolloutSet("run", rollout_set_settings(config), self.trainer, lambda: list(self.rollouts),
-                                 self.reporter, should_stop=stop, connect=self.rollouts.__getitem__)
+        rollout_set = RolloutSet("run", rollout_set_settings(config), self.trainer, find=lambda: list(self.rollouts),
+                                 notices=self.reporter, should_stop=stop, connect=self.rollouts.__getitem__)
         reward_set = RewardSet(ServiceTarget("group", "default"), lambda target: groups[str(target)], self.reporter,
-                               stop, 60.0, connect=self.rewards.__getitem__)
+                               should_stop=stop, timeout_s=60.0, connect=self.rewards.__getitem__)
         self.loop = PPOLoop(run_id="run", settings=loop_settings(config), config_yaml="",
                             trainers=None if only else Trainers(self.trainer, None, None), rollout_set=rollout_set,
                             reward_set=reward_set, env_set=None, prompts=[] if only else PROMPTS, val_prompts=list(val_prompts),
@@ -524,9 +525,9 @@ def test_one_step_ahead_the_validation_of_a_step_runs_while_the_next_trains_and_
         timeline.append(f"{kind} from v{int(generated.weight_versions[0])} ends")
         return generated
 
-    async def traced_update(batch, old, advantages, ref, step, timeout, rollout_logprobs=None):
+    async def traced_update(batch, old, advantages, *, ref_logprobs, step, timeout, rollout_logprobs=None):
         timeline.append(f"update of step {step}")
-        return await update(batch, old, advantages, ref, step, timeout, rollout_logprobs)
+        return await update(batch, old, advantages, ref_logprobs, step, timeout, rollout_logprobs)
 
     async def traced_receive(channel_id, timeout, partial_rollout="finish"):
         received = await receive(channel_id, timeout, partial_rollout)

@@ -104,7 +104,7 @@ def test_data_metrics_with_a_loss_mask_count_the_model_tokens_only():
 
 def test_data_metrics_of_an_empty_step_are_zero():
     empty, lengths = torch.tensor([]), torch.tensor([], dtype=torch.int64)
-    metrics = data_metrics(empty, empty, empty, empty, None, response_lens=lengths, prompt_lens=lengths,
+    metrics = data_metrics(empty, empty, empty, returns=empty, values=None, response_lens=lengths, prompt_lens=lengths,
                            truncated=torch.tensor([], dtype=torch.bool),
                            rollout_logprobs=empty, old_logprobs=empty)
     assert all(value == 0.0 and not math.isnan(value) for value in metrics.values())

@@ -21,7 +21,8 @@ async def drive(max_staleness: int, steps: int = 6, train_s: float = 0.02, gener
         position["next"] += 1
         return step * 10
 
-    pipeline = Pipeline(produce, lambda: {"position": position["next"]}, 1, steps, max_staleness)
+    pipeline = Pipeline(produce, lambda: {"position": position["next"]}, 1, last_step=steps,
+                        max_staleness=max_staleness)
     pipeline.start()
     try:
         for step in range(1, steps + 1):
@@ -74,7 +75,7 @@ async def test_a_failing_producer_is_raised_to_the_trainer():
             raise ConnectionError("rollout gone")
         return step
 
-    pipeline = Pipeline(produce, dict, 1, 3, 1)
+    pipeline = Pipeline(produce, dict, 1, last_step=3, max_staleness=1)
     pipeline.start()
     assert (await pipeline.next(1)).batch == 1
     with pytest.raises(ConnectionError, match="rollout gone"):
@@ -83,7 +84,7 @@ async def test_a_failing_producer_is_raised_to_the_trainer():
 
 
 async def test_the_idle_fraction_counts_the_time_the_producer_waits():
-    pipeline = Pipeline(lambda step: asyncio.sleep(0.05, result=step), dict, 1, 2, 0)
+    pipeline = Pipeline(lambda step: asyncio.sleep(0.05, result=step), dict, 1, last_step=2, max_staleness=0)
     since = time.perf_counter()
     pipeline.start()
     await pipeline.next(1)

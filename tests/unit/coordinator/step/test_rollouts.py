@@ -80,7 +80,8 @@ def test_each_trajectory_is_scored_once_and_its_samples_share_the_score():
 
 
 def test_grpo_counts_a_split_trajectory_once_and_gives_its_advantage_to_every_model_token_of_its_samples():
-    estimate = estimate_advantages(grpo_settings(), 0.0, scored(split_rollouts()), Evaluated(None, None, None))
+    estimate = estimate_advantages(grpo_settings(), 0.0, scored(split_rollouts()), evaluated=Evaluated(None, None,
+                                                                                                       None))
     a = GRPO  # counted twice (scores 1, 1, 0), it would be (1 - 2/3) / std(1, 1, 0) = 0.577
     assert estimate.advantages.tolist() == pytest.approx([a, a, a, a, 0, 0, a, -a, -a, 0, 0, 0], abs=1e-5)
     # the score on each trajectory's last model token: the first's is in its second sample
@@ -89,8 +90,8 @@ def test_grpo_counts_a_split_trajectory_once_and_gives_its_advantage_to_every_mo
 
 def test_the_steps_data_metrics_are_per_trajectory():
     rollouts = scored(split_rollouts())
-    estimate = estimate_advantages(grpo_settings(), 0.0, rollouts, Evaluated(None, None, None))
-    metrics = batch_metrics(rollouts, Evaluated(None, None, None), estimate, Updates({}, 4), step_s=1.0,
+    estimate = estimate_advantages(grpo_settings(), 0.0, rollouts, evaluated=Evaluated(None, None, None))
+    metrics = batch_metrics(rollouts, Evaluated(None, None, None), estimate, updates=Updates({}, 4), step_s=1.0,
                                     devices=1)
     assert metrics["critic/score/mean"] == pytest.approx(0.5)  # (1 + 0 + 0.5 + 0.5) / 4, not over 5 samples
     assert metrics["response_length/mean"] == pytest.approx((7 + 2 + 2 + 1) / 4)
@@ -118,8 +119,8 @@ def test_a_prompt_is_dropped_where_any_sample_of_its_trajectories_fails_a_test()
 
 def test_the_samples_file_has_a_record_per_sample_naming_its_place_in_the_trajectory():
     rollouts = scored(split_rollouts())
-    estimate = estimate_advantages(grpo_settings(), 0.0, rollouts, Evaluated(None, None, None))
-    records = step_records(1, rollouts, 3, estimate.advantages)
+    estimate = estimate_advantages(grpo_settings(), 0.0, rollouts, evaluated=Evaluated(None, None, None))
+    records = step_records(1, rollouts, 3, advantages=estimate.advantages)
     assert [(r["trajectory_sample"], r["trajectory_samples"], r["group"]) for r in records] == [
         (0, 2, 0), (1, 2, 0), (0, 1, 0), (0, 1, 1), (0, 1, 1)]
     assert [r["output"] for r in records] == ["answer 0", "answer 0", "answer 1", "answer 2", "answer 3"]

@@ -32,12 +32,12 @@ def answer(recording: EpisodeRecording, tokenizer, plan, texts: list[str], call_
     """Record ``texts`` as the call's completions; the assistant messages the gateway returns for them."""
     messages = [assistant_message(text, tool_names=frozenset({"lookup"}), parse_tools=True, call_id=f"{call_id}_{j}")
                 for j, text in enumerate(texts)]
-    recording.record(plan, [(sampled(tokenizer, text), 3) for text in texts], tokenizer, messages)
+    recording.record(plan, [(sampled(tokenizer, text), 3) for text in texts], tokenizer, returned=messages)
     return messages
 
 
 def test_a_call_that_goes_on_from_a_completion_extends_it_token_exactly(tokenizer):
-    recording = EpisodeRecording(Budget(max_prompt_length=64, max_response_length=96))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=64, max_response_length=96))
     user = {"role": "user", "content": "code of QX?"}
     first = recording.plan(tokenizer, [user], (LOOKUP,))
     assert first.extends is None
@@ -70,7 +70,7 @@ def test_a_call_that_goes_on_from_a_completion_extends_it_token_exactly(tokenize
 
 
 def test_a_call_that_rewrites_the_history_starts_a_new_segment(tokenizer):
-    recording = EpisodeRecording(Budget(max_prompt_length=64, max_response_length=96))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=64, max_response_length=96))
     user = {"role": "user", "content": "code of QX?"}
     [returned] = answer(recording, tokenizer, recording.plan(tokenizer, [user], (LOOKUP,)), [CALL_TEXT], "call_a")
     summary = {"role": "user", "content": "code of QX? lookup says 0423"}  # the agent dropped the call and reply
@@ -88,7 +88,7 @@ def test_a_call_that_rewrites_the_history_starts_a_new_segment(tokenizer):
 
 
 def test_each_choice_of_a_call_is_a_sample_and_the_one_the_agent_goes_on_with_is_extended(tokenizer):
-    recording = EpisodeRecording(Budget(max_prompt_length=64, max_response_length=96))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=64, max_response_length=96))
     user = {"role": "user", "content": "code of QX?"}
     choices = answer(recording, tokenizer, recording.plan(tokenizer, [user], (LOOKUP,)), ["1111", "2222"], "call_a")
     assert [c["content"] for c in choices] == ["1111", "2222"]
@@ -100,13 +100,13 @@ def test_each_choice_of_a_call_is_a_sample_and_the_one_the_agent_goes_on_with_is
 
 
 def test_calls_over_the_budget_are_refused_as_over_the_context(tokenizer):
-    recording = EpisodeRecording(Budget(max_prompt_length=16, max_response_length=32))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=16, max_response_length=32))
     with pytest.raises(RequestError) as refused:
         recording.plan(tokenizer, [{"role": "user", "content": "code of QX?"}], (LOOKUP,))
     assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded")
     assert "data.max_prompt_length=16" in str(refused.value)
 
-    recording = EpisodeRecording(Budget(max_prompt_length=40, max_response_length=30))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=40, max_response_length=30))
     user = {"role": "user", "content": "code of QX?"}
     [returned] = answer(recording, tokenizer, recording.plan(tokenizer, [user], ()), ["QX"], "call_a")
     long_reply = {"role": "user", "content": "x" * 40}  # more than the response has left: never cut, refused
@@ -117,7 +117,7 @@ def test_calls_over_the_budget_are_refused_as_over_the_context(tokenizer):
 
 def test_a_forced_opening_is_fed_untrained_before_the_sampled_ids_and_a_later_call_extends_the_whole_turn(
         tokenizer):
-    recording = EpisodeRecording(Budget(max_prompt_length=64, max_response_length=96))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=64, max_response_length=96))
     user = {"role": "user", "content": "code of QX?"}
     opening = '<tool_call>{"name": "lookup", "arguments": '  # tool_choice naming lookup
     plan = recording.plan(tokenizer, [user], (LOOKUP,), opening=opening)
@@ -128,7 +128,7 @@ def test_a_forced_opening_is_fed_untrained_before_the_sampled_ids_and_a_later_ca
     rest = sampled(tokenizer, '{"key": "QX"}}</tool_call>')
     [returned] = [assistant_message(opening + '{"key": "QX"}}</tool_call>', tool_names=frozenset({"lookup"}),
                                     parse_tools=True, call_id="call_a")]
-    recording.record(plan, [(rest, 3)], tokenizer, [returned])
+    recording.record(plan, [(rest, 3)], tokenizer, returned=[returned])
     [leaf] = recording.leaves
     assert leaf.trajectory.response_ids == opening_ids + rest.ids
     assert leaf.trajectory.loss_mask == (0,) * len(opening_ids) + (1,) * len(rest.ids)  # only the sampled train
@@ -141,7 +141,7 @@ def test_a_forced_opening_is_fed_untrained_before_the_sampled_ids_and_a_later_ca
 
 
 def test_an_opening_that_leaves_no_room_is_refused_as_over_the_context(tokenizer):
-    recording = EpisodeRecording(Budget(max_prompt_length=64, max_response_length=8))
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=64, max_response_length=8))
     with pytest.raises(RequestError) as refused:
         recording.plan(tokenizer, [{"role": "user", "content": "hi"}], (LOOKUP,),
                        opening='<tool_call>{"name": "lookup", "arguments": ')

@@ -96,7 +96,8 @@ def test_a_stop_string_cuts_the_text_and_the_ids_after_the_token_that_completes_
 
 def test_a_streamed_completion_is_its_role_content_calls_and_finish_then_usage():
     tokenizer = build_chat_tokenizer()
-    choice = decode_choice(tokenizer, tuple(tokenizer.encode("0423", add_special_tokens=False)), (-0.5,) * 4, False, ())
+    choice = decode_choice(tokenizer, tuple(tokenizer.encode("0423", add_special_tokens=False)), (-0.5,) * 4,
+                           truncated=False, stop=())
     chunks = stream_chunks(completion_id="c", model="m", messages=[{"role": "assistant", "content": "0423"}],
                            choices=[choice], prompt_ids=(1, 2, 3), logprobs=False, include_usage=True)
     deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
