@@ -218,10 +218,10 @@ class WeightProbe:
                             scored: list[RolloutScores]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The actor's logprobs of the probe's tokens and, for each of ``scored``, of its top-k ids at each position
         ([T], [T, k] each), at temperature 1, in one call."""
-        candidates = torch.cat([top_of(answer)[0] for answer in scored], dim=1)
+        top_ids = [top_of(answer)[0] for answer in scored]
         logprobs, at_candidates = await self.actor.compute_candidate_log_probs(
-            sequences, candidates, timeout=self.timeout_s, temperature=1.0)
-        widths = [top_of(answer)[0].shape[1] for answer in scored]
+            sequences, torch.cat(top_ids, dim=1), timeout=self.timeout_s, temperature=1.0)
+        widths = [ids.shape[1] for ids in top_ids]
         return [(logprobs, part) for part in torch.split(at_candidates, widths, dim=1)]
 
     async def _scored(self, member: RolloutClient,
