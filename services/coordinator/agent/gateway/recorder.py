@@ -29,7 +29,8 @@ from typing import Any, NamedTuple, Sequence
 
 from services.coordinator.agent.gateway.wire import RequestError, hermes_text, message_text
 from services.coordinator.agent.turns import (CannotExtend, Message, OverBudget, ReplyTokens, SampledTokens,
-                                              Trajectory, extend, render_prompt, render_reply, without_stop)
+                                              Trajectory, extend, render_prompt, render_reply, text_ids,
+                                              without_stop)
 
 
 class Budget(NamedTuple):
@@ -89,7 +90,7 @@ class EpisodeRecording:
         plan = self._conversation_plan(tokenizer, messages, tools)
         if not opening:
             return plan
-        plan = plan._replace(opening=tuple(tokenizer.encode(opening, add_special_tokens=False)))
+        plan = plan._replace(opening=text_ids(tokenizer, opening))
         if plan.room < 1:
             raise over_context(f"the call's opening ({opening!r}, {len(plan.opening)} tokens) leaves no room of the "
                                f"{plan.base.room} left of the episode's response")

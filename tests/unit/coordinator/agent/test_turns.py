@@ -12,7 +12,7 @@ import pytest
 
 from services.coordinator.agent.turns import (
     CannotExtend, OverBudget, ReplyTokens, SampledTokens, Trajectory, Turn, extend, render_prompt, render_reply,
-    truncate_text,
+    text_ids, truncate_text,
 )
 
 CHATML = r"""
@@ -201,3 +201,52 @@ def test_extend_refuses_what_does_not_fit_and_logprobs_that_do_not_match(tokeniz
 def test_an_unknown_truncate_side_is_refused(tokenizer):
     with pytest.raises(ValueError, match="'top' is not one of left, right, middle"):
         reply(tokenizer, CONVERSATION, sampled(tokenizer, CALL, version=1), [], side="top")
+
+
+def bpe_tokenizer(**kwargs):
+    """A byte-level BPE tokenizer trained here on a few sentences (merges across characters, as real ones have),
+    with ChatML's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator([PROMPT_TEXT, CALL, "the tool answered 42, the model wrote it back"] * 20,
+                             trainer=trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>",
+                                                                                         "<|im_end|>", "<eos>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", clean_up_tokenization_spaces=False,
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"], **kwargs)
+
+
+TEXTS = ("", "plain", PROMPT_TEXT + CALL, "<|im_start|><|im_end|>x<eos>", "  two  spaces\n\tand a tab",
+         "ünïcödé ✓ 数字")
+
+
+@pytest.mark.parametrize("build", [build_tokenizer, bpe_tokenizer, lambda: bpe_tokenizer(split_special_tokens=True)],
+                         ids=["characters", "bpe", "bpe, special tokens split"])
+def test_text_ids_are_what_the_tokenizers_encode_gives(build):
+    tokenizer, reference = build(), build()
+    for text in TEXTS:
+        assert text_ids(tokenizer, text) == tuple(reference.encode(text, add_special_tokens=False)), text
+
+
+def test_text_ids_ignore_a_truncation_a_call_left_on_the_rust_tokenizer():
+    tokenizer, reference = bpe_tokenizer(), bpe_tokenizer()
+    tokenizer(PROMPT_TEXT, truncation=True, max_length=3)  # leaves the Rust tokenizer truncating at 3
+    assert tokenizer.backend_tokenizer.truncation is not None
+    ids = text_ids(tokenizer, PROMPT_TEXT + CALL)
+    assert ids == tuple(reference.encode(PROMPT_TEXT + CALL, add_special_tokens=False)) and len(ids) > 3
+
+
+def test_text_ids_of_a_tokenizer_whose_class_encodes_its_own_way_are_its_own():
+    from transformers import PreTrainedTokenizerFast
+
+    class Marking(PreTrainedTokenizerFast):  # as a model's tokenizer class may change what encode does
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus("<|im_start|>" + text, *args, **kwargs)
+
+    core = bpe_tokenizer().backend_tokenizer
+    marking = Marking(tokenizer_object=core, additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    assert text_ids(marking, "plain") == tuple(marking.encode("plain", add_special_tokens=False))
+    assert text_ids(marking, "plain")[0] == marking.convert_tokens_to_ids("<|im_start|>")
