@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -188,7 +188,7 @@ class TurnDispatcher:
         self._tasks: set[asyncio.Task] = set()
         self._refreshing = asyncio.Lock()  # one wait for the rollouts at a time, whichever turn found none
 
-    async def sample(self, ids: list[int], room: int, seed_index: int, *, prefer: RolloutClient | None,
+    async def sample(self, ids: Sequence[int], room: int, seed_index: int, *, prefer: RolloutClient | None,
                      sampling: Sampling | None = None) -> Sampled:
         """One turn after ``ids``: at most ``room`` tokens, seeded from ``seed_index``, sampled on ``prefer``
         where it still serves the run, with ``sampling``'s temperature and top_p where given (the batch's
@@ -435,7 +435,7 @@ class AgentLoop:
         """The model's next turn, sampled after the conversation's ids (on the replica of the turn before, where it
         still serves the run) and appended to it."""
         started = time.monotonic()
-        sampled = await dispatcher.sample(list(talk.trajectory.ids), talk.trajectory.room,
+        sampled = await dispatcher.sample(talk.trajectory.ids, talk.trajectory.room,
                                           index * TURN_SEEDS + talk.model_turns, prefer=talk.replica)
         talk.replica, talk.model_turns, talk.last_version = sampled.replica, talk.model_turns + 1, sampled.last_version
         talk.used.append(sampled.replica.address)

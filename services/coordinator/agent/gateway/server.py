@@ -44,7 +44,7 @@ from services.coordinator.fleet.env_set import Episode
 from services.coordinator.settings import AgentSettings
 from services.coordinator.agent.turns import Trajectory
 from services.coordinator.agent.gateway.episodes import GatewayEpisode, agent_outcome, agent_samples, agent_trace
-from services.coordinator.agent.gateway.recorder import Budget, EpisodeRecording, Plan
+from services.coordinator.agent.gateway.recorder import Budget, EpisodeRecording
 from services.coordinator.agent.gateway.wire import (ChatRequest, Choice, RequestError, assistant_message, chat_request,
                                                completion, error_body, models, stream_chunks)
 from services.run.data import Prompt
@@ -182,20 +182,21 @@ class Gateway:
                                param="n")
         first_seed = episode.index * TURN_SEEDS + episode.seeds_used
         episode.seeds_used += body.n
-        sampled = await self._sample(episode, plan, body, max_tokens=min(body.max_tokens or room, room),
+        prompt_ids = plan.prompt_ids
+        sampled = await self._sample(episode, prompt_ids, body, max_tokens=min(body.max_tokens or room, room),
                                      first_seed=first_seed)
         choices = self._decode(sampled, body)  # microseconds: the completion's ids, decoded once
         tool_names = frozenset(str(t["function"]["name"]) for t in body.tools)
-        call_id = f"call_{uuid.uuid4().hex[:16]}"
+        unique = uuid.uuid4().hex  # the completion's id, and its tool calls' ids (call_<16 of it>_<choice>_<call>)
         messages = [assistant_message(body.tool_choice.opening + choice.text, tool_names=tool_names,
-                                      parse_tools=body.tool_choice.offered, call_id=f"{call_id}_{j}")
+                                      parse_tools=body.tool_choice.offered, call_id=f"call_{unique[:16]}_{j}")
                     for j, choice in enumerate(choices)]
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        completion_id = f"chatcmpl-{unique}"
         if episode.closed:
             raise RequestError(401, "the episode ended while this call ran", code="invalid_api_key")
         async with episode.recording_lock:  # answered and recorded before another call of the episode plans
             response, delivered = await respond(request, body, completion_id=completion_id, model=self.model,
-                                                messages=messages, choices=choices, prompt_ids=plan.prompt_ids)
+                                                messages=messages, choices=choices, prompt_ids=prompt_ids)
             if not delivered or episode.closed:
                 why = "episode ended" if delivered else "client went away"
                 self.not_recorded[why] += 1
@@ -207,20 +208,19 @@ class Gateway:
         episode.rollouts.extend(s.replica.address for s in sampled)
         return response
 
-    async def _sample(self, episode: GatewayEpisode, plan: Plan, body: ChatRequest, *, max_tokens: int,
-                      first_seed: int) -> list[Sampled]:
-        """``body.n`` completions of the plan's prompt through the episode's dispatcher; 503 if the rollouts fail."""
+    async def _sample(self, episode: GatewayEpisode, prompt_ids: tuple[int, ...], body: ChatRequest, *,
+                      max_tokens: int, first_seed: int) -> list[Sampled]:
+        """``body.n`` completions of ``prompt_ids`` through the episode's dispatcher; 503 if the rollouts fail."""
         dispatcher = episode.dispatcher
         sampling = None  # the batch's, shared with the other turns it may join
         if body.temperature is not None or body.top_p is not None:
             own = dispatcher.sampling
             sampling = replace(own, temperature=own.temperature if body.temperature is None else body.temperature,
                                top_p=own.top_p if body.top_p is None else body.top_p)
-        try:
-            sampled = await asyncio.gather(*(
-                dispatcher.sample(list(plan.prompt_ids), max_tokens, first_seed + j, prefer=episode.replica,
-                                  sampling=sampling)
-                for j in range(body.n)))
+        turns = [dispatcher.sample(prompt_ids, max_tokens, first_seed + j, prefer=episode.replica, sampling=sampling)
+                 for j in range(body.n)]
+        try:  # a lone completion awaited as it is (no task to start, no gathering to wait for)
+            sampled = await asyncio.gather(*turns) if len(turns) > 1 else [await turns[0]]
         except Unavailable as error:
             raise RequestError(503, f"the rollouts could not sample this call: {error}", kind="server_error",
                                code="rollouts_unavailable") from None
