@@ -37,6 +37,7 @@ Choices:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -268,18 +269,21 @@ class TurnDispatcher:
             self.in_flight[replica] -= 1
             self._pump(replica)
         self.calls[replica.address] += 1
-        ids = torch.split(generated.response_ids, generated.response_lens.tolist())
-        logprobs = torch.split(generated.logprobs, generated.response_lens.tolist())
-        for row, request in enumerate(batch):
-            kept = min(len(ids[row]), request.room)  # the call's length is its longest turn's room
-            truncated = bool(generated.truncated[row]) or len(ids[row]) > request.room
-            tokens = SampledTokens(tuple(ids[row][:kept].tolist()), tuple(logprobs[row][:kept].tolist()),
-                                   int(generated.weight_versions[row]))
+        # as lists once (indexing the tensors row by row costs about 0.15 ms a call of one turn)
+        lengths, ids, logprobs = (generated.response_lens.tolist(), generated.response_ids.tolist(),
+                                  generated.logprobs.tolist())
+        firsts, lasts, cut = (generated.weight_versions.tolist(), generated.last_versions.tolist(),
+                              generated.truncated.tolist())
+        for row, (request, start) in enumerate(zip(batch, itertools.accumulate(lengths, initial=0))):
+            kept = min(lengths[row], request.room)  # the call's length is its longest turn's room
+            truncated = bool(cut[row]) or lengths[row] > request.room
+            tokens = SampledTokens(ids=tuple(ids[start:start + kept]), logprobs=tuple(logprobs[start:start + kept]),
+                                   weight_version=firsts[row])
             self.turns[replica.address] += 1
             self.tokens[replica.address] += kept
             if not request.future.done():
-                request.future.set_result(Sampled(tokens=tokens, last_version=int(generated.last_versions[row]),
-                                                  truncated=truncated, replica=replica))
+                request.future.set_result(Sampled(tokens=tokens, last_version=lasts[row], truncated=truncated,
+                                                  replica=replica))
 
     async def _failed(self, replica: RolloutClient, batch: list[_TurnRequest], error: Exception) -> None:
         retryable = is_retryable(error) or isinstance(error, Unavailable)

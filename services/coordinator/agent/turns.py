@@ -150,7 +150,7 @@ def render_reply(tokenizer: Any, *, messages: Sequence[Message], sampled_ids: Se
     """
     if truncate_side not in TRUNCATE_SIDES:
         raise ValueError(f"truncate side {truncate_side!r} is not one of {', '.join(TRUNCATE_SIDES)}")
-    sampled = tokenizer.decode(list(sampled_ids), skip_special_tokens=False)
+    sampled = ids_text(tokenizer, sampled_ids, skip_special_tokens=False)
     conversation = [*messages, {"role": "assistant", "content": without_stop(tokenizer, sampled)}]
     cut = [truncate_text(tokenizer, str(reply.get("content", "")), max_reply_tokens, side=truncate_side)
            for reply in replies]
@@ -197,8 +197,8 @@ def truncate_text(tokenizer: Any, text: str, max_tokens: int, *, side: str) -> s
     keep = max(0, max_tokens - len(text_ids(tokenizer, before + after)))
     head = {"left": keep, "right": 0, "middle": keep - keep // 2}[side]
     tail = keep - head
-    kept_head = tokenizer.decode(list(ids[:head])) if head else ""
-    kept_tail = tokenizer.decode(list(ids[len(ids) - tail:])) if tail else ""
+    kept_head = ids_text(tokenizer, ids[:head], skip_special_tokens=False) if head else ""
+    kept_tail = ids_text(tokenizer, ids[len(ids) - tail:], skip_special_tokens=False) if tail else ""
     return before + kept_head + after + kept_tail if side == "middle" else before + kept_head + kept_tail + after
 
 
@@ -278,7 +278,7 @@ def text_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
     fast tokenizer whose class encodes as transformers' own does is asked through its Rust tokenizer directly (for a
     short text, a third of the time: the wrapper costs about 0.1 ms a call), where that tokenizer is set as
     ``encode`` would set it (no truncation, no padding, special tokens split as the tokenizer says)."""
-    if _encodes_as_transformers(tokenizer.__class__):
+    if _as_transformers(tokenizer.__class__, "encode"):
         rust = tokenizer.backend_tokenizer
         if rust.truncation is None and rust.padding is None \
                 and rust.encode_special_tokens == tokenizer.split_special_tokens:
@@ -286,17 +286,27 @@ def text_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
+def ids_text(tokenizer: Any, ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+    """``ids`` decoded: ``tokenizer.decode(list(ids), skip_special_tokens=...)``. A transformers fast tokenizer whose
+    class decodes as transformers' own does, and that cleans up no spaces after (``clean_up_tokenization_spaces``),
+    is asked through its Rust tokenizer directly (the wrapper adds nothing else but its cost)."""
+    if _as_transformers(tokenizer.__class__, "decode") and not tokenizer.clean_up_tokenization_spaces:
+        return tokenizer.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
 @functools.cache
-def _encodes_as_transformers(kind: type) -> bool:
-    """Whether ``kind`` is a transformers fast tokenizer whose ``encode`` is transformers' own, all the way to its Rust
-    tokenizer's (no subclass changes the text, the ids or the settings on the way)."""
+def _as_transformers(kind: type, way: Literal["encode", "decode"]) -> bool:
+    """Whether ``kind`` is a transformers fast tokenizer that encodes (or decodes) as transformers' own does, all
+    the way to its Rust tokenizer (no subclass changes the text, the ids or the settings on the way)."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another major version of transformers: its encode is used as it is
+    except ImportError:  # another major version of transformers: its own encode and decode are used
         return False
-    return issubclass(kind, TokenizersBackend) and all(
-        getattr(kind, name) is getattr(owner, name)
-        for owner, name in ((PreTrainedTokenizerBase, "encode"),
-                            (PreTrainedTokenizerBase, "_get_padding_truncation_strategies"),
-                            (TokenizersBackend, "_encode_plus"), (TokenizersBackend, "set_truncation_and_padding")))
+    methods = {"encode": ((PreTrainedTokenizerBase, "encode"),
+                          (PreTrainedTokenizerBase, "_get_padding_truncation_strategies"),
+                          (TokenizersBackend, "_encode_plus"), (TokenizersBackend, "set_truncation_and_padding")),
+               "decode": ((PreTrainedTokenizerBase, "decode"), (TokenizersBackend, "_decode"))}[way]
+    return issubclass(kind, TokenizersBackend) and all(getattr(kind, name) is getattr(owner, name)
+                                                       for owner, name in methods)

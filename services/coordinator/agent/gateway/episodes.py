@@ -24,7 +24,7 @@ from services.coordinator.agent.agent_loop import AgentTrace, Ended, TurnDispatc
 from services.coordinator.fleet.clients import EnvStep, RolloutClient
 from services.coordinator.fleet.env_set import Episode
 from services.coordinator.agent.gateway.recorder import EpisodeRecording
-from services.coordinator.agent.turns import Trajectory, Turn, render_prompt
+from services.coordinator.agent.turns import Trajectory, Turn, ids_text, render_prompt
 from services.run.data import Prompt
 from services.run.tool_calls import parse_tool_calls
 
@@ -101,7 +101,7 @@ def turn_records(recording: EpisodeRecording, tokenizer: Any) -> tuple[list[Turn
         trajectory, names = leaf.trajectory, frozenset(str(t["function"]["name"]) for t in leaf.tools)
         for turn in trajectory.turns:
             ids = list(trajectory.response_ids[turn.start:turn.end])
-            text = tokenizer.decode(ids, skip_special_tokens=True)
+            text = ids_text(tokenizer, ids, skip_special_tokens=True)
             records.append(TurnRecord(role=turn.role, text=text, tokens=len(ids), trained=turn.role == "model",
                                       weight_version=turn.weight_version, tool="", seconds=0.0, sample=sample))
             if turn.role == "model":

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple, Sequence
 
 from services.coordinator.agent.gateway.wire import RequestError, hermes_text, message_text
 from services.coordinator.agent.turns import (CannotExtend, Message, OverBudget, ReplyTokens, SampledTokens,
-                                              Trajectory, extend, render_prompt, render_reply, text_ids,
-                                              without_stop)
+                                              Trajectory, extend, ids_text, render_prompt, render_reply,
+                                              text_ids, without_stop)
 
 
 class Budget(NamedTuple):
@@ -141,7 +141,7 @@ class EpisodeRecording:
             else plan.base
         for (tokens, last_version), message in zip(completions, returned):
             turn_ids = plan.opening + tokens.ids
-            text = without_stop(tokenizer, tokenizer.decode(list(turn_ids), skip_special_tokens=False))
+            text = without_stop(tokenizer, ids_text(tokenizer, turn_ids, skip_special_tokens=False))
             self.leaves.append(Leaf(trajectory=extend(base, tokens), messages=plan.messages, turn_ids=turn_ids,
                                     text=text, tools=plan.tools, last_version=last_version))
             for call in message.get("tool_calls") or []:

@@ -42,7 +42,7 @@ from services.coordinator.agent.agent_loop import TURN_SEEDS, AgentTrace, Sample
 from services.coordinator.fleet.clients import GatewayAccess
 from services.coordinator.fleet.env_set import Episode
 from services.coordinator.settings import AgentSettings
-from services.coordinator.agent.turns import Trajectory
+from services.coordinator.agent.turns import Trajectory, ids_text
 from services.coordinator.agent.gateway.episodes import GatewayEpisode, agent_outcome, agent_samples, agent_trace
 from services.coordinator.agent.gateway.recorder import Budget, EpisodeRecording
 from services.coordinator.agent.gateway.wire import (ChatRequest, Choice, RequestError, assistant_message, chat_request,
@@ -244,7 +244,7 @@ def decode_choice(tokenizer: Any, ids: tuple[int, ...], logprobs: tuple[float, .
     """A completion decoded; where it holds a stop string, its ids cut after the token that completes the first
     one and its text before it (the tokens past it are not returned and do not train). ``token_texts``: each
     token's text too (the logprobs' ``token``; empty otherwise)."""
-    text = tokenizer.decode(list(ids), skip_special_tokens=True)
+    text = ids_text(tokenizer, ids, skip_special_tokens=True)
     found = [(text.find(s), s) for s in stop if s in text]
     if found:
         at, string = min(found)
@@ -252,7 +252,7 @@ def decode_choice(tokenizer: Any, ids: tuple[int, ...], logprobs: tuple[float, .
         ids, logprobs, text, reason = ids[:kept], logprobs[:kept], text[:at], "stop"
     else:
         reason = "length" if truncated else "stop"
-    tokens = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in ids) if token_texts else ()
+    tokens = tuple(ids_text(tokenizer, [i], skip_special_tokens=False) for i in ids) if token_texts else ()
     return Choice(text=text, token_ids=tuple(ids), tokens=tokens, logprobs=tuple(logprobs), finish_reason=reason)
 
 
@@ -262,7 +262,7 @@ def first_prefix_holding(tokenizer: Any, ids: tuple[int, ...], characters: int) 
     low, high = 1, len(ids)
     while low < high:
         middle = (low + high) // 2
-        if len(tokenizer.decode(list(ids[:middle]), skip_special_tokens=True)) >= characters:
+        if len(ids_text(tokenizer, ids[:middle], skip_special_tokens=True)) >= characters:
             high = middle
         else:
             low = middle + 1

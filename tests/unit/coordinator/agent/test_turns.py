@@ -12,7 +12,7 @@ import pytest
 
 from services.coordinator.agent.turns import (
     CannotExtend, OverBudget, ReplyTokens, SampledTokens, Trajectory, Turn, extend, render_prompt, render_reply,
-    text_ids, truncate_text,
+    ids_text, text_ids, truncate_text,
 )
 
 CHATML = r"""
@@ -40,7 +40,7 @@ PROMPT_TEXT = ("<|im_start|>system\nUse tools.<|im_end|>\n<|im_start|>user\nWhat
                "<|im_start|>assistant\n")
 
 
-def build_tokenizer(template: str = CHATML):
+def build_tokenizer(template: str = CHATML, *, clean_up_tokenization_spaces: bool = False):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -50,7 +50,7 @@ def build_tokenizer(template: str = CHATML):
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>", clean_up_tokenization_spaces=False,
+                                        unk_token="<unk>", clean_up_tokenization_spaces=clean_up_tokenization_spaces,
                                         additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     tokenizer.chat_template = template
     return tokenizer
@@ -250,3 +250,27 @@ def test_text_ids_of_a_tokenizer_whose_class_encodes_its_own_way_are_its_own():
     marking = Marking(tokenizer_object=core, additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     assert text_ids(marking, "plain") == tuple(marking.encode("plain", add_special_tokens=False))
     assert text_ids(marking, "plain")[0] == marking.convert_tokens_to_ids("<|im_start|>")
+
+
+@pytest.mark.parametrize("build", [build_tokenizer, bpe_tokenizer,
+                                   lambda: build_tokenizer(clean_up_tokenization_spaces=True)],
+                         ids=["characters", "bpe", "characters, spaces cleaned up"])
+def test_ids_text_is_what_the_tokenizers_decode_gives(build):
+    tokenizer = build()
+    for text in (*TEXTS, "a , b . c ' d n't"):
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        for skip in (False, True):
+            assert ids_text(tokenizer, ids, skip_special_tokens=skip) == tokenizer.decode(
+                list(ids), skip_special_tokens=skip), (text, skip)
+
+
+def test_ids_text_of_a_tokenizer_whose_class_decodes_its_own_way_is_its_own():
+    from transformers import PreTrainedTokenizerFast
+
+    class Shouting(PreTrainedTokenizerFast):  # as a model's tokenizer class may change what decode does
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=bpe_tokenizer().backend_tokenizer)
+    ids = shouting.encode("plain", add_special_tokens=False)
+    assert ids_text(shouting, ids, skip_special_tokens=True) == "PLAIN"
