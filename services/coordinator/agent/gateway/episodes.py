@@ -94,17 +94,22 @@ def agent_trace(recorded: GatewayEpisode, step: EnvStep, outcome: str, *, episod
 
 def turn_records(recording: EpisodeRecording, tokenizer: Any) -> tuple[list[TurnRecord], Counter]:
     """Each sample's turns, in order, as the samples file shows them (the model's, trained, and the replies'), and
-    the tool calls the model's turns make, by tool."""
+    the tool calls the model's turns make, by tool: each model turn read from where it began, a forced opening
+    (``tool_choice`` required or a named function: the reply turn before it, untrained) included."""
     records: list[TurnRecord] = []
     calls: Counter = Counter()
     for sample, leaf in enumerate(recording.leaves):
         trajectory, names = leaf.trajectory, frozenset(str(t["function"]["name"]) for t in leaf.tools)
+        began = 0  # where the model's next turn began: at a forced opening before it, else where it starts
         for turn in trajectory.turns:
-            ids = list(trajectory.response_ids[turn.start:turn.end])
+            ids = trajectory.response_ids[turn.start:turn.end]
             text = ids_text(tokenizer, ids, skip_special_tokens=True)
             records.append(TurnRecord(role=turn.role, text=text, tokens=len(ids), trained=turn.role == "model",
                                       weight_version=turn.weight_version, tool="", seconds=0.0, sample=sample))
             if turn.role == "model":
-                parsed = parse_tool_calls(text, tool_names=names, max_parallel_calls=64, max_call_bytes=1 << 20)
+                said = ids_text(tokenizer, trajectory.response_ids[began:turn.end], skip_special_tokens=True) \
+                    if began < turn.start else text
+                parsed = parse_tool_calls(said, tool_names=names, max_parallel_calls=64, max_call_bytes=1 << 20)
                 calls.update(getattr(call, "name", "(unparsed)") for call in parsed.calls)
+            began = turn.start if turn.start in leaf.openings else turn.end
     return records, calls

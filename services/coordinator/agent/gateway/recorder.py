@@ -48,6 +48,8 @@ class Leaf:
     text: str  # the completion as the template renders it back (special tokens kept, its stop token off)
     tools: tuple[dict, ...]
     last_version: int  # the weights that sampled its last token
+    openings: frozenset[int] = frozenset()  # where its forced openings start in its response (each the reply turn
+    # right before a model turn that a call's tool_choice made begin with it)
 
 
 class Plan(NamedTuple):
@@ -139,11 +141,14 @@ class EpisodeRecording:
             self.leaves.remove(plan.extends)
         base = extend(plan.base, ReplyTokens(ids=plan.opening, truncated=False, messages=())) if plan.opening \
             else plan.base
+        openings = plan.extends.openings if plan.extends is not None else frozenset()
+        if plan.opening:
+            openings |= {len(plan.base.response_ids)}
         for (tokens, last_version), message in zip(completions, returned):
             turn_ids = plan.opening + tokens.ids
             text = without_stop(tokenizer, ids_text(tokenizer, turn_ids, skip_special_tokens=False))
             self.leaves.append(Leaf(trajectory=extend(base, tokens), messages=plan.messages, turn_ids=turn_ids,
-                                    text=text, tools=plan.tools, last_version=last_version))
+                                    text=text, tools=plan.tools, last_version=last_version, openings=openings))
             for call in message.get("tool_calls") or []:
                 self.returned[call["id"]] = text
             if not message.get("tool_calls"):

@@ -9,6 +9,7 @@ import pytest
 
 from services.coordctl.tiny_model import build_chat_tokenizer
 from services.coordinator.agent.turns import SampledTokens, render_prompt
+from services.coordinator.agent.gateway.episodes import turn_records
 from services.coordinator.agent.gateway.recorder import Budget, EpisodeRecording
 from services.coordinator.agent.gateway.wire import RequestError, assistant_message
 
@@ -138,6 +139,29 @@ def test_a_forced_opening_is_fed_untrained_before_the_sampled_ids_and_a_later_ca
     follow = recording.plan(tokenizer, [user, returned, tool], (LOOKUP,))
     assert follow.extends is leaf  # the turn, opening and all, extended token-exactly
     assert follow.base.ids[:len(leaf.trajectory.ids)] == plan.prompt_ids + rest.ids
+
+
+def test_the_tool_calls_of_turns_a_forced_opening_began_are_counted(tokenizer):
+    """Three calls of one episode: a free call of lookup, a call forced to name lookup (its opening, untrained, is
+    the call's start), and a forced call the model sampled into a malformed one; each model turn's call counted
+    once, by tool, from where it began."""
+    recording = EpisodeRecording(budget=Budget(max_prompt_length=64, max_response_length=400))
+    user = {"role": "user", "content": "code of QX?"}
+    conversation: list[dict] = [user]
+    named = '<tool_call>{"name": "lookup", "arguments": '
+    for k, (opening, rest) in enumerate([("", CALL_TEXT), (named, '{"key": "QY"}}</tool_call>'),
+                                         (named, '{"key": }</tool_call>')]):
+        plan = recording.plan(tokenizer, conversation, (LOOKUP,), opening=opening)
+        [returned] = [assistant_message(opening + rest, tool_names=frozenset({"lookup"}), parse_tools=True,
+                                        call_id=f"call_{k}")]
+        recording.record(plan, [(sampled(tokenizer, rest), 3)], tokenizer, returned=[returned])
+        reply_to = returned["tool_calls"][0]["id"] if returned.get("tool_calls") else None
+        conversation += [returned, {"role": "tool", "tool_call_id": reply_to, "content": "0423"}]
+    [leaf] = recording.leaves  # every call extended the one before
+    assert len(leaf.openings) == 2
+    records, calls = turn_records(recording, tokenizer)
+    assert [r.role for r in records] == ["model", "reply", "reply", "model", "reply", "reply", "model"]
+    assert calls == {"lookup": 2, "(unparsed)": 1}
 
 
 def test_an_opening_that_leaves_no_room_is_refused_as_over_the_context(tokenizer):
