@@ -1,7 +1,8 @@
 """The gateway's overhead per call over a direct Generate, on loopback.
 
-A rollout service process (the hf engine, the tiny chat model) started by LocalCluster; in this process, four ways
-to sample the same completion of the same prompt, interleaved call by call so that they meet the same load:
+A rollout service process (the hf engine, the tiny chat model) started by LocalCluster; in this process, on uvloop
+as in the coordinator that hosts the gateway (``services/common/service.py``), four ways to sample the same completion
+of the same prompt, interleaved call by call so that they meet the same load:
 
 - direct: ``RolloutClient.generate`` of the prompt's ids (one gRPC Generate);
 - dispatcher: a turn of the agent loop's ``TurnDispatcher`` (what a multi-turn run samples with; a lone
@@ -34,6 +35,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
+
+import uvloop
 
 CALLS_PER_EPISODE = 8
 WARM_UP = 5
@@ -139,7 +142,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "tiny-chat", hidden_size=32, num_layers=1, num_heads=2, seed=0, chat=True)
-        measured = asyncio.run(measure(model, Path(tmp) / "state", args.calls, args.max_tokens))
+        measured = uvloop.run(measure(model, Path(tmp) / "state", args.calls, args.max_tokens))
     ms, calls = measured.ms, len(measured.ms["direct"])
     for name, values in ms.items():
         print(f"{name:>13}: p50 {statistics.median(values):7.2f} ms  p90 {percentile(values, 0.9):7.2f} ms "
