@@ -23,7 +23,7 @@ from services.run.config import RunConfig
 from services.common.sequences import SequenceBatch, split_ragged
 from services.coordctl.tiny_model import build_char_tokenizer
 from services.coordinator.fleet.clients import (Generated, Received, RewardSample, RolloutInfo, RolloutScores,
-                                                ScoredSample, SyncResult, TrainerPlacement)
+                                                ScoredSample, SyncResult, TrainerPlacement, TrainerTop)
 from services.run.data import Prompt
 from services.coordinator.step import checkpointer
 from services.coordinator.step.loop import PPOLoop, Trainers, mismatch_warning
@@ -68,6 +68,13 @@ class FakeTrainer:
     async def compute_candidate_log_probs(self, batch: SequenceBatch, candidate_ids, *, timeout, temperature=0.0):
         """The weight check's: the tokens' logprobs and each candidate's, the rollout's (log 0.5 each)."""
         return torch.full((batch.num_response_tokens,), -0.5), torch.full(candidate_ids.shape, math.log(0.5))
+
+    async def compute_top_log_probs(self, batch: SequenceBatch, top_k, *, timeout, temperature=0.0):
+        """The weight check's, beside the rollouts: the tokens' logprobs and a top of ids 3 and 4 at log 0.5 each
+        (the rollout's)."""
+        tokens = batch.num_response_tokens
+        return TrainerTop(logprobs=torch.full((tokens,), -0.5), top_logprobs=torch.full((tokens, 2), math.log(0.5)),
+                          top_ids=torch.tensor([[3, 4]] * tokens))
 
     async def update_actor(self, batch, old_logprobs, advantages, ref_logprobs, step, timeout, rollout_logprobs=None):
         self.version += 1
