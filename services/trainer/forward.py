@@ -128,17 +128,45 @@ def batched_logprobs(model: HFModel, batch: SequenceBatch, pad_id: int, *, tempe
                      ranks=ranks)
 
 
+def vocabulary_logprobs(model: HFModel, batch: SequenceBatch, *, pad_id: int, temperature: float,
+                        device: torch.device, remove_padding: bool = False,
+                        replay_routes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """At each response token's position, the whole vocabulary's logprobs (fp32, temperature-scaled) and the
+    token there: [T', V], [T'] ids. All positions at once (the weight check's small probe, not a training batch)."""
+    inputs = model_inputs(batch, pad_id, remove_padding, device=device)
+    logits = run_model(model, inputs, replay_routes)[:, :-1]
+    vocabulary = inputs.gather_response(torch.log_softmax(algos.upcast(logits) / temperature, dim=-1))
+    return vocabulary, inputs.gather_response(inputs.input_ids[:, 1:])
+
+
 def candidate_logprobs(model: HFModel, batch: SequenceBatch, candidate_ids: torch.Tensor, *, pad_id: int,
                        temperature: float, device: torch.device, remove_padding: bool = False,
                        replay_routes: bool = False) -> torch.Tensor:
     """At each response token's position, the logprob (fp32, temperature-scaled) of the token itself and of each
-    of ``candidate_ids`` there: [T', m] int64 ids -> [T', 1 + m], the token's first. The whole vocabulary's logits
-    of the response positions at once (the weight check's small probe, not a training batch)."""
-    inputs = model_inputs(batch, pad_id, remove_padding, device=device)
-    logits = run_model(model, inputs, replay_routes)[:, :-1]
-    vocabulary = inputs.gather_response(torch.log_softmax(algos.upcast(logits) / temperature, dim=-1))  # [T', V]
-    ids = torch.cat([inputs.gather_response(inputs.input_ids[:, 1:]).unsqueeze(-1), candidate_ids.to(device)], dim=-1)
-    return vocabulary.gather(-1, ids)
+    of ``candidate_ids`` there: [T', m] int64 ids -> [T', 1 + m], the token's first."""
+    vocabulary, tokens = vocabulary_logprobs(model, batch, pad_id=pad_id, temperature=temperature, device=device,
+                                             remove_padding=remove_padding, replay_routes=replay_routes)
+    return vocabulary.gather(-1, torch.cat([tokens.unsqueeze(-1), candidate_ids.to(device)], dim=-1))
+
+
+def top_logprobs(model: HFModel, batch: SequenceBatch, top_k: int, *, pad_id: int, temperature: float,
+                 device: torch.device, remove_padding: bool = False, replay_routes: bool = False) -> torch.Tensor:
+    """At each response token's position, the logprob (fp32, temperature-scaled) of the token itself and the
+    ``top_k`` most likely next tokens (at most the vocabulary), most likely first: [T', 1 + 2k] float64, the
+    token's logprob, the k logprobs, then the k ids (exact in float64), in one tensor that the ranks gather as any
+    per-token values (``split_top``)."""
+    vocabulary, tokens = vocabulary_logprobs(model, batch, pad_id=pad_id, temperature=temperature, device=device,
+                                             remove_padding=remove_padding, replay_routes=replay_routes)
+    top = vocabulary.topk(min(top_k, vocabulary.shape[-1]), dim=-1)
+    return torch.cat([vocabulary.gather(-1, tokens.unsqueeze(-1)).double(), top.values.double(),
+                      top.indices.double()], dim=-1)
+
+
+def split_top(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``top_logprobs``'s [T, 1 + 2k] as the tokens' logprobs [T] float32, the top-k logprobs [T, k] float32 and
+    their ids [T, k] int64."""
+    k = (packed.shape[-1] - 1) // 2
+    return packed[:, 0].float(), packed[:, 1:1 + k].float(), packed[:, 1 + k:].long()
 
 
 def batched_candidate_logprobs(model: HFModel, batch: SequenceBatch, *, candidate_ids: torch.Tensor,
@@ -151,6 +179,16 @@ def batched_candidate_logprobs(model: HFModel, batch: SequenceBatch, *, candidat
         model, part, candidate_ids[batch.token_index(rows)], pad_id=pad_id, temperature=temperature,
         device=ranks.device, remove_padding=micro.remove_padding, replay_routes=micro.replay_routes),
         batch, micro, ranks=ranks)
+
+
+def batched_top_logprobs(model: HFModel, batch: SequenceBatch, top_k: int, *, pad_id: int, temperature: float,
+                         micro: MicroBatching, ranks: Ranks) -> torch.Tensor | None:
+    """``top_logprobs`` of every response token without gradients: [T, 1 + 2k] on rank 0 (CPU), None on the
+    others."""
+    model.eval()
+    return per_token(lambda part, _: top_logprobs(
+        model, part, top_k, pad_id=pad_id, temperature=temperature, device=ranks.device,
+        remove_padding=micro.remove_padding, replay_routes=micro.replay_routes), batch, micro, ranks=ranks)
 
 
 def batched_values(model: HFModel, batch: SequenceBatch, pad_id: int, *, micro: MicroBatching,

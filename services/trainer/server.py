@@ -217,7 +217,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             raise ValueError(f"ComputeLogProbs temperature must be 0 (the run's) or at least {MIN_TEMPERATURE}, got "
                              f"{temperature}")
         tensors, args = check_vocab(batch, model), {"role": role, "temperature": temperature}
-        if "candidate_ids" in batch:
+        if first.top_k < 0 or (first.top_k and "candidate_ids" in batch):
+            raise ValueError(f"ComputeLogProbs top_k must be 0 or positive, and not with candidate_ids; got "
+                             f"{first.top_k}{' with candidate_ids' if 'candidate_ids' in batch else ''}")
+        if first.top_k:
+            logprobs, top_logprobs, top_ids = await self._run("compute_top_log_probs", {**args, "top_k": first.top_k},
+                                                              tensors)
+            out = {"logprobs": logprobs, "top_logprobs": top_logprobs, "top_ids": top_ids}
+        elif "candidate_ids" in batch:
             tensors["candidate_ids"] = check_candidate_ids(batch, model)
             logprobs, at_candidates = await self._run("compute_candidate_log_probs", args, tensors)
             out = {"logprobs": logprobs, "candidate_logprobs": at_candidates.float()}

@@ -44,7 +44,7 @@ from services.common.weight_sync import WeightSender, gather_weights
 from services.trainer import checkpoint
 from services.trainer.actor import Actor, UpdateInputs
 from services.trainer.critic import Critic
-from services.trainer.forward import batched_candidate_logprobs, batched_logprobs
+from services.trainer.forward import batched_candidate_logprobs, batched_logprobs, batched_top_logprobs, split_top
 from services.trainer.ranks import Ranks, fatal
 from services.trainer.settings import RunSettings, run_settings
 from services.trainer.setup import (ROLES, build_actor, build_critic, build_reference, pad_id_of,
@@ -56,10 +56,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger()
 SEQUENCE_KEYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
-OPS = ("init_run", "compute_log_probs", "compute_candidate_log_probs", "compute_values", "update_actor",
-       "update_critic", "train_supervised", "broadcast_weights", "save_checkpoint", "load_checkpoint")
-MODEL_OPS = ("compute_log_probs", "compute_candidate_log_probs", "compute_values", "update_actor", "update_critic",
-             "train_supervised")
+OPS = ("init_run", "compute_log_probs", "compute_candidate_log_probs", "compute_top_log_probs", "compute_values",
+       "update_actor", "update_critic", "train_supervised", "broadcast_weights", "save_checkpoint", "load_checkpoint")
+MODEL_OPS = ("compute_log_probs", "compute_candidate_log_probs", "compute_top_log_probs", "compute_values",
+             "update_actor", "update_critic", "train_supervised")
 STOP = "stop"
 
 
@@ -258,6 +258,20 @@ class RankWorker:
                 pad_id=roles.pad_id,
                 temperature=temperature or settings.temperature, micro=micro, ranks=self.ranks)
         return None if scored is None else (scored[:, 0], scored[:, 1:])
+
+    def compute_top_log_probs(self, tensors, role: str, *, top_k: int,
+                              temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """As ``compute_log_probs``, and at each response token's position the ``top_k`` most likely next tokens
+        (the weight check's, asked beside the rollouts): ([T], [T, k] logprobs, [T, k] ids) on rank 0, None on the
+        others."""
+        roles = self._roles()
+        settings = roles.settings
+        micro = settings.actor_log_probs if role == "actor" else settings.ref_log_probs
+        with self._policy(roles, role) as model:
+            packed = batched_top_logprobs(model, sequences(tensors, routed=role == "actor"), top_k,
+                                          pad_id=roles.pad_id, temperature=temperature or settings.temperature,
+                                          micro=micro, ranks=self.ranks)
+        return None if packed is None else split_top(packed)
 
     @staticmethod
     def _policy(roles: Roles, role: str) -> contextlib.AbstractContextManager[HFModel]:

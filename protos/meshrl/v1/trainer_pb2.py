@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/trainer.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"`\n\x12TrainerInitRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0frun_config_yaml\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\r\n\x05roles\x18\x05 \x03(\tJ\x04\x08\x03\x10\x04\"g\n\x0c\x42\x61tchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12&\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\"7\n\rBatchResponse\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\"\x91\x01\n\x0eUpdateResponse\x12\x37\n\x07metrics\x18\x01 \x03(\x0b\x32&.meshrl.v1.UpdateResponse.MetricsEntry\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"e\n\x15PrepareChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0bkeep_joined\x18\x04 \x01(\x08\",\n\x16PrepareChannelResponse\x12\x12\n\nrendezvous\x18\x01 \x01(\x0c\"1\n\x11\x43heckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"`\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\"V\n\x17\x42roadcastWeightsRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"i\n\x18\x42roadcastWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x03 \x01(\x05\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x32\x89\x07\n\x07Trainer\x12@\n\x07InitRun\x12\x1d.meshrl.v1.TrainerInitRequest\x1a\x16.meshrl.v1.ServiceInfo\x12H\n\x0f\x43omputeLogProbs\x12\x17.meshrl.v1.BatchRequest\x1a\x18.meshrl.v1.BatchResponse(\x01\x30\x01\x12\x46\n\rComputeValues\x12\x17.meshrl.v1.BatchRequest\x1a\x18.meshrl.v1.BatchResponse(\x01\x30\x01\x12\x43\n\x0bUpdateActor\x12\x17.meshrl.v1.BatchRequest\x1a\x19.meshrl.v1.UpdateResponse(\x01\x12\x44\n\x0cUpdateCritic\x12\x17.meshrl.v1.BatchRequest\x1a\x19.meshrl.v1.UpdateResponse(\x01\x12G\n\x0fTrainSupervised\x12\x17.meshrl.v1.BatchRequest\x1a\x19.meshrl.v1.UpdateResponse(\x01\x12U\n\x0ePrepareChannel\x12 .meshrl.v1.PrepareChannelRequest\x1a!.meshrl.v1.PrepareChannelResponse\x12L\n\x0bJoinChannel\x12\x1d.meshrl.v1.JoinChannelRequest\x1a\x1e.meshrl.v1.JoinChannelResponse\x12[\n\x10\x42roadcastWeights\x12\".meshrl.v1.BroadcastWeightsRequest\x1a#.meshrl.v1.BroadcastWeightsResponse\x12M\n\x0eSaveCheckpoint\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1d.meshrl.v1.CheckpointResponse\x12M\n\x0eLoadCheckpoint\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1d.meshrl.v1.CheckpointResponse\x12\x36\n\x04Info\x12\x16.meshrl.v1.InfoRequest\x1a\x16.meshrl.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/trainer.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"`\n\x12TrainerInitRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0frun_config_yaml\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\r\n\x05roles\x18\x05 \x03(\tJ\x04\x08\x03\x10\x04\"v\n\x0c\x42\x61tchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12&\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\"7\n\rBatchResponse\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TensorChunk\"\x91\x01\n\x0eUpdateResponse\x12\x37\n\x07metrics\x18\x01 \x03(\x0b\x32&.meshrl.v1.UpdateResponse.MetricsEntry\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"e\n\x15PrepareChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0bkeep_joined\x18\x04 \x01(\x08\",\n\x16PrepareChannelResponse\x12\x12\n\nrendezvous\x18\x01 \x01(\x0c\"1\n\x11\x43heckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"`\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\"V\n\x17\x42roadcastWeightsRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"i\n\x18\x42roadcastWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x03 \x01(\x05\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x32\x89\x07\n\x07Trainer\x12@\n\x07InitRun\x12\x1d.meshrl.v1.TrainerInitRequest\x1a\x16.meshrl.v1.ServiceInfo\x12H\n\x0f\x43omputeLogProbs\x12\x17.meshrl.v1.BatchRequest\x1a\x18.meshrl.v1.BatchResponse(\x01\x30\x01\x12\x46\n\rComputeValues\x12\x17.meshrl.v1.BatchRequest\x1a\x18.meshrl.v1.BatchResponse(\x01\x30\x01\x12\x43\n\x0bUpdateActor\x12\x17.meshrl.v1.BatchRequest\x1a\x19.meshrl.v1.UpdateResponse(\x01\x12\x44\n\x0cUpdateCritic\x12\x17.meshrl.v1.BatchRequest\x1a\x19.meshrl.v1.UpdateResponse(\x01\x12G\n\x0fTrainSupervised\x12\x17.meshrl.v1.BatchRequest\x1a\x19.meshrl.v1.UpdateResponse(\x01\x12U\n\x0ePrepareChannel\x12 .meshrl.v1.PrepareChannelRequest\x1a!.meshrl.v1.PrepareChannelResponse\x12L\n\x0bJoinChannel\x12\x1d.meshrl.v1.JoinChannelRequest\x1a\x1e.meshrl.v1.JoinChannelResponse\x12[\n\x10\x42roadcastWeights\x12\".meshrl.v1.BroadcastWeightsRequest\x1a#.meshrl.v1.BroadcastWeightsResponse\x12M\n\x0eSaveCheckpoint\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1d.meshrl.v1.CheckpointResponse\x12M\n\x0eLoadCheckpoint\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1d.meshrl.v1.CheckpointResponse\x12\x36\n\x04Info\x12\x16.meshrl.v1.InfoRequest\x1a\x16.meshrl.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERINITREQUEST']._serialized_start=62
   _globals['_TRAINERINITREQUEST']._serialized_end=158
   _globals['_BATCHREQUEST']._serialized_start=160
-  _globals['_BATCHREQUEST']._serialized_end=263
-  _globals['_BATCHRESPONSE']._serialized_start=265
-  _globals['_BATCHRESPONSE']._serialized_end=320
-  _globals['_UPDATERESPONSE']._serialized_start=323
-  _globals['_UPDATERESPONSE']._serialized_end=468
-  _globals['_UPDATERESPONSE_METRICSENTRY']._serialized_start=422
-  _globals['_UPDATERESPONSE_METRICSENTRY']._serialized_end=468
-  _globals['_PREPARECHANNELREQUEST']._serialized_start=470
-  _globals['_PREPARECHANNELREQUEST']._serialized_end=571
-  _globals['_PREPARECHANNELRESPONSE']._serialized_start=573
-  _globals['_PREPARECHANNELRESPONSE']._serialized_end=617
-  _globals['_CHECKPOINTREQUEST']._serialized_start=619
-  _globals['_CHECKPOINTREQUEST']._serialized_end=668
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=670
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=766
-  _globals['_BROADCASTWEIGHTSREQUEST']._serialized_start=768
-  _globals['_BROADCASTWEIGHTSREQUEST']._serialized_end=854
-  _globals['_BROADCASTWEIGHTSRESPONSE']._serialized_start=856
-  _globals['_BROADCASTWEIGHTSRESPONSE']._serialized_end=961
-  _globals['_TRAINER']._serialized_start=964
-  _globals['_TRAINER']._serialized_end=1869
+  _globals['_BATCHREQUEST']._serialized_end=278
+  _globals['_BATCHRESPONSE']._serialized_start=280
+  _globals['_BATCHRESPONSE']._serialized_end=335
+  _globals['_UPDATERESPONSE']._serialized_start=338
+  _globals['_UPDATERESPONSE']._serialized_end=483
+  _globals['_UPDATERESPONSE_METRICSENTRY']._serialized_start=437
+  _globals['_UPDATERESPONSE_METRICSENTRY']._serialized_end=483
+  _globals['_PREPARECHANNELREQUEST']._serialized_start=485
+  _globals['_PREPARECHANNELREQUEST']._serialized_end=586
+  _globals['_PREPARECHANNELRESPONSE']._serialized_start=588
+  _globals['_PREPARECHANNELRESPONSE']._serialized_end=632
+  _globals['_CHECKPOINTREQUEST']._serialized_start=634
+  _globals['_CHECKPOINTREQUEST']._serialized_end=683
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=685
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=781
+  _globals['_BROADCASTWEIGHTSREQUEST']._serialized_start=783
+  _globals['_BROADCASTWEIGHTSREQUEST']._serialized_end=869
+  _globals['_BROADCASTWEIGHTSRESPONSE']._serialized_start=871
+  _globals['_BROADCASTWEIGHTSRESPONSE']._serialized_end=976
+  _globals['_TRAINER']._serialized_start=979
+  _globals['_TRAINER']._serialized_end=1884
 # @@protoc_insertion_point(module_scope)

@@ -20,16 +20,18 @@ class TrainerInitRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., run_config_yaml: _Optional[str] = ..., seed: _Optional[int] = ..., roles: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("step", "chunks", "role", "temperature")
+    __slots__ = ("step", "chunks", "role", "temperature", "top_k")
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     step: int
     chunks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorChunk]
     role: str
     temperature: float
-    def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ..., role: _Optional[str] = ..., temperature: _Optional[float] = ...) -> None: ...
+    top_k: int
+    def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[_common_pb2.TensorChunk, _Mapping]]] = ..., role: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class BatchResponse(_message.Message):
     __slots__ = ("chunks",)

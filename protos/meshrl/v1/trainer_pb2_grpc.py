@@ -117,6 +117,9 @@ class TrainerServicer:
         token ids at each response token's position (the weight check's: the
         rollouts' top-k there); the response then carries candidate_logprobs
         [T, m] float32, the logprob of each as the next token at that position.
+        Or a request may ask for top_k (see BatchRequest): the response then
+        carries top_ids [T, k] int64 and top_logprobs [T, k] float32, the k most
+        likely next tokens at each response token's position, most likely first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

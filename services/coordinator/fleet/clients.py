@@ -68,6 +68,15 @@ class RolloutScores:
     top_logprobs: torch.Tensor | None = None  # [T, k] float32: their logprobs
 
 
+class TrainerTop(NamedTuple):
+    """The actor's scores of given sequences with, at each response token's position, its most likely next tokens
+    (the weight check's trainer side)."""
+
+    logprobs: torch.Tensor  # [T] float32: each response token's
+    top_logprobs: torch.Tensor  # [T, k] float32: the k most likely next tokens' logprobs, most likely first
+    top_ids: torch.Tensor  # [T, k] int64: their ids
+
+
 @dataclass(frozen=True, kw_only=True)
 class Received:
     """A rollout's side of one weight sync."""
@@ -299,6 +308,19 @@ class TrainerClient:
         answer = assembler.result(required=("logprobs", "candidate_logprobs"))
         return answer["logprobs"], answer["candidate_logprobs"]
 
+    async def compute_top_log_probs(self, batch: SequenceBatch, top_k: int, *, timeout: float,
+                                    temperature: float = 0.0) -> TrainerTop:
+        """The actor's logprobs of the response tokens and, at each response token's position, its ``top_k`` most
+        likely next tokens (at most the vocabulary), at ``temperature`` (0: the run's)."""
+        assembler = BatchAssembler()
+        async with self._conn.slot():
+            async for reply in self._stub.ComputeLogProbs(
+                    batch_requests(sequence_tensors(batch), 0, "actor", temperature=temperature, top_k=top_k),
+                    timeout=timeout):
+                assembler.add(reply.chunks)
+        answer = assembler.result(required=("logprobs", "top_logprobs", "top_ids"))
+        return TrainerTop(logprobs=answer["logprobs"], top_logprobs=answer["top_logprobs"], top_ids=answer["top_ids"])
+
     async def compute_values(self, batch: SequenceBatch, step: int, timeout: float) -> torch.Tensor:
         return await self._stream_out(self._stub.ComputeValues, sequence_tensors(batch), step=step, role="",
                                       name="values", timeout=timeout)
@@ -507,6 +529,7 @@ def join_request(channel_id: str, backend: str, rendezvous: bytes, *, rank: int,
                                          rendezvous=rendezvous, timeout_s=timeout)
 
 
-def batch_requests(tensors: dict[str, torch.Tensor], step: int, role: str = "", *, temperature: float = 0.0):
+def batch_requests(tensors: dict[str, torch.Tensor], step: int, role: str = "", *, temperature: float = 0.0,
+                   top_k: int = 0):
     for chunks in batch_to_chunks(tensors):
-        yield trainer_pb2.BatchRequest(step=step, chunks=chunks, role=role, temperature=temperature)
+        yield trainer_pb2.BatchRequest(step=step, chunks=chunks, role=role, temperature=temperature, top_k=top_k)

@@ -218,7 +218,7 @@ class RolloutSet:
                      diff_max=result.diff.max, topk_kl_mean=result.kl.mean, topk_kl_max=result.kl.max,
                      tolerance_mean=result.tolerance.mean, tolerance_max=result.tolerance.max,
                      tolerance_topk_kl=result.tolerance.topk_kl, passed=result.passed, error=result.error,
-                     seconds=round(result.seconds, 4))
+                     seconds=round(result.seconds, 4), asked_ids=result.asked_ids)
         for result in results:
             if result.passed:
                 for key, value in (("weights/probe_logprob_diff_mean", result.diff.mean),
@@ -226,6 +226,8 @@ class RolloutSet:
                                    ("weights/probe_topk_kl_mean", result.kl.mean),
                                    ("weights/probe_topk_kl_max", result.kl.max)):
                     self.probe_metrics[key] = max(self.probe_metrics.get(key, 0.0), value)
+        asked = sum(result.asked_ids for result in results)
+        self.probe_metrics["weights/probe_asked_ids"] = self.probe_metrics.get("weights/probe_asked_ids", 0.0) + asked
         return [r for r in results if not r.passed]
 
     async def _deliver(self, version: int | None) -> None:

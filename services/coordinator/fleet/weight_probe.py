@@ -9,9 +9,14 @@ with them.
   those positions its top_k most likely next tokens with their logprobs: its whole next-token distribution, as far
   as it matters). The rollouts of a sync are asked at once, concurrently; a rollout takes the call beside the
   generation it may have in flight (generating ahead), not after it (the hf engine between two token steps, vLLM
-  beside its running requests). Then the actor, holding the same version, scores the same tokens and, at each
-  position, every id in the rollouts' top-k there, in one call at temperature 1 (``WeightProbe.check``). So the
-  check costs a few forwards of the probe, whatever the staleness or the batch size (bench/weight_probe_cost.py).
+  beside its running requests). The actor, holding the same version, is asked at the same time, at temperature 1,
+  for the same tokens' logprobs and, at each position, its own ``TRAINER_TOP_FACTOR`` times top_k most likely
+  next tokens (``WeightProbe.check``); its answer is kept for the version, so a re-check after a re-sync does not
+  ask again. Each rollout's top-k ids are read there (``logprobs_at``); only where one of them lies outside the
+  actor's top (a rollout whose distribution is off, or a near tie at the edge) is the actor asked, after the
+  rollouts answered, for exactly those ids (ComputeLogProbs candidate_ids). Either way the KL is of the same
+  numbers: the actor's logprob of each id as one forward computes it. So the check costs a forward of the probe
+  on each side, side by side, whatever the staleness or the batch size (bench/weight_probe_cost.py).
 - A rollout passes where the mean and the largest |rollout - trainer logprob| over the probe's response tokens
   (``algos.logprob_diff``) are within the tolerance of its engine and dtype, and so is the mean over those
   positions of KL(rollout || trainer) over the rollout's top-k tokens and the rest of the vocabulary as one bucket
@@ -35,7 +40,7 @@ import torch
 
 from services import algos
 from services.common.sequences import SequenceBatch, split_ragged
-from services.coordinator.fleet.clients import RolloutClient, RolloutScores, TrainerClient
+from services.coordinator.fleet.clients import RolloutClient, RolloutScores, TrainerClient, TrainerTop
 from services.coordinator.settings import WeightCheckSettings
 from services.coordinator.waiting import describe
 
@@ -129,6 +134,21 @@ def draw_probe(batch: SequenceBatch, group_ids: torch.Tensor, size: int) -> Sequ
                          response_ids=chosen.response_ids, response_lens=chosen.response_lens)
 
 
+TRAINER_TOP_FACTOR = 4  # the actor's top tokens asked for beside the rollouts: this many times their top_k
+
+
+def logprobs_at(ids: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> torch.Tensor | None:
+    """The logprobs of ``ids`` read from a distribution's most likely tokens at the same positions (``top_ids``,
+    ``top_logprobs``, each row's ids distinct); None unless every one of ``ids`` is among them there.
+    [T, k] int64, [T, K] int64, [T, K] -> [T, k]."""
+    if ids.shape[0] != top_ids.shape[0]:
+        raise ValueError(f"ids at {ids.shape[0]} positions, the top tokens at {top_ids.shape[0]}")
+    found = ids.unsqueeze(-1) == top_ids.unsqueeze(-2)  # [T, k, K]
+    if not bool(found.any(dim=-1).all()):
+        return None
+    return top_logprobs.gather(1, found.int().argmax(dim=-1))
+
+
 UNSCORED = algos.LogprobDiff(math.inf, math.inf)
 UNCOMPARED = algos.DistributionDiff(math.inf, math.inf)
 
@@ -144,6 +164,7 @@ class ProbeResult:
     tolerance: Tolerance
     error: str = ""  # why it could not score the probe, if it could not
     seconds: float = 0.0  # from asking the rollout to its answer (or failure)
+    asked_ids: bool = False  # one of its top-k ids lay outside the actor's top: the actor was asked for its ids
 
     @property
     def passed(self) -> bool:
@@ -166,6 +187,7 @@ class WeightProbe:
     def __init__(self, settings: WeightCheckSettings, dtype: str, actor: TrainerClient, *, timeout_s: float):
         self.settings, self.dtype, self.actor, self.timeout_s = settings, dtype, actor, timeout_s
         self.sequences: SequenceBatch | None = None  # None until drawn
+        self._trainer_top: tuple[int, asyncio.Future[TrainerTop]] | None = None  # the actor's answer, by version
 
     def draw(self, batch: SequenceBatch, group_ids: torch.Tensor) -> None:
         """Draw the probe from ``batch`` (``group_ids``: each sample's prompt) unless it is drawn."""
@@ -185,44 +207,64 @@ class WeightProbe:
         if state is None:
             return
         self.sequences = SequenceBatch.of_lists(state["prompts"], state["responses"])
+        self._trainer_top = None
 
     async def check(self, members: list[RolloutClient], engines: dict[str, str],
                     version: int) -> list[ProbeResult]:
         """Each member's probe against the actor's, the actor holding ``version`` (``engines``: each member's
-        engine, by address, for its tolerance); none before the probe is drawn. The members are asked at once,
-        then the actor once, for the tokens of every member's top-k."""
+        engine, by address, for its tolerance); none before the probe is drawn. The members and the actor are
+        asked at once (the actor's answer kept for ``version``); the actor again, for their ids, only for the
+        members with a top-k id outside its top."""
         if self.sequences is None or not members:
             return []
+        trainer = self._trainer_answer(self.sequences, version)
         answers = await asyncio.gather(*(self._scored(member, self.sequences) for member in members))
+        top = await trainer
         scored = {index: answer for index, (answer, _) in enumerate(answers)
                   if isinstance(answer, RolloutScores) and answer.version == version}
-        expected = dict(zip(scored, await self._actor_scores(self.sequences, list(scored.values())))) if scored else {}
+        in_top = {index: logprobs_at(top_of(answer)[0], top.top_ids, top.top_logprobs)
+                  for index, answer in scored.items()}
+        outside = [index for index, found in in_top.items() if found is None]
+        asked = dict(zip(outside, await self._actor_at(self.sequences, [scored[i] for i in outside]))) if (
+            outside) else {}
         results = []
         for index, (member, (answer, seconds)) in enumerate(zip(members, answers)):
             tolerance = tolerance_for(engines.get(member.address, ""), self.dtype, self.settings)
             result = ProbeResult(address=member.address, version=version, diff=UNSCORED, kl=UNCOMPARED,
-                                 tolerance=tolerance, seconds=seconds)
+                                 tolerance=tolerance, seconds=seconds, asked_ids=index in outside)
             if isinstance(answer, BaseException):
                 result = dataclasses.replace(result, error=describe(answer))
             elif answer.version != version:
                 result = dataclasses.replace(result, error=f"it serves weight version {answer.version}")
             else:
-                trainer_logprobs, trainer_at_top = expected[index]
+                trainer_at_top = in_top[index]
+                if trainer_at_top is None:
+                    trainer_at_top = asked[index]
                 result = dataclasses.replace(
-                    result, diff=algos.logprob_diff(answer.logprobs, trainer_logprobs),
+                    result, diff=algos.logprob_diff(answer.logprobs, top.logprobs),
                     kl=algos.distribution_diff(algos.topk_kl(top_of(answer)[1], trainer_at_top)))
             results.append(result)
         return results
 
-    async def _actor_scores(self, sequences: SequenceBatch,
-                            scored: list[RolloutScores]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The actor's logprobs of the probe's tokens and, for each of ``scored``, of its top-k ids at each position
-        ([T], [T, k] each), at temperature 1, in one call."""
+    def _trainer_answer(self, sequences: SequenceBatch, version: int) -> asyncio.Future[TrainerTop]:
+        """The actor's logprobs of the probe's tokens and its TRAINER_TOP_FACTOR * top_k most likely next tokens at
+        each position, at temperature 1: asked now, or the answer (or call in flight) of ``version`` kept from an
+        earlier check (a call that failed is asked again)."""
+        kept = self._trainer_top
+        if kept is None or kept[0] != version or (kept[1].done() and (kept[1].cancelled()
+                                                                     or kept[1].exception() is not None)):
+            asked = asyncio.ensure_future(self.actor.compute_top_log_probs(
+                sequences, self.settings.top_k * TRAINER_TOP_FACTOR, timeout=self.timeout_s, temperature=1.0))
+            kept = self._trainer_top = (version, asked)
+        return kept[1]
+
+    async def _actor_at(self, sequences: SequenceBatch, scored: list[RolloutScores]) -> list[torch.Tensor]:
+        """The actor's logprobs, for each of ``scored``, of its top-k ids at each position ([T, k] each), at
+        temperature 1, in one call."""
         top_ids = [top_of(answer)[0] for answer in scored]
-        logprobs, at_candidates = await self.actor.compute_candidate_log_probs(
+        _, at_candidates = await self.actor.compute_candidate_log_probs(
             sequences, torch.cat(top_ids, dim=1), timeout=self.timeout_s, temperature=1.0)
-        widths = [ids.shape[1] for ids in top_ids]
-        return [(logprobs, part) for part in torch.split(at_candidates, widths, dim=1)]
+        return list(torch.split(at_candidates, [ids.shape[1] for ids in top_ids], dim=1))
 
     async def _scored(self, member: RolloutClient,
                       sequences: SequenceBatch) -> tuple[RolloutScores | BaseException, float]:

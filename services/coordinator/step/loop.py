@@ -35,6 +35,8 @@ Choices:
   staleness counts from the first), staleness is a metric, and a sample older than K
   (which the pipeline never produces) would be dropped with its group and
   counted. K = 0 is the synchronous loop, step for step.
+- A batch's scores may still be coming when its training begins (producer.py): the actor's and reference's
+  logprobs and the critic's values, which need none, are asked beside the reward services.
 - CPU work on whole batches (decoding responses for the reward services,
   advantages) runs on a worker thread: the event loop stays free for the
   calls in flight, generation ahead among them.
@@ -244,12 +246,16 @@ class PPOLoop:
 
     async def train(self, step: int, produced: Produced, timer: StageTimer) -> dict[str, float]:
         """The training side of a step: logprobs, advantages, updates, weight sync; returns the step's metrics."""
-        timer.seconds.update(produced.seconds)
         served = self.rollout_set.served                                            #    the weights updated from
-        rollouts, staleness = self.within_staleness(produced.rollouts)              # 1. responses and scores
+        keep, staleness = self.within_staleness(produced.rollouts)                  # 1. responses
+        rollouts = produced.rollouts.keep_prompts(keep) if keep is not None else produced.rollouts
         self.rollout_set.draw_probe(rollouts.batch, rollouts.group_ids)             #    (the weight check's probe)
         async with self.rollouts_asleep(timer):                                     #    (the GPU is the trainer's)
-            evaluated = await self.evaluate(rollouts, step, timer)                  # 2. what the update needs
+            scored, evaluated = await asyncio.gather(
+                produced.scored(),                                                  #    their scores (still coming)
+                self.evaluate(rollouts, step, timer))                               # 2. what the update needs
+            rollouts = scored.keep_prompts(keep) if keep is not None else scored
+            timer.seconds.update(produced.seconds)
             estimate = await self.estimate(rollouts, evaluated, timer)              # 3. rewards and advantages
             updates, _ = await asyncio.gather(
                 self.update(rollouts, evaluated, estimate, step=step, timer=timer),  # 4. critic and actor updates
@@ -371,19 +377,19 @@ class PPOLoop:
         if self.rollout_set.probe is not None:
             timer.seconds["weight_probe"] = self.rollout_set.probe_s  # (within update_weights)
 
-    def within_staleness(self, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
-        """The rollouts whose every sample is at most trainer.async_.max_staleness versions older than the
-        weights the update starts from (prompts with an older sample are dropped, and counted), and the
-        staleness metrics (``staleness``)."""
+    def within_staleness(self, rollouts: Rollouts) -> tuple[list[int] | None, dict[str, float]]:
+        """The prompts (indices) whose every sample is at most trainer.async_.max_staleness versions older than
+        the weights the update starts from (prompts with an older sample are dropped, and counted; None: every
+        prompt is kept), and the staleness metrics (``staleness``)."""
         limit = self.settings.max_staleness
         keep, metrics = staleness(rollouts, served=self.rollout_set.served, limit=limit)
         if len(keep) == len(rollouts.prompts):
-            return rollouts, metrics
+            return None, metrics
         if not keep:
             raise RuntimeError(f"every sample of the batch is more than {limit} weight versions old")
         self.reporter.log(f"dropped {metrics['training/off_policy/dropped_samples']:.0f} samples more than {limit} "
                           f"weight versions old")
-        return rollouts.keep_prompts(keep), metrics
+        return keep, metrics
 
     # ------------------------------------------------------------------ set-up and boundaries
 

@@ -8,10 +8,14 @@ Choices:
   batches generated, up to filter_groups.max_num_gen_batches rounds, the kept prompts cut to the batch size.
 - remax: one greedy response (temperature 0) to each prompt is generated and scored beside the samples, from the
   same weights, as every response's baseline.
+- Without dynamic sampling a batch is handed over once generated, its scores still coming (``Produced.scoring``):
+  the trainer's first calls (old and reference logprobs, values), which need no scores, run beside the reward
+  services, and the scores are awaited where the advantages need them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 
@@ -33,10 +37,14 @@ from services.run.data import Prompt
 class Produced:
     """A step's scored batch, as the generation side hands it to the training side."""
 
-    rollouts: Rollouts
-    metrics: dict[str, float]  # of the generation: filtering, samples per replica
-    seconds: dict[str, float]  # stage -> seconds spent generating and scoring it
+    rollouts: Rollouts  # scored, unless ``scoring`` is set
+    metrics: dict[str, float]  # of the generation: filtering, samples per replica (and, once scored, per reward)
+    seconds: dict[str, float]  # stage -> seconds spent generating and scoring it (reward: once scored)
+    scoring: asyncio.Future[Rollouts] | None = None  # the rollouts scored, still coming (None: they are)
 
+    async def scored(self) -> Rollouts:
+        """The rollouts with their scores (waiting for them); ``metrics`` and ``seconds`` then hold the scoring's."""
+        return self.rollouts if self.scoring is None else await self.scoring
 
 
 class Producer:
@@ -58,8 +66,9 @@ class Producer:
         timer, oldest = StageTimer(), self.rollout_set.served
         counts: dict[str, float] = {}
         if not self.settings.filter_groups:
-            rollouts = await self.generate_and_score(step, 0, timer, counts=counts, oldest=oldest)
-            return Produced(rollouts, counts, timer.seconds)
+            generated = await self.generate_round(step, 0, timer, counts=counts, oldest=oldest)
+            scoring = asyncio.ensure_future(self.score_round(step, generated, timer, counts=counts))
+            return Produced(generated, counts, timer.seconds, scoring=scoring)
         wanted, kept = self.settings.batch_size, []
         for round_index in range(self.settings.max_gen_rounds):
             rollouts = await self.generate_and_score(step, round_index, timer, counts=counts, oldest=oldest)
@@ -75,7 +84,15 @@ class Producer:
     async def generate_and_score(self, step: int, round_index: int, timer: StageTimer, *, counts: dict[str, float],
                                  oldest: int) -> Rollouts:
         """One round: the next batch's responses, sampled from weight versions >= ``oldest``, and their scores;
-        ``counts`` gets the samples each replica produced, and each one's share and speed (of the rounds so far)."""
+        ``counts`` gets the samples each replica produced, and each one's share and speed (of the rounds so far),
+        and each reward replica's."""
+        generated = await self.generate_round(step, round_index, timer, counts=counts, oldest=oldest)
+        return await self.score_round(step, generated, timer, counts=counts)
+
+    async def generate_round(self, step: int, round_index: int, timer: StageTimer, *, counts: dict[str, float],
+                             oldest: int) -> Rollouts:
+        """A round's responses, not yet scored (remax's greedy baselines: generated and scored); ``counts`` gets the
+        samples each replica produced, and each one's share and speed (of the rounds so far)."""
         chosen = [self.prompts[i] for i in self.sampler.next_batch()]
         seed = (self.settings.seed * 1_000_003 + step) * 101 + round_index
         with timer("gen"):
@@ -88,21 +105,23 @@ class Producer:
                     self.agent, chosen, self.settings.sampling, seed=seed, oldest=oldest, timeout_s=self.timeout_s,
                     what=f"step {step}")
                 counts |= trajectories
-        with timer("reward"):
-            scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, notices=self.notices,
-                                             what=f"step {step}")
         if self.settings.estimator.greedy_baseline:
-            rollouts = await self.with_greedy_baselines(scoring.rollouts, chosen, seed, oldest=oldest, step=step,
-                                                        timer=timer)
-        else:
-            rollouts = scoring.rollouts
+            rollouts = await self.with_greedy_baselines(rollouts, chosen, seed, oldest=oldest, step=step, timer=timer)
         for address, count in by_rollout.items():
             add_count(counts, f"rollout/samples_by/{address}", count)
         counts |= rollout_balance(counts, self.rollout_set.speeds.speeds)
+        return rollouts
+
+    async def score_round(self, step: int, rollouts: Rollouts, timer: StageTimer, *,
+                          counts: dict[str, float]) -> Rollouts:
+        """A round's responses scored; ``counts`` gets the samples each reward replica scored."""
+        with timer("reward"):
+            scoring = await generation.score(self.reward_set, rollouts, self.tokenizer, notices=self.notices,
+                                             what=f"step {step}")
         for service_id, count in scoring.by_service.items():
             add_count(counts, f"reward/samples_by/{service_id}", count)
         add_count(counts, "reward/timeouts", sum(s.timed_out for s in scoring.scores))
-        return rollouts
+        return scoring.rollouts
 
     async def with_greedy_baselines(self, rollouts: Rollouts, chosen: list[Prompt], seed: int, *, oldest: int,
                                     step: int,

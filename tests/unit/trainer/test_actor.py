@@ -14,7 +14,7 @@ from services.coordctl.tiny_model import build_tiny_model
 from services.run.models import load_causal_lm
 from services.trainer.actor import Actor, ActorSettings, UpdateInputs
 from services.trainer.batching import MicroBatching
-from services.trainer.forward import batched_candidate_logprobs, response_logprobs
+from services.trainer.forward import batched_candidate_logprobs, batched_top_logprobs, response_logprobs, split_top
 from services.trainer.optim import OptimSettings, chunks
 from services.trainer.ranks import Ranks
 
@@ -276,3 +276,27 @@ def test_candidate_logprobs_are_the_plain_forward_s_log_softmax_at_the_given_ids
                     .gather(-1, candidates[start:start + length]))
         start += length
     torch.testing.assert_close(scored[:, 1:], torch.cat(want), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("micro", [MicroBatching(size=6), MicroBatching(size=2, remove_padding=True)])
+def test_top_logprobs_are_the_most_likely_ids_with_the_numbers_the_candidate_pass_gives_them(model_path, micro):
+    """The weight check's trainer side, asked beside the rollouts: at each response position the token's logprob
+    and the k most likely next ids, most likely first, each with the very logprob (bit for bit) that asking for it
+    as a candidate gives: the coordinator reads the rollouts' ids there and may ask for the rest as candidates."""
+    actor, batch, _ = tiny_case(model_path)
+    vocab = actor.model.config.vocab_size
+    packed = batched_top_logprobs(actor.model, batch, 5, pad_id=0, temperature=1.0, micro=micro,
+                                  ranks=Ranks.single("cpu"))
+    logprobs, top_logprobs, top_ids = split_top(packed)
+    assert top_ids.dtype == torch.int64 and top_ids.shape == top_logprobs.shape == (batch.num_response_tokens, 5)
+    every = batched_candidate_logprobs(actor.model, batch, pad_id=0, temperature=1.0, micro=micro,
+                                       ranks=Ranks.single("cpu"),
+                                       candidate_ids=torch.arange(vocab).repeat(batch.num_response_tokens, 1))
+    every = every.float()  # as the service sends them
+    assert torch.equal(logprobs, every[:, 0])
+    want = every[:, 1:].topk(5, dim=-1)
+    assert torch.equal(top_ids, want.indices) and torch.equal(top_logprobs, want.values)
+    assert (top_logprobs[:, :-1] >= top_logprobs[:, 1:]).all()
+    whole = split_top(batched_top_logprobs(actor.model, batch, vocab + 10, pad_id=0, temperature=1.0, micro=micro,
+                                           ranks=Ranks.single("cpu")))[2]
+    assert whole.shape[1] == vocab  # at most the vocabulary

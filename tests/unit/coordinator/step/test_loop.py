@@ -23,7 +23,7 @@ from services.run.config import RunConfig
 from services.common.sequences import SequenceBatch, split_ragged
 from services.coordctl.tiny_model import build_char_tokenizer
 from services.coordinator.fleet.clients import (Generated, Received, RewardSample, RolloutInfo, RolloutScores,
-                                                ScoredSample, SyncResult, TrainerPlacement)
+                                                ScoredSample, SyncResult, TrainerPlacement, TrainerTop)
 from services.run.data import Prompt
 from services.coordinator.step import checkpointer
 from services.coordinator.step.loop import PPOLoop, Trainers, mismatch_warning
@@ -68,6 +68,13 @@ class FakeTrainer:
     async def compute_candidate_log_probs(self, batch: SequenceBatch, candidate_ids, *, timeout, temperature=0.0):
         """The weight check's: the tokens' logprobs and each candidate's, the rollout's (log 0.5 each)."""
         return torch.full((batch.num_response_tokens,), -0.5), torch.full(candidate_ids.shape, math.log(0.5))
+
+    async def compute_top_log_probs(self, batch: SequenceBatch, top_k, *, timeout, temperature=0.0):
+        """The weight check's, beside the rollouts: the tokens' logprobs and a top of ids 3 and 4 at log 0.5 each
+        (the rollout's)."""
+        tokens = batch.num_response_tokens
+        return TrainerTop(logprobs=torch.full((tokens,), -0.5), top_logprobs=torch.full((tokens, 2), math.log(0.5)),
+                          top_ids=torch.tensor([[3, 4]] * tokens))
 
     async def update_actor(self, batch, old_logprobs, advantages, ref_logprobs, step, timeout, rollout_logprobs=None):
         self.version += 1
@@ -320,6 +327,35 @@ def test_an_update_of_two_mini_batches_gets_the_old_logprobs_of_a_pass_before_it
     metrics = mesh.reporter.steps
     assert all("timing_s/old_log_prob" in metrics[s] for s in (1, 2, 3))
     assert all(metrics[s]["training/rollout_probs_diff_max"] == 0.0 for s in (1, 2, 3))  # both -0.5 a token
+
+
+def test_the_reward_services_score_a_batch_beside_the_actor_s_old_logprobs_not_before_them(tmp_path):
+    """The scores are first needed by the advantages: at max_staleness 0 a step's reward call and its old-logprob
+    call are in flight together. The reward answers only once the actor was asked, so scoring the batch before
+    the actor's call would fail here (the wait's deadline); the advantages are still the hand-worked ones."""
+    mesh = Mesh(tmp_path, {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2}, "rollout": {"n": N}}})
+    asked, scoring, overlaps = asyncio.Event(), mesh.rewards["reward-a:1"].score, []
+    logprobs = mesh.trainer.compute_log_probs
+
+    async def old_logprobs(batch, step, timeout, role="actor", temperature=0.0):
+        asked.set()
+        return await logprobs(batch, step, timeout, role=role, temperature=temperature)
+
+    async def score(samples, timeout):
+        await asyncio.wait_for(asked.wait(), timeout=30)
+        overlaps.append(True)
+        asked.clear()
+        return await scoring(samples, timeout)
+
+    mesh.trainer.compute_log_probs, mesh.rewards["reward-a:1"].score = old_logprobs, score
+    assert mesh.run() is True
+    assert len(overlaps) == 3  # every step's batch
+    expected = [a for right in RIGHT_PER_PROMPT.values() for a in grpo_by_hand(right)]
+    for update in mesh.trainer.updates:
+        assert per_sequence(update["advantages"], update["batch"]) == pytest.approx(expected, abs=1e-5)
+    metrics = mesh.reporter.steps
+    assert all(metrics[s]["timing_s/reward"] > 0 and metrics[s]["reward/samples_by/id-of-reward-a:1"] == 4 * N
+               for s in (1, 2, 3))
 
 
 def test_a_step_that_does_not_update_the_actor_still_computes_old_logprobs_for_the_mismatch(tmp_path):
