@@ -188,7 +188,8 @@ class ServeConfig(Section):
     group: str = "default"
     """Pool name; runs pick services by group."""
     torch_threads: int = Field(0, ge=0)
-    """torch intra-op threads (0 = torch's default). Give each of several local services 1."""
+    """torch intra-op (and inter-op) threads (0 = torch's default). Give each of several local services 1. A
+    service that computes nothing with torch (``computes_with_torch``) leaves it alone."""
     log_level: str = "info"
     """Least severe level logged, a Python logging level name in any case: debug, info, warning, error."""
     grace_s: float = Field(10.0, ge=0)
@@ -202,6 +203,11 @@ class ServeConfig(Section):
     def compute_devices(self) -> tuple[str, ...]:
         """The torch devices the service computes on, as its settings name them (none: the coordinator)."""
         return ()
+
+    def computes_with_torch(self) -> bool:
+        """Whether this process runs torch itself: if not, it never imports torch (seconds of CPU at each start),
+        not even for ``torch_threads``."""
+        return True
 
 
 class StreamingServeConfig(ServeConfig):

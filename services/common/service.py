@@ -276,6 +276,16 @@ def refuse_open_bind(kind: str, config: ServeConfig) -> None:
     sys.exit(REFUSED_EXIT_CODE)
 
 
+def limit_torch_threads(config: ServeConfig) -> None:
+    """Give torch ``torch_threads`` intra- and inter-op threads where it is set, in a service that computes with
+    torch: one that does not (``computes_with_torch``) never imports it."""
+    if config.torch_threads and config.computes_with_torch():
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+        torch.set_num_interop_threads(config.torch_threads)
+
+
 def run_service(kind: str, config_model: type[Config],
                 attach: Callable[[grpc.aio.Server, Config, common_pb2.ServiceIdentity], Attached]) -> None:
     """The whole ``__main__`` of a service: parse the config, log it, check its bind, serve on uvloop."""
@@ -283,11 +293,7 @@ def run_service(kind: str, config_model: type[Config],
     config = parse_service_config(kind, config_model)
     log_config(configure_logging(kind, config.log_level), config)
     refuse_open_bind(kind, config)
-    if config.torch_threads:
-        import torch
-
-        torch.set_num_threads(config.torch_threads)
-        torch.set_num_interop_threads(config.torch_threads)
+    limit_torch_threads(config)
     endpoint = Endpoint(kind=kind, host=config.host, port=config.port, group=config.group,
                         coordinator=config.coordinator, grace_s=config.grace_s,
                         gpu=describe_gpus(config.compute_devices()), metrics_port=config.metrics_port,

@@ -125,3 +125,6 @@ class EnvServiceConfig(ServeConfig):
     worker_tmp_mb: PositiveInt = 256
     """Size of a sandboxed worker's private /tmp (its working directory and the only place it can write), in MiB;
     it holds memory while it holds files."""
+
+    def computes_with_torch(self) -> bool:
+        return False  # users' environments and tools run in worker processes of their own, which it starts afresh

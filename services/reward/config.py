@@ -90,3 +90,8 @@ class RewardServiceConfig(ServeConfig):
 
     def compute_devices(self) -> tuple[str, ...]:
         return (self.device,)
+
+    def computes_with_torch(self) -> bool:
+        """A reward model runs in this process; rules and users' functions run in worker processes it spawns."""
+        return any(component.reward_model for group in [*self.scorers.values(), self.default or []]
+                   for component in group)

@@ -32,13 +32,15 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.sandbox import SandboxResult, SandboxUnavailable, check_sandbox, run_in_sandbox
 from services.reward import code_contests, rules
 from services.reward.config import ComponentConfig, RewardServiceConfig
 from services.reward.plugins import FunctionScore, FunctionWorkers
-from services.reward.reward_model import RewardModel
+
+if TYPE_CHECKING:
+    from services.reward.reward_model import RewardModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +83,16 @@ SYMBOLIC_WARM_UP: tuple[str, dict[str, Any], str, str] = ("math", {}, "\\boxed{\
 sample's timeout should pay for."""
 
 
+def load_reward_models(paths: list[str], config: RewardServiceConfig) -> dict[str, RewardModel]:
+    """The reward models in the folders ``paths``, by path. Only a service that has one imports torch and
+    transformers (seconds of CPU at each start otherwise)."""
+    if not paths:
+        return {}
+    from services.reward.reward_model import RewardModel
+
+    return {path: RewardModel(path, config.device, config.reward_model_batch_size) for path in paths}
+
+
 class Scorer:
     def __init__(self, config: RewardServiceConfig):
         self.config = config
@@ -105,8 +117,8 @@ class Scorer:
         self.functions = {ref: FunctionWorkers(ref, config.function_workers, config.sample_timeout_s)
                           for ref in sorted({c.function for c in components if c.function})}
         self.rules = FunctionWorkers(RULES, config.function_workers, config.sample_timeout_s)
-        self.reward_models = {path: RewardModel(path, config.device, config.reward_model_batch_size)
-                              for path in sorted({c.reward_model for c in components if c.reward_model})}
+        self.reward_models = load_reward_models(sorted({c.reward_model for c in components if c.reward_model}),
+                                                config)
         self.sandbox_limits = config.sandbox.limits()
         self._sandbox_runs = ThreadPoolExecutor(config.sandbox.concurrent_runs, thread_name_prefix="sandbox")
 
