@@ -241,6 +241,7 @@ class PPOLoop:
             await validations.finish()
         finally:
             await pipeline.close()
+            await self.trained().producer.close()
             await validations.cancel()
         return True
 

@@ -58,6 +58,7 @@ class Producer:
         self.settings, self.prompts, self.sampler = settings, prompts, sampler
         self.rollout_set, self.reward_set, self.agent = rollout_set, reward_set, agent
         self.tokenizer, self.notices, self.timeout_s = tokenizer, notices, settings.rpc_timeout_s
+        self._scoring: set[asyncio.Task[Rollouts]] = set()  # the scoring of batches handed over before their scores
 
     async def produce(self, step: int) -> Produced:
         """The generation side of a step: its batch generated and scored (from weights no older than those the
@@ -68,6 +69,8 @@ class Producer:
         if not self.settings.filter_groups:
             generated = await self.generate_round(step, 0, timer, counts=counts, oldest=oldest)
             scoring = asyncio.ensure_future(self.score_round(step, generated, timer, counts=counts))
+            self._scoring.add(scoring)
+            scoring.add_done_callback(self._scoring.discard)
             return Produced(generated, counts, timer.seconds, scoring=scoring)
         wanted, kept = self.settings.batch_size, []
         for round_index in range(self.settings.max_gen_rounds):
@@ -80,6 +83,12 @@ class Producer:
         merged = merged.keep_prompts(list(range(min(wanted, len(merged.prompts)))))
         return Produced(merged, {**counts, "training/filter_groups/kept_prompts": float(len(merged.prompts)),
                                  "training/filter_groups/gen_rounds": float(round_index + 1)}, timer.seconds)
+
+    async def close(self) -> None:
+        """Stop scoring the batches handed over that no step will train on (a run stopped or failed early)."""
+        for scoring in self._scoring:
+            scoring.cancel()
+        await asyncio.gather(*self._scoring, return_exceptions=True)
 
     async def generate_and_score(self, step: int, round_index: int, timer: StageTimer, *, counts: dict[str, float],
                                  oldest: int) -> Rollouts:

@@ -358,6 +358,33 @@ def test_the_reward_services_score_a_batch_beside_the_actor_s_old_logprobs_not_b
                for s in (1, 2, 3))
 
 
+def test_a_run_stopped_with_a_batch_generated_ahead_stops_its_scoring(tmp_path):
+    """One step ahead, step 2's batch is generated (and handed over, its scores coming) while step 1 trains; a stop
+    after step 1 ends the run without training on it, and its reward call is cancelled as the run returns, not left
+    running after it."""
+    mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3, "async_": {"max_staleness": 1}}}, stop_after=1,
+                rewards=("reward-a:1",))
+    scoring, calls, cancelled = mesh.rewards["reward-a:1"].score, [], []
+
+    async def score(samples, timeout):
+        calls.append(len(samples))
+        if len(calls) == 1:
+            return await scoring(samples, timeout)
+        try:
+            await asyncio.Event().wait()  # the scores of step 2 never come
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def run_and_look() -> tuple[bool, list[bool]]:
+        stopped = await mesh.loop.run(None)
+        return stopped, list(cancelled)  # as the run returns, before asyncio.run cancels what is left
+
+    mesh.rewards["reward-a:1"].score = score
+    assert asyncio.run(run_and_look()) == (False, [True])
+    assert sorted(mesh.reporter.steps) == [1] and len(calls) == 2
+
+
 def test_a_step_that_does_not_update_the_actor_still_computes_old_logprobs_for_the_mismatch(tmp_path):
     mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3, "critic_warmup": 1}})  # one mini-batch a step
     assert mesh.run() is True
