@@ -22,6 +22,7 @@ def work_unit(nodeid: str) -> str:
     return "gpu" if module.startswith("tests/gpu/") else module
 
 
+@pytest.hookimpl(optionalhook=True)  # a plain `pytest`, without xdist, runs everything in one process
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Each worker takes a whole ``work_unit`` at a time, the units in the order collected."""
     from xdist.scheduler import LoadScopeScheduling
