@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-SLOWEST_FIRST = tuple(f"tests/integration/{name}" for name in (  # by CPU-seconds on 2 cores, slowest first
-    "test_slurm.py", "test_cli.py", "test_lora_run.py", "test_hosts.py", "test_faults.py",
+SLOWEST_FIRST = tuple(f"tests/integration/{name}" for name in (  # seconds on a worker of `pytest -n 2`, Dec 8
+    "test_cli.py", "test_slurm.py", "test_hosts.py", "test_faults.py", "test_model_out.py", "test_agent_faults.py",
+    "test_async.py",
 ))
 
 
