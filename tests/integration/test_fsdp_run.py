@@ -1,5 +1,6 @@
-"""A trainer of two CPU ranks under torchrun (FSDP2 over gloo) serving a whole GRPO run, with the rollout and
-reward services as real processes."""
+"""A trainer of two CPU ranks under torchrun (FSDP2 over gloo) serving a LoRA run, then a whole GRPO run, with the
+rollout and reward services as real processes: one cluster for the module, as long-running services serve run after
+run; the GRPO run comes last, as it ends with the cluster's shutdown."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from tests.integration.test_grpo_run import logprobs_both_ways, run_config, run_
 from tests.integration.test_model_out import coordctl, transformers_logprobs
 
 
-@pytest.fixture
-def two_rank_cluster(tmp_path):
-    local = LocalCluster(tmp_path / "state", (ServiceSpec(kind="trainer", ranks=2), ServiceSpec(kind="rollout"),
-                                              ServiceSpec(kind="reward")))
+@pytest.fixture(scope="module")
+def two_rank_cluster(tmp_path_factory):
+    local = LocalCluster(tmp_path_factory.mktemp("two-ranks") / "state", (
+        ServiceSpec(kind="trainer", ranks=2), ServiceSpec(kind="rollout"), ServiceSpec(kind="reward")))
     asyncio.run(local.start(timeout_s=120))
     yield local
     local.stop()
@@ -27,6 +28,35 @@ def two_rank_cluster(tmp_path):
 
 def children(pid: int) -> list[int]:
     return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_lora_run_on_a_two_rank_fsdp_trainer(two_rank_cluster, tiny_model, reverse_data, tmp_path):
+    cluster = two_rank_cluster
+    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=2, trainer__save_freq=2,
+                        actor_rollout_ref__model__lora_rank=8, actor_rollout_ref__actor__optim__lr=1e-2,
+                        actor_rollout_ref__actor__use_kl_loss=True)
+    final, _, services = asyncio.run(run_to_end(cluster.coordinator, config))
+    assert final.state == "finished", final.error
+    events = [json.loads(line) for line in (cluster.log_dir / "trainer.log").read_text().splitlines()
+              if line.startswith("{")]
+    assert [e["ranks"] for e in events if e["event"] == "run_loaded" and e["run_id"] == final.run_id] == [2]
+
+    # the adapters gathered from both ranks' shards reach the rollout: its logprobs are the trainer's
+    address = {s.kind: s.address for s in services}
+    generated, trainer_logprobs, version = asyncio.run(
+        logprobs_both_ways(address["rollout"], address["trainer"], [5, 6, 7, 16]))
+    assert version == 2
+    assert torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
+
+    # both ranks' shards of the adapters export to one adapter folder that PEFT loads
+    saved = Path(final.run_dir) / "checkpoints" / "step_000002" / "actor-ref"  # the trainer hosts both roles
+    assert sorted(path.name for path in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    merged = tmp_path / "merged"
+    done = coordctl("export", final.run_dir, str(merged))
+    assert done.returncode == 0, done.stderr
+    response = generated.response_ids[:int(generated.response_lens[0])].tolist()
+    assert torch.allclose(transformers_logprobs(merged, [5, 6, 7, 16], response), trainer_logprobs[:len(response)],
+                          atol=1e-5, rtol=0)
 
 
 def test_grpo_run_on_a_two_rank_trainer(two_rank_cluster, tiny_model, reverse_data, tmp_path):
@@ -42,7 +72,7 @@ def test_grpo_run_on_a_two_rank_trainer(two_rank_cluster, tiny_model, reverse_da
     events = [json.loads(line) for line in (cluster.log_dir / "trainer.log").read_text().splitlines()
               if line.startswith("{")]
     assert sorted(e["rank"] for e in events if e["event"] == "ranks_joined") == [0, 1]
-    assert [e["ranks"] for e in events if e["event"] == "run_loaded"] == [2]
+    assert [e["ranks"] for e in events if e["event"] == "run_loaded" and e["run_id"] == final.run_id] == [2]
 
     # the rollout serves the trainer's version 4, whose weights came from the shards: its logprobs are the trainer's
     address = {s.kind: s.address for s in services}

@@ -5,6 +5,7 @@ made them (read back as the file and as `coordctl samples`)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -24,7 +25,7 @@ class Pane:
     """One tmux pane on a server of its own, running a command in a terminal of ``width`` x ``height``."""
 
     def __init__(self, command: list[str], env: dict[str, str], width: int = 120, height: int = 30):
-        self.server = ["tmux", "-L", f"meshrl-test-{id(self)}"]
+        self.server = ["tmux", "-L", f"meshrl-test-{os.getpid()}-{id(self)}"]  # a server name of this process's own
         subprocess.run([*self.server, "new-session", "-d", "-x", str(width), "-y", str(height),
                         shlex.join(command)], env=env, check=True, timeout=30)
 

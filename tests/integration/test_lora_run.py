@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from services.run.models import load_causal_lm
-from tests.integration.test_fsdp_run import two_rank_cluster  # noqa: F401 - a fixture
 from tests.integration.test_grpo_run import logprobs_both_ways, run_config, run_to_end
 from tests.integration.test_model_out import coordctl, transformers_logprobs
 from tests.integration.test_resume import comparable, resume, run
@@ -113,32 +112,3 @@ def test_a_full_weight_export_refuses_adapter(cluster, tiny_model, reverse_data,
     assert done.returncode == 2
     assert "trained the actor's full weights (actor_rollout_ref.model.lora_rank is 0)" in done.stderr
     assert not Path(tmp_path / "adapter").exists()
-
-
-def test_a_lora_run_on_a_two_rank_fsdp_trainer(two_rank_cluster, tiny_model, reverse_data, tmp_path):  # noqa: F811
-    cluster = two_rank_cluster
-    config = run_config(tiny_model, reverse_data, trainer__total_training_steps=2, trainer__save_freq=2,
-                        actor_rollout_ref__model__lora_rank=8, actor_rollout_ref__actor__optim__lr=1e-2,
-                        actor_rollout_ref__actor__use_kl_loss=True)
-    final, _, services = asyncio.run(run_to_end(cluster.coordinator, config))
-    assert final.state == "finished", final.error
-    events = [json.loads(line) for line in (cluster.log_dir / "trainer.log").read_text().splitlines()
-              if line.startswith("{")]
-    assert [e["ranks"] for e in events if e["event"] == "run_loaded"] == [2]
-
-    # the adapters gathered from both ranks' shards reach the rollout: its logprobs are the trainer's
-    address = {s.kind: s.address for s in services}
-    generated, trainer_logprobs, version = asyncio.run(
-        logprobs_both_ways(address["rollout"], address["trainer"], PROMPT))
-    assert version == 2
-    assert torch.allclose(generated.logprobs, trainer_logprobs, atol=1e-5, rtol=0)
-
-    # both ranks' shards of the adapters export to one adapter folder that PEFT loads
-    saved = Path(final.run_dir) / "checkpoints" / "step_000002" / "actor-ref"  # the trainer hosts both roles
-    assert sorted(path.name for path in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    merged = tmp_path / "merged"
-    done = coordctl("export", final.run_dir, str(merged))
-    assert done.returncode == 0, done.stderr
-    response = generated.response_ids[:int(generated.response_lens[0])].tolist()
-    assert torch.allclose(transformers_logprobs(merged, PROMPT, response), trainer_logprobs[:len(response)],
-                          atol=1e-5, rtol=0)

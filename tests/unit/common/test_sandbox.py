@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,12 +25,32 @@ pytestmark = pytest.mark.skipif(not os.access(BWRAP, os.X_OK), reason=f"{BWRAP} 
 SHORT = SandboxLimits(cpu_s=1, wall_s=2, memory_mb=256, processes=8, output_bytes=4096, tmp_mb=8)
 
 
-def sandbox_processes(zombies: bool) -> list[str]:
-    """Processes on the host (their state letter and name) running as one of the sandbox's uids."""
+@pytest.fixture
+def held_uids(monkeypatch) -> Iterator[list[int]]:
+    """The pool uids this test's sandboxes ran as, each held (its lock, as a call holds it) until the test ends: no
+    sandbox of another test on this host (an xdist worker beside this one) can run as them meanwhile, so what runs
+    as them is this test's alone."""
+    take = sandbox.pool_uid
+    uids: list[int] = []
+    with contextlib.ExitStack() as held:
+
+        @contextlib.contextmanager
+        def pool_uid_held_past_the_call() -> Iterator[int]:
+            uid = held.enter_context(take())
+            uids.append(uid)
+            yield uid
+
+        monkeypatch.setattr(sandbox, "pool_uid", pool_uid_held_past_the_call)
+        yield uids
+
+
+def sandbox_processes(uids: list[int], zombies: bool) -> list[str]:
+    """Processes on the host (their state letter and name) running as one of ``uids``, all of the sandbox's pool."""
+    assert uids and all(UID_BASE <= uid < UID_BASE + UID_SLOTS for uid in uids), uids
     found = []
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if UID_BASE <= os.stat(f"/proc/{name}").st_uid < UID_BASE + UID_SLOTS:
+            if os.stat(f"/proc/{name}").st_uid in uids:
                 with open(f"/proc/{name}/stat") as stat:
                     command, state = stat.read().split(" (", 1)[1].rsplit(") ", 1)
                     found += [f"{state[0]} {command}"] if zombies or state[0] != "Z" else []
@@ -37,11 +59,11 @@ def sandbox_processes(zombies: bool) -> list[str]:
     return found
 
 
-def wait_until_no_sandbox_process(seconds: float) -> list[str]:
-    """The sandbox processes left, zombies included, once none is left or ``seconds`` have passed (the host's init
-    reaps the zombies of a killed pid namespace in its own time)."""
+def wait_until_no_sandbox_process(uids: list[int], seconds: float) -> list[str]:
+    """The processes left running as ``uids``, zombies included, once none is left or ``seconds`` have passed (the
+    host's init reaps the zombies of a killed pid namespace in its own time)."""
     deadline = time.monotonic() + seconds
-    while (left := sandbox_processes(zombies=True)) and time.monotonic() < deadline:
+    while (left := sandbox_processes(uids, zombies=True)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
@@ -86,12 +108,12 @@ def test_an_endless_loop_is_stopped_by_the_cpu_or_wall_limit():
     assert (asleep.stopped, asleep.exit_code) == ("timeout", None) and asleep.seconds < 30
 
 
-def test_a_fork_bomb_is_contained_and_leaves_nothing_behind():
+def test_a_fork_bomb_is_contained_and_leaves_nothing_behind(held_uids):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     result = run_in_sandbox(bomb, SHORT)
     assert result.stopped in ("timeout", "cpu", "killed") and result.seconds < 60
-    assert sandbox_processes(zombies=False) == []
-    assert wait_until_no_sandbox_process(seconds=30) == []
+    assert sandbox_processes(held_uids, zombies=False) == []
+    assert wait_until_no_sandbox_process(held_uids, seconds=30) == []
     assert run_in_sandbox("print('still here')", SHORT).stdout == "still here\n"
 
 

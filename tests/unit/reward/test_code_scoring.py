@@ -15,7 +15,7 @@ from services.common.config import validate
 from services.common.sandbox import check_sandbox
 from services.reward.config import RewardServiceConfig
 from services.reward.scoring import Sample, SampleResult, Scorer
-from tests.unit.common.test_sandbox import sandbox_processes, wait_until_no_sandbox_process
+from tests.unit.common.test_sandbox import held_uids, sandbox_processes, wait_until_no_sandbox_process  # noqa: F401
 
 REASON = check_sandbox()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no code sandbox here: {REASON}")
@@ -86,7 +86,7 @@ def test_a_program_that_loops_is_cut_at_its_timeout(scorer):
     assert 4 <= slept.seconds < 30  # stopped at the sandbox's wall_s of 4 s
 
 
-def test_forks_and_allocations_are_contained(scorer):
+def test_forks_and_allocations_are_contained(scorer, held_uids):  # noqa: F811 - a fixture
     bomb = python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
     hog = python("x = bytearray(100 * 10**9)\nprint(len(x))\n")
     floods = python("while True:\n    print('x' * 1000)\n")
@@ -96,8 +96,8 @@ def test_forks_and_allocations_are_contained(scorer):
     assert forked.valid and forked.score == 0.0 and forked.pred in ("0/1 T", "0/1 E")
     assert (hogged.valid, hogged.pred) == (True, "0/1 M")
     assert (flooded.valid, flooded.pred) == (True, "0/1 O")
-    assert sandbox_processes(zombies=False) == []
-    assert wait_until_no_sandbox_process(seconds=30) == []
+    assert sandbox_processes(held_uids, zombies=False) == []
+    assert wait_until_no_sandbox_process(held_uids, seconds=30) == []
     [after] = score(scorer, ("apps", python("print(sum(map(int, input().split())))\n"), SUM_CASES))
     assert after.pred == "4/4 PPPP"
 
