@@ -33,7 +33,7 @@ from services.coordinator.waiting import Notices
 from services.run.data import Prompt
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Produced:
     """A step's scored batch, as the generation side hands it to the training side."""
 
@@ -71,7 +71,7 @@ class Producer:
             scoring = asyncio.ensure_future(self.score_round(step, generated, timer, counts=counts))
             self._scoring.add(scoring)
             scoring.add_done_callback(self._scoring.discard)
-            return Produced(generated, counts, timer.seconds, scoring=scoring)
+            return Produced(rollouts=generated, metrics=counts, seconds=timer.seconds, scoring=scoring)
         wanted, kept = self.settings.batch_size, []
         for round_index in range(self.settings.max_gen_rounds):
             rollouts = await self.generate_and_score(step, round_index, timer, counts=counts, oldest=oldest)
@@ -81,8 +81,10 @@ class Producer:
                 break
         merged = Rollouts.concat(kept) if any(part.prompts for part in kept) else rollouts
         merged = merged.keep_prompts(list(range(min(wanted, len(merged.prompts)))))
-        return Produced(merged, {**counts, "training/filter_groups/kept_prompts": float(len(merged.prompts)),
-                                 "training/filter_groups/gen_rounds": float(round_index + 1)}, timer.seconds)
+        return Produced(rollouts=merged, metrics={**counts,
+                                                  "training/filter_groups/kept_prompts": float(len(merged.prompts)),
+                                                  "training/filter_groups/gen_rounds": float(round_index + 1)},
+                        seconds=timer.seconds)
 
     async def close(self) -> None:
         """Stop scoring the batches handed over that no step will train on (a run stopped or failed early)."""

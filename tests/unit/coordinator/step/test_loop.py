@@ -364,23 +364,29 @@ def test_a_run_stopped_with_a_batch_generated_ahead_stops_its_scoring(tmp_path):
     running after it."""
     mesh = Mesh(tmp_path, {"trainer": {"total_training_steps": 3, "async_": {"max_staleness": 1}}}, stop_after=1,
                 rewards=("reward-a:1",))
-    scoring, calls, cancelled = mesh.rewards["reward-a:1"].score, [], []
+    scoring, update, calls, cancelled = mesh.rewards["reward-a:1"].score, mesh.trainer.update_actor, [], []
+    second_scoring = asyncio.Event()
 
     async def score(samples, timeout):
         calls.append(len(samples))
         if len(calls) == 1:
             return await scoring(samples, timeout)
+        second_scoring.set()
         try:
             await asyncio.Event().wait()  # the scores of step 2 never come
         except asyncio.CancelledError:
             cancelled.append(True)
             raise
 
+    async def update_actor(*args, **kwargs):  # step 1 ends (and the stop is seen) once step 2's scoring has begun
+        await asyncio.wait_for(second_scoring.wait(), timeout=30)
+        return await update(*args, **kwargs)
+
     async def run_and_look() -> tuple[bool, list[bool]]:
         stopped = await mesh.loop.run(None)
         return stopped, list(cancelled)  # as the run returns, before asyncio.run cancels what is left
 
-    mesh.rewards["reward-a:1"].score = score
+    mesh.rewards["reward-a:1"].score, mesh.trainer.update_actor = score, update_actor
     assert asyncio.run(run_and_look()) == (False, [True])
     assert sorted(mesh.reporter.steps) == [1] and len(calls) == 2
 
