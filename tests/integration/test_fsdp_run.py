@@ -26,6 +26,18 @@ def two_rank_cluster(tmp_path_factory):
     local.stop()
 
 
+def trainer_events(cluster: LocalCluster) -> list[dict]:
+    """The trainer's JSON log events. Its two ranks share the log file, and one rank's progress bar (transformers'
+    "Loading weights", which ends its line only when done) can stand before the other's event on a line: each
+    event is read from the first ``{`` of its line."""
+    decoder, events = json.JSONDecoder(), []
+    for line in (cluster.log_dir / "trainer.log").read_text().splitlines():
+        start = line.find('{"')
+        if start >= 0:
+            events.append(decoder.raw_decode(line, start)[0])
+    return events
+
+
 def children(pid: int) -> list[int]:
     return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
@@ -37,8 +49,7 @@ def test_a_lora_run_on_a_two_rank_fsdp_trainer(two_rank_cluster, tiny_model, rev
                         actor_rollout_ref__actor__use_kl_loss=True)
     final, _, services = asyncio.run(run_to_end(cluster.coordinator, config))
     assert final.state == "finished", final.error
-    events = [json.loads(line) for line in (cluster.log_dir / "trainer.log").read_text().splitlines()
-              if line.startswith("{")]
+    events = trainer_events(cluster)
     assert [e["ranks"] for e in events if e["event"] == "run_loaded" and e["run_id"] == final.run_id] == [2]
 
     # the adapters gathered from both ranks' shards reach the rollout: its logprobs are the trainer's
@@ -69,8 +80,7 @@ def test_grpo_run_on_a_two_rank_trainer(two_rank_cluster, tiny_model, reverse_da
     assert final.step == 4
 
     # the run was trained by two FSDP ranks
-    events = [json.loads(line) for line in (cluster.log_dir / "trainer.log").read_text().splitlines()
-              if line.startswith("{")]
+    events = trainer_events(cluster)
     assert sorted(e["rank"] for e in events if e["event"] == "ranks_joined") == [0, 1]
     assert [e["ranks"] for e in events if e["event"] == "run_loaded" and e["run_id"] == final.run_id] == [2]
 
